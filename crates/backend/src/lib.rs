@@ -1,0 +1,146 @@
+//! Compute backends: the kernels a forward pass is written against.
+//!
+//! The model layer writes its forward pass once, against [`Backend`]; each
+//! backend (the CPU now, CUDA later) implements the operations for its own
+//! buffers. Activation buffers are allocated once, at the largest step the
+//! scheduler may form, and every operation names how many rows of them are live,
+//! so a forward pass allocates nothing.
+//!
+//! Invariant: this crate knows nothing about models, requests or HTTP. It sees
+//! matrices, vectors and paged KV storage.
+
+pub mod cpu;
+pub mod dtype;
+
+pub use dtype::{DType, HostTensor, TensorBytes, QK};
+
+use corridor_units::PageId;
+
+/// Errors raised by a backend.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("tensor '{name}': {reason}")]
+    BadTensor { name: String, reason: String },
+    #[error("out of memory on {device}: wanted {want} bytes for {purpose}")]
+    OutOfMemory { device: String, want: u64, purpose: &'static str },
+    #[error("{0}")]
+    Other(String),
+}
+
+pub type Result<T, E = BackendError> = std::result::Result<T, E>;
+
+/// How rotary position embeddings pair up the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Dimension `i` pairs with `i + head_dim/2` (Hugging Face `rotate_half`,
+    /// llama.cpp "NeoX" mode).
+    Half,
+    /// Dimension `2i` pairs with `2i + 1` (llama.cpp mode 0; GGUF Llama files
+    /// store Q and K permuted for this).
+    Interleaved,
+}
+
+/// Rotary embedding tables, computed once per model.
+#[derive(Clone, Debug)]
+pub struct RopeTable {
+    pub style: RopeStyle,
+    /// Rotated dimensions per head (the whole head for every model supported).
+    pub rot_dim: usize,
+    /// Inverse frequencies, `rot_dim / 2` of them, after any scaling.
+    pub inv_freq: Vec<f32>,
+}
+
+/// The geometry of one layer's paged KV storage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvGeometry {
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Pages the storage can address.
+    pub num_pages: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// One sequence's share of a batched step.
+#[derive(Clone, Debug)]
+pub struct SeqStep<'a> {
+    /// First row of this sequence in the step's token rows.
+    pub row_start: usize,
+    /// New tokens of this sequence in this step (rows `row_start..row_start+rows`).
+    pub rows: usize,
+    /// Tokens already in the KV cache before this step (so the new tokens sit
+    /// at positions `cached..cached+rows`).
+    pub cached: usize,
+    /// The sequence's page table: token at position `p` lives in
+    /// `pages[p / page_size]`, slot `p % page_size`.
+    pub pages: &'a [PageId],
+}
+
+impl SeqStep<'_> {
+    /// Tokens in the cache after this step.
+    pub fn context_len(&self) -> usize {
+        self.cached + self.rows
+    }
+}
+
+/// The sizes one forward pass needs scratch space for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ActShape {
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// The operations a forward pass is written against.
+///
+/// Buffers are row-major f32 matrices from the model's point of view; a
+/// backend may store them however it likes. `rows` arguments say how many
+/// leading rows are live in this call.
+pub trait Backend: Send + Sync + 'static {
+    /// An activation matrix with a fixed row capacity.
+    type Act: Send;
+    /// A weight matrix `[out, in]` (or a vector, `[1, n]`) in its storage type.
+    type Weight: Send + Sync;
+    /// One layer's paged K and V storage.
+    type Kv: Send;
+
+    /// A short name for logs ("cpu", "cuda:0").
+    fn name(&self) -> String;
+
+    /// Place a checkpoint tensor on the backend, keeping its storage type where
+    /// the backend can compute with it (quantized weights stay quantized).
+    fn upload_weight(&self, tensor: &HostTensor) -> Result<Self::Weight>;
+    /// Rows and columns of an uploaded weight.
+    fn weight_shape(&self, w: &Self::Weight) -> (usize, usize);
+    /// Allocate an activation buffer of `rows × cols`, zeroed.
+    fn alloc_act(&self, shape: ActShape) -> Result<Self::Act>;
+    /// Allocate one layer's KV storage.
+    fn alloc_kv(&self, geometry: KvGeometry) -> Result<Self::Kv>;
+
+    /// `out[r] = table[ids[r]]` for each row.
+    fn embedding(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Act) -> Result<()>;
+    /// `out[r] = x[r] / rms(x[r]) * weight` over the first `rows` rows.
+    fn rms_norm(&self, x: &Self::Act, weight: &Self::Weight, eps: f32, rows: usize, out: &mut Self::Act);
+    /// RMS-normalize every `head_dim`-wide head of the first `rows` rows in
+    /// place with the shared `weight` (Qwen3's q/k norm).
+    fn head_rms_norm(&self, x: &mut Self::Act, weight: &Self::Weight, eps: f32, head_dim: usize, rows: usize);
+    /// `out[r] = x[r] · wᵀ (+ bias)` over the first `rows` rows.
+    fn matmul(&self, x: &Self::Act, w: &Self::Weight, bias: Option<&Self::Weight>, rows: usize, out: &mut Self::Act);
+    /// Rotate every head of the first `rows` rows by its row's position.
+    fn rope(&self, x: &mut Self::Act, table: &RopeTable, head_dim: usize, positions: &[u32]);
+    /// `out[r][i] = silu(gate[r][i]) * up[r][i]`.
+    fn silu_mul(&self, gate: &Self::Act, up: &Self::Act, rows: usize, out: &mut Self::Act);
+    /// `x[r] += y[r]` over the first `rows` rows.
+    fn add_assign(&self, x: &mut Self::Act, y: &Self::Act, rows: usize);
+    /// Copy chosen rows: `out[i] = x[rows[i]]`.
+    fn gather_rows(&self, x: &Self::Act, rows: &[usize], out: &mut Self::Act);
+    /// Store the step's new K and V rows into the paged cache.
+    fn write_kv(&self, kv: &mut Self::Kv, k: &Self::Act, v: &Self::Act, seqs: &[SeqStep<'_>]);
+    /// Causal attention of the step's queries over each sequence's cache
+    /// (which `write_kv` has already extended with this step's rows).
+    /// `q` holds `heads × head_dim` columns per row, `out` the same.
+    fn attention(&self, q: &Self::Act, kv: &Self::Kv, heads: usize, seqs: &[SeqStep<'_>], out: &mut Self::Act);
+    /// Copy the first `rows` rows to the host.
+    fn read_rows(&self, x: &Self::Act, rows: usize, out: &mut Vec<f32>);
+    /// Copy KV rows of one page to another (a copy-on-write of a shared page).
+    fn copy_page(&self, kv: &mut Self::Kv, from: PageId, to: PageId);
+}

@@ -1,0 +1,2 @@
+//! The corridor command.
+fn main() {}

@@ -1,0 +1,5 @@
+//! The engine: request lifecycle, the scheduler loop, the KV page pool with
+//! its prefix cache, and sampling.
+//!
+//! Invariant: the engine knows nothing about HTTP or JSON, and nothing about
+//! which backend runs the forward pass.
