@@ -3,3 +3,6 @@
 //!
 //! Invariant: the engine knows nothing about HTTP or JSON, and nothing about
 //! which backend runs the forward pass.
+
+pub mod pages;
+pub mod scheduler;

@@ -1,1 +1,410 @@
-//! The CPU backend.
+//! The CPU backend: f32 compute over weights kept in their stored type.
+//!
+//! Weights in f32 are held as `Vec<f32>`; every other type (f16, bf16 and the
+//! ggml block formats) stays packed, memory-mapped when the checkpoint was, and
+//! is widened only inside the kernels: a row at a time for decode (`dot_row`),
+//! a 32-row tile at a time for prefill, where the tile feeds an f32 GEMM. Work
+//! is split over output columns with rayon, so every thread streams a disjoint
+//! slice of the weights.
+
+pub mod quant;
+
+use crate::dtype::{DType, HostTensor, TensorBytes};
+use crate::{ActShape, Backend, BackendError, KvGeometry, Result, RopeStyle, RopeTable, SeqStep};
+use corridor_units::PageId;
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+/// Output rows (weight rows) per parallel task. Large enough that the per-task
+/// overhead is amortized, small enough that 2–64 threads all get work.
+const ROWS_PER_TASK: usize = 32;
+
+/// The CPU backend. Threads come from rayon's global pool, which the binary
+/// sizes once at start-up.
+#[derive(Clone, Debug, Default)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend
+    }
+}
+
+/// An activation matrix: `rows × cols` f32, row-major, with a fixed capacity.
+#[derive(Clone, Debug)]
+pub struct CpuAct {
+    data: Vec<f32>, // [rows, cols]
+    rows: usize,
+    cols: usize,
+}
+
+impl CpuAct {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+    pub fn row_mut(&mut self, r: usize) -> &mut [f32] {
+        &mut self.data[r * self.cols..(r + 1) * self.cols]
+    }
+    /// The first `rows` rows as one slice.
+    pub fn live(&self, rows: usize) -> &[f32] {
+        &self.data[..rows * self.cols]
+    }
+    pub fn live_mut(&mut self, rows: usize) -> &mut [f32] {
+        &mut self.data[..rows * self.cols]
+    }
+}
+
+/// A weight matrix `[rows, cols]` (a vector is one row).
+pub enum CpuWeight {
+    F32 { data: Vec<f32>, rows: usize, cols: usize },
+    /// f16, bf16 or a ggml block type, kept as stored.
+    Packed { dtype: DType, bytes: TensorBytes, rows: usize, cols: usize, row_bytes: usize },
+}
+
+impl CpuWeight {
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            CpuWeight::F32 { rows, cols, .. } | CpuWeight::Packed { rows, cols, .. } => (*rows, *cols),
+        }
+    }
+    /// The weights as f32 (only for vectors and small tables: norms, biases).
+    fn vector(&self) -> std::borrow::Cow<'_, [f32]> {
+        match self {
+            CpuWeight::F32 { data, .. } => std::borrow::Cow::Borrowed(data),
+            CpuWeight::Packed { dtype, bytes, rows, cols, .. } => {
+                let mut out = vec![0f32; rows * cols];
+                for (r, o) in out.chunks_mut(*cols).enumerate() {
+                    self.dequantize_into(r, o);
+                    let _ = (dtype, bytes);
+                }
+                std::borrow::Cow::Owned(out)
+            }
+        }
+    }
+    fn dequantize_into(&self, r: usize, out: &mut [f32]) {
+        match self {
+            CpuWeight::F32 { data, cols, .. } => out.copy_from_slice(&data[r * cols..(r + 1) * cols]),
+            CpuWeight::Packed { dtype, bytes, row_bytes, .. } => {
+                quant::dequantize_row(*dtype, &bytes.bytes()[r * row_bytes..(r + 1) * row_bytes], out)
+            }
+        }
+    }
+    fn dot(&self, r: usize, x: &[f32]) -> f32 {
+        match self {
+            CpuWeight::F32 { data, cols, .. } => quant::dot_f32(&data[r * cols..(r + 1) * cols], x),
+            CpuWeight::Packed { dtype, bytes, row_bytes, .. } => {
+                quant::dot_row(*dtype, &bytes.bytes()[r * row_bytes..(r + 1) * row_bytes], x)
+            }
+        }
+    }
+}
+
+/// One layer's paged K and V, each `[num_pages, page_size, kv_heads, head_dim]`.
+pub struct CpuKv {
+    geometry: KvGeometry,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl CpuKv {
+    fn slot(&self, page: PageId, slot: usize) -> usize {
+        let g = &self.geometry;
+        (page.index() * g.page_size + slot) * g.kv_heads * g.head_dim
+    }
+    pub fn geometry(&self) -> KvGeometry {
+        self.geometry
+    }
+}
+
+/// A raw pointer that may cross into rayon tasks writing disjoint regions.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+thread_local! {
+    /// Per-thread scratch for dequantized weight tiles and attention scores,
+    /// grown once and reused, so steady-state forwards do not allocate.
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.len() < len {
+            s.resize(len, 0.0);
+        }
+        f(&mut s[..len])
+    })
+}
+
+impl Backend for CpuBackend {
+    type Act = CpuAct;
+    type Weight = CpuWeight;
+    type Kv = CpuKv;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn upload_weight(&self, t: &HostTensor) -> Result<CpuWeight> {
+        let (rows, cols) = t.rows_cols();
+        let bad = |reason: String| BackendError::BadTensor { name: t.name.clone(), reason };
+        let want = t
+            .dtype
+            .bytes_for(rows * cols)
+            .filter(|_| cols % t.dtype.block_elems() == 0)
+            .ok_or_else(|| bad(format!("{} columns are not whole {} blocks", cols, t.dtype)))?;
+        if t.data.len() != want {
+            return Err(bad(format!("{} bytes of data, {} {:?} needs {}", t.data.len(), t.dtype, t.shape, want)));
+        }
+        Ok(match t.dtype {
+            DType::F32 => {
+                // Copy into an aligned Vec: checkpoint offsets need not be 4-byte aligned.
+                let data = t.data.bytes().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                CpuWeight::F32 { data, rows, cols }
+            }
+            dtype => CpuWeight::Packed { dtype, bytes: t.data.clone(), rows, cols, row_bytes: want / rows.max(1) },
+        })
+    }
+
+    fn weight_shape(&self, w: &CpuWeight) -> (usize, usize) {
+        w.shape()
+    }
+
+    fn alloc_act(&self, shape: ActShape) -> Result<CpuAct> {
+        Ok(CpuAct { data: vec![0.0; shape.rows * shape.cols], rows: shape.rows, cols: shape.cols })
+    }
+
+    fn alloc_kv(&self, geometry: KvGeometry) -> Result<CpuKv> {
+        let n = geometry.num_pages * geometry.page_size * geometry.kv_heads * geometry.head_dim;
+        Ok(CpuKv { geometry, k: vec![0.0; n], v: vec![0.0; n] })
+    }
+
+    fn embedding(&self, table: &CpuWeight, ids: &[u32], out: &mut CpuAct) -> Result<()> {
+        let (vocab, cols) = table.shape();
+        assert_eq!(cols, out.cols, "embedding width");
+        for (r, &id) in ids.iter().enumerate() {
+            if id as usize >= vocab {
+                return Err(BackendError::Other(format!("token id {id} is outside the vocabulary of {vocab}")));
+            }
+            table.dequantize_into(id as usize, out.row_mut(r));
+        }
+        Ok(())
+    }
+
+    fn rms_norm(&self, x: &CpuAct, weight: &CpuWeight, eps: f32, rows: usize, out: &mut CpuAct) {
+        let w = weight.vector();
+        let cols = x.cols;
+        out.live_mut(rows).par_chunks_mut(cols).zip(x.live(rows).par_chunks(cols)).for_each(|(o, xr)| {
+            let ms = xr.iter().map(|v| v * v).sum::<f32>() / cols as f32;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for ((o, v), w) in o.iter_mut().zip(xr).zip(w.iter()) {
+                *o = v * inv * w;
+            }
+        });
+    }
+
+    fn head_rms_norm(&self, x: &mut CpuAct, weight: &CpuWeight, eps: f32, head_dim: usize, rows: usize) {
+        let w = weight.vector();
+        x.live_mut(rows).par_chunks_mut(head_dim).for_each(|h| {
+            let ms = h.iter().map(|v| v * v).sum::<f32>() / head_dim as f32;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for (v, w) in h.iter_mut().zip(w.iter()) {
+                *v = *v * inv * w;
+            }
+        });
+    }
+
+    fn matmul(&self, x: &CpuAct, w: &CpuWeight, bias: Option<&CpuWeight>, rows: usize, out: &mut CpuAct) {
+        let (n, k) = w.shape();
+        assert_eq!(x.cols, k, "matmul: x has {} columns, weight expects {}", x.cols, k);
+        assert_eq!(out.cols, n, "matmul: out has {} columns, weight gives {}", out.cols, n);
+        let xs = x.live(rows);
+        let optr = SendPtr(out.data.as_mut_ptr());
+        let tasks = n.div_ceil(ROWS_PER_TASK);
+        (0..tasks).into_par_iter().for_each(|t| {
+            let optr = optr;
+            let j0 = t * ROWS_PER_TASK;
+            let nb = ROWS_PER_TASK.min(n - j0);
+            if rows <= 2 {
+                // Decode: stream each weight row once per live row.
+                for j in j0..j0 + nb {
+                    for r in 0..rows {
+                        let v = w.dot(j, &xs[r * k..(r + 1) * k]);
+                        // SAFETY: task t alone writes columns j0..j0+nb.
+                        unsafe { *optr.0.add(r * n + j) = v };
+                    }
+                }
+                return;
+            }
+            let tile_gemm = |tile: &[f32]| {
+                // SAFETY: out is [rows, n]; task t writes only columns j0..j0+nb,
+                // and x and the tile are only read.
+                unsafe {
+                    matrixmultiply::sgemm(
+                        rows,
+                        k,
+                        nb,
+                        1.0,
+                        xs.as_ptr(),
+                        k as isize,
+                        1,
+                        tile.as_ptr(),
+                        1,
+                        k as isize,
+                        0.0,
+                        optr.0.add(j0),
+                        n as isize,
+                        1,
+                    )
+                }
+            };
+            match w {
+                CpuWeight::F32 { data, .. } => tile_gemm(&data[j0 * k..(j0 + nb) * k]),
+                CpuWeight::Packed { .. } => with_scratch(nb * k, |tile| {
+                    for (i, row) in tile.chunks_mut(k).enumerate() {
+                        w.dequantize_into(j0 + i, row);
+                    }
+                    tile_gemm(tile)
+                }),
+            }
+        });
+        if let Some(b) = bias {
+            let b = b.vector();
+            out.live_mut(rows).par_chunks_mut(n).for_each(|o| {
+                for (o, b) in o.iter_mut().zip(b.iter()) {
+                    *o += b;
+                }
+            });
+        }
+    }
+
+    fn rope(&self, x: &mut CpuAct, table: &RopeTable, head_dim: usize, positions: &[u32]) {
+        let cols = x.cols;
+        let half = table.rot_dim / 2;
+        x.live_mut(positions.len()).par_chunks_mut(cols).zip(positions.par_iter()).for_each(|(row, &pos)| {
+            let mut cs = [(0f32, 0f32); 256];
+            for (i, f) in table.inv_freq.iter().enumerate().take(half) {
+                let a = pos as f32 * f;
+                cs[i] = (a.cos(), a.sin());
+            }
+            for head in row.chunks_mut(head_dim) {
+                for (i, &(c, s)) in cs.iter().enumerate().take(half) {
+                    let (a, b) = match table.style {
+                        RopeStyle::Half => (i, i + half),
+                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * c - x1 * s;
+                    head[b] = x0 * s + x1 * c;
+                }
+            }
+        });
+    }
+
+    fn silu_mul(&self, gate: &CpuAct, up: &CpuAct, rows: usize, out: &mut CpuAct) {
+        let cols = gate.cols;
+        out.live_mut(rows).par_chunks_mut(cols).zip(gate.live(rows).par_chunks(cols)).zip(up.live(rows).par_chunks(cols)).for_each(
+            |((o, g), u)| {
+                for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+                    *o = g / (1.0 + (-g).exp()) * u;
+                }
+            },
+        );
+    }
+
+    fn add_assign(&self, x: &mut CpuAct, y: &CpuAct, rows: usize) {
+        for (a, b) in x.live_mut(rows).iter_mut().zip(y.live(rows)) {
+            *a += b;
+        }
+    }
+
+    fn gather_rows(&self, x: &CpuAct, rows: &[usize], out: &mut CpuAct) {
+        for (i, &r) in rows.iter().enumerate() {
+            out.row_mut(i).copy_from_slice(x.row(r));
+        }
+    }
+
+    fn write_kv(&self, kv: &mut CpuKv, k: &CpuAct, v: &CpuAct, seqs: &[SeqStep<'_>]) {
+        let g = kv.geometry;
+        let width = g.kv_heads * g.head_dim;
+        for s in seqs {
+            for i in 0..s.rows {
+                let pos = s.cached + i;
+                let at = kv.slot(s.pages[pos / g.page_size], pos % g.page_size);
+                kv.k[at..at + width].copy_from_slice(k.row(s.row_start + i));
+                kv.v[at..at + width].copy_from_slice(v.row(s.row_start + i));
+            }
+        }
+    }
+
+    fn attention(&self, q: &CpuAct, kv: &CpuKv, heads: usize, seqs: &[SeqStep<'_>], out: &mut CpuAct) {
+        let g = kv.geometry;
+        let hd = g.head_dim;
+        let group = heads / g.kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let cols = q.cols;
+        // One task per (sequence, row, KV head): decode at batch 1 still
+        // spreads over the KV heads, and the query heads of one GQA group reuse
+        // the K and V rows while they are in cache.
+        let work: Vec<(usize, usize, usize)> = seqs
+            .iter()
+            .enumerate()
+            .flat_map(|(si, s)| (0..s.rows).flat_map(move |i| (0..g.kv_heads).map(move |kvh| (si, i, kvh))))
+            .collect();
+        let optr = SendPtr(out.data.as_mut_ptr());
+        work.par_iter().for_each(|&(si, i, kvh)| {
+            let optr = optr;
+            let s = &seqs[si];
+            let r = s.row_start + i;
+            let ctx = s.cached + i + 1; // causal: positions 0..=cached+i
+            let qrow = q.row(r);
+            with_scratch(ctx, |scores| {
+                for h in kvh * group..(kvh + 1) * group {
+                    let qh = &qrow[h * hd..(h + 1) * hd];
+                    let mut max = f32::NEG_INFINITY;
+                    for (t, sc) in scores.iter_mut().enumerate() {
+                        let at = kv.slot(s.pages[t / g.page_size], t % g.page_size) + kvh * hd;
+                        *sc = quant::dot_f32(qh, &kv.k[at..at + hd]) * scale;
+                        max = max.max(*sc);
+                    }
+                    let mut sum = 0.0;
+                    for sc in scores.iter_mut() {
+                        *sc = (*sc - max).exp();
+                        sum += *sc;
+                    }
+                    // SAFETY: row r, head h columns are written by this task only.
+                    let o = unsafe { std::slice::from_raw_parts_mut(optr.0.add(r * cols + h * hd), hd) };
+                    o.fill(0.0);
+                    for (t, sc) in scores.iter().enumerate() {
+                        let p = sc / sum;
+                        let at = kv.slot(s.pages[t / g.page_size], t % g.page_size) + kvh * hd;
+                        for (o, v) in o.iter_mut().zip(&kv.v[at..at + hd]) {
+                            *o += p * v;
+                        }
+                    }
+                }
+            });
+        });
+    }
+
+    fn read_rows(&self, x: &CpuAct, rows: usize, out: &mut Vec<f32>) {
+        out.clear();
+        out.extend_from_slice(x.live(rows));
+    }
+
+    fn copy_page(&self, kv: &mut CpuKv, from: PageId, to: PageId) {
+        let g = kv.geometry;
+        let n = g.page_size * g.kv_heads * g.head_dim;
+        let (a, b) = (kv.slot(from, 0), kv.slot(to, 0));
+        kv.k.copy_within(a..a + n, b);
+        kv.v.copy_within(a..a + n, b);
+    }
+}

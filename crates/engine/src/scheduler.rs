@@ -1,0 +1,311 @@
+//! The scheduler: which tokens of which sequences run in the next step.
+//!
+//! There is no prefill phase and no decode phase: every sequence simply has
+//! tokens whose KV is computed and tokens still to compute, and each step
+//! hands out a budget of token rows (`max_batched_tokens`). Running sequences
+//! are served first, in admission order (a decode takes one row; a prompt takes
+//! as many rows as the budget leaves — chunked prefill); waiting sequences are
+//! then admitted first-come first-served while rows, running slots and pages
+//! last. A waiting request that does not fit blocks the ones behind it, so a
+//! long prompt is never starved by a stream of short ones.
+//!
+//! Pages are allocated before a step runs, never during it. When a running
+//! sequence needs a page and none is free, the most recently admitted other
+//! sequence is preempted: its pages are released (full ones stay in the prefix
+//! cache) and it goes back to the head of the queue to be recomputed. Admission
+//! never overcommits the pool: a sequence is admitted only with the pages for
+//! the rows it is given.
+//!
+//! The scheduler knows tokens and pages only: not the model, the backend, the
+//! sampler or the client.
+
+use crate::pages::{page_hashes, PagePool};
+use corridor_units::{PageId, Pages, Tokens};
+use std::collections::VecDeque;
+
+/// Identifies a request inside the engine.
+pub type RequestId = u64;
+
+/// Limits of the scheduler, fixed at start-up.
+#[derive(Clone, Copy, Debug)]
+pub struct SchedulerConfig {
+    /// Sequences that may run at once.
+    pub max_running: usize,
+    /// Token rows per step (the chunked-prefill budget).
+    pub max_batched_tokens: usize,
+    /// Longest sequence (prompt + output) the model may hold.
+    pub context_len: usize,
+}
+
+#[derive(Debug)]
+struct Seq {
+    id: RequestId,
+    /// Prompt followed by generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens whose KV is in the cache.
+    computed: usize,
+    pages: Vec<PageId>,
+    /// Full pages already offered to the prefix cache.
+    registered: usize,
+    /// Prompt tokens served from the prefix cache at first admission.
+    cached_tokens: Option<usize>,
+}
+
+impl Seq {
+    fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+}
+
+/// One sequence's share of a step.
+#[derive(Clone, Debug)]
+pub struct ScheduledSeq {
+    pub id: RequestId,
+    /// First row of this sequence in the step.
+    pub row_start: usize,
+    /// Rows (new tokens) in this step.
+    pub rows: usize,
+    /// Tokens already cached before the step.
+    pub cached: usize,
+    /// The page table after allocation for this step.
+    pub pages: Vec<PageId>,
+    /// The step reaches the end of the known tokens, so its last row's logits
+    /// give the next token.
+    pub samples: bool,
+}
+
+/// What the next step runs.
+#[derive(Clone, Debug, Default)]
+pub struct SchedulerOutput {
+    /// `[rows]` token ids, sequences concatenated.
+    pub tokens: Vec<u32>,
+    /// `[rows]` positions.
+    pub positions: Vec<u32>,
+    pub seqs: Vec<ScheduledSeq>,
+    /// Sequences preempted while forming this step (back in the queue).
+    pub preempted: Vec<RequestId>,
+    /// Sequences that can never fit: even alone they need more pages than the
+    /// pool holds. The engine ends them with `length`.
+    pub out_of_capacity: Vec<RequestId>,
+}
+
+impl SchedulerOutput {
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+}
+
+/// The scheduler and the page pool it allocates from.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    pool: PagePool,
+    waiting: VecDeque<Seq>,
+    /// In admission order: the last one is the first to be preempted.
+    running: Vec<Seq>,
+    pub preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig, pages: Pages, page_size: Tokens) -> Self {
+        Scheduler { config, pool: PagePool::new(pages, page_size), waiting: VecDeque::new(), running: Vec::new(), preemptions: 0 }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+    pub fn pool(&self) -> &PagePool {
+        &self.pool
+    }
+    pub fn pool_mut(&mut self) -> &mut PagePool {
+        &mut self.pool
+    }
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Queue a new sequence.
+    pub fn add(&mut self, id: RequestId, prompt: Vec<u32>) {
+        let prompt_len = prompt.len();
+        self.waiting.push_back(Seq {
+            id,
+            tokens: prompt,
+            prompt_len,
+            computed: 0,
+            pages: Vec::new(),
+            registered: 0,
+            cached_tokens: None,
+        });
+    }
+
+    /// Remove a sequence wherever it is and release its pages. Returns whether
+    /// it was known.
+    pub fn remove(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let s = self.running.remove(i);
+            self.pool.release(&s.pages);
+            return true;
+        }
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            let s = self.waiting.remove(i).expect("index from position");
+            self.pool.release(&s.pages);
+            return true;
+        }
+        false
+    }
+
+    /// Tokens of the prompt that came from the prefix cache (known once the
+    /// sequence was first admitted).
+    pub fn cached_tokens(&self, id: RequestId) -> Option<usize> {
+        self.running.iter().chain(self.waiting.iter()).find(|s| s.id == id).and_then(|s| s.cached_tokens)
+    }
+
+    /// Append a sampled token to a running sequence.
+    pub fn append_token(&mut self, id: RequestId, token: u32) {
+        if let Some(s) = self.running.iter_mut().find(|s| s.id == id) {
+            s.tokens.push(token);
+        }
+    }
+
+    /// Length of a sequence (prompt + generated).
+    pub fn seq_len(&self, id: RequestId) -> Option<usize> {
+        self.running.iter().chain(self.waiting.iter()).find(|s| s.id == id).map(|s| s.tokens.len())
+    }
+
+    fn pages_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.pool.page_size())
+    }
+
+    /// Form the next step.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut out = SchedulerOutput::default();
+        let mut budget = self.config.max_batched_tokens;
+        let mut grants: Vec<(RequestId, usize)> = Vec::new();
+
+        // 1. Running sequences, oldest first; make room by preempting the newest.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let rows = self.running[i].pending().min(budget);
+            if rows == 0 {
+                i += 1;
+                continue;
+            }
+            let need = self.pages_for(self.running[i].computed + rows).saturating_sub(self.running[i].pages.len());
+            if need > self.pool.available() {
+                if self.running.len() > i + 1 {
+                    let victim = self.running.pop().expect("len > i + 1");
+                    out.preempted.push(victim.id);
+                    self.preempt(victim);
+                    continue; // retry the same sequence
+                }
+                if i == 0 {
+                    // Alone and still short: it can never fit.
+                    let s = self.running.remove(0);
+                    self.pool.release(&s.pages);
+                    out.out_of_capacity.push(s.id);
+                    continue;
+                }
+                // Preempt this one too: older sequences keep their pages.
+                let victim = self.running.remove(i);
+                out.preempted.push(victim.id);
+                self.preempt(victim);
+                continue;
+            }
+            let pages = self.pool.allocate(need).expect("available() was checked");
+            self.running[i].pages.extend(pages);
+            grants.push((self.running[i].id, rows));
+            budget -= rows;
+            i += 1;
+        }
+
+        // 2. Admit waiting sequences first-come first-served.
+        while budget > 0 && self.running.len() < self.config.max_running {
+            let Some(mut s) = self.waiting.pop_front() else { break };
+            if s.pages.is_empty() {
+                // Reuse cached full pages of the prefix, but always leave the last
+                // token to compute: its logits give the first new token.
+                let max_pages = (s.tokens.len() - 1) / self.pool.page_size();
+                s.pages = self.pool.acquire_prefix(&s.tokens, max_pages);
+                s.computed = s.pages.len() * self.pool.page_size();
+                s.registered = s.pages.len();
+                s.cached_tokens.get_or_insert(s.computed);
+            }
+            let rows = s.pending().min(budget);
+            let need = self.pages_for(s.computed + rows).saturating_sub(s.pages.len());
+            let Some(pages) = self.pool.allocate(need) else {
+                if self.running.is_empty() && need > self.pool.capacity() {
+                    self.pool.release(&s.pages);
+                    out.out_of_capacity.push(s.id);
+                    continue;
+                }
+                // Not now: give the prefix pages back (they stay cached) and wait.
+                self.pool.release(&s.pages);
+                s.pages.clear();
+                s.computed = 0;
+                s.registered = 0;
+                self.waiting.push_front(s);
+                break;
+            };
+            s.pages.extend(pages);
+            grants.push((s.id, rows));
+            budget -= rows;
+            self.running.push(s);
+        }
+
+        // 3. Lay out the rows.
+        for (id, rows) in grants {
+            let Some(s) = self.running.iter().find(|s| s.id == id) else { continue };
+            let row_start = out.tokens.len();
+            out.tokens.extend_from_slice(&s.tokens[s.computed..s.computed + rows]);
+            out.positions.extend((s.computed..s.computed + rows).map(|p| p as u32));
+            out.seqs.push(ScheduledSeq {
+                id,
+                row_start,
+                rows,
+                cached: s.computed,
+                pages: s.pages.clone(),
+                samples: s.computed + rows == s.tokens.len(),
+            });
+        }
+        out
+    }
+
+    fn preempt(&mut self, mut s: Seq) {
+        self.preemptions += 1;
+        self.pool.release(&s.pages);
+        s.pages.clear();
+        s.computed = 0;
+        s.registered = 0;
+        self.waiting.push_front(s);
+    }
+
+    /// Record that a step ran: the scheduled rows are now cached, and full
+    /// pages are offered to the prefix cache.
+    pub fn complete_step(&mut self, out: &SchedulerOutput) {
+        let ps = self.pool.page_size();
+        for item in &out.seqs {
+            let Some(s) = self.running.iter_mut().find(|s| s.id == item.id) else { continue };
+            s.computed = item.cached + item.rows;
+            let full = s.computed / ps;
+            if full > s.registered {
+                let hashes = page_hashes(&s.tokens[..full * ps], ps);
+                for p in s.registered..full {
+                    self.pool.register(s.pages[p], hashes[p], &s.tokens[p * ps..(p + 1) * ps]);
+                }
+                s.registered = full;
+            }
+        }
+    }
+
+    /// Prompt length of a known sequence.
+    pub fn prompt_len(&self, id: RequestId) -> Option<usize> {
+        self.running.iter().chain(self.waiting.iter()).find(|s| s.id == id).map(|s| s.prompt_len)
+    }
+}

@@ -1,0 +1,232 @@
+//! Page pool and scheduler behaviour, with the pool invariant checked after
+//! every operation.
+
+use corridor_engine::pages::{page_hashes, PagePool};
+use corridor_engine::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
+use corridor_units::{PageId, Pages, Tokens};
+
+fn pool(n: usize) -> PagePool {
+    PagePool::new(Pages(n), Tokens(4))
+}
+
+fn ok(p: &PagePool) {
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn pool_counts_add_up_through_allocate_release_and_cache() {
+    let mut p = pool(8);
+    let a = p.allocate(3).unwrap();
+    ok(&p);
+    assert_eq!(p.counts().in_use, 3);
+    let toks: Vec<u32> = (0..4).collect();
+    p.register(a[0], page_hashes(&toks, 4)[0], &toks);
+    p.release(&a);
+    ok(&p);
+    let c = p.counts();
+    assert_eq!((c.free, c.cached, c.in_use), (7, 1, 0));
+    assert!(p.allocate(9).is_none(), "all-or-nothing allocation");
+    ok(&p);
+    // Taking all 8 evicts the cached page last.
+    let all = p.allocate(8).unwrap();
+    assert_eq!(p.evictions, 1);
+    ok(&p);
+    p.release(&all);
+    ok(&p);
+}
+
+#[test]
+fn prefix_hit_requires_equal_tokens_not_just_equal_hash() {
+    let mut p = pool(4);
+    let a = p.allocate(1).unwrap();
+    let real: Vec<u32> = vec![1, 2, 3, 4];
+    let h = page_hashes(&real, 4)[0];
+    // Register the hash of `real` for a page that holds other tokens: a collision.
+    p.register(a[0], h, &[9, 9, 9, 9]);
+    p.release(&a);
+    assert!(p.acquire_prefix(&real, 1).is_empty(), "a colliding page must not be reused");
+    ok(&p);
+}
+
+#[test]
+fn prefix_hits_chain_and_stop_at_first_miss() {
+    let mut p = pool(8);
+    let toks: Vec<u32> = (10..22).collect(); // 3 pages
+    let pages = p.allocate(3).unwrap();
+    let hs = page_hashes(&toks, 4);
+    for i in 0..3 {
+        p.register(pages[i], hs[i], &toks[i * 4..i * 4 + 4]);
+    }
+    p.release(&pages);
+    let mut other = toks.clone();
+    other[5] = 999; // second page differs
+    let hit = p.acquire_prefix(&other, 3);
+    assert_eq!(hit, vec![pages[0]]);
+    ok(&p);
+    let full = p.acquire_prefix(&toks, 3);
+    assert_eq!(full, pages);
+    assert_eq!(p.counts().in_use, 3);
+    ok(&p);
+}
+
+#[test]
+fn withheld_ids_are_never_handed_out() {
+    let mut p = pool(8);
+    let live = p.allocate(2).unwrap(); // ids 0, 1
+    p.set_cap(4);
+    ok(&p);
+    assert_eq!(p.counts().withheld, 4);
+    let got = p.allocate(2).unwrap();
+    assert!(got.iter().all(|id| id.index() < 4), "{got:?}");
+    assert!(p.allocate(1).is_none(), "only ids below the cap may be handed out");
+    p.release(&got);
+    p.release(&live);
+    ok(&p);
+    p.set_cap(8);
+    ok(&p);
+    assert_eq!(p.available(), 8);
+    assert_eq!(p.highest_live(), None);
+}
+
+#[test]
+fn live_page_above_a_lowered_cap_leaves_the_pool_when_released() {
+    let mut p = pool(4);
+    let a = p.allocate(4).unwrap();
+    p.set_cap(2);
+    ok(&p);
+    assert_eq!(p.highest_live(), Some(PageId(3)));
+    p.release(&a);
+    ok(&p);
+    assert_eq!(p.available(), 2);
+}
+
+fn sched(pages: usize, budget: usize, running: usize) -> Scheduler {
+    Scheduler::new(SchedulerConfig { max_running: running, max_batched_tokens: budget, context_len: 1024 }, Pages(pages), Tokens(4))
+}
+
+/// Run a step as the engine would: complete it and append a token to every
+/// sequence that samples.
+fn step(s: &mut Scheduler, next: u32) -> SchedulerOutput {
+    let out = s.schedule();
+    s.complete_step(&out);
+    for item in &out.seqs {
+        if item.samples {
+            s.append_token(item.id, next);
+        }
+    }
+    s.pool().check_invariants().unwrap();
+    out
+}
+
+#[test]
+fn chunked_prefill_respects_the_token_budget() {
+    let mut s = sched(64, 8, 4);
+    s.add(1, (0..20).collect());
+    let a = step(&mut s, 100);
+    assert_eq!(a.tokens.len(), 8);
+    assert!(!a.seqs[0].samples);
+    let b = step(&mut s, 100);
+    assert_eq!((b.seqs[0].cached, b.seqs[0].rows), (8, 8));
+    let c = step(&mut s, 100);
+    assert_eq!(c.seqs[0].rows, 4);
+    assert!(c.seqs[0].samples, "the last chunk samples");
+    let d = step(&mut s, 101);
+    assert_eq!((d.seqs[0].rows, d.positions[0]), (1, 20), "then one decode row");
+}
+
+#[test]
+fn decodes_are_batched_with_a_new_prefill() {
+    let mut s = sched(64, 16, 4);
+    s.add(1, (0..5).collect());
+    step(&mut s, 7);
+    s.add(2, (0..30).collect());
+    let out = step(&mut s, 7);
+    assert_eq!(out.seqs.len(), 2);
+    assert_eq!(out.seqs[0].rows, 1, "running decode first");
+    assert_eq!(out.seqs[1].rows, 15, "prefill takes the rest of the budget");
+}
+
+#[test]
+fn second_request_reuses_the_cached_prefix() {
+    let mut s = sched(64, 64, 4);
+    let prompt: Vec<u32> = (0..18).collect(); // 4 full pages + 2
+    s.add(1, prompt.clone());
+    step(&mut s, 50);
+    s.remove(1);
+    s.pool().check_invariants().unwrap();
+    let mut p2 = prompt[..16].to_vec();
+    p2.extend([77, 78, 79]);
+    s.add(2, p2);
+    let out = step(&mut s, 50);
+    assert_eq!(s.cached_tokens(2), Some(16));
+    assert_eq!((out.seqs[0].cached, out.seqs[0].rows), (16, 3), "only the new suffix is computed");
+}
+
+#[test]
+fn a_fully_cached_prompt_still_computes_its_last_token() {
+    let mut s = sched(64, 64, 4);
+    let prompt: Vec<u32> = (0..16).collect();
+    s.add(1, prompt.clone());
+    step(&mut s, 50);
+    s.remove(1);
+    s.add(2, prompt);
+    let out = step(&mut s, 50);
+    assert_eq!(s.cached_tokens(2), Some(12));
+    assert_eq!(out.seqs[0].rows, 4);
+    assert!(out.seqs[0].samples);
+}
+
+#[test]
+fn pressure_preempts_the_newest_and_it_resumes_later() {
+    // 6 pages of 4 tokens; two sequences of 8 prompt tokens each use 2 pages,
+    // then grow until the pool runs out.
+    let mut s = sched(6, 64, 4);
+    s.add(1, (0..8).collect());
+    s.add(2, (100..108).collect());
+    step(&mut s, 1);
+    let mut preempted = Vec::new();
+    for _ in 0..12 {
+        let out = step(&mut s, 1);
+        preempted.extend(out.preempted.iter().copied());
+        assert!(out.out_of_capacity.is_empty());
+    }
+    assert_eq!(preempted.first(), Some(&2), "the newest is preempted first");
+    assert!(s.preemptions >= 1);
+    // Sequence 1 kept running throughout and grew past what two could share.
+    assert!(s.seq_len(1).unwrap() > 12);
+    s.remove(1);
+    let out = step(&mut s, 1);
+    assert!(out.seqs.iter().any(|x| x.id == 2), "the preempted sequence resumes");
+}
+
+#[test]
+fn a_sequence_larger_than_the_pool_is_reported_not_looped() {
+    let mut s = sched(2, 64, 4);
+    s.add(1, (0..20).collect()); // needs 5 pages
+    let out = step(&mut s, 1);
+    assert_eq!(out.out_of_capacity, vec![1]);
+    assert!(!s.has_work());
+}
+
+#[test]
+fn admission_is_first_come_first_served_and_never_overcommits() {
+    let mut s = sched(4, 64, 8);
+    s.add(1, (0..12).collect()); // 3 pages
+    s.add(2, (0..8).map(|x| x + 500).collect()); // 2 pages: must wait
+    s.add(3, vec![900]); // 1 page: would fit, but waits behind 2
+    let out = step(&mut s, 1);
+    assert_eq!(out.seqs.len(), 1);
+    assert_eq!(s.num_waiting(), 2);
+    assert!(s.pool().counts().in_use <= 4);
+}
+
+#[test]
+fn removing_a_request_frees_its_pages() {
+    let mut s = sched(16, 64, 4);
+    s.add(1, (0..10).collect());
+    step(&mut s, 1);
+    assert!(s.pool().counts().in_use > 0);
+    assert!(s.remove(1));
+    assert_eq!(s.pool().counts().in_use, 0);
+    s.pool().check_invariants().unwrap();
+}
