@@ -4,3 +4,12 @@
 //! Invariant: this crate knows nothing about scheduling, requests or HTTP.
 
 pub mod config;
+pub mod error;
+pub mod gguf;
+pub mod checkpoint;
+pub mod hf;
+pub mod llama;
+pub mod rope;
+
+pub use checkpoint::Checkpoint;
+pub use config::{Arch, ModelConfig, RopeScaling};

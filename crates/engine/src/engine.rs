@@ -1,0 +1,388 @@
+//! The engine loop and the handle the server talks to.
+//!
+//! One thread owns the model, the KV cache, the scheduler and the sampler, and
+//! runs `schedule → execute → update` for as long as there is work. Requests
+//! arrive as commands on a channel; each request gets its own channel of
+//! events (tokens, then one `Done`). Dropping a request's [`RequestStream`]
+//! aborts it: the engine frees its pages before the next step, so a client
+//! that disconnects costs nothing after that.
+
+use crate::sampling::{SamplerState, SamplingParams, TokenLogprob};
+use crate::scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerOutput};
+use crate::stats::{EngineStats, StatsCell};
+use corridor_backend::{Backend, SeqStep};
+use corridor_model::llama::{KvCache, Model, StepInput, Workspace};
+use corridor_model::ModelConfig;
+use corridor_units::{Pages, Tokens};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use tokio::sync::mpsc as tmpsc;
+
+/// How the engine is sized, fixed at start-up.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineConfig {
+    pub scheduler: SchedulerConfig,
+    /// Tokens per KV page.
+    pub page_size: Tokens,
+    /// Pages in the KV pool (from the sizing solver).
+    pub num_pages: Pages,
+}
+
+/// A request as the engine sees it: token ids and sampling settings.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// `None` means until an end token or the end of the context.
+    pub max_new_tokens: Option<usize>,
+    /// End-of-sequence ids of the tokenizer (the sampler masks them while
+    /// `min_tokens` is not reached).
+    pub eos_ids: Vec<u32>,
+}
+
+/// Why a request ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence or stop token was produced (it is not emitted).
+    Stop,
+    /// `max_new_tokens` or the context (or the KV pool) ran out.
+    Length,
+    /// The client went away or the server is shutting down.
+    Aborted,
+    /// This request failed (e.g. every logit was NaN); others continue.
+    Error(String),
+}
+
+/// The counts `usage` reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// What a request's stream carries.
+#[derive(Clone, Debug)]
+pub enum Event {
+    Token { token: u32, logprob: Option<f32>, top_logprobs: Vec<TokenLogprob> },
+    Done { reason: FinishReason, usage: Usage },
+}
+
+/// Errors submitting to the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("the engine has stopped")]
+    Stopped,
+    #[error("engine start-up failed: {0}")]
+    Startup(String),
+}
+
+enum Command {
+    Add { id: RequestId, req: GenerateRequest, tx: tmpsc::UnboundedSender<Event> },
+    Abort(RequestId),
+    Shutdown,
+}
+
+/// A request's events. Dropping it aborts the request.
+pub struct RequestStream {
+    pub id: RequestId,
+    rx: tmpsc::UnboundedReceiver<Event>,
+    commands: mpsc::Sender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    /// The next event, or `None` once the engine has dropped the request.
+    pub async fn next(&mut self) -> Option<Event> {
+        let ev = self.rx.recv().await;
+        if matches!(ev, Some(Event::Done { .. }) | None) {
+            self.done = true;
+        }
+        ev
+    }
+    /// Blocking variant for non-async callers (the `generate` command, tests).
+    pub fn next_blocking(&mut self) -> Option<Event> {
+        let ev = self.rx.blocking_recv();
+        if matches!(ev, Some(Event::Done { .. }) | None) {
+            self.done = true;
+        }
+        ev
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.commands.send(Command::Abort(self.id));
+        }
+    }
+}
+
+/// What the server needs to know about the loaded model.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    pub config: ModelConfig,
+    pub context_len: usize,
+    pub num_pages: usize,
+    pub page_size: usize,
+}
+
+/// A cheap, cloneable handle to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: mpsc::Sender<Command>,
+    next_id: Arc<AtomicU64>,
+    stats: Arc<StatsCell>,
+    info: Arc<ModelInfo>,
+    thread: Arc<std::sync::Mutex<Option<std::thread::JoinHandle<()>>>>,
+}
+
+impl EngineHandle {
+    /// Queue a request; its events arrive on the returned stream.
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, EngineError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = tmpsc::unbounded_channel();
+        self.commands.send(Command::Add { id, req, tx }).map_err(|_| EngineError::Stopped)?;
+        Ok(RequestStream { id, rx, commands: self.commands.clone(), done: false })
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.stats.snapshot()
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// Abort what is in flight, stop the loop and wait for the thread.
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(t) = self.thread.lock().ok().and_then(|mut g| g.take()) {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Live {
+    tx: tmpsc::UnboundedSender<Event>,
+    params: SamplingParams,
+    state: SamplerState,
+    eos_ids: Vec<u32>,
+    prompt_len: usize,
+    generated: usize,
+    max_new: Option<usize>,
+}
+
+/// Start the engine thread. `model` must already be loaded on `backend`.
+pub fn spawn<B: Backend>(backend: B, model: Model<B>, config: EngineConfig) -> Result<EngineHandle, EngineError> {
+    let sc = config.scheduler;
+    let ws = model
+        .workspace(&backend, sc.max_batched_tokens, sc.max_running)
+        .map_err(|e| EngineError::Startup(e.to_string()))?;
+    let kv = model
+        .kv_cache(&backend, config.page_size.get(), config.num_pages.get())
+        .map_err(|e| EngineError::Startup(e.to_string()))?;
+    let info = Arc::new(ModelInfo {
+        config: model.config().clone(),
+        context_len: sc.context_len,
+        num_pages: config.num_pages.get(),
+        page_size: config.page_size.get(),
+    });
+    let (commands, rx) = mpsc::channel();
+    let stats = Arc::new(StatsCell::default());
+    let mut core = Core {
+        backend,
+        model,
+        ws,
+        kv,
+        sched: Scheduler::new(sc, config.num_pages, config.page_size),
+        live: HashMap::new(),
+        rx,
+        stats: stats.clone(),
+        logits: Vec::new(),
+        sampler: crate::sampling::CpuSampler::default(),
+        shutting_down: false,
+    };
+    let thread = std::thread::Builder::new()
+        .name("corridor-engine".into())
+        .spawn(move || core.run())
+        .map_err(|e| EngineError::Startup(e.to_string()))?;
+    Ok(EngineHandle {
+        commands,
+        next_id: Arc::new(AtomicU64::new(1)),
+        stats,
+        info,
+        thread: Arc::new(std::sync::Mutex::new(Some(thread))),
+    })
+}
+
+struct Core<B: Backend> {
+    backend: B,
+    model: Model<B>,
+    ws: Workspace<B>,
+    kv: KvCache<B>,
+    sched: Scheduler,
+    live: HashMap<RequestId, Live>,
+    rx: mpsc::Receiver<Command>,
+    stats: Arc<StatsCell>,
+    /// `[logit rows, vocab]` of the last step.
+    logits: Vec<f32>,
+    sampler: crate::sampling::CpuSampler,
+    shutting_down: bool,
+}
+
+impl<B: Backend> Core<B> {
+    fn run(&mut self) {
+        loop {
+            // Block for work when idle; otherwise take whatever has arrived.
+            if !self.sched.has_work() {
+                if self.shutting_down {
+                    break;
+                }
+                match self.rx.recv() {
+                    Ok(cmd) => self.command(cmd),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(cmd) = self.rx.try_recv() {
+                self.command(cmd);
+            }
+            self.drop_disconnected();
+            let out = self.sched.schedule();
+            for &id in &out.out_of_capacity {
+                self.finish(id, FinishReason::Length);
+            }
+            if !out.is_empty() {
+                self.step(&out);
+            }
+            self.publish_stats();
+            #[cfg(debug_assertions)]
+            if let Err(e) = self.sched.pool().check_invariants() {
+                panic!("page pool invariant broken: {e}");
+            }
+        }
+    }
+
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Add { id, req, tx } => {
+                if self.shutting_down {
+                    let _ = tx.send(Event::Done { reason: FinishReason::Aborted, usage: Usage::default() });
+                    return;
+                }
+                let state = SamplerState::new(&req.params, &req.prompt);
+                let prompt_len = req.prompt.len();
+                self.live.insert(
+                    id,
+                    Live { tx, params: req.params, state, eos_ids: req.eos_ids, prompt_len, generated: 0, max_new: req.max_new_tokens },
+                );
+                self.stats.add_prompt_tokens(prompt_len);
+                self.sched.add(id, req.prompt);
+            }
+            Command::Abort(id) => {
+                if self.live.contains_key(&id) {
+                    self.stats.note_abort();
+                    self.finish(id, FinishReason::Aborted);
+                }
+            }
+            Command::Shutdown => {
+                self.shutting_down = true;
+                let ids: Vec<RequestId> = self.live.keys().copied().collect();
+                for id in ids {
+                    self.finish(id, FinishReason::Aborted);
+                }
+            }
+        }
+    }
+
+    /// Abort requests whose client has gone (their receiver was dropped).
+    fn drop_disconnected(&mut self) {
+        let gone: Vec<RequestId> = self.live.iter().filter(|(_, l)| l.tx.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            self.stats.note_abort();
+            self.finish(id, FinishReason::Aborted);
+        }
+    }
+
+    fn finish(&mut self, id: RequestId, reason: FinishReason) {
+        let cached = self.sched.cached_tokens(id).unwrap_or(0);
+        self.sched.remove(id);
+        if let Some(l) = self.live.remove(&id) {
+            let usage = Usage { prompt_tokens: l.prompt_len, cached_tokens: cached, completion_tokens: l.generated };
+            let _ = l.tx.send(Event::Done { reason, usage });
+            self.stats.note_finished();
+        }
+    }
+
+    fn step(&mut self, out: &SchedulerOutput) {
+        let seqs: Vec<SeqStep<'_>> = out
+            .seqs
+            .iter()
+            .map(|s| SeqStep { row_start: s.row_start, rows: s.rows, cached: s.cached, pages: &s.pages })
+            .collect();
+        let logit_rows: Vec<usize> = out.seqs.iter().filter(|s| s.samples).map(|s| s.row_start + s.rows - 1).collect();
+        let input = StepInput { tokens: &out.tokens, positions: &out.positions, seqs: &seqs, logit_rows: &logit_rows };
+        if let Err(e) = self.model.forward(&self.backend, &mut self.ws, &mut self.kv, &input, &mut self.logits) {
+            // A failed forward fails the requests in it, not the server.
+            tracing::error!("forward pass failed: {e}");
+            for s in &out.seqs {
+                self.finish(s.id, FinishReason::Error(format!("forward pass failed: {e}")));
+            }
+            return;
+        }
+        self.sched.complete_step(out);
+        let sampled: Vec<RequestId> = out.seqs.iter().filter(|s| s.samples).map(|s| s.id).collect();
+        self.sample(&sampled);
+    }
+
+    /// Sample one token for each id (in logit-row order) and apply it.
+    fn sample(&mut self, ids: &[RequestId]) {
+        let vocab = self.model.config().vocab_size;
+        let outcomes = {
+            let mut rows: Vec<crate::sampling::SampleRow<'_>> = Vec::with_capacity(ids.len());
+            // Collect disjoint &mut borrows of the live map in id order.
+            let mut by_id: HashMap<RequestId, &mut Live> = self.live.iter_mut().map(|(k, v)| (*k, v)).collect();
+            for id in ids {
+                let l = by_id.remove(id).expect("scheduled ids are live");
+                rows.push(crate::sampling::SampleRow { params: &l.params, state: &mut l.state, eos: &l.eos_ids });
+            }
+            self.sampler.sample(&mut self.logits[..ids.len() * vocab], vocab, &mut rows)
+        };
+        for (&id, outcome) in ids.iter().zip(outcomes) {
+            match outcome {
+                Err(e) => self.finish(id, FinishReason::Error(e.to_string())),
+                Ok(s) => {
+                    let l = self.live.get_mut(&id).expect("scheduled ids are live");
+                    let is_end = l.eos_ids.contains(&s.token) && !l.params.ignore_eos || l.params.stop_token_ids.contains(&s.token);
+                    if is_end {
+                        self.finish(id, FinishReason::Stop);
+                        continue;
+                    }
+                    l.generated += 1;
+                    self.stats.add_generated(1);
+                    let _ = l.tx.send(Event::Token { token: s.token, logprob: s.logprob, top_logprobs: s.top_logprobs });
+                    self.sched.append_token(id, s.token);
+                    let len = self.sched.seq_len(id).unwrap_or(0);
+                    let capped = l.max_new.is_some_and(|m| l.generated >= m);
+                    if capped || len >= self.sched.config().context_len {
+                        self.finish(id, FinishReason::Length);
+                    }
+                }
+            }
+        }
+    }
+
+    fn publish_stats(&self) {
+        let pool = self.sched.pool();
+        self.stats.publish(|s| {
+            s.running = self.sched.num_running();
+            s.waiting = self.sched.num_waiting();
+            s.pages = pool.counts();
+            s.prefix_lookup_tokens = pool.lookup_tokens;
+            s.prefix_hit_tokens = pool.hit_tokens;
+            s.preemptions = self.sched.preemptions;
+        });
+    }
+}

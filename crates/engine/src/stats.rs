@@ -1,0 +1,48 @@
+//! Counters and gauges the engine publishes after every step, read by the
+//! server's `/metrics` without locking the engine loop for long.
+
+use crate::pages::PoolCounts;
+use std::sync::Mutex;
+
+/// A snapshot of the engine's state and running totals.
+#[derive(Clone, Debug, Default)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub pages: PoolCounts,
+    /// Prompt tokens looked up in the prefix cache, and those found there.
+    pub prefix_lookup_tokens: u64,
+    pub prefix_hit_tokens: u64,
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+    pub preemptions: u64,
+    pub aborted: u64,
+    pub finished: u64,
+}
+
+/// The shared cell behind `EngineHandle::stats`.
+#[derive(Default)]
+pub struct StatsCell(Mutex<EngineStats>);
+
+impl StatsCell {
+    pub fn snapshot(&self) -> EngineStats {
+        self.0.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+    pub(crate) fn publish(&self, f: impl FnOnce(&mut EngineStats)) {
+        if let Ok(mut s) = self.0.lock() {
+            f(&mut s);
+        }
+    }
+    pub(crate) fn add_prompt_tokens(&self, n: usize) {
+        self.publish(|s| s.prompt_tokens += n as u64);
+    }
+    pub(crate) fn add_generated(&self, n: usize) {
+        self.publish(|s| s.generated_tokens += n as u64);
+    }
+    pub(crate) fn note_abort(&self) {
+        self.publish(|s| s.aborted += 1);
+    }
+    pub(crate) fn note_finished(&self) {
+        self.publish(|s| s.finished += 1);
+    }
+}
