@@ -1,2 +1,190 @@
-//! The corridor command.
-fn main() {}
+//! The `corridor` command: flags are parsed once here into frozen options,
+//! then handed to the layer that acts on them.
+
+mod generate;
+mod pull;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+/// An OpenAI-compatible LLM server that fills every card to its limit and never past it.
+#[derive(Parser, Debug)]
+#[command(name = "corridor", version, about, long_about = None)]
+struct Cli {
+    /// Where downloaded models are cached (default: $XDG_CACHE_HOME/corridor or ~/.cache/corridor).
+    #[arg(long, global = true, env = "CORRIDOR_CACHE_DIR")]
+    cache_dir: Option<PathBuf>,
+    /// Log filter, e.g. `info`, `debug`, `corridor_engine=debug` (RUST_LOG syntax).
+    #[arg(long, global = true, default_value = "info", env = "CORRIDOR_LOG")]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve a model over the OpenAI HTTP API.
+    Serve(ServeArgs),
+    /// Generate text for one prompt and stream it to stdout.
+    Generate(GenerateArgs),
+    /// Fetch the default model (SmolLM2-135M-Instruct, GGUF Q4_1, 98 MB) into the cache.
+    Pull(PullArgs),
+    /// Drive any OpenAI-compatible server with a workload and report throughput and latency.
+    Bench(corridor_bench::BenchArgs),
+}
+
+/// Model and engine sizing shared by `serve` and `generate`.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// A Hugging Face model directory (config.json, safetensors, tokenizer.json) or a .gguf file.
+    /// Without it, the default model is used (and fetched on first use).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Requests that may run at once (continuous batching).
+    #[arg(long, default_value_t = 32)]
+    max_running_requests: usize,
+    /// Token rows one engine step may process (the chunked-prefill budget).
+    #[arg(long, default_value_t = 512)]
+    max_batched_tokens: usize,
+    /// Longest sequence (prompt + output) in tokens. Default: the model's trained context.
+    #[arg(long)]
+    context_length: Option<usize>,
+    /// Memory for the KV cache on the CPU, in MiB.
+    #[arg(long, default_value_t = 1024)]
+    kv_cache_mib: u64,
+    /// Worker threads for the CPU kernels (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to bind. The default keeps the server private to this machine.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The model name clients send and /v1/models lists (default: the checkpoint's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health. Never logged.
+    #[arg(long, env = "CORRIDOR_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+}
+
+#[derive(Args, Debug)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt text.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as one user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Tokens to generate at most (default: until an end token or the context end).
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches this.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Seed for a reproducible random stream.
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+#[derive(Args, Debug)]
+struct PullArgs {
+    /// Download again even if the model is cached.
+    #[arg(long)]
+    force: bool,
+}
+
+fn init_logging(filter: &str) {
+    let env = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(env).with_writer(std::io::stderr).with_target(false).init();
+}
+
+impl ModelArgs {
+    /// Resolve the model path (fetching the default model if needed) and the
+    /// engine options.
+    fn boot_options(&self, cache: &std::path::Path) -> Result<corridor_server::boot::BootOptions> {
+        if let Some(t) = self.threads {
+            rayon::ThreadPoolBuilder::new().num_threads(t.max(1)).build_global()?;
+        }
+        let path = match &self.model {
+            Some(p) => p.clone(),
+            None => pull::ensure_default_model(cache, false)?,
+        };
+        let mut o = corridor_server::boot::BootOptions::new(path);
+        o.max_running = self.max_running_requests;
+        o.max_batched_tokens = self.max_batched_tokens;
+        o.context_len = self.context_length;
+        o.kv_budget = corridor_units::Bytes::mib(self.kv_cache_mib);
+        Ok(o)
+    }
+}
+
+/// Boot with a progress bar over the layers.
+fn boot_with_progress(opts: &corridor_server::boot::BootOptions) -> Result<corridor_server::boot::Booted> {
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template("loading {msg} {bar:40} {pos}/{len} layers")?,
+    );
+    bar.set_message(opts.model.display().to_string());
+    let booted = corridor_server::boot::boot(opts, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    });
+    bar.finish_and_clear();
+    Ok(booted?)
+}
+
+fn main() {
+    let cli = Cli::parse();
+    init_logging(&cli.log);
+    if let Err(e) = run(cli) {
+        // One line a person can act on; the chain says why.
+        let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();
+        eprintln!("error: {}", chain.join(": "));
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let cache = cli.cache_dir.clone().unwrap_or_else(pull::default_cache_dir);
+    match cli.command {
+        Command::Pull(a) => {
+            let p = pull::ensure_default_model(&cache, a.force)?;
+            println!("{}", p.display());
+            Ok(())
+        }
+        Command::Generate(a) => generate::run(&a, &cache),
+        Command::Serve(a) => {
+            let opts = a.model.boot_options(&cache)?;
+            let booted = boot_with_progress(&opts)?;
+            let cfg = corridor_server::http::ServerConfig {
+                host: a.host,
+                port: a.port,
+                served_model_name: a.served_model_name,
+                api_key: a.api_key,
+                ..Default::default()
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            rt.block_on(corridor_server::http::run(booted, cfg))?;
+            Ok(())
+        }
+        Command::Bench(a) => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let report = rt.block_on(corridor_bench::run(a))?;
+            println!("{}", corridor_bench::render_table(&report));
+            Ok(())
+        }
+    }
+}

@@ -7,7 +7,7 @@
 //! aborts it: the engine frees its pages before the next step, so a client
 //! that disconnects costs nothing after that.
 
-use crate::sampling::{SamplerState, SamplingParams, TokenLogprob};
+use crate::sampling::{CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams, TokenLogprob};
 use crate::scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::stats::{EngineStats, StatsCell};
 use corridor_backend::{Backend, SeqStep};
@@ -135,6 +135,7 @@ pub struct EngineHandle {
     commands: mpsc::Sender<Command>,
     next_id: Arc<AtomicU64>,
     stats: Arc<StatsCell>,
+    sampler_stats: Arc<SamplerStats>,
     info: Arc<ModelInfo>,
     thread: Arc<std::sync::Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
@@ -150,6 +151,11 @@ impl EngineHandle {
 
     pub fn stats(&self) -> EngineStats {
         self.stats.snapshot()
+    }
+
+    /// Sampler fallback counters (exported as Prometheus counters).
+    pub fn sampler_stats(&self) -> &SamplerStats {
+        &self.sampler_stats
     }
 
     pub fn info(&self) -> &ModelInfo {
@@ -192,6 +198,7 @@ pub fn spawn<B: Backend>(backend: B, model: Model<B>, config: EngineConfig) -> R
     });
     let (commands, rx) = mpsc::channel();
     let stats = Arc::new(StatsCell::default());
+    let sampler_stats = Arc::new(SamplerStats::default());
     let mut core = Core {
         backend,
         model,
@@ -202,7 +209,7 @@ pub fn spawn<B: Backend>(backend: B, model: Model<B>, config: EngineConfig) -> R
         rx,
         stats: stats.clone(),
         logits: Vec::new(),
-        sampler: crate::sampling::CpuSampler::default(),
+        sampler: CpuSampler::new(sampler_stats.clone()),
         shutting_down: false,
     };
     let thread = std::thread::Builder::new()
@@ -213,6 +220,7 @@ pub fn spawn<B: Backend>(backend: B, model: Model<B>, config: EngineConfig) -> R
         commands,
         next_id: Arc::new(AtomicU64::new(1)),
         stats,
+        sampler_stats,
         info,
         thread: Arc::new(std::sync::Mutex::new(Some(thread))),
     })
@@ -229,7 +237,7 @@ struct Core<B: Backend> {
     stats: Arc<StatsCell>,
     /// `[logit rows, vocab]` of the last step.
     logits: Vec<f32>,
-    sampler: crate::sampling::CpuSampler,
+    sampler: CpuSampler,
     shutting_down: bool,
 }
 
@@ -341,22 +349,33 @@ impl<B: Backend> Core<B> {
     fn sample(&mut self, ids: &[RequestId]) {
         let vocab = self.model.config().vocab_size;
         let outcomes = {
-            let mut rows: Vec<crate::sampling::SampleRow<'_>> = Vec::with_capacity(ids.len());
+            let mut rows: Vec<SampleRow<'_>> = Vec::with_capacity(ids.len());
             // Collect disjoint &mut borrows of the live map in id order.
             let mut by_id: HashMap<RequestId, &mut Live> = self.live.iter_mut().map(|(k, v)| (*k, v)).collect();
             for id in ids {
                 let l = by_id.remove(id).expect("scheduled ids are live");
-                rows.push(crate::sampling::SampleRow { params: &l.params, state: &mut l.state, eos: &l.eos_ids });
+                rows.push(SampleRow { request_id: *id, params: &l.params, state: &mut l.state, eos_token_ids: &l.eos_ids });
             }
             self.sampler.sample(&mut self.logits[..ids.len() * vocab], vocab, &mut rows)
+        };
+        let outcomes = match outcomes {
+            Ok(o) => o,
+            Err(e) => {
+                // A malformed batch is our bug, not the clients': fail these
+                // requests with the reason and keep serving.
+                tracing::error!("sampling failed for the whole batch: {e}");
+                for &id in ids {
+                    self.finish(id, FinishReason::Error(format!("sampling failed: {e}")));
+                }
+                return;
+            }
         };
         for (&id, outcome) in ids.iter().zip(outcomes) {
             match outcome {
                 Err(e) => self.finish(id, FinishReason::Error(e.to_string())),
                 Ok(s) => {
                     let l = self.live.get_mut(&id).expect("scheduled ids are live");
-                    let is_end = l.eos_ids.contains(&s.token) && !l.params.ignore_eos || l.params.stop_token_ids.contains(&s.token);
-                    if is_end {
+                    if s.stop.is_some() {
                         self.finish(id, FinishReason::Stop);
                         continue;
                     }

@@ -4,5 +4,8 @@
 //! Invariant: the engine knows nothing about HTTP or JSON, and nothing about
 //! which backend runs the forward pass.
 
+pub mod engine;
 pub mod pages;
 pub mod scheduler;
+pub mod sampling;
+pub mod stats;

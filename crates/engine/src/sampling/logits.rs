@@ -1,0 +1,173 @@
+//! Row-level logit processing shared by every sampler implementation:
+//! sanitizing the model's output, penalties, bias, masks, argmax and
+//! log-probabilities.
+//!
+//! Conventions: a row is `[vocab]` f32 logits. After [`sanitize`] a row holds
+//! only finite values and -inf; -inf is a legitimate value meaning "this token
+//! is impossible" (a mask, a padded vocabulary slot), whereas NaN and +inf
+//! are signs of a broken forward pass. Every function here tolerates token
+//! ids outside the row by ignoring them, so an unvalidated request cannot
+//! make it index out of bounds.
+
+use std::cmp::Ordering;
+
+use corridor_units::TokenId;
+
+use super::outcome::TokenLogprob;
+use super::params::SamplingParams;
+use super::state::SamplerState;
+
+/// What [`sanitize`] found in the model's row.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RawScan {
+    /// Entries that were NaN (now -inf).
+    pub nan: usize,
+    /// Entries that were +inf (now `f32::MAX`).
+    pub pos_inf: usize,
+}
+
+impl RawScan {
+    /// True when the row held a value no healthy forward pass produces.
+    pub fn is_broken(&self) -> bool {
+        self.nan > 0 || self.pos_inf > 0
+    }
+}
+
+/// Replaces NaN with -inf and +inf with `f32::MAX`, and reports how many of
+/// each it found. +inf becomes the largest finite value rather than -inf so
+/// that argmax still picks the token the model shouted for, while softmax
+/// stays defined.
+pub fn sanitize(row: &mut [f32]) -> RawScan {
+    let mut scan = RawScan::default();
+    for v in row.iter_mut() {
+        if v.is_nan() {
+            *v = f32::NEG_INFINITY;
+            scan.nan += 1;
+        } else if *v == f32::INFINITY {
+            *v = f32::MAX;
+            scan.pos_inf += 1;
+        }
+    }
+    scan
+}
+
+/// Keeps a processed value inside the sanitized domain: an overflow to +inf
+/// (a huge logit divided by a small repetition penalty) becomes `f32::MAX`.
+fn settle(v: f32) -> f32 {
+    if v.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        v.min(f32::MAX)
+    }
+}
+
+/// Applies, in this order: the repetition penalty over prompt and output
+/// tokens, the frequency and presence penalties over output tokens, the
+/// clamped `logit_bias`, and the masks (end-of-sequence and stop tokens while
+/// fewer than `min_tokens` were generated; end-of-sequence always under
+/// `ignore_eos`). Bias comes after the penalties so that ±100 keeps its
+/// "ban or force" meaning instead of being rescaled by the repetition
+/// penalty; masks come last because they are absolute.
+///
+/// `row`: [vocab], sanitized. `eos`: the model's end-of-sequence ids.
+pub fn apply_adjustments(row: &mut [f32], params: &SamplingParams, state: &SamplerState, eos: &[TokenId]) {
+    let rep = params.repetition_penalty;
+    if rep != 1.0 {
+        debug_assert!(state.prompt_tracked(), "state made without the repetition penalty's prompt tokens");
+        let penalize = |row: &mut [f32], token: TokenId| {
+            if let Some(v) = row.get_mut(token as usize) {
+                *v = settle(if *v > 0.0 { *v / rep } else { *v * rep });
+            }
+        };
+        for &token in state.prompt_tokens() {
+            penalize(row, token);
+        }
+        for &token in state.output_counts().keys() {
+            // A token in both prompt and output is penalized once.
+            if !state.prompt_tokens().contains(&token) {
+                penalize(row, token);
+            }
+        }
+    }
+    let (freq, pres) = (params.frequency_penalty, params.presence_penalty);
+    if freq != 0.0 || pres != 0.0 {
+        for (&token, &count) in state.output_counts() {
+            if let Some(v) = row.get_mut(token as usize) {
+                let presence = if count > 0 { pres } else { 0.0 };
+                *v = settle(*v - (count as f32 * freq + presence));
+            }
+        }
+    }
+    for (&token, &bias) in &params.logit_bias {
+        if let Some(v) = row.get_mut(token as usize) {
+            *v = settle(*v + SamplingParams::clamped_bias(bias));
+        }
+    }
+    let mask = |row: &mut [f32], ids: &[TokenId]| {
+        for &token in ids {
+            if let Some(v) = row.get_mut(token as usize) {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+    };
+    let before_min = state.generated() < params.min_tokens;
+    if before_min || params.ignore_eos {
+        mask(row, eos);
+    }
+    if before_min {
+        mask(row, &params.stop_token_ids);
+    }
+}
+
+/// The order every sampler uses to rank tokens: higher logit first, lower id
+/// first among equal logits. Truncation sets are prefixes of this order.
+pub fn rank_order(row: &[f32], a: u32, b: u32) -> Ordering {
+    row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b))
+}
+
+/// The first token with the largest logit, or `None` when every entry is -inf
+/// (or NaN, which `total_cmp` would otherwise rank above everything).
+pub fn argmax(row: &[f32]) -> Option<TokenId> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in row.iter().enumerate() {
+        if v.is_nan() || v == f32::NEG_INFINITY {
+            continue;
+        }
+        if best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v));
+        }
+    }
+    best.map(|(i, _)| i as TokenId)
+}
+
+/// Natural-log normalizer of a sanitized row: `ln Σ exp(l_i)`, computed in
+/// f64 around the maximum so that neither huge nor tiny logits overflow.
+/// `None` when every entry is -inf.
+pub fn log_sum_exp(row: &[f32]) -> Option<f64> {
+    let max = row.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return None;
+    }
+    let m = max as f64;
+    let sum: f64 = row.iter().filter(|v| !v.is_nan()).map(|&v| (v as f64 - m).exp()).sum();
+    Some(m + sum.ln())
+}
+
+/// The `n` most likely tokens with their log-probabilities (`lse` from
+/// [`log_sum_exp`]), most likely first. Tokens of probability zero (-inf) are
+/// never listed, so fewer than `n` may come back.
+pub fn top_logprobs(row: &[f32], n: usize, lse: f64) -> Vec<TokenLogprob> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut ids: Vec<u32> = (0..row.len() as u32).filter(|&i| row[i as usize] > f32::NEG_INFINITY).collect();
+    if ids.len() > n {
+        ids.select_nth_unstable_by(n - 1, |&a, &b| rank_order(row, a, b));
+        ids.truncate(n);
+    }
+    ids.sort_unstable_by(|&a, &b| rank_order(row, a, b));
+    ids.into_iter()
+        .map(|token| TokenLogprob { token, logprob: (row[token as usize] as f64 - lse) as f32 })
+        .filter(|t| t.logprob.is_finite())
+        .collect()
+}
