@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what the tests need,
+# fetches the real test assets (the default model and real tokenizers), then
+# runs the Rust tests and the end-to-end tests against the real server.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CORRIDOR_REQUIRE_ASSETS=1
+export CARGO_TERM_COLOR=never
+
+echo "== python packages for the end-to-end tests"
+python3 -m pip install --quiet --disable-pip-version-check openai pytest requests
+
+echo "== build (dev profile)"
+cargo build --workspace --all-targets
+
+echo "== test assets: the default model and real tokenizers"
+target/debug/corridor pull
+scripts/fetch_test_assets.sh
+
+echo "== rust tests"
+cargo test --workspace
+
+echo "== end-to-end tests against the real server"
+python3 -m pytest -q tests/e2e
+
+echo "== the cuda backend compiles"
+cargo check -p corridor-backend --features cuda
