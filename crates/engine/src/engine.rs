@@ -10,8 +10,9 @@
 use crate::sampling::{CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams, TokenLogprob};
 use crate::scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::stats::{EngineStats, StatsCell};
-use corridor_backend::{Backend, SeqStep};
-use corridor_model::llama::{KvCache, Model, StepInput, Workspace};
+use crate::executor::{Executor, ExecutorLimits, SingleRank};
+use corridor_backend::Backend;
+use corridor_model::llama::Model;
 use corridor_model::ModelConfig;
 use corridor_units::{Pages, Tokens};
 use std::collections::HashMap;
@@ -82,6 +83,8 @@ pub enum EngineError {
 enum Command {
     Add { id: RequestId, req: GenerateRequest, tx: tmpsc::UnboundedSender<Event> },
     Abort(RequestId),
+    /// End a request as completed (the server matched a stop string).
+    Finish(RequestId),
     Shutdown,
 }
 
@@ -102,6 +105,17 @@ impl RequestStream {
         }
         ev
     }
+    /// End the request now as completed, e.g. because the caller matched a
+    /// stop string in its text. Unlike dropping the stream this is not
+    /// counted as an abort, and the stream stays open: tokens generated
+    /// before the engine handles it still arrive, then `Done { reason: Stop }`
+    /// with the request's usage (including its cached prompt tokens).
+    pub fn finish_early(&self) {
+        if !self.done {
+            let _ = self.commands.send(Command::Finish(self.id));
+        }
+    }
+
     /// Blocking variant for non-async callers (the `generate` command, tests).
     pub fn next_blocking(&mut self) -> Option<Event> {
         let ev = self.rx.blocking_recv();
@@ -181,17 +195,24 @@ struct Live {
     max_new: Option<usize>,
 }
 
-/// Start the engine thread. `model` must already be loaded on `backend`.
+/// Start the engine thread with the whole model on one backend.
 pub fn spawn<B: Backend>(backend: B, model: Model<B>, config: EngineConfig) -> Result<EngineHandle, EngineError> {
     let sc = config.scheduler;
-    let ws = model
-        .workspace(&backend, sc.max_batched_tokens, sc.max_running)
-        .map_err(|e| EngineError::Startup(e.to_string()))?;
-    let kv = model
-        .kv_cache(&backend, config.page_size.get(), config.num_pages.get())
-        .map_err(|e| EngineError::Startup(e.to_string()))?;
+    let limits = ExecutorLimits {
+        max_rows: sc.max_batched_tokens,
+        max_logit_rows: sc.max_running,
+        page_size: config.page_size.get(),
+        num_pages: config.num_pages.get(),
+    };
+    let exec = SingleRank::new(backend, model, limits).map_err(|e| EngineError::Startup(e.to_string()))?;
+    spawn_with(Box::new(exec), config)
+}
+
+/// Start the engine thread over any executor.
+pub fn spawn_with(exec: Box<dyn Executor>, config: EngineConfig) -> Result<EngineHandle, EngineError> {
+    let sc = config.scheduler;
     let info = Arc::new(ModelInfo {
-        config: model.config().clone(),
+        config: exec.config().clone(),
         context_len: sc.context_len,
         num_pages: config.num_pages.get(),
         page_size: config.page_size.get(),
@@ -200,10 +221,7 @@ pub fn spawn<B: Backend>(backend: B, model: Model<B>, config: EngineConfig) -> R
     let stats = Arc::new(StatsCell::default());
     let sampler_stats = Arc::new(SamplerStats::default());
     let mut core = Core {
-        backend,
-        model,
-        ws,
-        kv,
+        exec,
         sched: Scheduler::new(sc, config.num_pages, config.page_size),
         live: HashMap::new(),
         rx,
@@ -226,11 +244,8 @@ pub fn spawn<B: Backend>(backend: B, model: Model<B>, config: EngineConfig) -> R
     })
 }
 
-struct Core<B: Backend> {
-    backend: B,
-    model: Model<B>,
-    ws: Workspace<B>,
-    kv: KvCache<B>,
+struct Core {
+    exec: Box<dyn Executor>,
     sched: Scheduler,
     live: HashMap<RequestId, Live>,
     rx: mpsc::Receiver<Command>,
@@ -241,7 +256,7 @@ struct Core<B: Backend> {
     shutting_down: bool,
 }
 
-impl<B: Backend> Core<B> {
+impl Core {
     fn run(&mut self) {
         loop {
             // Block for work when idle; otherwise take whatever has arrived.
@@ -295,6 +310,11 @@ impl<B: Backend> Core<B> {
                     self.finish(id, FinishReason::Aborted);
                 }
             }
+            Command::Finish(id) => {
+                if self.live.contains_key(&id) {
+                    self.finish(id, FinishReason::Stop);
+                }
+            }
             Command::Shutdown => {
                 self.shutting_down = true;
                 let ids: Vec<RequestId> = self.live.keys().copied().collect();
@@ -325,14 +345,8 @@ impl<B: Backend> Core<B> {
     }
 
     fn step(&mut self, out: &SchedulerOutput) {
-        let seqs: Vec<SeqStep<'_>> = out
-            .seqs
-            .iter()
-            .map(|s| SeqStep { row_start: s.row_start, rows: s.rows, cached: s.cached, pages: &s.pages })
-            .collect();
         let logit_rows: Vec<usize> = out.seqs.iter().filter(|s| s.samples).map(|s| s.row_start + s.rows - 1).collect();
-        let input = StepInput { tokens: &out.tokens, positions: &out.positions, seqs: &seqs, logit_rows: &logit_rows };
-        if let Err(e) = self.model.forward(&self.backend, &mut self.ws, &mut self.kv, &input, &mut self.logits) {
+        if let Err(e) = self.exec.execute(out, &logit_rows, &mut self.logits) {
             // A failed forward fails the requests in it, not the server.
             tracing::error!("forward pass failed: {e}");
             for s in &out.seqs {
@@ -347,7 +361,7 @@ impl<B: Backend> Core<B> {
 
     /// Sample one token for each id (in logit-row order) and apply it.
     fn sample(&mut self, ids: &[RequestId]) {
-        let vocab = self.model.config().vocab_size;
+        let vocab = self.exec.config().vocab_size;
         let outcomes = {
             let mut rows: Vec<SampleRow<'_>> = Vec::with_capacity(ids.len());
             // Collect disjoint &mut borrows of the live map in id order.

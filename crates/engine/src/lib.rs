@@ -5,6 +5,7 @@
 //! which backend runs the forward pass.
 
 pub mod engine;
+pub mod executor;
 pub mod pages;
 pub mod scheduler;
 pub mod sampling;
