@@ -52,7 +52,7 @@ impl DType {
         if elems % self.block_elems() != 0 {
             return None;
         }
-        Some(elems / self.block_elems() * self.block_bytes())
+        (elems / self.block_elems()).checked_mul(self.block_bytes())
     }
 }
 

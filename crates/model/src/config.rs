@@ -2,7 +2,13 @@
 //! spelling the checkpoint used (Hugging Face `config.json` in its old and new
 //! spellings, or GGUF metadata).
 
-use corridor_backend::RopeStyle;
+use std::path::Path;
+
+use corridor_backend::{DType, RopeStyle};
+use serde_json::Value;
+
+use crate::error::LoadError;
+use crate::gguf::{GgufFile, GgufValue};
 
 /// The architectures corridor can run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,4 +63,521 @@ pub struct ModelConfig {
     /// Token ids from the model config (tokenizer files may add more).
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// Reads `config.json` (and `generation_config.json` when present) from
+    /// a Hugging Face model directory.
+    pub fn from_hf_dir(dir: &Path) -> Result<ModelConfig, LoadError> {
+        let config_path = dir.join("config.json");
+        let config = std::fs::read_to_string(&config_path).map_err(|e| LoadError::io(&config_path, e))?;
+        let generation_path = dir.join("generation_config.json");
+        let generation = match std::fs::read_to_string(&generation_path) {
+            Ok(text) => Some(text),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(LoadError::io(&generation_path, e)),
+        };
+        ModelConfig::from_hf_json(&config, generation.as_deref(), &config_path)
+    }
+
+    /// Parses the text of a Hugging Face `config.json`, and optionally of
+    /// `generation_config.json` (whose `eos_token_id` adds end-of-sequence
+    /// ids). `file` names the config in errors.
+    pub fn from_hf_json(
+        config: &str,
+        generation: Option<&str>,
+        file: &Path,
+    ) -> Result<ModelConfig, LoadError> {
+        let json = parse_object(config, file)?;
+        let j = Json { obj: &json, file };
+        let arch = hf_arch(&j)?;
+        let hidden_size = j.req_usize("hidden_size")?;
+        let num_heads = j.req_usize("num_attention_heads")?;
+        if num_heads == 0 {
+            return Err(LoadError::config(file, "num_attention_heads is 0"));
+        }
+        let head_dim = match j.opt_usize("head_dim")? {
+            Some(d) => d,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => {
+                return Err(LoadError::config(
+                    file,
+                    format!("hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads} and head_dim is absent"),
+                ))
+            }
+        };
+        // `rope_parameters` is the newer spelling: one object holding the
+        // theta and the scaling scheme; older files use `rope_theta` and a
+        // separate `rope_scaling` object.
+        let rope_parameters = j.opt_object("rope_parameters")?;
+        let params = rope_parameters.map(|obj| Json { obj, file });
+        let rope_theta = match (j.opt_f64("rope_theta")?, params.as_ref()) {
+            (Some(theta), _) => theta,
+            (None, Some(p)) => p.opt_f64("rope_theta")?.unwrap_or(DEFAULT_ROPE_THETA),
+            (None, None) => DEFAULT_ROPE_THETA,
+        };
+        let rope_scaling = match (j.opt_object("rope_scaling")?, params) {
+            (Some(obj), _) => hf_rope_scaling(&Json { obj, file })?,
+            (None, Some(p)) => hf_rope_scaling(&p)?,
+            (None, None) => None,
+        };
+        let mut eos_token_ids = Vec::new();
+        if let Some(text) = generation {
+            let generation = parse_object(text, file)?;
+            eos_token_ids.extend(Json { obj: &generation, file }.token_ids("eos_token_id")?);
+        }
+        for id in j.token_ids("eos_token_id")? {
+            if !eos_token_ids.contains(&id) {
+                eos_token_ids.push(id);
+            }
+        }
+        let config = ModelConfig {
+            arch,
+            vocab_size: j.req_usize("vocab_size")?,
+            hidden_size,
+            intermediate_size: j.req_usize("intermediate_size")?,
+            num_layers: j.req_usize("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads: j.opt_usize("num_key_value_heads")?.unwrap_or(num_heads),
+            head_dim,
+            rms_norm_eps: j.opt_f64("rms_norm_eps")?.unwrap_or(DEFAULT_RMS_NORM_EPS) as f32,
+            rope_theta: rope_theta as f32,
+            rope_scaling,
+            rope_style: RopeStyle::Half,
+            max_position_embeddings: j.req_usize("max_position_embeddings")?,
+            // Every one of transformers' config classes for these
+            // architectures defaults to untied; the small Qwen2 models that
+            // tie say so explicitly.
+            tie_word_embeddings: j.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            // Qwen2 always has a bias on Q, K and V, and its config does not
+            // say so; the others carry `attention_bias` (default false).
+            attention_bias: arch == Arch::Qwen2 || j.opt_bool("attention_bias")?.unwrap_or(false),
+            qk_norm: arch == Arch::Qwen3,
+            bos_token_id: j.token_ids("bos_token_id")?.first().copied(),
+            eos_token_ids,
+        };
+        config.validate(file)?;
+        Ok(config)
+    }
+
+    /// Builds the configuration from a GGUF file's metadata (and, where the
+    /// metadata is silent, from which tensors the file holds).
+    pub fn from_gguf(gguf: &GgufFile) -> Result<ModelConfig, LoadError> {
+        let file = gguf.path();
+        let arch_name = gguf
+            .get("general.architecture")
+            .and_then(GgufValue::as_str)
+            .ok_or_else(|| LoadError::config(file, "general.architecture is missing"))?;
+        // Mistral GGUFs are written as `llama`; they run the same code.
+        let arch = match arch_name {
+            "llama" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            other => {
+                return Err(LoadError::UnknownArchitecture {
+                    file: file.to_path_buf(),
+                    arch: other.to_string(),
+                })
+            }
+        };
+        let m = Meta { gguf, prefix: arch_name };
+        let hidden_size = m.req_usize("embedding_length")?;
+        let num_heads = m.req_usize("attention.head_count")?;
+        if num_heads == 0 {
+            return Err(LoadError::config(file, format!("{arch_name}.attention.head_count is 0")));
+        }
+        let head_dim = match m.opt_usize("attention.key_length")? {
+            Some(d) => d,
+            None => hidden_size / num_heads,
+        };
+        let rope_theta = m.opt_f64("rope.freq_base")?.unwrap_or(DEFAULT_ROPE_THETA);
+        // The embedding's row count is the logits width the model computes;
+        // the token list is the fallback for a file without that tensor.
+        let vocab_size = match gguf.tensor_info("token_embd.weight") {
+            Some(info) => info.shape().first().copied().unwrap_or(0),
+            None => match gguf.get("tokenizer.ggml.tokens").and_then(GgufValue::as_array) {
+                Some(tokens) => tokens.len(),
+                None => m.req_usize("vocab_size")?,
+            },
+        };
+        let mut eos_token_ids = Vec::new();
+        // llama.cpp ends generation on any of these; Llama 3 chat models end
+        // turns with the end-of-turn token rather than end-of-sequence.
+        for key in
+            ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
+        {
+            if let Some(id) = gguf_token_id(gguf, key)? {
+                if !eos_token_ids.contains(&id) {
+                    eos_token_ids.push(id);
+                }
+            }
+        }
+        let rope_scaling = gguf_rope_scaling(&m, GgufRope { theta: rope_theta, head_dim })?;
+        let config = ModelConfig {
+            arch,
+            vocab_size,
+            hidden_size,
+            intermediate_size: m.req_usize("feed_forward_length")?,
+            num_layers: m.req_usize("block_count")?,
+            num_heads,
+            num_kv_heads: m.opt_usize("attention.head_count_kv")?.unwrap_or(num_heads),
+            head_dim,
+            rms_norm_eps: m.req_f64("attention.layer_norm_rms_epsilon")? as f32,
+            rope_theta: rope_theta as f32,
+            rope_scaling,
+            // llama.cpp's converter permutes Llama's Q and K rows for the
+            // interleaved rotation; Qwen files keep the Hugging Face layout.
+            rope_style: if arch == Arch::Llama { RopeStyle::Interleaved } else { RopeStyle::Half },
+            max_position_embeddings: m.req_usize("context_length")?,
+            tie_word_embeddings: !gguf.has_tensor("output.weight"),
+            attention_bias: arch == Arch::Qwen2 || gguf.has_tensor("blk.0.attn_q.bias"),
+            qk_norm: arch == Arch::Qwen3 || gguf.has_tensor("blk.0.attn_q_norm.weight"),
+            bos_token_id: gguf_token_id(gguf, "tokenizer.ggml.bos_token_id")?,
+            eos_token_ids,
+        };
+        config.validate(file)?;
+        Ok(config)
+    }
+
+    /// Refuses shapes no forward pass can run (zero sizes, heads that do not
+    /// group evenly), so that the architectures may assume they are sane.
+    pub fn validate(&self, file: &Path) -> Result<(), LoadError> {
+        let sizes = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_layers", self.num_layers),
+            ("num_heads", self.num_heads),
+            ("num_kv_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+            return Err(LoadError::config(file, format!("{name} is 0")));
+        }
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return Err(LoadError::config(
+                file,
+                format!(
+                    "{} attention heads cannot be shared evenly by {} key/value heads",
+                    self.num_heads, self.num_kv_heads
+                ),
+            ));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(LoadError::config(
+                file,
+                format!("head_dim {} is odd; RoPE needs pairs", self.head_dim),
+            ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(LoadError::config(
+                file,
+                format!("rms_norm_eps {} is not a positive number", self.rms_norm_eps),
+            ));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(LoadError::config(
+                file,
+                format!("rope_theta {} is not a positive number", self.rope_theta),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// transformers' default RoPE base for every architecture here.
+const DEFAULT_ROPE_THETA: f64 = 10_000.0;
+/// transformers' default `rms_norm_eps` for Llama, Mistral and Qwen.
+const DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
+
+fn parse_object(text: &str, file: &Path) -> Result<serde_json::Map<String, Value>, LoadError> {
+    match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(obj)) => Ok(obj),
+        Ok(_) => Err(LoadError::config(file, "expected a JSON object")),
+        Err(e) => Err(LoadError::config(file, format!("invalid JSON: {e}"))),
+    }
+}
+
+/// The architecture, from `architectures[0]` or else `model_type`.
+fn hf_arch(j: &Json<'_>) -> Result<Arch, LoadError> {
+    let unknown =
+        |arch: &str| LoadError::UnknownArchitecture { file: j.file.to_path_buf(), arch: arch.to_string() };
+    if let Some(list) = j.obj.get("architectures").and_then(Value::as_array) {
+        if let Some(first) = list.first() {
+            let name = first
+                .as_str()
+                .ok_or_else(|| LoadError::config(j.file, "architectures[0] is not a string"))?;
+            return match name {
+                "LlamaForCausalLM" => Ok(Arch::Llama),
+                "MistralForCausalLM" => Ok(Arch::Mistral),
+                "Qwen2ForCausalLM" => Ok(Arch::Qwen2),
+                "Qwen3ForCausalLM" => Ok(Arch::Qwen3),
+                other => Err(unknown(other)),
+            };
+        }
+    }
+    match j.obj.get("model_type").and_then(Value::as_str) {
+        Some("llama") => Ok(Arch::Llama),
+        Some("mistral") => Ok(Arch::Mistral),
+        Some("qwen2") => Ok(Arch::Qwen2),
+        Some("qwen3") => Ok(Arch::Qwen3),
+        Some(other) => Err(unknown(other)),
+        None => Err(LoadError::config(j.file, "neither `architectures` nor `model_type` is given")),
+    }
+}
+
+/// The scaling scheme of a `rope_scaling` or `rope_parameters` object.
+fn hf_rope_scaling(p: &Json<'_>) -> Result<Option<RopeScaling>, LoadError> {
+    // Files say `rope_type`, older ones `type`; some carry both.
+    let kind = match p.obj.get("rope_type").or_else(|| p.obj.get("type")) {
+        None | Some(Value::Null) => "default",
+        Some(Value::String(s)) => s.as_str(),
+        Some(other) => return Err(LoadError::config(p.file, format!("rope type {other} is not a string"))),
+    };
+    match kind {
+        "default" => Ok(None),
+        "linear" => Ok(Some(RopeScaling::Linear { factor: p.req_f64("factor")? as f32 })),
+        "llama3" => Ok(Some(RopeScaling::Llama3 {
+            factor: p.req_f64("factor")? as f32,
+            low_freq_factor: p.req_f64("low_freq_factor")? as f32,
+            high_freq_factor: p.req_f64("high_freq_factor")? as f32,
+            original_max_position_embeddings: p.req_usize("original_max_position_embeddings")?,
+        })),
+        other => {
+            Err(LoadError::UnsupportedRopeScaling { file: p.file.to_path_buf(), kind: other.to_string() })
+        }
+    }
+}
+
+/// Typed reads from one JSON object, with errors naming the file and key.
+struct Json<'a> {
+    obj: &'a serde_json::Map<String, Value>,
+    file: &'a Path,
+}
+
+impl<'a> Json<'a> {
+    /// The value of `key`, treating an explicit `null` as absent.
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    fn bad(&self, key: &str, want: &str, got: &Value) -> LoadError {
+        LoadError::config(self.file, format!("`{key}` should be {want}, found {got}"))
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>, LoadError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| self.bad(key, "a non-negative integer", v)),
+        }
+    }
+
+    fn req_usize(&self, key: &str) -> Result<usize, LoadError> {
+        self.opt_usize(key)?.ok_or_else(|| LoadError::config(self.file, format!("`{key}` is missing")))
+    }
+
+    fn opt_f64(&self, key: &str) -> Result<Option<f64>, LoadError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.bad(key, "a number", v)),
+        }
+    }
+
+    fn req_f64(&self, key: &str) -> Result<f64, LoadError> {
+        self.opt_f64(key)?.ok_or_else(|| LoadError::config(self.file, format!("`{key}` is missing")))
+    }
+
+    fn opt_bool(&self, key: &str) -> Result<Option<bool>, LoadError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.bad(key, "true or false", v)),
+        }
+    }
+
+    fn opt_object(&self, key: &str) -> Result<Option<&'a serde_json::Map<String, Value>>, LoadError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_object().map(Some).ok_or_else(|| self.bad(key, "an object", v)),
+        }
+    }
+
+    /// A token id field that may be absent, null, one integer or a list.
+    fn token_ids(&self, key: &str) -> Result<Vec<u32>, LoadError> {
+        let one = |v: &Value| {
+            v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| self.bad(key, "a token id", v))
+        };
+        match self.get(key) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(items)) => items.iter().map(one).collect(),
+            Some(v) => Ok(vec![one(v)?]),
+        }
+    }
+}
+
+/// Typed reads of `{arch}.*` GGUF metadata, with errors naming the key.
+struct Meta<'a> {
+    gguf: &'a GgufFile,
+    prefix: &'a str,
+}
+
+impl Meta<'_> {
+    fn key(&self, suffix: &str) -> String {
+        format!("{}.{suffix}", self.prefix)
+    }
+
+    fn opt_usize(&self, suffix: &str) -> Result<Option<usize>, LoadError> {
+        let key = self.key(suffix);
+        match self.gguf.get(&key) {
+            None => Ok(None),
+            Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).map(Some).ok_or_else(|| {
+                LoadError::config(
+                    self.gguf.path(),
+                    format!("{key} should be a non-negative integer, found {v:?}"),
+                )
+            }),
+        }
+    }
+
+    fn req_usize(&self, suffix: &str) -> Result<usize, LoadError> {
+        let key = self.key(suffix);
+        self.opt_usize(suffix)?
+            .ok_or_else(|| LoadError::config(self.gguf.path(), format!("{key} is missing")))
+    }
+
+    fn opt_f64(&self, suffix: &str) -> Result<Option<f64>, LoadError> {
+        let key = self.key(suffix);
+        match self.gguf.get(&key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+                LoadError::config(self.gguf.path(), format!("{key} should be a number, found {v:?}"))
+            }),
+        }
+    }
+
+    fn req_f64(&self, suffix: &str) -> Result<f64, LoadError> {
+        let key = self.key(suffix);
+        self.opt_f64(suffix)?.ok_or_else(|| LoadError::config(self.gguf.path(), format!("{key} is missing")))
+    }
+
+    fn opt_str(&self, suffix: &str) -> Option<&str> {
+        self.gguf.get(&self.key(suffix)).and_then(GgufValue::as_str)
+    }
+}
+
+fn gguf_token_id(gguf: &GgufFile, key: &str) -> Result<Option<u32>, LoadError> {
+    match gguf.get(key) {
+        None => Ok(None),
+        Some(v) => v.as_u64().and_then(|n| u32::try_from(n).ok()).map(Some).ok_or_else(|| {
+            LoadError::config(gguf.path(), format!("{key} should be a token id, found {v:?}"))
+        }),
+    }
+}
+
+/// What RoPE scaling inference needs to know besides the metadata.
+#[derive(Clone, Copy)]
+struct GgufRope {
+    theta: f64,
+    head_dim: usize,
+}
+
+/// RoPE scaling from GGUF metadata, or from a `rope_freqs.weight` tensor.
+///
+/// llama.cpp's converter does not write Llama 3's scaling parameters; it
+/// bakes them into per-frequency divisors stored as `rope_freqs.weight`. The
+/// parameters are recovered by recomputing those divisors from the settings
+/// every Llama 3.x release uses and checking that they match.
+fn gguf_rope_scaling(m: &Meta<'_>, rope: GgufRope) -> Result<Option<RopeScaling>, LoadError> {
+    let file = m.gguf.path();
+    let kind = m.opt_str("rope.scaling.type");
+    match kind {
+        None | Some("none") => {}
+        Some("linear") => {
+            let factor = m.req_f64("rope.scaling.factor")?;
+            return Ok(Some(RopeScaling::Linear { factor: factor as f32 }));
+        }
+        Some(other) => {
+            return Err(LoadError::UnsupportedRopeScaling {
+                file: file.to_path_buf(),
+                kind: other.to_string(),
+            })
+        }
+    }
+    // The older spelling of linear scaling.
+    if let Some(factor) = m.opt_f64("rope.scale_linear")? {
+        if factor != 1.0 {
+            return Ok(Some(RopeScaling::Linear { factor: factor as f32 }));
+        }
+    }
+    if !m.gguf.has_tensor("rope_freqs.weight") {
+        return Ok(None);
+    }
+    let tensor = m.gguf.tensor("rope_freqs.weight")?;
+    let unsupported = |why: &str| LoadError::UnsupportedRopeScaling {
+        file: file.to_path_buf(),
+        kind: format!("rope_freqs.weight ({why})"),
+    };
+    if tensor.dtype != DType::F32 {
+        return Err(unsupported("not stored as F32"));
+    }
+    let divisors: Vec<f64> = tensor
+        .data
+        .bytes()
+        .chunks_exact(4)
+        .map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+        .collect();
+    if divisors.len() != rope.head_dim / 2 {
+        return Err(unsupported("length is not head_dim / 2"));
+    }
+    let factor = divisors.iter().copied().fold(1.0, f64::max);
+    if factor <= 1.0 + 1e-6 {
+        return Ok(None);
+    }
+    let candidate =
+        Llama3Params { factor, low_freq_factor: 1.0, high_freq_factor: 4.0, original_context: 8192.0 };
+    let matches = divisors
+        .iter()
+        .enumerate()
+        .all(|(i, &d)| (candidate.divisor(rope, i) - d).abs() <= 1e-3 * d.abs().max(1.0));
+    if !matches {
+        return Err(unsupported("per-frequency divisors that match no llama3 setting"));
+    }
+    Ok(Some(RopeScaling::Llama3 {
+        factor: factor as f32,
+        low_freq_factor: candidate.low_freq_factor as f32,
+        high_freq_factor: candidate.high_freq_factor as f32,
+        original_max_position_embeddings: candidate.original_context as usize,
+    }))
+}
+
+/// Llama 3 RoPE scaling settings, in f64 for comparing against a file.
+struct Llama3Params {
+    factor: f64,
+    low_freq_factor: f64,
+    high_freq_factor: f64,
+    original_context: f64,
+}
+
+impl Llama3Params {
+    /// The divisor applied to frequency `i` (of `head_dim / 2`): 1 for short
+    /// wavelengths, `factor` for long ones, a smooth blend in between.
+    fn divisor(&self, rope: GgufRope, i: usize) -> f64 {
+        let freq = rope.theta.powf(-((2 * i) as f64) / rope.head_dim as f64);
+        let wavelen = 2.0 * std::f64::consts::PI / freq;
+        let low_freq_wavelen = self.original_context / self.low_freq_factor;
+        let high_freq_wavelen = self.original_context / self.high_freq_factor;
+        if wavelen < high_freq_wavelen {
+            1.0
+        } else if wavelen > low_freq_wavelen {
+            self.factor
+        } else {
+            let smooth = (self.original_context / wavelen - self.low_freq_factor)
+                / (self.high_freq_factor - self.low_freq_factor);
+            1.0 / ((1.0 - smooth) / self.factor + smooth)
+        }
+    }
 }
