@@ -98,6 +98,9 @@ struct GenerateArgs {
     /// Seed for a reproducible random stream.
     #[arg(long)]
     seed: Option<u64>,
+    /// Keep generating past end-of-sequence tokens (for measuring speed at a fixed length).
+    #[arg(long)]
+    ignore_eos: bool,
 }
 
 #[derive(Args, Debug)]

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use corridor_engine::sampling::{
-    BatchError, CpuSampler, DrawKernel, DrawSpec, FallbackKind, SampleError, SampleOutcome, SampleRow, Sampler,
-    SamplerState, SamplerStats, SamplingParams,
+    BatchError, CpuSampler, DrawKernel, DrawSpec, FallbackKind, SampleError, SampleOutcome, SampleRow,
+    Sampler, SamplerState, SamplerStats, SamplingParams,
 };
 use corridor_units::{TokenId, Tokens};
 
@@ -194,7 +194,8 @@ fn one_warning_per_request_every_fallback_counted() {
         let mut b = SamplerState::new(&params, &[]);
         for step in 0..6 {
             let mut logits = [flat_with(8, &[(2, f32::NAN)]), flat_with(8, &[(3, f32::INFINITY)])].concat();
-            let mut rows = vec![SampleRow { request_id: 1, params: &params, state: &mut a, eos_token_ids: &[] }];
+            let mut rows =
+                vec![SampleRow { request_id: 1, params: &params, state: &mut a, eos_token_ids: &[] }];
             if step % 2 == 0 {
                 rows.push(SampleRow { request_id: 2, params: &params, state: &mut b, eos_token_ids: &[] });
             } else {

@@ -211,7 +211,8 @@ fn min_tokens_ignore_eos_and_stop_reporting() {
     assert_eq!((c.token, c.stop), (0, Some(StopReason::Eos)));
 
     let raw = [1.0f32, 8.0, 9.0, 1.0];
-    let stop_params = SamplingParams { temperature: 0.0, stop_token_ids: vec![2], ..SamplingParams::default() };
+    let stop_params =
+        SamplingParams { temperature: 0.0, stop_token_ids: vec![2], ..SamplingParams::default() };
     let mut state = SamplerState::new(&stop_params, &[]);
     let s = sample_one(&raw, &stop_params, &mut state, &eos).0.expect("valid");
     assert_eq!((s.token, s.stop), (2, Some(StopReason::StopToken)));

@@ -150,7 +150,12 @@ fn run_batch(
         .iter()
         .zip(states.iter_mut())
         .enumerate()
-        .map(|(i, (c, state))| SampleRow { request_id: i as u64, params: &c.params, state, eos_token_ids: &c.eos })
+        .map(|(i, (c, state))| SampleRow {
+            request_id: i as u64,
+            params: &c.params,
+            state,
+            eos_token_ids: &c.eos,
+        })
         .collect();
     let outcomes = sampler.sample(&mut logits, vocab, &mut rows).expect("well-shaped batch");
     (outcomes, logits, stats)
@@ -226,7 +231,8 @@ proptest! {
 }
 
 /// Chi-square critical values at p = 0.001 for 1..=12 degrees of freedom.
-const CHI2_CRIT_P001: [f64; 12] = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91];
+const CHI2_CRIT_P001: [f64; 12] =
+    [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91];
 
 /// Draws `n` tokens from one seeded row with fixed logits and returns the
 /// count per token.
@@ -268,7 +274,14 @@ fn frequencies_match_truncated_softmax() {
         SamplingParams { temperature: 0.7, top_k: Some(5), ..base.clone() },
         SamplingParams { temperature: 1.3, top_p: 0.8, seed: Some(8), ..base.clone() },
         SamplingParams { temperature: 1.0, min_p: 0.1, seed: Some(9), ..base.clone() },
-        SamplingParams { temperature: 0.8, top_k: Some(6), top_p: 0.9, min_p: 0.05, seed: Some(10), ..base.clone() },
+        SamplingParams {
+            temperature: 0.8,
+            top_k: Some(6),
+            top_p: 0.9,
+            min_p: 0.05,
+            seed: Some(10),
+            ..base.clone()
+        },
         SamplingParams { temperature: 2.0, top_p: 0.5, seed: Some(11), ..base.clone() },
     ];
     let n = 20_000;

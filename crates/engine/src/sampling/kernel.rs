@@ -8,8 +8,9 @@
 //! 2. of those, the shortest prefix whose weight reaches `top_p` of their
 //!    total (a token stays when the weight strictly before it is below
 //!    `top_p × total`, so the top token always stays),
-//! 3. of those, the tokens with `w_i ≥ min_p` (relative to the top token),
-//! and drop any token whose weight underflowed to zero. The token is then
+//! 3. of those, the tokens with `w_i ≥ min_p` (relative to the top token).
+//!
+//! A token whose weight underflowed to zero is never a candidate. The token is then
 //! drawn with probability proportional to its weight among the candidates,
 //! by inverse CDF on the row's single uniform draw. With `T = 0` the draw is
 //! the argmax. Weights and sums are f64, so no logit in f32 range can
@@ -102,7 +103,7 @@ impl DrawKernel for CpuDrawKernel {
                         break;
                     }
                     None if window == cands.len() => break,
-                    None => { cands.truncate(window); break }
+                    None => window = (window * 8).min(cands.len()),
                 }
             }
         }

@@ -88,7 +88,9 @@ pub struct Sampled {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SampleError {
     /// Every adjusted logit was -inf or NaN, so not even argmax can choose.
-    #[error("no valid token: all {vocab} logits are -inf or NaN after masking ({nan} NaN in the model output)")]
+    #[error(
+        "no valid token: all {vocab} logits are -inf or NaN after masking ({nan} NaN in the model output)"
+    )]
     AllLogitsInvalid {
         /// Width of the row.
         vocab: usize,
