@@ -1,0 +1,793 @@
+//! One tokenizer type for both checkpoint formats.
+//!
+//! A Hugging Face directory brings its own `tokenizer.json`, which the
+//! `tokenizers` crate loads as is; the chat template, the special tokens and
+//! the end-of-sequence ids come from `tokenizer_config.json` and
+//! `generation_config.json` beside it. A GGUF file carries only the raw
+//! vocabulary (tokens, merges, token types) and a name for the pre-tokenizer
+//! (`tokenizer.ggml.pre`); from those we build the equivalent
+//! `tokenizers::Tokenizer`: a byte-level BPE model, the regex splits that
+//! llama.cpp applies for that name, and a byte-level decoder. Only byte-level
+//! BPE (`tokenizer.ggml.model == "gpt2"`) is supported; anything else is
+//! refused with an error that names it rather than tokenized wrongly.
+//!
+//! Encoding always recognizes special tokens written in the text (such as
+//! `<|im_start|>`), because rendered chat templates rely on it. Whether a BOS
+//! is prepended is a separate choice (`add_special`); a rendered chat prompt
+//! usually carries its own BOS and is encoded without it, as transformers does.
+//!
+//! [`DecodeStream`] turns generated ids into text one id at a time without
+//! ever emitting half a character.
+
+use std::path::{Path, PathBuf};
+
+use corridor_model::gguf::{GgufFile, GgufValue};
+use serde_json::Value as Json;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, DecoderWrapper, SplitDelimiterBehavior};
+
+/// The character `String::from_utf8_lossy` puts where bytes do not (yet) form
+/// a character; a decode that ends in it may be waiting for more bytes.
+const REPLACEMENT: char = '\u{FFFD}';
+
+/// GGUF token types (llama.cpp's `llama_token_type`) that become added tokens.
+const TOKEN_TYPE_CONTROL: u64 = 3;
+const TOKEN_TYPE_USER_DEFINED: u64 = 4;
+
+/// Everything that can go wrong loading or using a tokenizer.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    /// A file the tokenizer needs does not exist.
+    #[error("{}: not found ({what})", path.display())]
+    Missing { path: PathBuf, what: &'static str },
+    /// A file exists but could not be read.
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file was read but its contents are not what the format says.
+    #[error("{}: {message}", path.display())]
+    Parse { path: PathBuf, message: String },
+    /// A configuration or metadata key holds a value of the wrong shape.
+    #[error("{origin}: key `{key}`: {problem}")]
+    BadKey { origin: String, key: String, problem: String },
+    /// A GGUF key the tokenizer cannot do without is absent.
+    #[error("{origin}: key `{key}` is missing")]
+    MissingKey { origin: String, key: String },
+    /// The GGUF names a tokenizer model other than byte-level BPE.
+    #[error("{origin}: tokenizer model `{model}` is not supported (only `gpt2`, byte-level BPE, is)")]
+    UnsupportedModel { origin: String, model: String },
+    /// The GGUF names a pre-tokenizer whose splitting rules we do not implement.
+    #[error(
+        "{origin}: pre-tokenizer `{pre}` is not supported (supported: {})",
+        SUPPORTED_PRE.join(", ")
+    )]
+    UnsupportedPre { origin: String, pre: String },
+    /// The GGUF file itself could not be opened or parsed.
+    #[error(transparent)]
+    Gguf(#[from] corridor_model::error::LoadError),
+    /// The `tokenizers` crate refused to build the tokenizer.
+    #[error("{origin}: cannot build the tokenizer: {message}")]
+    Build { origin: String, message: String },
+    /// Encoding a text failed inside the `tokenizers` crate.
+    #[error("cannot encode text of {len} bytes: {message}")]
+    Encode { len: usize, message: String },
+    /// Decoding failed inside the `tokenizers` crate.
+    #[error("cannot decode {count} ids: {message}")]
+    Decode { count: usize, message: String },
+    /// An id no token has; sampled ids are untrusted and checked here.
+    #[error("token id {id} is outside the vocabulary (size {vocab_size})")]
+    IdOutOfRange { id: u32, vocab_size: usize },
+}
+
+/// The `tokenizer.ggml.pre` names we can reproduce, for error messages.
+const SUPPORTED_PRE: &[&str] = &[
+    "default",
+    "gpt-2",
+    "phi-2",
+    "mpt",
+    "olmo",
+    "llama-bpe",
+    "llama3",
+    "llama-v3",
+    "qwen2",
+    "deepseek-r1-qwen",
+    "smollm",
+    "starcoder",
+    "refact",
+    "codeshell",
+];
+
+/// Whether `encode(.., add_special = true)` adds a BOS and/or EOS itself,
+/// overriding whatever post-processor the tokenizer file carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SpecialPolicy {
+    add_bos: bool,
+    add_eos: bool,
+}
+
+/// A loaded tokenizer with the special-token facts the server needs.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// One past the largest id any token has (model vocabulary and added
+    /// tokens together); ids at or above it are refused by `decode`.
+    vocab_size: usize,
+    bos_id: Option<u32>,
+    bos_token: Option<String>,
+    eos_ids: Vec<u32>,
+    eos_token: Option<String>,
+    /// `None` leaves BOS/EOS to the tokenizer file's post-processor.
+    policy: Option<SpecialPolicy>,
+    chat_template: Option<String>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size)
+            .field("bos_id", &self.bos_id)
+            .field("eos_ids", &self.eos_ids)
+            .field("has_chat_template", &self.chat_template.is_some())
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads a Hugging Face model directory: `tokenizer.json` (required),
+    /// `tokenizer_config.json` and `generation_config.json` (optional), and a
+    /// chat template from `tokenizer_config.json`, `chat_template.jinja` or
+    /// `chat_template.json`, in that order.
+    pub fn from_hf_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
+        let tokenizer_json = dir.join("tokenizer.json");
+        if !tokenizer_json.is_file() {
+            return Err(TokenizerError::Missing {
+                path: tokenizer_json,
+                what: "the Hugging Face tokenizer file",
+            });
+        }
+        let inner = tokenizers::Tokenizer::from_file(&tokenizer_json)
+            .map_err(|e| TokenizerError::Parse { path: tokenizer_json.clone(), message: e.to_string() })?;
+
+        let config_path = dir.join("tokenizer_config.json");
+        let config = read_optional_json(&config_path)?.unwrap_or(Json::Null);
+        let origin = config_path.display().to_string();
+
+        let bos_token = special_token_text(&config, "bos_token", &origin)?;
+        let eos_token = special_token_text(&config, "eos_token", &origin)?;
+        let bos_id = bos_token.as_deref().and_then(|t| inner.token_to_id(t));
+
+        let gen_path = dir.join("generation_config.json");
+        let gen = read_optional_json(&gen_path)?.unwrap_or(Json::Null);
+        let gen_origin = gen_path.display().to_string();
+        // generation_config.json is what transformers stops on; the
+        // tokenizer's own eos token is added in case it names another one.
+        let mut eos_ids = id_list(&gen, "eos_token_id", &gen_origin)?;
+        if let Some(id) = eos_token.as_deref().and_then(|t| inner.token_to_id(t)) {
+            if !eos_ids.contains(&id) {
+                eos_ids.push(id);
+            }
+        }
+        let bos_id = match bos_id {
+            Some(id) => Some(id),
+            None => id_list(&gen, "bos_token_id", &gen_origin)?.first().copied(),
+        };
+
+        // transformers' Llama-style tokenizers rebuild their post-processor
+        // from these two flags, so an explicit flag outranks tokenizer.json.
+        let add_bos = optional_bool(&config, "add_bos_token", &origin)?;
+        let add_eos = optional_bool(&config, "add_eos_token", &origin)?;
+        let policy = match (add_bos, add_eos) {
+            (None, None) => None,
+            (bos, eos) => {
+                Some(SpecialPolicy { add_bos: bos.unwrap_or(false), add_eos: eos.unwrap_or(false) })
+            }
+        };
+
+        let chat_template = match chat_template_from_config(&config, &origin)? {
+            Some(t) => Some(t),
+            None => chat_template_from_files(dir)?,
+        };
+
+        let vocab_size = max_id_plus_one(&inner);
+        Ok(Tokenizer { inner, vocab_size, bos_id, bos_token, eos_ids, eos_token, policy, chat_template })
+    }
+
+    /// Opens a GGUF file and builds its tokenizer from the metadata.
+    pub fn from_gguf_path(path: &Path) -> Result<Tokenizer, TokenizerError> {
+        let file = GgufFile::open(path)?;
+        Tokenizer::from_gguf(&file)
+    }
+
+    /// Builds the tokenizer stored in an open GGUF file's metadata.
+    pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer, TokenizerError> {
+        let origin = file.path().display().to_string();
+        Tokenizer::from_gguf_metadata(|key| file.get(key), &origin)
+    }
+
+    /// Builds a tokenizer from GGUF metadata given as a lookup function, so
+    /// that metadata can come from a file or be made up in a test. `origin`
+    /// names the source in errors.
+    pub fn from_gguf_metadata<'a, F>(get: F, origin: &str) -> Result<Tokenizer, TokenizerError>
+    where
+        F: Fn(&str) -> Option<&'a GgufValue>,
+    {
+        let meta = GgufMeta { get, origin };
+        let model = meta.required_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(TokenizerError::UnsupportedModel {
+                origin: origin.to_string(),
+                model: model.to_string(),
+            });
+        }
+        // llama.cpp falls back to its "default" splitting when the key is
+        // absent; we do the same and say so, because the result is often wrong.
+        let pre = match meta.optional_str("tokenizer.ggml.pre")? {
+            Some(p) => p,
+            None => {
+                tracing::warn!(
+                    origin,
+                    "GGUF has no tokenizer.ggml.pre; using llama.cpp's `default` splitting"
+                );
+                "default"
+            }
+        };
+        let split = PreSplit::from_name(pre).ok_or_else(|| TokenizerError::UnsupportedPre {
+            origin: origin.to_string(),
+            pre: pre.to_string(),
+        })?;
+
+        let tokens = meta.required_strings("tokenizer.ggml.tokens")?;
+        let merges_raw = meta.required_strings("tokenizer.ggml.merges")?;
+        let token_types = meta.optional_ints("tokenizer.ggml.token_type")?;
+        if let Some(types) = &token_types {
+            if types.len() != tokens.len() {
+                return Err(TokenizerError::BadKey {
+                    origin: origin.to_string(),
+                    key: "tokenizer.ggml.token_type".to_string(),
+                    problem: format!("has {} entries but there are {} tokens", types.len(), tokens.len()),
+                });
+            }
+        }
+
+        let vocab_len = u32::try_from(tokens.len()).map_err(|_| TokenizerError::BadKey {
+            origin: origin.to_string(),
+            key: "tokenizer.ggml.tokens".to_string(),
+            problem: format!("{} tokens do not fit 32-bit ids", tokens.len()),
+        })?;
+        // llama.cpp's text-to-id map keeps the last of duplicated strings.
+        let mut vocab = Vocab::with_capacity(tokens.len());
+        for (id, text) in (0..vocab_len).zip(tokens.iter()) {
+            vocab.insert((*text).to_string(), id);
+        }
+
+        // A merge is "left right", split at the first space after the first
+        // byte (a left part is never empty). Merges whose parts or result are
+        // not tokens cannot fire in llama.cpp either; tokenizers refuses them
+        // outright, so they are dropped and counted.
+        let mut merges = Vec::with_capacity(merges_raw.len());
+        let mut dropped = 0usize;
+        for (index, merge) in merges_raw.iter().enumerate() {
+            let split_at =
+                merge.char_indices().skip(1).find(|&(_, c)| c == ' ').map(|(i, _)| i).ok_or_else(|| {
+                    TokenizerError::BadKey {
+                        origin: origin.to_string(),
+                        key: "tokenizer.ggml.merges".to_string(),
+                        problem: format!("merge #{index} {merge:?} has no space between its parts"),
+                    }
+                })?;
+            let (left, right) = (&merge[..split_at], &merge[split_at + 1..]);
+            let joined = format!("{left}{right}");
+            if vocab.contains_key(left) && vocab.contains_key(right) && vocab.contains_key(&joined) {
+                merges.push((left.to_string(), right.to_string()));
+            } else {
+                dropped += 1;
+            }
+        }
+        if dropped > 0 {
+            tracing::warn!(origin, dropped, "GGUF merges naming unknown tokens were dropped");
+        }
+
+        let build_err = |message: String| TokenizerError::Build { origin: origin.to_string(), message };
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .ignore_merges(split.ignore_merges())
+            .build()
+            .map_err(|e| build_err(e.to_string()))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(split.pre_tokenizer().map_err(build_err)?));
+        inner.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevelDecoder::default())));
+
+        // Control and user-defined tokens match as whole strings before any
+        // splitting, like llama.cpp's special-token partition. Their text is
+        // stored raw (not byte-level mapped), which is also how added tokens
+        // are written in tokenizer.json; their ids come from the vocabulary.
+        if let Some(types) = &token_types {
+            let mut special = Vec::new();
+            let mut user = Vec::new();
+            for (text, ty) in tokens.iter().zip(types) {
+                match *ty {
+                    TOKEN_TYPE_CONTROL => special.push(AddedToken::from(*text, true)),
+                    TOKEN_TYPE_USER_DEFINED => user.push(AddedToken::from(*text, false)),
+                    _ => {}
+                }
+            }
+            inner.add_special_tokens(special).map_err(|e| build_err(e.to_string()))?;
+            inner.add_tokens(user).map_err(|e| build_err(e.to_string()))?;
+        }
+
+        let check_id = |key: &str| -> Result<Option<u32>, TokenizerError> {
+            match meta.optional_u64(key)? {
+                None => Ok(None),
+                Some(id) if id < u64::from(vocab_len) => Ok(Some(id as u32)),
+                Some(id) => Err(TokenizerError::BadKey {
+                    origin: origin.to_string(),
+                    key: key.to_string(),
+                    problem: format!("id {id} is outside the {vocab_len} tokens"),
+                }),
+            }
+        };
+        let bos_id = check_id("tokenizer.ggml.bos_token_id")?;
+        let eos_id = check_id("tokenizer.ggml.eos_token_id")?;
+        let eot_id = check_id("tokenizer.ggml.eot_token_id")?;
+        let mut eos_ids: Vec<u32> = eos_id.into_iter().collect();
+        if let Some(eot) = eot_id {
+            if !eos_ids.contains(&eot) {
+                eos_ids.push(eot);
+            }
+        }
+        let policy = SpecialPolicy {
+            add_bos: meta.optional_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(split.default_add_bos()),
+            add_eos: meta.optional_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false),
+        };
+        let chat_template = meta.optional_str("tokenizer.chat_template")?.map(str::to_string);
+        let text_of = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize).map(|t| t.to_string()));
+        let vocab_size = max_id_plus_one(&inner);
+        Ok(Tokenizer {
+            inner,
+            vocab_size,
+            bos_token: text_of(bos_id),
+            eos_token: text_of(eos_id),
+            bos_id,
+            eos_ids,
+            policy: Some(policy),
+            chat_template,
+        })
+    }
+
+    /// Encodes `text` to ids. Special tokens written in the text are always
+    /// recognized; `add_special` adds the BOS/EOS the tokenizer is configured
+    /// to add around a sequence.
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        let encode_err =
+            |e: tokenizers::Error| TokenizerError::Encode { len: text.len(), message: e.to_string() };
+        match (self.policy, add_special) {
+            (Some(policy), true) => {
+                let body = self.inner.encode_fast(text, false).map_err(encode_err)?;
+                let mut ids = Vec::with_capacity(body.get_ids().len() + 2);
+                if policy.add_bos {
+                    ids.extend(self.bos_id);
+                }
+                ids.extend_from_slice(body.get_ids());
+                if policy.add_eos {
+                    ids.extend(self.eos_ids.first().copied());
+                }
+                Ok(ids)
+            }
+            _ => Ok(self.inner.encode_fast(text, add_special).map_err(encode_err)?.get_ids().to_vec()),
+        }
+    }
+
+    /// Decodes ids to text; `skip_special` leaves out control tokens.
+    /// An id outside the vocabulary is an error, not silently dropped.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            return Err(TokenizerError::IdOutOfRange { id, vocab_size: self.vocab_size });
+        }
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| TokenizerError::Decode { count: ids.len(), message: e.to_string() })
+    }
+
+    /// One past the largest token id (the model's embedding table may be
+    /// larger; ids in between decode to nothing).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Ids that end generation.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    /// The beginning-of-sequence id, if the tokenizer has one.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    /// The BOS token's text, as chat templates see it (`bos_token`).
+    pub fn bos_token(&self) -> Option<&str> {
+        self.bos_token.as_deref()
+    }
+
+    /// The EOS token's text, as chat templates see it (`eos_token`).
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos_token.as_deref()
+    }
+
+    /// The id of a token given by its text (added tokens included).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The checkpoint's own chat template source, if it has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Starts an incremental detokenizer for one generated sequence.
+    pub fn decode_stream(&self, skip_special: bool) -> DecodeStream {
+        DecodeStream::new(skip_special)
+    }
+}
+
+/// Incremental detokenizer for streaming.
+///
+/// It keeps a short window of ids and emits the text that decoding the
+/// window gained since the last emission. Text is held back while the
+/// decode ends in U+FFFD, because that is what a character cut between two
+/// byte-level tokens looks like; it is released once the character completes
+/// (or by [`DecodeStream::finish`]). Decoding a window rather than single ids
+/// keeps decoders that look at neighbouring tokens (leading-space rules)
+/// right, so the concatenation of everything emitted, `finish` included,
+/// equals `decode` of all ids.
+///
+/// The stream does not borrow the tokenizer; each call takes it, so a stream
+/// can live beside an `Arc<Tokenizer>` in a request's state.
+#[derive(Clone, Debug, Default)]
+pub struct DecodeStream {
+    skip_special: bool,
+    /// Ids not yet released from the window.
+    ids: Vec<u32>,
+    /// Start of the window that is decoded for context.
+    prefix_offset: usize,
+    /// End of the text already emitted (exclusive, in ids).
+    read_offset: usize,
+}
+
+impl DecodeStream {
+    /// A new stream; `skip_special` must match the `decode` it is compared to.
+    pub fn new(skip_special: bool) -> DecodeStream {
+        DecodeStream { skip_special, ..DecodeStream::default() }
+    }
+
+    /// Adds one generated id; returns the text it completed, if any.
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<Option<String>, TokenizerError> {
+        self.ids.push(id);
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let full = tokenizer.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        if full.len() <= prefix.len() || full.ends_with(REPLACEMENT) {
+            return Ok(None);
+        }
+        let delta = new_suffix(&prefix, &full).to_string();
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+        self.compact();
+        Ok(Some(delta))
+    }
+
+    /// Releases whatever is still held back (an unfinished character comes
+    /// out as U+FFFD, exactly as `decode` shows it) and resets the stream.
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<String, TokenizerError> {
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let full = tokenizer.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        let rest = new_suffix(&prefix, &full).to_string();
+        *self = DecodeStream::new(self.skip_special);
+        Ok(rest)
+    }
+
+    /// Drops ids before the context window so memory stays bounded.
+    fn compact(&mut self) {
+        if self.prefix_offset > 0 {
+            self.ids.drain(..self.prefix_offset);
+            self.read_offset -= self.prefix_offset;
+            self.prefix_offset = 0;
+        }
+    }
+}
+
+/// The part of `full` after `prefix`. Decoders only append, so `prefix` is
+/// normally a prefix of `full`; if a decoder rewrote earlier text, the part
+/// after the longest common prefix (on a character boundary) is returned.
+fn new_suffix<'a>(prefix: &str, full: &'a str) -> &'a str {
+    if let Some(rest) = full.strip_prefix(prefix) {
+        return rest;
+    }
+    let common = prefix
+        .char_indices()
+        .zip(full.chars())
+        .find(|((_, a), b)| a != b)
+        .map(|((i, _), _)| i)
+        .unwrap_or(prefix.len().min(full.len()));
+    &full[common..]
+}
+
+/// The regex splitting llama.cpp applies before BPE for a `tokenizer.ggml.pre`
+/// name. The patterns are the ones the upstream tokenizer.json files use
+/// (llama.cpp's copies, with `(?i:...)` spelled out), and each list is
+/// applied in order, every pattern splitting the pieces of the one before.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PreSplit {
+    /// llama.cpp's fallback for unnamed BPE vocabularies.
+    Default,
+    /// GPT-2's pattern.
+    Gpt2,
+    /// Llama 3: letters with one leading non-letter, digits in threes.
+    Llama3,
+    /// Qwen2: like Llama 3 but digits one at a time.
+    Qwen2,
+    /// SmolLM, StarCoder and kin: digits one at a time, then GPT-2's pattern.
+    DigitsThenGpt2,
+}
+
+/// GPT-2's split pattern (also the second stage of several others).
+const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+const LLAMA3_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+impl PreSplit {
+    fn from_name(name: &str) -> Option<PreSplit> {
+        Some(match name {
+            "default" => PreSplit::Default,
+            "gpt-2" | "phi-2" | "mpt" | "olmo" => PreSplit::Gpt2,
+            "llama-bpe" | "llama3" | "llama-v3" => PreSplit::Llama3,
+            "qwen2" | "deepseek-r1-qwen" => PreSplit::Qwen2,
+            "smollm" | "starcoder" | "refact" | "codeshell" => PreSplit::DigitsThenGpt2,
+            _ => return None,
+        })
+    }
+
+    /// Llama 3's tokenizer takes a whole pre-token that is itself in the
+    /// vocabulary without running merges (tokenizer.json `ignore_merges`).
+    fn ignore_merges(self) -> bool {
+        self == PreSplit::Llama3
+    }
+
+    /// llama.cpp's BOS default when the GGUF has no `add_bos_token` key.
+    fn default_add_bos(self) -> bool {
+        self == PreSplit::Llama3
+    }
+
+    fn patterns(self) -> Vec<&'static str> {
+        match self {
+            PreSplit::Default => vec![r"[\p{P}\$\+<=>\^~\|]+", GPT2_PATTERN, r"\p{N}+", "[0-9][0-9][0-9]"],
+            PreSplit::Gpt2 | PreSplit::DigitsThenGpt2 => vec![GPT2_PATTERN],
+            PreSplit::Llama3 => vec![LLAMA3_PATTERN],
+            PreSplit::Qwen2 => vec![QWEN2_PATTERN],
+        }
+    }
+
+    fn pre_tokenizer(self) -> Result<PreTokenizerWrapper, String> {
+        let mut stages = Vec::new();
+        if self == PreSplit::DigitsThenGpt2 {
+            stages.push(PreTokenizerWrapper::Digits(Digits::new(true)));
+        }
+        for pattern in self.patterns() {
+            let split =
+                Split::new(SplitPattern::Regex(pattern.to_string()), SplitDelimiterBehavior::Isolated, false)
+                    .map_err(|e| format!("pattern {pattern:?}: {e}"))?;
+            stages.push(PreTokenizerWrapper::Split(split));
+        }
+        // The splitting is done; ByteLevel only maps bytes to its alphabet.
+        stages.push(PreTokenizerWrapper::ByteLevel(
+            ByteLevel::default().add_prefix_space(false).use_regex(false),
+        ));
+        Ok(PreTokenizerWrapper::Sequence(Sequence::new(stages)))
+    }
+}
+
+/// Typed access to GGUF metadata that names the key and the source in errors.
+struct GgufMeta<'o, F> {
+    get: F,
+    origin: &'o str,
+}
+
+impl<'a, F> GgufMeta<'_, F>
+where
+    F: Fn(&str) -> Option<&'a GgufValue>,
+{
+    fn bad(&self, key: &str, value: &GgufValue, want: &str) -> TokenizerError {
+        TokenizerError::BadKey {
+            origin: self.origin.to_string(),
+            key: key.to_string(),
+            problem: format!("expected {want}, found {}", value.type_name()),
+        }
+    }
+
+    fn missing(&self, key: &str) -> TokenizerError {
+        TokenizerError::MissingKey { origin: self.origin.to_string(), key: key.to_string() }
+    }
+
+    fn optional_str(&self, key: &str) -> Result<Option<&'a str>, TokenizerError> {
+        match (self.get)(key) {
+            None => Ok(None),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| self.bad(key, v, "a string")),
+        }
+    }
+
+    fn required_str(&self, key: &str) -> Result<&'a str, TokenizerError> {
+        self.optional_str(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    fn required_strings(&self, key: &str) -> Result<Vec<&'a str>, TokenizerError> {
+        let v = (self.get)(key).ok_or_else(|| self.missing(key))?;
+        v.as_string_array().ok_or_else(|| self.bad(key, v, "an array of strings"))
+    }
+
+    fn optional_ints(&self, key: &str) -> Result<Option<Vec<u64>>, TokenizerError> {
+        let Some(v) = (self.get)(key) else {
+            return Ok(None);
+        };
+        let items = v.as_array().ok_or_else(|| self.bad(key, v, "an array of integers"))?;
+        items
+            .iter()
+            .map(|item| item.as_u64().ok_or_else(|| self.bad(key, item, "non-negative integers")))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+    }
+
+    fn optional_u64(&self, key: &str) -> Result<Option<u64>, TokenizerError> {
+        match (self.get)(key) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(Some).ok_or_else(|| self.bad(key, v, "a non-negative integer")),
+        }
+    }
+
+    fn optional_bool(&self, key: &str) -> Result<Option<bool>, TokenizerError> {
+        match (self.get)(key) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.bad(key, v, "a boolean")),
+        }
+    }
+}
+
+/// One past the largest id of any token, added tokens included.
+fn max_id_plus_one(tokenizer: &tokenizers::Tokenizer) -> usize {
+    tokenizer.get_vocab(true).values().max().map_or(0, |&id| id as usize + 1)
+}
+
+/// Reads a JSON file that may be absent.
+fn read_optional_json(path: &Path) -> Result<Option<Json>, TokenizerError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(TokenizerError::Io { path: path.to_path_buf(), source }),
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| TokenizerError::Parse { path: path.to_path_buf(), message: e.to_string() })
+}
+
+/// A special token in tokenizer_config.json: a string, an AddedToken object
+/// (`{"content": ...}`), or null.
+fn special_token_text(config: &Json, key: &str, origin: &str) -> Result<Option<String>, TokenizerError> {
+    match config.get(key) {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::String(s)) => Ok(Some(s.clone())),
+        Some(Json::Object(obj)) => match obj.get("content") {
+            Some(Json::String(s)) => Ok(Some(s.clone())),
+            _ => Err(TokenizerError::BadKey {
+                origin: origin.to_string(),
+                key: key.to_string(),
+                problem: "an AddedToken object without a string `content`".to_string(),
+            }),
+        },
+        Some(other) => Err(TokenizerError::BadKey {
+            origin: origin.to_string(),
+            key: key.to_string(),
+            problem: format!("expected a string or an AddedToken object, found {other}"),
+        }),
+    }
+}
+
+/// A token id field that may be one integer or a list of them.
+fn id_list(config: &Json, key: &str, origin: &str) -> Result<Vec<u32>, TokenizerError> {
+    let bad = |problem: String| TokenizerError::BadKey {
+        origin: origin.to_string(),
+        key: key.to_string(),
+        problem,
+    };
+    let one = |v: &Json| -> Result<u32, TokenizerError> {
+        v.as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| bad(format!("expected a token id, found {v}")))
+    };
+    match config.get(key) {
+        None | Some(Json::Null) => Ok(Vec::new()),
+        Some(Json::Array(items)) => items.iter().map(one).collect(),
+        Some(v) => Ok(vec![one(v)?]),
+    }
+}
+
+fn optional_bool(config: &Json, key: &str, origin: &str) -> Result<Option<bool>, TokenizerError> {
+    match config.get(key) {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::Bool(b)) => Ok(Some(*b)),
+        Some(other) => Err(TokenizerError::BadKey {
+            origin: origin.to_string(),
+            key: key.to_string(),
+            problem: format!("expected a boolean, found {other}"),
+        }),
+    }
+}
+
+/// `chat_template` in tokenizer_config.json: a string, or a list of
+/// `{name, template}` objects of which the one named "default" is used.
+fn chat_template_from_config(config: &Json, origin: &str) -> Result<Option<String>, TokenizerError> {
+    let bad = |problem: &str| TokenizerError::BadKey {
+        origin: origin.to_string(),
+        key: "chat_template".to_string(),
+        problem: problem.to_string(),
+    };
+    match config.get("chat_template") {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::String(s)) => Ok(Some(s.clone())),
+        Some(Json::Array(items)) => {
+            for item in items {
+                let name = item.get("name").and_then(Json::as_str);
+                let template = item.get("template").and_then(Json::as_str);
+                match (name, template) {
+                    (Some("default"), Some(t)) => return Ok(Some(t.to_string())),
+                    (Some(_), Some(_)) => {}
+                    _ => return Err(bad("list entries must be {\"name\", \"template\"} strings")),
+                }
+            }
+            Err(bad("a list of named templates without one named \"default\""))
+        }
+        Some(_) => Err(bad("expected a string or a list of named templates")),
+    }
+}
+
+/// Newer transformers versions save the template beside the config instead.
+fn chat_template_from_files(dir: &Path) -> Result<Option<String>, TokenizerError> {
+    let jinja = dir.join("chat_template.jinja");
+    match std::fs::read_to_string(&jinja) {
+        Ok(text) => return Ok(Some(text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => return Err(TokenizerError::Io { path: jinja, source }),
+    }
+    let json_path = dir.join("chat_template.json");
+    let origin = json_path.display().to_string();
+    match read_optional_json(&json_path)? {
+        Some(json) => chat_template_from_config(&json, &origin),
+        None => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_suffix_handles_rewrites_on_char_boundaries() {
+        assert_eq!(new_suffix("ab", "abc"), "c");
+        assert_eq!(new_suffix("aé", "aèx"), "èx");
+        assert_eq!(new_suffix("abc", "ab"), "");
+    }
+
+    #[test]
+    fn every_supported_pre_name_compiles() {
+        for name in SUPPORTED_PRE {
+            let split = PreSplit::from_name(name).expect("listed names are known");
+            split.pre_tokenizer().expect("patterns compile");
+        }
+        assert_eq!(PreSplit::from_name("tekken"), None);
+    }
+}

@@ -1,0 +1,163 @@
+//! Tokenizers checked against real vocabularies and their expected ids,
+//! fetched by `scripts/fetch_test_assets.sh` into `$CORRIDOR_TEST_ASSETS`
+//! (default `target/test-assets`).
+//!
+//! Without the assets each test prints a notice and passes, unless
+//! `CORRIDOR_REQUIRE_ASSETS` is set (as CI does), in which case it fails.
+
+use std::path::{Path, PathBuf};
+
+use corridor_server::template::{ChatTemplate, RenderOptions, CHATML_TEMPLATE};
+use corridor_server::tokenizer::{DecodeStream, Tokenizer};
+
+/// The assets directory, or `None` (after a notice) when it may be skipped.
+fn assets(sub: &str) -> Option<PathBuf> {
+    let root = std::env::var_os("CORRIDOR_TEST_ASSETS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-assets"));
+    let dir = root.join(sub);
+    if dir.exists() {
+        return Some(dir);
+    }
+    if std::env::var_os("CORRIDOR_REQUIRE_ASSETS").is_some() {
+        panic!(
+            "{} is missing and CORRIDOR_REQUIRE_ASSETS is set; run scripts/fetch_test_assets.sh",
+            dir.display()
+        );
+    }
+    eprintln!("notice: skipping, {} is missing (run scripts/fetch_test_assets.sh)", dir.display());
+    None
+}
+
+/// llama.cpp's test file format: inputs separated by
+/// "\n__ggml_vocab_test__\n" (the file ends with one), and one line of
+/// space-separated expected ids per input, in the same order.
+fn read_vocab_tests(gguf: &Path) -> Vec<(String, Vec<u32>)> {
+    let inp = std::fs::read_to_string(gguf.with_extension("gguf.inp")).unwrap();
+    let out = std::fs::read_to_string(gguf.with_extension("gguf.out")).unwrap();
+    let mut inputs: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
+    // The separator after the last input leaves an empty tail, which
+    // llama.cpp's reader never turns into a test.
+    if inputs.last() == Some(&"") {
+        inputs.pop();
+    }
+    let expected: Vec<Vec<u32>> =
+        out.lines().map(|l| l.split_whitespace().map(|t| t.parse().unwrap()).collect()).collect();
+    assert_eq!(inputs.len(), expected.len(), "{}", gguf.display());
+    inputs.into_iter().map(str::to_string).zip(expected).collect()
+}
+
+/// Encodes every test string; returns how many matched, printing misses.
+fn run_vocab_tests(tok: &Tokenizer, tests: &[(String, Vec<u32>)], label: &str) -> usize {
+    let mut pass = 0;
+    for (text, want) in tests {
+        let got = tok.encode(text, false).unwrap();
+        if &got == want {
+            pass += 1;
+        } else {
+            eprintln!("{label}: {text:?}\n  want {want:?}\n  got  {got:?}");
+        }
+    }
+    println!("{label}: {pass}/{} test strings encode exactly", tests.len());
+    pass
+}
+
+/// Streams the expected ids one at a time and checks the pieces add up to
+/// the full decode, on real multi-byte text.
+fn check_stream(tok: &Tokenizer, tests: &[(String, Vec<u32>)]) {
+    for (_, ids) in tests {
+        let mut stream = DecodeStream::new(false);
+        let mut text = String::new();
+        for &id in ids {
+            if let Some(piece) = stream.push(tok, id).unwrap() {
+                text.push_str(&piece);
+            }
+        }
+        text.push_str(&stream.finish(tok).unwrap());
+        assert_eq!(text, tok.decode(ids, false).unwrap());
+    }
+}
+
+fn vocab_case(name: &str) {
+    let Some(dir) = assets("llama-cpp-python/vocab") else {
+        return;
+    };
+    let gguf = dir.join(format!("ggml-vocab-{name}.gguf"));
+    let tok = Tokenizer::from_gguf_path(&gguf).unwrap();
+    let tests = read_vocab_tests(&gguf);
+    let pass = run_vocab_tests(&tok, &tests, name);
+    assert_eq!(pass, tests.len(), "{name}: not every test string matched");
+    check_stream(&tok, &tests);
+}
+
+#[test]
+fn gguf_gpt2_matches_llama_cpp() {
+    vocab_case("gpt-2");
+}
+
+#[test]
+fn gguf_llama_bpe_matches_llama_cpp() {
+    vocab_case("llama-bpe");
+}
+
+#[test]
+fn gguf_qwen2_matches_llama_cpp() {
+    vocab_case("qwen2");
+}
+
+/// The Qwen3 tokenizer.json shares Qwen2's vocabulary, so llama.cpp's Qwen2
+/// expectations check the Hugging Face directory path too.
+#[test]
+fn hf_dir_qwen3_matches_qwen2_expectations() {
+    let (Some(qwen), Some(vocab)) = (assets("qwen3-tokenizer"), assets("llama-cpp-python/vocab")) else {
+        return;
+    };
+    let tok = Tokenizer::from_hf_dir(&qwen).unwrap();
+    let tests = read_vocab_tests(&vocab.join("ggml-vocab-qwen2.gguf"));
+    let pass = run_vocab_tests(&tok, &tests, "qwen3 tokenizer.json");
+    assert_eq!(pass, tests.len());
+    assert_eq!(tok.token_id("<|im_end|>"), Some(151_645));
+    assert!(tok.eos_ids().contains(&151_645));
+    assert_eq!(tok.bos_id(), None);
+    assert!(tok.chat_template().is_some_and(|t| t.contains("enable_thinking")));
+}
+
+const SMOL_PROMPT_IDS: [u32; 16] =
+    [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198];
+
+#[test]
+fn smollm2_gguf_prompt_and_answer() {
+    let Some(dir) = assets("smollm2") else {
+        return;
+    };
+    let tok = Tokenizer::from_gguf_path(&dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
+    assert_eq!(tok.bos_id(), Some(1));
+    assert_eq!(tok.eos_ids(), &[2]);
+    let messages = serde_json::json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let opts = RenderOptions { add_generation_prompt: true, ..RenderOptions::default() };
+
+    // Plain ChatML (no system turn) gives exactly the reference prompt ids.
+    let chatml = ChatTemplate::new(CHATML_TEMPLATE, tok.bos_token(), tok.eos_token()).unwrap();
+    let prompt = chatml.render(&messages, &opts).unwrap();
+    assert_eq!(tok.encode(&prompt, false).unwrap(), SMOL_PROMPT_IDS);
+    // add_bos_token is false in this GGUF, so add_special changes nothing.
+    assert_eq!(tok.encode(&prompt, true).unwrap(), SMOL_PROMPT_IDS);
+
+    // The checkpoint's own template adds its default system turn first; the
+    // conversation after it encodes to the same ids.
+    let own = ChatTemplate::new(tok.chat_template().unwrap(), tok.bos_token(), tok.eos_token()).unwrap();
+    let prompt = own.render(&messages, &opts).unwrap();
+    assert!(prompt.starts_with("<|im_start|>system\nYou are a helpful AI assistant named SmolLM"));
+    let ids = tok.encode(&prompt, false).unwrap();
+    assert!(ids.ends_with(&SMOL_PROMPT_IDS), "{ids:?}");
+
+    let answer = [504, 3575, 282, 4649, 314, 7042, 30, 2];
+    assert_eq!(tok.decode(&answer, true).unwrap(), "The capital of France is Paris.");
+    assert_eq!(tok.decode(&answer, false).unwrap(), "The capital of France is Paris.<|im_end|>");
+    let mut stream = tok.decode_stream(true);
+    let mut text = String::new();
+    for id in answer {
+        text.push_str(&stream.push(&tok, id).unwrap().unwrap_or_default());
+    }
+    assert_eq!(text, "The capital of France is Paris.");
+}
