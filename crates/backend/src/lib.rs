@@ -9,7 +9,10 @@
 //! Invariant: this crate knows nothing about models, requests or HTTP. It sees
 //! matrices, vectors and paged KV storage.
 
+pub mod collective;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dtype;
 
 pub use dtype::{DType, HostTensor, TensorBytes, QK};
@@ -23,6 +26,10 @@ pub enum BackendError {
     BadTensor { name: String, reason: String },
     #[error("out of memory on {device}: wanted {want} bytes for {purpose}")]
     OutOfMemory { device: String, want: u64, purpose: &'static str },
+    #[error("{op} failed: {reason}")]
+    Cuda { op: &'static str, reason: String },
+    #[error("GPU libraries missing: {missing} (searched by their usual names on LD_LIBRARY_PATH and the loader cache)")]
+    MissingLibrary { missing: String },
     #[error("{0}")]
     Other(String),
 }
@@ -90,6 +97,31 @@ pub struct ActShape {
     pub cols: usize,
 }
 
+/// Everything one forward pass needs to know up front, so a device backend can
+/// upload the step's metadata (token ids, positions, page tables, row maps)
+/// once instead of once per layer.
+#[derive(Clone, Copy, Debug)]
+pub struct StepPlan<'a> {
+    /// Token ids, sequences concatenated: `[rows]`.
+    pub tokens: &'a [u32],
+    /// The position of each token: `[rows]`.
+    pub positions: &'a [u32],
+    /// Each sequence's slice of the rows and its page table.
+    pub seqs: &'a [SeqStep<'a>],
+    /// Rows whose logits are wanted.
+    pub logit_rows: &'a [usize],
+}
+
+/// Names a captured replay of a whole forward pass: steps with the same key
+/// launch the same kernels on the same buffers, only the metadata differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GraphKey {
+    /// Token rows of the step (the decode batch size).
+    pub rows: usize,
+    /// Logit rows of the step.
+    pub logit_rows: usize,
+}
+
 /// The operations a forward pass is written against.
 ///
 /// Buffers are row-major f32 matrices from the model's point of view; a
@@ -124,7 +156,14 @@ pub trait Backend: Send + Sync + 'static {
     /// place with the shared `weight` (Qwen3's q/k norm).
     fn head_rms_norm(&self, x: &mut Self::Act, weight: &Self::Weight, eps: f32, head_dim: usize, rows: usize);
     /// `out[r] = x[r] · wᵀ (+ bias)` over the first `rows` rows.
-    fn matmul(&self, x: &Self::Act, w: &Self::Weight, bias: Option<&Self::Weight>, rows: usize, out: &mut Self::Act);
+    fn matmul(
+        &self,
+        x: &Self::Act,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+        rows: usize,
+        out: &mut Self::Act,
+    );
     /// Rotate every head of the first `rows` rows by its row's position.
     fn rope(&self, x: &mut Self::Act, table: &RopeTable, head_dim: usize, positions: &[u32]);
     /// `out[r][i] = silu(gate[r][i]) * up[r][i]`.
@@ -138,9 +177,52 @@ pub trait Backend: Send + Sync + 'static {
     /// Causal attention of the step's queries over each sequence's cache
     /// (which `write_kv` has already extended with this step's rows).
     /// `q` holds `heads × head_dim` columns per row, `out` the same.
-    fn attention(&self, q: &Self::Act, kv: &Self::Kv, heads: usize, seqs: &[SeqStep<'_>], out: &mut Self::Act);
+    fn attention(
+        &self,
+        q: &Self::Act,
+        kv: &Self::Kv,
+        heads: usize,
+        seqs: &[SeqStep<'_>],
+        out: &mut Self::Act,
+    );
     /// Copy the first `rows` rows to the host.
     fn read_rows(&self, x: &Self::Act, rows: usize, out: &mut Vec<f32>);
     /// Copy KV rows of one page to another (a copy-on-write of a shared page).
     fn copy_page(&self, kv: &mut Self::Kv, from: PageId, to: PageId);
+
+    // Step hooks. The CPU needs none of them; a device backend uses them to
+    // avoid per-op uploads, to place weights in one allocation and to replay
+    // captured steps. Each default does nothing, so calling them is always
+    // correct and leaving them out is always correct too.
+
+    /// Announce the total bytes of weights about to be uploaded, so they can
+    /// live in one allocation.
+    fn reserve_weights(&self, _bytes: u64) -> Result<()> {
+        Ok(())
+    }
+    /// Called once at the start of a forward pass, before any op.
+    fn begin_step(&self, _plan: &StepPlan<'_>) -> Result<()> {
+        Ok(())
+    }
+    /// The first error any op hit since the last call (ops that return `()`
+    /// cannot report device failures themselves). Call after `read_rows`.
+    fn check(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Replay the step captured under `key`, after `begin_step` uploaded this
+    /// step's metadata. `Ok(true)`: replayed, skip the ops and go straight to
+    /// `read_rows`; `Ok(false)`: nothing captured, run the ops.
+    fn graph_replay(&self, _key: GraphKey) -> Result<bool> {
+        Ok(false)
+    }
+    /// Start capturing the ops that follow under `key`. `Ok(false)`: this
+    /// backend does not capture (run the ops as usual, no `graph_capture_end`).
+    fn graph_capture_begin(&self, _key: GraphKey) -> Result<bool> {
+        Ok(false)
+    }
+    /// Stop capturing and launch what was captured once, so the step's
+    /// results are there as if the ops had run.
+    fn graph_capture_end(&self, _key: GraphKey) -> Result<()> {
+        Ok(())
+    }
 }

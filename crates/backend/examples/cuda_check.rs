@@ -1,0 +1,54 @@
+//! GPU self-check: preflight, every kernel against the CPU backend, graph
+//! capture and replay, and micro-benchmarks. Run on a GPU machine by
+//! `scripts/gpu/check.sh`; exits non-zero when any comparison fails.
+//!
+//! `CORRIDOR_CACHE_DIR` (optional) is where compiled kernels are cached.
+
+use corridor_backend::cuda::{check, preflight, CudaBackend, CudaBackendConfig};
+use std::path::PathBuf;
+use std::time::Instant;
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("cuda_check: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let pf = preflight()?;
+    print!("preflight:\n{pf}");
+    for d in pf.duplicates() {
+        println!("WARNING: {} is mapped from {} files", d.name, d.paths.len());
+    }
+    let cache = std::env::var_os("CORRIDOR_CACHE_DIR").map(|d| PathBuf::from(d).join("kernels"));
+    let t = Instant::now();
+    let config =
+        CudaBackendConfig { kernel_cache_dir: cache.clone(), max_pages_per_seq: 512, ..Default::default() };
+    let be = CudaBackend::new(config.clone())?;
+    println!(
+        "backend {} ready in {:.0} ms",
+        corridor_backend::Backend::name(&be),
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    if cache.is_some() {
+        let t = Instant::now();
+        drop(CudaBackend::new(config)?);
+        println!("second start (kernel cache hit): {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
+    }
+    let mut rep = check::run_all(&be)?;
+    check::graph_check(&be, &mut rep)?;
+    for l in &rep.lines {
+        println!("{l}");
+    }
+    println!("{} comparisons, {} failed", rep.lines.len(), rep.failures);
+    if std::env::args().any(|a| a == "--bench") {
+        for l in check::bench(&be)? {
+            println!("{l}");
+        }
+    }
+    if rep.failures > 0 {
+        return Err(format!("{} comparisons failed", rep.failures).into());
+    }
+    Ok(())
+}

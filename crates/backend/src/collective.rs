@@ -1,0 +1,853 @@
+//! Collectives: how the ranks of a parallel layout exchange activations and
+//! agree on shared numbers.
+//!
+//! Two levels, so the model's code never branches on how many ranks there are:
+//! - [`Group`]: what needs no device buffer — the rank's place in the group,
+//!   a barrier, the MIN reduction every shared capacity decision goes through,
+//!   the all-gather of host rows (logits live on the host), and the census.
+//! - [`Collective`]: the operations on a backend's activations — all-reduce
+//!   (sum) and point-to-point send/recv. It is generic over the backend, so a
+//!   NCCL implementation can work on device buffers directly while the
+//!   in-process one works on host slices.
+//!
+//! Implementations here: [`Solo`] (one rank; every exchange is a no-op) and
+//! [`ThreadGroup`] (ranks as threads of one process, for the CPU and sim
+//! cards, which is what CI runs). NCCL comes with the GPU path.
+//!
+//! The census: every rank counts the collectives it enters, per kind. At a
+//! cadence every rank computes from replicated inputs (the step counter), the
+//! ranks post their counts on a side board and compare. The board has its own
+//! lock and every wait on it is bounded, so the comparison can never wedge even
+//! when the collectives themselves have; a divergence names the rank that is
+//! behind and by how many.
+
+use crate::cpu::CpuAct;
+use crate::Backend;
+use corridor_units::Rank;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// The kinds of collective the census counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OpKind {
+    AllReduce,
+    AllGather,
+    Send,
+    Recv,
+    Barrier,
+    Min,
+}
+
+impl OpKind {
+    pub const ALL: [OpKind; 6] =
+        [OpKind::AllReduce, OpKind::AllGather, OpKind::Send, OpKind::Recv, OpKind::Barrier, OpKind::Min];
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl std::fmt::Display for OpKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self {
+            OpKind::AllReduce => "all-reduce",
+            OpKind::AllGather => "all-gather",
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+            OpKind::Barrier => "barrier",
+            OpKind::Min => "min",
+        };
+        f.write_str(s)
+    }
+}
+
+/// How many collectives of each kind a rank has entered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Census {
+    counts: [u64; 6],
+}
+
+impl Census {
+    pub fn get(&self, kind: OpKind) -> u64 {
+        self.counts[kind.index()]
+    }
+    pub fn total(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+}
+
+/// Per-kind counters a rank bumps as it enters collectives.
+#[derive(Debug, Default)]
+struct Counters([AtomicU64; 6]);
+
+impl Counters {
+    fn bump(&self, kind: OpKind) {
+        self.0[kind.index()].fetch_add(1, Ordering::Relaxed);
+    }
+    fn snapshot(&self) -> Census {
+        let mut c = Census::default();
+        for (o, a) in c.counts.iter_mut().zip(&self.0) {
+            *o = a.load(Ordering::Relaxed);
+        }
+        c
+    }
+    fn clear(&self) {
+        for a in &self.0 {
+            a.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Why a collective failed. Every variant names the rank that saw it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CollectiveError {
+    #[error("{rank}: {op} waited {waited:?} for its peers and gave up")]
+    Timeout { rank: Rank, op: OpKind, waited: Duration },
+    #[error("{rank}: {op} abandoned because the group was aborted: {reason}")]
+    Aborted { rank: Rank, op: OpKind, reason: String },
+    #[error("{rank}: entered {op} while {other} entered {theirs}: the ranks are out of lockstep")]
+    Mismatch { rank: Rank, op: OpKind, other: Rank, theirs: OpKind },
+    #[error("{rank}: {op} of {len} values, but {other} gave {theirs}")]
+    Length { rank: Rank, op: OpKind, len: usize, other: Rank, theirs: usize },
+    #[error("{rank}: {op} names {peer}, which is not in this group of {world}")]
+    NoPeer { rank: Rank, op: OpKind, peer: Rank, world: usize },
+    #[error("{rank}: {op} over columns {at}+{width} does not fit rows of {cols}")]
+    BadColumns { rank: Rank, op: OpKind, at: usize, width: usize, cols: usize },
+    #[error("collective census diverged: {behind} is behind {ahead} by {by} {kind} collective(s)")]
+    Divergence { kind: OpKind, behind: Rank, ahead: Rank, by: u64 },
+    #[error("collective census: {missing:?} did not post within {waited:?}")]
+    CensusSilent { missing: Vec<Rank>, waited: Duration },
+}
+
+pub type CollectiveResult<T> = std::result::Result<T, CollectiveError>;
+
+/// What every rank of a group can do without a device buffer.
+pub trait Group: Send + Sync {
+    fn rank(&self) -> Rank;
+    /// Ranks in the group.
+    fn world(&self) -> usize;
+    /// Wait until every rank has arrived.
+    fn barrier(&self) -> CollectiveResult<()>;
+    /// The minimum of every rank's `value`. Every capacity the ranks share
+    /// (how many tokens the group admits) is agreed through this, so one rank
+    /// that cannot grow holds the whole group back instead of desyncing it.
+    fn min_u64(&self, value: u64) -> CollectiveResult<u64>;
+    /// Gather column blocks of host rows: this rank's `mine` is `[rows,
+    /// width]` and lands at columns `at..at + width` of `out`, `[rows, cols]`.
+    /// Every rank ends with the whole of `out`; columns no rank covers are left
+    /// as they were.
+    fn all_gather_cols(&self, mine: &[f32], rows: usize, at: usize, out: &mut [f32]) -> CollectiveResult<()>;
+    /// This rank's counts so far.
+    fn census(&self) -> Census;
+    /// Compare every rank's census over the side channel. Call at a cadence
+    /// every rank derives from replicated inputs.
+    fn compare_census(&self) -> CollectiveResult<Census>;
+    /// Tell the peers this rank has failed, so their waits end now instead of
+    /// at a timeout.
+    fn abort(&self, reason: &str);
+}
+
+/// Operations on a backend's activations. Object-safe: the model takes a
+/// `&dyn Collective<B>`.
+pub trait Collective<B: Backend>: Group {
+    /// Sum the first `rows` rows of `x` over every rank, in place.
+    fn all_reduce_sum(&self, backend: &B, x: &mut B::Act, rows: usize) -> CollectiveResult<()>;
+    /// Hand the first `rows` rows of `x` to rank `to`.
+    fn send(&self, backend: &B, to: Rank, x: &B::Act, rows: usize) -> CollectiveResult<()>;
+    /// Receive `rows` rows from rank `from` into `x`.
+    fn recv(&self, backend: &B, from: Rank, x: &mut B::Act, rows: usize) -> CollectiveResult<()>;
+}
+
+/// Activations whose rows live in host memory, which the in-process
+/// collective reads and writes directly.
+pub trait HostRows {
+    /// Values per row.
+    fn width(&self) -> usize;
+    fn host_rows(&self, rows: usize) -> &[f32];
+    fn host_rows_mut(&mut self, rows: usize) -> &mut [f32];
+}
+
+impl HostRows for CpuAct {
+    fn width(&self) -> usize {
+        self.cols()
+    }
+    fn host_rows(&self, rows: usize) -> &[f32] {
+        self.live(rows)
+    }
+    fn host_rows_mut(&mut self, rows: usize) -> &mut [f32] {
+        self.live_mut(rows)
+    }
+}
+
+fn place_cols(rank: Rank, mine: &[f32], rows: usize, at: usize, out: &mut [f32]) -> CollectiveResult<()> {
+    let bad = |width: usize, cols: usize| CollectiveError::BadColumns {
+        rank,
+        op: OpKind::AllGather,
+        at,
+        width,
+        cols,
+    };
+    if rows == 0 {
+        return Ok(());
+    }
+    let (width, cols) = (mine.len() / rows, out.len() / rows);
+    if mine.len() != width * rows || out.len() != cols * rows || at + width > cols {
+        return Err(bad(width, cols));
+    }
+    for r in 0..rows {
+        out[r * cols + at..r * cols + at + width].copy_from_slice(&mine[r * width..(r + 1) * width]);
+    }
+    Ok(())
+}
+
+/// The group of one: every exchange is the identity, so the single-rank path
+/// runs the same model code as a layout.
+#[derive(Debug, Default)]
+pub struct Solo {
+    counters: Counters,
+}
+
+impl Solo {
+    pub fn new() -> Solo {
+        Solo::default()
+    }
+}
+
+impl Group for Solo {
+    fn rank(&self) -> Rank {
+        Rank(0)
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn barrier(&self) -> CollectiveResult<()> {
+        self.counters.bump(OpKind::Barrier);
+        Ok(())
+    }
+    fn min_u64(&self, value: u64) -> CollectiveResult<u64> {
+        self.counters.bump(OpKind::Min);
+        Ok(value)
+    }
+    fn all_gather_cols(&self, mine: &[f32], rows: usize, at: usize, out: &mut [f32]) -> CollectiveResult<()> {
+        self.counters.bump(OpKind::AllGather);
+        place_cols(Rank(0), mine, rows, at, out)
+    }
+    fn census(&self) -> Census {
+        self.counters.snapshot()
+    }
+    fn compare_census(&self) -> CollectiveResult<Census> {
+        Ok(self.census())
+    }
+    fn abort(&self, _reason: &str) {}
+}
+
+impl<B: Backend> Collective<B> for Solo {
+    fn all_reduce_sum(&self, _backend: &B, _x: &mut B::Act, _rows: usize) -> CollectiveResult<()> {
+        self.counters.bump(OpKind::AllReduce);
+        Ok(())
+    }
+    fn send(&self, _backend: &B, to: Rank, _x: &B::Act, _rows: usize) -> CollectiveResult<()> {
+        Err(CollectiveError::NoPeer { rank: Rank(0), op: OpKind::Send, peer: to, world: 1 })
+    }
+    fn recv(&self, _backend: &B, from: Rank, _x: &mut B::Act, _rows: usize) -> CollectiveResult<()> {
+        Err(CollectiveError::NoPeer { rank: Rank(0), op: OpKind::Recv, peer: from, world: 1 })
+    }
+}
+
+/// What one rank brings to a round.
+#[derive(Debug)]
+enum Contribution {
+    Sum(Vec<f32>),
+    Cols { at: usize, rows: usize, data: Vec<f32> },
+    Min(u64),
+    Unit,
+}
+
+/// What every rank takes away from a round.
+#[derive(Debug)]
+enum Outcome {
+    Sum(Vec<f32>),
+    Cols(Vec<(usize, usize, Vec<f32>)>),
+    Min(u64),
+    Unit,
+}
+
+/// The round every rank is (or will be) in: collectives are entered in the
+/// same order on every rank, so one round at a time suffices.
+#[derive(Debug, Default)]
+struct Round {
+    kind: Option<(OpKind, Rank)>,
+    slots: Vec<Option<Contribution>>,
+    arrived: usize,
+    generation: u64,
+    result: Option<Arc<Outcome>>,
+    /// Ranks that have not yet taken the last result; a new round waits for 0.
+    readers_left: usize,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    aborted: Option<String>,
+    round: Round,
+    /// Point-to-point messages, by (from, to), in send order.
+    mail: HashMap<(u32, u32), VecDeque<Vec<f32>>>,
+}
+
+/// How many past comparisons each rank's posts are kept for: a rank that
+/// has finished comparison `e` may post `e + 1` before a slower peer has read
+/// `e`, so a post must not overwrite the one before it.
+const BOARD_DEPTH: usize = 4;
+
+#[derive(Debug, Default)]
+struct Board {
+    /// Each rank's recent posts: (epoch, counts), oldest first.
+    posts: Vec<VecDeque<(u64, Census)>>,
+}
+
+impl Board {
+    fn get(&self, rank: usize, epoch: u64) -> Option<Census> {
+        self.posts[rank].iter().find(|(e, _)| *e == epoch).map(|(_, c)| *c)
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    world: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    cv: Condvar,
+    counters: Vec<Counters>,
+    board: Mutex<Board>,
+    board_cv: Condvar,
+    epochs: Vec<AtomicU64>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A rank thread that panicked mid-collective leaves consistent data
+        // behind (every update is a whole assignment), so a poisoned lock is
+        // taken over rather than spreading the panic.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn board(&self) -> MutexGuard<'_, Board> {
+        self.board.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A group of ranks that are threads of this process. Create it once, hand
+/// one [`ThreadRank`] to each rank thread, and keep the group to
+/// [`reset`](ThreadGroup::reset) it after a failed step.
+#[derive(Clone, Debug)]
+pub struct ThreadGroup {
+    shared: Arc<Shared>,
+}
+
+/// One rank's handle on a [`ThreadGroup`].
+#[derive(Debug)]
+pub struct ThreadRank {
+    rank: Rank,
+    shared: Arc<Shared>,
+}
+
+impl ThreadGroup {
+    /// A group of `world` ranks; a collective that waits longer than
+    /// `timeout` for its peers fails (and aborts the group) instead of hanging.
+    pub fn new(world: usize, timeout: Duration) -> (ThreadGroup, Vec<ThreadRank>) {
+        let world = world.max(1);
+        let shared = Arc::new(Shared {
+            world,
+            timeout,
+            state: Mutex::new(State {
+                round: Round { slots: (0..world).map(|_| None).collect(), ..Round::default() },
+                ..State::default()
+            }),
+            cv: Condvar::new(),
+            counters: (0..world).map(|_| Counters::default()).collect(),
+            board: Mutex::new(Board { posts: vec![VecDeque::new(); world] }),
+            board_cv: Condvar::new(),
+            epochs: (0..world).map(|_| AtomicU64::new(0)).collect(),
+        });
+        let ranks = (0..world).map(|r| ThreadRank { rank: Rank(r as u32), shared: shared.clone() }).collect();
+        (ThreadGroup { shared }, ranks)
+    }
+
+    pub fn world(&self) -> usize {
+        self.shared.world
+    }
+
+    /// Abort every wait in progress (e.g. the driver saw a rank fail).
+    pub fn abort(&self, reason: &str) {
+        let mut st = self.shared.lock();
+        st.aborted.get_or_insert_with(|| reason.to_string());
+        self.shared.cv.notify_all();
+    }
+
+    /// Clear an aborted step: the half-finished round, undelivered messages
+    /// and the census (a failed step legitimately leaves ranks at different
+    /// counts). Call only while no rank is inside a collective.
+    pub fn reset(&self) {
+        let mut st = self.shared.lock();
+        st.aborted = None;
+        st.round = Round { slots: (0..self.shared.world).map(|_| None).collect(), ..Round::default() };
+        st.mail.clear();
+        for c in &self.shared.counters {
+            c.clear();
+        }
+        drop(st);
+        let mut board = self.shared.board();
+        board.posts.iter_mut().for_each(|p| p.clear());
+        for e in &self.shared.epochs {
+            e.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+impl ThreadRank {
+    fn abort_error(&self, op: OpKind, st: &State) -> Option<CollectiveError> {
+        st.aborted.as_ref().map(|reason| CollectiveError::Aborted {
+            rank: self.rank,
+            op,
+            reason: reason.clone(),
+        })
+    }
+
+    /// Wait on the group's condition variable until `done` holds, the group
+    /// is aborted, or the deadline passes (which aborts the group).
+    fn wait_until<'a>(
+        &self,
+        op: OpKind,
+        mut st: MutexGuard<'a, State>,
+        started: Instant,
+        done: impl Fn(&State) -> bool,
+    ) -> CollectiveResult<MutexGuard<'a, State>> {
+        let sh = &self.shared;
+        loop {
+            if let Some(e) = self.abort_error(op, &st) {
+                return Err(e);
+            }
+            if done(&st) {
+                return Ok(st);
+            }
+            let waited = started.elapsed();
+            if waited >= sh.timeout {
+                st.aborted = Some(format!("{} timed out in {op}", self.rank));
+                sh.cv.notify_all();
+                return Err(CollectiveError::Timeout { rank: self.rank, op, waited });
+            }
+            st = sh.cv.wait_timeout(st, sh.timeout - waited).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// Enter one round of a collective with this rank's contribution.
+    fn round(&self, op: OpKind, mine: Contribution) -> CollectiveResult<Arc<Outcome>> {
+        let sh = &self.shared;
+        sh.counters[self.rank.0 as usize].bump(op);
+        let started = Instant::now();
+        let st = sh.lock();
+        // The previous round's result must be taken by everyone first.
+        let mut st = self.wait_until(op, st, started, |s| s.round.readers_left == 0)?;
+        if let Some((theirs, other)) = st.round.kind {
+            if theirs != op {
+                let e = CollectiveError::Mismatch { rank: self.rank, op, other, theirs };
+                st.aborted = Some(e.to_string());
+                sh.cv.notify_all();
+                return Err(e);
+            }
+        }
+        st.round.kind = Some((op, self.rank));
+        st.round.slots[self.rank.0 as usize] = Some(mine);
+        st.round.arrived += 1;
+        let generation = st.round.generation;
+        if st.round.arrived == sh.world {
+            let outcome = self.combine(op, &mut st)?;
+            let r = &mut st.round;
+            r.result = Some(Arc::new(outcome));
+            r.readers_left = sh.world;
+            r.arrived = 0;
+            r.kind = None;
+            r.generation += 1;
+            sh.cv.notify_all();
+        }
+        let mut st = self.wait_until(op, st, started, |s| s.round.generation != generation)?;
+        let result = st.round.result.clone().expect("a finished round has a result");
+        st.round.readers_left -= 1;
+        if st.round.readers_left == 0 {
+            st.round.result = None;
+            sh.cv.notify_all();
+        }
+        Ok(result)
+    }
+
+    /// Combine every slot of a full round (called by the last rank to arrive).
+    fn combine(&self, op: OpKind, st: &mut State) -> CollectiveResult<Outcome> {
+        let slots: Vec<Contribution> =
+            st.round.slots.iter_mut().map(|s| s.take().unwrap_or(Contribution::Unit)).collect();
+        let fail = |st: &mut State, e: CollectiveError| {
+            st.aborted = Some(e.to_string());
+            self.shared.cv.notify_all();
+            Err(e)
+        };
+        Ok(match op {
+            OpKind::AllReduce => {
+                let mut acc: Option<Vec<f32>> = None;
+                for (r, s) in slots.into_iter().enumerate() {
+                    let Contribution::Sum(v) = s else { continue };
+                    match &mut acc {
+                        None => acc = Some(v),
+                        Some(a) if a.len() != v.len() => {
+                            let e = CollectiveError::Length {
+                                rank: self.rank,
+                                op,
+                                len: a.len(),
+                                other: Rank(r as u32),
+                                theirs: v.len(),
+                            };
+                            return fail(st, e);
+                        }
+                        Some(a) => a.iter_mut().zip(&v).for_each(|(a, b)| *a += b),
+                    }
+                }
+                Outcome::Sum(acc.unwrap_or_default())
+            }
+            OpKind::AllGather => Outcome::Cols(
+                slots
+                    .into_iter()
+                    .filter_map(|s| match s {
+                        Contribution::Cols { at, rows, data } => Some((at, rows, data)),
+                        _ => None,
+                    })
+                    .collect(),
+            ),
+            OpKind::Min => Outcome::Min(
+                slots
+                    .iter()
+                    .filter_map(|s| match s {
+                        Contribution::Min(v) => Some(*v),
+                        _ => None,
+                    })
+                    .min()
+                    .unwrap_or(u64::MAX),
+            ),
+            OpKind::Barrier | OpKind::Send | OpKind::Recv => Outcome::Unit,
+        })
+    }
+
+    fn peer(&self, op: OpKind, peer: Rank) -> CollectiveResult<()> {
+        if peer.0 as usize >= self.shared.world || peer == self.rank {
+            return Err(CollectiveError::NoPeer { rank: self.rank, op, peer, world: self.shared.world });
+        }
+        Ok(())
+    }
+
+    /// Send host values to `to` (buffered: returns once queued).
+    pub fn send_host(&self, to: Rank, values: &[f32]) -> CollectiveResult<()> {
+        self.peer(OpKind::Send, to)?;
+        let sh = &self.shared;
+        sh.counters[self.rank.0 as usize].bump(OpKind::Send);
+        let mut st = sh.lock();
+        if let Some(e) = self.abort_error(OpKind::Send, &st) {
+            return Err(e);
+        }
+        st.mail.entry((self.rank.0, to.0)).or_default().push_back(values.to_vec());
+        sh.cv.notify_all();
+        Ok(())
+    }
+
+    /// Receive host values from `from` into `out` (which must match the
+    /// length sent).
+    pub fn recv_host(&self, from: Rank, out: &mut [f32]) -> CollectiveResult<()> {
+        self.peer(OpKind::Recv, from)?;
+        let sh = &self.shared;
+        sh.counters[self.rank.0 as usize].bump(OpKind::Recv);
+        let key = (from.0, self.rank.0);
+        let st = sh.lock();
+        let mut st = self.wait_until(OpKind::Recv, st, Instant::now(), |s| {
+            s.mail.get(&key).is_some_and(|q| !q.is_empty())
+        })?;
+        let msg = st.mail.get_mut(&key).and_then(|q| q.pop_front()).expect("waited for a message");
+        if msg.len() != out.len() {
+            let e = CollectiveError::Length {
+                rank: self.rank,
+                op: OpKind::Recv,
+                len: out.len(),
+                other: from,
+                theirs: msg.len(),
+            };
+            st.aborted = Some(e.to_string());
+            sh.cv.notify_all();
+            return Err(e);
+        }
+        out.copy_from_slice(&msg);
+        Ok(())
+    }
+
+    /// Sum host values over every rank, in place.
+    pub fn all_reduce_host(&self, values: &mut [f32]) -> CollectiveResult<()> {
+        let out = self.round(OpKind::AllReduce, Contribution::Sum(values.to_vec()))?;
+        let Outcome::Sum(sum) = &*out else { unreachable!("an all-reduce round yields a sum") };
+        if sum.len() != values.len() {
+            return Err(CollectiveError::Length {
+                rank: self.rank,
+                op: OpKind::AllReduce,
+                len: values.len(),
+                other: self.rank,
+                theirs: sum.len(),
+            });
+        }
+        values.copy_from_slice(sum);
+        Ok(())
+    }
+}
+
+impl Group for ThreadRank {
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+    fn world(&self) -> usize {
+        self.shared.world
+    }
+    fn barrier(&self) -> CollectiveResult<()> {
+        self.round(OpKind::Barrier, Contribution::Unit).map(|_| ())
+    }
+    fn min_u64(&self, value: u64) -> CollectiveResult<u64> {
+        let out = self.round(OpKind::Min, Contribution::Min(value))?;
+        let Outcome::Min(v) = &*out else { unreachable!("a min round yields a minimum") };
+        Ok(*v)
+    }
+    fn all_gather_cols(&self, mine: &[f32], rows: usize, at: usize, out: &mut [f32]) -> CollectiveResult<()> {
+        let res = self.round(OpKind::AllGather, Contribution::Cols { at, rows, data: mine.to_vec() })?;
+        let Outcome::Cols(blocks) = &*res else { unreachable!("an all-gather round yields blocks") };
+        for (at, r, data) in blocks {
+            if *r != rows {
+                return Err(CollectiveError::Length {
+                    rank: self.rank,
+                    op: OpKind::AllGather,
+                    len: rows,
+                    other: self.rank,
+                    theirs: *r,
+                });
+            }
+            place_cols(self.rank, data, rows, *at, out)?;
+        }
+        Ok(())
+    }
+    fn census(&self) -> Census {
+        self.shared.counters[self.rank.0 as usize].snapshot()
+    }
+    fn compare_census(&self) -> CollectiveResult<Census> {
+        let sh = &self.shared;
+        let mine = self.census();
+        let epoch = sh.epochs[self.rank.0 as usize].fetch_add(1, Ordering::Relaxed) + 1;
+        let started = Instant::now();
+        let mut board = sh.board();
+        let own = &mut board.posts[self.rank.0 as usize];
+        own.push_back((epoch, mine));
+        if own.len() > BOARD_DEPTH {
+            own.pop_front();
+        }
+        sh.board_cv.notify_all();
+        loop {
+            let missing: Vec<Rank> =
+                (0..sh.world).filter(|&r| board.get(r, epoch).is_none()).map(|r| Rank(r as u32)).collect();
+            if missing.is_empty() {
+                break;
+            }
+            let waited = started.elapsed();
+            if waited >= sh.timeout {
+                return Err(CollectiveError::CensusSilent { missing, waited });
+            }
+            board = sh.board_cv.wait_timeout(board, sh.timeout - waited).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        let posts: Vec<Census> = (0..sh.world).map(|r| board.get(r, epoch).unwrap_or_default()).collect();
+        drop(board);
+        for kind in OpKind::ALL {
+            let (behind, lo) = posts
+                .iter()
+                .enumerate()
+                .map(|(r, c)| (r, c.get(kind)))
+                .min_by_key(|&(_, v)| v)
+                .unwrap_or((0, 0));
+            let (ahead, hi) = posts
+                .iter()
+                .enumerate()
+                .map(|(r, c)| (r, c.get(kind)))
+                .max_by_key(|&(_, v)| v)
+                .unwrap_or((0, 0));
+            if hi != lo {
+                return Err(CollectiveError::Divergence {
+                    kind,
+                    behind: Rank(behind as u32),
+                    ahead: Rank(ahead as u32),
+                    by: hi - lo,
+                });
+            }
+        }
+        Ok(mine)
+    }
+    fn abort(&self, reason: &str) {
+        let mut st = self.shared.lock();
+        st.aborted.get_or_insert_with(|| format!("{}: {reason}", self.rank));
+        self.shared.cv.notify_all();
+    }
+}
+
+impl<B: Backend> Collective<B> for ThreadRank
+where
+    B::Act: HostRows,
+{
+    fn all_reduce_sum(&self, _backend: &B, x: &mut B::Act, rows: usize) -> CollectiveResult<()> {
+        self.all_reduce_host(x.host_rows_mut(rows))
+    }
+    fn send(&self, _backend: &B, to: Rank, x: &B::Act, rows: usize) -> CollectiveResult<()> {
+        self.send_host(to, x.host_rows(rows))
+    }
+    fn recv(&self, _backend: &B, from: Rank, x: &mut B::Act, rows: usize) -> CollectiveResult<()> {
+        self.recv_host(from, x.host_rows_mut(rows))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run<T: Send + 'static>(world: usize, f: impl Fn(ThreadRank) -> T + Send + Sync + 'static) -> Vec<T> {
+        let (_g, ranks) = ThreadGroup::new(world, Duration::from_secs(20));
+        let f = Arc::new(f);
+        let hs: Vec<_> = ranks
+            .into_iter()
+            .map(|r| {
+                let f = f.clone();
+                std::thread::spawn(move || f(r))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    }
+
+    #[test]
+    fn all_reduce_sums_and_min_agrees() {
+        let out = run(3, |r| {
+            let me = r.rank().0 as f32;
+            let mut acc = Vec::new();
+            // Several rounds back to back: results must not leak between rounds.
+            for round in 0..50 {
+                let mut v = vec![me + round as f32, 1.0];
+                r.all_reduce_host(&mut v).unwrap();
+                acc.push(v);
+            }
+            let m = r.min_u64(100 + r.rank().0 as u64 * 7).unwrap();
+            (acc, m)
+        });
+        for (acc, m) in out {
+            for (round, v) in acc.iter().enumerate() {
+                assert_eq!(v, &vec![3.0 + 3.0 * round as f32, 3.0]);
+            }
+            assert_eq!(m, 100);
+        }
+    }
+
+    #[test]
+    fn gather_places_uneven_column_blocks() {
+        // Widths 3, 1, 2 over 6 columns, 2 rows.
+        let out = run(3, |r| {
+            let (at, w) = [(0, 3), (3, 1), (4, 2)][r.rank().0 as usize];
+            let mine: Vec<f32> = (0..2 * w).map(|i| (r.rank().0 * 100 + i as u32) as f32).collect();
+            let mut full = vec![-1.0; 12];
+            r.all_gather_cols(&mine, 2, at, &mut full).unwrap();
+            full
+        });
+        let want = vec![0., 1., 2., 100., 200., 201., 3., 4., 5., 101., 202., 203.];
+        assert!(out.iter().all(|o| *o == want), "{out:?}");
+    }
+
+    #[test]
+    fn send_recv_in_order_and_solo_is_identity() {
+        let out = run(2, |r| {
+            if r.rank() == Rank(0) {
+                r.send_host(Rank(1), &[1.0, 2.0]).unwrap();
+                r.send_host(Rank(1), &[3.0, 4.0]).unwrap();
+                vec![]
+            } else {
+                let (mut a, mut b) = ([0.0; 2], [0.0; 2]);
+                r.recv_host(Rank(0), &mut a).unwrap();
+                r.recv_host(Rank(0), &mut b).unwrap();
+                vec![a, b]
+            }
+        });
+        assert_eq!(out[1], vec![[1.0, 2.0], [3.0, 4.0]]);
+        let solo = Solo::new();
+        let mut full = vec![0.0; 4];
+        solo.all_gather_cols(&[1.0, 2.0, 3.0, 4.0], 2, 0, &mut full).unwrap();
+        assert_eq!(full, vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(solo.min_u64(9).unwrap(), 9);
+    }
+
+    #[test]
+    fn a_mismatched_collective_fails_every_rank_instead_of_hanging() {
+        let out = run(2, |r| if r.rank() == Rank(0) { r.barrier() } else { r.min_u64(1).map(|_| ()) });
+        assert!(out.iter().all(|o| o.is_err()), "{out:?}");
+        assert!(out.iter().any(|o| matches!(o, Err(CollectiveError::Mismatch { .. }))), "{out:?}");
+    }
+
+    #[test]
+    fn abort_ends_a_wait_and_reset_recovers() {
+        let (group, mut ranks) = ThreadGroup::new(2, Duration::from_secs(30));
+        let r1 = ranks.pop().unwrap();
+        let r0 = ranks.pop().unwrap();
+        let waiter = std::thread::spawn(move || {
+            let mut x = [0.0; 1];
+            let e = r1.recv_host(Rank(0), &mut x);
+            (r1, e)
+        });
+        r0.abort("rank0 failed its forward");
+        let (r1, e) = waiter.join().unwrap();
+        assert!(matches!(e, Err(CollectiveError::Aborted { .. })), "{e:?}");
+        group.reset();
+        let h = std::thread::spawn(move || r1.min_u64(5));
+        assert_eq!(r0.min_u64(3).unwrap(), 3);
+        assert_eq!(h.join().unwrap().unwrap(), 3);
+    }
+
+    #[test]
+    fn a_timeout_is_an_error_not_a_hang() {
+        let (_g, ranks) = ThreadGroup::new(2, Duration::from_millis(50));
+        let e = ranks[0].barrier();
+        assert!(matches!(e, Err(CollectiveError::Timeout { op: OpKind::Barrier, .. })), "{e:?}");
+    }
+
+    #[test]
+    fn census_names_the_rank_behind_and_by_how_many() {
+        let out = run(3, |r| {
+            for _ in 0..4 {
+                r.barrier().unwrap();
+            }
+            r.compare_census().unwrap();
+            // Ranks 0 and 1 each send two messages that rank 2 never sends, as
+            // a rank that skipped part of a step would; sends are buffered, so
+            // nothing wedges and only the census can notice.
+            if r.rank() != Rank(2) {
+                let peer = Rank(1 - r.rank().0);
+                r.send_host(peer, &[1.0]).unwrap();
+                r.send_host(peer, &[1.0]).unwrap();
+            }
+            r.compare_census()
+        });
+        for o in &out {
+            match o {
+                Err(CollectiveError::Divergence { kind: OpKind::Send, behind: Rank(2), by: 2, .. }) => {}
+                other => panic!("expected rank2 behind by 2 sends, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn census_does_not_wedge_when_a_peer_never_posts() {
+        let (_g, ranks) = ThreadGroup::new(2, Duration::from_millis(50));
+        let e = ranks[0].compare_census();
+        assert!(
+            matches!(e, Err(CollectiveError::CensusSilent { ref missing, .. }) if missing == &vec![Rank(1)]),
+            "{e:?}"
+        );
+    }
+}

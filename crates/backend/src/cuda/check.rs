@@ -1,0 +1,547 @@
+//! On-device self-check and micro-benchmarks, run by `examples/cuda_check.rs`
+//! on a GPU machine (never in CI, which has no GPU).
+//!
+//! Every op runs on the CUDA backend and on the CPU backend with the same
+//! random inputs (never all zeros) and the results are compared with a stated
+//! tolerance, relative to the largest reference magnitude:
+//! - `EXACT` (1e-4) where both sides compute in f32 from the same bf16 weights
+//!   (norms, RoPE, SiLU, adds, gathers, the GEMV, the embedding);
+//! - `BF16` (2e-2) where the device rounds an f32 operand to bf16 on purpose:
+//!   the cuBLASLt path (activations to bf16), f16 weights (widened to bf16) and
+//!   attention (the KV cache is bf16 on the device, f32 on the CPU). One bf16
+//!   rounding is a relative error of at most 2^-9 ≈ 2e-3 per element; 2e-2 is
+//!   ten times that, while a wrong index or a missing term is an O(1) error.
+
+use super::device::{cuda_err, Stream};
+use super::{CudaAct, CudaBackend, CudaKv};
+use crate::cpu::{CpuAct, CpuBackend};
+use crate::dtype::{DType, HostTensor, TensorBytes};
+use crate::{ActShape, Backend, GraphKey, KvGeometry, Result, RopeStyle, RopeTable, SeqStep, StepPlan};
+use corridor_units::PageId;
+use cudarc::driver::{result as cu, sys};
+use half::{bf16, f16};
+
+const EXACT: f32 = 1e-4;
+const BF16: f32 = 2e-2;
+
+/// What the check found: one line per comparison, and how many failed.
+#[derive(Debug, Default)]
+pub struct CheckReport {
+    pub lines: Vec<String>,
+    pub failures: usize,
+}
+
+impl CheckReport {
+    fn compare(&mut self, name: &str, got: &[f32], want: &[f32], tol: f32) {
+        let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-6);
+        let mut err = if got.len() == want.len() { 0f32 } else { f32::INFINITY };
+        for (g, w) in got.iter().zip(want) {
+            let e = (g - w).abs();
+            err = if e.is_nan() { f32::INFINITY } else { err.max(e) };
+        }
+        let ok = err <= tol * scale;
+        if !ok {
+            self.failures += 1;
+        }
+        self.lines.push(format!(
+            "{} {name}: max error {:.2e} of max |ref| {:.2e} (rel {:.2e}, tol {:.0e})",
+            if ok { "PASS" } else { "FAIL" },
+            err,
+            scale,
+            err / scale,
+            tol
+        ));
+    }
+}
+
+/// xorshift64*: deterministic, dependency-free inputs.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545f4914f6cdd1d)
+    }
+    /// Uniform in [-1, 1).
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f() * scale).collect()
+    }
+}
+
+fn tensor(name: &str, dtype: DType, shape: &[usize], bytes: Vec<u8>) -> HostTensor {
+    HostTensor { name: name.into(), dtype, shape: shape.to_vec(), data: TensorBytes::from_vec(bytes) }
+}
+
+fn float_tensor(name: &str, dtype: DType, rows: usize, cols: usize, vals: &[f32]) -> HostTensor {
+    let bytes: Vec<u8> = match dtype {
+        DType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::F16 => vals.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect(),
+        _ => vals.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
+    };
+    let shape: Vec<usize> = if rows == 1 { vec![cols] } else { vec![rows, cols] };
+    tensor(name, dtype, &shape, bytes)
+}
+
+/// Random ggml blocks with sane scales (random bytes would make inf/NaN scales).
+fn quant_tensor(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> HostTensor {
+    let mut b = Vec::new();
+    for _ in 0..rows * cols / 32 {
+        let d = f16::from_f32(0.01 + 0.02 * rng.f().abs());
+        b.extend_from_slice(&d.to_le_bytes());
+        match dtype {
+            DType::Q8_0 => b.extend((0..32).map(|_| (rng.next() >> 56) as u8)),
+            DType::Q4_0 => b.extend((0..16).map(|_| (rng.next() >> 56) as u8)),
+            _ => {
+                b.extend_from_slice(&f16::from_f32(-0.1 * rng.f().abs()).to_le_bytes());
+                b.extend((0..16).map(|_| (rng.next() >> 56) as u8));
+            }
+        }
+    }
+    tensor("q", dtype, &[rows, cols], b)
+}
+
+fn put_gpu(be: &CudaBackend, act: &CudaAct, data: &[f32]) -> Result<()> {
+    be.ctx.bind()?;
+    be.upload(act.ptr(), data)?;
+    be.synchronize()
+}
+
+fn put_cpu(act: &mut CpuAct, data: &[f32]) {
+    act.live_mut(data.len() / act.cols()).copy_from_slice(data);
+}
+
+/// The same activation on both backends.
+struct Pair {
+    g: CudaAct,
+    c: CpuAct,
+}
+
+fn pair(be: &CudaBackend, cpu: &CpuBackend, rows: usize, cols: usize, data: Option<&[f32]>) -> Result<Pair> {
+    let shape = ActShape { rows, cols };
+    let g = be.alloc_act(shape)?;
+    let mut c = cpu.alloc_act(shape)?;
+    if let Some(d) = data {
+        put_gpu(be, &g, d)?;
+        put_cpu(&mut c, d);
+    }
+    Ok(Pair { g, c })
+}
+
+fn read_both(be: &CudaBackend, cpu: &CpuBackend, p: &Pair, rows: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    be.read_rows(&p.g, rows, &mut a);
+    be.check()?;
+    cpu.read_rows(&p.c, rows, &mut b);
+    Ok((a, b))
+}
+
+/// Run every op on both backends and compare.
+pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
+    let cpu = CpuBackend::new();
+    let mut rep = CheckReport::default();
+    let mut rng = Rng(0x9e3779b97f4a7c15);
+
+    // Matmuls: every storage type, GEMV and cuBLASLt row counts, odd widths.
+    for &(dtype, n, k) in &[
+        (DType::BF16, 96, 64),
+        (DType::BF16, 40, 68),
+        (DType::F16, 96, 64),
+        (DType::F32, 48, 64),
+        (DType::Q8_0, 80, 96),
+        (DType::Q4_0, 80, 96),
+        (DType::Q4_1, 80, 96),
+    ] {
+        let t = if dtype.is_quantized() {
+            quant_tensor(&mut rng, dtype, n, k)
+        } else {
+            float_tensor("w", dtype, n, k, &rng.vec(n * k, 0.5))
+        };
+        let (wg, wc) = (be.upload_weight(&t)?, cpu.upload_weight(&t)?);
+        let bias = float_tensor("b", DType::F32, 1, n, &rng.vec(n, 0.5));
+        let (bg, bc) = (be.upload_weight(&bias)?, cpu.upload_weight(&bias)?);
+        for &rows in &[1usize, 3, 8, 9, 40] {
+            let x = pair(be, &cpu, rows, k, Some(&rng.vec(rows * k, 1.0)))?;
+            let mut out = pair(be, &cpu, rows, n, None)?;
+            let with_bias = rows == 3 || rows == 40;
+            be.matmul(&x.g, &wg, with_bias.then_some(&bg), rows, &mut out.g);
+            cpu.matmul(&x.c, &wc, with_bias.then_some(&bc), rows, &mut out.c);
+            let (a, b) = read_both(be, &cpu, &out, rows)?;
+            // f16 weights become bf16 on the device; above the GEMV rows the input is bf16 too.
+            let tol = if dtype == DType::F16 || dtype == DType::F32 || rows > super::GEMV_MAX_ROWS {
+                BF16
+            } else {
+                EXACT
+            };
+            rep.compare(
+                &format!("matmul {dtype} {rows}x{k} · {n}x{k}{}", if with_bias { " + bias" } else { "" }),
+                &a,
+                &b,
+                tol,
+            );
+        }
+    }
+
+    // Embedding from bf16 and Q8_0 tables.
+    for dtype in [DType::BF16, DType::Q8_0] {
+        let (vocab, cols) = (50, 64);
+        let t = if dtype == DType::Q8_0 {
+            quant_tensor(&mut rng, dtype, vocab, cols)
+        } else {
+            float_tensor("e", dtype, vocab, cols, &rng.vec(vocab * cols, 1.0))
+        };
+        let (tg, tc) = (be.upload_weight(&t)?, cpu.upload_weight(&t)?);
+        let ids: Vec<u32> = (0..7).map(|i| (i * 13 + 5) % vocab as u32).collect();
+        let mut out = pair(be, &cpu, 8, cols, None)?;
+        be.embedding(&tg, &ids, &mut out.g)?;
+        cpu.embedding(&tc, &ids, &mut out.c)?;
+        let (a, b) = read_both(be, &cpu, &out, ids.len())?;
+        rep.compare(&format!("embedding {dtype}"), &a, &b, EXACT);
+        rep.compare(
+            "embedding rejects an id outside the vocabulary",
+            &[f32::from(be.embedding(&tg, &[vocab as u32], &mut out.g).is_err())],
+            &[1.0],
+            EXACT,
+        );
+    }
+
+    // Norms, RoPE, SiLU, adds, gathers.
+    let (rows, hd, heads) = (5usize, 32usize, 4usize);
+    let cols = hd * heads;
+    let xs = rng.vec(rows * cols, 2.0);
+    let x = pair(be, &cpu, rows, cols, Some(&xs))?;
+    let w = float_tensor("n", DType::BF16, 1, cols, &rng.vec(cols, 1.0));
+    let (wg, wc) = (be.upload_weight(&w)?, cpu.upload_weight(&w)?);
+    let mut out = pair(be, &cpu, rows, cols, None)?;
+    be.rms_norm(&x.g, &wg, 1e-5, rows, &mut out.g);
+    cpu.rms_norm(&x.c, &wc, 1e-5, rows, &mut out.c);
+    let (a, b) = read_both(be, &cpu, &out, rows)?;
+    rep.compare("rms_norm", &a, &b, EXACT);
+    let hw = float_tensor("h", DType::BF16, 1, hd, &rng.vec(hd, 1.0));
+    let (hg, hc) = (be.upload_weight(&hw)?, cpu.upload_weight(&hw)?);
+    let mut y = pair(be, &cpu, rows, cols, Some(&xs))?;
+    be.head_rms_norm(&mut y.g, &hg, 1e-6, hd, rows);
+    cpu.head_rms_norm(&mut y.c, &hc, 1e-6, hd, rows);
+    let (a, b) = read_both(be, &cpu, &y, rows)?;
+    rep.compare("head_rms_norm", &a, &b, EXACT);
+    for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+        let table = RopeTable {
+            style,
+            rot_dim: hd,
+            inv_freq: (0..hd / 2).map(|i| 500000f32.powf(-((2 * i) as f32) / hd as f32)).collect(),
+        };
+        let positions: Vec<u32> = vec![0, 1, 17, 4095, 70000];
+        let mut y = pair(be, &cpu, rows, cols, Some(&xs))?;
+        be.rope(&mut y.g, &table, hd, &positions);
+        cpu.rope(&mut y.c, &table, hd, &positions);
+        let (a, b) = read_both(be, &cpu, &y, rows)?;
+        rep.compare(&format!("rope {style:?}"), &a, &b, EXACT);
+    }
+    let up = pair(be, &cpu, rows, cols, Some(&rng.vec(rows * cols, 3.0)))?;
+    let mut o = pair(be, &cpu, rows, cols, None)?;
+    be.silu_mul(&x.g, &up.g, rows, &mut o.g);
+    cpu.silu_mul(&x.c, &up.c, rows, &mut o.c);
+    let (a, b) = read_both(be, &cpu, &o, rows)?;
+    rep.compare("silu_mul", &a, &b, EXACT);
+    be.add_assign(&mut o.g, &up.g, rows - 1);
+    cpu.add_assign(&mut o.c, &up.c, rows - 1);
+    let (a, b) = read_both(be, &cpu, &o, rows)?;
+    rep.compare("add_assign (last row untouched)", &a, &b, EXACT);
+    let mut gth = pair(be, &cpu, 3, cols, None)?;
+    be.gather_rows(&x.g, &[4, 0, 2], &mut gth.g);
+    cpu.gather_rows(&x.c, &[4, 0, 2], &mut gth.c);
+    let (a, b) = read_both(be, &cpu, &gth, 3)?;
+    rep.compare("gather_rows", &a, &b, EXACT);
+
+    attention_checks(be, &cpu, &mut rep, &mut rng)?;
+    Ok(rep)
+}
+
+/// One attention scenario on both backends.
+struct AttnCase<'a> {
+    name: &'a str,
+    heads: usize,
+    geometry: KvGeometry,
+    /// (cached, rows) per sequence.
+    seqs: &'a [(usize, usize)],
+}
+
+fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
+    let g = |page_size, kv_heads, head_dim| KvGeometry { page_size, num_pages: 400, kv_heads, head_dim };
+    let cases = [
+        AttnCase {
+            name: "mixed decode / prefix-cached prefill / fresh prefill, hd 64",
+            heads: 8,
+            geometry: g(16, 2, 64),
+            seqs: &[(37, 1), (20, 13), (0, 7)],
+        },
+        AttnCase {
+            name: "tiny heads (hd 16, GQA 2)",
+            heads: 4,
+            geometry: g(16, 2, 16),
+            seqs: &[(5, 1), (0, 9)],
+        },
+        AttnCase {
+            name: "long decode, split-K (ctx 3001, hd 128, GQA 4)",
+            heads: 32,
+            geometry: g(16, 8, 128),
+            seqs: &[(3000, 1)],
+        },
+        AttnCase {
+            name: "batch-4 decode, hd 128",
+            heads: 16,
+            geometry: g(32, 4, 128),
+            seqs: &[(100, 1), (1000, 1), (7, 1), (63, 1)],
+        },
+    ];
+    for c in &cases {
+        attention_case(be, cpu, rep, rng, c)?;
+    }
+    Ok(())
+}
+
+fn attention_case(
+    be: &CudaBackend,
+    cpu: &CpuBackend,
+    rep: &mut CheckReport,
+    rng: &mut Rng,
+    c: &AttnCase<'_>,
+) -> Result<()> {
+    let geo = c.geometry;
+    let (kvw, qw) = (geo.kv_heads * geo.head_dim, c.heads * geo.head_dim);
+    let (mut kg, mut kc): (CudaKv, _) = (be.alloc_kv(geo)?, cpu.alloc_kv(geo)?);
+    // Scrambled page tables, distinct pages per sequence.
+    let mut next = 3u32;
+    let tables: Vec<Vec<PageId>> = c
+        .seqs
+        .iter()
+        .map(|&(cached, rows)| {
+            (0..(cached + rows).div_ceil(geo.page_size))
+                .map(|i| {
+                    next += 1 + (i as u32 % 3);
+                    PageId(next)
+                })
+                .collect()
+        })
+        .collect();
+    // First fill the cached history (one prefill of `cached` rows per sequence).
+    let hist: Vec<SeqStep> = {
+        let mut row = 0;
+        c.seqs
+            .iter()
+            .zip(&tables)
+            .map(|(&(cached, _), t)| {
+                let s = SeqStep { row_start: row, rows: cached, cached: 0, pages: t };
+                row += cached;
+                s
+            })
+            .collect()
+    };
+    let hrows: usize = c.seqs.iter().map(|s| s.0).sum();
+    if hrows > 0 {
+        let k = pair(be, cpu, hrows, kvw, Some(&rng.vec(hrows * kvw, 1.0)))?;
+        let v = pair(be, cpu, hrows, kvw, Some(&rng.vec(hrows * kvw, 1.0)))?;
+        be.write_kv(&mut kg, &k.g, &v.g, &hist);
+        cpu.write_kv(&mut kc, &k.c, &v.c, &hist);
+    }
+    // Then the step itself.
+    let mut row = 0;
+    let step: Vec<SeqStep> = c
+        .seqs
+        .iter()
+        .zip(&tables)
+        .map(|(&(cached, rows), t)| {
+            let s = SeqStep { row_start: row, rows, cached, pages: t };
+            row += rows;
+            s
+        })
+        .collect();
+    let rows = row;
+    let k = pair(be, cpu, rows, kvw, Some(&rng.vec(rows * kvw, 1.0)))?;
+    let v = pair(be, cpu, rows, kvw, Some(&rng.vec(rows * kvw, 1.0)))?;
+    let q = pair(be, cpu, rows, qw, Some(&rng.vec(rows * qw, 2.0)))?;
+    be.write_kv(&mut kg, &k.g, &v.g, &step);
+    cpu.write_kv(&mut kc, &k.c, &v.c, &step);
+    let mut out = pair(be, cpu, rows, qw, None)?;
+    be.attention(&q.g, &kg, c.heads, &step, &mut out.g);
+    cpu.attention(&q.c, &kc, c.heads, &step, &mut out.c);
+    let (a, b) = read_both(be, cpu, &out, rows)?;
+    rep.compare(&format!("attention: {}", c.name), &a, &b, BF16);
+
+    // Copy-on-write of the first sequence's first page, then attend through the copy.
+    let mut moved = tables[0].clone();
+    let fresh = PageId(next + 5);
+    be.copy_page(&mut kg, moved[0], fresh);
+    cpu.copy_page(&mut kc, moved[0], fresh);
+    moved[0] = fresh;
+    let mut step2 = step.clone();
+    step2[0].pages = &moved;
+    // The step's rows are already in the cache; re-attending must give the same answer.
+    let mut out2 = pair(be, cpu, rows, qw, None)?;
+    be.attention(&q.g, &kg, c.heads, &step2, &mut out2.g);
+    cpu.attention(&q.c, &kc, c.heads, &step2, &mut out2.c);
+    let (a2, b2) = read_both(be, cpu, &out2, rows)?;
+    rep.compare(&format!("attention after copy_page: {}", c.name), &a2, &b2, BF16);
+    Ok(())
+}
+
+/// Capture a decode-shaped step (norm, matmul, KV write, attention), replay it
+/// with other metadata and inputs, and compare with the CPU running the ops.
+pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(42);
+    let (heads, kvh, hd, hidden) = (8usize, 2usize, 64usize, 128usize);
+    let geo = KvGeometry { page_size: 16, num_pages: 64, kv_heads: kvh, head_dim: hd };
+    let (mut kg, mut kc) = (be.alloc_kv(geo)?, cpu.alloc_kv(geo)?);
+    let wq = float_tensor("wq", DType::BF16, heads * hd, hidden, &rng.vec(heads * hd * hidden, 0.2));
+    let wk = float_tensor("wk", DType::BF16, kvh * hd, hidden, &rng.vec(kvh * hd * hidden, 0.2));
+    let nw = float_tensor("n", DType::BF16, 1, hidden, &rng.vec(hidden, 1.0));
+    let (qg, qc) = (be.upload_weight(&wq)?, cpu.upload_weight(&wq)?);
+    let (kwg, kwc) = (be.upload_weight(&wk)?, cpu.upload_weight(&wk)?);
+    let (ng, nc) = (be.upload_weight(&nw)?, cpu.upload_weight(&nw)?);
+    let pages = [PageId(9), PageId(2), PageId(30)];
+    let key = GraphKey { rows: 2, logit_rows: 2 };
+    let mut h = pair(be, &cpu, 2, hidden, None)?;
+    let mut q = pair(be, &cpu, 2, heads * hd, None)?;
+    let mut k = pair(be, &cpu, 2, kvh * hd, None)?;
+    let mut o = pair(be, &cpu, 2, heads * hd, None)?;
+    for (round, cached) in [(0usize, 3usize), (1, 20), (2, 41)] {
+        let x = pair(be, &cpu, 2, hidden, Some(&rng.vec(2 * hidden, 1.0)))?;
+        // Two sequences sharing the page list at different lengths (distinct tokens do not matter here).
+        let seqs = [
+            SeqStep { row_start: 0, rows: 1, cached, pages: &pages },
+            SeqStep { row_start: 1, rows: 1, cached: cached + 1, pages: &pages },
+        ];
+        let positions = [cached as u32, cached as u32 + 1];
+        be.begin_step(&StepPlan {
+            tokens: &[1, 2],
+            positions: &positions,
+            seqs: &seqs,
+            logit_rows: &[0, 1],
+        })?;
+        let ops_g = |h: &mut CudaAct, q: &mut CudaAct, k: &mut CudaAct, kv: &mut CudaKv, o: &mut CudaAct| {
+            be.rms_norm(&x.g, &ng, 1e-5, 2, h);
+            be.matmul(h, &qg, None, 2, q);
+            be.matmul(h, &kwg, None, 2, k);
+            be.write_kv(kv, k, k, &seqs);
+            be.attention(q, kv, heads, &seqs, o);
+        };
+        let replayed = be.graph_replay(key)?;
+        if !replayed {
+            let capturing = be.graph_capture_begin(key)?;
+            ops_g(&mut h.g, &mut q.g, &mut k.g, &mut kg, &mut o.g);
+            if capturing {
+                be.graph_capture_end(key)?;
+            }
+        }
+        cpu.rms_norm(&x.c, &nc, 1e-5, 2, &mut h.c);
+        cpu.matmul(&h.c, &qc, None, 2, &mut q.c);
+        cpu.matmul(&h.c, &kwc, None, 2, &mut k.c);
+        cpu.write_kv(&mut kc, &k.c, &k.c, &seqs);
+        cpu.attention(&q.c, &kc, heads, &seqs, &mut o.c);
+        let (a, b) = read_both(be, &cpu, &o, 2)?;
+        rep.compare(
+            &format!(
+                "graph round {round} ({}, cached {cached})",
+                if replayed { "replayed" } else { "captured" }
+            ),
+            &a,
+            &b,
+            BF16,
+        );
+    }
+    Ok(())
+}
+
+/// Device time of `f` in milliseconds: median of `reps` runs after a warm-up, by CUDA events.
+fn time_ms(be: &CudaBackend, reps: usize, mut f: impl FnMut()) -> Result<f32> {
+    be.ctx.bind()?;
+    let stream: Stream = be.stream;
+    let ev =
+        || cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| cuda_err("cuEventCreate", e));
+    let (a, b) = (ev()?, ev()?);
+    for _ in 0..3 {
+        f();
+    }
+    let mut ts = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        // SAFETY: events and stream of this context.
+        unsafe {
+            cu::event::record(a, stream.0).map_err(|e| cuda_err("cuEventRecord", e))?;
+            f();
+            cu::event::record(b, stream.0).map_err(|e| cuda_err("cuEventRecord", e))?;
+            cu::event::synchronize(b).map_err(|e| cuda_err("cuEventSynchronize", e))?;
+            ts.push(cu::event::elapsed(a, b).map_err(|e| cuda_err("cuEventElapsedTime", e))?);
+        }
+    }
+    unsafe {
+        let _ = cu::event::destroy(a);
+        let _ = cu::event::destroy(b);
+    }
+    be.check()?;
+    ts.sort_by(f32::total_cmp);
+    Ok(ts[ts.len() / 2])
+}
+
+/// Micro-benchmarks against the H200 ceilings (~4.3 TB/s copy, ~800 TFLOP/s bf16).
+pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let mut rng = Rng(7);
+    for &(n, k) in &[(4096usize, 4096usize), (14336, 4096), (4096, 14336), (128256, 4096)] {
+        let vals: Vec<f32> = rng.vec(n * k, 0.05);
+        let w = be.upload_weight(&float_tensor("w", DType::BF16, n, k, &vals))?;
+        let x = be.alloc_act(ActShape { rows: 8, cols: k })?;
+        put_gpu(be, &x, &rng.vec(8 * k, 1.0))?;
+        let mut out = be.alloc_act(ActShape { rows: 8, cols: n })?;
+        for rows in [1usize, 8] {
+            let ms = time_ms(be, 50, || be.matmul(&x, &w, None, rows, &mut out))?;
+            let gbs = (n * k * 2) as f64 / (ms as f64 * 1e-3) / 1e9;
+            lines.push(format!(
+                "gemv bf16 {n}x{k} rows {rows}: {ms:.4} ms, {gbs:.0} GB/s = {:.0}% of 4300 GB/s",
+                gbs / 43.0
+            ));
+        }
+    }
+    {
+        let (m, n, k) = (4096usize, 14336usize, 4096usize);
+        let w = be.upload_weight(&float_tensor("w", DType::BF16, n, k, &rng.vec(n * k, 0.05)))?;
+        let x = be.alloc_act(ActShape { rows: m, cols: k })?;
+        put_gpu(be, &x, &rng.vec(m * k, 1.0))?;
+        let mut out = be.alloc_act(ActShape { rows: m, cols: n })?;
+        let ms = time_ms(be, 20, || be.matmul(&x, &w, None, m, &mut out))?;
+        let tf = 2.0 * (m * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
+        lines.push(format!(
+            "matmul (f32->bf16 + cuBLASLt) {m}x{k} · {n}x{k}: {ms:.3} ms, {tf:.0} TFLOP/s = {:.0}% of 800",
+            tf / 8.0
+        ));
+    }
+    // Attention: Llama-3-8B shapes (32 heads, 8 KV heads, head_dim 128).
+    let geo = KvGeometry { page_size: 16, num_pages: 600, kv_heads: 8, head_dim: 128 };
+    let mut kv = be.alloc_kv(geo)?;
+    let pages: Vec<PageId> = (0..512u32).map(|i| PageId((i * 7) % 600)).collect();
+    for &(cached, rows) in &[(4095usize, 1usize), (0, 2048), (6000, 1)] {
+        let q = be.alloc_act(ActShape { rows, cols: 32 * 128 })?;
+        put_gpu(be, &q, &rng.vec(rows * 32 * 128, 1.0))?;
+        let kvv = be.alloc_act(ActShape { rows, cols: 8 * 128 })?;
+        put_gpu(be, &kvv, &rng.vec(rows * 8 * 128, 1.0))?;
+        let seqs = [SeqStep { row_start: 0, rows, cached, pages: &pages }];
+        be.write_kv(&mut kv, &kvv, &kvv, &seqs);
+        let mut out = be.alloc_act(ActShape { rows, cols: 32 * 128 })?;
+        let ms = time_ms(be, 20, || be.attention(&q, &kv, 32, &seqs, &mut out))?;
+        let ctx = cached + rows;
+        if rows == 1 {
+            let gbs = (ctx * 8 * 128 * 2 * 2) as f64 / (ms as f64 * 1e-3) / 1e9;
+            lines.push(format!("decode attention ctx {ctx}: {ms:.4} ms, KV read {gbs:.0} GB/s"));
+        } else {
+            let flops = 4.0 * 32.0 * 128.0 * (rows * (rows + 1) / 2) as f64;
+            lines.push(format!(
+                "prefill attention {rows} tokens: {ms:.3} ms, {:.1} TFLOP/s",
+                flops / (ms as f64 * 1e-3) / 1e12
+            ));
+        }
+    }
+    Ok(lines)
+}

@@ -1,0 +1,212 @@
+//! The CUDA context, its stream, and every device allocation of the backend.
+//!
+//! All device memory goes through [`DeviceAlloc::alloc`], which carries a
+//! [`Purpose`] label, so one implementation (the per-card chokepoint) can book
+//! each byte under weights, workspace, KV or graphs. [`CudaMalloc`] is the
+//! plain default. Buffers are RAII guards without `Clone`: dropping one hands
+//! its bytes back through the same allocator.
+
+use crate::{BackendError, Result};
+use corridor_units::Bytes;
+use cudarc::driver::{result as cu, sys};
+use std::sync::Arc;
+
+/// What a device allocation is for; the books keep one column per purpose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Purpose {
+    Weights,
+    Workspace,
+    Kv,
+    Graphs,
+    Other,
+}
+
+impl Purpose {
+    pub fn label(self) -> &'static str {
+        match self {
+            Purpose::Weights => "weights",
+            Purpose::Workspace => "workspace",
+            Purpose::Kv => "kv",
+            Purpose::Graphs => "graphs",
+            Purpose::Other => "other",
+        }
+    }
+}
+
+/// The one way the backend obtains device memory. The caller has made the
+/// backend's context current on this thread.
+pub trait DeviceAlloc: Send + Sync {
+    /// A device pointer to `bytes` bytes, aligned to at least 256 bytes.
+    fn alloc(&self, bytes: Bytes, purpose: Purpose) -> Result<u64>;
+    /// Return an allocation made by `alloc` with the same size and purpose.
+    fn free(&self, ptr: u64, bytes: Bytes, purpose: Purpose);
+}
+
+/// The default allocator: `cuMemAlloc` / `cuMemFree` on the current context.
+#[derive(Debug, Default)]
+pub struct CudaMalloc {
+    pub device: String,
+}
+
+impl DeviceAlloc for CudaMalloc {
+    fn alloc(&self, bytes: Bytes, purpose: Purpose) -> Result<u64> {
+        // SAFETY: a plain allocation; zero-byte requests are rounded up so every
+        // buffer has a distinct, valid pointer.
+        unsafe { cu::malloc_sync(bytes.0.max(256) as usize) }.map_err(|_| BackendError::OutOfMemory {
+            device: self.device.clone(),
+            want: bytes.0,
+            purpose: purpose.label(),
+        })
+    }
+    fn free(&self, ptr: u64, _bytes: Bytes, _purpose: Purpose) {
+        // SAFETY: `ptr` came from `alloc` and is freed once (DeviceBuffer's Drop).
+        // A failure here means the context is already broken; nothing to do.
+        let _ = unsafe { cu::free_sync(ptr) };
+    }
+}
+
+/// A CUDA context handle that may be shared between threads (the driver
+/// allows any thread to make a context current).
+#[derive(Clone, Copy, Debug)]
+pub struct Ctx(pub sys::CUcontext);
+// SAFETY: CUcontext is an opaque handle the driver lets any thread use.
+unsafe impl Send for Ctx {}
+unsafe impl Sync for Ctx {}
+
+impl Ctx {
+    /// Make this context current on the calling thread (cheap when it already is).
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: the context is retained for the backend's lifetime.
+        unsafe { cu::ctx::set_current(self.0) }.map_err(|e| cuda_err("cuCtxSetCurrent", e))
+    }
+}
+
+/// A stream handle that may be shared between threads.
+#[derive(Clone, Copy, Debug)]
+pub struct Stream(pub sys::CUstream);
+// SAFETY: a CUstream is an opaque handle; every use is serialized by the backend's lock.
+unsafe impl Send for Stream {}
+unsafe impl Sync for Stream {}
+
+/// A device allocation, freed on drop.
+pub struct DeviceBuffer {
+    ptr: u64,
+    bytes: Bytes,
+    purpose: Purpose,
+    alloc: Arc<dyn DeviceAlloc>,
+    ctx: Ctx,
+}
+
+impl DeviceBuffer {
+    pub fn new(
+        alloc: &Arc<dyn DeviceAlloc>,
+        ctx: Ctx,
+        bytes: Bytes,
+        purpose: Purpose,
+    ) -> Result<DeviceBuffer> {
+        ctx.bind()?;
+        let ptr = alloc.alloc(bytes, purpose)?;
+        Ok(DeviceBuffer { ptr, bytes, purpose, alloc: alloc.clone(), ctx })
+    }
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn bytes(&self) -> Bytes {
+        self.bytes
+    }
+    pub fn purpose(&self) -> Purpose {
+        self.purpose
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            self.alloc.free(self.ptr, self.bytes, self.purpose);
+        }
+    }
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuffer({:#x}, {}, {})", self.ptr, self.bytes, self.purpose.label())
+    }
+}
+
+/// A driver error as a backend error naming the call that failed.
+pub fn cuda_err(op: &'static str, e: cu::DriverError) -> BackendError {
+    let name =
+        e.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", e.0));
+    BackendError::Cuda { op, reason: name }
+}
+
+/// Kernel arguments packed into 8-byte slots: the driver reads each parameter's
+/// own size from the start of its slot (little-endian), so pointers, `int`,
+/// `long long` and `float` all fit without a heap allocation per launch.
+pub struct Args {
+    vals: [u64; 24],
+    n: usize,
+}
+
+impl Args {
+    pub fn new() -> Args {
+        Args { vals: [0; 24], n: 0 }
+    }
+    fn push(mut self, v: u64) -> Args {
+        assert!(self.n < self.vals.len(), "kernel argument list too long");
+        self.vals[self.n] = v;
+        self.n += 1;
+        self
+    }
+    pub fn ptr(self, p: u64) -> Args {
+        self.push(p)
+    }
+    pub fn i32(self, v: i32) -> Args {
+        self.push(v as u32 as u64)
+    }
+    pub fn i64(self, v: i64) -> Args {
+        self.push(v as u64)
+    }
+    pub fn f32(self, v: f32) -> Args {
+        self.push(v.to_bits() as u64)
+    }
+}
+
+impl Default for Args {
+    fn default() -> Self {
+        Args::new()
+    }
+}
+
+/// A loaded kernel.
+#[derive(Clone, Copy, Debug)]
+pub struct Kernel(pub sys::CUfunction);
+// SAFETY: a CUfunction is an immutable handle into a loaded module.
+unsafe impl Send for Kernel {}
+unsafe impl Sync for Kernel {}
+
+/// Grid and block dimensions of one launch.
+#[derive(Clone, Copy, Debug)]
+pub struct LaunchDims {
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+}
+
+impl Kernel {
+    /// Enqueue the kernel on `stream`.
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's signature and every pointer must
+    /// be valid for what the kernel reads and writes.
+    pub unsafe fn launch(&self, stream: Stream, dims: LaunchDims, args: &mut Args) -> Result<()> {
+        let mut params: [*mut std::ffi::c_void; 24] = [std::ptr::null_mut(); 24];
+        for (i, p) in params.iter_mut().enumerate().take(args.n) {
+            *p = (&mut args.vals[i]) as *mut u64 as *mut std::ffi::c_void;
+        }
+        if dims.grid.0 == 0 || dims.grid.1 == 0 || dims.grid.2 == 0 {
+            return Ok(());
+        }
+        cu::launch_kernel(self.0, dims.grid, (dims.block, 1, 1), 0, stream.0, &mut params[..args.n])
+            .map_err(|e| cuda_err("cuLaunchKernel", e))
+    }
+}

@@ -1,0 +1,1067 @@
+//! The CUDA backend: the same operations as the CPU backend, on one GPU.
+//!
+//! - Activations are f32 device matrices (`CudaAct`), as the trait promises.
+//! - Weights: matrices in bf16 (f16/f32 checkpoints converted at upload), the
+//!   ggml block formats uploaded as they are; vectors (norms, biases) in f32.
+//! - Matmuls: a GEMV kernel for up to `GEMV_MAX_ROWS` rows (decode: every
+//!   weight byte read once per step), cuBLASLt bf16 × bf16 → f32 above that,
+//!   with quantized weights widened to bf16 a tile of rows at a time.
+//! - KV: bf16, per layer `[pages, page_size, kv_heads, head_dim]` for K and V;
+//!   attention is split-K over the context (flash-decoding) with a combine
+//!   pass, causal per row, grouped-query.
+//! - Step metadata (token ids, positions, page tables, row maps) lives in
+//!   device buffers sized at construction; each op compares its host
+//!   arguments with what was last uploaded and copies only what changed, so
+//!   `begin_step` makes every per-layer op upload nothing, and a captured
+//!   step can be replayed after `begin_step` refreshed the buffers.
+//!
+//! Ops that return `()` record the first device error; `check` returns it.
+
+pub mod check;
+pub mod device;
+pub mod gemm;
+pub mod nvrtc;
+pub mod preflight;
+
+use crate::dtype::{DType, HostTensor};
+use crate::{
+    ActShape, Backend, BackendError, GraphKey, KvGeometry, Result, RopeStyle, RopeTable, SeqStep, StepPlan,
+};
+use corridor_units::{Bytes, PageId};
+use cudarc::driver::{result as cu, sys};
+use device::{cuda_err, Args, Ctx, DeviceAlloc, DeviceBuffer, Kernel, LaunchDims, Purpose, Stream};
+use gemm::{Gemm, GemmShape};
+use half::{bf16, f16};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub use device::CudaMalloc;
+pub use preflight::{preflight, Preflight};
+
+/// Rows up to which matmuls use the GEMV kernels (kernels/gemv.cu GEMV_MAX_ROWS).
+pub const GEMV_MAX_ROWS: usize = 8;
+/// Largest head dimension the attention kernel holds in registers.
+pub const MAX_HEAD_DIM: usize = 256;
+/// Bytes of the bf16 tile a quantized weight is widened into for prefill.
+const DEQUANT_TILE: usize = 32 << 20;
+/// Alignment of weights inside the weight arena (cuBLASLt wants 16, the
+/// vector loads 16; 256 keeps every tensor on its own cache lines).
+const ARENA_ALIGN: u64 = 256;
+
+/// Sizes the backend allocates its step metadata for, once, at construction.
+#[derive(Clone, Debug)]
+pub struct CudaBackendConfig {
+    /// CUDA device ordinal.
+    pub ordinal: usize,
+    /// Token rows of the largest step (grown by `alloc_act` when a workspace asks for more).
+    pub max_rows: usize,
+    /// Sequences in one step.
+    pub max_seqs: usize,
+    /// Page-table entries of one sequence.
+    pub max_pages_per_seq: usize,
+    /// (row, head, split) slots of the split-K attention scratch.
+    pub attn_partials: usize,
+    /// Where compiled kernels are cached (`$CORRIDOR_CACHE_DIR/kernels`); `None` compiles every time.
+    pub kernel_cache_dir: Option<PathBuf>,
+}
+
+impl Default for CudaBackendConfig {
+    fn default() -> Self {
+        CudaBackendConfig {
+            ordinal: 0,
+            max_rows: 512,
+            max_seqs: 256,
+            max_pages_per_seq: 4096,
+            attn_partials: 1 << 16,
+            kernel_cache_dir: None,
+        }
+    }
+}
+
+struct Kernels {
+    embedding: Kernel,
+    rms_norm: Kernel,
+    head_rms_norm: Kernel,
+    rope: Kernel,
+    silu_mul: Kernel,
+    add_assign: Kernel,
+    add_bias: Kernel,
+    gather_rows: Kernel,
+    f32_to_bf16_rows: Kernel,
+    dequant_rows: Kernel,
+    write_kv: Kernel,
+    gemv_bf16: Kernel,
+    gemv_any: Kernel,
+    attn_partial: Kernel,
+    attn_combine: Kernel,
+}
+
+/// Where a weight's bytes live: its own allocation or a slice of the arena.
+enum WeightMem {
+    Own(DeviceBuffer),
+    Arena { _arena: Arc<DeviceBuffer>, ptr: u64 },
+}
+
+/// A weight on the device: `[rows, cols]` in `dtype` (BF16, F32 for vectors, or a ggml block type).
+pub struct CudaWeight {
+    mem: WeightMem,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+}
+
+impl CudaWeight {
+    fn ptr(&self) -> u64 {
+        match &self.mem {
+            WeightMem::Own(b) => b.ptr(),
+            WeightMem::Arena { ptr, .. } => *ptr,
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+}
+
+/// An activation matrix `[rows, cols]` f32 on the device.
+pub struct CudaAct {
+    buf: DeviceBuffer,
+    rows: usize,
+    cols: usize,
+}
+
+impl CudaAct {
+    pub fn ptr(&self) -> u64 {
+        self.buf.ptr()
+    }
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// One layer's paged K and V in bf16, each `[num_pages, page_size, kv_heads, head_dim]`.
+pub struct CudaKv {
+    geometry: KvGeometry,
+    k: DeviceBuffer,
+    v: DeviceBuffer,
+}
+
+impl CudaKv {
+    pub fn geometry(&self) -> KvGeometry {
+        self.geometry
+    }
+}
+
+/// A bump allocator over one device allocation for all weights.
+struct Arena {
+    buf: Arc<DeviceBuffer>,
+    used: u64,
+}
+
+/// One u32 metadata array: its device buffer and the host copy last uploaded.
+struct Meta {
+    dev: DeviceBuffer,
+    cap: usize,
+    host: Vec<u32>,
+    valid: bool,
+}
+
+/// The step's per-row and per-sequence maps, built on the host.
+#[derive(Default, PartialEq)]
+struct SeqMaps {
+    row_pos: Vec<u32>,
+    row_seq: Vec<u32>,
+    seq_pt_off: Vec<u32>,
+    page_table: Vec<u32>,
+    /// Rows the maps cover (one past the last row of any sequence).
+    rows: usize,
+    /// Longest context of any row.
+    max_ctx: usize,
+}
+
+struct Captured {
+    exec: sys::CUgraphExec,
+    graph: sys::CUgraph,
+}
+
+struct State {
+    gemm: Gemm,
+    error: Option<BackendError>,
+    tokens: Meta,
+    positions: Meta,
+    gather: Meta,
+    row_pos: Meta,
+    row_seq: Meta,
+    seq_pt_off: Meta,
+    page_table: Meta,
+    maps: SeqMaps,
+    maps_scratch: SeqMaps,
+    inv_freq: DeviceBuffer,
+    inv_freq_host: Vec<f32>,
+    /// f32 → bf16 copy of a matmul's input rows.
+    xbf: Option<DeviceBuffer>,
+    /// bf16 tile of a quantized weight, widened for a prefill GEMM.
+    tile: Option<DeviceBuffer>,
+    part_o: DeviceBuffer,
+    part_ml: DeviceBuffer,
+    arena: Option<Arena>,
+    capturing: Option<GraphKey>,
+    graphs: HashMap<GraphKey, Captured>,
+}
+
+// SAFETY: the raw graph handles inside are only used under the backend's mutex.
+unsafe impl Send for State {}
+
+/// The CUDA backend for one device.
+pub struct CudaBackend {
+    name: String,
+    ctx: Ctx,
+    stream: Stream,
+    module: sys::CUmodule,
+    k: Kernels,
+    alloc: Arc<dyn DeviceAlloc>,
+    sm_count: usize,
+    arch: String,
+    config: CudaBackendConfig,
+    state: Mutex<State>,
+}
+
+// SAFETY: the module handle is immutable once loaded; everything mutable is behind `state`.
+unsafe impl Send for CudaBackend {}
+unsafe impl Sync for CudaBackend {}
+
+fn dtype_code(d: DType) -> i32 {
+    match d {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+        DType::Q8_0 => 2,
+        DType::Q4_0 => 3,
+        DType::Q4_1 => 4,
+        DType::F16 => -1, // converted at upload, never on the device
+    }
+}
+
+fn dims1(n: usize, block: u32) -> LaunchDims {
+    LaunchDims { grid: ((n as u32).clamp(1, 65535 * 16), 1, 1), block }
+}
+
+fn grid_for(n: usize, block: u32) -> LaunchDims {
+    let blocks = n.div_ceil(block as usize).clamp(1, 65535 * 8);
+    dims1(blocks, block)
+}
+
+impl CudaBackend {
+    /// Open device `config.ordinal` with the default allocator.
+    pub fn new(config: CudaBackendConfig) -> Result<CudaBackend> {
+        let device = format!("cuda:{}", config.ordinal);
+        Self::with_alloc(config, Arc::new(CudaMalloc { device }))
+    }
+
+    /// Open a device with every allocation routed through `alloc`.
+    pub fn with_alloc(config: CudaBackendConfig, alloc: Arc<dyn DeviceAlloc>) -> Result<CudaBackend> {
+        preflight::preflight()?;
+        cu::init().map_err(|e| cuda_err("cuInit", e))?;
+        let dev = cu::device::get(config.ordinal as i32).map_err(|e| cuda_err("cuDeviceGet", e))?;
+        // SAFETY: a valid device from cuDeviceGet; the primary context is retained for the process.
+        let ctx =
+            Ctx(unsafe { cu::primary_ctx::retain(dev) }
+                .map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))?);
+        ctx.bind()?;
+        let attr =
+            |a| unsafe { cu::device::get_attribute(dev, a) }.map_err(|e| cuda_err("cuDeviceGetAttribute", e));
+        let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let sm_count = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
+        let arch = format!("sm_{major}{minor}");
+        let dev_name = cu::device::get_name(dev).unwrap_or_else(|_| "unknown".into());
+        let stream = Stream(
+            cu::stream::create(cu::stream::StreamKind::NonBlocking)
+                .map_err(|e| cuda_err("cuStreamCreate", e))?,
+        );
+        let source: String = nvrtc::SOURCES.concat();
+        let compiled = nvrtc::compile_cubin(&source, &arch, config.kernel_cache_dir.as_deref())?;
+        // SAFETY: a CUBIN image NVRTC produced for this device's architecture.
+        let module = unsafe { cu::module::load_data(compiled.cubin.as_ptr() as *const _) }
+            .map_err(|e| cuda_err("cuModuleLoadData", e))?;
+        let f = |name: &str| -> Result<Kernel> {
+            let c = std::ffi::CString::new(name).expect("kernel names have no NUL");
+            // SAFETY: the module is loaded; the name is one of ours.
+            unsafe { cu::module::get_function(module, c) }
+                .map(Kernel)
+                .map_err(|e| cuda_err("cuModuleGetFunction", e))
+        };
+        let k = Kernels {
+            embedding: f("embedding")?,
+            rms_norm: f("rms_norm")?,
+            head_rms_norm: f("head_rms_norm")?,
+            rope: f("rope")?,
+            silu_mul: f("silu_mul")?,
+            add_assign: f("add_assign")?,
+            add_bias: f("add_bias")?,
+            gather_rows: f("gather_rows")?,
+            f32_to_bf16_rows: f("f32_to_bf16_rows")?,
+            dequant_rows: f("dequant_rows")?,
+            write_kv: f("write_kv")?,
+            gemv_bf16: f("gemv_bf16")?,
+            gemv_any: f("gemv_any")?,
+            attn_partial: f("attn_partial")?,
+            attn_combine: f("attn_combine")?,
+        };
+        let meta = |n: usize| -> Result<Meta> {
+            let dev = DeviceBuffer::new(&alloc, ctx, Bytes((n.max(1) * 4) as u64), Purpose::Workspace)?;
+            Ok(Meta { dev, cap: n.max(1), host: Vec::new(), valid: false })
+        };
+        let rows = config.max_rows.max(1);
+        let parts = config.attn_partials.max(1);
+        let state = State {
+            gemm: Gemm::new(&alloc, ctx)?,
+            error: None,
+            tokens: meta(rows)?,
+            positions: meta(rows)?,
+            gather: meta(rows)?,
+            row_pos: meta(rows)?,
+            row_seq: meta(rows)?,
+            seq_pt_off: meta(config.max_seqs)?,
+            page_table: meta(config.max_seqs * config.max_pages_per_seq)?,
+            maps: SeqMaps::default(),
+            maps_scratch: SeqMaps::default(),
+            inv_freq: DeviceBuffer::new(
+                &alloc,
+                ctx,
+                Bytes((MAX_HEAD_DIM / 2 * 4) as u64),
+                Purpose::Workspace,
+            )?,
+            inv_freq_host: Vec::new(),
+            xbf: None,
+            tile: None,
+            part_o: DeviceBuffer::new(
+                &alloc,
+                ctx,
+                Bytes((parts * MAX_HEAD_DIM * 4) as u64),
+                Purpose::Workspace,
+            )?,
+            part_ml: DeviceBuffer::new(&alloc, ctx, Bytes((parts * 2 * 4) as u64), Purpose::Workspace)?,
+            arena: None,
+            capturing: None,
+            graphs: HashMap::new(),
+        };
+        let name = format!("cuda:{} ({dev_name}, {arch}, {sm_count} SMs)", config.ordinal);
+        Ok(CudaBackend {
+            name,
+            ctx,
+            stream,
+            module,
+            k,
+            alloc,
+            sm_count,
+            arch,
+            config,
+            state: Mutex::new(state),
+        })
+    }
+
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// Wait for every enqueued operation.
+    pub fn synchronize(&self) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: our stream.
+        unsafe { cu::stream::synchronize(self.stream.0) }.map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock means a panic mid-op; the state is still consistent
+        // enough to report errors, so keep going.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn record(&self, st: &mut State, r: Result<()>) {
+        if let Err(e) = r {
+            st.error.get_or_insert(e);
+        }
+    }
+
+    /// Run `f` with the context bound and the state locked, recording its error.
+    fn op(&self, f: impl FnOnce(&mut State) -> Result<()>) {
+        let mut st = self.lock();
+        let r = self.ctx.bind().and_then(|_| f(&mut st));
+        self.record(&mut st, r);
+    }
+
+    unsafe fn launch(&self, k: Kernel, dims: LaunchDims, args: Args) -> Result<()> {
+        let mut args = args;
+        k.launch(self.stream, dims, &mut args)
+    }
+
+    fn upload<T: Copy>(&self, dst: u64, src: &[T]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst` has room for `src` (checked by the callers against capacities);
+        // from pageable memory the call returns once the source was staged.
+        unsafe { cu::memcpy_htod_async(dst, src, self.stream.0) }
+            .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))
+    }
+
+    /// Make `meta` hold `data`, uploading only when it differs from the last upload.
+    fn sync_meta(&self, meta: &mut Meta, data: &[u32], what: &'static str, capturing: bool) -> Result<()> {
+        if meta.valid && meta.host == data {
+            return Ok(());
+        }
+        if data.len() > meta.cap {
+            return Err(BackendError::Other(format!(
+                "{what}: {} entries, the backend was sized for {}",
+                data.len(),
+                meta.cap
+            )));
+        }
+        if capturing {
+            return Err(BackendError::Other(format!(
+                "{what} changed during graph capture: call begin_step first"
+            )));
+        }
+        self.upload(meta.dev.ptr(), data)?;
+        meta.host.clear();
+        meta.host.extend_from_slice(data);
+        meta.valid = true;
+        Ok(())
+    }
+
+    fn sync_seqs(&self, st: &mut State, seqs: &[SeqStep<'_>]) -> Result<()> {
+        let mut m = std::mem::take(&mut st.maps_scratch);
+        m.rows = seqs.iter().map(|s| s.row_start + s.rows).max().unwrap_or(0);
+        m.row_pos.clear();
+        m.row_pos.resize(m.rows, 0);
+        m.row_seq.clear();
+        m.row_seq.resize(m.rows, u32::MAX);
+        m.seq_pt_off.clear();
+        m.page_table.clear();
+        m.max_ctx = 0;
+        for (si, s) in seqs.iter().enumerate() {
+            m.seq_pt_off.push(m.page_table.len() as u32);
+            if s.pages.len() > self.config.max_pages_per_seq {
+                st.maps_scratch = m;
+                return Err(BackendError::Other(format!(
+                    "a sequence has {} pages, the backend was sized for {}",
+                    s.pages.len(),
+                    self.config.max_pages_per_seq
+                )));
+            }
+            m.page_table.extend(s.pages.iter().map(|p| p.0));
+            for i in 0..s.rows {
+                m.row_pos[s.row_start + i] = (s.cached + i) as u32;
+                m.row_seq[s.row_start + i] = si as u32;
+            }
+            m.max_ctx = m.max_ctx.max(s.context_len());
+        }
+        if m == st.maps && st.row_pos.valid {
+            st.maps_scratch = m;
+            return Ok(());
+        }
+        let cap = st.capturing.is_some();
+        let r = (|| {
+            self.sync_meta(&mut st.row_pos, &m.row_pos, "rows", cap)?;
+            self.sync_meta(&mut st.row_seq, &m.row_seq, "rows", cap)?;
+            self.sync_meta(&mut st.seq_pt_off, &m.seq_pt_off, "sequences", cap)?;
+            self.sync_meta(&mut st.page_table, &m.page_table, "page-table entries", cap)
+        })();
+        st.maps_scratch = std::mem::replace(&mut st.maps, m);
+        r
+    }
+
+    fn sync_rope(&self, st: &mut State, table: &RopeTable) -> Result<()> {
+        if st.inv_freq_host == table.inv_freq {
+            return Ok(());
+        }
+        if table.inv_freq.len() > MAX_HEAD_DIM / 2 {
+            return Err(BackendError::Other(format!(
+                "{} rotary frequencies, at most {}",
+                table.inv_freq.len(),
+                MAX_HEAD_DIM / 2
+            )));
+        }
+        if st.capturing.is_some() {
+            return Err(BackendError::Other("rotary table changed during graph capture".into()));
+        }
+        self.upload(st.inv_freq.ptr(), &table.inv_freq)?;
+        st.inv_freq_host = table.inv_freq.clone();
+        Ok(())
+    }
+
+    fn alloc_buf(&self, bytes: usize, purpose: Purpose) -> Result<DeviceBuffer> {
+        DeviceBuffer::new(&self.alloc, self.ctx, Bytes(bytes as u64), purpose)
+    }
+
+    /// Grow a scratch buffer to `bytes` (only at allocation time, never in a forward pass).
+    fn ensure_scratch(&self, slot: &mut Option<DeviceBuffer>, bytes: usize) -> Result<()> {
+        if slot.as_ref().is_none_or(|b| (b.bytes().0 as usize) < bytes) {
+            *slot = None;
+            *slot = Some(self.alloc_buf(bytes, Purpose::Workspace)?);
+        }
+        Ok(())
+    }
+
+    fn place_weight(&self, bytes: &[u8]) -> Result<WeightMem> {
+        let mut st = self.lock();
+        let len = bytes.len() as u64;
+        let mem = match &mut st.arena {
+            Some(a) if a.used.div_ceil(ARENA_ALIGN) * ARENA_ALIGN + len <= a.buf.bytes().0 => {
+                let off = a.used.div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
+                a.used = off + len;
+                WeightMem::Arena { _arena: a.buf.clone(), ptr: a.buf.ptr() + off }
+            }
+            _ => WeightMem::Own(self.alloc_buf(bytes.len(), Purpose::Weights)?),
+        };
+        let ptr = match &mem {
+            WeightMem::Own(b) => b.ptr(),
+            WeightMem::Arena { ptr, .. } => *ptr,
+        };
+        self.upload(ptr, bytes)?;
+        self.synchronize()?;
+        Ok(mem)
+    }
+
+    /// `out = x · wᵀ` without bias, for `rows` rows.
+    fn matmul_inner(
+        &self,
+        st: &mut State,
+        x: &CudaAct,
+        w: &CudaWeight,
+        rows: usize,
+        out: &CudaAct,
+    ) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
+        if rows == 0 {
+            return Ok(());
+        }
+        let warps_per_block = 4usize;
+        let gemv_dims = LaunchDims {
+            grid: (n.div_ceil(warps_per_block) as u32, 1, 1),
+            block: 32 * warps_per_block as u32,
+        };
+        if rows <= GEMV_MAX_ROWS {
+            return if w.dtype == DType::BF16 && k % 8 == 0 {
+                let a = Args::new()
+                    .ptr(w.ptr())
+                    .ptr(x.ptr())
+                    .ptr(out.ptr())
+                    .i32(n as i32)
+                    .i32(k as i32)
+                    .i32(rows as i32);
+                unsafe { self.launch(self.k.gemv_bf16, gemv_dims, a) }
+            } else {
+                let a = Args::new()
+                    .ptr(w.ptr())
+                    .i32(dtype_code(w.dtype))
+                    .i64(w.row_bytes as i64)
+                    .ptr(x.ptr())
+                    .ptr(out.ptr())
+                    .i32(n as i32)
+                    .i32(k as i32)
+                    .i32(rows as i32);
+                unsafe { self.launch(self.k.gemv_any, gemv_dims, a) }
+            };
+        }
+        // Prefill: bf16 copy of the input rows, then cuBLASLt.
+        let xbf = st.xbf.as_ref().filter(|b| b.bytes().0 as usize >= rows * k * 2).ok_or_else(|| {
+            BackendError::Other(format!(
+                "matmul of {rows}x{k}: scratch not sized (allocate activations first)"
+            ))
+        })?;
+        let xbf_ptr = xbf.ptr();
+        let total = rows * k;
+        let a = Args::new().ptr(x.ptr()).ptr(xbf_ptr).i64(total as i64);
+        unsafe { self.launch(self.k.f32_to_bf16_rows, grid_for(total, 256), a)? };
+        if w.dtype == DType::BF16 {
+            let s = GemmShape { m: rows, n, k, ldc: n };
+            return st.gemm.matmul(self.stream, s, xbf_ptr, w.ptr(), out.ptr());
+        }
+        let tile = st
+            .tile
+            .as_ref()
+            .ok_or_else(|| BackendError::Other("dequantization tile not allocated".into()))?;
+        let (tile_ptr, tile_rows) = (tile.ptr(), (tile.bytes().0 as usize / (k * 2)).max(1));
+        let mut j0 = 0;
+        while j0 < n {
+            let nb = tile_rows.min(n - j0);
+            let a = Args::new()
+                .ptr(w.ptr())
+                .i32(dtype_code(w.dtype))
+                .i64(w.row_bytes as i64)
+                .ptr(tile_ptr)
+                .i32(j0 as i32)
+                .i32(k as i32);
+            unsafe {
+                self.launch(self.k.dequant_rows, LaunchDims { grid: (nb as u32, 1, 1), block: 256 }, a)?
+            };
+            let s = GemmShape { m: rows, n: nb, k, ldc: n };
+            st.gemm.matmul(self.stream, s, xbf_ptr, tile_ptr, out.ptr() + (j0 * 4) as u64)?;
+            j0 += nb;
+        }
+        Ok(())
+    }
+
+    /// How many context splits attention uses for `rows × heads` queries over at most `max_ctx` tokens.
+    fn splits(&self, rows: usize, heads: usize, max_ctx: usize) -> usize {
+        let base = (rows * heads).max(1);
+        let want_blocks = self.sm_count * 8;
+        let by_occupancy = want_blocks.div_ceil(base);
+        let by_length = max_ctx.div_ceil(64).max(1);
+        let by_scratch = (self.config.attn_partials / base).max(1);
+        by_occupancy.min(by_length).min(by_scratch).clamp(1, 256)
+    }
+
+    fn vector_ptr(&self, w: &CudaWeight, what: &str) -> Result<u64> {
+        if w.dtype != DType::F32 || w.rows != 1 {
+            return Err(BackendError::Other(format!(
+                "{what}: expected an f32 vector weight, got {} {}x{}",
+                w.dtype, w.rows, w.cols
+            )));
+        }
+        Ok(w.ptr())
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        let _ = self.synchronize();
+        let mut st = self.lock();
+        for (_, g) in st.graphs.drain() {
+            // SAFETY: created by capture, destroyed once.
+            unsafe {
+                let _ = cu::graph::exec_destroy(g.exec);
+                let _ = cu::graph::destroy(g.graph);
+            }
+        }
+        drop(st);
+        // SAFETY: no kernel of the module can still run after the synchronize above.
+        unsafe {
+            let _ = cu::module::unload(self.module);
+            let _ = cu::stream::destroy(self.stream.0);
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Act = CudaAct;
+    type Weight = CudaWeight;
+    type Kv = CudaKv;
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn upload_weight(&self, t: &HostTensor) -> Result<CudaWeight> {
+        self.ctx.bind()?;
+        let (rows, cols) = t.rows_cols();
+        let bad = |reason: String| BackendError::BadTensor { name: t.name.clone(), reason };
+        let want = t
+            .dtype
+            .bytes_for(rows * cols)
+            .filter(|_| cols % t.dtype.block_elems() == 0)
+            .ok_or_else(|| bad(format!("{} columns are not whole {} blocks", cols, t.dtype)))?;
+        if t.data.len() != want {
+            return Err(bad(format!(
+                "{} bytes of data, {} {:?} needs {}",
+                t.data.len(),
+                t.dtype,
+                t.shape,
+                want
+            )));
+        }
+        let src = t.data.bytes();
+        let widen =
+            |f: &dyn Fn(&[u8]) -> f32, width: usize| -> Vec<f32> { src.chunks_exact(width).map(f).collect() };
+        let as_f32 = || -> Vec<f32> {
+            match t.dtype {
+                DType::F32 => widen(&|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]), 4),
+                DType::F16 => widen(&|c| f16::from_le_bytes([c[0], c[1]]).to_f32(), 2),
+                DType::BF16 => widen(&|c| bf16::from_le_bytes([c[0], c[1]]).to_f32(), 2),
+                _ => {
+                    let mut out = vec![0f32; rows * cols];
+                    let rb = want / rows.max(1);
+                    for (r, o) in out.chunks_mut(cols.max(1)).enumerate() {
+                        crate::cpu::quant::dequantize_row(t.dtype, &src[r * rb..(r + 1) * rb], o);
+                    }
+                    out
+                }
+            }
+        };
+        // Vectors (norm weights, biases) are f32; matrices bf16 or their block type.
+        let (dtype, bytes): (DType, Vec<u8>) = if rows == 1 {
+            (DType::F32, bytemuck::cast_slice(&as_f32()).to_vec())
+        } else {
+            match t.dtype {
+                DType::BF16 => (DType::BF16, src.to_vec()),
+                DType::F32 | DType::F16 => {
+                    (DType::BF16, as_f32().iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect())
+                }
+                q => (q, src.to_vec()),
+            }
+        };
+        if dtype.is_quantized() {
+            let tile = (DEQUANT_TILE / (cols * 2)).max(1).min(rows) * cols * 2;
+            let mut st = self.lock();
+            let mut slot = st.tile.take();
+            let r = self.ensure_scratch(&mut slot, tile);
+            st.tile = slot;
+            r?;
+        }
+        let row_bytes = dtype.bytes_for(cols).unwrap_or(0);
+        let mem = self.place_weight(&bytes)?;
+        Ok(CudaWeight { mem, dtype, rows, cols, row_bytes })
+    }
+
+    fn weight_shape(&self, w: &CudaWeight) -> (usize, usize) {
+        (w.rows, w.cols)
+    }
+
+    fn alloc_act(&self, shape: ActShape) -> Result<CudaAct> {
+        self.ctx.bind()?;
+        let bytes = (shape.rows * shape.cols).max(1) * 4;
+        let buf = self.alloc_buf(bytes, Purpose::Workspace)?;
+        // SAFETY: a fresh buffer of `bytes` bytes.
+        unsafe { cu::memset_d8_async(buf.ptr(), 0, bytes, self.stream.0) }
+            .map_err(|e| cuda_err("cuMemsetD8Async", e))?;
+        // The bf16 copy of matmul inputs must hold the widest activation at the most rows.
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let mut slot = st.xbf.take();
+        let r = self.ensure_scratch(&mut slot, shape.rows * shape.cols * 2);
+        st.xbf = slot;
+        r?;
+        // Row-indexed metadata grows with the largest workspace too.
+        for m in [&mut st.tokens, &mut st.positions, &mut st.gather, &mut st.row_pos, &mut st.row_seq] {
+            if m.cap < shape.rows {
+                m.dev = self.alloc_buf(shape.rows * 4, Purpose::Workspace)?;
+                m.cap = shape.rows;
+                m.valid = false;
+            }
+        }
+        drop(guard);
+        self.synchronize()?;
+        Ok(CudaAct { buf, rows: shape.rows, cols: shape.cols })
+    }
+
+    fn alloc_kv(&self, g: KvGeometry) -> Result<CudaKv> {
+        self.ctx.bind()?;
+        if g.head_dim > MAX_HEAD_DIM || g.head_dim == 0 || g.kv_heads == 0 {
+            return Err(BackendError::Other(format!(
+                "head_dim {} (at most {MAX_HEAD_DIM}), kv_heads {}",
+                g.head_dim, g.kv_heads
+            )));
+        }
+        let bytes = (g.num_pages * g.page_size * g.kv_heads * g.head_dim * 2).max(2);
+        let k = self.alloc_buf(bytes, Purpose::Kv)?;
+        let v = self.alloc_buf(bytes, Purpose::Kv)?;
+        for b in [&k, &v] {
+            // SAFETY: fresh buffers of `bytes` bytes.
+            unsafe { cu::memset_d8_async(b.ptr(), 0, bytes, self.stream.0) }
+                .map_err(|e| cuda_err("cuMemsetD8Async", e))?;
+        }
+        self.synchronize()?;
+        Ok(CudaKv { geometry: g, k, v })
+    }
+
+    fn embedding(&self, table: &CudaWeight, ids: &[u32], out: &mut CudaAct) -> Result<()> {
+        let (vocab, cols) = (table.rows, table.cols);
+        if cols != out.cols {
+            return Err(BackendError::Other(format!(
+                "embedding width {cols}, activation width {}",
+                out.cols
+            )));
+        }
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(BackendError::Other(format!("token id {id} is outside the vocabulary of {vocab}")));
+        }
+        let mut st = self.lock();
+        self.ctx.bind()?;
+        let r = (|| {
+            let cap = st.capturing.is_some();
+            self.sync_meta(&mut st.tokens, ids, "token rows", cap)?;
+            let a = Args::new()
+                .ptr(table.ptr())
+                .i32(dtype_code(table.dtype))
+                .i64(table.row_bytes as i64)
+                .ptr(st.tokens.dev.ptr())
+                .ptr(out.ptr())
+                .i32(cols as i32);
+            unsafe {
+                self.launch(self.k.embedding, LaunchDims { grid: (ids.len() as u32, 1, 1), block: 256 }, a)
+            }
+        })();
+        if let Err(e) = &r {
+            st.error.get_or_insert(BackendError::Other(e.to_string()));
+        }
+        r
+    }
+
+    fn rms_norm(&self, x: &CudaAct, weight: &CudaWeight, eps: f32, rows: usize, out: &mut CudaAct) {
+        self.op(|_| {
+            let w = self.vector_ptr(weight, "rms_norm")?;
+            let a = Args::new().ptr(x.ptr()).ptr(w).ptr(out.ptr()).i32(x.cols as i32).f32(eps);
+            unsafe { self.launch(self.k.rms_norm, LaunchDims { grid: (rows as u32, 1, 1), block: 256 }, a) }
+        })
+    }
+
+    fn head_rms_norm(&self, x: &mut CudaAct, weight: &CudaWeight, eps: f32, head_dim: usize, rows: usize) {
+        self.op(|_| {
+            let w = self.vector_ptr(weight, "head_rms_norm")?;
+            let heads = rows * x.cols / head_dim;
+            let a = Args::new().ptr(x.ptr()).ptr(w).i32(head_dim as i32).f32(eps).i32(heads as i32);
+            unsafe { self.launch(self.k.head_rms_norm, grid_for(heads * 32, 256), a) }
+        })
+    }
+
+    fn matmul(&self, x: &CudaAct, w: &CudaWeight, bias: Option<&CudaWeight>, rows: usize, out: &mut CudaAct) {
+        self.op(|st| {
+            if x.cols != w.cols || out.cols != w.rows {
+                return Err(BackendError::Other(format!(
+                    "matmul: x has {} columns, weight is {}x{}, out has {} columns",
+                    x.cols, w.rows, w.cols, out.cols
+                )));
+            }
+            self.matmul_inner(st, x, w, rows, out)?;
+            if let Some(b) = bias {
+                let bp = self.vector_ptr(b, "bias")?;
+                let n = rows * out.cols;
+                let a = Args::new().ptr(out.ptr()).ptr(bp).i32(out.cols as i32).i64(n as i64);
+                unsafe { self.launch(self.k.add_bias, grid_for(n, 256), a)? };
+            }
+            Ok(())
+        })
+    }
+
+    fn rope(&self, x: &mut CudaAct, table: &RopeTable, head_dim: usize, positions: &[u32]) {
+        self.op(|st| {
+            self.sync_rope(st, table)?;
+            let cap = st.capturing.is_some();
+            self.sync_meta(&mut st.positions, positions, "positions", cap)?;
+            let interleaved = i32::from(table.style == RopeStyle::Interleaved);
+            let a = Args::new()
+                .ptr(x.ptr())
+                .ptr(st.inv_freq.ptr())
+                .ptr(st.positions.dev.ptr())
+                .i32(x.cols as i32)
+                .i32(head_dim as i32)
+                .i32((table.rot_dim / 2) as i32)
+                .i32(interleaved);
+            unsafe {
+                self.launch(self.k.rope, LaunchDims { grid: (positions.len() as u32, 1, 1), block: 128 }, a)
+            }
+        })
+    }
+
+    fn silu_mul(&self, gate: &CudaAct, up: &CudaAct, rows: usize, out: &mut CudaAct) {
+        self.op(|_| {
+            let n = rows * gate.cols;
+            let a = Args::new().ptr(gate.ptr()).ptr(up.ptr()).ptr(out.ptr()).i64(n as i64);
+            unsafe { self.launch(self.k.silu_mul, grid_for(n, 256), a) }
+        })
+    }
+
+    fn add_assign(&self, x: &mut CudaAct, y: &CudaAct, rows: usize) {
+        self.op(|_| {
+            let n = rows * x.cols;
+            let a = Args::new().ptr(x.ptr()).ptr(y.ptr()).i64(n as i64);
+            unsafe { self.launch(self.k.add_assign, grid_for(n, 256), a) }
+        })
+    }
+
+    fn gather_rows(&self, x: &CudaAct, rows: &[usize], out: &mut CudaAct) {
+        self.op(|st| {
+            let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+            let cap = st.capturing.is_some();
+            self.sync_meta(&mut st.gather, &idx, "logit rows", cap)?;
+            let a = Args::new().ptr(x.ptr()).ptr(st.gather.dev.ptr()).ptr(out.ptr()).i32(x.cols as i32);
+            unsafe {
+                self.launch(self.k.gather_rows, LaunchDims { grid: (rows.len() as u32, 1, 1), block: 256 }, a)
+            }
+        })
+    }
+
+    fn write_kv(&self, kv: &mut CudaKv, k: &CudaAct, v: &CudaAct, seqs: &[SeqStep<'_>]) {
+        self.op(|st| {
+            self.sync_seqs(st, seqs)?;
+            let g = kv.geometry;
+            let a = Args::new()
+                .ptr(k.ptr())
+                .ptr(v.ptr())
+                .ptr(kv.k.ptr())
+                .ptr(kv.v.ptr())
+                .ptr(st.row_pos.dev.ptr())
+                .ptr(st.row_seq.dev.ptr())
+                .ptr(st.seq_pt_off.dev.ptr())
+                .ptr(st.page_table.dev.ptr())
+                .i32(g.page_size as i32)
+                .i32((g.kv_heads * g.head_dim) as i32);
+            unsafe {
+                self.launch(self.k.write_kv, LaunchDims { grid: (st.maps.rows as u32, 1, 1), block: 256 }, a)
+            }
+        })
+    }
+
+    fn attention(&self, q: &CudaAct, kv: &CudaKv, heads: usize, seqs: &[SeqStep<'_>], out: &mut CudaAct) {
+        self.op(|st| {
+            self.sync_seqs(st, seqs)?;
+            let g = kv.geometry;
+            if heads % g.kv_heads != 0 {
+                return Err(BackendError::Other(format!("{heads} heads over {} KV heads", g.kv_heads)));
+            }
+            let rows = st.maps.rows;
+            // A captured step must stay valid for any context, so it splits for the longest one.
+            let max_ctx = if st.capturing.is_some() {
+                self.config.max_pages_per_seq * g.page_size
+            } else {
+                st.maps.max_ctx
+            };
+            let nsplit = self.splits(rows, heads, max_ctx);
+            let chunk = max_ctx.div_ceil(nsplit).max(1);
+            let scale = 1.0 / (g.head_dim as f32).sqrt();
+            let a = Args::new()
+                .ptr(q.ptr())
+                .ptr(kv.k.ptr())
+                .ptr(kv.v.ptr())
+                .ptr(st.row_pos.dev.ptr())
+                .ptr(st.row_seq.dev.ptr())
+                .ptr(st.seq_pt_off.dev.ptr())
+                .ptr(st.page_table.dev.ptr())
+                .ptr(out.ptr())
+                .ptr(st.part_o.ptr())
+                .ptr(st.part_ml.ptr())
+                .i32(heads as i32)
+                .i32(g.kv_heads as i32)
+                .i32(g.head_dim as i32)
+                .i32(g.page_size as i32)
+                .f32(scale)
+                .i32(chunk as i32)
+                .i32(nsplit as i32);
+            let dims = LaunchDims { grid: (nsplit as u32, heads as u32, rows as u32), block: 128 };
+            unsafe { self.launch(self.k.attn_partial, dims, a)? };
+            if nsplit > 1 {
+                let a = Args::new()
+                    .ptr(st.part_o.ptr())
+                    .ptr(st.part_ml.ptr())
+                    .ptr(st.row_seq.dev.ptr())
+                    .ptr(out.ptr())
+                    .i32(heads as i32)
+                    .i32(g.head_dim as i32)
+                    .i32(nsplit as i32);
+                let dims = LaunchDims { grid: (heads as u32, rows as u32, 1), block: 128 };
+                unsafe { self.launch(self.k.attn_combine, dims, a)? };
+            }
+            Ok(())
+        })
+    }
+
+    fn read_rows(&self, x: &CudaAct, rows: usize, out: &mut Vec<f32>) {
+        self.op(|_| {
+            out.clear();
+            out.resize(rows * x.cols, 0.0);
+            // SAFETY: `out` holds exactly the first `rows` rows of `x`.
+            unsafe { cu::memcpy_dtoh_async(out.as_mut_slice(), x.ptr(), self.stream.0) }
+                .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
+            self.synchronize()
+        })
+    }
+
+    fn copy_page(&self, kv: &mut CudaKv, from: PageId, to: PageId) {
+        self.op(|_| {
+            let g = kv.geometry;
+            let n = g.page_size * g.kv_heads * g.head_dim * 2;
+            for b in [&kv.k, &kv.v] {
+                let (src, dst) = (b.ptr() + (from.index() * n) as u64, b.ptr() + (to.index() * n) as u64);
+                // SAFETY: both pages lie inside the buffer (page ids come from the pool of this geometry).
+                unsafe { cu::memcpy_dtod_async(dst, src, n, self.stream.0) }
+                    .map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))?;
+            }
+            Ok(())
+        })
+    }
+
+    fn reserve_weights(&self, bytes: u64) -> Result<()> {
+        self.ctx.bind()?;
+        let buf = self.alloc_buf(bytes as usize, Purpose::Weights)?;
+        self.lock().arena = Some(Arena { buf: Arc::new(buf), used: 0 });
+        Ok(())
+    }
+
+    fn begin_step(&self, plan: &StepPlan<'_>) -> Result<()> {
+        let mut st = self.lock();
+        self.ctx.bind()?;
+        let r = (|| {
+            let cap = st.capturing.is_some();
+            self.sync_meta(&mut st.tokens, plan.tokens, "token rows", cap)?;
+            self.sync_meta(&mut st.positions, plan.positions, "positions", cap)?;
+            let idx: Vec<u32> = plan.logit_rows.iter().map(|&r| r as u32).collect();
+            self.sync_meta(&mut st.gather, &idx, "logit rows", cap)?;
+            self.sync_seqs(&mut st, plan.seqs)
+        })();
+        r
+    }
+
+    fn check(&self) -> Result<()> {
+        match self.lock().error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn graph_replay(&self, key: GraphKey) -> Result<bool> {
+        let st = self.lock();
+        self.ctx.bind()?;
+        match st.graphs.get(&key) {
+            Some(g) => {
+                // SAFETY: an instantiated graph of this context, launched on our stream.
+                unsafe { cu::graph::launch(g.exec, self.stream.0) }
+                    .map_err(|e| cuda_err("cuGraphLaunch", e))?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    fn graph_capture_begin(&self, key: GraphKey) -> Result<bool> {
+        let mut st = self.lock();
+        self.ctx.bind()?;
+        if st.capturing.is_some() || st.graphs.contains_key(&key) {
+            return Ok(false);
+        }
+        // Relaxed mode: another thread's unrelated driver calls (an allocation
+        // for a new KV chunk, say) must not invalidate the capture.
+        unsafe {
+            cu::stream::begin_capture(self.stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        }
+        .map_err(|e| cuda_err("cuStreamBeginCapture", e))?;
+        st.capturing = Some(key);
+        Ok(true)
+    }
+
+    fn graph_capture_end(&self, key: GraphKey) -> Result<()> {
+        let mut st = self.lock();
+        self.ctx.bind()?;
+        st.capturing = None;
+        // SAFETY: our stream, capturing since graph_capture_begin.
+        let graph = unsafe { cu::stream::end_capture(self.stream.0) }
+            .map_err(|e| cuda_err("cuStreamEndCapture", e))?;
+        if let Some(e) = st.error.take() {
+            // SAFETY: the graph was just created and is not instantiated.
+            let _ = unsafe { cu::graph::destroy(graph) };
+            return Err(e);
+        }
+        // SAFETY: a graph captured on this context.
+        let exec = unsafe { cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
+            .map_err(|e| cuda_err("cuGraphInstantiate", e))?;
+        // The ops were only recorded; run them once so this step has its results.
+        unsafe { cu::graph::launch(exec, self.stream.0) }.map_err(|e| cuda_err("cuGraphLaunch", e))?;
+        st.graphs.insert(key, Captured { exec, graph });
+        Ok(())
+    }
+}
