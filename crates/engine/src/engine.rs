@@ -11,10 +11,12 @@ use crate::sampling::{CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats
 use crate::scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::stats::{EngineStats, StatsCell};
 use crate::executor::{Executor, ExecutorLimits, SingleRank};
+use crate::pages::PagePool;
+use corridor_vram::{ReliefProvider, Tier};
 use corridor_backend::Backend;
 use corridor_model::llama::Model;
 use corridor_model::ModelConfig;
-use corridor_units::{Pages, Tokens};
+use corridor_units::{Bytes, CardId, Pages, Tokens};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -26,8 +28,6 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Tokens per KV page.
     pub page_size: Tokens,
-    /// Pages in the KV pool (from the sizing solver).
-    pub num_pages: Pages,
 }
 
 /// A request as the engine sees it: token ids and sampling settings.
@@ -151,6 +151,7 @@ pub struct EngineHandle {
     stats: Arc<StatsCell>,
     sampler_stats: Arc<SamplerStats>,
     info: Arc<ModelInfo>,
+    preempt: Arc<PreemptRequest>,
     thread: Arc<std::sync::Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
 
@@ -165,6 +166,12 @@ impl EngineHandle {
 
     pub fn stats(&self) -> EngineStats {
         self.stats.snapshot()
+    }
+
+    /// The relief provider that asks the engine to preempt running requests
+    /// when the card needs memory back and cheaper relief is spent.
+    pub fn preempt_provider(&self, card: CardId, page_bytes: Bytes) -> Arc<dyn ReliefProvider> {
+        Arc::new(PreemptProvider { request: self.preempt.clone(), card, page_bytes })
     }
 
     /// Sampler fallback counters (exported as Prometheus counters).
@@ -195,34 +202,43 @@ struct Live {
     max_new: Option<usize>,
 }
 
-/// Start the engine thread with the whole model on one backend.
-pub fn spawn<B: Backend>(backend: B, model: Model<B>, config: EngineConfig) -> Result<EngineHandle, EngineError> {
+/// Start the engine thread with the whole model on one backend. The KV
+/// storage covers the pool's whole id space.
+pub fn spawn<B: Backend>(backend: B, model: Model<B>, config: EngineConfig, pool: PagePool) -> Result<EngineHandle, EngineError> {
     let sc = config.scheduler;
     let limits = ExecutorLimits {
         max_rows: sc.max_batched_tokens,
         max_logit_rows: sc.max_running,
         page_size: config.page_size.get(),
-        num_pages: config.num_pages.get(),
+        num_pages: pool.capacity(),
     };
     let exec = SingleRank::new(backend, model, limits).map_err(|e| EngineError::Startup(e.to_string()))?;
-    spawn_with(Box::new(exec), config)
+    spawn_with(Box::new(exec), config, pool)
 }
 
-/// Start the engine thread over any executor.
-pub fn spawn_with(exec: Box<dyn Executor>, config: EngineConfig) -> Result<EngineHandle, EngineError> {
+/// A pool of exactly `pages` pages on a private simulated card (tests,
+/// `generate`): see [`PagePool::standalone`].
+pub fn standalone_pool(pages: Pages, page_size: Tokens) -> PagePool {
+    PagePool::standalone(pages, page_size)
+}
+
+/// Start the engine thread over any executor and page pool.
+pub fn spawn_with(exec: Box<dyn Executor>, config: EngineConfig, pool: PagePool) -> Result<EngineHandle, EngineError> {
     let sc = config.scheduler;
     let info = Arc::new(ModelInfo {
         config: exec.config().clone(),
         context_len: sc.context_len,
-        num_pages: config.num_pages.get(),
+        num_pages: pool.capacity(),
         page_size: config.page_size.get(),
     });
+    let preempt = Arc::new(PreemptRequest::default());
     let (commands, rx) = mpsc::channel();
     let stats = Arc::new(StatsCell::default());
     let sampler_stats = Arc::new(SamplerStats::default());
     let mut core = Core {
         exec,
-        sched: Scheduler::new(sc, config.num_pages, config.page_size),
+        sched: Scheduler::new(sc, pool),
+        preempt: preempt.clone(),
         live: HashMap::new(),
         rx,
         stats: stats.clone(),
@@ -240,12 +256,14 @@ pub fn spawn_with(exec: Box<dyn Executor>, config: EngineConfig) -> Result<Engin
         stats,
         sampler_stats,
         info,
+        preempt,
         thread: Arc::new(std::sync::Mutex::new(Some(thread))),
     })
 }
 
 struct Core {
     exec: Box<dyn Executor>,
+    preempt: Arc<PreemptRequest>,
     sched: Scheduler,
     live: HashMap<RequestId, Live>,
     rx: mpsc::Receiver<Command>,
@@ -273,12 +291,23 @@ impl Core {
                 self.command(cmd);
             }
             self.drop_disconnected();
+            let pages = self.preempt.pages.swap(0, Ordering::AcqRel);
+            if pages > 0 {
+                let ids = self.sched.preempt_for_memory(pages as usize);
+                tracing::warn!(pages, preempted = ids.len(), "preempted running requests to give the card memory back");
+            }
             let out = self.sched.schedule();
             for &id in &out.out_of_capacity {
                 self.finish(id, FinishReason::Length);
             }
             if !out.is_empty() {
                 self.step(&out);
+            } else if self.sched.has_work() {
+                // Nothing fits now (the card is under pressure): wait for
+                // memory or a command instead of spinning.
+                if let Ok(cmd) = self.rx.recv_timeout(std::time::Duration::from_millis(5)) {
+                    self.command(cmd);
+                }
             }
             self.publish_stats();
             #[cfg(debug_assertions)]
@@ -417,5 +446,42 @@ impl Core {
             s.prefix_hit_tokens = pool.hit_tokens;
             s.preemptions = self.sched.preemptions;
         });
+    }
+}
+
+/// Pages the governor asked the engine to give back by preemption.
+#[derive(Default)]
+struct PreemptRequest {
+    pages: AtomicU64,
+}
+
+/// Relief provider: ask the engine to preempt (recompute later) enough
+/// running requests to free `need`. It returns at once, having freed nothing
+/// itself; the engine preempts before its next step, and the relief loop's
+/// next round evicts and releases what became idle. The guard credits only
+/// what the card shows.
+struct PreemptProvider {
+    request: Arc<PreemptRequest>,
+    card: CardId,
+    page_bytes: Bytes,
+}
+
+impl ReliefProvider for PreemptProvider {
+    fn name(&self) -> &str {
+        "preempt running requests"
+    }
+    fn tier(&self) -> Tier {
+        Tier::Local
+    }
+    fn cost(&self) -> u32 {
+        // The dearest local relief: live work is thrown away and recomputed.
+        100
+    }
+    fn relieve(&self, card: CardId, need: Bytes) -> Bytes {
+        if card == self.card {
+            let pages = need.get().div_ceil(self.page_bytes.get().max(1));
+            self.request.pages.fetch_max(pages, Ordering::AcqRel);
+        }
+        Bytes::ZERO
     }
 }

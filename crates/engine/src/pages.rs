@@ -1,42 +1,37 @@
-//! The KV page pool and its prefix cache.
+//! The engine's page pool: the card's KV arena plus a prefix cache.
 //!
-//! Every page is in exactly one of four states, and the counts always add up:
-//! `free + cached + in_use + withheld == capacity`.
-//! - `free`: holds nothing; handed out first.
-//! - `cached`: holds a full page of some earlier prompt, registered under a
-//!   hash of its tokens chained with its parent's hash, and referenced by no
-//!   live sequence. Reusable by a later request with the same prefix; evicted
-//!   least-recently-used first when the free list is empty.
-//! - `in_use`: referenced by one or more live sequences (a prefix page can be
-//!   shared, so it carries a reference count).
-//! - `withheld`: ids above the row cap. They may point at memory that is not
-//!   committed, so they are never handed out (DESIGN.md §3.3); lifting the cap
-//!   returns them to the free list.
+//! Page states live in the `vram` KV arena (free, in use with a holder count,
+//! cached, withheld; `free + cached + in_use + withheld == capacity`, and the
+//! row cap that never hands out an id above the committed watermark). This
+//! module adds what the arena does not know: which full pages hold which
+//! tokens, so a later prompt with the same prefix can reuse them.
 //!
 //! Hash chaining (a page's key covers its own tokens and, through the parent
 //! hash, every token before it) means a hit on page `i` implies the whole
 //! prefix up to `i` matches, so lookups walk a prompt page by page and stop at
-//! the first miss.
+//! the first miss; every hit also compares the page's tokens, so a hash
+//! collision can never hand one prompt another prompt's KV. Cached pages
+//! (registered, held by no sequence) are evicted least-recently-used first
+//! when a sequence needs pages, and highest-id first when the governor needs
+//! memory back (so the arena's top chunks become idle and can be released).
+//!
+//! Locking: the prefix index is shared with the governor's relief provider.
+//! The engine never holds the index lock while it calls into the guard (which
+//! may run that provider), so the two cannot deadlock.
 
-use corridor_units::{PageId, Pages, Tokens};
+use corridor_units::{Bytes, CardId, PageId, Pages, Tokens};
+use corridor_vram::{
+    ArenaCounts, CardSettings, Device, KvArena, KvArenaConfig, ManualClock, ReliefProvider, SimCard,
+    SimCardSpec, Tier, Urgency,
+};
 use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 /// The key of a full page: a hash over the parent key and the page's tokens.
 pub type PageHash = u64;
 
-#[derive(Clone, Debug, Default)]
-struct PageInfo {
-    refs: u32,
-    /// Set once the page is full and registered in the cache.
-    hash: Option<PageHash>,
-    /// Logical time of the last release, for LRU eviction.
-    last_used: u64,
-    /// The tokens a registered page holds, compared on every hit so a hash
-    /// collision can never hand one prompt another prompt's KV.
-    tokens: Vec<u32>,
-}
-
-/// Counts of pages by state.
+/// Counts of pages by state (the arena's, in the engine's terms).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolCounts {
     pub capacity: usize,
@@ -44,149 +39,199 @@ pub struct PoolCounts {
     pub cached: usize,
     pub in_use: usize,
     pub withheld: usize,
+    /// Pages backed by committed memory.
+    pub committed: usize,
 }
 
-/// The page pool: ids `0..capacity`, of which ids `>= cap` are withheld.
+impl From<ArenaCounts> for PoolCounts {
+    fn from(c: ArenaCounts) -> Self {
+        PoolCounts {
+            capacity: c.capacity.get(),
+            free: c.free.get(),
+            cached: c.cached.get(),
+            in_use: c.in_use.get(),
+            withheld: c.withheld.get(),
+            committed: c.committed.get(),
+        }
+    }
+}
+
 #[derive(Debug)]
-pub struct PagePool {
-    page_size: usize,
-    pages: Vec<PageInfo>,
-    /// Free ids below the cap; lowest first, so live pages stay packed at the
-    /// bottom of the arena and the top can be decommitted.
-    free: BTreeSet<u32>,
-    /// Cached (evictable) pages ordered by (last_used, id).
-    lru: BTreeSet<(u64, u32)>,
+struct Registered {
+    hash: PageHash,
+    tokens: Vec<u32>,
+}
+
+/// Which pages hold which prefix, and the engine's holder counts.
+#[derive(Debug, Default)]
+struct PrefixIndex {
     by_hash: HashMap<PageHash, u32>,
-    cap: usize,
+    registered: HashMap<u32, Registered>,
+    /// Holders per page held by a live sequence (mirrors the arena's count,
+    /// so the engine knows when a page stops being held).
+    refs: HashMap<u32, u32>,
+    /// Cached pages by (last release, id), oldest first.
+    lru: BTreeSet<(u64, u32)>,
+    /// Release time of each cached page (to find it in `lru`).
+    released_at: HashMap<u32, u64>,
     clock: u64,
+    evictions: u64,
+}
+
+impl PrefixIndex {
+    fn forget(&mut self, id: u32) {
+        if let Some(r) = self.registered.remove(&id) {
+            self.by_hash.remove(&r.hash);
+        }
+        if let Some(t) = self.released_at.remove(&id) {
+            self.lru.remove(&(t, id));
+        }
+    }
+}
+
+fn lock(m: &Mutex<PrefixIndex>) -> MutexGuard<'_, PrefixIndex> {
+    // A panic elsewhere must not wedge the pool: the index stays consistent
+    // between statements, so the poisoned data is still usable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The page pool of one KV arena.
+pub struct PagePool {
+    arena: Arc<KvArena>,
+    page_size: usize,
+    index: Arc<Mutex<PrefixIndex>>,
     /// Prefix-cache statistics: tokens looked up and tokens found.
     pub lookup_tokens: u64,
     pub hit_tokens: u64,
-    pub evictions: u64,
+}
+
+impl std::fmt::Debug for PagePool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PagePool").field("counts", &self.counts()).finish()
+    }
 }
 
 impl PagePool {
-    pub fn new(capacity: Pages, page_size: Tokens) -> Self {
-        let n = capacity.get();
-        PagePool {
-            page_size: page_size.get(),
-            pages: vec![PageInfo::default(); n],
-            free: (0..n as u32).collect(),
-            lru: BTreeSet::new(),
-            by_hash: HashMap::new(),
-            cap: n,
-            clock: 0,
-            lookup_tokens: 0,
-            hit_tokens: 0,
-            evictions: 0,
-        }
+    pub fn new(arena: Arc<KvArena>, page_size: Tokens) -> Self {
+        PagePool { arena, page_size: page_size.get(), index: Arc::default(), lookup_tokens: 0, hit_tokens: 0 }
     }
 
+    /// A pool of exactly `capacity` pages on a private simulated card, fully
+    /// committed: for tests and tools that want a page pool without a
+    /// governor.
+    pub fn standalone(capacity: Pages, page_size: Tokens) -> Self {
+        let gran = Bytes::mib(2);
+        let clock = Arc::new(ManualClock::new());
+        let mut spec = SimCardSpec::new(CardId(0), Bytes(gran.get() * (capacity.get() as u64 + 1024)));
+        spec.granularity = gran;
+        let card = Arc::new(SimCard::new(spec, &[], clock.clone()));
+        let dev = Device::standalone(card, CardSettings { floor: Bytes::ZERO, ..CardSettings::default() });
+        let cfg = KvArenaConfig { page_bytes: gran, max_pages: capacity, chunk_target: gran, hold: Duration::ZERO };
+        let arena = Arc::new(KvArena::new(&dev, cfg, clock).expect("a standalone arena fits its card"));
+        arena.commit_to(capacity, Urgency::Blocking).expect("a standalone arena commits");
+        PagePool::new(arena, page_size)
+    }
+
+    pub fn arena(&self) -> &Arc<KvArena> {
+        &self.arena
+    }
     pub fn page_size(&self) -> usize {
         self.page_size
     }
+    /// The id space of the arena.
     pub fn capacity(&self) -> usize {
-        self.pages.len()
+        self.arena.capacity().get()
     }
-    /// Pages that can be handed out right now (free plus evictable).
+    /// Pages the arena holds when the card has room (its sized target, or
+    /// what is committed if that is more): a sequence needing more than this
+    /// can never run.
+    pub fn target(&self) -> usize {
+        let c = self.arena.counts();
+        c.target.get().max(c.committed.get())
+    }
+    /// Pages that can be handed out right now without growing the arena
+    /// (free plus evictable).
     pub fn available(&self) -> usize {
-        self.free.len() + self.lru.len()
+        let c = self.arena.counts();
+        c.free.get() + c.cached.get()
     }
-
     pub fn counts(&self) -> PoolCounts {
-        let in_use = self.pages.iter().filter(|p| p.refs > 0).count();
-        PoolCounts {
-            capacity: self.pages.len(),
-            free: self.free.len(),
-            cached: self.lru.len(),
-            in_use,
-            // Ids above the cap still held by a live sequence count as in use
-            // until released; only the idle ones are withheld.
-            withheld: self.pages[self.cap.min(self.pages.len())..].iter().filter(|p| p.refs == 0).count(),
-        }
+        self.arena.counts().into()
+    }
+    pub fn evictions(&self) -> u64 {
+        lock(&self.index).evictions
     }
 
-    /// Check `free + cached + in_use + withheld == capacity` and the internal
-    /// cross-references. Tests call this after every operation; debug builds
-    /// assert it in the engine loop.
+    /// The arena's invariant plus the index's agreement with it.
     pub fn check_invariants(&self) -> Result<(), String> {
-        let c = self.counts();
-        if c.free + c.cached + c.in_use + c.withheld != c.capacity {
-            return Err(format!("page states do not add up: {c:?}"));
+        let c = self.arena.check_invariants()?;
+        let idx = lock(&self.index);
+        if idx.lru.len() != c.cached.get() {
+            return Err(format!("{} cached pages in the arena, {} in the index", c.cached.get(), idx.lru.len()));
         }
-        for &id in &self.free {
-            let p = &self.pages[id as usize];
-            if p.refs != 0 || p.hash.is_some() || id as usize >= self.cap {
-                return Err(format!("free page {id} is referenced, hashed or above the cap"));
-            }
+        if idx.refs.len() != c.in_use.get() {
+            return Err(format!("{} pages in use in the arena, {} held in the index", c.in_use.get(), idx.refs.len()));
         }
-        for &(_, id) in &self.lru {
-            let p = &self.pages[id as usize];
-            if p.refs != 0 || p.hash.is_none() {
-                return Err(format!("cached page {id} is referenced or unhashed"));
-            }
-        }
-        for (&h, &id) in &self.by_hash {
-            if self.pages[id as usize].hash != Some(h) {
+        for (&h, &id) in &idx.by_hash {
+            if idx.registered.get(&id).map(|r| r.hash) != Some(h) {
                 return Err(format!("hash index points at page {id}, which holds another hash"));
-            }
-        }
-        // Above the cap only live pages may remain (they drain as requests end).
-        for id in self.cap..self.pages.len() {
-            if self.free.contains(&(id as u32)) || self.pages[id].refs == 0 && self.pages[id].hash.is_some() {
-                return Err(format!("page {id} above the cap is free or cached"));
             }
         }
         Ok(())
     }
 
-    /// Take `n` pages for a sequence, evicting cached pages LRU-first when the
-    /// free list runs out. All or nothing: returns `None` (and changes nothing)
-    /// when fewer than `n` are available.
+    /// Take `n` pages for a sequence: grow the arena if the card has room as
+    /// things are, else evict cached pages LRU-first. All or nothing:
+    /// `None` (and nothing changed) when `n` cannot be had now.
     pub fn allocate(&mut self, n: usize) -> Option<Vec<PageId>> {
-        if self.available() < n {
+        if n == 0 {
+            return Some(Vec::new());
+        }
+        // Growing never spends relief here: admission waits rather than
+        // pushing the card towards its floor.
+        let _ = self.arena.ensure_free(Pages(n), Urgency::Opportunistic);
+        let mut idx = lock(&self.index);
+        let free = self.arena.counts().free.get();
+        if free + idx.lru.len() < n {
             return None;
         }
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            let id = match self.free.pop_first() {
-                Some(id) => id,
-                None => {
-                    let (_, id) = self.lru.pop_first().expect("available() counted it");
-                    let h = self.pages[id as usize].hash.take().expect("cached pages are hashed");
-                    self.by_hash.remove(&h);
-                    self.evictions += 1;
-                    id
-                }
-            };
-            self.pages[id as usize].refs = 1;
-            out.push(PageId(id));
+        while self.arena.counts().free.get() < n {
+            let (_, id) = idx.lru.pop_first().expect("counted above");
+            idx.released_at.remove(&id);
+            if let Some(r) = idx.registered.remove(&id) {
+                idx.by_hash.remove(&r.hash);
+            }
+            self.arena.evict(PageId(id)).expect("an indexed cached page is cached in the arena");
+            idx.evictions += 1;
         }
-        Some(out)
+        let pages = self.arena.alloc_many(Pages(n)).ok()?;
+        for p in &pages {
+            idx.refs.insert(p.0, 1);
+        }
+        Some(pages)
     }
 
-    /// Drop one reference to each page; a page no sequence holds becomes cached
+    /// Drop one hold on each page; a page no sequence holds becomes cached
     /// (if it is registered) or free.
     pub fn release(&mut self, pages: &[PageId]) {
+        let mut idx = lock(&self.index);
         for &p in pages.iter().rev() {
-            self.clock += 1;
-            let id = p.0;
-            let info = &mut self.pages[p.index()];
-            assert!(info.refs > 0, "release of {p}, which no sequence holds");
-            info.refs -= 1;
-            if info.refs > 0 {
-                continue;
-            }
-            info.last_used = self.clock;
-            if (id as usize) >= self.cap {
-                // Above the cap: the page must not be reused; forget its contents.
-                if let Some(h) = info.hash.take() {
-                    self.by_hash.remove(&h);
+            idx.clock += 1;
+            let now = idx.clock;
+            let left = {
+                let r = idx.refs.get_mut(&p.0).unwrap_or_else(|| panic!("release of {p}, which no sequence holds"));
+                *r -= 1;
+                *r
+            };
+            let registered = idx.registered.contains_key(&p.0);
+            let result = if registered { self.arena.release_to_cache(p) } else { self.arena.release(p) };
+            result.expect("a held page is in use in the arena");
+            if left == 0 {
+                idx.refs.remove(&p.0);
+                if registered {
+                    idx.lru.insert((now, p.0));
+                    idx.released_at.insert(p.0, now);
                 }
-            } else if info.hash.is_some() {
-                self.lru.insert((info.last_used, id));
-            } else {
-                self.free.insert(id);
             }
         }
     }
@@ -195,33 +240,39 @@ impl PagePool {
     /// same content is already registered under another page, nothing changes.
     pub fn register(&mut self, page: PageId, hash: PageHash, tokens: &[u32]) {
         debug_assert_eq!(tokens.len(), self.page_size);
-        if self.by_hash.contains_key(&hash) || self.pages[page.index()].hash.is_some() {
+        let mut idx = lock(&self.index);
+        if idx.by_hash.contains_key(&hash) || idx.registered.contains_key(&page.0) {
             return;
         }
-        let info = &mut self.pages[page.index()];
-        info.hash = Some(hash);
-        info.tokens.clear();
-        info.tokens.extend_from_slice(tokens);
-        self.by_hash.insert(hash, page.0);
+        idx.registered.insert(page.0, Registered { hash, tokens: tokens.to_vec() });
+        idx.by_hash.insert(hash, page.0);
     }
 
     /// Find the longest cached prefix of `tokens` over at most `max_pages`
-    /// full pages and take a reference on each page found.
+    /// full pages and take a hold on each page found.
     pub fn acquire_prefix(&mut self, tokens: &[u32], max_pages: usize) -> Vec<PageId> {
         let mut hashes = page_hashes(tokens, self.page_size);
         hashes.truncate(max_pages);
+        let mut idx = lock(&self.index);
         let mut out = Vec::new();
         for (i, h) in hashes.iter().enumerate() {
-            let Some(&id) = self.by_hash.get(h) else { break };
+            let Some(&id) = idx.by_hash.get(h) else { break };
             let want = &tokens[i * self.page_size..(i + 1) * self.page_size];
-            if self.pages[id as usize].tokens != want {
+            if idx.registered.get(&id).map(|r| r.tokens.as_slice()) != Some(want) {
                 break; // a hash collision: treat as a miss
             }
-            let info = &mut self.pages[id as usize];
-            if info.refs == 0 {
-                self.lru.remove(&(info.last_used, id));
+            match idx.refs.get_mut(&id) {
+                Some(r) => {
+                    *r += 1;
+                    self.arena.retain(PageId(id)).expect("a held page is in use in the arena");
+                }
+                None => {
+                    let t = idx.released_at.remove(&id).expect("an unheld registered page is cached");
+                    idx.lru.remove(&(t, id));
+                    idx.refs.insert(id, 1);
+                    self.arena.revive(PageId(id)).expect("an indexed cached page is cached in the arena");
+                }
             }
-            info.refs += 1;
             out.push(PageId(id));
         }
         self.lookup_tokens += (hashes.len() * self.page_size) as u64;
@@ -229,55 +280,62 @@ impl PagePool {
         out
     }
 
-    /// Evict up to `n` cached pages to the free list (relief under memory
-    /// pressure); returns how many were evicted.
+    /// Evict up to `n` cached pages (highest ids first); returns how many.
     pub fn evict_cached(&mut self, n: usize) -> usize {
-        let mut done = 0;
-        while done < n {
-            let Some((_, id)) = self.lru.pop_first() else { break };
-            let h = self.pages[id as usize].hash.take().expect("cached pages are hashed");
-            self.by_hash.remove(&h);
-            self.free.insert(id);
-            self.evictions += 1;
-            done += 1;
+        evict_top(&self.arena, &mut lock(&self.index), n)
+    }
+
+    /// The relief provider that gives cached prefixes back to the card.
+    pub fn prefix_evictor(&self) -> Arc<dyn ReliefProvider> {
+        Arc::new(PrefixEvictor { arena: self.arena.clone(), index: self.index.clone() })
+    }
+}
+
+/// Evict up to `n` cached pages, highest ids first, so the arena's top chunks
+/// become idle and releasable.
+fn evict_top(arena: &KvArena, idx: &mut PrefixIndex, n: usize) -> usize {
+    let mut victims: Vec<u32> = idx.released_at.keys().copied().collect();
+    victims.sort_unstable_by(|a, b| b.cmp(a));
+    victims.truncate(n);
+    for &id in &victims {
+        idx.forget(id);
+        arena.evict(PageId(id)).expect("an indexed cached page is cached in the arena");
+        idx.evictions += 1;
+    }
+    victims.len()
+}
+
+/// Relief provider: evict cached prefix pages, then release the arena chunks
+/// that became idle. The guard re-probes the card afterwards and credits only
+/// what the driver shows.
+struct PrefixEvictor {
+    arena: Arc<KvArena>,
+    index: Arc<Mutex<PrefixIndex>>,
+}
+
+impl ReliefProvider for PrefixEvictor {
+    fn name(&self) -> &str {
+        "evict cached prefixes"
+    }
+    fn tier(&self) -> Tier {
+        Tier::Local
+    }
+    fn cost(&self) -> u32 {
+        // After idle chunks (the arena itself, cost 0): losing a cached
+        // prefix costs a later prompt its recompute.
+        10
+    }
+    fn relieve(&self, card: CardId, need: Bytes) -> Bytes {
+        if card != self.arena.card() {
+            return Bytes::ZERO;
         }
-        done
-    }
-
-    /// The highest page id held by a live sequence, if any.
-    pub fn highest_live(&self) -> Option<PageId> {
-        self.pages.iter().rposition(|p| p.refs > 0).map(|i| PageId(i as u32))
-    }
-
-    pub fn cap(&self) -> usize {
-        self.cap
-    }
-
-    /// Withhold every id at or above `cap`: free and cached pages there leave
-    /// the pool now; live ones leave when released. Returns the new cap.
-    pub fn set_cap(&mut self, cap: usize) -> usize {
-        let cap = cap.min(self.pages.len());
-        if cap < self.cap {
-            let above: Vec<u32> = self.free.range(cap as u32..).copied().collect();
-            for id in above {
-                self.free.remove(&id);
-            }
-            let cached: Vec<(u64, u32)> = self.lru.iter().filter(|(_, id)| *id as usize >= cap).copied().collect();
-            for key in cached {
-                self.lru.remove(&key);
-                let h = self.pages[key.1 as usize].hash.take().expect("cached pages are hashed");
-                self.by_hash.remove(&h);
-            }
-        } else {
-            for id in self.cap..cap {
-                let p = &self.pages[id];
-                if p.refs == 0 && p.hash.is_none() {
-                    self.free.insert(id as u32);
-                }
-            }
+        let page = self.arena.geometry().page_bytes.get().max(1);
+        let pages = need.get().div_ceil(page) as usize;
+        {
+            let mut idx = lock(&self.index);
+            evict_top(&self.arena, &mut idx, pages);
         }
-        self.cap = cap;
-        cap
+        self.arena.release_idle(need).bytes
     }
 }
 

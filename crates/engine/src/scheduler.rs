@@ -20,7 +20,7 @@
 //! sampler or the client.
 
 use crate::pages::{page_hashes, PagePool};
-use corridor_units::{PageId, Pages, Tokens};
+use corridor_units::PageId;
 use std::collections::VecDeque;
 
 /// Identifies a request inside the engine.
@@ -108,8 +108,8 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(config: SchedulerConfig, pages: Pages, page_size: Tokens) -> Self {
-        Scheduler { config, pool: PagePool::new(pages, page_size), waiting: VecDeque::new(), running: Vec::new(), preemptions: 0 }
+    pub fn new(config: SchedulerConfig, pool: PagePool) -> Self {
+        Scheduler { config, pool, waiting: VecDeque::new(), running: Vec::new(), preemptions: 0 }
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -198,31 +198,30 @@ impl Scheduler {
                 continue;
             }
             let need = self.pages_for(self.running[i].computed + rows).saturating_sub(self.running[i].pages.len());
-            if need > self.pool.available() {
-                if self.running.len() > i + 1 {
-                    let victim = self.running.pop().expect("len > i + 1");
-                    out.preempted.push(victim.id);
-                    self.preempt(victim);
-                    continue; // retry the same sequence
-                }
-                if i == 0 {
-                    // Alone and still short: it can never fit.
-                    let s = self.running.remove(0);
-                    self.pool.release(&s.pages);
-                    out.out_of_capacity.push(s.id);
-                    continue;
-                }
-                // Preempt this one too: older sequences keep their pages.
-                let victim = self.running.remove(i);
+            if let Some(pages) = self.pool.allocate(need) {
+                self.running[i].pages.extend(pages);
+                grants.push((self.running[i].id, rows));
+                budget -= rows;
+                i += 1;
+                continue;
+            }
+            if self.running.len() > i + 1 {
+                // Make room by preempting the newest, then retry this one.
+                let victim = self.running.pop().expect("len > i + 1");
                 out.preempted.push(victim.id);
                 self.preempt(victim);
                 continue;
             }
-            let pages = self.pool.allocate(need).expect("available() was checked");
-            self.running[i].pages.extend(pages);
-            grants.push((self.running[i].id, rows));
-            budget -= rows;
-            i += 1;
+            let victim = self.running.remove(i);
+            if self.running.is_empty() && victim.pages.len() + need > self.pool.target() {
+                // Alone, and more than the pool ever holds: it can never fit.
+                self.pool.release(&victim.pages);
+                out.out_of_capacity.push(victim.id);
+            } else {
+                // Older sequences keep their pages; this one waits for memory.
+                out.preempted.push(victim.id);
+                self.preempt(victim);
+            }
         }
 
         // 2. Admit waiting sequences first-come first-served.
@@ -240,7 +239,7 @@ impl Scheduler {
             let rows = s.pending().min(budget);
             let need = self.pages_for(s.computed + rows).saturating_sub(s.pages.len());
             let Some(pages) = self.pool.allocate(need) else {
-                if self.running.is_empty() && need > self.pool.capacity() {
+                if self.running.is_empty() && s.pages.len() + need > self.pool.target() {
                     self.pool.release(&s.pages);
                     out.out_of_capacity.push(s.id);
                     continue;
@@ -275,6 +274,21 @@ impl Scheduler {
             });
         }
         out
+    }
+
+    /// Preempt the newest running sequences until at least `pages` pages have
+    /// been given back (memory pressure from outside the engine). Returns the
+    /// preempted ids.
+    pub fn preempt_for_memory(&mut self, pages: usize) -> Vec<RequestId> {
+        let mut freed = 0;
+        let mut ids = Vec::new();
+        while freed < pages {
+            let Some(victim) = self.running.pop() else { break };
+            freed += victim.pages.len();
+            ids.push(victim.id);
+            self.preempt(victim);
+        }
+        ids
     }
 
     fn preempt(&mut self, mut s: Seq) {

@@ -6,6 +6,7 @@
 use corridor_backend::cpu::CpuBackend;
 use corridor_engine::engine::{spawn, EngineConfig, EngineHandle, Event, FinishReason, GenerateRequest, Usage};
 use corridor_engine::sampling::SamplingParams;
+use corridor_engine::pages::PagePool;
 use corridor_engine::scheduler::SchedulerConfig;
 use corridor_model::llama::Model;
 use corridor_model::Checkpoint;
@@ -28,8 +29,8 @@ fn engine(pages: usize, budget: usize) -> EngineHandle {
         EngineConfig {
             scheduler: SchedulerConfig { max_running: 8, max_batched_tokens: budget, context_len: 256 },
             page_size: Tokens(16),
-            num_pages: Pages(pages),
         },
+        PagePool::standalone(Pages(pages), Tokens(16)),
     )
     .unwrap()
 }
