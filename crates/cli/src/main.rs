@@ -2,6 +2,7 @@
 //! then handed to the layer that acts on them.
 
 mod generate;
+mod memory;
 mod pull;
 
 use anyhow::Result;
@@ -32,6 +33,8 @@ enum Command {
     Pull(PullArgs),
     /// Drive any OpenAI-compatible server with a workload and report throughput and latency.
     Bench(corridor_bench::BenchArgs),
+    /// Show where every byte on every card goes: a running server's /v1/memory, or recorded boots.
+    Memory(memory::MemoryArgs),
 }
 
 /// Model and engine sizing shared by `serve` and `generate`.
@@ -50,12 +53,34 @@ pub struct ModelArgs {
     /// Longest sequence (prompt + output) in tokens. Default: the model's trained context.
     #[arg(long)]
     context_length: Option<usize>,
-    /// Memory for the KV cache on the CPU, in MiB.
+    /// On `--devices cpu`: the most host memory the KV cache may take, in MiB (on cards, KV is
+    /// sized from the measured free memory above the floor instead).
     #[arg(long, default_value_t = 1024)]
     kv_cache_mib: u64,
     /// Worker threads for the CPU kernels (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Cards to run on: `cpu`, or `sim:32GiB,20GiB,20GiB` (simulated cards: CPU compute, card
+    /// memory simulated, so the memory governor runs exactly as on GPUs).
+    #[arg(long, default_value = "cpu")]
+    devices: String,
+    /// Free memory each card must keep at every instant, in MiB: one value for all cards or one
+    /// per card (`1024,2048`). corridor never allocates below it and gives memory back when
+    /// another process grows into it.
+    #[arg(long)]
+    floor_mib: Option<String>,
+    /// The most corridor itself may hold on each card, in MiB (one value or one per card).
+    /// Enforced, not advisory: use it to share a card or to emulate a smaller one.
+    #[arg(long)]
+    card_budget_mib: Option<String>,
+    /// Write flight-recorder marks (JSON lines: boot phases, then every 30 s while serving) here;
+    /// `corridor memory --flight-dir DIR` reads them.
+    #[arg(long)]
+    flight_dir: Option<PathBuf>,
+    /// Scheduled foreign processes on sim cards: JSON lines such as
+    /// `{"at_s": 5.0, "card": 0, "pid": 4242, "bytes": 2147483648}` (`"bytes": 0` = it exited).
+    #[arg(long)]
+    sim_events: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -112,7 +137,13 @@ struct PullArgs {
 
 fn init_logging(filter: &str) {
     let env = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(env).with_writer(std::io::stderr).with_target(false).init();
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_env_filter(env)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .init();
 }
 
 impl ModelArgs {
@@ -131,6 +162,11 @@ impl ModelArgs {
         o.max_batched_tokens = self.max_batched_tokens;
         o.context_len = self.context_length;
         o.kv_budget = corridor_units::Bytes::mib(self.kv_cache_mib);
+        o.devices = corridor_server::boot::Devices::parse(&self.devices).map_err(anyhow::Error::msg)?;
+        o.floor_mib = self.floor_mib.clone();
+        o.card_budget_mib = self.card_budget_mib.clone();
+        o.flight_dir = self.flight_dir.clone();
+        o.sim_events = self.sim_events.clone();
         Ok(o)
     }
 }
@@ -183,6 +219,7 @@ fn run(cli: Cli) -> Result<()> {
             rt.block_on(corridor_server::http::run(booted, cfg))?;
             Ok(())
         }
+        Command::Memory(a) => memory::run(&a),
         Command::Bench(a) => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let report = rt.block_on(corridor_bench::run(a))?;

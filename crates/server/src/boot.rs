@@ -1,17 +1,63 @@
-//! Boot: load a checkpoint, its tokenizer and chat template, size the KV
-//! pool, and start the engine. The composition root shared by `corridor
+//! Boot: open the cards and the memory governor, load a checkpoint with its
+//! tokenizer and chat template, size the KV arena from the measured free
+//! column, and start the engine. The composition root shared by `corridor
 //! serve`, `corridor generate` and the server's tests.
+//!
+//! The order is the memory model's (DESIGN.md §3): weights, then the
+//! workspace, are resident and booked before KV is sized, so the solve reads
+//! what is really left; each phase leaves a flight-recorder mark when a
+//! flight directory is given.
 
 use crate::template::ChatTemplate;
 use crate::tokenizer::Tokenizer;
 use corridor_backend::cpu::CpuBackend;
 use corridor_engine::engine::{spawn, EngineConfig, EngineHandle};
+use corridor_engine::pages::PagePool;
 use corridor_engine::scheduler::SchedulerConfig;
 use corridor_model::llama::Model;
-use corridor_model::Checkpoint;
-use corridor_units::{Bytes, Pages, Tokens};
+use corridor_model::{Checkpoint, ModelConfig};
+use corridor_units::{Bytes, CardId, Pages, Tokens};
+use corridor_vram::recorder::{BootId, BootPhase, FlightRecorder, MarkIdentity};
+use corridor_vram::sizing::{solve, SizingInput, DEFAULT_MARGIN};
+use corridor_vram::{
+    parse_sim_events, Allocation, Card, CpuCard, Governor, GovernorConfig, KvArena, KvArenaConfig, Purpose,
+    SimCard, SimCardSpec, SystemClock, Urgency,
+};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+/// Which cards to run on.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Devices {
+    /// The host: CPU compute, host memory booked on the CPU card.
+    Cpu,
+    /// Simulated cards of these sizes: CPU compute, simulated card memory.
+    Sim(Vec<Bytes>),
+}
+
+impl Devices {
+    /// Parse `cpu` or `sim:32GiB,20GiB,20GiB`.
+    pub fn parse(text: &str) -> Result<Devices, String> {
+        let t = text.trim();
+        if t == "cpu" {
+            return Ok(Devices::Cpu);
+        }
+        if let Some(list) = t.strip_prefix("sim:") {
+            let sizes: Result<Vec<Bytes>, String> = list.split(',').map(Bytes::parse_size).collect();
+            let sizes = sizes?;
+            if sizes.is_empty() || sizes.iter().any(|b| *b == Bytes::ZERO) {
+                return Err(format!("--devices {text}: every sim card needs a size, e.g. sim:32GiB,20GiB"));
+            }
+            return Ok(Devices::Sim(sizes));
+        }
+        if t.starts_with("cuda") {
+            return Err(format!(
+                "--devices {text}: this build has no CUDA support; build with `--features cuda`"
+            ));
+        }
+        Err(format!("--devices {text}: expected cpu, sim:SIZE[,SIZE...] or cuda[:ID,...]"))
+    }
+}
 
 /// What `boot` needs; the cli fills it from flags.
 #[derive(Clone, Debug)]
@@ -24,10 +70,21 @@ pub struct BootOptions {
     pub max_batched_tokens: usize,
     /// Longest sequence; `None` = the model's trained context.
     pub context_len: Option<usize>,
-    /// Memory for the KV cache on the CPU.
+    /// On the CPU card: the most host memory the KV cache may take.
     pub kv_budget: Bytes,
     /// Tokens per KV page.
     pub page_size: usize,
+    pub devices: Devices,
+    /// `--floor-mib` as given (`N` or `N,N,...`); `None` = 1024 per card.
+    pub floor_mib: Option<String>,
+    /// `--card-budget-mib` as given; `None` = no budget.
+    pub card_budget_mib: Option<String>,
+    /// Where boot and serving marks are written (`None`: no recorder).
+    pub flight_dir: Option<PathBuf>,
+    /// Scheduled foreign processes on sim cards (JSON lines).
+    pub sim_events: Option<PathBuf>,
+    /// Driver carve-out and context residue on sim cards (to rehearse a real card).
+    pub sim_carve_out: Bytes,
 }
 
 impl BootOptions {
@@ -39,6 +96,12 @@ impl BootOptions {
             context_len: None,
             kv_budget: Bytes::mib(1024),
             page_size: 16,
+            devices: Devices::Cpu,
+            floor_mib: None,
+            card_budget_mib: None,
+            flight_dir: None,
+            sim_events: None,
+            sim_carve_out: Bytes::ZERO,
         }
     }
 }
@@ -51,6 +114,12 @@ pub struct Booted {
     /// The name `/v1/models` lists by default (the checkpoint's file or directory name).
     pub model_name: String,
     pub checkpoint_path: PathBuf,
+    /// The memory governor: cards, books, arenas, sampler.
+    pub governor: Arc<Governor>,
+    /// The sampler and relief threads; dropping it stops them.
+    pub monitor: Option<corridor_vram::governor::Monitor>,
+    /// Weights and workspace bookings, held for the life of the engine.
+    pub resident: Vec<Allocation>,
 }
 
 /// Errors at boot, each one line a person can act on.
@@ -68,6 +137,8 @@ pub enum BootError {
     Engine(#[from] corridor_engine::engine::EngineError),
     #[error("{0}")]
     Config(String),
+    #[error("{0}")]
+    Memory(String),
 }
 
 /// Load the tokenizer that belongs to a checkpoint.
@@ -78,13 +149,81 @@ pub fn load_tokenizer(ckpt: &Checkpoint) -> Result<Tokenizer, BootError> {
     })
 }
 
+fn open_cards(opts: &BootOptions, clock: &Arc<SystemClock>) -> Result<Vec<Arc<dyn Card>>, BootError> {
+    Ok(match &opts.devices {
+        Devices::Cpu => vec![Arc::new(CpuCard::new(CardId(0), Bytes::gib(16))) as Arc<dyn Card>],
+        Devices::Sim(sizes) => {
+            let events = match &opts.sim_events {
+                Some(p) => {
+                    let text = std::fs::read_to_string(p)
+                        .map_err(|e| BootError::Config(format!("--sim-events {}: {e}", p.display())))?;
+                    parse_sim_events(&text).map_err(|e| BootError::Config(format!("--sim-events {}: {e}", p.display())))?
+                }
+                None => Vec::new(),
+            };
+            sizes
+                .iter()
+                .enumerate()
+                .map(|(i, total)| {
+                    let mut spec = SimCardSpec::new(CardId(i as u32), *total);
+                    spec.carve_out = opts.sim_carve_out;
+                    Arc::new(SimCard::new(spec, &events, clock.clone())) as Arc<dyn Card>
+                })
+                .collect()
+        }
+    })
+}
+
+/// Bytes of the activation workspace the CPU backend allocates for steps of
+/// `rows` token rows and `logit_rows` sampled rows (see `llama::Workspace`).
+fn workspace_bytes(c: &ModelConfig, rows: usize, logit_rows: usize) -> Bytes {
+    let q = c.num_heads * c.head_dim;
+    let kv = c.num_kv_heads * c.head_dim;
+    let per_row = 3 * c.hidden_size + 2 * q + 2 * kv + 3 * c.intermediate_size;
+    let per_logit_row = 2 * c.hidden_size + c.vocab_size;
+    Bytes(((rows * per_row + logit_rows * per_logit_row) * 4) as u64)
+}
+
 /// Load everything and start the engine. `progress(done, total)` is called as
 /// layers are placed.
 pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Result<Booted, BootError> {
+    if opts.page_size == 0 || opts.max_running == 0 || opts.max_batched_tokens == 0 {
+        return Err(BootError::Config("page size, max running requests and max batched tokens must be positive".into()));
+    }
+    let clock = Arc::new(SystemClock::new());
+    let cards = open_cards(opts, &clock)?;
+    let gcfg = GovernorConfig::from_flags(cards.len(), opts.floor_mib.as_deref(), opts.card_budget_mib.as_deref())
+        .map_err(|e| BootError::Config(e.to_string()))?;
+    let governor = Arc::new(Governor::new(cards, gcfg, clock.clone()).map_err(|e| BootError::Config(e.to_string()))?);
+    let recorder = match &opts.flight_dir {
+        Some(dir) => {
+            let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            let ident = MarkIdentity { boot_id: BootId::new(std::process::id(), wall.as_millis() as u64), rank: None };
+            let rec = FlightRecorder::open(dir, ident, governor.config().serving_mark_interval, clock.clone())
+                .map_err(|e| BootError::Config(format!("--flight-dir {}: {e}", dir.display())))?;
+            Some(Arc::new(rec))
+        }
+        None => None,
+    };
+    let mark = |phase: BootPhase| {
+        if let Some(r) = &recorder {
+            if let Err(e) = r.boot_mark(phase, governor.devices()) {
+                tracing::warn!("flight recorder: {e}");
+            }
+        }
+    };
+    mark(BootPhase::ProcessStart);
+
     let ckpt = Checkpoint::open(&opts.model)?;
     let tokenizer = load_tokenizer(&ckpt)?;
     let template = ChatTemplate::for_checkpoint(tokenizer.chat_template(), tokenizer.bos_token(), tokenizer.eos_token())?;
     let cfg = ckpt.config().clone();
+    let context_len = opts.context_len.unwrap_or(cfg.max_position_embeddings).max(1);
+    // The whole model runs on card 0 (multi-card layouts place ranks).
+    let dev = governor.devices()[0].clone();
+    let mut resident = Vec::new();
+    let weights = Bytes(ckpt.file_bytes());
+    resident.push(dev.reserve(weights, Purpose::Weights).map_err(|e| BootError::Memory(format!("weights do not fit: {e}")))?);
     let backend = CpuBackend::new();
     let total = cfg.num_layers + 2;
     let mut done = 0;
@@ -92,44 +231,78 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         done += n;
         progress(done, total);
     })?;
-    let context_len = opts.context_len.unwrap_or(cfg.max_position_embeddings).max(1);
-    if opts.page_size == 0 || opts.max_running == 0 || opts.max_batched_tokens == 0 {
-        return Err(BootError::Config("page size, max running requests and max batched tokens must be positive".into()));
-    }
-    // The CPU keeps KV in f32: bytes per page across all layers.
-    let page_bytes = model.kv_bytes_per_token(4) * opts.page_size;
-    let budget_pages = (opts.kv_budget.get() / page_bytes as u64) as usize;
-    // No point holding more than every running sequence at full context.
+    mark(BootPhase::WeightsLoaded);
+    let ws = workspace_bytes(&cfg, opts.max_batched_tokens, opts.max_running);
+    resident.push(dev.reserve(ws, Purpose::Workspace).map_err(|e| BootError::Memory(format!("workspace does not fit: {e}")))?);
+    mark(BootPhase::WorkspaceReady);
+
+    // KV: the CPU keeps it in f32; one page holds `page_size` tokens of every layer.
+    let page_bytes = Bytes((model.kv_bytes_per_token(4) * opts.page_size) as u64);
     let useful = opts.max_running * context_len.div_ceil(opts.page_size);
-    let num_pages = budget_pages.min(useful);
-    if num_pages == 0 {
-        return Err(BootError::Config(format!(
-            "a KV budget of {} holds no page of {} tokens ({} each): raise --kv-cache-mib",
-            opts.kv_budget,
-            opts.page_size,
-            Bytes(page_bytes as u64)
+    let mut max_pages = useful.min((dev.card().total().get() / page_bytes.get().max(1)) as usize);
+    if opts.devices == Devices::Cpu {
+        // The host is shared with everything else: hold KV to its budget.
+        max_pages = max_pages.min((opts.kv_budget.get() / page_bytes.get().max(1)) as usize);
+    }
+    let arena_cfg = KvArenaConfig {
+        page_bytes,
+        max_pages: Pages(max_pages.max(1)),
+        chunk_target: Bytes::mib(2).max(page_bytes),
+        hold: governor.config().kv_hold,
+    };
+    let arena = Arc::new(KvArena::new(&dev, arena_cfg, clock.clone()).map_err(|e| BootError::Memory(e.to_string()))?);
+    let sizing = solve(SizingInput::measure(&dev, DEFAULT_MARGIN, Bytes::ZERO, arena.geometry(), arena.capacity()));
+    arena.commit_to(sizing.pages, Urgency::Deferrable).map_err(|e| BootError::Memory(format!("KV pool: {e}")))?;
+    if arena.backed().get() == 0 {
+        return Err(BootError::Memory(format!(
+            "no KV page of {} fits on {} above its floor: lower --max-batched-tokens, raise the card budget or lower --floor-mib",
+            page_bytes,
+            dev.id()
         )));
     }
     tracing::info!(
-        pages = num_pages,
-        tokens = num_pages * opts.page_size,
-        page_bytes,
-        bound = if budget_pages <= useful { "kv budget" } else { "max running × context" },
+        pages = arena.backed().get(),
+        tokens = arena.backed().get() * opts.page_size,
+        page = %page_bytes,
+        bound = ?sizing.bound,
         "KV pool sized"
     );
+    governor.attach_arena(arena.clone());
+    mark(BootPhase::KvSized);
+
+    let pool = PagePool::new(arena, Tokens(opts.page_size));
+    governor.register_provider(pool.prefix_evictor());
     let engine = spawn(
         backend,
         model,
         EngineConfig {
             scheduler: SchedulerConfig { max_running: opts.max_running, max_batched_tokens: opts.max_batched_tokens, context_len },
             page_size: Tokens(opts.page_size),
-            num_pages: Pages(num_pages),
         },
+        pool,
     )?;
+    governor.register_provider(engine.preempt_provider(dev.id(), page_bytes));
+    mark(BootPhase::BootComplete);
+    if let Some(r) = recorder {
+        governor.attach_recorder(r);
+    }
+    let monitor = governor.spawn_monitor().map_err(|e| BootError::Memory(format!("cannot start the memory sampler: {e}")))?;
     let model_name = opts
         .model
         .file_name()
         .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
         .unwrap_or_else(|| "model".to_string());
-    Ok(Booted { engine, tokenizer: Arc::new(tokenizer), template: Arc::new(template), model_name, checkpoint_path: opts.model.clone() })
+    Ok(Booted {
+        engine,
+        tokenizer: Arc::new(tokenizer),
+        template: Arc::new(template),
+        model_name,
+        checkpoint_path: opts.model.clone(),
+        governor,
+        monitor: Some(monitor),
+        resident,
+    })
 }
+
+
+
