@@ -20,7 +20,7 @@ use corridor_units::{Bytes, CardId, Pages, Tokens};
 use corridor_vram::recorder::{BootId, BootPhase, FlightRecorder, MarkIdentity};
 use corridor_vram::sizing::{solve, SizingInput, DEFAULT_MARGIN};
 use corridor_vram::{
-    parse_sim_events, Allocation, Card, CpuCard, Governor, GovernorConfig, KvArena, KvArenaConfig, Purpose,
+    parse_sim_events, Allocation, Card, ChunkGeometry, CpuCard, Governor, GovernorConfig, KvArena, KvArenaConfig, Purpose,
     SimCard, SimCardSpec, SystemClock, Urgency,
 };
 use std::path::{Path, PathBuf};
@@ -83,8 +83,13 @@ pub struct BootOptions {
     pub flight_dir: Option<PathBuf>,
     /// Scheduled foreign processes on sim cards (JSON lines).
     pub sim_events: Option<PathBuf>,
-    /// Driver carve-out and context residue on sim cards (to rehearse a real card).
+    /// Driver carve-out on sim cards (to rehearse a real card).
     pub sim_carve_out: Bytes,
+    /// How long KV waits after giving memory back before growing again
+    /// (`None`: the governor's default).
+    pub kv_hold: Option<std::time::Duration>,
+    /// Pace of serving marks (`None`: the governor's default, 30 s).
+    pub serving_mark_interval: Option<std::time::Duration>,
 }
 
 impl BootOptions {
@@ -102,6 +107,8 @@ impl BootOptions {
             flight_dir: None,
             sim_events: None,
             sim_carve_out: Bytes::ZERO,
+            kv_hold: None,
+            serving_mark_interval: None,
         }
     }
 }
@@ -192,8 +199,14 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
     }
     let clock = Arc::new(SystemClock::new());
     let cards = open_cards(opts, &clock)?;
-    let gcfg = GovernorConfig::from_flags(cards.len(), opts.floor_mib.as_deref(), opts.card_budget_mib.as_deref())
+    let mut gcfg = GovernorConfig::from_flags(cards.len(), opts.floor_mib.as_deref(), opts.card_budget_mib.as_deref())
         .map_err(|e| BootError::Config(e.to_string()))?;
+    if let Some(h) = opts.kv_hold {
+        gcfg.kv_hold = h;
+    }
+    if let Some(i) = opts.serving_mark_interval {
+        gcfg.serving_mark_interval = i;
+    }
     let governor = Arc::new(Governor::new(cards, gcfg, clock.clone()).map_err(|e| BootError::Config(e.to_string()))?);
     let recorder = match &opts.flight_dir {
         Some(dir) => {
@@ -244,12 +257,16 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         // The host is shared with everything else: hold KV to its budget.
         max_pages = max_pages.min((opts.kv_budget.get() / page_bytes.get().max(1)) as usize);
     }
-    let arena_cfg = KvArenaConfig {
-        page_bytes,
-        max_pages: Pages(max_pages.max(1)),
-        chunk_target: Bytes::mib(2).max(page_bytes),
-        hold: governor.config().kv_hold,
-    };
+    // Chunks of about 2 MiB (whole granules of the card), but never more than
+    // a quarter of the pool, so a small pool still shrinks and grows in steps.
+    let pool_bytes = Bytes(page_bytes.get() * max_pages.max(1) as u64);
+    let chunk_target = Bytes::mib(2).min(Bytes(pool_bytes.get() / 4)).max(page_bytes);
+    let geometry = ChunkGeometry::new(page_bytes, dev.card().granularity(), chunk_target)
+        .map_err(|e| BootError::Memory(e.to_string()))?;
+    // The id space is whole chunks: round up, so even a tiny pool holds one.
+    let max_pages = max_pages.max(1).div_ceil(geometry.chunk_pages) * geometry.chunk_pages;
+    let arena_cfg =
+        KvArenaConfig { page_bytes, max_pages: Pages(max_pages), chunk_target, hold: governor.config().kv_hold };
     let arena = Arc::new(KvArena::new(&dev, arena_cfg, clock.clone()).map_err(|e| BootError::Memory(e.to_string()))?);
     let sizing = solve(SizingInput::measure(&dev, DEFAULT_MARGIN, Bytes::ZERO, arena.geometry(), arena.capacity()));
     arena.commit_to(sizing.pages, Urgency::Deferrable).map_err(|e| BootError::Memory(format!("KV pool: {e}")))?;

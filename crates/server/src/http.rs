@@ -1,0 +1,363 @@
+//! The axum router: routes, handlers, the API-key check and the body limit.
+//!
+//! Routes: `POST /v1/chat/completions`, `POST /v1/completions`,
+//! `GET /v1/models`, `GET /v1/models/{id}`, `GET /health`, `GET /metrics`,
+//! and `GET /v1/engine/stats` (the page pool's counts as JSON, which tests
+//! use to check that `free + cached + in_use + withheld == capacity`).
+//! With an API key set, every route but `/health` requires
+//! `Authorization: Bearer <key>`. Bodies are read as bytes under a size
+//! limit and parsed by `validate`, so a malformed body, an oversized one, or
+//! a wrong field all get the OpenAI error object instead of axum's plain
+//! text rejections.
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{header, Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use corridor_engine::engine::{EngineHandle, GenerateRequest};
+use corridor_units::Tokens;
+use serde_json::json;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::api::{ModelCard, ModelList};
+use crate::boot::Booted;
+use crate::error::ApiError;
+use crate::generate::{ChoiceSpec, DecodeSettings, Generation};
+use crate::metrics::{self, Metrics, Scrape};
+use crate::respond::{self, ResponsePlan, Shape};
+use crate::template::ChatTemplate;
+use crate::tokenizer::Tokenizer;
+use crate::validate::{self, Edge, Limits, ModelFacts, ValidGeneration};
+
+// The entry points live in `serve`; they are also reachable from here, where
+// the rest of the HTTP surface is.
+pub use crate::serve::{run, run_until, ServerConfig};
+
+/// What the handlers share. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
+    engine: EngineHandle,
+    tokenizer: Arc<Tokenizer>,
+    template: Arc<ChatTemplate>,
+    facts: ModelFacts,
+    limits: Limits,
+    /// Kept out of every `Debug` and log line.
+    api_key: Option<String>,
+    /// End-of-sequence ids: the tokenizer's and the model config's.
+    eos_ids: Vec<u32>,
+    metrics: Arc<Metrics>,
+    /// When the server started (`created` of the model card).
+    started: u64,
+    /// Set once shutdown begins: `/health` turns 503 and new generation
+    /// requests are refused.
+    draining: AtomicBool,
+}
+
+/// The parts of the server configuration the handlers need.
+#[derive(Clone, Default)]
+pub struct StateOptions {
+    /// The name clients send as `model`; `None` uses the checkpoint's name.
+    pub served_model_name: Option<String>,
+    pub api_key: Option<String>,
+    pub limits: Limits,
+}
+
+impl std::fmt::Debug for StateOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StateOptions")
+            .field("served_model_name", &self.served_model_name)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("limits", &self.limits)
+            .finish()
+    }
+}
+
+impl AppState {
+    pub fn new(booted: &Booted, options: StateOptions) -> AppState {
+        let info = booted.engine.info();
+        let mut eos_ids: Vec<u32> = booted.tokenizer.eos_ids().to_vec();
+        eos_ids.extend(info.config.eos_token_ids.iter().copied());
+        eos_ids.sort_unstable();
+        eos_ids.dedup();
+        let served_name = options.served_model_name.unwrap_or_else(|| booted.model_name.clone());
+        let facts = ModelFacts {
+            served_name,
+            context_len: Tokens(info.context_len),
+            pool_tokens: Tokens(info.num_pages * info.page_size),
+            vocab_size: info.config.vocab_size,
+        };
+        AppState {
+            inner: Arc::new(Shared {
+                engine: booted.engine.clone(),
+                tokenizer: booted.tokenizer.clone(),
+                template: booted.template.clone(),
+                facts,
+                limits: options.limits,
+                api_key: options.api_key.filter(|k| !k.is_empty()),
+                eos_ids,
+                metrics: Arc::new(Metrics::default()),
+                started: unix_now(),
+                draining: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// The name clients must send as `model`.
+    pub fn served_model_name(&self) -> &str {
+        &self.inner.facts.served_name
+    }
+
+    /// The engine behind the server.
+    pub fn engine(&self) -> &EngineHandle {
+        &self.inner.engine
+    }
+
+    /// Starts draining: `/health` answers 503 and new requests are refused.
+    pub fn begin_shutdown(&self) {
+        self.inner.draining.store(true, Ordering::SeqCst);
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// The whole HTTP surface, for `run` and for in-process tests.
+pub fn router(state: AppState) -> Router {
+    let limit = state.inner.limits.max_body_bytes;
+    let protected = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{*id}", get(get_model))
+        .route("/v1/engine/stats", get(engine_stats))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), require_key));
+    Router::new()
+        .route("/health", get(health))
+        .merge(protected)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// Checks `Authorization: Bearer <key>` when a key is configured.
+async fn require_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.inner.api_key {
+        let presented = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if !presented.is_some_and(|p| constant_time_eq(p.as_bytes(), key.as_bytes())) {
+            return ApiError::Unauthorized.into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// Compares without an early exit, so response timing does not reveal how
+/// much of a guessed key was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn health(State(state): State<AppState>) -> Response {
+    if state.inner.draining.load(Ordering::SeqCst) {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "shutting down"}))).into_response();
+    }
+    Json(json!({"status": "ok"})).into_response()
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::RouteNotFound { method: method.to_string(), path: uri.path().to_string() }
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    let body = ApiError::invalid_body(format!("{method} is not allowed on {}", uri.path())).body();
+    (StatusCode::METHOD_NOT_ALLOWED, Json(body)).into_response()
+}
+
+fn model_card(state: &AppState) -> ModelCard {
+    ModelCard {
+        id: state.inner.facts.served_name.clone(),
+        object: "model",
+        created: state.inner.started,
+        owned_by: "corridor",
+        max_model_len: state.inner.facts.context_len.get(),
+    }
+}
+
+async fn list_models(State(state): State<AppState>) -> Json<ModelList> {
+    Json(ModelList { object: "list", data: vec![model_card(&state)] })
+}
+
+async fn get_model(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<ModelCard>, ApiError> {
+    if id == state.inner.facts.served_name {
+        Ok(Json(model_card(&state)))
+    } else {
+        Err(ApiError::ModelNotFound { model: id, served: state.inner.facts.served_name.clone() })
+    }
+}
+
+async fn engine_stats(State(state): State<AppState>) -> Response {
+    let s = state.inner.engine.stats();
+    let p = s.pages;
+    Json(json!({
+        "running": s.running,
+        "waiting": s.waiting,
+        "pages": {
+            "capacity": p.capacity,
+            "free": p.free,
+            "cached": p.cached,
+            "in_use": p.in_use,
+            "withheld": p.withheld,
+        },
+        "prefix_lookup_tokens": s.prefix_lookup_tokens,
+        "prefix_hit_tokens": s.prefix_hit_tokens,
+        "prompt_tokens": s.prompt_tokens,
+        "generated_tokens": s.generated_tokens,
+        "preemptions": s.preemptions,
+        "aborted": s.aborted,
+        "finished": s.finished,
+    }))
+    .into_response()
+}
+
+async fn metrics_text(State(state): State<AppState>) -> Response {
+    let engine = state.inner.engine.stats();
+    let text = metrics::render(&Scrape {
+        server: &state.inner.metrics,
+        engine: &engine,
+        sampler: state.inner.engine.sampler_stats(),
+        info: state.inner.engine.info(),
+    });
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+impl AppState {
+    fn edge(&self) -> Edge<'_> {
+        Edge {
+            limits: &self.inner.limits,
+            facts: &self.inner.facts,
+            tokenizer: &self.inner.tokenizer,
+            template: &self.inner.template,
+        }
+    }
+
+    /// Reads the body, refusing new work while shutting down.
+    fn accept(&self, body: Result<Bytes, BytesRejection>) -> Result<serde_json::Value, ApiError> {
+        if self.inner.draining.load(Ordering::SeqCst) {
+            return Err(ApiError::Unavailable { message: "the server is shutting down".into() });
+        }
+        let bytes = body.map_err(|rejection| {
+            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::BodyTooLarge { limit_bytes: self.inner.limits.max_body_bytes }
+            } else {
+                ApiError::invalid_body(rejection.body_text())
+            }
+        })?;
+        validate::parse_body(&bytes)
+    }
+
+    /// Submits every choice of a validated request and answers it.
+    async fn run(&self, gen: ValidGeneration, shape: Shape, echo: bool) -> Response {
+        let metrics = self.inner.metrics.clone();
+        let specs = choice_specs(&gen, &self.inner.eos_ids);
+        let settings = DecodeSettings {
+            tokenizer: self.inner.tokenizer.clone(),
+            stop: gen.stop.clone(),
+            skip_special_tokens: gen.skip_special_tokens,
+            logprobs: gen.params.logprobs.is_some(),
+        };
+        let generation = match Generation::start(&self.inner.engine, specs, settings, metrics.clone()) {
+            Ok(g) => g,
+            Err(e) => return respond::reject(e, &metrics),
+        };
+        let prefix = if shape == Shape::Chat { "chatcmpl" } else { "cmpl" };
+        let plan = ResponsePlan {
+            shape,
+            id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()),
+            created: unix_now(),
+            model: self.inner.facts.served_name.clone(),
+            n: gen.n,
+            echo: gen.prompts.iter().map(|p| echo.then(|| p.text.clone())).collect(),
+            logprobs: gen.params.logprobs.is_some(),
+            include_usage: gen.include_usage,
+            metrics,
+        };
+        if gen.stream {
+            respond::stream(generation, plan)
+        } else {
+            respond::complete(generation, plan).await
+        }
+    }
+}
+
+/// One engine request per (prompt, choice), prompt-major. With a seed,
+/// choice `j` of a prompt uses `seed + j`, so choices differ from each other
+/// but every one of them is repeatable.
+fn choice_specs(gen: &ValidGeneration, eos_ids: &[u32]) -> Vec<ChoiceSpec> {
+    let mut specs = Vec::with_capacity(gen.prompts.len() * gen.n);
+    for prompt in &gen.prompts {
+        for j in 0..gen.n {
+            let mut params = gen.params.clone();
+            params.seed = params.seed.map(|s| s.wrapping_add(j as u64));
+            specs.push(ChoiceSpec {
+                request: GenerateRequest {
+                    prompt: prompt.ids.clone(),
+                    params,
+                    max_new_tokens: gen.max_tokens,
+                    eos_ids: eos_ids.to_vec(),
+                },
+            });
+        }
+    }
+    specs
+}
+
+async fn chat_completions(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    let valid = state.accept(body).and_then(|json| validate::chat(&json, state.edge()));
+    match valid {
+        Ok(chat) => state.run(chat.gen, Shape::Chat, false).await,
+        Err(e) => respond::reject(e, &state.inner.metrics),
+    }
+}
+
+async fn completions(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    let valid = state.accept(body).and_then(|json| validate::completion(&json, state.edge()));
+    match valid {
+        Ok(c) => state.run(c.gen, Shape::Completion, c.echo).await,
+        Err(e) => respond::reject(e, &state.inner.metrics),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::constant_time_eq;
+
+    #[test]
+    fn key_comparison() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+    }
+}

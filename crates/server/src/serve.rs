@@ -1,0 +1,139 @@
+//! The entry point `corridor serve` calls: bind, serve, shut down cleanly.
+//!
+//! Shutdown on SIGINT or SIGTERM: `/health` turns 503 and new generation
+//! requests are refused at once; the listener stops accepting; the engine
+//! aborts whatever is in flight (non-streaming requests answer 503, streams
+//! end with an error event), which lets every open response finish; then
+//! the engine thread is joined and `run` returns `Ok`, so the process can
+//! exit 0.
+
+use std::future::Future;
+use std::net::SocketAddr;
+
+use crate::boot::Booted;
+use crate::error::ServerError;
+use crate::http::{router, AppState, StateOptions};
+use crate::validate::Limits;
+
+/// How the server listens and whom it serves; the cli fills it from flags.
+#[derive(Clone)]
+pub struct ServerConfig {
+    /// Address to bind; loopback by default, so nothing is exposed unless
+    /// asked for.
+    pub host: String,
+    pub port: u16,
+    /// The model id clients use; `None` uses the checkpoint's name.
+    pub served_model_name: Option<String>,
+    /// When set, every route but `/health` requires `Authorization: Bearer
+    /// <key>`. Never logged.
+    pub api_key: Option<String>,
+    /// Per-request limits (stop strings, `n`, body size, ...).
+    pub limits: Limits,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            host: "127.0.0.1".to_string(),
+            port: 8000,
+            served_model_name: None,
+            api_key: None,
+            limits: Limits::default(),
+        }
+    }
+}
+
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerConfig")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("served_model_name", &self.served_model_name)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("limits", &self.limits)
+            .finish()
+    }
+}
+
+impl ServerConfig {
+    fn state_options(&self) -> StateOptions {
+        StateOptions {
+            served_model_name: self.served_model_name.clone(),
+            api_key: self.api_key.clone(),
+            limits: self.limits,
+        }
+    }
+}
+
+/// Serves until SIGINT or SIGTERM, then shuts down gracefully.
+pub async fn run(booted: Booted, cfg: ServerConfig) -> Result<(), ServerError> {
+    run_until(booted, cfg, shutdown_signal()).await
+}
+
+/// Serves until `shutdown` completes, then shuts down gracefully (what `run`
+/// does on a signal; tests pass their own trigger).
+pub async fn run_until(
+    booted: Booted,
+    cfg: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    if cfg.served_model_name.as_deref().is_some_and(|n| n.trim().is_empty()) {
+        return Err(ServerError::Config { message: "the served model name must not be empty".into() });
+    }
+    let state = AppState::new(&booted, cfg.state_options());
+    let addr = format!("{}:{}", cfg.host, cfg.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|source| ServerError::Bind { addr: addr.clone(), source })?;
+    let local: SocketAddr =
+        listener.local_addr().map_err(|source| ServerError::Bind { addr: addr.clone(), source })?;
+    tracing::info!(
+        model = state.served_model_name(),
+        auth = if cfg.api_key.is_some() { "api key required" } else { "none" },
+        "serving at http://{local}/v1"
+    );
+
+    let engine = booted.engine.clone();
+    let draining = state.clone();
+    let app = router(state);
+    let stop = async move {
+        shutdown.await;
+        tracing::info!("shutting down: refusing new requests and aborting those in flight");
+        draining.begin_shutdown();
+        // Aborting in-flight requests is what lets open responses (streams
+        // especially) finish, so the graceful drain below cannot hang.
+        // `shutdown` joins the engine thread, hence a blocking task.
+        let engine = draining.engine().clone();
+        let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
+    };
+    let served = axum::serve(listener, app).with_graceful_shutdown(stop).await;
+    engine.shutdown();
+    served.map_err(|source| ServerError::Serve { source })?;
+    tracing::info!("server stopped");
+    Ok(())
+}
+
+/// Completes on the first SIGINT (Ctrl-C) or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            // Without a signal handler, never trigger from here.
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}

@@ -1,0 +1,111 @@
+//! Serving under the memory governor on a simulated card: a foreign process
+//! grows into the floor while requests run. The floor must be restored by
+//! corridor itself (idle KV released, cached prefixes evicted, requests
+//! preempted) within a second, with zero breaches; every request ends
+//! cleanly; the serving marks name the intruder; and KV grows back once the
+//! intruder exits.
+
+use corridor_engine::engine::{Event, FinishReason, GenerateRequest};
+use corridor_engine::sampling::SamplingParams;
+use corridor_server::boot::{boot, BootOptions, Devices};
+use corridor_units::Bytes;
+use corridor_vram::recorder::{read_dir, MarkKind};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny").join(name)
+}
+
+#[test]
+fn an_intruder_is_answered_without_a_breach_and_kv_grows_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let flight = dir.path().join("flight");
+    let events = dir.path().join("events.jsonl");
+    // The card: 1300 MiB. After boot corridor holds ~64 MiB of KV and rests
+    // ~200 MiB above the 1024 MiB floor; at 1.5 s pid 4242 takes 230 MiB,
+    // which puts the card ~30 MiB under the floor until corridor gives KV back.
+    let mib = 1024 * 1024u64;
+    std::fs::write(
+        &events,
+        format!(
+            "{{\"at_s\": 1.5, \"card\": 0, \"pid\": 4242, \"bytes\": {}}}\n{{\"at_s\": 3.0, \"card\": 0, \"pid\": 4242, \"bytes\": 0}}\n",
+            230 * mib
+        ),
+    )
+    .unwrap();
+    let mut opts = BootOptions::new(fixture("llama-f32"));
+    opts.devices = Devices::Sim(vec![Bytes::mib(1300)]);
+    opts.max_running = 64;
+    opts.context_len = Some(2048);
+    opts.max_batched_tokens = 256;
+    opts.flight_dir = Some(flight.clone());
+    opts.sim_events = Some(events);
+    opts.kv_hold = Some(Duration::from_millis(300));
+    opts.serving_mark_interval = Some(Duration::from_millis(250));
+    let booted = boot(&opts, |_, _| {}).unwrap();
+    let gov = booted.governor.clone();
+    let kv_at_boot = gov.memory_report().cards[0].books.kv_committed;
+    assert!(kv_at_boot > Bytes::mib(32), "KV sized to {kv_at_boot}");
+
+    // Clients: keep requests flowing for 4.5 s.
+    let start = Instant::now();
+    let clients: Vec<_> = (0..6)
+        .map(|c| {
+            let engine = booted.engine.clone();
+            std::thread::spawn(move || {
+                let mut outcomes = Vec::new();
+                let mut i = 0u32;
+                while start.elapsed() < Duration::from_millis(4500) {
+                    let prompt: Vec<u32> = (0..40).map(|t| 3 + (t * 7 + c * 13 + i) % 300).collect();
+                    let req = GenerateRequest {
+                        prompt,
+                        params: SamplingParams { temperature: 0.0, ignore_eos: true, ..Default::default() },
+                        max_new_tokens: Some(24),
+                        eos_ids: vec![2],
+                    };
+                    let mut s = engine.submit(req).unwrap();
+                    loop {
+                        match s.next_blocking() {
+                            Some(Event::Token { .. }) => {}
+                            Some(Event::Done { reason, .. }) => {
+                                outcomes.push(reason);
+                                break;
+                            }
+                            None => panic!("stream ended without Done"),
+                        }
+                    }
+                    i += 1;
+                }
+                outcomes
+            })
+        })
+        .collect();
+    let mut kv_during = Bytes(u64::MAX);
+    while start.elapsed() < Duration::from_millis(2900) {
+        kv_during = kv_during.min(gov.memory_report().cards[0].books.kv_committed);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let outcomes: Vec<FinishReason> = clients.into_iter().flat_map(|c| c.join().unwrap()).collect();
+    // Give KV time to grow back after the intruder left at 3.0 s.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while gov.memory_report().cards[0].books.kv_committed < kv_at_boot && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let r = gov.memory_report().cards[0].clone();
+
+    assert!(!outcomes.is_empty());
+    assert!(outcomes.iter().all(|o| *o == FinishReason::Length), "every request completes: {outcomes:?}");
+    assert_eq!(r.breaches, 0, "corridor's own allocations never took the card under its floor: {r:?}");
+    assert!(r.intrusions >= 1, "the intruder was seen under the floor: {r:?}");
+    assert!(r.restore_ms_max.is_some_and(|ms| ms <= 1000), "floor restored within a second: {r:?}");
+    assert!(kv_during < kv_at_boot, "KV gave memory back during the intrusion ({kv_during} vs {kv_at_boot})");
+    assert!(r.books.kv_committed >= kv_at_boot, "KV grew back after the intruder left: {r:?}");
+    let pool = booted.engine.stats().pages;
+    assert_eq!(pool.free + pool.cached + pool.in_use + pool.withheld, pool.capacity);
+
+    // A serving mark during the intrusion names the intruder.
+    let marks = read_dir(&flight).unwrap();
+    assert!(marks.iter().any(|m| m.kind == MarkKind::Serving && m.processes.iter().any(|p| p.pid == 4242)));
+    booted.engine.shutdown();
+}
