@@ -164,8 +164,10 @@ impl PagePool {
 
     /// The arena's invariant plus the index's agreement with it.
     pub fn check_invariants(&self) -> Result<(), String> {
-        let c = self.arena.check_invariants()?;
+        // Index first: the relief provider changes cached pages only while it
+        // holds the index, so the arena's counts are stable under this lock.
         let idx = lock(&self.index);
+        let c = self.arena.check_invariants()?;
         if idx.lru.len() != c.cached.get() {
             return Err(format!("{} cached pages in the arena, {} in the index", c.cached.get(), idx.lru.len()));
         }

@@ -123,9 +123,17 @@ pub struct Booted {
     pub checkpoint_path: PathBuf,
     /// The memory governor: cards, books, arenas, sampler.
     pub governor: Arc<Governor>,
-    /// The sampler and relief threads; dropping it stops them.
+    /// What must live as long as anything serves from this boot: the weights
+    /// and workspace bookings and the sampler/relief threads. Shared, so the
+    /// server state keeps it alive after `Booted` itself is gone.
+    pub keep_alive: Arc<KeepAlive>,
+}
+
+/// Bookings and threads held for the life of the engine.
+pub struct KeepAlive {
+    /// Dropping it stops the sampler and relief threads.
     pub monitor: Option<corridor_vram::governor::Monitor>,
-    /// Weights and workspace bookings, held for the life of the engine.
+    /// Weights and workspace bookings.
     pub resident: Vec<Allocation>,
 }
 
@@ -316,8 +324,7 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         model_name,
         checkpoint_path: opts.model.clone(),
         governor,
-        monitor: Some(monitor),
-        resident,
+        keep_alive: Arc::new(KeepAlive { monitor: Some(monitor), resident }),
     })
 }
 

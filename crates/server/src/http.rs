@@ -47,6 +47,10 @@ pub struct AppState {
 
 struct Shared {
     engine: EngineHandle,
+    /// The memory governor (cards, books, sampler) behind `/v1/memory`.
+    governor: Arc<corridor_vram::Governor>,
+    /// Keeps the boot's bookings and sampler threads alive with the server.
+    _keep_alive: Arc<crate::boot::KeepAlive>,
     tokenizer: Arc<Tokenizer>,
     template: Arc<ChatTemplate>,
     facts: ModelFacts,
@@ -99,6 +103,8 @@ impl AppState {
         AppState {
             inner: Arc::new(Shared {
                 engine: booted.engine.clone(),
+                governor: booted.governor.clone(),
+                _keep_alive: booted.keep_alive.clone(),
                 tokenizer: booted.tokenizer.clone(),
                 template: booted.template.clone(),
                 facts,
@@ -141,6 +147,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
         .route("/v1/engine/stats", get(engine_stats))
+        .route("/v1/memory", get(memory_report))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -242,13 +249,20 @@ async fn engine_stats(State(state): State<AppState>) -> Response {
     .into_response()
 }
 
+/// `GET /v1/memory`: every card's memory, books and corridor record.
+async fn memory_report(State(state): State<AppState>) -> Response {
+    axum::Json(state.inner.governor.memory_report()).into_response()
+}
+
 async fn metrics_text(State(state): State<AppState>) -> Response {
     let engine = state.inner.engine.stats();
+    let memory = state.inner.governor.memory_report();
     let text = metrics::render(&Scrape {
         server: &state.inner.metrics,
         engine: &engine,
         sampler: state.inner.engine.sampler_stats(),
         info: state.inner.engine.info(),
+        memory: &memory,
     });
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
