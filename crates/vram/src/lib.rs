@@ -9,7 +9,9 @@
 //! - [`card`]: the [`Card`] trait (probes anyone may read; raw primitives
 //!   sealed inside this crate) and its implementations [`sim`] (a simulated
 //!   card with scheduled foreign processes and injected failures) and
-//!   [`cpu`] (host memory, for the plain CPU path).
+//!   [`cpu`] (host memory, for the plain CPU path), and [`cuda`] (a GPU,
+//!   measured by the driver and NVML; the card needs the `cuda` feature,
+//!   device selection does not).
 //! - [`device`]: the chokepoint. One [`Device`] per card; every allocation
 //!   is a [`Device::reserve`] with a [`Purpose`], lands in the [`Books`] and
 //!   comes back as an RAII [`Allocation`].
@@ -54,6 +56,7 @@ pub mod card;
 pub mod clock;
 pub mod config;
 pub mod cpu;
+pub mod cuda;
 pub mod device;
 pub mod governor;
 pub mod guard;
@@ -71,6 +74,9 @@ pub use card::{Card, CardError, CardKind, ProcessBytes};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{CardSettings, ConfigError, GovernorConfig};
 pub use cpu::CpuCard;
+#[cfg(feature = "cuda")]
+pub use cuda::CudaCard;
+pub use cuda::{CudaDeviceRef, CudaError, CudaSelection};
 pub use device::{Allocation, Commit, Device, ReserveRequest, VaReservation};
 pub use governor::Governor;
 pub use guard::{

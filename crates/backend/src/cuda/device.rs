@@ -1,10 +1,11 @@
 //! The CUDA context, its stream, and every device allocation of the backend.
 //!
 //! All device memory goes through [`DeviceAlloc::alloc`], which carries a
-//! [`Purpose`] label, so one implementation (the per-card chokepoint) can book
-//! each byte under weights, workspace, KV or graphs. [`CudaMalloc`] is the
-//! plain default. Buffers are RAII guards without `Clone`: dropping one hands
-//! its bytes back through the same allocator.
+//! [`Purpose`] label, so the per-card chokepoint
+//! ([`super::vram_alloc::VramAlloc`]) books each byte under weights,
+//! workspace, KV or graphs; no code here calls a driver allocator. Buffers
+//! are RAII guards without `Clone`: dropping one hands its bytes back through
+//! the same allocator.
 
 use crate::{BackendError, Result};
 use corridor_units::Bytes;
@@ -40,29 +41,6 @@ pub trait DeviceAlloc: Send + Sync {
     fn alloc(&self, bytes: Bytes, purpose: Purpose) -> Result<u64>;
     /// Return an allocation made by `alloc` with the same size and purpose.
     fn free(&self, ptr: u64, bytes: Bytes, purpose: Purpose);
-}
-
-/// The default allocator: `cuMemAlloc` / `cuMemFree` on the current context.
-#[derive(Debug, Default)]
-pub struct CudaMalloc {
-    pub device: String,
-}
-
-impl DeviceAlloc for CudaMalloc {
-    fn alloc(&self, bytes: Bytes, purpose: Purpose) -> Result<u64> {
-        // SAFETY: a plain allocation; zero-byte requests are rounded up so every
-        // buffer has a distinct, valid pointer.
-        unsafe { cu::malloc_sync(bytes.0.max(256) as usize) }.map_err(|_| BackendError::OutOfMemory {
-            device: self.device.clone(),
-            want: bytes.0,
-            purpose: purpose.label(),
-        })
-    }
-    fn free(&self, ptr: u64, _bytes: Bytes, _purpose: Purpose) {
-        // SAFETY: `ptr` came from `alloc` and is freed once (DeviceBuffer's Drop).
-        // A failure here means the context is already broken; nothing to do.
-        let _ = unsafe { cu::free_sync(ptr) };
-    }
 }
 
 /// A CUDA context handle that may be shared between threads (the driver

@@ -3,12 +3,18 @@
 //! - Activations are f32 device matrices (`CudaAct`), as the trait promises.
 //! - Weights: matrices in bf16 (f16/f32 checkpoints converted at upload), the
 //!   ggml block formats uploaded as they are; vectors (norms, biases) in f32.
-//! - Matmuls: a GEMV kernel for up to `GEMV_MAX_ROWS` rows (decode: every
-//!   weight byte read once per step), cuBLASLt bf16 × bf16 → f32 above that,
-//!   with quantized weights widened to bf16 a tile of rows at a time.
-//! - KV: bf16, per layer `[pages, page_size, kv_heads, head_dim]` for K and V;
-//!   attention is split-K over the context (flash-decoding) with a combine
-//!   pass, causal per row, grouped-query.
+//! - Matmuls: GEMV kernels for up to `GEMV_MAX_ROWS` rows (decode: every
+//!   weight byte read once per step, 16-byte loads, split-K across the warps
+//!   of a block; one instantiation per power-of-two row count, for bf16 and
+//!   each ggml block format), cuBLASLt bf16 × bf16 → f32 above that, with
+//!   quantized weights widened to bf16 a tile of rows at a time.
+//! - KV: bf16, per layer `[pages, page_size, kv_heads, head_dim]` for K and V.
+//!   Attention is causal per row and grouped-query. Sequences that bring at
+//!   least `TILED_MIN_ROWS` rows to a step (prefill, also after a cached
+//!   prefix) go through a tiled tensor-core kernel (64 query rows per block,
+//!   K/V streamed through shared memory, online softmax); every other row
+//!   (decode, short chunks, and everything inside a graph capture) through a
+//!   split-K kernel over the context (flash-decoding) with a combine pass.
 //! - Step metadata (token ids, positions, page tables, row maps) lives in
 //!   device buffers sized at construction; each op compares its host
 //!   arguments with what was last uploaded and copies only what changed, so
@@ -22,6 +28,7 @@ pub mod device;
 pub mod gemm;
 pub mod nvrtc;
 pub mod preflight;
+pub mod vram_alloc;
 
 use crate::dtype::{DType, HostTensor};
 use crate::{
@@ -36,11 +43,26 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-pub use device::CudaMalloc;
 pub use preflight::{preflight, Preflight};
+pub use vram_alloc::VramAlloc;
 
 /// Rows up to which matmuls use the GEMV kernels (kernels/gemv.cu GEMV_MAX_ROWS).
 pub const GEMV_MAX_ROWS: usize = 8;
+/// Warps per GEMV block (kernels/gemv.cu GEMV_WARPS).
+const GEMV_WARPS: u32 = 4;
+/// Weight rows per block of the bf16 GEMV (GEMV_NW) and of the block-format GEMV (GEMVQ_NW).
+const GEMV_NW: usize = 4;
+const GEMVQ_NW: usize = 2;
+/// Warps per block of the tensor-core GEMV (GEMVT_WARPS) and the fewest rows it takes.
+const GEMV_TC_WARPS: u32 = 8;
+const GEMV_TC_MIN_ROWS: usize = 3;
+/// A sequence with at least this many rows in a step is attended by the tiled
+/// prefill kernel; below it the tile's tensor-core work is mostly padding.
+pub const TILED_MIN_ROWS: usize = 16;
+/// Query rows per block of the tiled prefill kernel (kernels/attention.cu FA_BM).
+const TILE_ROWS: usize = 64;
+/// Threads per block of the tiled prefill kernel (FA_WARPS warps).
+const TILE_THREADS: u32 = 128;
 /// Largest head dimension the attention kernel holds in registers.
 pub const MAX_HEAD_DIM: usize = 256;
 /// Bytes of the bf16 tile a quantized weight is widened into for prefill.
@@ -91,10 +113,26 @@ struct Kernels {
     f32_to_bf16_rows: Kernel,
     dequant_rows: Kernel,
     write_kv: Kernel,
-    gemv_bf16: Kernel,
+    /// Indexed by log2 of the row-count instantiation (1, 2, 4, 8 rows).
+    gemv_bf16: [Kernel; 4],
+    gemv_q8_0: [Kernel; 4],
+    gemv_q4_0: [Kernel; 4],
+    gemv_q4_1: [Kernel; 4],
+    gemv_bf16_tc: Kernel,
     gemv_any: Kernel,
     attn_partial: Kernel,
     attn_combine: Kernel,
+    attn_prefill_hd64: Kernel,
+    attn_prefill_hd128: Kernel,
+}
+
+/// Which kernel attends the rows of sequences that are prefilled in a step.
+/// `Tiled` is what the backend uses; `SplitK` exists so the self-check and the
+/// benchmark can run the general kernel on the same inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PrefillPath {
+    Tiled,
+    SplitK,
 }
 
 /// Where a weight's bytes live: its own allocation or a slice of the arena.
@@ -181,6 +219,21 @@ struct SeqMaps {
     rows: usize,
     /// Longest context of any row.
     max_ctx: usize,
+    /// (first row, rows) of every tile of the tiled prefill kernel.
+    tiles: Vec<u32>,
+    /// `row_seq` with the tiled rows masked out: what the split-K kernel attends beside the tiles.
+    rest_seq: Vec<u32>,
+    /// Longest context of any row in `rest_seq`; 0 when there is none.
+    rest_max_ctx: usize,
+}
+
+/// The operands of one attention call, shared by its kernels.
+struct AttnLaunch<'a> {
+    q: &'a CudaAct,
+    kv: &'a CudaKv,
+    heads: usize,
+    /// Device pointer of the output activation.
+    out: u64,
 }
 
 struct Captured {
@@ -198,6 +251,9 @@ struct State {
     row_seq: Meta,
     seq_pt_off: Meta,
     page_table: Meta,
+    tiles: Meta,
+    rest_seq: Meta,
+    prefill: PrefillPath,
     maps: SeqMaps,
     maps_scratch: SeqMaps,
     inv_freq: DeviceBuffer,
@@ -255,10 +311,19 @@ fn grid_for(n: usize, block: u32) -> LaunchDims {
 }
 
 impl CudaBackend {
-    /// Open device `config.ordinal` with the default allocator.
+    /// Open device `config.ordinal` as a card of its own: a standalone
+    /// chokepoint (corridor_vram, default limits) books every allocation.
     pub fn new(config: CudaBackendConfig) -> Result<CudaBackend> {
-        let device = format!("cuda:{}", config.ordinal);
-        Self::with_alloc(config, Arc::new(CudaMalloc { device }))
+        let alloc = VramAlloc::open_standalone(config.ordinal)?;
+        Self::with_alloc(config, Arc::new(alloc))
+    }
+
+    /// Open device `config.ordinal` with every allocation reserved through
+    /// `device`, the chokepoint of that same card (checked by UUID).
+    pub fn on_device(config: CudaBackendConfig, device: corridor_vram::Device) -> Result<CudaBackend> {
+        let alloc = VramAlloc::new(device);
+        alloc.check_card(config.ordinal)?;
+        Self::with_alloc(config, Arc::new(alloc))
     }
 
     /// Open a device with every allocation routed through `alloc`.
@@ -306,10 +371,16 @@ impl CudaBackend {
             f32_to_bf16_rows: f("f32_to_bf16_rows")?,
             dequant_rows: f("dequant_rows")?,
             write_kv: f("write_kv")?,
-            gemv_bf16: f("gemv_bf16")?,
+            gemv_bf16: [f("gemv_bf16_r1")?, f("gemv_bf16_r2")?, f("gemv_bf16_r4")?, f("gemv_bf16_r8")?],
+            gemv_q8_0: [f("gemv_q8_0_r1")?, f("gemv_q8_0_r2")?, f("gemv_q8_0_r4")?, f("gemv_q8_0_r8")?],
+            gemv_q4_0: [f("gemv_q4_0_r1")?, f("gemv_q4_0_r2")?, f("gemv_q4_0_r4")?, f("gemv_q4_0_r8")?],
+            gemv_q4_1: [f("gemv_q4_1_r1")?, f("gemv_q4_1_r2")?, f("gemv_q4_1_r4")?, f("gemv_q4_1_r8")?],
+            gemv_bf16_tc: f("gemv_bf16_tc")?,
             gemv_any: f("gemv_any")?,
             attn_partial: f("attn_partial")?,
             attn_combine: f("attn_combine")?,
+            attn_prefill_hd64: f("attn_prefill_hd64")?,
+            attn_prefill_hd128: f("attn_prefill_hd128")?,
         };
         let meta = |n: usize| -> Result<Meta> {
             let dev = DeviceBuffer::new(&alloc, ctx, Bytes((n.max(1) * 4) as u64), Purpose::Workspace)?;
@@ -327,6 +398,10 @@ impl CudaBackend {
             row_seq: meta(rows)?,
             seq_pt_off: meta(config.max_seqs)?,
             page_table: meta(config.max_seqs * config.max_pages_per_seq)?,
+            // A tile holds at least TILED_MIN_ROWS rows, so two entries per tile fit in one per row.
+            tiles: meta(rows)?,
+            rest_seq: meta(rows)?,
+            prefill: PrefillPath::Tiled,
             maps: SeqMaps::default(),
             maps_scratch: SeqMaps::default(),
             inv_freq: DeviceBuffer::new(
@@ -443,6 +518,10 @@ impl CudaBackend {
         m.seq_pt_off.clear();
         m.page_table.clear();
         m.max_ctx = 0;
+        m.tiles.clear();
+        m.rest_seq.clear();
+        m.rest_seq.resize(m.rows, u32::MAX);
+        m.rest_max_ctx = 0;
         for (si, s) in seqs.iter().enumerate() {
             m.seq_pt_off.push(m.page_table.len() as u32);
             if s.pages.len() > self.config.max_pages_per_seq {
@@ -459,6 +538,15 @@ impl CudaBackend {
                 m.row_seq[s.row_start + i] = si as u32;
             }
             m.max_ctx = m.max_ctx.max(s.context_len());
+            if s.rows >= TILED_MIN_ROWS {
+                for t0 in (0..s.rows).step_by(TILE_ROWS) {
+                    m.tiles.push((s.row_start + t0) as u32);
+                    m.tiles.push(TILE_ROWS.min(s.rows - t0) as u32);
+                }
+            } else if s.rows > 0 {
+                m.rest_seq[s.row_start..s.row_start + s.rows].fill(si as u32);
+                m.rest_max_ctx = m.rest_max_ctx.max(s.context_len());
+            }
         }
         if m == st.maps && st.row_pos.valid {
             st.maps_scratch = m;
@@ -469,7 +557,9 @@ impl CudaBackend {
             self.sync_meta(&mut st.row_pos, &m.row_pos, "rows", cap)?;
             self.sync_meta(&mut st.row_seq, &m.row_seq, "rows", cap)?;
             self.sync_meta(&mut st.seq_pt_off, &m.seq_pt_off, "sequences", cap)?;
-            self.sync_meta(&mut st.page_table, &m.page_table, "page-table entries", cap)
+            self.sync_meta(&mut st.page_table, &m.page_table, "page-table entries", cap)?;
+            self.sync_meta(&mut st.tiles, &m.tiles, "prefill tiles", cap)?;
+            self.sync_meta(&mut st.rest_seq, &m.rest_seq, "rows", cap)
         })();
         st.maps_scratch = std::mem::replace(&mut st.maps, m);
         r
@@ -536,39 +626,108 @@ impl CudaBackend {
         rows: usize,
         out: &CudaAct,
     ) -> Result<()> {
-        let (n, k) = (w.rows, w.cols);
         if rows == 0 {
             return Ok(());
         }
+        if self.takes_gemv(w, rows) {
+            return self.gemv(x, w, rows, out);
+        }
+        self.matmul_lt(st, x, w, rows, out)
+    }
+
+    /// Whether `rows` rows against `w` go through a GEMV kernel (f32
+    /// activations, exact) rather than cuBLASLt (activations rounded to bf16).
+    /// Every decode row count does: the tensor-core GEMV keeps f32 accuracy
+    /// and, on the H200, matches or beats cuBLASLt at 3..8 rows (see
+    /// scripts/gpu/PERF.md).
+    fn takes_gemv(&self, _w: &CudaWeight, rows: usize) -> bool {
+        rows <= GEMV_MAX_ROWS
+    }
+
+    /// Whether the tensor-core GEMV takes `rows` rows against `w` (bf16, k a
+    /// multiple of 32). At 1 and 2 rows the per-row kernel is as fast and does
+    /// less work per byte; from 3 rows on its f32 FMAs fall behind.
+    fn takes_gemv_tc(&self, w: &CudaWeight, rows: usize) -> bool {
+        w.dtype == DType::BF16 && w.cols % 32 == 0 && rows >= GEMV_TC_MIN_ROWS && rows <= GEMV_MAX_ROWS
+    }
+
+    /// The tensor-core GEMV (kernels/gemv.cu `gemv_bf16_tc`): 16 weight rows per block.
+    fn gemv_tc(&self, x: &CudaAct, w: &CudaWeight, rows: usize, out: &CudaAct) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
+        let dims = LaunchDims { grid: (n.div_ceil(16) as u32, 1, 1), block: 32 * GEMV_TC_WARPS };
+        let a =
+            Args::new().ptr(w.ptr()).ptr(x.ptr()).ptr(out.ptr()).i32(n as i32).i32(k as i32).i32(rows as i32);
+        unsafe { self.launch(self.k.gemv_bf16_tc, dims, a) }
+    }
+
+    /// Decode rows (at most `GEMV_MAX_ROWS`): the GEMV kernels read each weight byte once.
+    fn gemv(&self, x: &CudaAct, w: &CudaWeight, rows: usize, out: &CudaAct) -> Result<()> {
+        if self.takes_gemv_tc(w, rows) {
+            return self.gemv_tc(x, w, rows, out);
+        }
+        self.gemv_simt(x, w, rows, out)
+    }
+
+    /// The per-row GEMV kernels: f32 FMAs, for every storage type.
+    fn gemv_simt(&self, x: &CudaAct, w: &CudaWeight, rows: usize, out: &CudaAct) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
+        // The instantiation for the smallest power of two >= rows (1, 2, 4, 8).
+        let inst = rows.next_power_of_two().trailing_zeros() as usize;
+        let fast = match w.dtype {
+            // 16-byte loads: rows of whole 8-element chunks (the arena keeps 256-byte alignment).
+            DType::BF16 if k % 8 == 0 => Some((self.k.gemv_bf16[inst], GEMV_NW)),
+            DType::Q8_0 => Some((self.k.gemv_q8_0[inst], GEMVQ_NW)),
+            DType::Q4_0 => Some((self.k.gemv_q4_0[inst], GEMVQ_NW)),
+            DType::Q4_1 => Some((self.k.gemv_q4_1[inst], GEMVQ_NW)),
+            _ => None,
+        };
+        match fast {
+            Some((kernel, per_block)) => {
+                let dims = LaunchDims { grid: (n.div_ceil(per_block) as u32, 1, 1), block: 32 * GEMV_WARPS };
+                let a = if w.dtype == DType::BF16 {
+                    Args::new().ptr(w.ptr()).ptr(x.ptr()).ptr(out.ptr())
+                } else {
+                    Args::new().ptr(w.ptr()).i64(w.row_bytes as i64).ptr(x.ptr()).ptr(out.ptr())
+                };
+                let a = a.i32(n as i32).i32(k as i32).i32(rows as i32);
+                unsafe { self.launch(kernel, dims, a) }
+            }
+            None => self.gemv_general(x, w, rows, out),
+        }
+    }
+
+    /// The per-element GEMV for any storage type and width (f32 weights, bf16
+    /// rows that are not whole 16-byte chunks).
+    fn gemv_general(&self, x: &CudaAct, w: &CudaWeight, rows: usize, out: &CudaAct) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
         let warps_per_block = 4usize;
-        let gemv_dims = LaunchDims {
+        let dims = LaunchDims {
             grid: (n.div_ceil(warps_per_block) as u32, 1, 1),
             block: 32 * warps_per_block as u32,
         };
-        if rows <= GEMV_MAX_ROWS {
-            return if w.dtype == DType::BF16 && k % 8 == 0 {
-                let a = Args::new()
-                    .ptr(w.ptr())
-                    .ptr(x.ptr())
-                    .ptr(out.ptr())
-                    .i32(n as i32)
-                    .i32(k as i32)
-                    .i32(rows as i32);
-                unsafe { self.launch(self.k.gemv_bf16, gemv_dims, a) }
-            } else {
-                let a = Args::new()
-                    .ptr(w.ptr())
-                    .i32(dtype_code(w.dtype))
-                    .i64(w.row_bytes as i64)
-                    .ptr(x.ptr())
-                    .ptr(out.ptr())
-                    .i32(n as i32)
-                    .i32(k as i32)
-                    .i32(rows as i32);
-                unsafe { self.launch(self.k.gemv_any, gemv_dims, a) }
-            };
-        }
-        // Prefill: bf16 copy of the input rows, then cuBLASLt.
+        let a = Args::new()
+            .ptr(w.ptr())
+            .i32(dtype_code(w.dtype))
+            .i64(w.row_bytes as i64)
+            .ptr(x.ptr())
+            .ptr(out.ptr())
+            .i32(n as i32)
+            .i32(k as i32)
+            .i32(rows as i32);
+        unsafe { self.launch(self.k.gemv_any, dims, a) }
+    }
+
+    /// Prefill rows: a bf16 copy of the input rows, then cuBLASLt (quantized
+    /// weights widened to bf16 a tile of rows at a time).
+    fn matmul_lt(
+        &self,
+        st: &mut State,
+        x: &CudaAct,
+        w: &CudaWeight,
+        rows: usize,
+        out: &CudaAct,
+    ) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
         let xbf = st.xbf.as_ref().filter(|b| b.bytes().0 as usize >= rows * k * 2).ok_or_else(|| {
             BackendError::Other(format!(
                 "matmul of {rows}x{k}: scratch not sized (allocate activations first)"
@@ -605,6 +764,73 @@ impl CudaBackend {
             j0 += nb;
         }
         Ok(())
+    }
+
+    /// Split-K attention (flash-decoding) for the rows whose sequence index in
+    /// `row_seq` is not u32::MAX, over contexts of at most `max_ctx` tokens.
+    fn attn_split(&self, st: &State, a: &AttnLaunch<'_>, row_seq: u64, max_ctx: usize) -> Result<()> {
+        let g = a.kv.geometry;
+        let rows = st.maps.rows;
+        let nsplit = self.splits(rows, a.heads, max_ctx);
+        let chunk = max_ctx.div_ceil(nsplit).max(1);
+        let scale = 1.0 / (g.head_dim as f32).sqrt();
+        let args = Args::new()
+            .ptr(a.q.ptr())
+            .ptr(a.kv.k.ptr())
+            .ptr(a.kv.v.ptr())
+            .ptr(st.row_pos.dev.ptr())
+            .ptr(row_seq)
+            .ptr(st.seq_pt_off.dev.ptr())
+            .ptr(st.page_table.dev.ptr())
+            .ptr(a.out)
+            .ptr(st.part_o.ptr())
+            .ptr(st.part_ml.ptr())
+            .i32(a.heads as i32)
+            .i32(g.kv_heads as i32)
+            .i32(g.head_dim as i32)
+            .i32(g.page_size as i32)
+            .f32(scale)
+            .i32(chunk as i32)
+            .i32(nsplit as i32);
+        let dims = LaunchDims { grid: (nsplit as u32, a.heads as u32, rows as u32), block: 128 };
+        unsafe { self.launch(self.k.attn_partial, dims, args)? };
+        if nsplit > 1 {
+            let args = Args::new()
+                .ptr(st.part_o.ptr())
+                .ptr(st.part_ml.ptr())
+                .ptr(row_seq)
+                .ptr(a.out)
+                .i32(a.heads as i32)
+                .i32(g.head_dim as i32)
+                .i32(nsplit as i32);
+            let dims = LaunchDims { grid: (a.heads as u32, rows as u32, 1), block: 128 };
+            unsafe { self.launch(self.k.attn_combine, dims, args)? };
+        }
+        Ok(())
+    }
+
+    /// The tiled prefill kernel over every tile of `st.maps.tiles`.
+    fn attn_tiled(&self, st: &State, a: &AttnLaunch<'_>, kernel: Kernel) -> Result<()> {
+        let g = a.kv.geometry;
+        let ntiles = st.maps.tiles.len() / 2;
+        let scale_log2 = std::f32::consts::LOG2_E / (g.head_dim as f32).sqrt();
+        let args = Args::new()
+            .ptr(a.q.ptr())
+            .ptr(a.kv.k.ptr())
+            .ptr(a.kv.v.ptr())
+            .ptr(st.row_pos.dev.ptr())
+            .ptr(st.row_seq.dev.ptr())
+            .ptr(st.seq_pt_off.dev.ptr())
+            .ptr(st.page_table.dev.ptr())
+            .ptr(st.tiles.dev.ptr())
+            .ptr(a.out)
+            .i32(a.heads as i32)
+            .i32(g.kv_heads as i32)
+            .i32(g.page_size as i32)
+            .f32(scale_log2)
+            .i32(ntiles as i32);
+        let dims = LaunchDims { grid: (ntiles as u32, a.heads as u32, 1), block: TILE_THREADS };
+        unsafe { self.launch(kernel, dims, args) }
     }
 
     /// How many context splits attention uses for `rows × heads` queries over at most `max_ctx` tokens.
@@ -738,7 +964,15 @@ impl Backend for CudaBackend {
         st.xbf = slot;
         r?;
         // Row-indexed metadata grows with the largest workspace too.
-        for m in [&mut st.tokens, &mut st.positions, &mut st.gather, &mut st.row_pos, &mut st.row_seq] {
+        for m in [
+            &mut st.tokens,
+            &mut st.positions,
+            &mut st.gather,
+            &mut st.row_pos,
+            &mut st.row_seq,
+            &mut st.tiles,
+            &mut st.rest_seq,
+        ] {
             if m.cap < shape.rows {
                 m.dev = self.alloc_buf(shape.rows * 4, Purpose::Workspace)?;
                 m.cap = shape.rows;
@@ -915,49 +1149,29 @@ impl Backend for CudaBackend {
             if heads % g.kv_heads != 0 {
                 return Err(BackendError::Other(format!("{heads} heads over {} KV heads", g.kv_heads)));
             }
-            let rows = st.maps.rows;
-            // A captured step must stay valid for any context, so it splits for the longest one.
-            let max_ctx = if st.capturing.is_some() {
-                self.config.max_pages_per_seq * g.page_size
-            } else {
-                st.maps.max_ctx
+            let a = AttnLaunch { q, kv, heads, out: out.ptr() };
+            let tiled = match g.head_dim {
+                64 => Some(self.k.attn_prefill_hd64),
+                128 => Some(self.k.attn_prefill_hd128),
+                _ => None,
             };
-            let nsplit = self.splits(rows, heads, max_ctx);
-            let chunk = max_ctx.div_ceil(nsplit).max(1);
-            let scale = 1.0 / (g.head_dim as f32).sqrt();
-            let a = Args::new()
-                .ptr(q.ptr())
-                .ptr(kv.k.ptr())
-                .ptr(kv.v.ptr())
-                .ptr(st.row_pos.dev.ptr())
-                .ptr(st.row_seq.dev.ptr())
-                .ptr(st.seq_pt_off.dev.ptr())
-                .ptr(st.page_table.dev.ptr())
-                .ptr(out.ptr())
-                .ptr(st.part_o.ptr())
-                .ptr(st.part_ml.ptr())
-                .i32(heads as i32)
-                .i32(g.kv_heads as i32)
-                .i32(g.head_dim as i32)
-                .i32(g.page_size as i32)
-                .f32(scale)
-                .i32(chunk as i32)
-                .i32(nsplit as i32);
-            let dims = LaunchDims { grid: (nsplit as u32, heads as u32, rows as u32), block: 128 };
-            unsafe { self.launch(self.k.attn_partial, dims, a)? };
-            if nsplit > 1 {
-                let a = Args::new()
-                    .ptr(st.part_o.ptr())
-                    .ptr(st.part_ml.ptr())
-                    .ptr(st.row_seq.dev.ptr())
-                    .ptr(out.ptr())
-                    .i32(heads as i32)
-                    .i32(g.head_dim as i32)
-                    .i32(nsplit as i32);
-                let dims = LaunchDims { grid: (heads as u32, rows as u32, 1), block: 128 };
-                unsafe { self.launch(self.k.attn_combine, dims, a)? };
+            // A captured step must stay valid for any rows and contexts, which
+            // only the split-K kernel's fixed grid allows; it also splits for
+            // the longest context the backend was sized for.
+            if st.capturing.is_some() {
+                let max_ctx = self.config.max_pages_per_seq * g.page_size;
+                return self.attn_split(st, &a, st.row_seq.dev.ptr(), max_ctx);
             }
-            Ok(())
+            match tiled {
+                Some(kernel) if st.prefill == PrefillPath::Tiled && !st.maps.tiles.is_empty() => {
+                    self.attn_tiled(st, &a, kernel)?;
+                    if st.maps.rest_max_ctx > 0 {
+                        self.attn_split(st, &a, st.rest_seq.dev.ptr(), st.maps.rest_max_ctx)?;
+                    }
+                    Ok(())
+                }
+                _ => self.attn_split(st, &a, st.row_seq.dev.ptr(), st.maps.max_ctx),
+            }
         })
     }
 
