@@ -63,10 +63,17 @@ impl std::fmt::Display for OpKind {
     }
 }
 
-/// How many collectives of each kind a rank has entered.
+/// Peers whose point-to-point traffic the census tracks one by one; a
+/// larger group folds peers onto these slots (still counted, less precisely named).
+pub const CENSUS_PEERS: usize = 16;
+
+/// How many collectives of each kind a rank has entered, and how many
+/// messages it sent to and received from each peer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Census {
     counts: [u64; 6],
+    sent: [u64; CENSUS_PEERS],
+    received: [u64; CENSUS_PEERS],
 }
 
 impl Census {
@@ -80,21 +87,33 @@ impl Census {
 
 /// Per-kind counters a rank bumps as it enters collectives.
 #[derive(Debug, Default)]
-struct Counters([AtomicU64; 6]);
+struct Counters {
+    counts: [AtomicU64; 6],
+    sent: [AtomicU64; CENSUS_PEERS],
+    received: [AtomicU64; CENSUS_PEERS],
+}
 
 impl Counters {
     fn bump(&self, kind: OpKind) {
-        self.0[kind.index()].fetch_add(1, Ordering::Relaxed);
+        self.counts[kind.index()].fetch_add(1, Ordering::Relaxed);
+    }
+    fn bump_p2p(&self, kind: OpKind, peer: Rank) {
+        self.bump(kind);
+        let slots = if kind == OpKind::Send { &self.sent } else { &self.received };
+        slots[peer.0 as usize % CENSUS_PEERS].fetch_add(1, Ordering::Relaxed);
     }
     fn snapshot(&self) -> Census {
+        let load = |a: &[AtomicU64], o: &mut [u64]| {
+            o.iter_mut().zip(a).for_each(|(o, a)| *o = a.load(Ordering::Relaxed))
+        };
         let mut c = Census::default();
-        for (o, a) in c.counts.iter_mut().zip(&self.0) {
-            *o = a.load(Ordering::Relaxed);
-        }
+        load(&self.counts, &mut c.counts);
+        load(&self.sent, &mut c.sent);
+        load(&self.received, &mut c.received);
         c
     }
     fn clear(&self) {
-        for a in &self.0 {
+        for a in self.counts.iter().chain(&self.sent).chain(&self.received) {
             a.store(0, Ordering::Relaxed);
         }
     }
@@ -312,9 +331,21 @@ impl Board {
     }
 }
 
+/// Which ranks an all-reduce and an all-gather span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupShape {
+    /// Tensor parallelism: every rank holds a share of every layer, so the
+    /// reductions span the whole group.
+    Tensor,
+    /// Pipeline parallelism: each stage holds whole layers, so a stage's
+    /// reductions are its own (the identity) and stages talk by send/recv.
+    Pipeline,
+}
+
 #[derive(Debug)]
 struct Shared {
     world: usize,
+    shape: GroupShape,
     timeout: Duration,
     state: Mutex<State>,
     cv: Condvar,
@@ -354,10 +385,13 @@ pub struct ThreadRank {
 impl ThreadGroup {
     /// A group of `world` ranks; a collective that waits longer than
     /// `timeout` for its peers fails (and aborts the group) instead of hanging.
-    pub fn new(world: usize, timeout: Duration) -> (ThreadGroup, Vec<ThreadRank>) {
+    /// Barriers and MIN reductions always span every rank; `shape` says
+    /// whether all-reduce and all-gather do.
+    pub fn new(world: usize, shape: GroupShape, timeout: Duration) -> (ThreadGroup, Vec<ThreadRank>) {
         let world = world.max(1);
         let shared = Arc::new(Shared {
             world,
+            shape,
             timeout,
             state: Mutex::new(State {
                 round: Round { slots: (0..world).map(|_| None).collect(), ..Round::default() },
@@ -545,7 +579,7 @@ impl ThreadRank {
     pub fn send_host(&self, to: Rank, values: &[f32]) -> CollectiveResult<()> {
         self.peer(OpKind::Send, to)?;
         let sh = &self.shared;
-        sh.counters[self.rank.0 as usize].bump(OpKind::Send);
+        sh.counters[self.rank.0 as usize].bump_p2p(OpKind::Send, to);
         let mut st = sh.lock();
         if let Some(e) = self.abort_error(OpKind::Send, &st) {
             return Err(e);
@@ -560,7 +594,7 @@ impl ThreadRank {
     pub fn recv_host(&self, from: Rank, out: &mut [f32]) -> CollectiveResult<()> {
         self.peer(OpKind::Recv, from)?;
         let sh = &self.shared;
-        sh.counters[self.rank.0 as usize].bump(OpKind::Recv);
+        sh.counters[self.rank.0 as usize].bump_p2p(OpKind::Recv, from);
         let key = (from.0, self.rank.0);
         let st = sh.lock();
         let mut st = self.wait_until(OpKind::Recv, st, Instant::now(), |s| {
@@ -585,6 +619,11 @@ impl ThreadRank {
 
     /// Sum host values over every rank, in place.
     pub fn all_reduce_host(&self, values: &mut [f32]) -> CollectiveResult<()> {
+        if self.shared.shape == GroupShape::Pipeline {
+            // A stage's reduction is its own: no peer enters it, so the census
+            // does not count it (stages hold different numbers of layers).
+            return Ok(());
+        }
         let out = self.round(OpKind::AllReduce, Contribution::Sum(values.to_vec()))?;
         let Outcome::Sum(sum) = &*out else { unreachable!("an all-reduce round yields a sum") };
         if sum.len() != values.len() {
@@ -617,6 +656,9 @@ impl Group for ThreadRank {
         Ok(*v)
     }
     fn all_gather_cols(&self, mine: &[f32], rows: usize, at: usize, out: &mut [f32]) -> CollectiveResult<()> {
+        if self.shared.shape == GroupShape::Pipeline {
+            return place_cols(self.rank, mine, rows, at, out);
+        }
         let res = self.round(OpKind::AllGather, Contribution::Cols { at, rows, data: mine.to_vec() })?;
         let Outcome::Cols(blocks) = &*res else { unreachable!("an all-gather round yields blocks") };
         for (at, r, data) in blocks {
@@ -662,7 +704,8 @@ impl Group for ThreadRank {
         }
         let posts: Vec<Census> = (0..sh.world).map(|r| board.get(r, epoch).unwrap_or_default()).collect();
         drop(board);
-        for kind in OpKind::ALL {
+        // Group-wide kinds: every rank enters every one of them.
+        for kind in [OpKind::AllReduce, OpKind::AllGather, OpKind::Barrier, OpKind::Min] {
             let (behind, lo) = posts
                 .iter()
                 .enumerate()
@@ -682,6 +725,28 @@ impl Group for ThreadRank {
                     ahead: Rank(ahead as u32),
                     by: hi - lo,
                 });
+            }
+        }
+        // Point to point: what `a` sent to `b` must be what `b` took from `a`.
+        for a in 0..sh.world {
+            for b in 0..sh.world {
+                let (sent, got) = (posts[a].sent[b % CENSUS_PEERS], posts[b].received[a % CENSUS_PEERS]);
+                if sent > got {
+                    return Err(CollectiveError::Divergence {
+                        kind: OpKind::Recv,
+                        behind: Rank(b as u32),
+                        ahead: Rank(a as u32),
+                        by: sent - got,
+                    });
+                }
+                if got > sent {
+                    return Err(CollectiveError::Divergence {
+                        kind: OpKind::Send,
+                        behind: Rank(a as u32),
+                        ahead: Rank(b as u32),
+                        by: got - sent,
+                    });
+                }
             }
         }
         Ok(mine)
@@ -713,7 +778,7 @@ mod tests {
     use super::*;
 
     fn run<T: Send + 'static>(world: usize, f: impl Fn(ThreadRank) -> T + Send + Sync + 'static) -> Vec<T> {
-        let (_g, ranks) = ThreadGroup::new(world, Duration::from_secs(20));
+        let (_g, ranks) = ThreadGroup::new(world, GroupShape::Tensor, Duration::from_secs(20));
         let f = Arc::new(f);
         let hs: Vec<_> = ranks
             .into_iter()
@@ -792,7 +857,7 @@ mod tests {
 
     #[test]
     fn abort_ends_a_wait_and_reset_recovers() {
-        let (group, mut ranks) = ThreadGroup::new(2, Duration::from_secs(30));
+        let (group, mut ranks) = ThreadGroup::new(2, GroupShape::Tensor, Duration::from_secs(30));
         let r1 = ranks.pop().unwrap();
         let r0 = ranks.pop().unwrap();
         let waiter = std::thread::spawn(move || {
@@ -811,7 +876,7 @@ mod tests {
 
     #[test]
     fn a_timeout_is_an_error_not_a_hang() {
-        let (_g, ranks) = ThreadGroup::new(2, Duration::from_millis(50));
+        let (_g, ranks) = ThreadGroup::new(2, GroupShape::Tensor, Duration::from_millis(50));
         let e = ranks[0].barrier();
         assert!(matches!(e, Err(CollectiveError::Timeout { op: OpKind::Barrier, .. })), "{e:?}");
     }
@@ -823,27 +888,53 @@ mod tests {
                 r.barrier().unwrap();
             }
             r.compare_census().unwrap();
-            // Ranks 0 and 1 each send two messages that rank 2 never sends, as
-            // a rank that skipped part of a step would; sends are buffered, so
-            // nothing wedges and only the census can notice.
-            if r.rank() != Rank(2) {
-                let peer = Rank(1 - r.rank().0);
-                r.send_host(peer, &[1.0]).unwrap();
-                r.send_host(peer, &[1.0]).unwrap();
+            // Rank 0 sends a message rank 1 never takes, as a stage that ran
+            // ahead would; sends are buffered, so nothing wedges.
+            if r.rank() == Rank(0) {
+                r.send_host(Rank(1), &[1.0]).unwrap();
             }
             r.compare_census()
         });
         for o in &out {
             match o {
-                Err(CollectiveError::Divergence { kind: OpKind::Send, behind: Rank(2), by: 2, .. }) => {}
-                other => panic!("expected rank2 behind by 2 sends, got {other:?}"),
+                Err(CollectiveError::Divergence {
+                    kind: OpKind::Recv,
+                    behind: Rank(1),
+                    ahead: Rank(0),
+                    by: 1,
+                }) => {}
+                other => panic!("expected rank1 behind rank0 by 1 recv, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn census_names_a_rank_that_skipped_a_group_collective() {
+        // A rank that skipped a barrier would wedge its peers in a real run;
+        // here the skip is staged on the counters (ranks 0 and 1 count one
+        // more barrier than rank 2 entered) so only the census sees it.
+        let out = run(3, |r| {
+            for _ in 0..3 {
+                r.barrier().unwrap();
+            }
+            if r.rank() != Rank(2) {
+                r.shared.counters[r.rank.0 as usize].bump(OpKind::Barrier);
+            }
+            r.compare_census()
+        });
+        for o in &out {
+            match o {
+                Err(CollectiveError::Divergence {
+                    kind: OpKind::Barrier, behind: Rank(2), by: 1, ..
+                }) => {}
+                other => panic!("expected rank2 behind by 1 barrier, got {other:?}"),
             }
         }
     }
 
     #[test]
     fn census_does_not_wedge_when_a_peer_never_posts() {
-        let (_g, ranks) = ThreadGroup::new(2, Duration::from_millis(50));
+        let (_g, ranks) = ThreadGroup::new(2, GroupShape::Tensor, Duration::from_millis(50));
         let e = ranks[0].compare_census();
         assert!(
             matches!(e, Err(CollectiveError::CensusSilent { ref missing, .. }) if missing == &vec![Rank(1)]),

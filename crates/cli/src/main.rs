@@ -3,6 +3,7 @@
 
 mod generate;
 mod memory;
+mod plan;
 mod pull;
 
 use anyhow::Result;
@@ -35,6 +36,8 @@ enum Command {
     Bench(corridor_bench::BenchArgs),
     /// Show where every byte on every card goes: a running server's /v1/memory, or recorded boots.
     Memory(memory::MemoryArgs),
+    /// Solve a parallel layout for a model on a set of cards, without loading any weights.
+    Plan(plan::PlanArgs),
 }
 
 /// Model and engine sizing shared by `serve` and `generate`.
@@ -220,6 +223,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Memory(a) => memory::run(&a),
+        Command::Plan(a) => plan::run(&a),
         Command::Bench(a) => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let report = rt.block_on(corridor_bench::run(a))?;

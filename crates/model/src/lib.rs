@@ -8,6 +8,7 @@ pub mod error;
 pub mod gguf;
 pub mod checkpoint;
 pub mod hf;
+pub mod layout;
 pub mod llama;
 pub mod rope;
 

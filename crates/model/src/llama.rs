@@ -13,12 +13,25 @@
 //! The forward pass is written once against [`Backend`] and reads top to
 //! bottom: embed → layers (norm → attention → residual → norm → MLP →
 //! residual) → final norm → logits for the rows that need them.
+//!
+//! A model holds one rank's [`RankSlice`]: its layers, query heads, KV heads,
+//! FFN columns and vocabulary rows. `q/k/v/gate/up` are sliced by rows and
+//! `o_proj/down_proj` by columns, so each rank's attention and MLP outputs are
+//! partial sums that one all-reduce completes; the logits of each rank's
+//! vocabulary rows are all-gathered; pipeline stages receive and send the
+//! hidden state. With the whole model on one rank every exchange is the
+//! identity ([`Solo`]), so the same code runs one card and a layout.
 
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::error::LoadError;
+use crate::layout::RankSlice;
 use crate::rope::rope_table;
-use corridor_backend::{ActShape, Backend, BackendError, HostTensor, KvGeometry, RopeTable, SeqStep};
+use corridor_backend::collective::{Collective, CollectiveError, Solo};
+use corridor_backend::{
+    ActShape, Backend, BackendError, DType, HostTensor, KvGeometry, RopeTable, SeqStep, TensorBytes,
+};
+use std::ops::Range;
 
 /// Errors from building or running a model.
 #[derive(Debug, thiserror::Error)]
@@ -27,33 +40,45 @@ pub enum ModelError {
     Load(#[from] LoadError),
     #[error(transparent)]
     Backend(#[from] BackendError),
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
     #[error("{0}")]
     Step(String),
 }
 
-/// One decoder layer's weights, named as in the checkpoint.
+/// One decoder layer's weights, named as in the checkpoint, sliced to the
+/// rank: `heads`, `kv` and `ffn` below are the rank's local counts.
 struct Layer<B: Backend> {
     input_layernorm: B::Weight,          // [hidden]
     q_proj: B::Weight,                   // [heads * head_dim, hidden]
-    k_proj: B::Weight,                   // [kv_heads * head_dim, hidden]
-    v_proj: B::Weight,                   // [kv_heads * head_dim, hidden]
+    k_proj: B::Weight,                   // [kv * head_dim, hidden]
+    v_proj: B::Weight,                   // [kv * head_dim, hidden]
     qkv_bias: Option<[B::Weight; 3]>,    // Qwen2: [q_out], [kv_out], [kv_out]
     qk_norm: Option<[B::Weight; 2]>,     // Qwen3: [head_dim] each
     o_proj: B::Weight,                   // [hidden, heads * head_dim]
     post_attention_layernorm: B::Weight, // [hidden]
-    gate_proj: B::Weight,                // [intermediate, hidden]
-    up_proj: B::Weight,                  // [intermediate, hidden]
-    down_proj: B::Weight,                // [hidden, intermediate]
+    gate_proj: B::Weight,                // [ffn, hidden]
+    up_proj: B::Weight,                  // [ffn, hidden]
+    down_proj: B::Weight,                // [hidden, ffn]
 }
 
-/// A loaded model on one backend.
+/// The output projection of a rank that computes logits.
+enum Head<B: Backend> {
+    /// The embedding table itself (tied, whole vocabulary, held here anyway).
+    Tied,
+    /// Its own rows: `[vocab share, hidden]`.
+    Own(B::Weight),
+}
+
+/// A loaded model (one rank's slice of it) on one backend.
 pub struct Model<B: Backend> {
     config: ModelConfig,
+    slice: RankSlice,
     rope: RopeTable,
-    embed_tokens: B::Weight, // [vocab, hidden]
+    embed_tokens: Option<B::Weight>, // [vocab, hidden]; ranks that embed
     layers: Vec<Layer<B>>,
-    norm: B::Weight,             // [hidden]
-    lm_head: Option<B::Weight>, // [vocab, hidden]; None when tied to the embedding
+    norm: Option<B::Weight>, // [hidden]; ranks that compute logits
+    head: Option<Head<B>>,   // ranks that compute logits
 }
 
 /// Scratch activations for one forward pass, allocated once at the largest
@@ -73,7 +98,9 @@ pub struct Workspace<B: Backend> {
     act: B::Act,    // [max_rows, intermediate] silu(gate) * up
     last: B::Act,   // [max_logit_rows, hidden]
     last_n: B::Act, // [max_logit_rows, hidden]
-    logits: B::Act, // [max_logit_rows, vocab]
+    logits: B::Act, // [max_logit_rows, vocab share]
+    /// `[max_logit_rows, vocab share]` on the host, before the all-gather.
+    host_logits: Vec<f32>,
 }
 
 /// The paged KV cache of every layer.
@@ -108,71 +135,136 @@ pub struct StepInput<'a> {
 impl<B: Backend> Model<B> {
     /// Load every weight of `ckpt` onto `backend`, checking shapes; `progress`
     /// is told each time a layer is done (layer count + 2 ticks in all).
-    pub fn load(backend: &B, ckpt: &Checkpoint, mut progress: impl FnMut(usize)) -> Result<Self, ModelError> {
+    pub fn load(backend: &B, ckpt: &Checkpoint, progress: impl FnMut(usize)) -> Result<Self, ModelError> {
+        Self::load_slice(backend, ckpt, &RankSlice::full(ckpt.config()), progress)
+    }
+
+    /// Load one rank's slice of `ckpt`: only the tensors (and the rows or
+    /// columns of them) the slice runs. `progress` ticks once per layer of the
+    /// slice, once for the embedding and once for the head.
+    pub fn load_slice(
+        backend: &B,
+        ckpt: &Checkpoint,
+        slice: &RankSlice,
+        mut progress: impl FnMut(usize),
+    ) -> Result<Self, ModelError> {
         let cfg = ckpt.config().clone();
+        check_slice(&cfg, slice)?;
         let (hidden, hd) = (cfg.hidden_size, cfg.head_dim);
         let (q_out, kv_out) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
-        let load = |name: &str, shape: &[usize]| -> Result<B::Weight, ModelError> {
+        let read = |name: &str, shape: &[usize]| -> Result<HostTensor, ModelError> {
             let t = ckpt.tensor(name)?;
             check_shape(ckpt, &t, shape)?;
-            Ok(backend.upload_weight(&t)?)
+            Ok(t)
         };
-        let embed_tokens = load("model.embed_tokens.weight", &[cfg.vocab_size, hidden])?;
+        let up = |t: HostTensor| -> Result<B::Weight, ModelError> { Ok(backend.upload_weight(&t)?) };
+        let load = |name: &str, shape: &[usize]| up(read(name, shape)?);
+        // Row blocks of this rank's heads: query heads are one range, KV heads
+        // a list (a replica repeats a head).
+        let q_rows = [slice.heads.start * hd..slice.heads.end * hd];
+        let kv_rows = coalesce(slice.kv_heads.iter().map(|&k| k * hd..(k + 1) * hd));
+        let ffn_rows = [slice.ffn.clone()];
+        let embed_tokens = if slice.embeds() {
+            Some(load("model.embed_tokens.weight", &[cfg.vocab_size, hidden])?)
+        } else {
+            None
+        };
         progress(1);
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for i in 0..cfg.num_layers {
+        let mut layers = Vec::with_capacity(slice.layers.len());
+        for i in slice.layers.clone() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
+            let rows = |name: &str, shape: &[usize], blocks: &[Range<usize>]| {
+                up(select(read(&p(name), shape)?, blocks, None)?)
+            };
+            let cols = |name: &str, shape: &[usize], cols: Range<usize>| {
+                up(select(read(&p(name), shape)?, &[0..shape[0]], Some(cols))?)
+            };
+            let elems = |name: &str, shape: &[usize], blocks: &[Range<usize>]| {
+                up(select_elems(read(&p(name), shape)?, blocks)?)
+            };
             let qkv_bias = if cfg.attention_bias {
                 Some([
-                    load(&p("self_attn.q_proj.bias"), &[q_out])?,
-                    load(&p("self_attn.k_proj.bias"), &[kv_out])?,
-                    load(&p("self_attn.v_proj.bias"), &[kv_out])?,
+                    elems("self_attn.q_proj.bias", &[q_out], &q_rows)?,
+                    elems("self_attn.k_proj.bias", &[kv_out], &kv_rows)?,
+                    elems("self_attn.v_proj.bias", &[kv_out], &kv_rows)?,
                 ])
             } else {
                 None
             };
             let qk_norm = if cfg.qk_norm {
-                Some([load(&p("self_attn.q_norm.weight"), &[hd])?, load(&p("self_attn.k_norm.weight"), &[hd])?])
+                Some([
+                    load(&p("self_attn.q_norm.weight"), &[hd])?,
+                    load(&p("self_attn.k_norm.weight"), &[hd])?,
+                ])
             } else {
                 None
             };
             layers.push(Layer {
                 input_layernorm: load(&p("input_layernorm.weight"), &[hidden])?,
-                q_proj: load(&p("self_attn.q_proj.weight"), &[q_out, hidden])?,
-                k_proj: load(&p("self_attn.k_proj.weight"), &[kv_out, hidden])?,
-                v_proj: load(&p("self_attn.v_proj.weight"), &[kv_out, hidden])?,
+                q_proj: rows("self_attn.q_proj.weight", &[q_out, hidden], &q_rows)?,
+                k_proj: rows("self_attn.k_proj.weight", &[kv_out, hidden], &kv_rows)?,
+                v_proj: rows("self_attn.v_proj.weight", &[kv_out, hidden], &kv_rows)?,
                 qkv_bias,
                 qk_norm,
-                o_proj: load(&p("self_attn.o_proj.weight"), &[hidden, q_out])?,
+                o_proj: cols("self_attn.o_proj.weight", &[hidden, q_out], q_rows[0].clone())?,
                 post_attention_layernorm: load(&p("post_attention_layernorm.weight"), &[hidden])?,
-                gate_proj: load(&p("mlp.gate_proj.weight"), &[cfg.intermediate_size, hidden])?,
-                up_proj: load(&p("mlp.up_proj.weight"), &[cfg.intermediate_size, hidden])?,
-                down_proj: load(&p("mlp.down_proj.weight"), &[hidden, cfg.intermediate_size])?,
+                gate_proj: rows("mlp.gate_proj.weight", &[cfg.intermediate_size, hidden], &ffn_rows)?,
+                up_proj: rows("mlp.up_proj.weight", &[cfg.intermediate_size, hidden], &ffn_rows)?,
+                down_proj: cols("mlp.down_proj.weight", &[hidden, cfg.intermediate_size], slice.ffn.clone())?,
             });
             progress(1);
         }
-        let norm = load("model.norm.weight", &[hidden])?;
-        // A checkpoint may say it is tied and still ship lm_head (or the reverse):
-        // a present lm_head always wins, as in transformers' loading.
-        let lm_head = if ckpt.has_tensor("lm_head.weight") {
-            Some(load("lm_head.weight", &[cfg.vocab_size, hidden])?)
+        let (norm, head) = if slice.emits_logits() {
+            let norm = load("model.norm.weight", &[hidden])?;
+            // A checkpoint may say it is tied and still ship lm_head (or the
+            // reverse): a present lm_head always wins, as in transformers' loading.
+            let name = if ckpt.has_tensor("lm_head.weight") {
+                "lm_head.weight"
+            } else {
+                "model.embed_tokens.weight"
+            };
+            let whole = slice.vocab == (0..cfg.vocab_size);
+            let head = if name == "model.embed_tokens.weight" && whole && embed_tokens.is_some() {
+                Head::Tied
+            } else {
+                Head::Own(up(select(read(name, &[cfg.vocab_size, hidden])?, &[slice.vocab.clone()], None)?)?)
+            };
+            (Some(norm), Some(head))
         } else {
-            None
+            (None, None)
         };
         progress(1);
-        Ok(Model { rope: rope_table(&cfg), config: cfg, embed_tokens, layers, norm, lm_head })
+        Ok(Model {
+            rope: rope_table(&cfg),
+            config: cfg,
+            slice: slice.clone(),
+            embed_tokens,
+            layers,
+            norm,
+            head,
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }
 
+    /// The part of the model this rank holds.
+    pub fn slice(&self) -> &RankSlice {
+        &self.slice
+    }
+
     /// Allocate the scratch activations for steps of up to `max_rows` tokens
     /// and `max_logit_rows` logit rows.
-    pub fn workspace(&self, backend: &B, max_rows: usize, max_logit_rows: usize) -> Result<Workspace<B>, ModelError> {
-        let c = &self.config;
+    pub fn workspace(
+        &self,
+        backend: &B,
+        max_rows: usize,
+        max_logit_rows: usize,
+    ) -> Result<Workspace<B>, ModelError> {
+        let (c, s) = (&self.config, &self.slice);
         let a = |rows: usize, cols: usize| backend.alloc_act(ActShape { rows, cols });
-        let (q_out, kv_out) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let (q_out, kv_out, ffn) = (s.heads.len() * c.head_dim, s.kv_heads.len() * c.head_dim, s.ffn.len());
         Ok(Workspace {
             max_rows,
             max_logit_rows,
@@ -183,33 +275,48 @@ impl<B: Backend> Model<B> {
             v: a(max_rows, kv_out)?,
             attn: a(max_rows, q_out)?,
             proj: a(max_rows, c.hidden_size)?,
-            gate: a(max_rows, c.intermediate_size)?,
-            up: a(max_rows, c.intermediate_size)?,
-            act: a(max_rows, c.intermediate_size)?,
+            gate: a(max_rows, ffn)?,
+            up: a(max_rows, ffn)?,
+            act: a(max_rows, ffn)?,
             last: a(max_logit_rows, c.hidden_size)?,
             last_n: a(max_logit_rows, c.hidden_size)?,
-            logits: a(max_logit_rows, c.vocab_size)?,
+            logits: a(max_logit_rows, s.vocab.len())?,
+            host_logits: Vec::with_capacity(max_logit_rows * s.vocab.len()),
         })
     }
 
-    /// Allocate a paged KV cache of `num_pages` pages of `page_size` tokens.
-    pub fn kv_cache(&self, backend: &B, page_size: usize, num_pages: usize) -> Result<KvCache<B>, ModelError> {
+    /// Allocate a paged KV cache of `num_pages` pages of `page_size` tokens
+    /// for this rank's layers and KV heads.
+    pub fn kv_cache(
+        &self,
+        backend: &B,
+        page_size: usize,
+        num_pages: usize,
+    ) -> Result<KvCache<B>, ModelError> {
         let geometry = self.kv_geometry(page_size, num_pages);
-        let layers = (0..self.config.num_layers).map(|_| backend.alloc_kv(geometry)).collect::<Result<_, _>>()?;
+        let layers =
+            (0..self.slice.layers.len()).map(|_| backend.alloc_kv(geometry)).collect::<Result<_, _>>()?;
         Ok(KvCache { geometry, layers })
     }
 
     pub fn kv_geometry(&self, page_size: usize, num_pages: usize) -> KvGeometry {
-        KvGeometry { page_size, num_pages, kv_heads: self.config.num_kv_heads, head_dim: self.config.head_dim }
+        KvGeometry {
+            page_size,
+            num_pages,
+            kv_heads: self.slice.kv_heads.len(),
+            head_dim: self.config.head_dim,
+        }
     }
 
-    /// Bytes of KV one token occupies across all layers (K and V, f32 on the CPU).
+    /// Bytes of KV one token occupies across this rank's layers (K and V,
+    /// f32 on the CPU).
     pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
-        2 * self.config.num_layers * self.config.num_kv_heads * self.config.head_dim * elem_bytes
+        2 * self.slice.layers.len() * self.slice.kv_heads.len() * self.config.head_dim * elem_bytes
     }
 
-    /// Run one step; the logits of `step.logit_rows` are copied into `logits`
-    /// (`[logit_rows, vocab]`, row-major).
+    /// Run one step with the whole model on this rank; the logits of
+    /// `step.logit_rows` are copied into `logits` (`[logit_rows, vocab]`,
+    /// row-major).
     pub fn forward(
         &self,
         b: &B,
@@ -218,58 +325,226 @@ impl<B: Backend> Model<B> {
         step: &StepInput<'_>,
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
-        let c = &self.config;
+        self.forward_ranked(b, &Solo::new(), ws, kv, step, logits)
+    }
+
+    /// Run this rank's part of one step. Every rank of a layout calls this
+    /// with the same step; ranks that compute logits leave `[logit_rows,
+    /// vocab]` in `logits`, the others leave it empty.
+    pub fn forward_ranked(
+        &self,
+        b: &B,
+        c: &dyn Collective<B>,
+        ws: &mut Workspace<B>,
+        kv: &mut KvCache<B>,
+        step: &StepInput<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        let (cfg, s) = (&self.config, &self.slice);
         let rows = step.tokens.len();
         if rows == 0 || rows > ws.max_rows || step.positions.len() != rows {
             return Err(ModelError::Step(format!("{rows} rows for a workspace of {}", ws.max_rows)));
         }
         if step.logit_rows.len() > ws.max_logit_rows {
-            return Err(ModelError::Step(format!("{} logit rows for a workspace of {}", step.logit_rows.len(), ws.max_logit_rows)));
+            return Err(ModelError::Step(format!(
+                "{} logit rows for a workspace of {}",
+                step.logit_rows.len(),
+                ws.max_logit_rows
+            )));
         }
-        let eps = c.rms_norm_eps;
-        b.embedding(&self.embed_tokens, step.tokens, &mut ws.x)?;
+        let eps = cfg.rms_norm_eps;
+        match (&self.embed_tokens, s.recv_from) {
+            (Some(table), _) => b.embedding(table, step.tokens, &mut ws.x)?,
+            (None, Some(from)) => c.recv(b, from, &mut ws.x, rows)?,
+            (None, None) => {
+                return Err(ModelError::Step("a rank that does not embed must receive its input".into()))
+            }
+        }
         for (layer, kv_layer) in self.layers.iter().zip(kv.layers.iter_mut()) {
-            // Attention block.
+            // Attention block: this rank's heads; o_proj gives a partial sum.
             b.rms_norm(&ws.x, &layer.input_layernorm, eps, rows, &mut ws.h);
             let bias = layer.qkv_bias.as_ref();
             b.matmul(&ws.h, &layer.q_proj, bias.map(|x| &x[0]), rows, &mut ws.q);
             b.matmul(&ws.h, &layer.k_proj, bias.map(|x| &x[1]), rows, &mut ws.k);
             b.matmul(&ws.h, &layer.v_proj, bias.map(|x| &x[2]), rows, &mut ws.v);
             if let Some([qn, kn]) = &layer.qk_norm {
-                b.head_rms_norm(&mut ws.q, qn, eps, c.head_dim, rows);
-                b.head_rms_norm(&mut ws.k, kn, eps, c.head_dim, rows);
+                b.head_rms_norm(&mut ws.q, qn, eps, cfg.head_dim, rows);
+                b.head_rms_norm(&mut ws.k, kn, eps, cfg.head_dim, rows);
             }
-            b.rope(&mut ws.q, &self.rope, c.head_dim, step.positions);
-            b.rope(&mut ws.k, &self.rope, c.head_dim, step.positions);
+            b.rope(&mut ws.q, &self.rope, cfg.head_dim, step.positions);
+            b.rope(&mut ws.k, &self.rope, cfg.head_dim, step.positions);
             b.write_kv(kv_layer, &ws.k, &ws.v, step.seqs);
-            b.attention(&ws.q, kv_layer, c.num_heads, step.seqs, &mut ws.attn);
+            b.attention(&ws.q, kv_layer, s.heads.len(), step.seqs, &mut ws.attn);
             b.matmul(&ws.attn, &layer.o_proj, None, rows, &mut ws.proj);
+            c.all_reduce_sum(b, &mut ws.proj, rows)?;
             b.add_assign(&mut ws.x, &ws.proj, rows);
-            // MLP block.
+            // MLP block: this rank's FFN columns; down_proj gives a partial sum.
             b.rms_norm(&ws.x, &layer.post_attention_layernorm, eps, rows, &mut ws.h);
             b.matmul(&ws.h, &layer.gate_proj, None, rows, &mut ws.gate);
             b.matmul(&ws.h, &layer.up_proj, None, rows, &mut ws.up);
             b.silu_mul(&ws.gate, &ws.up, rows, &mut ws.act);
             b.matmul(&ws.act, &layer.down_proj, None, rows, &mut ws.proj);
+            c.all_reduce_sum(b, &mut ws.proj, rows)?;
             b.add_assign(&mut ws.x, &ws.proj, rows);
         }
+        logits.clear();
+        let (Some(norm), Some(head)) = (&self.norm, &self.head) else {
+            // A stage before the last hands every row on.
+            let to = s
+                .send_to
+                .ok_or_else(|| ModelError::Step("a rank without a head must send its output".into()))?;
+            c.send(b, to, &ws.x, rows)?;
+            return Ok(());
+        };
         let n = step.logit_rows.len();
         if n == 0 {
-            logits.clear();
             return Ok(());
         }
         b.gather_rows(&ws.x, step.logit_rows, &mut ws.last);
-        b.rms_norm(&ws.last, &self.norm, eps, n, &mut ws.last_n);
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        b.rms_norm(&ws.last, norm, eps, n, &mut ws.last_n);
+        let head = match head {
+            Head::Own(w) => w,
+            Head::Tied => self
+                .embed_tokens
+                .as_ref()
+                .ok_or_else(|| ModelError::Step("a tied head needs the embedding".into()))?,
+        };
         b.matmul(&ws.last_n, head, None, n, &mut ws.logits);
-        b.read_rows(&ws.logits, n, logits);
+        b.read_rows(&ws.logits, n, &mut ws.host_logits);
+        logits.resize(n * cfg.vocab_size, 0.0);
+        c.all_gather_cols(&ws.host_logits, n, s.vocab.start, logits)?;
         Ok(())
     }
 }
 
+/// Refuse a slice that does not fit the model (a bug in whoever built it).
+fn check_slice(cfg: &ModelConfig, s: &RankSlice) -> Result<(), ModelError> {
+    let bad = |what: String| Err(ModelError::Step(format!("{}: {what}", s.rank)));
+    if s.layers.end > cfg.num_layers
+        || s.heads.end > cfg.num_heads
+        || s.ffn.end > cfg.intermediate_size
+        || s.vocab.end > cfg.vocab_size
+    {
+        return bad(format!("slice {s:?} is outside the model"));
+    }
+    if s.heads.is_empty() || s.kv_heads.is_empty() || s.heads.len() % s.kv_heads.len() != 0 {
+        return bad(format!(
+            "{} query heads cannot share {} KV heads evenly",
+            s.heads.len(),
+            s.kv_heads.len()
+        ));
+    }
+    let (g, lg) = (cfg.num_heads / cfg.num_kv_heads, s.heads.len() / s.kv_heads.len());
+    for (i, h) in s.heads.clone().enumerate() {
+        if s.kv_heads.get(i / lg) != Some(&(h / g)) {
+            return bad(format!(
+                "query head {h} would read KV head {:?}, it needs {}",
+                s.kv_heads.get(i / lg),
+                h / g
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Bytes of one element row segment: the byte range of columns `cols` in a
+/// row of `dtype` (whole blocks for the quantized types).
+fn col_bytes(dtype: DType, cols: &Range<usize>) -> Range<usize> {
+    let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+    cols.start / be * bb..cols.end / be * bb
+}
+
+/// Merge ranges that follow each other, so whole tensors stay whole.
+fn coalesce(ranges: impl Iterator<Item = Range<usize>>) -> Vec<Range<usize>> {
+    let mut out: Vec<Range<usize>> = Vec::new();
+    for r in ranges {
+        match out.last_mut() {
+            Some(last) if last.end == r.start => last.end = r.end,
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+/// Elements `blocks` (concatenated) of a float vector stored as `[n]` or
+/// `[1, n]` (norms and biases). The whole vector comes back as it is.
+fn select_elems(t: HostTensor, blocks: &[Range<usize>]) -> Result<HostTensor, ModelError> {
+    let n = t.elems();
+    if blocks.len() == 1 && blocks[0] == (0..n) {
+        return Ok(t);
+    }
+    let bad = |reason: String| ModelError::Backend(BackendError::BadTensor { name: t.name.clone(), reason });
+    if t.dtype.is_quantized() {
+        return Err(bad("a quantized vector cannot be sliced".into()));
+    }
+    if blocks.iter().any(|b| b.end > n || b.start > b.end) {
+        return Err(bad(format!("elements {blocks:?} outside {:?}", t.shape)));
+    }
+    let eb = t.dtype.block_bytes();
+    let data = t.data.bytes();
+    let bytes: Vec<u8> = blocks.iter().flat_map(|b| data[b.start * eb..b.end * eb].iter().copied()).collect();
+    let m = blocks.iter().map(|b| b.len()).sum();
+    let shape = if t.shape.len() == 2 { vec![1, m] } else { vec![m] };
+    Ok(HostTensor { name: t.name.clone(), dtype: t.dtype, shape, data: TensorBytes::from_vec(bytes) })
+}
+
+/// Rows `blocks` (concatenated, repeats allowed) and columns `cols` of a
+/// checkpoint matrix. The whole matrix comes back as it is, without a copy.
+/// A quantized matrix cut inside a block is widened to f32 (exactly the
+/// values the kernels would dequantize), since a partial block cannot be
+/// stored.
+fn select(
+    t: HostTensor,
+    blocks: &[Range<usize>],
+    cols: Option<Range<usize>>,
+) -> Result<HostTensor, ModelError> {
+    let (rows, ncols) = t.rows_cols();
+    let cols = cols.unwrap_or(0..ncols);
+    if blocks.len() == 1 && blocks[0] == (0..rows) && cols == (0..ncols) {
+        return Ok(t);
+    }
+    let bad = |reason: String| ModelError::Backend(BackendError::BadTensor { name: t.name.clone(), reason });
+    if blocks.iter().any(|b| b.end > rows || b.start > b.end) || cols.end > ncols || cols.start > cols.end {
+        return Err(bad(format!("slice {blocks:?} x {cols:?} outside {:?}", t.shape)));
+    }
+    let out_rows: usize = blocks.iter().map(|b| b.len()).sum();
+    let shape = vec![out_rows, cols.len()];
+    let be = t.dtype.block_elems();
+    let data = t.data.bytes();
+    let row_bytes = t
+        .dtype
+        .bytes_for(ncols)
+        .ok_or_else(|| bad(format!("{ncols} columns are not whole {} blocks", t.dtype)))?;
+    let aligned = cols.start % be == 0 && cols.end % be == 0;
+    let mut bytes = Vec::new();
+    if aligned {
+        let cb = col_bytes(t.dtype, &cols);
+        for r in blocks.iter().flat_map(|b| b.clone()) {
+            bytes.extend_from_slice(&data[r * row_bytes..(r + 1) * row_bytes][cb.clone()]);
+        }
+        return Ok(HostTensor {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape,
+            data: TensorBytes::from_vec(bytes),
+        });
+    }
+    let mut row = vec![0f32; ncols];
+    for r in blocks.iter().flat_map(|b| b.clone()) {
+        corridor_backend::cpu::quant::dequantize_row(
+            t.dtype,
+            &data[r * row_bytes..(r + 1) * row_bytes],
+            &mut row,
+        );
+        bytes.extend(row[cols.clone()].iter().flat_map(|v| v.to_le_bytes()));
+    }
+    Ok(HostTensor { name: t.name.clone(), dtype: DType::F32, shape, data: TensorBytes::from_vec(bytes) })
+}
+
 fn check_shape(ckpt: &Checkpoint, t: &HostTensor, want: &[usize]) -> Result<(), LoadError> {
     // A vector may be stored as [n] or [1, n]; compare element layouts.
-    let same = t.shape == want || (want.len() == 1 && t.shape.len() == 2 && t.shape[0] == 1 && t.shape[1] == want[0]);
+    let same = t.shape == want
+        || (want.len() == 1 && t.shape.len() == 2 && t.shape[0] == 1 && t.shape[1] == want[0]);
     if same {
         Ok(())
     } else {

@@ -1,0 +1,155 @@
+//! `corridor plan`: solve a parallel layout on cards and print it, without
+//! placing any weight on any device.
+//!
+//! Reads only the checkpoint's shape, measures (or, for sim cards, takes) each
+//! card's free memory, and prints the solved layout, each card's ledger posts
+//! and the group's token capacity next to what an even split would give.
+
+use anyhow::{bail, Context, Result};
+use corridor_backend::DType;
+use corridor_model::layout::{self, CardRoom, CostModel, LayoutSpec, Plan, Split};
+use corridor_model::Checkpoint;
+use corridor_units::{Bytes, CardId, Tokens};
+use corridor_vram::ledger::{CardLedger, PostKind, Provenance};
+use corridor_vram::GovernorConfig;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct PlanArgs {
+    /// A Hugging Face model directory or a .gguf file (only its shape is read).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The cards, one per rank: `sim:32GiB,20GiB,20GiB` (simulated cards of those sizes).
+    #[arg(long)]
+    pub devices: String,
+    /// Tensor-parallel ranks.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Head and FFN shares per TP rank: `a,b,c`, `even` or `auto`.
+    #[arg(long, default_value = "even")]
+    pub tp_ratio: String,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// Layers per PP stage: `a,b,c`, `even` or `auto`.
+    #[arg(long, default_value = "even")]
+    pub pp_layers: String,
+    /// Per-card floor in MiB (`N` for all cards or `N,N,...`).
+    #[arg(long)]
+    pub floor_mib: Option<String>,
+    /// Per-card cap on what corridor holds, in MiB (`N` or `N,N,...`).
+    #[arg(long)]
+    pub card_budget_mib: Option<String>,
+    /// Tokens per KV page.
+    #[arg(long, default_value_t = 16)]
+    pub page_size: usize,
+    /// Token rows one step may process (sizes the workspace).
+    #[arg(long, default_value_t = 512)]
+    pub max_batched_tokens: usize,
+    /// Requests that may run at once (sizes the logits workspace).
+    #[arg(long, default_value_t = 32)]
+    pub max_running_requests: usize,
+    /// Bytes per KV element on the cards (2 for bf16).
+    #[arg(long, default_value_t = 2)]
+    pub kv_elem_bytes: u64,
+}
+
+/// Parse `sim:32GiB,20GiB,20GiB` into card sizes.
+fn parse_devices(text: &str) -> Result<Vec<Bytes>> {
+    let Some(sizes) = text.strip_prefix("sim:") else {
+        bail!("--devices '{text}': only simulated cards (sim:SIZE,SIZE,...) can be planned in this build; GPUs need the cuda build")
+    };
+    sizes.split(',').map(|s| Bytes::parse_size(s).map_err(|e| anyhow::anyhow!("--devices: {e}"))).collect()
+}
+
+pub fn run(args: &PlanArgs) -> Result<()> {
+    let ckpt = Checkpoint::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
+    let cfg = ckpt.config().clone();
+    let sizes = parse_devices(&args.devices)?;
+    let governor =
+        GovernorConfig::from_flags(sizes.len(), args.floor_mib.as_deref(), args.card_budget_mib.as_deref())?;
+    let cards: Vec<CardRoom> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &total)| {
+            let s = governor.card(CardId(i as u32));
+            CardRoom {
+                card: CardId(i as u32),
+                free: total,
+                floor: s.arming_floor(),
+                margin: corridor_vram::sizing::DEFAULT_MARGIN,
+                budget: s.budget,
+                granularity: corridor_vram::sim::SIM_GRANULARITY,
+            }
+        })
+        .collect();
+    // Quantized GGUF weights stay quantized on a card; float checkpoints are
+    // held in bf16.
+    let weight_dtype = match ckpt.gguf() {
+        Some(_) => ckpt.tensor("model.layers.0.mlp.down_proj.weight").map(|t| t.dtype).unwrap_or(DType::BF16),
+        None => DType::BF16,
+    };
+    let granule = layout::ffn_granule(weight_dtype);
+    let cost = CostModel {
+        weight_dtype,
+        kv_elem_bytes: args.kv_elem_bytes,
+        page_size: Tokens(args.page_size),
+        max_rows: args.max_batched_tokens,
+        max_logit_rows: args.max_running_requests,
+        chunk_target: layout::DEFAULT_CHUNK_TARGET,
+    };
+    let spec = LayoutSpec {
+        tp: args.tp,
+        tp_split: args.tp_ratio.parse()?,
+        pp: args.pp,
+        pp_split: args.pp_layers.parse()?,
+    };
+    let plan = layout::solve(&cfg, &spec, &cards, &cost, granule)?;
+    let even_spec = LayoutSpec { tp_split: Split::Even, pp_split: Split::Even, ..spec.clone() };
+    let even = layout::solve(&cfg, &even_spec, &cards, &cost, granule)?;
+    println!(
+        "model {} ({} layers, {} heads, {} KV heads, FFN {}, weights {})",
+        args.model.display(),
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.intermediate_size,
+        weight_dtype
+    );
+    println!("layout: {}", plan.layout.describe());
+    print_ledger(&plan);
+    println!(
+        "group token capacity: {} ({} pages of {})",
+        plan.tokens().get(),
+        plan.group_pages.get(),
+        args.page_size
+    );
+    println!("even split [{}]: {} tokens", even.layout.describe(), even.tokens().get());
+    Ok(())
+}
+
+fn print_ledger(plan: &Plan) {
+    for (i, r) in plan.ranks.iter().enumerate() {
+        let modeled =
+            |what: &str| Provenance::Modeled { inputs: vec![("from".to_string(), what.to_string())] };
+        let mut l = CardLedger::new(r.card.card, r.card.free, Bytes::ZERO, Bytes::ZERO);
+        l.post(PostKind::Weights, r.weights, modeled("the rank's slice of the checkpoint"))
+            .post(PostKind::Workspace, r.workspace, modeled("max batched tokens x slice widths"))
+            .post(PostKind::Kv, plan.kv_committed(i), modeled("group pages in whole chunks"))
+            .post(
+                PostKind::Floor,
+                r.card.floor + r.card.margin,
+                Provenance::Declared { by: "floor + margin".to_string() },
+            );
+        let v = l.fits();
+        println!(
+            "{} ({}): {} | fits {} | own capacity {} pages | rests {} above floor + margin",
+            r.rank,
+            r.card.card,
+            l.posts.iter().map(|p| format!("{} {}", p.kind.name(), p.bytes)).collect::<Vec<_>>().join(", "),
+            v.fits,
+            r.own_pages.get(),
+            plan.rest(i).saturating_sub(r.card.floor + r.card.margin)
+        );
+    }
+}

@@ -1,0 +1,955 @@
+//! Parallel layouts as data, and the solver that sizes them to the cards.
+//!
+//! A [`Layout`] maps ranks to slices of the model. Each [`RankSlice`] says
+//! which layers, query heads, KV heads, FFN columns and vocabulary rows a rank
+//! holds and where its hidden state comes from and goes to; the forward pass
+//! reads only that, so nothing in it branches on the number of ranks.
+//!
+//! - Tensor parallelism (`--tp N --tp-ratio a,b,c|auto`): query heads split by
+//!   KV group where the ratios allow; a rank whose heads do not cover whole
+//!   groups holds a replica of every KV head its heads need (`kv_heads` may
+//!   repeat a head). FFN columns and LM-head vocabulary rows follow the same
+//!   ratios (FFN in whole 32-column blocks for block-quantized weights);
+//!   embedding and norms are replicated; partial outputs are all-reduced and
+//!   the logits all-gathered.
+//! - Pipeline parallelism (`--pp N --pp-layers a,b,c|auto`): contiguous layer
+//!   ranges; stage 0 embeds, the last stage computes logits, hidden states
+//!   travel by send/recv. A stage may hold no layer (a two-layer model on three
+//!   stages).
+//!
+//! The solver ([`solve`]) prices each rank (weights, workspace, KV per token)
+//! from the model's shape, sizes every card's pool with the `vram` sizing rule
+//! and picks the split whose group capacity — the minimum over ranks, since
+//! page ids are shared — is largest. For TP it then moves FFN columns between
+//! ranks until every card rests within one KV chunk above floor + margin.
+
+use crate::config::ModelConfig;
+use corridor_backend::DType;
+use corridor_units::{Bytes, CardId, Pages, Rank, Tokens};
+use corridor_vram::arena::ChunkGeometry;
+use corridor_vram::sizing::{self, Sizing, SizingInput};
+use std::ops::Range;
+use std::str::FromStr;
+
+/// Why a layout could not be built or solved.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    #[error("{what}: '{text}' is not 'auto', 'even' or a list of positive integers like 2,1,1")]
+    BadSplit { what: &'static str, text: String },
+    #[error("{what}: {given} values for {ranks} ranks")]
+    WrongCount { what: &'static str, given: usize, ranks: usize },
+    #[error("{what}: {got} in all, the model has {want}")]
+    WrongTotal { what: &'static str, got: usize, want: usize },
+    #[error("{what}: {units} cannot give each of {ranks} ranks at least {min}")]
+    TooFew { what: &'static str, units: usize, ranks: usize, min: usize },
+    #[error("tensor and pipeline parallelism together ({tp} x {pp}) are not supported yet; pick one")]
+    Combined { tp: usize, pp: usize },
+    #[error("{ranks} ranks but {cards} cards: give one card per rank")]
+    CardCount { ranks: usize, cards: usize },
+    #[error("no split fits the cards: {reason}")]
+    NoFit { reason: String },
+}
+
+/// What one rank holds. Ranges are global indices into the model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankSlice {
+    pub rank: Rank,
+    /// Decoder layers this rank runs.
+    pub layers: Range<usize>,
+    /// Query heads.
+    pub heads: Range<usize>,
+    /// The global KV head behind each local KV head, in order. Heads that do
+    /// not cover whole GQA groups make this repeat a head (a replica).
+    pub kv_heads: Vec<usize>,
+    /// FFN (intermediate) columns.
+    pub ffn: Range<usize>,
+    /// LM-head rows (vocabulary entries) whose logits this rank computes.
+    pub vocab: Range<usize>,
+    /// The rank the hidden state comes from; `None`: embed the tokens here.
+    pub recv_from: Option<Rank>,
+    /// The rank the hidden state goes to; `None`: compute logits here.
+    pub send_to: Option<Rank>,
+}
+
+impl RankSlice {
+    /// The whole model on one rank.
+    pub fn full(cfg: &ModelConfig) -> RankSlice {
+        RankSlice {
+            rank: Rank(0),
+            layers: 0..cfg.num_layers,
+            heads: 0..cfg.num_heads,
+            kv_heads: (0..cfg.num_kv_heads).collect(),
+            ffn: 0..cfg.intermediate_size,
+            vocab: 0..cfg.vocab_size,
+            recv_from: None,
+            send_to: None,
+        }
+    }
+    pub fn embeds(&self) -> bool {
+        self.recv_from.is_none()
+    }
+    pub fn emits_logits(&self) -> bool {
+        self.send_to.is_none()
+    }
+}
+
+/// Which kind of parallelism a layout uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayoutKind {
+    Single,
+    Tensor,
+    Pipeline,
+}
+
+/// Ranks mapped to model slices; rank `i` runs on card `i` of the plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub kind: LayoutKind,
+    pub ranks: Vec<RankSlice>,
+}
+
+/// How a dimension is split over ranks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// As even as the model's units allow.
+    Even,
+    /// Shares proportional to these weights (TP: if they sum to the number of
+    /// query heads they are head counts; PP: layer counts).
+    Ratio(Vec<usize>),
+    /// Solved for the largest group token capacity on the given cards.
+    Auto,
+}
+
+impl FromStr for Split {
+    type Err = LayoutError;
+    fn from_str(text: &str) -> Result<Split, LayoutError> {
+        let t = text.trim();
+        match t {
+            "auto" => return Ok(Split::Auto),
+            "even" | "" => return Ok(Split::Even),
+            _ => {}
+        }
+        let bad = || LayoutError::BadSplit { what: "split", text: text.to_string() };
+        let v: Vec<usize> =
+            t.split(',').map(|x| x.trim().parse::<usize>()).collect::<Result<_, _>>().map_err(|_| bad())?;
+        if v.is_empty() {
+            return Err(bad());
+        }
+        Ok(Split::Ratio(v))
+    }
+}
+
+/// The layout flags, parsed once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayoutSpec {
+    pub tp: usize,
+    pub tp_split: Split,
+    pub pp: usize,
+    pub pp_split: Split,
+}
+
+impl Default for LayoutSpec {
+    fn default() -> Self {
+        LayoutSpec { tp: 1, tp_split: Split::Even, pp: 1, pp_split: Split::Even }
+    }
+}
+
+impl LayoutSpec {
+    pub fn ranks(&self) -> usize {
+        self.tp.max(1) * self.pp.max(1)
+    }
+}
+
+/// The FFN column granule for a weight type: whole quantization blocks, so a
+/// column slice of `down_proj` never cuts a block.
+pub fn ffn_granule(dtype: DType) -> usize {
+    dtype.block_elems()
+}
+
+/// Split `total` units by `weights` (largest remainder), each rank getting at
+/// least `min`.
+fn apportion(
+    what: &'static str,
+    total: usize,
+    weights: &[usize],
+    min: usize,
+) -> Result<Vec<usize>, LayoutError> {
+    let n = weights.len();
+    if n * min > total {
+        return Err(LayoutError::TooFew { what, units: total, ranks: n, min });
+    }
+    let wsum: usize = weights.iter().sum();
+    if wsum == 0 || weights.contains(&0) {
+        return Err(LayoutError::BadSplit { what, text: format!("{weights:?}") });
+    }
+    let ideal: Vec<f64> = weights.iter().map(|&w| total as f64 * w as f64 / wsum as f64).collect();
+    let mut out: Vec<usize> = ideal.iter().map(|&x| (x.floor() as usize).max(min)).collect();
+    loop {
+        let sum: usize = out.iter().sum();
+        if sum == total {
+            return Ok(out);
+        }
+        if sum < total {
+            // Ties go to the lower rank (`max_by` keeps the last of equals).
+            let i = (0..n)
+                .rev()
+                .max_by(|&a, &b| (ideal[a] - out[a] as f64).total_cmp(&(ideal[b] - out[b] as f64)))
+                .unwrap_or(0);
+            out[i] += 1;
+        } else {
+            let i = (0..n)
+                .filter(|&i| out[i] > min)
+                .max_by(|&a, &b| (out[a] as f64 - ideal[a]).total_cmp(&(out[b] as f64 - ideal[b])))
+                .unwrap_or(0);
+            out[i] -= 1;
+        }
+    }
+}
+
+/// Consecutive ranges of the given lengths.
+fn ranges(counts: &[usize]) -> Vec<Range<usize>> {
+    let mut at = 0;
+    counts
+        .iter()
+        .map(|&c| {
+            at += c;
+            at - c..at
+        })
+        .collect()
+}
+
+/// The KV heads query heads `heads` need, as the attention kernel reads
+/// them: local query head `i` uses local KV head `i / (heads / kv)`. Whole
+/// groups keep one KV head per group; otherwise heads are blocked as coarsely
+/// as their groups allow and each block gets its own replica.
+pub fn kv_heads_for(cfg: &ModelConfig, heads: &Range<usize>) -> Vec<usize> {
+    let g = cfg.num_heads / cfg.num_kv_heads;
+    let n = heads.len();
+    let shares =
+        |lg: usize| (0..n / lg).all(|k| (heads.start + k * lg) / g == (heads.start + k * lg + lg - 1) / g);
+    let lg = (1..=g.min(n)).rev().find(|&lg| n % lg == 0 && shares(lg)).unwrap_or(1);
+    (0..n / lg).map(|k| (heads.start + k * lg) / g).collect()
+}
+
+impl Layout {
+    pub fn single(cfg: &ModelConfig) -> Layout {
+        Layout { kind: LayoutKind::Single, ranks: vec![RankSlice::full(cfg)] }
+    }
+
+    /// Tensor parallelism with explicit per-rank head, FFN-column and vocabulary counts.
+    pub fn tensor(
+        cfg: &ModelConfig,
+        heads: &[usize],
+        ffn: &[usize],
+        vocab: &[usize],
+    ) -> Result<Layout, LayoutError> {
+        let n = heads.len();
+        for (what, v, want) in [
+            ("heads", heads, cfg.num_heads),
+            ("ffn columns", ffn, cfg.intermediate_size),
+            ("vocabulary rows", vocab, cfg.vocab_size),
+        ] {
+            if v.len() != n {
+                return Err(LayoutError::WrongCount { what, given: v.len(), ranks: n });
+            }
+            if v.iter().sum::<usize>() != want {
+                return Err(LayoutError::WrongTotal { what, got: v.iter().sum(), want });
+            }
+            if v.contains(&0) {
+                return Err(LayoutError::TooFew { what, units: want, ranks: n, min: 1 });
+            }
+        }
+        let (h, f, v) = (ranges(heads), ranges(ffn), ranges(vocab));
+        let ranks = (0..n)
+            .map(|i| RankSlice {
+                rank: Rank(i as u32),
+                layers: 0..cfg.num_layers,
+                kv_heads: kv_heads_for(cfg, &h[i]),
+                heads: h[i].clone(),
+                ffn: f[i].clone(),
+                vocab: v[i].clone(),
+                recv_from: None,
+                send_to: None,
+            })
+            .collect();
+        Ok(Layout { kind: if n == 1 { LayoutKind::Single } else { LayoutKind::Tensor }, ranks })
+    }
+
+    /// Tensor parallelism by ratios. Ratios that sum to the number of query
+    /// heads are head counts; otherwise heads are apportioned by KV group when
+    /// there are at least as many KV heads as ranks, else one by one. FFN
+    /// columns (in `granule`s) and vocabulary rows follow the head shares.
+    pub fn tensor_ratio(cfg: &ModelConfig, ratios: &[usize], granule: usize) -> Result<Layout, LayoutError> {
+        let n = ratios.len();
+        let g = cfg.num_heads / cfg.num_kv_heads;
+        let heads = if ratios.iter().sum::<usize>() == cfg.num_heads && !ratios.contains(&0) {
+            ratios.to_vec()
+        } else if n <= cfg.num_kv_heads {
+            apportion("KV groups", cfg.num_kv_heads, ratios, 1)?.into_iter().map(|k| k * g).collect()
+        } else {
+            apportion("heads", cfg.num_heads, ratios, 1)?
+        };
+        let ffn = apportion_granules(cfg.intermediate_size, &heads, granule)?;
+        let vocab = apportion("vocabulary rows", cfg.vocab_size, &heads, 1)?;
+        Layout::tensor(cfg, &heads, &ffn, &vocab)
+    }
+
+    /// Pipeline parallelism with explicit per-stage layer counts.
+    pub fn pipeline(cfg: &ModelConfig, layers: &[usize]) -> Result<Layout, LayoutError> {
+        let n = layers.len();
+        if layers.iter().sum::<usize>() != cfg.num_layers {
+            return Err(LayoutError::WrongTotal {
+                what: "layers",
+                got: layers.iter().sum(),
+                want: cfg.num_layers,
+            });
+        }
+        let l = ranges(layers);
+        let ranks = (0..n)
+            .map(|i| RankSlice {
+                rank: Rank(i as u32),
+                layers: l[i].clone(),
+                recv_from: (i > 0).then(|| Rank(i as u32 - 1)),
+                send_to: (i + 1 < n).then(|| Rank(i as u32 + 1)),
+                ..RankSlice::full(cfg)
+            })
+            .collect();
+        Ok(Layout { kind: if n == 1 { LayoutKind::Single } else { LayoutKind::Pipeline }, ranks })
+    }
+
+    /// Build from explicit splits (`Auto` needs cards: use [`solve`]).
+    pub fn from_spec(cfg: &ModelConfig, spec: &LayoutSpec, granule: usize) -> Result<Layout, LayoutError> {
+        let (tp, pp) = (spec.tp.max(1), spec.pp.max(1));
+        if tp > 1 && pp > 1 {
+            return Err(LayoutError::Combined { tp, pp });
+        }
+        if tp > 1 {
+            let ratios = match &spec.tp_split {
+                Split::Ratio(r) if r.len() != tp => {
+                    return Err(LayoutError::WrongCount { what: "--tp-ratio", given: r.len(), ranks: tp })
+                }
+                Split::Ratio(r) => r.clone(),
+                Split::Even | Split::Auto => vec![1; tp],
+            };
+            return Layout::tensor_ratio(cfg, &ratios, granule);
+        }
+        if pp > 1 {
+            let layers = match &spec.pp_split {
+                Split::Ratio(r) if r.len() != pp => {
+                    return Err(LayoutError::WrongCount { what: "--pp-layers", given: r.len(), ranks: pp })
+                }
+                Split::Ratio(r) => r.clone(),
+                Split::Even | Split::Auto => apportion("layers", cfg.num_layers, &vec![1; pp], 0)?,
+            };
+            return Layout::pipeline(cfg, &layers);
+        }
+        Ok(Layout::single(cfg))
+    }
+
+    /// A short description: `tp heads 16/8/8 ffn .. ` or `pp layers 14/9/9`.
+    pub fn describe(&self) -> String {
+        let join = |f: &dyn Fn(&RankSlice) -> usize| {
+            self.ranks.iter().map(|r| f(r).to_string()).collect::<Vec<_>>().join("/")
+        };
+        match self.kind {
+            LayoutKind::Single => "single rank".to_string(),
+            LayoutKind::Tensor => format!(
+                "tp={} heads {} kv heads {} ffn {} vocab {}",
+                self.ranks.len(),
+                join(&|r| r.heads.len()),
+                join(&|r| r.kv_heads.len()),
+                join(&|r| r.ffn.len()),
+                join(&|r| r.vocab.len())
+            ),
+            LayoutKind::Pipeline => format!("pp={} layers {}", self.ranks.len(), join(&|r| r.layers.len())),
+        }
+    }
+}
+
+fn apportion_granules(total: usize, weights: &[usize], granule: usize) -> Result<Vec<usize>, LayoutError> {
+    let granule = granule.max(1);
+    if total % granule != 0 {
+        return apportion("ffn columns", total, weights, 1);
+    }
+    Ok(apportion("ffn blocks", total / granule, weights, 1)?.into_iter().map(|b| b * granule).collect())
+}
+
+/// What a rank's bytes are priced with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostModel {
+    /// Storage type of the weight matrices on the card.
+    pub weight_dtype: DType,
+    /// Bytes of one KV element on the card.
+    pub kv_elem_bytes: u64,
+    pub page_size: Tokens,
+    /// Token rows of the largest step (sizes the activation workspace).
+    pub max_rows: usize,
+    /// Logit rows of the largest step.
+    pub max_logit_rows: usize,
+    /// The arena's commit unit to aim for.
+    pub chunk_target: Bytes,
+}
+
+/// The default commit unit of a KV arena.
+pub const DEFAULT_CHUNK_TARGET: Bytes = Bytes::mib(64);
+
+fn elems_bytes(dtype: DType, elems: usize) -> u64 {
+    // Rounding up to whole blocks only matters for shapes that are not block multiples.
+    (elems.div_ceil(dtype.block_elems()) * dtype.block_bytes()) as u64
+}
+
+impl CostModel {
+    /// Weight bytes of `slice` (norms and biases priced as f32).
+    pub fn weights(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let w = |elems: usize| elems_bytes(self.weight_dtype, elems);
+        let f32s = |elems: usize| (elems * 4) as u64;
+        let (q, kv, f) = (s.heads.len() * hd, s.kv_heads.len() * hd, s.ffn.len());
+        let mut per_layer = w(q * h) + 2 * w(kv * h) + w(h * q) + 3 * w(f * h) + f32s(2 * h);
+        if cfg.attention_bias {
+            per_layer += f32s(q + 2 * kv);
+        }
+        if cfg.qk_norm {
+            per_layer += f32s(2 * hd);
+        }
+        let mut total = per_layer * s.layers.len() as u64;
+        if s.embeds() {
+            total += w(cfg.vocab_size * h);
+        }
+        if s.emits_logits() {
+            total += f32s(h);
+            // A tied head over the whole vocabulary is the embedding table itself.
+            let shared = cfg.tie_word_embeddings && s.embeds() && s.vocab.len() == cfg.vocab_size;
+            if !shared {
+                total += w(s.vocab.len() * h);
+            }
+        }
+        Bytes(total)
+    }
+
+    /// Activation workspace bytes of `slice` (f32 activations, allocated once).
+    pub fn workspace(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
+        let (q, kv, f) = (s.heads.len() * cfg.head_dim, s.kv_heads.len() * cfg.head_dim, s.ffn.len());
+        let per_row = 3 * cfg.hidden_size + 2 * q + 2 * kv + 3 * f;
+        let per_logit_row = 2 * cfg.hidden_size + s.vocab.len() + cfg.vocab_size;
+        Bytes(4 * (self.max_rows * per_row + self.max_logit_rows * per_logit_row) as u64)
+    }
+
+    /// KV bytes one token takes on this rank (K and V, every local layer).
+    pub fn kv_per_token(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
+        Bytes(2 * s.layers.len() as u64 * s.kv_heads.len() as u64 * cfg.head_dim as u64 * self.kv_elem_bytes)
+    }
+
+    /// Bytes one page takes on this rank.
+    pub fn page_bytes(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
+        Bytes(self.kv_per_token(cfg, s).get() * self.page_size.get() as u64)
+    }
+}
+
+/// One card's room, measured before anything of the model is placed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CardRoom {
+    pub card: CardId,
+    /// Driver free memory now.
+    pub free: Bytes,
+    /// The floor sizing keeps (the arming floor).
+    pub floor: Bytes,
+    /// The error bar kept above the floor.
+    pub margin: Bytes,
+    /// What corridor may hold on the card in all (`--card-budget-mib`).
+    pub budget: Option<Bytes>,
+    /// The card's commit granularity.
+    pub granularity: Bytes,
+}
+
+/// One rank of a priced plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RankPlan {
+    pub rank: Rank,
+    pub card: CardRoom,
+    pub weights: Bytes,
+    pub workspace: Bytes,
+    pub kv_per_token: Bytes,
+    /// Pages this card alone could hold (the `vram` sizing rule).
+    pub own_pages: Pages,
+    pub chunk: Option<ChunkGeometry>,
+    /// Weights and workspace fit under floor, margin and budget.
+    pub fits: bool,
+}
+
+/// A layout priced on cards.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    pub layout: Layout,
+    pub ranks: Vec<RankPlan>,
+    /// Pages every rank holds: the minimum of the ranks' own pages.
+    pub group_pages: Pages,
+    pub page_size: Tokens,
+}
+
+impl RankPlan {
+    /// KV bytes committed to hold `pages` pages (whole chunks).
+    pub fn committed(&self, pages: Pages) -> Bytes {
+        match self.chunk {
+            Some(g) if pages.get() > 0 => {
+                Bytes(pages.get().div_ceil(g.chunk_pages) as u64 * g.chunk_bytes.get())
+            }
+            _ => Bytes::ZERO,
+        }
+    }
+}
+
+impl Plan {
+    /// Tokens the group admits.
+    pub fn tokens(&self) -> Tokens {
+        self.group_pages.tokens(self.page_size)
+    }
+    /// KV bytes rank `i` commits.
+    pub fn kv_committed(&self, i: usize) -> Bytes {
+        self.ranks[i].committed(self.group_pages)
+    }
+    /// Free memory left on rank `i`'s card once everything is resident.
+    pub fn rest(&self, i: usize) -> Bytes {
+        let r = &self.ranks[i];
+        r.card.free.saturating_sub(r.weights + r.workspace + self.kv_committed(i))
+    }
+}
+
+/// The quiet core of the `vram` sizing rule (the solver evaluates many
+/// candidates; only the chosen plan is logged through [`sizing::solve`]).
+fn own_pages(input: &SizingInput) -> Pages {
+    let mut room = input.free.saturating_sub(input.floor + input.margin + input.reserve);
+    if let Some(b) = input.budget_room {
+        room = room.min(b);
+    }
+    let chunks = ((room.get() / input.geometry.chunk_bytes.get()) as usize)
+        .min(input.geometry.chunks_in(input.max_pages));
+    Pages(chunks * input.geometry.chunk_pages)
+}
+
+fn sizing_input(card: &CardRoom, resident: Bytes, geometry: ChunkGeometry) -> SizingInput {
+    SizingInput {
+        card: card.card,
+        free: card.free.saturating_sub(resident),
+        floor: card.floor,
+        margin: card.margin,
+        reserve: Bytes::ZERO,
+        budget_room: card.budget.map(|b| b.saturating_sub(resident)),
+        geometry,
+        max_pages: Pages(usize::MAX / 2),
+    }
+}
+
+fn price(
+    cfg: &ModelConfig,
+    layout: &Layout,
+    cards: &[CardRoom],
+    cost: &CostModel,
+    log: bool,
+) -> Result<Plan, LayoutError> {
+    if cards.len() != layout.ranks.len() {
+        return Err(LayoutError::CardCount { ranks: layout.ranks.len(), cards: cards.len() });
+    }
+    let mut ranks = Vec::with_capacity(cards.len());
+    for (s, card) in layout.ranks.iter().zip(cards) {
+        let (weights, workspace) = (cost.weights(cfg, s), cost.workspace(cfg, s));
+        let resident = weights + workspace;
+        let page_bytes = cost.page_bytes(cfg, s);
+        let fits =
+            card.free >= resident + card.floor + card.margin && card.budget.is_none_or(|b| b >= resident);
+        // A stage without layers holds no KV: it never bounds the group.
+        let chunk = ChunkGeometry::new(page_bytes, card.granularity, cost.chunk_target).ok();
+        let own = match chunk {
+            _ if !fits => Pages(0),
+            None => Pages(usize::MAX),
+            Some(g) => {
+                let input = sizing_input(card, resident, g);
+                if log {
+                    let s: Sizing = sizing::solve(input);
+                    s.pages
+                } else {
+                    own_pages(&input)
+                }
+            }
+        };
+        ranks.push(RankPlan {
+            rank: s.rank,
+            card: *card,
+            weights,
+            workspace,
+            kv_per_token: cost.kv_per_token(cfg, s),
+            own_pages: own,
+            chunk,
+            fits,
+        });
+    }
+    let group_pages = ranks.iter().map(|r| r.own_pages).min().unwrap_or(Pages(0));
+    let group_pages = if group_pages.get() == usize::MAX { Pages(0) } else { group_pages };
+    Ok(Plan { layout: layout.clone(), ranks, group_pages, page_size: cost.page_size })
+}
+
+/// Price a layout on cards (rank `i` on `cards[i]`), logging each card's
+/// sizing the way boot does.
+pub fn evaluate(
+    cfg: &ModelConfig,
+    layout: &Layout,
+    cards: &[CardRoom],
+    cost: &CostModel,
+) -> Result<Plan, LayoutError> {
+    price(cfg, layout, cards, cost, true)
+}
+
+/// Every way to write `total` as `n` ordered parts of at least `min`.
+fn compositions(total: usize, n: usize, min: usize) -> Vec<Vec<usize>> {
+    fn go(left: usize, n: usize, min: usize, cur: &mut Vec<usize>, out: &mut Vec<Vec<usize>>) {
+        if n == 1 {
+            if left >= min {
+                cur.push(left);
+                out.push(cur.clone());
+                cur.pop();
+            }
+            return;
+        }
+        for v in min..=left.saturating_sub(min * (n - 1)) {
+            cur.push(v);
+            go(left - v, n - 1, min, cur, out);
+            cur.pop();
+        }
+    }
+    let mut out = Vec::new();
+    if n > 0 && n * min <= total {
+        go(total, n, min, &mut Vec::with_capacity(n), &mut out);
+    }
+    out
+}
+
+/// How far a split is from even (smaller is more even), to break ties.
+fn spread(v: &[usize]) -> usize {
+    v.iter().max().unwrap_or(&0) - v.iter().min().unwrap_or(&0)
+}
+
+/// Move FFN columns between TP ranks so each card's spare memory above the
+/// pool it must hold is as equal as the column granule allows, keeping the
+/// head and vocabulary shares. Returns the best layout found.
+fn balance_ffn(
+    cfg: &ModelConfig,
+    base: &Layout,
+    cards: &[CardRoom],
+    cost: &CostModel,
+    granule: usize,
+) -> Result<Layout, LayoutError> {
+    let n = base.ranks.len();
+    let granule = if cfg.intermediate_size % granule.max(1) == 0 { granule.max(1) } else { 1 };
+    let blocks = cfg.intermediate_size / granule;
+    // Bytes one granule of FFN columns costs a rank: weights and workspace.
+    let with_ffn = |i: usize, cols: usize| RankSlice { ffn: 0..cols, ..base.ranks[i].clone() };
+    let fixed: Vec<Bytes> =
+        (0..n).map(|i| cost.weights(cfg, &with_ffn(i, 0)) + cost.workspace(cfg, &with_ffn(i, 0))).collect();
+    let per_block: Vec<u64> = (0..n)
+        .map(|i| {
+            (cost.weights(cfg, &with_ffn(i, granule)) + cost.workspace(cfg, &with_ffn(i, granule))).get()
+                - fixed[i].get()
+        })
+        .collect();
+    let geometry: Vec<Option<ChunkGeometry>> = base
+        .ranks
+        .iter()
+        .zip(cards)
+        .map(|(s, c)| ChunkGeometry::new(cost.page_bytes(cfg, s), c.granularity, cost.chunk_target).ok())
+        .collect();
+    let room = |i: usize| {
+        let c = &cards[i];
+        let by_free = c.free.saturating_sub(c.floor + c.margin);
+        c.budget.map_or(by_free, |b| by_free.min(b))
+    };
+    let commit = |i: usize, pages: usize| {
+        geometry[i].map_or(0, |g| (pages.div_ceil(g.chunk_pages) * g.chunk_bytes.get() as usize) as u64)
+    };
+    // Blocks rank i can afford while holding `pages` pages.
+    let afford = |i: usize, pages: usize| -> usize {
+        let left = room(i).get().saturating_sub(fixed[i].get() + commit(i, pages));
+        (left / per_block[i].max(1)) as usize
+    };
+    let feasible = |pages: usize| {
+        (0..n).all(|i| afford(i, pages) >= 1) && (0..n).map(|i| afford(i, pages)).sum::<usize>() >= blocks
+    };
+    if !feasible(0) {
+        return Ok(base.clone());
+    }
+    let (mut lo, mut hi) = (0usize, 1usize);
+    while feasible(hi) {
+        lo = hi;
+        hi = hi.saturating_mul(2);
+        if hi > (1 << 40) {
+            break;
+        }
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if feasible(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let pages = lo;
+    let mut take: Vec<usize> = (0..n).map(|i| afford(i, pages).min(blocks)).collect();
+    // Give back the excess where it leaves the smallest rest: one block at a
+    // time from the rank whose spare memory is smallest, so no card is left
+    // holding all of it.
+    let rest = |i: usize, b: usize| {
+        room(i).get().saturating_sub(fixed[i].get() + commit(i, pages) + b as u64 * per_block[i])
+    };
+    while take.iter().sum::<usize>() > blocks {
+        let i = (0..n).filter(|&i| take[i] > 1).min_by_key(|&i| rest(i, take[i])).unwrap_or(0);
+        take[i] -= 1;
+    }
+    let ffn: Vec<usize> = take.iter().map(|b| b * granule).collect();
+    let heads: Vec<usize> = base.ranks.iter().map(|r| r.heads.len()).collect();
+    let vocab: Vec<usize> = base.ranks.iter().map(|r| r.vocab.len()).collect();
+    Layout::tensor(cfg, &heads, &ffn, &vocab)
+}
+
+/// Resolve the layout flags on cards: explicit splits are built as given,
+/// `auto` is solved for the largest group token capacity.
+pub fn solve(
+    cfg: &ModelConfig,
+    spec: &LayoutSpec,
+    cards: &[CardRoom],
+    cost: &CostModel,
+    granule: usize,
+) -> Result<Plan, LayoutError> {
+    let (tp, pp) = (spec.tp.max(1), spec.pp.max(1));
+    if tp > 1 && pp > 1 {
+        return Err(LayoutError::Combined { tp, pp });
+    }
+    if cards.len() != tp * pp {
+        return Err(LayoutError::CardCount { ranks: tp * pp, cards: cards.len() });
+    }
+    let layout = if tp > 1 && spec.tp_split == Split::Auto {
+        let g = cfg.num_heads / cfg.num_kv_heads;
+        let candidates: Vec<Vec<usize>> = if tp <= cfg.num_kv_heads {
+            compositions(cfg.num_kv_heads, tp, 1)
+                .into_iter()
+                .map(|c| c.into_iter().map(|k| k * g).collect())
+                .collect()
+        } else {
+            compositions(cfg.num_heads, tp, 1)
+        };
+        let mut best: Option<(Pages, usize, Layout)> = None;
+        for heads in candidates {
+            let base = Layout::tensor_ratio(cfg, &heads, granule)?;
+            let balanced = balance_ffn(cfg, &base, cards, cost, granule)?;
+            let pages = price(cfg, &balanced, cards, cost, false)?.group_pages;
+            let sp = spread(&heads);
+            if best.as_ref().is_none_or(|(p, s, _)| pages > *p || (pages == *p && sp < *s)) {
+                best = Some((pages, sp, balanced));
+            }
+        }
+        best.map(|(_, _, l)| l)
+            .ok_or_else(|| LayoutError::NoFit { reason: format!("no head split over {tp} ranks") })?
+    } else if pp > 1 && spec.pp_split == Split::Auto {
+        let min = usize::from(cfg.num_layers >= pp);
+        let mut best: Option<(Pages, usize, Layout)> = None;
+        for layers in compositions(cfg.num_layers, pp, min) {
+            let l = Layout::pipeline(cfg, &layers)?;
+            let pages = price(cfg, &l, cards, cost, false)?.group_pages;
+            let sp = spread(&layers);
+            if best.as_ref().is_none_or(|(p, s, _)| pages > *p || (pages == *p && sp < *s)) {
+                best = Some((pages, sp, l));
+            }
+        }
+        best.map(|(_, _, l)| l)
+            .ok_or_else(|| LayoutError::NoFit { reason: format!("no layer split over {pp} stages") })?
+    } else {
+        Layout::from_spec(cfg, spec, granule)?
+    };
+    evaluate(cfg, &layout, cards, cost)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Arch;
+    use corridor_backend::RopeStyle;
+
+    fn llama3_8b() -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Llama,
+            vocab_size: 128_256,
+            hidden_size: 4096,
+            intermediate_size: 14_336,
+            num_layers: 32,
+            num_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            rms_norm_eps: 1e-5,
+            rope_theta: 500_000.0,
+            rope_scaling: None,
+            rope_style: RopeStyle::Half,
+            max_position_embeddings: 8192,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            qk_norm: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    fn tiny() -> ModelConfig {
+        ModelConfig {
+            vocab_size: 384,
+            hidden_size: 64,
+            intermediate_size: 128,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            ..llama3_8b()
+        }
+    }
+
+    fn rig() -> Vec<CardRoom> {
+        [32u64, 20, 20]
+            .iter()
+            .enumerate()
+            .map(|(i, &g)| CardRoom {
+                card: CardId(i as u32),
+                free: Bytes::gib(g),
+                floor: Bytes::mib(1024),
+                margin: sizing::DEFAULT_MARGIN,
+                budget: None,
+                granularity: Bytes::mib(2),
+            })
+            .collect()
+    }
+
+    fn bf16_cost() -> CostModel {
+        CostModel {
+            weight_dtype: DType::BF16,
+            kv_elem_bytes: 2,
+            page_size: Tokens(16),
+            max_rows: 2048,
+            max_logit_rows: 64,
+            chunk_target: DEFAULT_CHUNK_TARGET,
+        }
+    }
+
+    #[test]
+    fn kv_heads_replicate_only_when_groups_are_cut() {
+        let c = tiny(); // 4 heads, 2 KV heads: groups {0,1} {2,3}
+        assert_eq!(kv_heads_for(&c, &(0..4)), vec![0, 1]);
+        assert_eq!(kv_heads_for(&c, &(0..2)), vec![0]);
+        assert_eq!(kv_heads_for(&c, &(0..3)), vec![0, 0, 1]);
+        assert_eq!(kv_heads_for(&c, &(3..4)), vec![1]);
+        assert_eq!(kv_heads_for(&c, &(1..3)), vec![0, 1]);
+        let big = llama3_8b(); // groups of 4
+        assert_eq!(kv_heads_for(&big, &(0..12)), vec![0, 1, 2]);
+        assert_eq!(kv_heads_for(&big, &(2..7)), vec![0, 0, 1, 1, 1]);
+    }
+
+    #[test]
+    fn ratios_split_by_group_where_possible() {
+        let c = llama3_8b();
+        let l = Layout::tensor_ratio(&c, &[1, 1, 1], 1).unwrap();
+        let heads: Vec<usize> = l.ranks.iter().map(|r| r.heads.len()).collect();
+        assert_eq!(heads, vec![12, 12, 8], "8 KV groups over 3 ranks: 3/3/2 groups");
+        assert_eq!(l.ranks.iter().map(|r| r.ffn.len()).sum::<usize>(), c.intermediate_size);
+        let q = Layout::tensor_ratio(&c, &[1, 1, 1], 32).unwrap();
+        assert!(q.ranks.iter().all(|r| r.ffn.start % 32 == 0 && r.ffn.len() % 32 == 0), "{q:?}");
+        // Head counts given outright are used as they are.
+        let t = Layout::tensor_ratio(&tiny(), &[3, 1], 1).unwrap();
+        assert_eq!((t.ranks[0].heads.clone(), t.ranks[0].kv_heads.clone()), (0..3, vec![0, 0, 1]));
+        assert!(matches!("2,x".parse::<Split>(), Err(LayoutError::BadSplit { .. })));
+        assert_eq!("auto".parse::<Split>().unwrap(), Split::Auto);
+        assert!(matches!(Layout::pipeline(&c, &[10, 10]), Err(LayoutError::WrongTotal { .. })));
+    }
+
+    #[test]
+    fn pipeline_stages_chain() {
+        let l = Layout::pipeline(&tiny(), &[1, 0, 1]).unwrap();
+        assert_eq!(l.ranks[1].layers, 1..1);
+        assert!(l.ranks[0].embeds() && !l.ranks[0].emits_logits());
+        assert_eq!((l.ranks[1].recv_from, l.ranks[1].send_to), (Some(Rank(0)), Some(Rank(2))));
+        assert!(l.ranks[2].emits_logits() && !l.ranks[2].embeds());
+    }
+
+    #[test]
+    fn quiet_sizing_matches_the_vram_rule() {
+        let c = llama3_8b();
+        let plan =
+            evaluate(&c, &Layout::tensor_ratio(&c, &[1, 1, 1], 1).unwrap(), &rig(), &bf16_cost()).unwrap();
+        for (r, card) in plan.ranks.iter().zip(rig()) {
+            let input = sizing_input(&card, r.weights + r.workspace, r.chunk.unwrap());
+            assert_eq!(own_pages(&input), sizing::solve(input).pages);
+        }
+    }
+
+    /// The reference rig (32, 20, 20 GiB) and a Llama-3-8B shape in bf16:
+    /// `auto` must beat the even split, and under TP every card must rest
+    /// within one KV chunk above floor + margin.
+    #[test]
+    fn auto_beats_even_on_the_reference_rig() {
+        let (c, cards, cost) = (llama3_8b(), rig(), bf16_cost());
+        for (name, even, auto) in [
+            (
+                "tp=3",
+                LayoutSpec { tp: 3, ..LayoutSpec::default() },
+                LayoutSpec { tp: 3, tp_split: Split::Auto, ..LayoutSpec::default() },
+            ),
+            (
+                "pp=3",
+                LayoutSpec { pp: 3, ..LayoutSpec::default() },
+                LayoutSpec { pp: 3, pp_split: Split::Auto, ..LayoutSpec::default() },
+            ),
+        ] {
+            let e = solve(&c, &even, &cards, &cost, 1).unwrap();
+            let a = solve(&c, &auto, &cards, &cost, 1).unwrap();
+            println!(
+                "{name}: even [{}] {} tokens; auto [{}] {} tokens (+{:.1}%)",
+                e.layout.describe(),
+                e.tokens().get(),
+                a.layout.describe(),
+                a.tokens().get(),
+                100.0 * (a.tokens().get() as f64 / e.tokens().get() as f64 - 1.0)
+            );
+            assert!(a.tokens() > e.tokens(), "{name}: auto {} vs even {}", a.tokens(), e.tokens());
+            for i in 0..3 {
+                let r = &a.ranks[i];
+                let above = a.rest(i) - (r.card.floor + r.card.margin);
+                println!(
+                    "  {name} auto card{i}: weights {} kv {} rests {} above floor + margin",
+                    r.weights,
+                    a.kv_committed(i),
+                    above
+                );
+                if name == "tp=3" {
+                    assert!(
+                        above < r.chunk.unwrap().chunk_bytes,
+                        "{name} card{i} rests {above} above floor + margin"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn budgets_bound_every_rank() {
+        let (c, mut cards, cost) = (llama3_8b(), rig(), bf16_cost());
+        cards[0].budget = Some(Bytes::gib(12));
+        let a = solve(
+            &c,
+            &LayoutSpec { tp: 3, tp_split: Split::Auto, ..LayoutSpec::default() },
+            &cards,
+            &cost,
+            1,
+        )
+        .unwrap();
+        let r = &a.ranks[0];
+        assert!(
+            r.weights + r.workspace + a.kv_committed(0) <= Bytes::gib(12),
+            "card0 holds more than its budget"
+        );
+        assert!(a.tokens().get() > 0);
+    }
+}

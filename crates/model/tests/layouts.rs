@@ -1,0 +1,189 @@
+//! Parallel layouts against the single-rank oracle, on the tiny checkpoints.
+//!
+//! Each layout runs as threads with the in-process collective: tensor
+//! parallelism with uneven head, FFN and vocabulary shares (TP=2 with 3:1
+//! heads, TP=3 with 2:1:1, so one rank holds a replica of a KV head), and
+//! pipeline parallelism with uneven layer counts (including a stage that
+//! holds no layer, since the fixtures have two layers). The prompt is fed in
+//! uneven chunks over a scrambled page table, then decoded greedily.
+//!
+//! Tolerance: 1e-4 on logits. A layout changes only the order of summation
+//! (partial sums over heads and FFN columns added by the all-reduce), which
+//! moves f32 logits of these models by about 1e-6; a wrong slice (a head read
+//! against the wrong KV head, an FFN block dropped, a misplaced vocabulary
+//! block) moves them by 1e-2 or more.
+
+use corridor_backend::collective::{Collective, GroupShape, ThreadGroup};
+use corridor_backend::cpu::CpuBackend;
+use corridor_backend::SeqStep;
+use corridor_model::layout::{Layout, LayoutKind};
+use corridor_model::llama::{Model, StepInput};
+use corridor_model::Checkpoint;
+use corridor_units::PageId;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const TOL: f32 = 1e-4;
+const PAGE: usize = 4;
+const PROMPT: [u32; 11] = [1, 17, 42, 99, 3, 250, 7, 7, 300, 12, 5];
+const STEPS: usize = 6;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny")
+}
+
+/// One step every rank runs: tokens from `cached` on, logits of every row.
+#[derive(Clone)]
+struct Job {
+    tokens: Vec<u32>,
+    cached: usize,
+}
+
+/// Logits of every row of every step, and the greedy continuation, with the
+/// model split by `layout` (one thread per rank).
+fn run(path: &Path, layout: &Layout) -> (Vec<Vec<f32>>, Vec<u32>) {
+    let ckpt = Checkpoint::open(path).unwrap();
+    let vocab = ckpt.config().vocab_size;
+    let world = layout.ranks.len();
+    let shape = if layout.kind == LayoutKind::Pipeline { GroupShape::Pipeline } else { GroupShape::Tensor };
+    let (_group, ranks) = ThreadGroup::new(world, shape, Duration::from_secs(60));
+    let pages_needed = (PROMPT.len() + STEPS).div_ceil(PAGE);
+    // Odd page ids, highest first: shared by all ranks, as the engine's are.
+    let pages: Vec<PageId> = (0..pages_needed).map(|i| PageId((2 * (pages_needed - i) - 1) as u32)).collect();
+    let mut jobs = Vec::new();
+    let (reply_tx, reply_rx) = mpsc::channel::<(usize, Vec<f32>)>();
+    let mut threads = Vec::new();
+    for (slice, comm) in layout.ranks.iter().cloned().zip(ranks) {
+        let backend = CpuBackend::new();
+        let model = Model::load_slice(&backend, &ckpt, &slice, |_| {}).unwrap();
+        let (tx, rx) = mpsc::channel::<Job>();
+        jobs.push(tx);
+        let (reply, pages) = (reply_tx.clone(), pages.clone());
+        threads.push(std::thread::spawn(move || {
+            let total = PROMPT.len() + STEPS;
+            let mut ws = model.workspace(&backend, total, total).unwrap();
+            let mut kv = model.kv_cache(&backend, PAGE, 2 * pages.len() + 1).unwrap();
+            let mut logits = Vec::new();
+            for job in rx {
+                let rows = job.tokens.len();
+                let seqs = [SeqStep { row_start: 0, rows, cached: job.cached, pages: &pages }];
+                let positions: Vec<u32> = (job.cached..job.cached + rows).map(|p| p as u32).collect();
+                let logit_rows: Vec<usize> = (0..rows).collect();
+                let step = StepInput {
+                    tokens: &job.tokens,
+                    positions: &positions,
+                    seqs: &seqs,
+                    logit_rows: &logit_rows,
+                };
+                model
+                    .forward_ranked(
+                        &backend,
+                        &comm as &dyn Collective<CpuBackend>,
+                        &mut ws,
+                        &mut kv,
+                        &step,
+                        &mut logits,
+                    )
+                    .unwrap();
+                if slice.emits_logits() {
+                    reply.send((slice.rank.0 as usize, logits.clone())).unwrap();
+                }
+            }
+        }));
+    }
+    drop(reply_tx);
+    let emitters = layout.ranks.iter().filter(|r| r.emits_logits()).count();
+    let step = |tokens: &[u32], cached: usize| -> Vec<f32> {
+        for tx in &jobs {
+            tx.send(Job { tokens: tokens.to_vec(), cached }).unwrap();
+        }
+        let got: Vec<(usize, Vec<f32>)> = (0..emitters).map(|_| reply_rx.recv().unwrap()).collect();
+        // Every rank that computes logits holds all of them after the gather.
+        for (r, l) in &got {
+            assert_eq!(l, &got[0].1, "rank{r} ends the step with different logits");
+        }
+        got[0].1.clone()
+    };
+    let mut rows = Vec::new();
+    let mut done = 0;
+    for chunk in [5, 1, 5] {
+        let l = step(&PROMPT[done..done + chunk], done);
+        rows.extend(l.chunks(vocab).map(|r| r.to_vec()));
+        done += chunk;
+    }
+    let argmax = |r: &[f32]| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as u32;
+    let mut greedy = vec![argmax(rows.last().unwrap())];
+    while greedy.len() < STEPS {
+        let l = step(&[*greedy.last().unwrap()], PROMPT.len() + greedy.len() - 1);
+        rows.push(l.clone());
+        greedy.push(argmax(&l));
+    }
+    drop(jobs);
+    for t in threads {
+        t.join().unwrap();
+    }
+    (rows, greedy)
+}
+
+fn check(fixture: &str) {
+    let path = fixtures().join(fixture);
+    let cfg = Checkpoint::open(&path).unwrap().config().clone();
+    // Whole quantization blocks for the GGUF file's FFN columns.
+    let granule = if fixture.ends_with(".gguf") { 32 } else { 1 };
+    let (oracle_rows, oracle_greedy) = run(&path, &Layout::single(&cfg));
+    let layouts = [
+        ("tp=2 heads 3:1", Layout::tensor_ratio(&cfg, &[3, 1], granule).unwrap()),
+        ("tp=3 heads 2:1:1", Layout::tensor_ratio(&cfg, &[2, 1, 1], granule).unwrap()),
+        ("tp=3 heads 1:1:2", Layout::tensor_ratio(&cfg, &[1, 1, 2], granule).unwrap()),
+        ("pp=2 layers 0,2", Layout::pipeline(&cfg, &[0, 2]).unwrap()),
+        ("pp=2 layers 1,1", Layout::pipeline(&cfg, &[1, 1]).unwrap()),
+        ("pp=3 layers 1,0,1", Layout::pipeline(&cfg, &[1, 0, 1]).unwrap()),
+        ("pp=3 layers 2,0,0", Layout::pipeline(&cfg, &[2, 0, 0]).unwrap()),
+    ];
+    for (name, layout) in layouts {
+        let (rows, greedy) = run(&path, &layout);
+        let mut worst = 0f32;
+        for (a, b) in rows.iter().zip(&oracle_rows) {
+            for (x, y) in a.iter().zip(b) {
+                worst = worst.max((x - y).abs());
+            }
+        }
+        println!("{fixture} {name} [{}]: max |logit diff| {worst:.2e}", layout.describe());
+        assert_eq!(rows.len(), oracle_rows.len());
+        assert!(worst < TOL, "{fixture} {name}: logits differ by {worst}");
+        assert_eq!(greedy, oracle_greedy, "{fixture} {name}: greedy continuation differs");
+    }
+}
+
+#[test]
+fn llama_f32_layouts_match_the_single_rank() {
+    check("llama-f32");
+}
+
+#[test]
+fn qwen2_tied_with_biases_layouts_match_the_single_rank() {
+    check("qwen2-tied");
+}
+
+#[test]
+fn qwen3_qk_norm_layouts_match_the_single_rank() {
+    check("qwen3");
+}
+
+#[test]
+fn gguf_quantized_layouts_match_the_single_rank() {
+    check("llama-q.gguf");
+}
+
+/// A slice whose query heads would read the wrong KV head is refused at load
+/// rather than producing plausible but wrong logits.
+#[test]
+fn a_wrong_kv_mapping_is_refused() {
+    let path = fixtures().join("llama-f32");
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let mut layout = Layout::tensor_ratio(ckpt.config(), &[3, 1], 1).unwrap();
+    layout.ranks[0].kv_heads = vec![0, 1, 1];
+    let err = Model::load_slice(&CpuBackend::new(), &ckpt, &layout.ranks[0], |_| {}).err().expect("refused");
+    assert!(err.to_string().contains("KV head"), "{err}");
+}
