@@ -80,6 +80,19 @@ pub struct ModelArgs {
     /// `corridor memory --flight-dir DIR` reads them.
     #[arg(long)]
     flight_dir: Option<PathBuf>,
+    /// Tensor-parallel ranks (threads on the CPU).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Head and FFN shares per TP rank: `a,b,c` (head counts when they sum to the model's heads),
+    /// `even`, or `auto`.
+    #[arg(long, default_value = "even")]
+    tp_ratio: String,
+    /// Pipeline stages (threads on the CPU).
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
+    /// Layers per PP stage: `a,b,c`, `even`, or `auto`.
+    #[arg(long, default_value = "even")]
+    pp_layers: String,
     /// Scheduled foreign processes on sim cards: JSON lines such as
     /// `{"at_s": 5.0, "card": 0, "pid": 4242, "bytes": 2147483648}` (`"bytes": 0` = it exited).
     #[arg(long)]
@@ -170,6 +183,14 @@ impl ModelArgs {
         o.card_budget_mib = self.card_budget_mib.clone();
         o.flight_dir = self.flight_dir.clone();
         o.sim_events = self.sim_events.clone();
+        if self.tp > 1 || self.pp > 1 {
+            o.layout = Some(corridor_model::layout::LayoutSpec {
+                tp: self.tp,
+                tp_split: self.tp_ratio.parse().map_err(|e| anyhow::anyhow!("--tp-ratio: {e}"))?,
+                pp: self.pp,
+                pp_split: self.pp_layers.parse().map_err(|e| anyhow::anyhow!("--pp-layers: {e}"))?,
+            });
+        }
         Ok(o)
     }
 }

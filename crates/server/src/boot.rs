@@ -14,6 +14,10 @@ use corridor_backend::cpu::CpuBackend;
 use corridor_engine::engine::{spawn, EngineConfig, EngineHandle};
 use corridor_engine::pages::PagePool;
 use corridor_engine::scheduler::SchedulerConfig;
+use corridor_engine::engine::spawn_with;
+use corridor_engine::executor::ExecutorLimits;
+use corridor_engine::ranks::{spawn_layout, LayoutOptions};
+use corridor_model::layout::{Layout, LayoutSpec};
 use corridor_model::llama::Model;
 use corridor_model::{Checkpoint, ModelConfig};
 use corridor_units::{Bytes, CardId, Pages, Tokens};
@@ -90,6 +94,9 @@ pub struct BootOptions {
     pub kv_hold: Option<std::time::Duration>,
     /// Pace of serving marks (`None`: the governor's default, 30 s).
     pub serving_mark_interval: Option<std::time::Duration>,
+    /// A parallel layout (`None`: the whole model as one rank). On the CPU
+    /// the ranks are threads sharing the host card.
+    pub layout: Option<LayoutSpec>,
 }
 
 impl BootOptions {
@@ -109,6 +116,7 @@ impl BootOptions {
             sim_carve_out: Bytes::ZERO,
             kv_hold: None,
             serving_mark_interval: None,
+            layout: None,
         }
     }
 }
@@ -245,20 +253,43 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
     let mut resident = Vec::new();
     let weights = Bytes(ckpt.file_bytes());
     resident.push(dev.reserve(weights, Purpose::Weights).map_err(|e| BootError::Memory(format!("weights do not fit: {e}")))?);
+    let layout = match &opts.layout {
+        Some(spec) if spec.tp.max(1) * spec.pp.max(1) > 1 => {
+            if opts.devices != Devices::Cpu {
+                return Err(BootError::Config(
+                    "serving a parallel layout runs on --devices cpu for now; use `corridor plan` to solve one for cards".into(),
+                ));
+            }
+            // Block-quantized weights are split on whole 32-column blocks.
+            let granule = if ckpt.gguf().is_some() { 32 } else { 1 };
+            Some(Layout::from_spec(&cfg, spec, granule).map_err(|e| BootError::Config(e.to_string()))?)
+        }
+        _ => None,
+    };
     let backend = CpuBackend::new();
-    let total = cfg.num_layers + 2;
-    let mut done = 0;
-    let model = Model::load(&backend, &ckpt, |n| {
-        done += n;
-        progress(done, total);
-    })?;
+    let model = match &layout {
+        Some(_) => None,
+        None => {
+            let total = cfg.num_layers + 2;
+            let mut done = 0;
+            Some(Model::load(&backend, &ckpt, |n| {
+                done += n;
+                progress(done, total);
+            })?)
+        }
+    };
     mark(BootPhase::WeightsLoaded);
     let ws = workspace_bytes(&cfg, opts.max_batched_tokens, opts.max_running);
     resident.push(dev.reserve(ws, Purpose::Workspace).map_err(|e| BootError::Memory(format!("workspace does not fit: {e}")))?);
     mark(BootPhase::WorkspaceReady);
 
-    // KV: the CPU keeps it in f32; one page holds `page_size` tokens of every layer.
-    let page_bytes = Bytes((model.kv_bytes_per_token(4) * opts.page_size) as u64);
+    // KV: the CPU keeps it in f32; one page holds `page_size` tokens of every
+    // layer, on every rank that holds a share of it.
+    let kv_token_bytes: usize = match &layout {
+        Some(l) => l.ranks.iter().map(|r| 2 * r.layers.len() * r.kv_heads.len() * cfg.head_dim * 4).sum(),
+        None => 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
+    };
+    let page_bytes = Bytes((kv_token_bytes * opts.page_size) as u64);
     let useful = opts.max_running * context_len.div_ceil(opts.page_size);
     let mut max_pages = useful.min((dev.card().total().get() / page_bytes.get().max(1)) as usize);
     if opts.devices == Devices::Cpu {
@@ -297,15 +328,25 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
 
     let pool = PagePool::new(arena, Tokens(opts.page_size));
     governor.register_provider(pool.prefix_evictor());
-    let engine = spawn(
-        backend,
-        model,
-        EngineConfig {
-            scheduler: SchedulerConfig { max_running: opts.max_running, max_batched_tokens: opts.max_batched_tokens, context_len },
-            page_size: Tokens(opts.page_size),
-        },
-        pool,
-    )?;
+    let config = EngineConfig {
+        scheduler: SchedulerConfig { max_running: opts.max_running, max_batched_tokens: opts.max_batched_tokens, context_len },
+        page_size: Tokens(opts.page_size),
+    };
+    let engine = match (model, &layout) {
+        (Some(model), _) => spawn(backend, model, config, pool)?,
+        (None, Some(layout)) => {
+            let limits = ExecutorLimits {
+                max_rows: opts.max_batched_tokens,
+                max_logit_rows: opts.max_running,
+                page_size: opts.page_size,
+                num_pages: pool.capacity(),
+            };
+            let exec = spawn_layout(&ckpt, layout, LayoutOptions::new(limits))?;
+            tracing::info!(ranks = layout.ranks.len(), "parallel layout running on CPU threads");
+            spawn_with(exec, config, pool)?
+        }
+        (None, None) => unreachable!("a model is loaded unless a layout is"),
+    };
     governor.register_provider(engine.preempt_provider(dev.id(), page_bytes));
     mark(BootPhase::BootComplete);
     if let Some(r) = recorder {
