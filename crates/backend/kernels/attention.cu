@@ -115,3 +115,273 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
         out[((long long)r * heads + h) * head_dim + e] = L > 0.f ? acc / L : 0.f;
     }
 }
+
+// ---------------------------------------------------------------------------
+// Tiled prefill attention (flash-attention style) on the tensor cores.
+//
+// One block of FA_WARPS warps takes a tile of up to FA_BM consecutive query
+// rows of one sequence and one query head; each warp owns 16 rows. K and V are
+// streamed from the paged cache through shared memory FA_BN tokens at a time
+// (cp.async, K of the next tile loading while P.V of this one runs), S = Q.K^T
+// and O += P.V run as bf16 mma.sync m16n8k16 with f32 accumulators, and the
+// softmax is online (running max and sum per row), so nothing of size
+// rows x context is ever stored. Q is rounded to bf16 after scaling, P to bf16
+// before P.V: the same precision as the bf16 cache it reads.
+//
+// The tile list (row0, nrows) comes from the host, one entry per FA_BM rows of
+// every sequence that is prefilled in this step; every row carries its own
+// position, so a tile that follows a prefix-cached part attends to the whole
+// cached history. Tiles are taken longest-first so the long ones start early.
+
+#define FA_BM 64
+#define FA_BN 64
+#define FA_WARPS 4
+
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// c += a (16x16, row-major) . b (16x8, column-major), bf16 in, f32 accumulate.
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16 bytes global -> shared, asynchronously; `bytes` = 0 writes zeros instead.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Four 8x8 b16 matrices from shared memory; lane l gives the address of row
+// l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+// Tokens t0..t0+FA_BN-1 of one KV head into shared memory [FA_BN][HD + 8]
+// (the 8-element pad puts the rows of an 8x8 fragment on distinct banks).
+// Tokens at or past `ctx` are zero-filled and never read from the page table.
+template <int HD>
+__device__ __forceinline__ void fa_load_tile(bf16_t* dst, const bf16_t* __restrict__ cache,
+                                             const u32* __restrict__ pt, int t0, int ctx, int page_size, int kvw,
+                                             int kvh) {
+    const int CH = HD / 8;
+#pragma unroll
+    for (int c = threadIdx.x; c < FA_BN * CH; c += FA_WARPS * 32) {
+        int tok = c / CH, part = c % CH;
+        int t = t0 + tok;
+        const bf16_t* src = cache;
+        int bytes = 0;
+        if (t < ctx) {
+            src = cache + ((long long)pt[t / page_size] * page_size + t % page_size) * kvw + kvh * HD + part * 8;
+            bytes = 16;
+        }
+        cp_async16(smem_u32(dst + tok * (HD + 8) + part * 8), src, bytes);
+    }
+}
+
+template <int HD>
+__device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, const bf16_t* __restrict__ kc,
+                                                  const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,
+                                                  const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,
+                                                  const u32* __restrict__ page_table, const u32* __restrict__ tiles,
+                                                  float* __restrict__ out, int heads, int kv_heads, int page_size,
+                                                  float scale_log2, int ntiles) {
+    __shared__ __align__(16) bf16_t ks[FA_BN * (HD + 8)];
+    __shared__ __align__(16) bf16_t vs[FA_BN * (HD + 8)];
+    const int LD = HD + 8;
+    int tile = ntiles - 1 - (int)blockIdx.x;
+    int h = blockIdx.y;
+    int row0 = (int)tiles[2 * tile], nrows = (int)tiles[2 * tile + 1];
+    const u32* pt = page_table + seq_pt_off[row_seq[row0]];
+    int kvh = h / (heads / kv_heads);
+    int kvw = kv_heads * HD;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    int g = lane >> 2, t4 = lane & 3;
+    int last = nrows - 1;
+    // This thread's two rows (tile-relative); padding rows borrow the last real row.
+    int ra = imin(wid * 16 + g, last), rb = imin(wid * 16 + g + 8, last);
+    int pa = (int)row_pos[row0 + ra], pb = (int)row_pos[row0 + rb];
+    int w_first = (int)row_pos[row0 + imin(wid * 16, last)];
+    int w_last = (int)row_pos[row0 + imin(wid * 16 + 15, last)];
+    int ctx = (int)row_pos[row0 + last] + 1;
+
+    // Q as A fragments, scaled by softmax_scale * log2(e) so the softmax uses exp2.
+    u32 qf[HD / 16][4];
+    {
+        const float* qa = q + ((long long)(row0 + ra) * heads + h) * HD + 2 * t4;
+        const float* qb = q + ((long long)(row0 + rb) * heads + h) * HD + 2 * t4;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            float2 x0 = *(const float2*)(qa + kk * 16), x1 = *(const float2*)(qb + kk * 16);
+            float2 x2 = *(const float2*)(qa + kk * 16 + 8), x3 = *(const float2*)(qb + kk * 16 + 8);
+            qf[kk][0] = pack_bf16x2(x0.x * scale_log2, x0.y * scale_log2);
+            qf[kk][1] = pack_bf16x2(x1.x * scale_log2, x1.y * scale_log2);
+            qf[kk][2] = pack_bf16x2(x2.x * scale_log2, x2.y * scale_log2);
+            qf[kk][3] = pack_bf16x2(x3.x * scale_log2, x3.y * scale_log2);
+        }
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.f, l_b = 0.f;
+
+    // ldmatrix addressing: lane l reads row l % 8 of matrix l / 8.
+    int mi = lane >> 3, ri = lane & 7;
+    // K (non-transposed): matrices (tokens nt*8.., d kk*16), (nt*8.., kk*16+8), ((nt+1)*8.., kk*16), ((nt+1)*8.., kk*16+8).
+    u32 k_addr = smem_u32(ks + ((mi >> 1) * 8 + ri) * LD + (mi & 1) * 8);
+    // V (transposed): matrices (tokens kk*16.., d nt*8), (kk*16+8.., nt*8), (kk*16.., (nt+1)*8), (kk*16+8.., (nt+1)*8).
+    u32 v_addr = smem_u32(vs + ((mi & 1) * 8 + ri) * LD + (mi >> 1) * 8);
+
+    int nkt = (ctx + FA_BN - 1) / FA_BN;
+    fa_load_tile<HD>(ks, kc, pt, 0, ctx, page_size, kvw, kvh);
+    cp_async_commit();
+    for (int j = 0; j < nkt; j++) {
+        int t0 = j * FA_BN;
+        fa_load_tile<HD>(vs, vc, pt, t0, ctx, page_size, kvw, kvh);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        // Tiles wholly after this warp's last row are masked for all its rows.
+        bool active = t0 <= w_last;
+        float s[FA_BN / 8][4];
+        if (active) {
+#pragma unroll
+            for (int nt = 0; nt < FA_BN / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+#pragma unroll
+                for (int nt = 0; nt < FA_BN / 8; nt += 2) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4(k_addr + (u32)((nt * 8 * LD + kk * 16) * 2), b0, b1, b2, b3);
+                    mma_bf16_16816(s[nt], qf[kk], b0, b1);
+                    mma_bf16_16816(s[nt + 1], qf[kk], b2, b3);
+                }
+            }
+            if (t0 + FA_BN - 1 > w_first) {
+#pragma unroll
+                for (int nt = 0; nt < FA_BN / 8; nt++) {
+                    int key = t0 + nt * 8 + 2 * t4;
+                    if (key > pa) s[nt][0] = NEG_INF;
+                    if (key + 1 > pa) s[nt][1] = NEG_INF;
+                    if (key > pb) s[nt][2] = NEG_INF;
+                    if (key + 1 > pb) s[nt][3] = NEG_INF;
+                }
+            }
+            float mxa = m_a, mxb = m_b;
+#pragma unroll
+            for (int nt = 0; nt < FA_BN / 8; nt++) {
+                mxa = fmaxf(mxa, fmaxf(s[nt][0], s[nt][1]));
+                mxb = fmaxf(mxb, fmaxf(s[nt][2], s[nt][3]));
+            }
+            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+            // Key 0 is visible to every row and tile 0 comes first, so the max
+            // is finite here; the guard keeps a NaN out if that ever changes.
+            float ba = mxa == NEG_INF ? 0.f : mxa, bb = mxb == NEG_INF ? 0.f : mxb;
+            float ca = exp2f(m_a - ba), cb = exp2f(m_b - bb);
+            m_a = mxa;
+            m_b = mxb;
+            l_a *= ca;
+            l_b *= cb;
+#pragma unroll
+            for (int nt = 0; nt < HD / 8; nt++) {
+                o[nt][0] *= ca;
+                o[nt][1] *= ca;
+                o[nt][2] *= cb;
+                o[nt][3] *= cb;
+            }
+#pragma unroll
+            for (int nt = 0; nt < FA_BN / 8; nt++) {
+                s[nt][0] = exp2f(s[nt][0] - ba);
+                s[nt][1] = exp2f(s[nt][1] - ba);
+                s[nt][2] = exp2f(s[nt][2] - bb);
+                s[nt][3] = exp2f(s[nt][3] - bb);
+                l_a += s[nt][0] + s[nt][1];
+                l_b += s[nt][2] + s[nt][3];
+            }
+        }
+        // Every warp is done with K: load the next tile's K while P.V runs.
+        __syncthreads();
+        if (j + 1 < nkt) {
+            fa_load_tile<HD>(ks, kc, pt, t0 + FA_BN, ctx, page_size, kvw, kvh);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        if (active) {
+#pragma unroll
+            for (int kk = 0; kk < FA_BN / 16; kk++) {
+                // The S accumulators of tokens kk*16..kk*16+15 are exactly P's A fragment.
+                u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                            pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                            pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (int nt = 0; nt < HD / 8; nt += 2) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4_t(v_addr + (u32)((kk * 16 * LD + nt * 8) * 2), b0, b1, b2, b3);
+                    mma_bf16_16816(o[nt], a, b0, b1);
+                    mma_bf16_16816(o[nt + 1], a, b2, b3);
+                }
+            }
+        }
+        // Every warp is done with V before the next iteration overwrites it.
+        __syncthreads();
+    }
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    float ia = l_a > 0.f ? 1.f / l_a : 0.f, ib = l_b > 0.f ? 1.f / l_b : 0.f;
+    int wa = wid * 16 + g, wb = wa + 8;
+    if (wa < nrows) {
+        float* oa = out + ((long long)(row0 + wa) * heads + h) * HD + 2 * t4;
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++) *(float2*)(oa + nt * 8) = make_float2(o[nt][0] * ia, o[nt][1] * ia);
+    }
+    if (wb < nrows) {
+        float* ob = out + ((long long)(row0 + wb) * heads + h) * HD + 2 * t4;
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++) *(float2*)(ob + nt * 8) = make_float2(o[nt][2] * ib, o[nt][3] * ib);
+    }
+}
+
+#define ATTN_PREFILL(HD)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                   \
+        attn_prefill_hd##HD(const float* __restrict__ q, const bf16_t* __restrict__ kc,                          \
+                            const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,                      \
+                            const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,                 \
+                            const u32* __restrict__ page_table, const u32* __restrict__ tiles,                   \
+                            float* __restrict__ out, int heads, int kv_heads, int page_size, float scale_log2,   \
+                            int ntiles) {                                                                         \
+        attn_prefill_body<HD>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, tiles, out, heads, kv_heads, \
+                              page_size, scale_log2, ntiles);                                                     \
+    }
+ATTN_PREFILL(64)
+ATTN_PREFILL(128)

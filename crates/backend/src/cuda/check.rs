@@ -12,8 +12,8 @@
 //!   rounding is a relative error of at most 2^-9 ≈ 2e-3 per element; 2e-2 is
 //!   ten times that, while a wrong index or a missing term is an O(1) error.
 
-use super::device::{cuda_err, Stream};
-use super::{CudaAct, CudaBackend, CudaKv};
+use super::device::{cuda_err, Purpose, Stream};
+use super::{CudaAct, CudaBackend, CudaKv, CudaWeight, PrefillPath};
 use crate::cpu::{CpuAct, CpuBackend};
 use crate::dtype::{DType, HostTensor, TensorBytes};
 use crate::{ActShape, Backend, GraphKey, KvGeometry, Result, RopeStyle, RopeTable, SeqStep, StepPlan};
@@ -154,6 +154,13 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
         (DType::Q8_0, 80, 96),
         (DType::Q4_0, 80, 96),
         (DType::Q4_1, 80, 96),
+        // Long rows (more than one pass of the GEMV's unrolled loop, a partial
+        // last pass) and row counts that leave the last block half empty.
+        (DType::BF16, 37, 4104),
+        (DType::BF16, 37, 4128),
+        (DType::Q8_0, 51, 4128),
+        (DType::Q4_0, 51, 4128),
+        (DType::Q4_1, 51, 4128),
     ] {
         let t = if dtype.is_quantized() {
             quant_tensor(&mut rng, dtype, n, k)
@@ -163,15 +170,16 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
         let (wg, wc) = (be.upload_weight(&t)?, cpu.upload_weight(&t)?);
         let bias = float_tensor("b", DType::F32, 1, n, &rng.vec(n, 0.5));
         let (bg, bc) = (be.upload_weight(&bias)?, cpu.upload_weight(&bias)?);
-        for &rows in &[1usize, 3, 8, 9, 40] {
+        // 1, 2, 3 (4-row kernel), 5 (8-row kernel), 8: every GEMV instantiation.
+        for &rows in &[1usize, 2, 3, 5, 8, 9, 40] {
             let x = pair(be, &cpu, rows, k, Some(&rng.vec(rows * k, 1.0)))?;
             let mut out = pair(be, &cpu, rows, n, None)?;
             let with_bias = rows == 3 || rows == 40;
             be.matmul(&x.g, &wg, with_bias.then_some(&bg), rows, &mut out.g);
             cpu.matmul(&x.c, &wc, with_bias.then_some(&bc), rows, &mut out.c);
             let (a, b) = read_both(be, &cpu, &out, rows)?;
-            // f16 weights become bf16 on the device; above the GEMV rows the input is bf16 too.
-            let tol = if dtype == DType::F16 || dtype == DType::F32 || rows > super::GEMV_MAX_ROWS {
+            // f16 weights become bf16 on the device; where cuBLASLt takes the rows the input is bf16 too.
+            let tol = if dtype == DType::F16 || dtype == DType::F32 || !be.takes_gemv(&wg, rows) {
                 BF16
             } else {
                 EXACT
@@ -296,10 +304,41 @@ fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, r
             geometry: g(32, 4, 128),
             seqs: &[(100, 1), (1000, 1), (7, 1), (63, 1)],
         },
+        // The tiled prefill kernel: several tiles and a partial one, GQA.
+        AttnCase {
+            name: "fresh prefill of 200 rows (4 tiles), hd 128, GQA 4",
+            heads: 8,
+            geometry: g(16, 2, 128),
+            seqs: &[(0, 200)],
+        },
+        // Tiles after a long cached prefix, a one-tile sequence at the
+        // threshold, and rows below it (decode, 15 rows) in the same step.
+        AttnCase {
+            name: "prefix-cached prefill + decode + short chunk, hd 128, GQA 4",
+            heads: 16,
+            geometry: g(16, 4, 128),
+            seqs: &[(300, 1), (700, 77), (0, 16), (5, 15)],
+        },
+        AttnCase {
+            name: "prefill hd 64, no GQA, page 32",
+            heads: 4,
+            geometry: g(32, 4, 64),
+            seqs: &[(33, 64), (0, 130)],
+        },
     ];
-    for c in &cases {
-        attention_case(be, cpu, rep, rng, c)?;
+    // Every case through both prefill paths: the tiled kernel (for sequences
+    // of at least TILED_MIN_ROWS rows) and the split-K kernel for everything.
+    for path in [PrefillPath::Tiled, PrefillPath::SplitK] {
+        be.lock().prefill = path;
+        for c in &cases {
+            let r = attention_case(be, cpu, rep, rng, c, path);
+            if r.is_err() {
+                be.lock().prefill = PrefillPath::Tiled;
+            }
+            r?;
+        }
     }
+    be.lock().prefill = PrefillPath::Tiled;
     Ok(())
 }
 
@@ -309,6 +348,7 @@ fn attention_case(
     rep: &mut CheckReport,
     rng: &mut Rng,
     c: &AttnCase<'_>,
+    path: PrefillPath,
 ) -> Result<()> {
     let geo = c.geometry;
     let (kvw, qw) = (geo.kv_heads * geo.head_dim, c.heads * geo.head_dim);
@@ -369,7 +409,7 @@ fn attention_case(
     be.attention(&q.g, &kg, c.heads, &step, &mut out.g);
     cpu.attention(&q.c, &kc, c.heads, &step, &mut out.c);
     let (a, b) = read_both(be, cpu, &out, rows)?;
-    rep.compare(&format!("attention: {}", c.name), &a, &b, BF16);
+    rep.compare(&format!("attention ({path:?}): {}", c.name), &a, &b, BF16);
 
     // Copy-on-write of the first sequence's first page, then attend through the copy.
     let mut moved = tables[0].clone();
@@ -384,7 +424,7 @@ fn attention_case(
     be.attention(&q.g, &kg, c.heads, &step2, &mut out2.g);
     cpu.attention(&q.c, &kc, c.heads, &step2, &mut out2.c);
     let (a2, b2) = read_both(be, cpu, &out2, rows)?;
-    rep.compare(&format!("attention after copy_page: {}", c.name), &a2, &b2, BF16);
+    rep.compare(&format!("attention ({path:?}) after copy_page: {}", c.name), &a2, &b2, BF16);
     Ok(())
 }
 
@@ -486,28 +526,158 @@ fn time_ms(be: &CudaBackend, reps: usize, mut f: impl FnMut()) -> Result<f32> {
     Ok(ts[ts.len() / 2])
 }
 
-/// Micro-benchmarks against the H200 ceilings (~4.3 TB/s copy, ~800 TFLOP/s bf16).
+/// A bf16 weight of random values (a pool of 65521 values repeated: random
+/// enough for timing, and cheap to build at a gigabyte).
+fn bench_weight(rng: &mut Rng, n: usize, k: usize) -> HostTensor {
+    let pool: Vec<u8> = (0..65521).flat_map(|_| bf16::from_f32(rng.f() * 0.05).to_le_bytes()).collect();
+    let total = n * k * 2;
+    let mut bytes = Vec::with_capacity(total);
+    while bytes.len() < total {
+        let take = (total - bytes.len()).min(pool.len());
+        bytes.extend_from_slice(&pool[..take]);
+    }
+    tensor("w", DType::BF16, &[n, k], bytes)
+}
+
+/// Copies of a weight whose bytes together exceed the L2 cache several times,
+/// so that back-to-back runs read device memory, not L2.
+fn weight_copies(be: &CudaBackend, t: &HostTensor) -> Result<Vec<CudaWeight>> {
+    let copies = (256usize << 20).div_ceil(t.data.len()).max(1);
+    (0..copies).map(|_| be.upload_weight(t)).collect()
+}
+
+/// Device time of one run of `f`, with `f` captured once as a graph and the
+/// graph replayed: no launch gaps, as in a captured decode step.
+fn graph_time_ms(be: &CudaBackend, id: usize, reps: usize, mut f: impl FnMut()) -> Result<f32> {
+    // Keys far above any real batch size, one per benchmark.
+    let key = GraphKey { rows: (1 << 40) + id, logit_rows: 0 };
+    f();
+    be.check()?;
+    if be.graph_capture_begin(key)? {
+        f();
+        be.graph_capture_end(key)?;
+    }
+    be.synchronize()?;
+    time_ms(be, reps, || {
+        if let Err(e) = be.graph_replay(key) {
+            be.lock().error.get_or_insert(e);
+        }
+    })
+}
+
+/// Micro-benchmarks against the H200 ceilings (~4.3 TB/s copy, ~800 TFLOP/s
+/// bf16), measured again here: the copy bandwidth first.
+///
+/// GEMV lines give two numbers: "1 launch" is one launch between the events
+/// (what the earlier benchmark printed; it includes the launch gap and, for
+/// weights smaller than L2, reads from L2), "graph" is back-to-back launches
+/// over copies of the weight larger than L2 together, replayed as a graph and
+/// divided by the count (what a captured decode step sees).
 pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
     let mut lines = Vec::new();
     let mut rng = Rng(7);
-    for &(n, k) in &[(4096usize, 4096usize), (14336, 4096), (4096, 14336), (128256, 4096)] {
-        let vals: Vec<f32> = rng.vec(n * k, 0.05);
-        let w = be.upload_weight(&float_tensor("w", DType::BF16, n, k, &vals))?;
+    let mut graph_id = 0usize;
+    {
+        let bytes = 1usize << 30;
+        let (src, dst) = (be.alloc_buf(bytes, Purpose::Workspace)?, be.alloc_buf(bytes, Purpose::Workspace)?);
+        let ms = time_ms(be, 10, || {
+            // SAFETY: two live buffers of `bytes` bytes on our stream.
+            let r = unsafe { cu::memcpy_dtod_async(dst.ptr(), src.ptr(), bytes, be.stream.0) };
+            if let Err(e) = r {
+                be.lock().error.get_or_insert(cuda_err("cuMemcpyDtoDAsync", e));
+            }
+        })?;
+        let gbs = (2 * bytes) as f64 / (ms as f64 * 1e-3) / 1e9;
+        lines.push(format!("device copy 1 GiB: {ms:.3} ms, {gbs:.0} GB/s (read + write)"));
+    }
+    let copy_gbs = 4300.0;
+    // Llama-3-8B decode shapes: q/o, k/v, gate/up, down, lm_head.
+    for &(n, k) in &[(4096usize, 4096usize), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)] {
+        let ws = weight_copies(be, &bench_weight(&mut rng, n, k))?;
         let x = be.alloc_act(ActShape { rows: 8, cols: k })?;
         put_gpu(be, &x, &rng.vec(8 * k, 1.0))?;
         let mut out = be.alloc_act(ActShape { rows: 8, cols: n })?;
-        for rows in [1usize, 8] {
-            let ms = time_ms(be, 50, || be.matmul(&x, &w, None, rows, &mut out))?;
-            let gbs = (n * k * 2) as f64 / (ms as f64 * 1e-3) / 1e9;
+        let bytes = (n * k * 2) as f64;
+        for rows in [1usize, 2, 3, 4, 6, 8] {
+            // The per-row GEMV kernel itself, whichever path `matmul` picks for these rows.
+            let gemv = |w: &CudaWeight, out: &mut CudaAct| be.op(|_| be.gemv_simt(&x, w, rows, out));
+            let one = time_ms(be, 50, || gemv(&ws[0], &mut out))?;
+            graph_id += 1;
+            let all = graph_time_ms(be, graph_id, 20, || {
+                for w in &ws {
+                    gemv(w, &mut out);
+                }
+            })? / ws.len() as f32;
+            let gbs = bytes / (all as f64 * 1e-3) / 1e9;
+            let one_gbs = bytes / (one as f64 * 1e-3) / 1e9;
+            // cuBLASLt on the same rows (input rounded to bf16), to pick per shape.
+            let lt = graph_time_ms(be, graph_id + 100_000, 20, || {
+                be.op(|st| {
+                    for w in &ws {
+                        be.matmul_lt(st, &x, w, rows, &out)?;
+                    }
+                    Ok(())
+                })
+            })? / ws.len() as f32;
+            let lt_gbs = bytes / (lt as f64 * 1e-3) / 1e9;
+            let tc = graph_time_ms(be, graph_id + 200_000, 20, || {
+                for w in &ws {
+                    be.op(|_| be.gemv_tc(&x, w, rows, &out));
+                }
+            })? / ws.len() as f32;
+            let tc_gbs = bytes / (tc as f64 * 1e-3) / 1e9;
+            let picked = if !be.takes_gemv(&ws[0], rows) {
+                ("cuBLASLt", lt_gbs)
+            } else if be.takes_gemv_tc(&ws[0], rows) {
+                ("gemv-tc", tc_gbs)
+            } else {
+                ("gemv", gbs)
+            };
             lines.push(format!(
-                "gemv bf16 {n}x{k} rows {rows}: {ms:.4} ms, {gbs:.0} GB/s = {:.0}% of 4300 GB/s",
-                gbs / 43.0
+                "gemv bf16 {n}x{k} rows {rows}: matmul takes {} = {:.0}% | gemv graph {all:.4} ms {:.0}% (1 launch {one:.4} ms {:.0}%) | gemv-tc {tc:.4} ms {:.0}% | cuBLASLt {lt:.4} ms {:.0}%",
+                picked.0,
+                picked.1 / copy_gbs * 100.0,
+                gbs / copy_gbs * 100.0,
+                one_gbs / copy_gbs * 100.0,
+                tc_gbs / copy_gbs * 100.0,
+                lt_gbs / copy_gbs * 100.0,
             ));
+        }
+    }
+    // Block formats: bytes are the quantized bytes read.
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        for &(n, k) in &[(4096usize, 4096usize), (14336, 4096)] {
+            let t = quant_tensor(&mut rng, dtype, n, k);
+            let bytes = t.data.len() as f64;
+            let ws = weight_copies(be, &t)?;
+            let x = be.alloc_act(ActShape { rows: 8, cols: k })?;
+            put_gpu(be, &x, &rng.vec(8 * k, 1.0))?;
+            let mut out = be.alloc_act(ActShape { rows: 8, cols: n })?;
+            for rows in [1usize, 8] {
+                graph_id += 1;
+                let all = graph_time_ms(be, graph_id, 20, || {
+                    for w in &ws {
+                        be.matmul(&x, w, None, rows, &mut out);
+                    }
+                })? / ws.len() as f32;
+                let gbs = bytes / (all as f64 * 1e-3) / 1e9;
+                // The general per-element kernel on the same weights, for comparison.
+                graph_id += 1;
+                let any = graph_time_ms(be, graph_id, 5, || {
+                    for w in &ws {
+                        be.op(|_| be.gemv_general(&x, w, rows, &out));
+                    }
+                })? / ws.len() as f32;
+                lines.push(format!(
+                    "gemv {dtype} {n}x{k} rows {rows}: graph {all:.4} ms, {gbs:.0} GB/s = {:.0}% of {copy_gbs:.0} | general kernel {any:.4} ms",
+                    gbs / copy_gbs * 100.0
+                ));
+            }
         }
     }
     {
         let (m, n, k) = (4096usize, 14336usize, 4096usize);
-        let w = be.upload_weight(&float_tensor("w", DType::BF16, n, k, &rng.vec(n * k, 0.05)))?;
+        let w = be.upload_weight(&bench_weight(&mut rng, n, k))?;
         let x = be.alloc_act(ActShape { rows: m, cols: k })?;
         put_gpu(be, &x, &rng.vec(m * k, 1.0))?;
         let mut out = be.alloc_act(ActShape { rows: m, cols: n })?;
@@ -522,25 +692,42 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
     let geo = KvGeometry { page_size: 16, num_pages: 600, kv_heads: 8, head_dim: 128 };
     let mut kv = be.alloc_kv(geo)?;
     let pages: Vec<PageId> = (0..512u32).map(|i| PageId((i * 7) % 600)).collect();
-    for &(cached, rows) in &[(4095usize, 1usize), (0, 2048), (6000, 1)] {
+    let cases: [(usize, usize, &[PrefillPath]); 6] = [
+        (4095, 1, &[PrefillPath::Tiled]),
+        (6000, 1, &[PrefillPath::Tiled]),
+        (0, 2048, &[PrefillPath::Tiled, PrefillPath::SplitK]),
+        (0, 8192, &[PrefillPath::Tiled, PrefillPath::SplitK]),
+        (4096, 1024, &[PrefillPath::Tiled, PrefillPath::SplitK]),
+        (0, 512, &[PrefillPath::Tiled]),
+    ];
+    for &(cached, rows, paths) in &cases {
         let q = be.alloc_act(ActShape { rows, cols: 32 * 128 })?;
         put_gpu(be, &q, &rng.vec(rows * 32 * 128, 1.0))?;
-        let kvv = be.alloc_act(ActShape { rows, cols: 8 * 128 })?;
-        put_gpu(be, &kvv, &rng.vec(rows * 8 * 128, 1.0))?;
         let seqs = [SeqStep { row_start: 0, rows, cached, pages: &pages }];
-        be.write_kv(&mut kv, &kvv, &kvv, &seqs);
-        let mut out = be.alloc_act(ActShape { rows, cols: 32 * 128 })?;
-        let ms = time_ms(be, 20, || be.attention(&q, &kv, 32, &seqs, &mut out))?;
+        // The whole context in the cache: the cached part and this step's rows.
         let ctx = cached + rows;
-        if rows == 1 {
-            let gbs = (ctx * 8 * 128 * 2 * 2) as f64 / (ms as f64 * 1e-3) / 1e9;
-            lines.push(format!("decode attention ctx {ctx}: {ms:.4} ms, KV read {gbs:.0} GB/s"));
-        } else {
-            let flops = 4.0 * 32.0 * 128.0 * (rows * (rows + 1) / 2) as f64;
-            lines.push(format!(
-                "prefill attention {rows} tokens: {ms:.3} ms, {:.1} TFLOP/s",
-                flops / (ms as f64 * 1e-3) / 1e12
-            ));
+        let kvv = be.alloc_act(ActShape { rows: ctx, cols: 8 * 128 })?;
+        put_gpu(be, &kvv, &rng.vec(ctx * 8 * 128, 1.0))?;
+        be.write_kv(&mut kv, &kvv, &kvv, &[SeqStep { row_start: 0, rows: ctx, cached: 0, pages: &pages }]);
+        let mut out = be.alloc_act(ActShape { rows, cols: 32 * 128 })?;
+        for &path in paths {
+            be.lock().prefill = path;
+            let reps = if path == PrefillPath::SplitK && rows > 2048 { 3 } else { 20 };
+            let ms = time_ms(be, reps, || be.attention(&q, &kv, 32, &seqs, &mut out));
+            be.lock().prefill = PrefillPath::Tiled;
+            let ms = ms?;
+            if rows == 1 {
+                let gbs = (ctx * 8 * 128 * 2 * 2) as f64 / (ms as f64 * 1e-3) / 1e9;
+                lines.push(format!("decode attention ctx {ctx}: {ms:.4} ms, KV read {gbs:.0} GB/s"));
+            } else {
+                // Causal: row i (position cached + i) attends to cached + i + 1 keys.
+                let pairs = (rows * cached + rows * (rows + 1) / 2) as f64;
+                let flops = 4.0 * 32.0 * 128.0 * pairs;
+                lines.push(format!(
+                    "prefill attention {rows} tokens after {cached} cached ({path:?}): {ms:.3} ms, {:.1} TFLOP/s",
+                    flops / (ms as f64 * 1e-3) / 1e12
+                ));
+            }
         }
     }
     Ok(lines)

@@ -3,11 +3,15 @@
 //! - Activations are f32 device matrices (`CudaAct`), as the trait promises.
 //! - Weights: matrices in bf16 (f16/f32 checkpoints converted at upload), the
 //!   ggml block formats uploaded as they are; vectors (norms, biases) in f32.
-//! - Matmuls: GEMV kernels for up to `GEMV_MAX_ROWS` rows (decode: every
-//!   weight byte read once per step, 16-byte loads, split-K across the warps
-//!   of a block; one instantiation per power-of-two row count, for bf16 and
-//!   each ggml block format), cuBLASLt bf16 × bf16 → f32 above that, with
-//!   quantized weights widened to bf16 a tile of rows at a time.
+//! - Matmuls: decode rows (up to `GEMV_MAX_ROWS`) go through GEMV kernels
+//!   that read every weight byte once per step: a per-row kernel (16-byte
+//!   loads, split-K across the warps of a block, one instantiation per
+//!   power-of-two row count, for bf16 and each ggml block format) and a
+//!   tensor-core kernel for 3..8 rows that splits the f32 activations into
+//!   two bf16 parts and so stays exact. cuBLASLt (bf16 × bf16 → f32) takes
+//!   prefill rows, and 3..8 rows on large bf16 matrices where it measured
+//!   faster (`takes_gemv`); quantized weights are widened to bf16 a tile of
+//!   rows at a time for it.
 //! - KV: bf16, per layer `[pages, page_size, kv_heads, head_dim]` for K and V.
 //!   Attention is causal per row and grouped-query. Sequences that bring at
 //!   least `TILED_MIN_ROWS` rows to a step (prefill, also after a cached
@@ -53,9 +57,10 @@ const GEMV_WARPS: u32 = 4;
 /// Weight rows per block of the bf16 GEMV (GEMV_NW) and of the block-format GEMV (GEMVQ_NW).
 const GEMV_NW: usize = 4;
 const GEMVQ_NW: usize = 2;
-/// Warps per block of the tensor-core GEMV (GEMVT_WARPS) and the fewest rows it takes.
+/// Warps per block of the tensor-core GEMV (GEMVT_WARPS).
 const GEMV_TC_WARPS: u32 = 8;
-const GEMV_TC_MIN_ROWS: usize = 3;
+/// Weight rows below which the tensor-core GEMV leaves 3 and 4 input rows to the per-row kernel.
+const GEMV_TC_MIN_N: usize = 2048;
 /// A sequence with at least this many rows in a step is attended by the tiled
 /// prefill kernel; below it the tile's tensor-core work is mostly padding.
 pub const TILED_MIN_ROWS: usize = 16;
@@ -637,18 +642,32 @@ impl CudaBackend {
 
     /// Whether `rows` rows against `w` go through a GEMV kernel (f32
     /// activations, exact) rather than cuBLASLt (activations rounded to bf16).
-    /// Every decode row count does: the tensor-core GEMV keeps f32 accuracy
-    /// and, on the H200, matches or beats cuBLASLt at 3..8 rows (see
-    /// scripts/gpu/PERF.md).
-    fn takes_gemv(&self, _w: &CudaWeight, rows: usize) -> bool {
-        rows <= GEMV_MAX_ROWS
+    ///
+    /// Picked per shape from measurements on the H200 (graph replays, weights
+    /// larger than L2; scripts/gpu/PERF.md has the table): the per-row GEMV
+    /// wins at 1 and 2 rows on every Llama-3-8B shape (83-104% of the copy
+    /// bandwidth on the large ones). From 3 rows on, cuBLASLt's tensor cores
+    /// lead on large matrices (MLP, lm_head: 80-97% against 60-86% for the
+    /// tensor-core GEMV), while on the attention projections the tensor-core
+    /// GEMV is as fast and stays exact. Block-format weights always take a
+    /// GEMV: cuBLASLt would first widen them to bf16.
+    fn takes_gemv(&self, w: &CudaWeight, rows: usize) -> bool {
+        const LARGE_WEIGHT: usize = 64 << 20;
+        let large_bf16 = w.dtype == DType::BF16 && w.rows * w.cols * 2 >= LARGE_WEIGHT;
+        match rows {
+            0..=2 => true,
+            3..=GEMV_MAX_ROWS => !large_bf16,
+            _ => false,
+        }
     }
 
     /// Whether the tensor-core GEMV takes `rows` rows against `w` (bf16, k a
-    /// multiple of 32). At 1 and 2 rows the per-row kernel is as fast and does
-    /// less work per byte; from 3 rows on its f32 FMAs fall behind.
+    /// multiple of 32). At 1 and 2 rows the per-row kernel is faster; at 3 and
+    /// 4 rows it still is on narrow matrices (1024 rows: the tensor-core
+    /// kernel's 16-row blocks are too few to fill the card).
     fn takes_gemv_tc(&self, w: &CudaWeight, rows: usize) -> bool {
-        w.dtype == DType::BF16 && w.cols % 32 == 0 && rows >= GEMV_TC_MIN_ROWS && rows <= GEMV_MAX_ROWS
+        let shape_ok = w.dtype == DType::BF16 && w.cols.is_multiple_of(32);
+        shape_ok && (3..=GEMV_MAX_ROWS).contains(&rows) && (rows > 4 || w.rows >= GEMV_TC_MIN_N)
     }
 
     /// The tensor-core GEMV (kernels/gemv.cu `gemv_bf16_tc`): 16 weight rows per block.
@@ -1146,7 +1165,7 @@ impl Backend for CudaBackend {
         self.op(|st| {
             self.sync_seqs(st, seqs)?;
             let g = kv.geometry;
-            if heads % g.kv_heads != 0 {
+            if !heads.is_multiple_of(g.kv_heads) {
                 return Err(BackendError::Other(format!("{heads} heads over {} KV heads", g.kv_heads)));
             }
             let a = AttnLaunch { q, kv, heads, out: out.ptr() };
