@@ -3,7 +3,12 @@
 //! logit: weights and KV are bf16 on the device), and the greedy
 //! continuation equal token for token, with decode steps at batch 1.
 //!
-//! Usage: gpu-e2e <fixtures dir> (tests/fixtures/tiny).
+//! Greedy paths are compared up to the first genuine near tie: a step whose
+//! CPU top-1/top-2 logit gap is under the bf16 error bound, where either
+//! choice is correct.
+//!
+//! Usage: gpu-e2e <fixtures dir> (tests/fixtures/tiny), or
+//!        gpu-e2e <SmolLM2-135M-Instruct.Q4_1.gguf> for the "Paris" check.
 
 use corridor_backend::cpu::CpuBackend;
 use corridor_backend::cuda::{CudaBackend, CudaBackendConfig};
@@ -16,7 +21,8 @@ use std::path::Path;
 const TOL: f32 = 2e-2;
 const PAGE: usize = 16;
 
-fn generate<B: Backend>(b: &B, ckpt: &Checkpoint, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>) {
+/// Greedy continuation: (first-step logits, tokens, top-1/top-2 gap per step).
+fn generate<B: Backend>(b: &B, ckpt: &Checkpoint, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
     let model = Model::load(b, ckpt, |_| {}).expect("load");
     let mut ws = model.workspace(b, prompt.len(), 1).expect("workspace");
     let mut kv = model.kv_cache(b, PAGE, 16).expect("kv");
@@ -25,6 +31,7 @@ fn generate<B: Backend>(b: &B, ckpt: &Checkpoint, prompt: &[u32], steps: usize) 
     let mut toks = prompt.to_vec();
     let mut cached = 0;
     let mut first = Vec::new();
+    let mut gaps = Vec::new();
     let mut logits = Vec::new();
     while toks.len() < prompt.len() + steps {
         let rows = toks.len() - cached;
@@ -42,14 +49,32 @@ fn generate<B: Backend>(b: &B, ckpt: &Checkpoint, prompt: &[u32], steps: usize) 
             first = logits.clone();
         }
         cached = toks.len();
-        toks.push((0..vocab).max_by(|&a, &c| logits[a].total_cmp(&logits[c])).unwrap() as u32);
+        let best = (0..vocab).max_by(|&a, &c| logits[a].total_cmp(&logits[c])).unwrap();
+        let second = (0..vocab).filter(|&i| i != best).map(|i| logits[i]).fold(f32::NEG_INFINITY, f32::max);
+        gaps.push(logits[best] - second);
+        toks.push(best as u32);
     }
-    (first, toks[prompt.len()..].to_vec())
+    (first, toks[prompt.len()..].to_vec(), gaps)
+}
+
+/// SmolLM2-135M-Instruct answers the ChatML "capital of France" prompt with
+/// "The capital of France is Paris." (its own token ids) on the GPU.
+fn paris(gpu: &CudaBackend, path: &Path) -> bool {
+    let ckpt = Checkpoint::open(path).expect("SmolLM2 opens");
+    let prompt: Vec<u32> = vec![1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198];
+    let want: Vec<u32> = vec![504, 3575, 282, 4649, 314, 7042, 30, 2];
+    let (_, got, _) = generate(gpu, &ckpt, &prompt, want.len());
+    let ok = got == want;
+    println!("{} SmolLM2 Paris on the GPU: got {got:?}, want {want:?}", if ok { "PASS" } else { "FAIL" });
+    ok
 }
 
 fn main() {
     let dir = std::env::args().nth(1).unwrap_or_else(|| "tests/fixtures/tiny".into());
     let gpu = CudaBackend::new(CudaBackendConfig::default()).expect("cuda backend");
+    if dir.ends_with(".gguf") {
+        std::process::exit(i32::from(!paris(&gpu, Path::new(&dir))));
+    }
     let cpu = CpuBackend::new();
     let mut entries: Vec<_> =
         std::fs::read_dir(&dir).expect("fixtures dir").flatten().map(|e| e.path()).collect();
@@ -68,11 +93,16 @@ fn main() {
             }
         };
         let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 11) % 300).collect();
-        let (lg, tg) = generate(&gpu, &ckpt, &prompt, 12);
-        let (lc, tc) = generate(&cpu, &ckpt, &prompt, 12);
+        let (lg, tg, _) = generate(&gpu, &ckpt, &prompt, 12);
+        let (lc, tc, gaps) = generate(&cpu, &ckpt, &prompt, 12);
         let scale = lc.iter().fold(0f32, |a, v| a.max(v.abs()));
         let err = lg.iter().zip(&lc).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-        let ok = err <= TOL * scale && tg == tc;
+        // Compare up to the first near tie: a gap under twice the bf16 bound.
+        let tie = gaps.iter().position(|g| *g < 2.0 * TOL * scale).unwrap_or(gaps.len());
+        let ok = err <= TOL * scale && tg[..tie] == tc[..tie];
+        if tie < gaps.len() {
+            println!("  near tie at step {tie} (gap {:.2e} < {:.2e}): compared the first {tie} tokens", gaps[tie], 2.0 * TOL * scale);
+        }
         failures += usize::from(!ok);
         println!(
             "{} {}: logits max error {err:.2e} of {scale:.2e}; greedy gpu {tg:?} cpu {tc:?}",
