@@ -95,7 +95,10 @@ pub struct TensorBytes {
 
 impl TensorBytes {
     /// `range` must lie inside `owner`; this is checked.
-    pub fn new(owner: std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>, range: std::ops::Range<usize>) -> Option<Self> {
+    pub fn new(
+        owner: std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>,
+        range: std::ops::Range<usize>,
+    ) -> Option<Self> {
         let len = (*owner).as_ref().len();
         (range.start <= range.end && range.end <= len).then_some(TensorBytes { owner, range })
     }

@@ -21,9 +21,16 @@ pub fn run(a: &GenerateArgs, cache: &std::path::Path) -> Result<()> {
         a.prompt.clone()
     };
     let prompt = booted.tokenizer.encode(&text, !a.chat).context("tokenizing the prompt")?;
-    let params =
-        SamplingParams { temperature: a.temperature, top_p: a.top_p, seed: a.seed, ignore_eos: a.ignore_eos, ..Default::default() };
-    params.validate(booted.tokenizer.vocab_size().max(booted.engine.info().config.vocab_size)).map_err(|e| anyhow::anyhow!("--{}: {}", e.param.replace('_', "-"), e.message))?;
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        seed: a.seed,
+        ignore_eos: a.ignore_eos,
+        ..Default::default()
+    };
+    params
+        .validate(booted.tokenizer.vocab_size().max(booted.engine.info().config.vocab_size))
+        .map_err(|e| anyhow::anyhow!("--{}: {}", e.param.replace('_', "-"), e.message))?;
     let started = Instant::now();
     let mut stream = booted.engine.submit(GenerateRequest {
         prompt: prompt.clone(),

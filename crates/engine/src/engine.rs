@@ -7,16 +7,18 @@
 //! aborts it: the engine frees its pages before the next step, so a client
 //! that disconnects costs nothing after that.
 
-use crate::sampling::{CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams, TokenLogprob};
-use crate::scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerOutput};
-use crate::stats::{EngineStats, StatsCell};
 use crate::executor::{Executor, ExecutorLimits, SingleRank};
 use crate::pages::PagePool;
-use corridor_vram::{ReliefProvider, Tier};
+use crate::sampling::{
+    CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams, TokenLogprob,
+};
+use crate::scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerOutput};
+use crate::stats::{EngineStats, StatsCell};
 use corridor_backend::Backend;
 use corridor_model::llama::Model;
 use corridor_model::ModelConfig;
 use corridor_units::{Bytes, CardId, Pages, Tokens};
+use corridor_vram::{ReliefProvider, Tier};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -81,7 +83,11 @@ pub enum EngineError {
 }
 
 enum Command {
-    Add { id: RequestId, req: GenerateRequest, tx: tmpsc::UnboundedSender<Event> },
+    Add {
+        id: RequestId,
+        req: GenerateRequest,
+        tx: tmpsc::UnboundedSender<Event>,
+    },
     Abort(RequestId),
     /// End a request as completed (the server matched a stop string).
     Finish(RequestId),
@@ -204,7 +210,12 @@ struct Live {
 
 /// Start the engine thread with the whole model on one backend. The KV
 /// storage covers the pool's whole id space.
-pub fn spawn<B: Backend>(backend: B, model: Model<B>, config: EngineConfig, pool: PagePool) -> Result<EngineHandle, EngineError> {
+pub fn spawn<B: Backend>(
+    backend: B,
+    model: Model<B>,
+    config: EngineConfig,
+    pool: PagePool,
+) -> Result<EngineHandle, EngineError> {
     let sc = config.scheduler;
     let limits = ExecutorLimits {
         max_rows: sc.max_batched_tokens,
@@ -223,7 +234,11 @@ pub fn standalone_pool(pages: Pages, page_size: Tokens) -> PagePool {
 }
 
 /// Start the engine thread over any executor and page pool.
-pub fn spawn_with(exec: Box<dyn Executor>, config: EngineConfig, pool: PagePool) -> Result<EngineHandle, EngineError> {
+pub fn spawn_with(
+    exec: Box<dyn Executor>,
+    config: EngineConfig,
+    pool: PagePool,
+) -> Result<EngineHandle, EngineError> {
     let sc = config.scheduler;
     let info = Arc::new(ModelInfo {
         config: exec.config().clone(),
@@ -294,7 +309,11 @@ impl Core {
             let pages = self.preempt.pages.swap(0, Ordering::AcqRel);
             if pages > 0 {
                 let ids = self.sched.preempt_for_memory(pages as usize);
-                tracing::warn!(pages, preempted = ids.len(), "preempted running requests to give the card memory back");
+                tracing::warn!(
+                    pages,
+                    preempted = ids.len(),
+                    "preempted running requests to give the card memory back"
+                );
             }
             let out = self.sched.schedule();
             for &id in &out.out_of_capacity {
@@ -328,7 +347,15 @@ impl Core {
                 let prompt_len = req.prompt.len();
                 self.live.insert(
                     id,
-                    Live { tx, params: req.params, state, eos_ids: req.eos_ids, prompt_len, generated: 0, max_new: req.max_new_tokens },
+                    Live {
+                        tx,
+                        params: req.params,
+                        state,
+                        eos_ids: req.eos_ids,
+                        prompt_len,
+                        generated: 0,
+                        max_new: req.max_new_tokens,
+                    },
                 );
                 self.stats.add_prompt_tokens(prompt_len);
                 self.sched.add(id, req.prompt);
@@ -356,7 +383,8 @@ impl Core {
 
     /// Abort requests whose client has gone (their receiver was dropped).
     fn drop_disconnected(&mut self) {
-        let gone: Vec<RequestId> = self.live.iter().filter(|(_, l)| l.tx.is_closed()).map(|(id, _)| *id).collect();
+        let gone: Vec<RequestId> =
+            self.live.iter().filter(|(_, l)| l.tx.is_closed()).map(|(id, _)| *id).collect();
         for id in gone {
             self.stats.note_abort();
             self.finish(id, FinishReason::Aborted);
@@ -367,14 +395,16 @@ impl Core {
         let cached = self.sched.cached_tokens(id).unwrap_or(0);
         self.sched.remove(id);
         if let Some(l) = self.live.remove(&id) {
-            let usage = Usage { prompt_tokens: l.prompt_len, cached_tokens: cached, completion_tokens: l.generated };
+            let usage =
+                Usage { prompt_tokens: l.prompt_len, cached_tokens: cached, completion_tokens: l.generated };
             let _ = l.tx.send(Event::Done { reason, usage });
             self.stats.note_finished();
         }
     }
 
     fn step(&mut self, out: &SchedulerOutput) {
-        let logit_rows: Vec<usize> = out.seqs.iter().filter(|s| s.samples).map(|s| s.row_start + s.rows - 1).collect();
+        let logit_rows: Vec<usize> =
+            out.seqs.iter().filter(|s| s.samples).map(|s| s.row_start + s.rows - 1).collect();
         if let Err(e) = self.exec.execute(out, &logit_rows, &mut self.logits) {
             // A failed forward fails the requests in it, not the server.
             tracing::error!("forward pass failed: {e}");
@@ -394,10 +424,16 @@ impl Core {
         let outcomes = {
             let mut rows: Vec<SampleRow<'_>> = Vec::with_capacity(ids.len());
             // Collect disjoint &mut borrows of the live map in id order.
-            let mut by_id: HashMap<RequestId, &mut Live> = self.live.iter_mut().map(|(k, v)| (*k, v)).collect();
+            let mut by_id: HashMap<RequestId, &mut Live> =
+                self.live.iter_mut().map(|(k, v)| (*k, v)).collect();
             for id in ids {
                 let l = by_id.remove(id).expect("scheduled ids are live");
-                rows.push(SampleRow { request_id: *id, params: &l.params, state: &mut l.state, eos_token_ids: &l.eos_ids });
+                rows.push(SampleRow {
+                    request_id: *id,
+                    params: &l.params,
+                    state: &mut l.state,
+                    eos_token_ids: &l.eos_ids,
+                });
             }
             self.sampler.sample(&mut self.logits[..ids.len() * vocab], vocab, &mut rows)
         };
@@ -424,7 +460,11 @@ impl Core {
                     }
                     l.generated += 1;
                     self.stats.add_generated(1);
-                    let _ = l.tx.send(Event::Token { token: s.token, logprob: s.logprob, top_logprobs: s.top_logprobs });
+                    let _ = l.tx.send(Event::Token {
+                        token: s.token,
+                        logprob: s.logprob,
+                        top_logprobs: s.top_logprobs,
+                    });
                     self.sched.append_token(id, s.token);
                     let len = self.sched.seq_len(id).unwrap_or(0);
                     let capped = l.max_new.is_some_and(|m| l.generated >= m);

@@ -13,7 +13,12 @@ pub trait Executor: Send + 'static {
     fn config(&self) -> &ModelConfig;
     /// Run `step` and leave the logits of `logit_rows` in `logits`
     /// (`[logit_rows.len(), vocab]`, row-major).
-    fn execute(&mut self, step: &SchedulerOutput, logit_rows: &[usize], logits: &mut Vec<f32>) -> Result<(), ModelError>;
+    fn execute(
+        &mut self,
+        step: &SchedulerOutput,
+        logit_rows: &[usize],
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError>;
 }
 
 /// Sizes the executor must be able to run.
@@ -46,7 +51,10 @@ impl<B: Backend> SingleRank<B> {
 
 /// The per-sequence views the model wants, borrowed from a scheduler output.
 pub fn seq_steps(step: &SchedulerOutput) -> Vec<SeqStep<'_>> {
-    step.seqs.iter().map(|s| SeqStep { row_start: s.row_start, rows: s.rows, cached: s.cached, pages: &s.pages }).collect()
+    step.seqs
+        .iter()
+        .map(|s| SeqStep { row_start: s.row_start, rows: s.rows, cached: s.cached, pages: &s.pages })
+        .collect()
 }
 
 impl<B: Backend> Executor for SingleRank<B> {
@@ -54,7 +62,12 @@ impl<B: Backend> Executor for SingleRank<B> {
         self.model.config()
     }
 
-    fn execute(&mut self, step: &SchedulerOutput, logit_rows: &[usize], logits: &mut Vec<f32>) -> Result<(), ModelError> {
+    fn execute(
+        &mut self,
+        step: &SchedulerOutput,
+        logit_rows: &[usize],
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
         let seqs = seq_steps(step);
         let input = StepInput { tokens: &step.tokens, positions: &step.positions, seqs: &seqs, logit_rows };
         self.model.forward(&self.backend, &mut self.ws, &mut self.kv, &input, logits)

@@ -8,6 +8,6 @@ pub mod engine;
 pub mod executor;
 pub mod pages;
 pub mod ranks;
-pub mod scheduler;
 pub mod sampling;
+pub mod scheduler;
 pub mod stats;

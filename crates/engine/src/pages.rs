@@ -126,7 +126,8 @@ impl PagePool {
         spec.granularity = gran;
         let card = Arc::new(SimCard::new(spec, &[], clock.clone()));
         let dev = Device::standalone(card, CardSettings { floor: Bytes::ZERO, ..CardSettings::default() });
-        let cfg = KvArenaConfig { page_bytes: gran, max_pages: capacity, chunk_target: gran, hold: Duration::ZERO };
+        let cfg =
+            KvArenaConfig { page_bytes: gran, max_pages: capacity, chunk_target: gran, hold: Duration::ZERO };
         let arena = Arc::new(KvArena::new(&dev, cfg, clock).expect("a standalone arena fits its card"));
         arena.commit_to(capacity, Urgency::Blocking).expect("a standalone arena commits");
         PagePool::new(arena, page_size)
@@ -169,10 +170,18 @@ impl PagePool {
         let idx = lock(&self.index);
         let c = self.arena.check_invariants()?;
         if idx.lru.len() != c.cached.get() {
-            return Err(format!("{} cached pages in the arena, {} in the index", c.cached.get(), idx.lru.len()));
+            return Err(format!(
+                "{} cached pages in the arena, {} in the index",
+                c.cached.get(),
+                idx.lru.len()
+            ));
         }
         if idx.refs.len() != c.in_use.get() {
-            return Err(format!("{} pages in use in the arena, {} held in the index", c.in_use.get(), idx.refs.len()));
+            return Err(format!(
+                "{} pages in use in the arena, {} held in the index",
+                c.in_use.get(),
+                idx.refs.len()
+            ));
         }
         for (&h, &id) in &idx.by_hash {
             if idx.registered.get(&id).map(|r| r.hash) != Some(h) {
@@ -221,7 +230,10 @@ impl PagePool {
             idx.clock += 1;
             let now = idx.clock;
             let left = {
-                let r = idx.refs.get_mut(&p.0).unwrap_or_else(|| panic!("release of {p}, which no sequence holds"));
+                let r = idx
+                    .refs
+                    .get_mut(&p.0)
+                    .unwrap_or_else(|| panic!("release of {p}, which no sequence holds"));
                 *r -= 1;
                 *r
             };

@@ -197,7 +197,8 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let need = self.pages_for(self.running[i].computed + rows).saturating_sub(self.running[i].pages.len());
+            let need =
+                self.pages_for(self.running[i].computed + rows).saturating_sub(self.running[i].pages.len());
             if let Some(pages) = self.pool.allocate(need) {
                 self.running[i].pages.extend(pages);
                 grants.push((self.running[i].id, rows));

@@ -4,9 +4,11 @@
 //! pages.
 
 use corridor_backend::cpu::CpuBackend;
-use corridor_engine::engine::{spawn, EngineConfig, EngineHandle, Event, FinishReason, GenerateRequest, Usage};
-use corridor_engine::sampling::SamplingParams;
+use corridor_engine::engine::{
+    spawn, EngineConfig, EngineHandle, Event, FinishReason, GenerateRequest, Usage,
+};
 use corridor_engine::pages::PagePool;
+use corridor_engine::sampling::SamplingParams;
 use corridor_engine::scheduler::SchedulerConfig;
 use corridor_model::llama::Model;
 use corridor_model::Checkpoint;
@@ -36,7 +38,8 @@ fn engine(pages: usize, budget: usize) -> EngineHandle {
 }
 
 fn reference() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture("llama-f32").join("reference.json")).unwrap()).unwrap()
+    serde_json::from_str(&std::fs::read_to_string(fixture("llama-f32").join("reference.json")).unwrap())
+        .unwrap()
 }
 
 fn ids(v: &Value) -> Vec<u32> {

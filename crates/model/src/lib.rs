@@ -3,10 +3,10 @@
 //!
 //! Invariant: this crate knows nothing about scheduling, requests or HTTP.
 
+pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod gguf;
-pub mod checkpoint;
 pub mod hf;
 pub mod layout;
 pub mod llama;

@@ -7,11 +7,17 @@ use corridor_backend::RopeTable;
 /// (`1 / theta^(2i/d)`), then adjusted by the checkpoint's scaling.
 pub fn rope_table(cfg: &ModelConfig) -> RopeTable {
     let dim = cfg.head_dim;
-    let base: Vec<f64> = (0..dim / 2).map(|i| 1.0 / (cfg.rope_theta as f64).powf((2 * i) as f64 / dim as f64)).collect();
+    let base: Vec<f64> =
+        (0..dim / 2).map(|i| 1.0 / (cfg.rope_theta as f64).powf((2 * i) as f64 / dim as f64)).collect();
     let inv_freq = match &cfg.rope_scaling {
         None => base,
         Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / *factor as f64).collect(),
-        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        }) => {
             // Llama 3.1: wavelengths longer than the original context / low
             // factor are slowed by `factor`; shorter than original / high are
             // kept; a linear blend in between.
@@ -33,5 +39,9 @@ pub fn rope_table(cfg: &ModelConfig) -> RopeTable {
                 .collect()
         }
     };
-    RopeTable { style: cfg.rope_style, rot_dim: dim, inv_freq: inv_freq.into_iter().map(|f| f as f32).collect() }
+    RopeTable {
+        style: cfg.rope_style,
+        rot_dim: dim,
+        inv_freq: inv_freq.into_iter().map(|f| f as f32).collect(),
+    }
 }

@@ -44,7 +44,8 @@ impl Runner {
     fn open(path: &Path) -> Runner {
         let ckpt = Checkpoint::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let backend = CpuBackend::new();
-        let model = Model::load(&backend, &ckpt, |_| {}).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let model =
+            Model::load(&backend, &ckpt, |_| {}).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         Runner { backend, model }
     }
 
@@ -60,7 +61,8 @@ impl Runner {
         let pages_needed = n.div_ceil(PAGE) + 2;
         let mut kv = self.model.kv_cache(&self.backend, PAGE, pages_needed * 2).unwrap();
         // Odd page ids, highest first: a bug that assumes contiguous pages shows.
-        let pages: Vec<PageId> = (0..pages_needed).map(|i| PageId((2 * (pages_needed - i) - 1) as u32)).collect();
+        let pages: Vec<PageId> =
+            (0..pages_needed).map(|i| PageId((2 * (pages_needed - i) - 1) as u32)).collect();
         let mut out = Vec::new();
         let mut logits = Vec::new();
         let mut done = 0;
@@ -69,7 +71,12 @@ impl Runner {
             let seqs = [SeqStep { row_start: 0, rows, cached: done, pages: &pages }];
             let positions: Vec<u32> = (done..done + rows).map(|p| p as u32).collect();
             let logit_rows: Vec<usize> = (0..rows).collect();
-            let step = StepInput { tokens: &prompt[done..done + rows], positions: &positions, seqs: &seqs, logit_rows: &logit_rows };
+            let step = StepInput {
+                tokens: &prompt[done..done + rows],
+                positions: &positions,
+                seqs: &seqs,
+                logit_rows: &logit_rows,
+            };
             self.model.forward(&self.backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
             for r in 0..rows {
                 out.push(log_softmax(&logits[r * self.vocab()..(r + 1) * self.vocab()]));
@@ -93,7 +100,12 @@ impl Runner {
             let rows = toks.len() - cached;
             let seqs = [SeqStep { row_start: 0, rows, cached, pages: &pages }];
             let positions: Vec<u32> = (cached..toks.len()).map(|p| p as u32).collect();
-            let step = StepInput { tokens: &toks[cached..], positions: &positions, seqs: &seqs, logit_rows: &[rows - 1] };
+            let step = StepInput {
+                tokens: &toks[cached..],
+                positions: &positions,
+                seqs: &seqs,
+                logit_rows: &[rows - 1],
+            };
             self.model.forward(&self.backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
             cached = toks.len();
             let next = (0..self.vocab()).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap() as u32;
@@ -120,14 +132,16 @@ fn check(path: &Path, reference: &Path) {
                 assert!((got - want).abs() < TOL, "{name} chunk {chunk} pos {pos} id {id}: {got} vs {want}");
             }
         }
-        let last: Vec<f32> = r["last_logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+        let last: Vec<f32> =
+            r["last_logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
         let worst = last.iter().zip(lps.last().unwrap()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(worst < TOL, "{name}: last-position log-probs differ by {worst}");
     }
 
     // Greedy continuation up to the first genuine near tie.
     let want = ids(&r["greedy"]["ids"]);
-    let margins: Vec<f64> = r["greedy"]["margins"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    let margins: Vec<f64> =
+        r["greedy"]["margins"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
     let got = run.greedy(&prompt, want.len());
     for i in 0..want.len() {
         if margins[i] < 1e-3 {
@@ -140,7 +154,9 @@ fn check(path: &Path, reference: &Path) {
 fn fixture_pairs() -> Vec<(PathBuf, PathBuf)> {
     let dir = fixtures();
     let mut out = Vec::new();
-    for e in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e} (run scripts/make_fixtures.py)", dir.display())) {
+    for e in std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e} (run scripts/make_fixtures.py)", dir.display()))
+    {
         let p = e.unwrap().path();
         if p.is_dir() && p.join("reference.json").exists() {
             out.push((p.clone(), p.join("reference.json")));
@@ -166,7 +182,8 @@ fn every_tiny_checkpoint_matches_transformers() {
 #[test]
 fn two_prompts_in_one_batch_match_their_solo_runs() {
     let dir = fixtures().join("llama-f32");
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
     let run = Runner::open(&dir);
     let batch = r["batch"].as_array().expect("llama-f32 reference has a batch");
     let prompts: Vec<Vec<u32>> = batch.iter().map(|b| ids(&b["prompt_ids"])).collect();
@@ -189,7 +206,8 @@ fn two_prompts_in_one_batch_match_their_solo_runs() {
     run.model.forward(&run.backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
     let v = run.vocab();
     for (i, b) in batch.iter().enumerate() {
-        let want: Vec<f32> = b["last_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        let want: Vec<f32> =
+            b["last_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
         let got = log_softmax(&logits[i * v..(i + 1) * v]);
         let worst = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(worst < TOL, "batch row {i}: differs by {worst}");

@@ -30,7 +30,10 @@ fn cached_model() -> Option<PathBuf> {
 #[test]
 fn smollm2_says_paris() {
     let Some(path) = cached_model() else {
-        assert!(std::env::var_os("CORRIDOR_REQUIRE_ASSETS").is_none(), "{FILE} is not cached: run `corridor pull`");
+        assert!(
+            std::env::var_os("CORRIDOR_REQUIRE_ASSETS").is_none(),
+            "{FILE} is not cached: run `corridor pull`"
+        );
         eprintln!("skipped: {FILE} is not cached (run `corridor pull`)");
         return;
     };
@@ -50,7 +53,12 @@ fn smollm2_says_paris() {
         let rows = toks.len() - cached;
         let seqs = [SeqStep { row_start: 0, rows, cached, pages: &pages }];
         let positions: Vec<u32> = (cached..toks.len()).map(|p| p as u32).collect();
-        let step = StepInput { tokens: &toks[cached..], positions: &positions, seqs: &seqs, logit_rows: &[rows - 1] };
+        let step = StepInput {
+            tokens: &toks[cached..],
+            positions: &positions,
+            seqs: &seqs,
+            logit_rows: &[rows - 1],
+        };
         model.forward(&backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
         cached = toks.len();
         let next = (0..vocab).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap() as u32;

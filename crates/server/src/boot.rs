@@ -11,12 +11,12 @@
 use crate::template::ChatTemplate;
 use crate::tokenizer::Tokenizer;
 use corridor_backend::cpu::CpuBackend;
-use corridor_engine::engine::{spawn, EngineConfig, EngineHandle};
-use corridor_engine::pages::PagePool;
-use corridor_engine::scheduler::SchedulerConfig;
 use corridor_engine::engine::spawn_with;
+use corridor_engine::engine::{spawn, EngineConfig, EngineHandle};
 use corridor_engine::executor::ExecutorLimits;
+use corridor_engine::pages::PagePool;
 use corridor_engine::ranks::{spawn_layout, LayoutOptions};
+use corridor_engine::scheduler::SchedulerConfig;
 use corridor_model::layout::{Layout, LayoutSpec};
 use corridor_model::llama::Model;
 use corridor_model::{Checkpoint, ModelConfig};
@@ -24,8 +24,8 @@ use corridor_units::{Bytes, CardId, Pages, Tokens};
 use corridor_vram::recorder::{BootId, BootPhase, FlightRecorder, MarkIdentity};
 use corridor_vram::sizing::{solve, SizingInput, DEFAULT_MARGIN};
 use corridor_vram::{
-    parse_sim_events, Allocation, Card, ChunkGeometry, CpuCard, Governor, GovernorConfig, KvArena, KvArenaConfig, Purpose,
-    SimCard, SimCardSpec, SystemClock, Urgency,
+    parse_sim_events, Allocation, Card, ChunkGeometry, CpuCard, Governor, GovernorConfig, KvArena,
+    KvArenaConfig, Purpose, SimCard, SimCardSpec, SystemClock, Urgency,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -180,7 +180,8 @@ fn open_cards(opts: &BootOptions, clock: &Arc<SystemClock>) -> Result<Vec<Arc<dy
                 Some(p) => {
                     let text = std::fs::read_to_string(p)
                         .map_err(|e| BootError::Config(format!("--sim-events {}: {e}", p.display())))?;
-                    parse_sim_events(&text).map_err(|e| BootError::Config(format!("--sim-events {}: {e}", p.display())))?
+                    parse_sim_events(&text)
+                        .map_err(|e| BootError::Config(format!("--sim-events {}: {e}", p.display())))?
                 }
                 None => Vec::new(),
             };
@@ -211,25 +212,33 @@ fn workspace_bytes(c: &ModelConfig, rows: usize, logit_rows: usize) -> Bytes {
 /// layers are placed.
 pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Result<Booted, BootError> {
     if opts.page_size == 0 || opts.max_running == 0 || opts.max_batched_tokens == 0 {
-        return Err(BootError::Config("page size, max running requests and max batched tokens must be positive".into()));
+        return Err(BootError::Config(
+            "page size, max running requests and max batched tokens must be positive".into(),
+        ));
     }
     let clock = Arc::new(SystemClock::new());
     let cards = open_cards(opts, &clock)?;
-    let mut gcfg = GovernorConfig::from_flags(cards.len(), opts.floor_mib.as_deref(), opts.card_budget_mib.as_deref())
-        .map_err(|e| BootError::Config(e.to_string()))?;
+    let mut gcfg =
+        GovernorConfig::from_flags(cards.len(), opts.floor_mib.as_deref(), opts.card_budget_mib.as_deref())
+            .map_err(|e| BootError::Config(e.to_string()))?;
     if let Some(h) = opts.kv_hold {
         gcfg.kv_hold = h;
     }
     if let Some(i) = opts.serving_mark_interval {
         gcfg.serving_mark_interval = i;
     }
-    let governor = Arc::new(Governor::new(cards, gcfg, clock.clone()).map_err(|e| BootError::Config(e.to_string()))?);
+    let governor =
+        Arc::new(Governor::new(cards, gcfg, clock.clone()).map_err(|e| BootError::Config(e.to_string()))?);
     let recorder = match &opts.flight_dir {
         Some(dir) => {
             let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-            let ident = MarkIdentity { boot_id: BootId::new(std::process::id(), wall.as_millis() as u64), rank: None };
-            let rec = FlightRecorder::open(dir, ident, governor.config().serving_mark_interval, clock.clone())
-                .map_err(|e| BootError::Config(format!("--flight-dir {}: {e}", dir.display())))?;
+            let ident = MarkIdentity {
+                boot_id: BootId::new(std::process::id(), wall.as_millis() as u64),
+                rank: None,
+            };
+            let rec =
+                FlightRecorder::open(dir, ident, governor.config().serving_mark_interval, clock.clone())
+                    .map_err(|e| BootError::Config(format!("--flight-dir {}: {e}", dir.display())))?;
             Some(Arc::new(rec))
         }
         None => None,
@@ -245,14 +254,21 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
 
     let ckpt = Checkpoint::open(&opts.model)?;
     let tokenizer = load_tokenizer(&ckpt)?;
-    let template = ChatTemplate::for_checkpoint(tokenizer.chat_template(), tokenizer.bos_token(), tokenizer.eos_token())?;
+    let template = ChatTemplate::for_checkpoint(
+        tokenizer.chat_template(),
+        tokenizer.bos_token(),
+        tokenizer.eos_token(),
+    )?;
     let cfg = ckpt.config().clone();
     let context_len = opts.context_len.unwrap_or(cfg.max_position_embeddings).max(1);
     // The whole model runs on card 0 (multi-card layouts place ranks).
     let dev = governor.devices()[0].clone();
     let mut resident = Vec::new();
     let weights = Bytes(ckpt.file_bytes());
-    resident.push(dev.reserve(weights, Purpose::Weights).map_err(|e| BootError::Memory(format!("weights do not fit: {e}")))?);
+    resident.push(
+        dev.reserve(weights, Purpose::Weights)
+            .map_err(|e| BootError::Memory(format!("weights do not fit: {e}")))?,
+    );
     let layout = match &opts.layout {
         Some(spec) if spec.tp.max(1) * spec.pp.max(1) > 1 => {
             if opts.devices != Devices::Cpu {
@@ -280,7 +296,10 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
     };
     mark(BootPhase::WeightsLoaded);
     let ws = workspace_bytes(&cfg, opts.max_batched_tokens, opts.max_running);
-    resident.push(dev.reserve(ws, Purpose::Workspace).map_err(|e| BootError::Memory(format!("workspace does not fit: {e}")))?);
+    resident.push(
+        dev.reserve(ws, Purpose::Workspace)
+            .map_err(|e| BootError::Memory(format!("workspace does not fit: {e}")))?,
+    );
     mark(BootPhase::WorkspaceReady);
 
     // KV: the CPU keeps it in f32; one page holds `page_size` tokens of every
@@ -304,11 +323,19 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         .map_err(|e| BootError::Memory(e.to_string()))?;
     // The id space is whole chunks: round up, so even a tiny pool holds one.
     let max_pages = max_pages.max(1).div_ceil(geometry.chunk_pages) * geometry.chunk_pages;
-    let arena_cfg =
-        KvArenaConfig { page_bytes, max_pages: Pages(max_pages), chunk_target, hold: governor.config().kv_hold };
-    let arena = Arc::new(KvArena::new(&dev, arena_cfg, clock.clone()).map_err(|e| BootError::Memory(e.to_string()))?);
-    let sizing = solve(SizingInput::measure(&dev, DEFAULT_MARGIN, Bytes::ZERO, arena.geometry(), arena.capacity()));
-    arena.commit_to(sizing.pages, Urgency::Deferrable).map_err(|e| BootError::Memory(format!("KV pool: {e}")))?;
+    let arena_cfg = KvArenaConfig {
+        page_bytes,
+        max_pages: Pages(max_pages),
+        chunk_target,
+        hold: governor.config().kv_hold,
+    };
+    let arena =
+        Arc::new(KvArena::new(&dev, arena_cfg, clock.clone()).map_err(|e| BootError::Memory(e.to_string()))?);
+    let sizing =
+        solve(SizingInput::measure(&dev, DEFAULT_MARGIN, Bytes::ZERO, arena.geometry(), arena.capacity()));
+    arena
+        .commit_to(sizing.pages, Urgency::Deferrable)
+        .map_err(|e| BootError::Memory(format!("KV pool: {e}")))?;
     if arena.backed().get() == 0 {
         return Err(BootError::Memory(format!(
             "no KV page of {} fits on {} above its floor: lower --max-batched-tokens, raise the card budget or lower --floor-mib",
@@ -329,7 +356,11 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
     let pool = PagePool::new(arena, Tokens(opts.page_size));
     governor.register_provider(pool.prefix_evictor());
     let config = EngineConfig {
-        scheduler: SchedulerConfig { max_running: opts.max_running, max_batched_tokens: opts.max_batched_tokens, context_len },
+        scheduler: SchedulerConfig {
+            max_running: opts.max_running,
+            max_batched_tokens: opts.max_batched_tokens,
+            context_len,
+        },
         page_size: Tokens(opts.page_size),
     };
     let engine = match (model, &layout) {
@@ -352,7 +383,9 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
     if let Some(r) = recorder {
         governor.attach_recorder(r);
     }
-    let monitor = governor.spawn_monitor().map_err(|e| BootError::Memory(format!("cannot start the memory sampler: {e}")))?;
+    let monitor = governor
+        .spawn_monitor()
+        .map_err(|e| BootError::Memory(format!("cannot start the memory sampler: {e}")))?;
     let model_name = opts
         .model
         .file_name()
@@ -368,6 +401,3 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         keep_alive: Arc::new(KeepAlive { monitor: Some(monitor), resident }),
     })
 }
-
-
-

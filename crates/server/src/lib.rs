@@ -8,9 +8,9 @@
 //! body or server-sent events). `error` maps every failure to HTTP in one
 //! place; `metrics` renders `/metrics`; `serve` binds and shuts down.
 
+pub mod boot;
 pub mod template;
 pub mod tokenizer;
-pub mod boot;
 
 pub mod api;
 pub mod error;

@@ -147,12 +147,33 @@ fn render_memory(out: &mut String, m: &corridor_vram::MemoryReport) {
     let gauges: [(&str, &str, &str, Field); 8] = [
         ("corridor_card_total_bytes", "Card memory in all.", "gauge", |c| c.total_bytes.get()),
         ("corridor_card_free_bytes", "Driver free memory now.", "gauge", |c| c.free_bytes.get()),
-        ("corridor_card_floor_bytes", "The free-memory floor the card must keep.", "gauge", |c| c.floor_bytes.get()),
-        ("corridor_card_min_free_bytes", "Lowest free memory any 100 ms sample saw.", "gauge", |c| c.min_free_bytes.get()),
-        ("corridor_card_breaches_total", "Samples under the floor caused by corridor itself.", "counter", |c| c.breaches),
-        ("corridor_card_intrusions_total", "Samples under the floor caused by other processes.", "counter", |c| c.intrusions),
-        ("corridor_card_restore_ms_max", "Longest time to restore the floor after an intrusion.", "gauge", |c| c.restore_ms_max.unwrap_or(0)),
-        ("corridor_card_foreign_bytes", "Bytes other processes hold on the card.", "gauge", |c| c.foreign_bytes.get()),
+        ("corridor_card_floor_bytes", "The free-memory floor the card must keep.", "gauge", |c| {
+            c.floor_bytes.get()
+        }),
+        ("corridor_card_min_free_bytes", "Lowest free memory any 100 ms sample saw.", "gauge", |c| {
+            c.min_free_bytes.get()
+        }),
+        (
+            "corridor_card_breaches_total",
+            "Samples under the floor caused by corridor itself.",
+            "counter",
+            |c| c.breaches,
+        ),
+        (
+            "corridor_card_intrusions_total",
+            "Samples under the floor caused by other processes.",
+            "counter",
+            |c| c.intrusions,
+        ),
+        (
+            "corridor_card_restore_ms_max",
+            "Longest time to restore the floor after an intrusion.",
+            "gauge",
+            |c| c.restore_ms_max.unwrap_or(0),
+        ),
+        ("corridor_card_foreign_bytes", "Bytes other processes hold on the card.", "gauge", |c| {
+            c.foreign_bytes.get()
+        }),
     ];
     for (name, help, kind, f) in gauges {
         header(out, name, help, kind);
@@ -171,10 +192,21 @@ fn render_memory(out: &mut String, m: &corridor_vram::MemoryReport) {
             ("staging", b.staging),
             ("other", b.other),
         ] {
-            let _ = writeln!(out, "corridor_card_books_bytes{{card=\"{}\",purpose=\"{purpose}\"}} {}", c.card.0, v.get());
+            let _ = writeln!(
+                out,
+                "corridor_card_books_bytes{{card=\"{}\",purpose=\"{purpose}\"}} {}",
+                c.card.0,
+                v.get()
+            );
         }
     }
-    single(out, "corridor_card_spread_bytes", "Max minus min free memory across cards.", "gauge", m.spread_bytes.get());
+    single(
+        out,
+        "corridor_card_spread_bytes",
+        "Max minus min free memory across cards.",
+        "gauge",
+        m.spread_bytes.get(),
+    );
 }
 
 /// Renders every metric family as Prometheus text (format 0.0.4).

@@ -15,9 +15,11 @@ fn greedy_text(layout: Option<LayoutSpec>, model: &str) -> String {
     opts.max_batched_tokens = 64;
     opts.layout = layout;
     let booted = boot(&opts, |_, _| {}).expect("boots");
-    let app = app_from(&booted, StateOptions { served_model_name: Some("tiny".into()), ..Default::default() });
+    let app =
+        app_from(&booted, StateOptions { served_model_name: Some("tiny".into()), ..Default::default() });
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let body = json!({"model": "tiny", "prompt": "The lighthouse keeper said", "max_tokens": 24, "temperature": 0});
+    let body =
+        json!({"model": "tiny", "prompt": "The lighthouse keeper said", "max_tokens": 24, "temperature": 0});
     let r = rt.block_on(app.post("/v1/completions", &body));
     assert_eq!(r.status, axum::http::StatusCode::OK, "{}", r.text());
     let text = r.json()["choices"][0]["text"].as_str().unwrap().to_string();

@@ -65,7 +65,9 @@ impl Bytes {
             "gb" => 1e9,
             "t" | "tib" => 1024.0f64.powi(4),
             "tb" => 1e12,
-            other => return Err(format!("unknown size unit '{other}' in '{text}' (use B, MiB, GiB, MB, GB)")),
+            other => {
+                return Err(format!("unknown size unit '{other}' in '{text}' (use B, MiB, GiB, MB, GB)"))
+            }
         };
         if !value.is_finite() || value < 0.0 {
             return Err(format!("invalid size '{text}'"));

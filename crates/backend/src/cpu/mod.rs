@@ -62,9 +62,19 @@ impl CpuAct {
 
 /// A weight matrix `[rows, cols]` (a vector is one row).
 pub enum CpuWeight {
-    F32 { data: Vec<f32>, rows: usize, cols: usize },
+    F32 {
+        data: Vec<f32>,
+        rows: usize,
+        cols: usize,
+    },
     /// f16, bf16 or a ggml block type, kept as stored.
-    Packed { dtype: DType, bytes: TensorBytes, rows: usize, cols: usize, row_bytes: usize },
+    Packed {
+        dtype: DType,
+        bytes: TensorBytes,
+        rows: usize,
+        cols: usize,
+        row_bytes: usize,
+    },
 }
 
 impl CpuWeight {
@@ -162,15 +172,28 @@ impl Backend for CpuBackend {
             .filter(|_| cols % t.dtype.block_elems() == 0)
             .ok_or_else(|| bad(format!("{} columns are not whole {} blocks", cols, t.dtype)))?;
         if t.data.len() != want {
-            return Err(bad(format!("{} bytes of data, {} {:?} needs {}", t.data.len(), t.dtype, t.shape, want)));
+            return Err(bad(format!(
+                "{} bytes of data, {} {:?} needs {}",
+                t.data.len(),
+                t.dtype,
+                t.shape,
+                want
+            )));
         }
         Ok(match t.dtype {
             DType::F32 => {
                 // Copy into an aligned Vec: checkpoint offsets need not be 4-byte aligned.
-                let data = t.data.bytes().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                let data = t
+                    .data
+                    .bytes()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
                 CpuWeight::F32 { data, rows, cols }
             }
-            dtype => CpuWeight::Packed { dtype, bytes: t.data.clone(), rows, cols, row_bytes: want / rows.max(1) },
+            dtype => {
+                CpuWeight::Packed { dtype, bytes: t.data.clone(), rows, cols, row_bytes: want / rows.max(1) }
+            }
         })
     }
 
@@ -192,7 +215,9 @@ impl Backend for CpuBackend {
         assert_eq!(cols, out.cols, "embedding width");
         for (r, &id) in ids.iter().enumerate() {
             if id as usize >= vocab {
-                return Err(BackendError::Other(format!("token id {id} is outside the vocabulary of {vocab}")));
+                return Err(BackendError::Other(format!(
+                    "token id {id} is outside the vocabulary of {vocab}"
+                )));
             }
             table.dequantize_into(id as usize, out.row_mut(r));
         }
@@ -311,13 +336,15 @@ impl Backend for CpuBackend {
 
     fn silu_mul(&self, gate: &CpuAct, up: &CpuAct, rows: usize, out: &mut CpuAct) {
         let cols = gate.cols;
-        out.live_mut(rows).par_chunks_mut(cols).zip(gate.live(rows).par_chunks(cols)).zip(up.live(rows).par_chunks(cols)).for_each(
-            |((o, g), u)| {
+        out.live_mut(rows)
+            .par_chunks_mut(cols)
+            .zip(gate.live(rows).par_chunks(cols))
+            .zip(up.live(rows).par_chunks(cols))
+            .for_each(|((o, g), u)| {
                 for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
                     *o = g / (1.0 + (-g).exp()) * u;
                 }
-            },
-        );
+            });
     }
 
     fn add_assign(&self, x: &mut CpuAct, y: &CpuAct, rows: usize) {
