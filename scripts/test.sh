@@ -12,9 +12,10 @@ python3 -m pip install --quiet --disable-pip-version-check openai pytest request
 
 echo "== build (dev profile)"
 cargo build --workspace --all-targets
+export CORRIDOR_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/corridor"
 
 echo "== test assets: the default model and real tokenizers"
-target/debug/corridor pull
+"$CORRIDOR_BIN" pull
 scripts/fetch_test_assets.sh
 
 echo "== rust tests"
