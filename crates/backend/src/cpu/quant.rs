@@ -72,51 +72,49 @@ fn dot_row_generic(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
             }
             acc.iter().sum::<f32>() + tail_dot(dtype, row, x, 8)
         }
+        // The block formats accumulate lane-wise across blocks (the block's
+        // scale broadcast into 16 lanes) and reduce once per row: a
+        // horizontal sum per 32-weight block would cost as much as the block.
         DType::Q8_0 => {
-            let mut total = 0f32;
+            let mut tot = [0f32; 16];
             for (b, xs) in row.chunks_exact(34).zip(x.chunks_exact(QK)) {
                 let d = f16_at(b, 0);
-                let q = &b[2..34];
-                let mut acc = [0f32; 16];
-                for h in 0..2 {
-                    for i in 0..16 {
-                        acc[i] += (q[h * 16 + i] as i8) as f32 * xs[h * 16 + i];
-                    }
+                let q: &[u8; 32] = b[2..34].try_into().expect("34-byte block");
+                let (x0, x1) = xs.split_at(16);
+                for i in 0..16 {
+                    tot[i] += d * ((q[i] as i8) as f32 * x0[i] + (q[i + 16] as i8) as f32 * x1[i]);
                 }
-                total += d * acc.iter().sum::<f32>();
             }
-            total
+            tot.iter().sum()
         }
         DType::Q4_0 => {
-            let mut total = 0f32;
+            let mut tot = [0f32; 16];
             for (b, xs) in row.chunks_exact(18).zip(x.chunks_exact(QK)) {
                 let d = f16_at(b, 0);
-                let q = &b[2..18];
-                let mut acc = [0f32; 16];
+                let q: &[u8; 16] = b[2..18].try_into().expect("18-byte block");
+                let (x0, x1) = xs.split_at(16);
                 for i in 0..16 {
-                    let lo = (q[i] & 0x0f) as i32 - 8;
-                    let hi = (q[i] >> 4) as i32 - 8;
-                    acc[i] += lo as f32 * xs[i] + hi as f32 * xs[i + 16];
+                    let lo = (q[i] & 0x0f) as f32 - 8.0;
+                    let hi = (q[i] >> 4) as f32 - 8.0;
+                    tot[i] += d * (lo * x0[i] + hi * x1[i]);
                 }
-                total += d * acc.iter().sum::<f32>();
             }
-            total
+            tot.iter().sum()
         }
         DType::Q4_1 => {
-            let mut total = 0f32;
+            let mut tot = [0f32; 16];
             for (b, xs) in row.chunks_exact(20).zip(x.chunks_exact(QK)) {
                 let d = f16_at(b, 0);
                 let m = f16_at(b, 2);
-                let q = &b[4..20];
-                let mut acc = [0f32; 16];
-                let mut sx = [0f32; 16];
+                let q: &[u8; 16] = b[4..20].try_into().expect("20-byte block");
+                let (x0, x1) = xs.split_at(16);
                 for i in 0..16 {
-                    acc[i] += (q[i] & 0x0f) as f32 * xs[i] + (q[i] >> 4) as f32 * xs[i + 16];
-                    sx[i] += xs[i] + xs[i + 16];
+                    let lo = (q[i] & 0x0f) as f32;
+                    let hi = (q[i] >> 4) as f32;
+                    tot[i] += d * (lo * x0[i] + hi * x1[i]) + m * (x0[i] + x1[i]);
                 }
-                total += d * acc.iter().sum::<f32>() + m * sx.iter().sum::<f32>();
             }
-            total
+            tot.iter().sum()
         }
     }
 }
