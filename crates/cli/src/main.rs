@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 /// An OpenAI-compatible LLM server that fills every card to its limit and never past it.
 #[derive(Parser, Debug)]
-#[command(name = "corridor", version, about, long_about = None)]
+#[command(name = "corridor", version)]
 struct Cli {
     /// Where downloaded models are cached (default: $XDG_CACHE_HOME/corridor or ~/.cache/corridor).
     #[arg(long, global = true, env = "CORRIDOR_CACHE_DIR")]
