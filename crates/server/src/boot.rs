@@ -56,7 +56,8 @@ impl Devices {
         }
         if t.starts_with("cuda") {
             return Err(format!(
-                "--devices {text}: this build has no CUDA support; build with `--features cuda`"
+                "--devices {text}: serving on CUDA cards is not available yet (the CUDA backend is \
+                 checked on its own by scripts/gpu/check.sh); use --devices cpu or sim:SIZE,..."
             ));
         }
         Err(format!("--devices {text}: expected cpu, sim:SIZE[,SIZE...] or cuda[:ID,...]"))
