@@ -134,6 +134,29 @@ impl HostTensor {
     pub fn elems(&self) -> usize {
         self.shape.iter().product()
     }
+    /// Rows, columns and data bytes as a matrix, checked: every row is whole
+    /// blocks of the storage type and the data is exactly that long. Every
+    /// backend validates an upload with this before placing it.
+    pub fn checked_matrix(&self) -> Result<(usize, usize, usize), crate::BackendError> {
+        let (rows, cols) = self.rows_cols();
+        let bad = |reason: String| crate::BackendError::BadTensor { name: self.name.clone(), reason };
+        let want = rows
+            .checked_mul(cols)
+            .and_then(|n| self.dtype.bytes_for(n))
+            .filter(|_| cols % self.dtype.block_elems() == 0)
+            .ok_or_else(|| bad(format!("{} columns are not whole {} blocks", cols, self.dtype)))?;
+        if self.data.len() != want {
+            return Err(bad(format!(
+                "{} bytes of data, {} {:?} needs {}",
+                self.data.len(),
+                self.dtype,
+                self.shape,
+                want
+            )));
+        }
+        Ok((rows, cols, want))
+    }
+
     /// Rows and columns when viewed as a matrix: the last dimension is the
     /// columns, everything before it is rows (a vector is one row).
     pub fn rows_cols(&self) -> (usize, usize) {

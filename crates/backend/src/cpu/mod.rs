@@ -164,22 +164,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload_weight(&self, t: &HostTensor) -> Result<CpuWeight> {
-        let (rows, cols) = t.rows_cols();
-        let bad = |reason: String| BackendError::BadTensor { name: t.name.clone(), reason };
-        let want = t
-            .dtype
-            .bytes_for(rows * cols)
-            .filter(|_| cols % t.dtype.block_elems() == 0)
-            .ok_or_else(|| bad(format!("{} columns are not whole {} blocks", cols, t.dtype)))?;
-        if t.data.len() != want {
-            return Err(bad(format!(
-                "{} bytes of data, {} {:?} needs {}",
-                t.data.len(),
-                t.dtype,
-                t.shape,
-                want
-            )));
-        }
+        let (rows, cols, want) = t.checked_matrix()?;
         Ok(match t.dtype {
             DType::F32 => {
                 // Copy into an aligned Vec: checkpoint offsets need not be 4-byte aligned.

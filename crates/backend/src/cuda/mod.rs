@@ -905,22 +905,7 @@ impl Backend for CudaBackend {
 
     fn upload_weight(&self, t: &HostTensor) -> Result<CudaWeight> {
         self.ctx.bind()?;
-        let (rows, cols) = t.rows_cols();
-        let bad = |reason: String| BackendError::BadTensor { name: t.name.clone(), reason };
-        let want = t
-            .dtype
-            .bytes_for(rows * cols)
-            .filter(|_| cols % t.dtype.block_elems() == 0)
-            .ok_or_else(|| bad(format!("{} columns are not whole {} blocks", cols, t.dtype)))?;
-        if t.data.len() != want {
-            return Err(bad(format!(
-                "{} bytes of data, {} {:?} needs {}",
-                t.data.len(),
-                t.dtype,
-                t.shape,
-                want
-            )));
-        }
+        let (rows, cols, want) = t.checked_matrix()?;
         let src = t.data.bytes();
         let widen =
             |f: &dyn Fn(&[u8]) -> f32, width: usize| -> Vec<f32> { src.chunks_exact(width).map(f).collect() };
