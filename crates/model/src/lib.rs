@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod gguf;
+pub mod greedy;
 pub mod hf;
 pub mod layout;
 pub mod llama;

@@ -12,6 +12,7 @@
 
 use corridor_backend::cpu::CpuBackend;
 use corridor_backend::SeqStep;
+use corridor_model::greedy::greedy;
 use corridor_model::llama::{Model, StepInput};
 use corridor_model::Checkpoint;
 use corridor_units::PageId;
@@ -88,30 +89,8 @@ impl Runner {
 
     /// Greedy continuation of `prompt` for `steps` tokens through the KV cache.
     fn greedy(&self, prompt: &[u32], steps: usize) -> Vec<u32> {
-        let total = prompt.len() + steps;
-        let mut ws = self.model.workspace(&self.backend, total, 1).unwrap();
-        let np = total.div_ceil(PAGE);
-        let mut kv = self.model.kv_cache(&self.backend, PAGE, np).unwrap();
-        let pages: Vec<PageId> = (0..np as u32).collect::<Vec<_>>().into_iter().map(PageId).collect();
-        let mut toks = prompt.to_vec();
-        let mut logits = Vec::new();
-        let mut cached = 0;
-        for _ in 0..steps {
-            let rows = toks.len() - cached;
-            let seqs = [SeqStep { row_start: 0, rows, cached, pages: &pages }];
-            let positions: Vec<u32> = (cached..toks.len()).map(|p| p as u32).collect();
-            let step = StepInput {
-                tokens: &toks[cached..],
-                positions: &positions,
-                seqs: &seqs,
-                logit_rows: &[rows - 1],
-            };
-            self.model.forward(&self.backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
-            cached = toks.len();
-            let next = (0..self.vocab()).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap() as u32;
-            toks.push(next);
-        }
-        toks[prompt.len()..].to_vec()
+        let pages: Vec<PageId> = (0..(prompt.len() + steps).div_ceil(PAGE) as u32).map(PageId).collect();
+        greedy(&self.model, &self.backend, prompt, steps, &pages, |_| {}).unwrap()
     }
 }
 
