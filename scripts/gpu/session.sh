@@ -3,6 +3,9 @@
 # device transfer limit (binaries built on the development machine into .gpu/):
 #   scripts/gpu/session.sh checks   # card + chokepoint check, kernel checks, tiny checkpoints GPU vs CPU
 #   scripts/gpu/session.sh paris    # SmolLM2 "Paris" on the GPU; its GGUF arrives as .gpu-a/part + .gpu-b/part
+#   scripts/gpu/session.sh serve    # kernel checks, tiny checkpoints, then `corridor serve` on the GPU vs the
+#                                   # CPU (scripts/gpu/serve_check.py) while the 8B checkpoint is written
+#   scripts/gpu/bench8b.sh          # then, on the same warm machine: the Llama-3-8B-shaped benchmark
 # Logs go to $OUT (or /tmp) as they run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,6 +18,18 @@ case "${1:-checks}" in
     echo "== card and chokepoint"; scripts/gpu/card_check.sh 2>&1 | tee "$out/card_check.log"
     echo "== kernels vs CPU"; ./.gpu/cuda_check 2>&1 | tail -n 40 | tee "$out/cuda_check.log"
     echo "== tiny checkpoints GPU vs CPU"; ./.gpu/corridor-gpu-e2e tests/fixtures/tiny 2>&1 | tee "$out/e2e.log"
+    ;;
+  serve)
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
+    python3 scripts/gpu/make_llama8b.py /tmp/llama8b --tokenizer-dir .gpu/llama3-tokenizer > "$out/make_llama8b.log" 2>&1 &
+    maker=$!
+    echo "== kernels vs CPU"; ./.gpu/cuda_check 2>&1 | tail -n 40 | tee "$out/cuda_check.log"
+    echo "== tiny checkpoints GPU vs CPU"; ./.gpu/corridor-gpu-e2e tests/fixtures/tiny 2>&1 | tee "$out/e2e.log"
+    echo "== corridor serve on the GPU vs the CPU"
+    python3 scripts/gpu/serve_check.py ./.gpu/corridor tests/fixtures/tiny/llama-f32 tests/fixtures/tiny/qwen3 \
+        tests/fixtures/tiny/llama-q.gguf tests/fixtures/tiny/qwen2-f16.gguf tests/fixtures/tiny/mistral 2>&1 \
+        | tee "$out/serve_check.log"
+    wait "$maker"; echo "8B checkpoint: exit $?"; tail -n 3 "$out/make_llama8b.log"
     ;;
   paris)
     cat .gpu-a/part .gpu-b/part > /tmp/smollm2.gguf

@@ -1,5 +1,6 @@
-// Paged attention over the bf16 KV cache (per layer [pages, page_size,
-// kv_heads, head_dim] for K and for V), causal, with grouped-query heads.
+// Paged attention over the bf16 KV cache (per layer and page [page_size,
+// kv_heads, head_dim] for K and for V; page-table entries are page offsets in
+// KV units, see kv_page_elems), causal, with grouped-query heads.
 //
 // Every query row carries its own position (row_pos) and sequence (row_seq),
 // so one launch serves decode rows, prefill rows and prefill rows that follow
@@ -42,7 +43,7 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const bf16_
     float m = NEG_INF, l = 0.f;
     int kvw = kv_heads * head_dim;
     for (int t = start + wid; t < end; t += ATT_WARPS) {
-        long long base = ((long long)pt[t / page_size] * page_size + t % page_size) * kvw + kvh * head_dim;
+        long long base = kv_page_elems(pt[t / page_size]) + (long long)(t % page_size) * kvw + kvh * head_dim;
         float sc = 0.f;
 #pragma unroll
         for (int d = 0; d < ATT_MAX_D; d++) {
@@ -195,7 +196,7 @@ __device__ __forceinline__ void fa_load_tile(bf16_t* dst, const bf16_t* __restri
         const bf16_t* src = cache;
         int bytes = 0;
         if (t < ctx) {
-            src = cache + ((long long)pt[t / page_size] * page_size + t % page_size) * kvw + kvh * HD + part * 8;
+            src = cache + kv_page_elems(pt[t / page_size]) + (long long)(t % page_size) * kvw + kvh * HD + part * 8;
             bytes = 16;
         }
         cp_async16(smem_u32(dst + tok * (HD + 8) + part * 8), src, bytes);

@@ -19,6 +19,14 @@ typedef unsigned char u8;
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
+// KV page tables hold where each page starts, in KV units of 256 bytes from
+// the layer's K (or V) base pointer, not page ids: the host translates ids
+// once per step, so the same kernels address a per-layer buffer and a page of
+// the card's KV arena (whose chunks may leave a gap after their last page).
+// Must match KV_UNIT_BYTES in crates/backend/src/cuda/mod.rs.
+#define KV_UNIT_SHIFT 7 // 256 bytes = 128 bf16 elements
+__device__ __forceinline__ long long kv_page_elems(u32 unit) { return (long long)unit << KV_UNIT_SHIFT; }
+
 __device__ __forceinline__ float bf16_to_f32(bf16_t v) { return __uint_as_float(((u32)v) << 16); }
 
 // Round to nearest even, as PyTorch and the `half` crate do; NaN stays NaN.

@@ -107,7 +107,7 @@ extern "C" __global__ void write_kv(const float* k, const float* v, bf16_t* kc, 
     if (seq == 0xffffffffu) return;
     u32 pos = row_pos[blockIdx.x];
     u32 page = page_table[seq_pt_off[seq] + pos / page_size];
-    long long dst = ((long long)page * page_size + pos % page_size) * width;
+    long long dst = kv_page_elems(page) + (long long)(pos % page_size) * width;
     long long src = (long long)blockIdx.x * width;
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
         kc[dst + j] = f32_to_bf16(k[src + j]);

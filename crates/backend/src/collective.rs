@@ -177,6 +177,11 @@ pub trait Collective<B: Backend>: Group {
     fn send(&self, backend: &B, to: Rank, x: &B::Act, rows: usize) -> CollectiveResult<()>;
     /// Receive `rows` rows from rank `from` into `x`.
     fn recv(&self, backend: &B, from: Rank, x: &mut B::Act, rows: usize) -> CollectiveResult<()>;
+    /// Whether a step that calls these may be captured as a device graph and
+    /// replayed without calling them again.
+    fn capturable(&self) -> bool {
+        false
+    }
 }
 
 /// Activations whose rows live in host memory, which the in-process
@@ -263,6 +268,10 @@ impl Group for Solo {
 }
 
 impl<B: Backend> Collective<B> for Solo {
+    /// One rank exchanges nothing: a replay skips only the counting.
+    fn capturable(&self) -> bool {
+        true
+    }
     fn all_reduce_sum(&self, _backend: &B, _x: &mut B::Act, _rows: usize) -> CollectiveResult<()> {
         self.counters.bump(OpKind::AllReduce);
         Ok(())

@@ -18,6 +18,8 @@ pub mod dtype;
 pub use dtype::{DType, HostTensor, TensorBytes, QK};
 
 use corridor_units::PageId;
+use corridor_vram::KvArena;
+use std::sync::Arc;
 
 /// Errors raised by a backend.
 #[derive(Debug, thiserror::Error)]
@@ -147,6 +149,29 @@ pub trait Backend: Send + Sync + 'static {
     fn alloc_act(&self, shape: ActShape) -> Result<Self::Act>;
     /// Allocate one layer's KV storage.
     fn alloc_kv(&self, geometry: KvGeometry) -> Result<Self::Kv>;
+    /// KV storage of `layers` layers inside the pages of a card's KV arena
+    /// (one arena page holds its tokens' K and V for every layer), so the
+    /// memory the governor commits and releases is the memory attention
+    /// reads. `Ok(None)`: this backend keeps KV in memory of its own
+    /// (`alloc_kv`), and the arena only books it.
+    fn kv_in_arena(
+        &self,
+        _arena: &Arc<KvArena>,
+        _geometry: KvGeometry,
+        _layers: usize,
+    ) -> Result<Option<Vec<Self::Kv>>> {
+        Ok(None)
+    }
+    /// Bytes `upload_weight` will place for a `[rows, cols]` tensor stored as
+    /// `dtype` in the checkpoint (a backend may widen or narrow it).
+    fn stored_bytes(&self, dtype: DType, rows: usize, cols: usize) -> u64 {
+        dtype.bytes_for(cols).unwrap_or(0) as u64 * rows as u64
+    }
+    /// Whether `graph_capture_begin` can ever capture: then the caller pads
+    /// decode steps to a few batch sizes so that a few captures serve all.
+    fn captures_graphs(&self) -> bool {
+        false
+    }
 
     /// `out[r] = table[ids[r]]` for each row.
     fn embedding(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Act) -> Result<()>;

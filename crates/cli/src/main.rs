@@ -63,8 +63,10 @@ pub struct ModelArgs {
     /// Worker threads for the CPU kernels (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Cards to run on: `cpu`, or `sim:32GiB,20GiB,20GiB` (simulated cards: CPU compute, card
-    /// memory simulated, so the memory governor runs exactly as on GPUs).
+    /// Cards to run on: `cpu`; `cuda:0` (an NVIDIA GPU by ordinal or `cuda:GPU-<uuid>`; needs a
+    /// build with `--features cuda`, and the driver, cuBLAS and NVRTC libraries at run time); or
+    /// `sim:32GiB,20GiB,20GiB` (simulated cards: CPU compute, card memory simulated, so the memory
+    /// governor runs exactly as on GPUs).
     #[arg(long, default_value = "cpu")]
     devices: String,
     /// Free memory each card must keep at every instant, in MiB: one value for all cards or one

@@ -38,6 +38,30 @@ pub struct SingleRank<B: Backend> {
     model: Model<B>,
     ws: Workspace<B>,
     kv: KvCache<B>,
+    /// Decode steps are padded up to one of a few batch sizes (when the
+    /// backend replays captured steps), at most this many rows.
+    pad_limit: Option<usize>,
+    padded: PaddedStep,
+}
+
+/// A decode step padded with rows that belong to no sequence.
+#[derive(Default)]
+struct PaddedStep {
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
+    logit_rows: Vec<usize>,
+}
+
+/// The batch size a decode step of `rows` rows is padded to: powers of two up
+/// to 8, then multiples of 16 up to 128, then of 64, so a handful of captured
+/// steps serve every batch. Padding costs little: a decode step's time is the
+/// weight read, the same for 17 rows as for 32.
+pub fn decode_bucket(rows: usize) -> usize {
+    match rows {
+        0..=8 => rows.next_power_of_two(),
+        9..=128 => rows.div_ceil(16) * 16,
+        _ => rows.div_ceil(64) * 64,
+    }
 }
 
 impl<B: Backend> SingleRank<B> {
@@ -45,7 +69,59 @@ impl<B: Backend> SingleRank<B> {
     pub fn new(backend: B, model: Model<B>, limits: ExecutorLimits) -> Result<Self, ModelError> {
         let ws = model.workspace(&backend, limits.max_rows, limits.max_logit_rows)?;
         let kv = model.kv_cache(&backend, limits.page_size, limits.num_pages)?;
-        Ok(SingleRank { backend, model, ws, kv })
+        Ok(Self::from_parts(backend, model, ws, kv))
+    }
+
+    /// Pad decode steps to [`decode_bucket`] sizes or not, whatever the
+    /// backend says (the CPU never captures; this lets a test check that
+    /// padding leaves every real row's logits as they were).
+    pub fn with_decode_padding(mut self, on: bool) -> Self {
+        self.pad_limit = on.then(|| self.ws.max_rows().min(self.ws.max_logit_rows()));
+        self
+    }
+
+    /// Run over a workspace and KV cache allocated by the caller (at boot,
+    /// where the workspace must be resident before KV is sized).
+    pub fn from_parts(backend: B, model: Model<B>, ws: Workspace<B>, kv: KvCache<B>) -> Self {
+        let pad_limit = backend.captures_graphs().then(|| ws.max_rows().min(ws.max_logit_rows()));
+        SingleRank { backend, model, ws, kv, pad_limit, padded: PaddedStep::default() }
+    }
+}
+
+impl<B: Backend> SingleRank<B> {
+    /// Run every decode shape the engine will form once on rows that belong
+    /// to no sequence (they touch no KV page), so a backend that captures
+    /// steps holds every graph, and every library kernel a prefill loads is
+    /// loaded, before KV is sized. Returns the batch sizes captured.
+    pub fn warm_up(&mut self) -> Result<Vec<usize>, ModelError> {
+        let mut logits = Vec::new();
+        let mut run = |me: &mut Self, rows: usize| -> Result<(), ModelError> {
+            let tokens = vec![0u32; rows];
+            let positions = vec![0u32; rows];
+            let logit_rows: Vec<usize> = (0..rows.min(me.ws.max_logit_rows())).collect();
+            let input =
+                StepInput { tokens: &tokens, positions: &positions, seqs: &[], logit_rows: &logit_rows };
+            me.model.forward(&me.backend, &mut me.ws, &mut me.kv, &input, &mut logits)
+        };
+        // Prefill-sized steps first (cuBLASLt picks kernels by shape).
+        let max = self.ws.max_rows();
+        for rows in [max, max.div_ceil(2), 64.min(max)] {
+            run(self, rows)?;
+        }
+        let Some(limit) = self.pad_limit else {
+            return Ok(Vec::new());
+        };
+        let mut sizes = Vec::new();
+        let mut rows = 1;
+        while rows <= limit {
+            let b = decode_bucket(rows).min(limit);
+            if sizes.last() != Some(&b) {
+                run(self, b)?;
+                sizes.push(b);
+            }
+            rows = b + 1;
+        }
+        Ok(sizes)
     }
 }
 
@@ -69,7 +145,32 @@ impl<B: Backend> Executor for SingleRank<B> {
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
         let seqs = seq_steps(step);
-        let input = StepInput { tokens: &step.tokens, positions: &step.positions, seqs: &seqs, logit_rows };
-        self.model.forward(&self.backend, &mut self.ws, &mut self.kv, &input, logits)
+        let rows = step.tokens.len();
+        let decode = seqs.iter().all(|s| s.rows == 1) && logit_rows.len() == rows;
+        let target = match self.pad_limit {
+            Some(limit) if decode && rows > 0 => decode_bucket(rows).min(limit).max(rows),
+            _ => rows,
+        };
+        if target == rows {
+            let input =
+                StepInput { tokens: &step.tokens, positions: &step.positions, seqs: &seqs, logit_rows };
+            return self.model.forward(&self.backend, &mut self.ws, &mut self.kv, &input, logits);
+        }
+        let p = &mut self.padded;
+        p.tokens.clear();
+        p.tokens.extend_from_slice(&step.tokens);
+        p.tokens.resize(target, 0);
+        p.positions.clear();
+        p.positions.extend_from_slice(&step.positions);
+        p.positions.resize(target, 0);
+        p.logit_rows.clear();
+        p.logit_rows.extend_from_slice(logit_rows);
+        p.logit_rows.extend(rows..target);
+        let input =
+            StepInput { tokens: &p.tokens, positions: &p.positions, seqs: &seqs, logit_rows: &p.logit_rows };
+        self.model.forward(&self.backend, &mut self.ws, &mut self.kv, &input, logits)?;
+        // The padding rows' logits are dropped.
+        logits.truncate(logit_rows.len() * self.model.config().vocab_size);
+        Ok(())
     }
 }

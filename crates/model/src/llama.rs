@@ -29,7 +29,8 @@ use crate::layout::RankSlice;
 use crate::rope::rope_table;
 use corridor_backend::collective::{Collective, CollectiveError, Solo};
 use corridor_backend::{
-    ActShape, Backend, BackendError, DType, HostTensor, KvGeometry, RopeTable, SeqStep, TensorBytes,
+    ActShape, Backend, BackendError, DType, GraphKey, HostTensor, KvGeometry, RopeTable, SeqStep, StepPlan,
+    TensorBytes,
 };
 use std::ops::Range;
 
@@ -48,26 +49,35 @@ pub enum ModelError {
 
 /// One decoder layer's weights, named as in the checkpoint, sliced to the
 /// rank: `heads`, `kv` and `ffn` below are the rank's local counts.
-struct Layer<B: Backend> {
-    input_layernorm: B::Weight,          // [hidden]
-    q_proj: B::Weight,                   // [heads * head_dim, hidden]
-    k_proj: B::Weight,                   // [kv * head_dim, hidden]
-    v_proj: B::Weight,                   // [kv * head_dim, hidden]
-    qkv_bias: Option<[B::Weight; 3]>,    // Qwen2: [q_out], [kv_out], [kv_out]
-    qk_norm: Option<[B::Weight; 2]>,     // Qwen3: [head_dim] each
-    o_proj: B::Weight,                   // [hidden, heads * head_dim]
-    post_attention_layernorm: B::Weight, // [hidden]
-    gate_proj: B::Weight,                // [ffn, hidden]
-    up_proj: B::Weight,                  // [ffn, hidden]
-    down_proj: B::Weight,                // [hidden, ffn]
+struct Layer<W> {
+    input_layernorm: W,          // [hidden]
+    q_proj: W,                   // [heads * head_dim, hidden]
+    k_proj: W,                   // [kv * head_dim, hidden]
+    v_proj: W,                   // [kv * head_dim, hidden]
+    qkv_bias: Option<[W; 3]>,    // Qwen2: [q_out], [kv_out], [kv_out]
+    qk_norm: Option<[W; 2]>,     // Qwen3: [head_dim] each
+    o_proj: W,                   // [hidden, heads * head_dim]
+    post_attention_layernorm: W, // [hidden]
+    gate_proj: W,                // [ffn, hidden]
+    up_proj: W,                  // [ffn, hidden]
+    down_proj: W,                // [hidden, ffn]
 }
 
 /// The output projection of a rank that computes logits.
-enum Head<B: Backend> {
+enum Head<W> {
     /// The embedding table itself (tied, whole vocabulary, held here anyway).
     Tied,
     /// Its own rows: `[vocab share, hidden]`.
-    Own(B::Weight),
+    Own(W),
+}
+
+/// A rank's weights, placed by whatever `place` function built them: the
+/// backend's upload, or a count of the bytes an upload would take.
+struct Parts<W> {
+    embed_tokens: Option<W>,
+    layers: Vec<Layer<W>>,
+    norm: Option<W>,
+    head: Option<Head<W>>,
 }
 
 /// A loaded model (one rank's slice of it) on one backend.
@@ -76,9 +86,9 @@ pub struct Model<B: Backend> {
     slice: RankSlice,
     rope: RopeTable,
     embed_tokens: Option<B::Weight>, // [vocab, hidden]; ranks that embed
-    layers: Vec<Layer<B>>,
-    norm: Option<B::Weight>, // [hidden]; ranks that compute logits
-    head: Option<Head<B>>,   // ranks that compute logits
+    layers: Vec<Layer<B::Weight>>,
+    norm: Option<B::Weight>,       // [hidden]; ranks that compute logits
+    head: Option<Head<B::Weight>>, // ranks that compute logits
 }
 
 /// Scratch activations for one forward pass, allocated once at the largest
@@ -101,6 +111,17 @@ pub struct Workspace<B: Backend> {
     logits: B::Act, // [max_logit_rows, vocab share]
     /// `[max_logit_rows, vocab share]` on the host, before the all-gather.
     host_logits: Vec<f32>,
+}
+
+impl<B: Backend> Workspace<B> {
+    /// Token rows one step may have.
+    pub fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+    /// Rows whose logits one step may want.
+    pub fn max_logit_rows(&self) -> usize {
+        self.max_logit_rows
+    }
 }
 
 /// The paged KV cache of every layer.
@@ -150,98 +171,29 @@ impl<B: Backend> Model<B> {
     ) -> Result<Self, ModelError> {
         let cfg = ckpt.config().clone();
         check_slice(&cfg, slice)?;
-        let (hidden, hd) = (cfg.hidden_size, cfg.head_dim);
-        let (q_out, kv_out) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
-        let read = |name: &str, shape: &[usize]| -> Result<HostTensor, ModelError> {
-            let t = ckpt.tensor(name)?;
-            check_shape(ckpt, &t, shape)?;
-            Ok(t)
-        };
-        let up = |t: HostTensor| -> Result<B::Weight, ModelError> { Ok(backend.upload_weight(&t)?) };
-        let load = |name: &str, shape: &[usize]| up(read(name, shape)?);
-        // Row blocks of this rank's heads: query heads are one range, KV heads
-        // a list (a replica repeats a head).
-        let q_rows = [slice.heads.start * hd..slice.heads.end * hd];
-        let kv_rows = coalesce(slice.kv_heads.iter().map(|&k| k * hd..(k + 1) * hd));
-        let ffn_rows = [slice.ffn.clone()];
-        let embed_tokens = if slice.embeds() {
-            Some(load("model.embed_tokens.weight", &[cfg.vocab_size, hidden])?)
-        } else {
-            None
-        };
-        progress(1);
-        let mut layers = Vec::with_capacity(slice.layers.len());
-        for i in slice.layers.clone() {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
-            let rows = |name: &str, shape: &[usize], blocks: &[Range<usize>]| {
-                up(select(read(&p(name), shape)?, blocks, None)?)
-            };
-            let cols = |name: &str, shape: &[usize], cols: Range<usize>| {
-                up(select(read(&p(name), shape)?, &[0..shape[0]], Some(cols))?)
-            };
-            let elems = |name: &str, shape: &[usize], blocks: &[Range<usize>]| {
-                up(select_elems(read(&p(name), shape)?, blocks)?)
-            };
-            let qkv_bias = if cfg.attention_bias {
-                Some([
-                    elems("self_attn.q_proj.bias", &[q_out], &q_rows)?,
-                    elems("self_attn.k_proj.bias", &[kv_out], &kv_rows)?,
-                    elems("self_attn.v_proj.bias", &[kv_out], &kv_rows)?,
-                ])
-            } else {
-                None
-            };
-            let qk_norm = if cfg.qk_norm {
-                Some([
-                    load(&p("self_attn.q_norm.weight"), &[hd])?,
-                    load(&p("self_attn.k_norm.weight"), &[hd])?,
-                ])
-            } else {
-                None
-            };
-            layers.push(Layer {
-                input_layernorm: load(&p("input_layernorm.weight"), &[hidden])?,
-                q_proj: rows("self_attn.q_proj.weight", &[q_out, hidden], &q_rows)?,
-                k_proj: rows("self_attn.k_proj.weight", &[kv_out, hidden], &kv_rows)?,
-                v_proj: rows("self_attn.v_proj.weight", &[kv_out, hidden], &kv_rows)?,
-                qkv_bias,
-                qk_norm,
-                o_proj: cols("self_attn.o_proj.weight", &[hidden, q_out], q_rows[0].clone())?,
-                post_attention_layernorm: load(&p("post_attention_layernorm.weight"), &[hidden])?,
-                gate_proj: rows("mlp.gate_proj.weight", &[cfg.intermediate_size, hidden], &ffn_rows)?,
-                up_proj: rows("mlp.up_proj.weight", &[cfg.intermediate_size, hidden], &ffn_rows)?,
-                down_proj: cols("mlp.down_proj.weight", &[hidden, cfg.intermediate_size], slice.ffn.clone())?,
-            });
-            progress(1);
-        }
-        let (norm, head) = if slice.emits_logits() {
-            let norm = load("model.norm.weight", &[hidden])?;
-            // A checkpoint may say it is tied and still ship lm_head (or the
-            // reverse): a present lm_head always wins, as in transformers' loading.
-            let name = if ckpt.has_tensor("lm_head.weight") {
-                "lm_head.weight"
-            } else {
-                "model.embed_tokens.weight"
-            };
-            let whole = slice.vocab == (0..cfg.vocab_size);
-            let head = if name == "model.embed_tokens.weight" && whole && embed_tokens.is_some() {
-                Head::Tied
-            } else {
-                Head::Own(up(select(read(name, &[cfg.vocab_size, hidden])?, &[slice.vocab.clone()], None)?)?)
-            };
-            (Some(norm), Some(head))
-        } else {
-            (None, None)
-        };
-        progress(1);
+        // A first pass over the (memory-mapped) tensors counts the bytes the
+        // backend will place, so a device backend can put them in one allocation.
+        let bytes = std::cell::Cell::new(0u64);
+        place_parts(
+            ckpt,
+            slice,
+            &|t| {
+                let (rows, cols) = t.rows_cols();
+                bytes.set(bytes.get() + backend.stored_bytes(t.dtype, rows, cols));
+                Ok(())
+            },
+            &mut |_| {},
+        )?;
+        backend.reserve_weights(bytes.get())?;
+        let parts = place_parts(ckpt, slice, &|t| Ok(backend.upload_weight(&t)?), &mut progress)?;
         Ok(Model {
             rope: rope_table(&cfg),
             config: cfg,
             slice: slice.clone(),
-            embed_tokens,
-            layers,
-            norm,
-            head,
+            embed_tokens: parts.embed_tokens,
+            layers: parts.layers,
+            norm: parts.norm,
+            head: parts.head,
         })
     }
 
@@ -299,6 +251,22 @@ impl<B: Backend> Model<B> {
         Ok(KvCache { geometry, layers })
     }
 
+    /// The KV cache of this rank's layers in the pages of a card's KV arena
+    /// (or, on a backend that keeps KV in its own memory, one of the arena's
+    /// whole id space), so page ids from the arena address it either way.
+    pub fn kv_cache_in(
+        &self,
+        backend: &B,
+        page_size: usize,
+        arena: &std::sync::Arc<corridor_vram::KvArena>,
+    ) -> Result<KvCache<B>, ModelError> {
+        let geometry = self.kv_geometry(page_size, arena.capacity().get());
+        match backend.kv_in_arena(arena, geometry, self.slice.layers.len())? {
+            Some(layers) => Ok(KvCache { geometry, layers }),
+            None => self.kv_cache(backend, page_size, geometry.num_pages),
+        }
+    }
+
     pub fn kv_geometry(&self, page_size: usize, num_pages: usize) -> KvGeometry {
         KvGeometry {
             page_size,
@@ -352,6 +320,70 @@ impl<B: Backend> Model<B> {
                 ws.max_logit_rows
             )));
         }
+        b.begin_step(&StepPlan {
+            tokens: step.tokens,
+            positions: step.positions,
+            seqs: step.seqs,
+            logit_rows: step.logit_rows,
+        })?;
+        // A decode step of a whole model on one card may be captured once per
+        // shape and replayed: the ops read only what begin_step uploaded.
+        let decode = step.seqs.iter().all(|q| q.rows == 1) && step.logit_rows.len() == rows;
+        let key = (decode && c.capturable() && self.head.is_some() && self.embed_tokens.is_some())
+            .then_some(GraphKey { rows, logit_rows: rows });
+        let replayed = match key {
+            Some(k) => b.graph_replay(k)?,
+            None => false,
+        };
+        if !replayed {
+            let capturing = match key {
+                Some(k) => b.graph_capture_begin(k)?,
+                None => false,
+            };
+            let ran = self.run_ops(b, c, ws, kv, step);
+            if let (true, Some(k)) = (capturing, key) {
+                // End the capture even after a failed op, so the stream is usable again.
+                let ended = b.graph_capture_end(k);
+                ran?;
+                ended?;
+            } else {
+                ran?;
+            }
+        }
+        logits.clear();
+        if self.head.is_none() {
+            // A stage before the last hands every row on.
+            let to = s
+                .send_to
+                .ok_or_else(|| ModelError::Step("a rank without a head must send its output".into()))?;
+            c.send(b, to, &ws.x, rows)?;
+            b.check()?;
+            return Ok(());
+        }
+        let n = step.logit_rows.len();
+        if n == 0 {
+            b.check()?;
+            return Ok(());
+        }
+        b.read_rows(&ws.logits, n, &mut ws.host_logits);
+        b.check()?;
+        logits.resize(n * cfg.vocab_size, 0.0);
+        c.all_gather_cols(&ws.host_logits, n, s.vocab.start, logits)?;
+        Ok(())
+    }
+
+    /// The device work of a step: embed (or receive), every layer, and the
+    /// logits of the wanted rows left in `ws.logits` on ranks with a head.
+    fn run_ops(
+        &self,
+        b: &B,
+        c: &dyn Collective<B>,
+        ws: &mut Workspace<B>,
+        kv: &mut KvCache<B>,
+        step: &StepInput<'_>,
+    ) -> Result<(), ModelError> {
+        let (cfg, s) = (&self.config, &self.slice);
+        let rows = step.tokens.len();
         let eps = cfg.rms_norm_eps;
         match (&self.embed_tokens, s.recv_from) {
             (Some(table), _) => b.embedding(table, step.tokens, &mut ws.x)?,
@@ -387,13 +419,7 @@ impl<B: Backend> Model<B> {
             c.all_reduce_sum(b, &mut ws.proj, rows)?;
             b.add_assign(&mut ws.x, &ws.proj, rows);
         }
-        logits.clear();
         let (Some(norm), Some(head)) = (&self.norm, &self.head) else {
-            // A stage before the last hands every row on.
-            let to = s
-                .send_to
-                .ok_or_else(|| ModelError::Step("a rank without a head must send its output".into()))?;
-            c.send(b, to, &ws.x, rows)?;
             return Ok(());
         };
         let n = step.logit_rows.len();
@@ -410,11 +436,98 @@ impl<B: Backend> Model<B> {
                 .ok_or_else(|| ModelError::Step("a tied head needs the embedding".into()))?,
         };
         b.matmul(&ws.last_n, head, None, n, &mut ws.logits);
-        b.read_rows(&ws.logits, n, &mut ws.host_logits);
-        logits.resize(n * cfg.vocab_size, 0.0);
-        c.all_gather_cols(&ws.host_logits, n, s.vocab.start, logits)?;
         Ok(())
     }
+}
+
+/// Read every tensor `slice` runs from `ckpt`, checking shapes, cut it to the
+/// slice and hand it to `up`; `progress` ticks once for the embedding, once
+/// per layer and once for the head.
+fn place_parts<W>(
+    ckpt: &Checkpoint,
+    slice: &RankSlice,
+    up: &dyn Fn(HostTensor) -> Result<W, ModelError>,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Parts<W>, ModelError> {
+    let cfg = ckpt.config();
+    let (hidden, hd) = (cfg.hidden_size, cfg.head_dim);
+    let (q_out, kv_out) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+    let read = |name: &str, shape: &[usize]| -> Result<HostTensor, ModelError> {
+        let t = ckpt.tensor(name)?;
+        check_shape(ckpt, &t, shape)?;
+        Ok(t)
+    };
+    let load = |name: &str, shape: &[usize]| up(read(name, shape)?);
+    // Row blocks of this rank's heads: query heads are one range, KV heads
+    // a list (a replica repeats a head).
+    let q_rows = [slice.heads.start * hd..slice.heads.end * hd];
+    let kv_rows = coalesce(slice.kv_heads.iter().map(|&k| k * hd..(k + 1) * hd));
+    let ffn_rows = [slice.ffn.clone()];
+    let embed_tokens = if slice.embeds() {
+        Some(load("model.embed_tokens.weight", &[cfg.vocab_size, hidden])?)
+    } else {
+        None
+    };
+    progress(1);
+    let mut layers = Vec::with_capacity(slice.layers.len());
+    for i in slice.layers.clone() {
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        let rows = |name: &str, shape: &[usize], blocks: &[Range<usize>]| {
+            up(select(read(&p(name), shape)?, blocks, None)?)
+        };
+        let cols = |name: &str, shape: &[usize], cols: Range<usize>| {
+            up(select(read(&p(name), shape)?, &[0..shape[0]], Some(cols))?)
+        };
+        let elems = |name: &str, shape: &[usize], blocks: &[Range<usize>]| {
+            up(select_elems(read(&p(name), shape)?, blocks)?)
+        };
+        let qkv_bias = if cfg.attention_bias {
+            Some([
+                elems("self_attn.q_proj.bias", &[q_out], &q_rows)?,
+                elems("self_attn.k_proj.bias", &[kv_out], &kv_rows)?,
+                elems("self_attn.v_proj.bias", &[kv_out], &kv_rows)?,
+            ])
+        } else {
+            None
+        };
+        let qk_norm = if cfg.qk_norm {
+            Some([load(&p("self_attn.q_norm.weight"), &[hd])?, load(&p("self_attn.k_norm.weight"), &[hd])?])
+        } else {
+            None
+        };
+        layers.push(Layer {
+            input_layernorm: load(&p("input_layernorm.weight"), &[hidden])?,
+            q_proj: rows("self_attn.q_proj.weight", &[q_out, hidden], &q_rows)?,
+            k_proj: rows("self_attn.k_proj.weight", &[kv_out, hidden], &kv_rows)?,
+            v_proj: rows("self_attn.v_proj.weight", &[kv_out, hidden], &kv_rows)?,
+            qkv_bias,
+            qk_norm,
+            o_proj: cols("self_attn.o_proj.weight", &[hidden, q_out], q_rows[0].clone())?,
+            post_attention_layernorm: load(&p("post_attention_layernorm.weight"), &[hidden])?,
+            gate_proj: rows("mlp.gate_proj.weight", &[cfg.intermediate_size, hidden], &ffn_rows)?,
+            up_proj: rows("mlp.up_proj.weight", &[cfg.intermediate_size, hidden], &ffn_rows)?,
+            down_proj: cols("mlp.down_proj.weight", &[hidden, cfg.intermediate_size], slice.ffn.clone())?,
+        });
+        progress(1);
+    }
+    let (norm, head) = if slice.emits_logits() {
+        let norm = load("model.norm.weight", &[hidden])?;
+        // A checkpoint may say it is tied and still ship lm_head (or the
+        // reverse): a present lm_head always wins, as in transformers' loading.
+        let name =
+            if ckpt.has_tensor("lm_head.weight") { "lm_head.weight" } else { "model.embed_tokens.weight" };
+        let whole = slice.vocab == (0..cfg.vocab_size);
+        let head = if name == "model.embed_tokens.weight" && whole && embed_tokens.is_some() {
+            Head::Tied
+        } else {
+            Head::Own(up(select(read(name, &[cfg.vocab_size, hidden])?, &[slice.vocab.clone()], None)?)?)
+        };
+        (Some(norm), Some(head))
+    } else {
+        (None, None)
+    };
+    progress(1);
+    Ok(Parts { embed_tokens, layers, norm, head })
 }
 
 /// Refuse a slice that does not fit the model (a bug in whoever built it).

@@ -24,8 +24,8 @@ use corridor_units::{Bytes, CardId, Pages, Tokens};
 use corridor_vram::recorder::{BootId, BootPhase, FlightRecorder, MarkIdentity};
 use corridor_vram::sizing::{solve, SizingInput, DEFAULT_MARGIN};
 use corridor_vram::{
-    parse_sim_events, Allocation, Card, ChunkGeometry, CpuCard, Governor, GovernorConfig, KvArena,
-    KvArenaConfig, Purpose, SimCard, SimCardSpec, SystemClock, Urgency,
+    parse_sim_events, Allocation, Card, ChunkGeometry, CpuCard, CudaSelection, Device, Governor,
+    GovernorConfig, KvArena, KvArenaConfig, Purpose, SimCard, SimCardSpec, SystemClock, Urgency,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -37,6 +37,8 @@ pub enum Devices {
     Cpu,
     /// Simulated cards of these sizes: CPU compute, simulated card memory.
     Sim(Vec<Bytes>),
+    /// NVIDIA GPUs: CUDA compute, card memory measured by the driver and NVML.
+    Cuda(CudaSelection),
 }
 
 impl Devices {
@@ -54,13 +56,10 @@ impl Devices {
             }
             return Ok(Devices::Sim(sizes));
         }
-        if t.starts_with("cuda") {
-            return Err(format!(
-                "--devices {text}: serving on CUDA cards is not available yet (the CUDA backend is \
-                 checked on its own by scripts/gpu/check.sh); use --devices cpu or sim:SIZE,..."
-            ));
+        if t.len() >= 4 && t[..4].eq_ignore_ascii_case("cuda") {
+            return CudaSelection::parse(t).map(Devices::Cuda).map_err(|e| format!("--devices: {e}"));
         }
-        Err(format!("--devices {text}: expected cpu, sim:SIZE[,SIZE...] or cuda[:ID,...]"))
+        Err(format!("--devices {text}: expected cpu, sim:SIZE[,SIZE...] or cuda[:ORDINAL|GPU-UUID,...]"))
     }
 }
 
@@ -173,9 +172,15 @@ pub fn load_tokenizer(ckpt: &Checkpoint) -> Result<Tokenizer, BootError> {
     })
 }
 
-fn open_cards(opts: &BootOptions, clock: &Arc<SystemClock>) -> Result<Vec<Arc<dyn Card>>, BootError> {
+/// The cards of `--devices`, with each CUDA card's device ordinal (none for
+/// the host and sim cards).
+type Cards = (Vec<Arc<dyn Card>>, Vec<u32>);
+
+fn open_cards(opts: &BootOptions, clock: &Arc<SystemClock>) -> Result<Cards, BootError> {
     Ok(match &opts.devices {
-        Devices::Cpu => vec![Arc::new(CpuCard::new(CardId(0), Bytes::gib(16))) as Arc<dyn Card>],
+        Devices::Cpu => {
+            (vec![Arc::new(CpuCard::new(CardId(0), Bytes::gib(16))) as Arc<dyn Card>], Vec::new())
+        }
         Devices::Sim(sizes) => {
             let events = match &opts.sim_events {
                 Some(p) => {
@@ -186,7 +191,7 @@ fn open_cards(opts: &BootOptions, clock: &Arc<SystemClock>) -> Result<Vec<Arc<dy
                 }
                 None => Vec::new(),
             };
-            sizes
+            let cards = sizes
                 .iter()
                 .enumerate()
                 .map(|(i, total)| {
@@ -194,9 +199,27 @@ fn open_cards(opts: &BootOptions, clock: &Arc<SystemClock>) -> Result<Vec<Arc<dy
                     spec.carve_out = opts.sim_carve_out;
                     Arc::new(SimCard::new(spec, &events, clock.clone())) as Arc<dyn Card>
                 })
-                .collect()
+                .collect();
+            (cards, Vec::new())
         }
+        Devices::Cuda(selection) => open_cuda_cards(selection)?,
     })
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda_cards(selection: &CudaSelection) -> Result<Cards, BootError> {
+    let cards = corridor_vram::CudaCard::open_all(selection).map_err(|e| BootError::Config(e.to_string()))?;
+    let ordinals = cards.iter().map(|c| c.ordinal()).collect();
+    Ok((cards.into_iter().map(|c| Arc::new(c) as Arc<dyn Card>).collect(), ordinals))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda_cards(_selection: &CudaSelection) -> Result<Cards, BootError> {
+    Err(BootError::Config(
+        "--devices cuda: this corridor was built without CUDA support; build it with \
+         `cargo build --release --features cuda`"
+            .into(),
+    ))
 }
 
 /// Bytes of the activation workspace the CPU backend allocates for steps of
@@ -218,7 +241,7 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         ));
     }
     let clock = Arc::new(SystemClock::new());
-    let cards = open_cards(opts, &clock)?;
+    let (cards, ordinals) = open_cards(opts, &clock)?;
     let mut gcfg =
         GovernorConfig::from_flags(cards.len(), opts.floor_mib.as_deref(), opts.card_budget_mib.as_deref())
             .map_err(|e| BootError::Config(e.to_string()))?;
@@ -262,8 +285,143 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
     )?;
     let cfg = ckpt.config().clone();
     let context_len = opts.context_len.unwrap_or(cfg.max_position_embeddings).max(1);
+    let config = EngineConfig {
+        scheduler: SchedulerConfig {
+            max_running: opts.max_running,
+            max_batched_tokens: opts.max_batched_tokens,
+            context_len,
+        },
+        page_size: Tokens(opts.page_size),
+    };
+    let env = BootEnv {
+        opts,
+        ckpt: &ckpt,
+        governor: &governor,
+        clock: &clock,
+        mark: &mark,
+        context_len,
+        ordinals: &ordinals,
+    };
+    let (engine, dev, page_bytes, resident) = match &opts.devices {
+        Devices::Cuda(_) => boot_cuda(&env, config, &mut progress)?,
+        Devices::Cpu | Devices::Sim(_) => boot_host(&env, config, &mut progress)?,
+    };
+    governor.register_provider(engine.preempt_provider(dev.id(), page_bytes));
+    mark(BootPhase::BootComplete);
+    if let Some(r) = recorder {
+        governor.attach_recorder(r);
+    }
+    let monitor = governor
+        .spawn_monitor()
+        .map_err(|e| BootError::Memory(format!("cannot start the memory sampler: {e}")))?;
+    let model_name = opts
+        .model
+        .file_name()
+        .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
+        .unwrap_or_else(|| "model".to_string());
+    Ok(Booted {
+        engine,
+        tokenizer: Arc::new(tokenizer),
+        template: Arc::new(template),
+        model_name,
+        checkpoint_path: opts.model.clone(),
+        governor,
+        keep_alive: Arc::new(KeepAlive { monitor: Some(monitor), resident }),
+    })
+}
+
+/// What every boot path shares.
+struct BootEnv<'a> {
+    opts: &'a BootOptions,
+    ckpt: &'a Checkpoint,
+    governor: &'a Arc<Governor>,
+    clock: &'a Arc<SystemClock>,
+    mark: &'a dyn Fn(BootPhase),
+    context_len: usize,
+    /// The device ordinal of each CUDA card.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    ordinals: &'a [u32],
+}
+
+/// The engine, the card it runs on, its KV page size and what it holds resident.
+type Started = (EngineHandle, Device, Bytes, Vec<Allocation>);
+
+/// The KV arena of `dev` for pages of `page_bytes`: an address reservation
+/// for as many pages as the card could ever hold (or the scheduler could
+/// ever use), nothing committed yet.
+fn new_arena(
+    env: &BootEnv<'_>,
+    dev: &Device,
+    page_bytes: Bytes,
+    host_cap: Option<Bytes>,
+) -> Result<Arc<KvArena>, BootError> {
+    let opts = env.opts;
+    let useful = opts.max_running * env.context_len.div_ceil(opts.page_size);
+    let mut max_pages = useful.min((dev.card().total().get() / page_bytes.get().max(1)) as usize);
+    if let Some(cap) = host_cap {
+        // The host is shared with everything else: hold KV to its budget.
+        max_pages = max_pages.min((cap.get() / page_bytes.get().max(1)) as usize);
+    }
+    // Chunks of about 2 MiB (whole granules of the card), but never more than
+    // a quarter of the pool, so a small pool still shrinks and grows in steps.
+    let pool_bytes = Bytes(page_bytes.get() * max_pages.max(1) as u64);
+    let chunk_target = Bytes::mib(2).min(Bytes(pool_bytes.get() / 4)).max(page_bytes);
+    let geometry = ChunkGeometry::new(page_bytes, dev.card().granularity(), chunk_target)
+        .map_err(|e| BootError::Memory(e.to_string()))?;
+    // The id space is whole chunks: round up, so even a tiny pool holds one.
+    let max_pages = max_pages.max(1).div_ceil(geometry.chunk_pages) * geometry.chunk_pages;
+    let arena_cfg = KvArenaConfig {
+        page_bytes,
+        max_pages: Pages(max_pages),
+        chunk_target,
+        hold: env.governor.config().kv_hold,
+    };
+    let arena =
+        KvArena::new(dev, arena_cfg, env.clock.clone()).map_err(|e| BootError::Memory(e.to_string()))?;
+    Ok(Arc::new(arena))
+}
+
+/// Measure the card's free column now that everything else is resident,
+/// commit the pages that fit above its floor and margin, and hand the arena
+/// to the governor.
+fn size_kv(env: &BootEnv<'_>, dev: &Device, arena: &Arc<KvArena>) -> Result<(), BootError> {
+    let page_bytes = arena.geometry().page_bytes;
+    let sizing =
+        solve(SizingInput::measure(dev, DEFAULT_MARGIN, Bytes::ZERO, arena.geometry(), arena.capacity()));
+    arena
+        .commit_to(sizing.pages, Urgency::Deferrable)
+        .map_err(|e| BootError::Memory(format!("KV pool: {e}")))?;
+    if arena.backed().get() == 0 {
+        return Err(BootError::Memory(format!(
+            "no KV page of {} fits on {} above its floor: lower --max-batched-tokens, raise the card budget or lower --floor-mib",
+            page_bytes,
+            dev.id()
+        )));
+    }
+    tracing::info!(
+        card = %dev.id(),
+        pages = arena.backed().get(),
+        tokens = arena.backed().get() * env.opts.page_size,
+        page = %page_bytes,
+        bound = ?sizing.bound,
+        "KV pool sized"
+    );
+    env.governor.attach_arena(arena.clone());
+    (env.mark)(BootPhase::KvSized);
+    Ok(())
+}
+
+/// CPU compute: the host card (or sim cards) only books what the CPU backend
+/// holds in host memory, so weights and workspace are booked by size here.
+fn boot_host(
+    env: &BootEnv<'_>,
+    config: EngineConfig,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Started, BootError> {
+    let (opts, ckpt) = (env.opts, env.ckpt);
+    let cfg = ckpt.config().clone();
     // The whole model runs on card 0 (multi-card layouts place ranks).
-    let dev = governor.devices()[0].clone();
+    let dev = env.governor.devices()[0].clone();
     let mut resident = Vec::new();
     let weights = Bytes(ckpt.file_bytes());
     resident.push(
@@ -289,19 +447,19 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         None => {
             let total = cfg.num_layers + 2;
             let mut done = 0;
-            Some(Model::load(&backend, &ckpt, |n| {
+            Some(Model::load(&backend, ckpt, |n| {
                 done += n;
                 progress(done, total);
             })?)
         }
     };
-    mark(BootPhase::WeightsLoaded);
+    (env.mark)(BootPhase::WeightsLoaded);
     let ws = workspace_bytes(&cfg, opts.max_batched_tokens, opts.max_running);
     resident.push(
         dev.reserve(ws, Purpose::Workspace)
             .map_err(|e| BootError::Memory(format!("workspace does not fit: {e}")))?,
     );
-    mark(BootPhase::WorkspaceReady);
+    (env.mark)(BootPhase::WorkspaceReady);
 
     // KV: the CPU keeps it in f32; one page holds `page_size` tokens of every
     // layer, on every rank that holds a share of it.
@@ -310,60 +468,12 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         None => 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
     };
     let page_bytes = Bytes((kv_token_bytes * opts.page_size) as u64);
-    let useful = opts.max_running * context_len.div_ceil(opts.page_size);
-    let mut max_pages = useful.min((dev.card().total().get() / page_bytes.get().max(1)) as usize);
-    if opts.devices == Devices::Cpu {
-        // The host is shared with everything else: hold KV to its budget.
-        max_pages = max_pages.min((opts.kv_budget.get() / page_bytes.get().max(1)) as usize);
-    }
-    // Chunks of about 2 MiB (whole granules of the card), but never more than
-    // a quarter of the pool, so a small pool still shrinks and grows in steps.
-    let pool_bytes = Bytes(page_bytes.get() * max_pages.max(1) as u64);
-    let chunk_target = Bytes::mib(2).min(Bytes(pool_bytes.get() / 4)).max(page_bytes);
-    let geometry = ChunkGeometry::new(page_bytes, dev.card().granularity(), chunk_target)
-        .map_err(|e| BootError::Memory(e.to_string()))?;
-    // The id space is whole chunks: round up, so even a tiny pool holds one.
-    let max_pages = max_pages.max(1).div_ceil(geometry.chunk_pages) * geometry.chunk_pages;
-    let arena_cfg = KvArenaConfig {
-        page_bytes,
-        max_pages: Pages(max_pages),
-        chunk_target,
-        hold: governor.config().kv_hold,
-    };
-    let arena =
-        Arc::new(KvArena::new(&dev, arena_cfg, clock.clone()).map_err(|e| BootError::Memory(e.to_string()))?);
-    let sizing =
-        solve(SizingInput::measure(&dev, DEFAULT_MARGIN, Bytes::ZERO, arena.geometry(), arena.capacity()));
-    arena
-        .commit_to(sizing.pages, Urgency::Deferrable)
-        .map_err(|e| BootError::Memory(format!("KV pool: {e}")))?;
-    if arena.backed().get() == 0 {
-        return Err(BootError::Memory(format!(
-            "no KV page of {} fits on {} above its floor: lower --max-batched-tokens, raise the card budget or lower --floor-mib",
-            page_bytes,
-            dev.id()
-        )));
-    }
-    tracing::info!(
-        pages = arena.backed().get(),
-        tokens = arena.backed().get() * opts.page_size,
-        page = %page_bytes,
-        bound = ?sizing.bound,
-        "KV pool sized"
-    );
-    governor.attach_arena(arena.clone());
-    mark(BootPhase::KvSized);
+    let host_cap = (opts.devices == Devices::Cpu).then_some(opts.kv_budget);
+    let arena = new_arena(env, &dev, page_bytes, host_cap)?;
+    size_kv(env, &dev, &arena)?;
 
     let pool = PagePool::new(arena, Tokens(opts.page_size));
-    governor.register_provider(pool.prefix_evictor());
-    let config = EngineConfig {
-        scheduler: SchedulerConfig {
-            max_running: opts.max_running,
-            max_batched_tokens: opts.max_batched_tokens,
-            context_len,
-        },
-        page_size: Tokens(opts.page_size),
-    };
+    env.governor.register_provider(pool.prefix_evictor());
     let engine = match (model, &layout) {
         (Some(model), _) => spawn(backend, model, config, pool)?,
         (None, Some(layout)) => {
@@ -373,32 +483,96 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
                 page_size: opts.page_size,
                 num_pages: pool.capacity(),
             };
-            let exec = spawn_layout(&ckpt, layout, LayoutOptions::new(limits))?;
+            let exec = spawn_layout(ckpt, layout, LayoutOptions::new(limits))?;
             tracing::info!(ranks = layout.ranks.len(), "parallel layout running on CPU threads");
             spawn_with(exec, config, pool)?
         }
         (None, None) => unreachable!("a model is loaded unless a layout is"),
     };
-    governor.register_provider(engine.preempt_provider(dev.id(), page_bytes));
-    mark(BootPhase::BootComplete);
-    if let Some(r) = recorder {
-        governor.attach_recorder(r);
+    Ok((engine, dev, page_bytes, resident))
+}
+
+/// One NVIDIA GPU: every device byte the backend takes (weights in one
+/// allocation, the workspace, cuBLASLt's workspace, step metadata) is an
+/// allocation through the card's chokepoint; KV lives in the pages of the
+/// card's arena. Decode steps are captured as graphs before KV is sized, so
+/// the free column the solve reads already excludes them.
+#[cfg(feature = "cuda")]
+fn boot_cuda(
+    env: &BootEnv<'_>,
+    config: EngineConfig,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Started, BootError> {
+    use corridor_backend::cuda::{CudaBackend, CudaBackendConfig};
+    use corridor_backend::Backend;
+    use corridor_engine::executor::SingleRank;
+    let (opts, ckpt) = (env.opts, env.ckpt);
+    let cfg = ckpt.config().clone();
+    if opts.layout.as_ref().is_some_and(|l| l.tp.max(1) * l.pp.max(1) > 1) {
+        return Err(BootError::Config(
+            "a parallel layout on CUDA cards is not available yet: serve it on --devices cpu, or solve it with `corridor plan`".into(),
+        ));
     }
-    let monitor = governor
-        .spawn_monitor()
-        .map_err(|e| BootError::Memory(format!("cannot start the memory sampler: {e}")))?;
-    let model_name = opts
-        .model
-        .file_name()
-        .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
-        .unwrap_or_else(|| "model".to_string());
-    Ok(Booted {
-        engine,
-        tokenizer: Arc::new(tokenizer),
-        template: Arc::new(template),
-        model_name,
-        checkpoint_path: opts.model.clone(),
-        governor,
-        keep_alive: Arc::new(KeepAlive { monitor: Some(monitor), resident }),
-    })
+    let devices = env.governor.devices();
+    if devices.len() > 1 {
+        return Err(BootError::Config(format!(
+            "--devices names {} CUDA cards; one model on one card is what runs on GPUs today (pick one, e.g. cuda:0)",
+            devices.len()
+        )));
+    }
+    let dev = devices[0].clone();
+    let ordinal = env.ordinals[0];
+    let bcfg = CudaBackendConfig {
+        ordinal: ordinal as usize,
+        max_rows: opts.max_batched_tokens,
+        max_seqs: opts.max_running.max(1),
+        max_pages_per_seq: env.context_len.div_ceil(opts.page_size),
+        attn_partials: CudaBackendConfig::default().attn_partials,
+        kernel_cache_dir: kernel_cache_dir(),
+    };
+    let backend = CudaBackend::on_device(bcfg, dev.clone()).map_err(|e| BootError::Config(e.to_string()))?;
+    tracing::info!(backend = %backend.name(), "CUDA backend ready");
+    let total = cfg.num_layers + 2;
+    let mut done = 0;
+    let model = Model::load(&backend, ckpt, |n| {
+        done += n;
+        progress(done, total);
+    })?;
+    (env.mark)(BootPhase::WeightsLoaded);
+    let ws = model.workspace(&backend, opts.max_batched_tokens, opts.max_running)?;
+    (env.mark)(BootPhase::WorkspaceReady);
+    // KV in bf16; one page holds `page_size` tokens of every layer.
+    let page_bytes =
+        Bytes((2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * opts.page_size) as u64);
+    let arena = new_arena(env, &dev, page_bytes, None)?;
+    let kv = model.kv_cache_in(&backend, opts.page_size, &arena)?;
+    let mut exec = SingleRank::from_parts(backend, model, ws, kv);
+    let captured = exec.warm_up().map_err(|e| BootError::Config(format!("warm-up on the GPU: {e}")))?;
+    tracing::info!(graphs = ?captured, "decode steps captured");
+    size_kv(env, &dev, &arena)?;
+    let pool = PagePool::new(arena, Tokens(opts.page_size));
+    env.governor.register_provider(pool.prefix_evictor());
+    let engine = spawn_with(Box::new(exec), config, pool)?;
+    Ok((engine, dev, page_bytes, Vec::new()))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn boot_cuda(
+    _env: &BootEnv<'_>,
+    _config: EngineConfig,
+    _progress: &mut dyn FnMut(usize, usize),
+) -> Result<Started, BootError> {
+    Err(BootError::Config("this corridor was built without CUDA support".into()))
+}
+
+/// Where compiled kernels are cached: `$CORRIDOR_CACHE_DIR/kernels`, else
+/// `$XDG_CACHE_HOME/corridor/kernels` or `~/.cache/corridor/kernels`.
+#[cfg(feature = "cuda")]
+fn kernel_cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("CORRIDOR_CACHE_DIR").map(PathBuf::from).or_else(|| {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(|x| PathBuf::from(x).join("corridor"))
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/corridor")))
+    })?;
+    Some(base.join("kernels"))
 }

@@ -251,6 +251,12 @@ impl KvArena {
     pub fn geometry(&self) -> ChunkGeometry {
         self.geometry
     }
+    /// Where the reservation starts: a device address on a real card (pages
+    /// are at `base_address() + page_offset(id)` once committed), an opaque
+    /// handle on sim and CPU cards.
+    pub fn base_address(&self) -> u64 {
+        self.va.base_address()
+    }
     /// The whole id space.
     pub fn capacity(&self) -> Pages {
         Pages(self.max_pages)

@@ -41,6 +41,10 @@ pub trait DeviceAlloc: Send + Sync {
     fn alloc(&self, bytes: Bytes, purpose: Purpose) -> Result<u64>;
     /// Return an allocation made by `alloc` with the same size and purpose.
     fn free(&self, ptr: u64, bytes: Bytes, purpose: Purpose);
+    /// The governed card these allocations are booked on, if any.
+    fn card(&self) -> Option<corridor_units::CardId> {
+        None
+    }
 }
 
 /// A CUDA context handle that may be shared between threads (the driver

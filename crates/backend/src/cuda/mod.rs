@@ -39,6 +39,7 @@ use crate::{
     ActShape, Backend, BackendError, GraphKey, KvGeometry, Result, RopeStyle, RopeTable, SeqStep, StepPlan,
 };
 use corridor_units::{Bytes, PageId};
+use corridor_vram::KvArena;
 use cudarc::driver::{result as cu, sys};
 use device::{cuda_err, Args, Ctx, DeviceAlloc, DeviceBuffer, Kernel, LaunchDims, Purpose, Stream};
 use gemm::{Gemm, GemmShape};
@@ -186,16 +187,64 @@ impl CudaAct {
     }
 }
 
-/// One layer's paged K and V in bf16, each `[num_pages, page_size, kv_heads, head_dim]`.
+/// Bytes of one KV unit: page tables on the device hold page offsets in these
+/// (kernels/common.cu `KV_UNIT_SHIFT`).
+const KV_UNIT_BYTES: u64 = 256;
+
+/// Where the pages of a KV store start, in KV units from its K (or V) base:
+/// pages are packed `chunk_pages` to a chunk, chunks `chunk_units` apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct KvAddressing {
+    chunk_pages: usize,
+    chunk_units: u64,
+    page_units: u64,
+}
+
+impl KvAddressing {
+    fn unit(&self, page: PageId) -> u64 {
+        let p = page.index();
+        (p / self.chunk_pages) as u64 * self.chunk_units + (p % self.chunk_pages) as u64 * self.page_units
+    }
+
+    /// Refuse a store whose last page would not be addressable by a u32 entry.
+    fn check(&self, num_pages: usize) -> Result<()> {
+        let last = self.unit(PageId(num_pages.saturating_sub(1) as u32));
+        if last > u32::MAX as u64 {
+            return Err(BackendError::Other(format!(
+                "a KV store of {num_pages} pages spans more than {} GiB",
+                (u32::MAX as u64 * KV_UNIT_BYTES) >> 30
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What holds a KV store's bytes alive.
+enum KvMem {
+    /// Two buffers of its own (K and V), page after page.
+    Own { _k: DeviceBuffer, _v: DeviceBuffer },
+    /// Pages of the card's KV arena, every layer's K and V in each page.
+    Arena(#[allow(dead_code)] Arc<KvArena>),
+}
+
+/// One layer's paged K and V in bf16: each page holds `[page_size, kv_heads,
+/// head_dim]` of K at `k + offset(page)` and of V at `v + offset(page)`.
 pub struct CudaKv {
     geometry: KvGeometry,
-    k: DeviceBuffer,
-    v: DeviceBuffer,
+    _mem: KvMem,
+    k: u64,
+    v: u64,
+    addr: KvAddressing,
 }
 
 impl CudaKv {
     pub fn geometry(&self) -> KvGeometry {
         self.geometry
+    }
+    /// Bytes of K (or V) one page holds for this layer.
+    fn page_bytes(&self) -> usize {
+        let g = self.geometry;
+        g.page_size * g.kv_heads * g.head_dim * 2
     }
 }
 
@@ -272,6 +321,9 @@ struct State {
     arena: Option<Arena>,
     capturing: Option<GraphKey>,
     graphs: HashMap<GraphKey, Captured>,
+    /// How page ids translate into the page table's entries: the addressing
+    /// of the KV store the last op used (every layer of a model shares one).
+    kv_addr: KvAddressing,
 }
 
 // SAFETY: the raw graph handles inside are only used under the backend's mutex.
@@ -304,6 +356,17 @@ fn dtype_code(d: DType) -> i32 {
         DType::Q4_1 => 4,
         DType::F16 => -1, // converted at upload, never on the device
     }
+}
+
+/// Head sizes the attention kernels hold in registers.
+fn check_kv_geometry(g: &KvGeometry) -> Result<()> {
+    if g.head_dim > MAX_HEAD_DIM || g.head_dim == 0 || g.kv_heads == 0 || g.page_size == 0 {
+        return Err(BackendError::Other(format!(
+            "head_dim {} (at most {MAX_HEAD_DIM}), kv_heads {}, page size {}",
+            g.head_dim, g.kv_heads, g.page_size
+        )));
+    }
+    Ok(())
 }
 
 fn dims1(n: usize, block: u32) -> LaunchDims {
@@ -428,6 +491,7 @@ impl CudaBackend {
             arena: None,
             capturing: None,
             graphs: HashMap::new(),
+            kv_addr: KvAddressing { chunk_pages: usize::MAX, chunk_units: 0, page_units: 1 },
         };
         let name = format!("cuda:{} ({dev_name}, {arch}, {sm_count} SMs)", config.ordinal);
         Ok(CudaBackend {
@@ -537,7 +601,7 @@ impl CudaBackend {
                     self.config.max_pages_per_seq
                 )));
             }
-            m.page_table.extend(s.pages.iter().map(|p| p.0));
+            m.page_table.extend(s.pages.iter().map(|&p| st.kv_addr.unit(p) as u32));
             for i in 0..s.rows {
                 m.row_pos[s.row_start + i] = (s.cached + i) as u32;
                 m.row_seq[s.row_start + i] = si as u32;
@@ -795,8 +859,8 @@ impl CudaBackend {
         let scale = 1.0 / (g.head_dim as f32).sqrt();
         let args = Args::new()
             .ptr(a.q.ptr())
-            .ptr(a.kv.k.ptr())
-            .ptr(a.kv.v.ptr())
+            .ptr(a.kv.k)
+            .ptr(a.kv.v)
             .ptr(st.row_pos.dev.ptr())
             .ptr(row_seq)
             .ptr(st.seq_pt_off.dev.ptr())
@@ -835,8 +899,8 @@ impl CudaBackend {
         let scale_log2 = std::f32::consts::LOG2_E / (g.head_dim as f32).sqrt();
         let args = Args::new()
             .ptr(a.q.ptr())
-            .ptr(a.kv.k.ptr())
-            .ptr(a.kv.v.ptr())
+            .ptr(a.kv.k)
+            .ptr(a.kv.v)
             .ptr(st.row_pos.dev.ptr())
             .ptr(st.row_seq.dev.ptr())
             .ptr(st.seq_pt_off.dev.ptr())
@@ -901,6 +965,20 @@ impl Backend for CudaBackend {
 
     fn name(&self) -> String {
         self.name.clone()
+    }
+
+    fn stored_bytes(&self, dtype: DType, rows: usize, cols: usize) -> u64 {
+        // As `upload_weight` stores it, on its own 256-byte boundary in the arena.
+        let bytes = match dtype {
+            _ if rows == 1 => cols as u64 * 4,
+            DType::F32 | DType::F16 | DType::BF16 => (rows * cols * 2) as u64,
+            q => q.bytes_for(cols).unwrap_or(0) as u64 * rows as u64,
+        };
+        bytes.div_ceil(ARENA_ALIGN) * ARENA_ALIGN
+    }
+
+    fn captures_graphs(&self) -> bool {
+        true
     }
 
     fn upload_weight(&self, t: &HostTensor) -> Result<CudaWeight> {
@@ -990,13 +1068,13 @@ impl Backend for CudaBackend {
 
     fn alloc_kv(&self, g: KvGeometry) -> Result<CudaKv> {
         self.ctx.bind()?;
-        if g.head_dim > MAX_HEAD_DIM || g.head_dim == 0 || g.kv_heads == 0 {
-            return Err(BackendError::Other(format!(
-                "head_dim {} (at most {MAX_HEAD_DIM}), kv_heads {}",
-                g.head_dim, g.kv_heads
-            )));
-        }
-        let bytes = (g.num_pages * g.page_size * g.kv_heads * g.head_dim * 2).max(2);
+        check_kv_geometry(&g)?;
+        // Pages start on whole KV units; a page whose bytes are not a multiple
+        // of the unit is padded.
+        let page_units = ((g.page_size * g.kv_heads * g.head_dim * 2) as u64).div_ceil(KV_UNIT_BYTES);
+        let addr = KvAddressing { chunk_pages: g.num_pages.max(1), chunk_units: 0, page_units };
+        addr.check(g.num_pages)?;
+        let bytes = (g.num_pages as u64 * page_units * KV_UNIT_BYTES).max(2) as usize;
         let k = self.alloc_buf(bytes, Purpose::Kv)?;
         let v = self.alloc_buf(bytes, Purpose::Kv)?;
         for b in [&k, &v] {
@@ -1005,7 +1083,53 @@ impl Backend for CudaBackend {
                 .map_err(|e| cuda_err("cuMemsetD8Async", e))?;
         }
         self.synchronize()?;
-        Ok(CudaKv { geometry: g, k, v })
+        let (kp, vp) = (k.ptr(), v.ptr());
+        self.lock().kv_addr = addr;
+        Ok(CudaKv { geometry: g, _mem: KvMem::Own { _k: k, _v: v }, k: kp, v: vp, addr })
+    }
+
+    fn kv_in_arena(&self, arena: &Arc<KvArena>, g: KvGeometry, layers: usize) -> Result<Option<Vec<CudaKv>>> {
+        check_kv_geometry(&g)?;
+        let geo = arena.geometry();
+        let layer_bytes = (g.page_size * g.kv_heads * g.head_dim * 2) as u64;
+        if layers == 0 || geo.page_bytes.get() != 2 * layers as u64 * layer_bytes {
+            return Err(BackendError::Other(format!(
+                "a KV arena page of {} does not hold K and V of {layers} layers of {layer_bytes} bytes",
+                geo.page_bytes
+            )));
+        }
+        if geo.page_bytes.get() % KV_UNIT_BYTES != 0 || geo.chunk_bytes.get() % KV_UNIT_BYTES != 0 {
+            return Err(BackendError::Other(format!(
+                "KV arena pages of {} (chunks of {}) do not start on {KV_UNIT_BYTES}-byte units",
+                geo.page_bytes, geo.chunk_bytes
+            )));
+        }
+        if self.alloc.card() != Some(arena.card()) {
+            return Err(BackendError::Other(format!(
+                "the KV arena lives on {}, this backend's memory is not booked there",
+                arena.card()
+            )));
+        }
+        let addr = KvAddressing {
+            chunk_pages: geo.chunk_pages,
+            chunk_units: geo.chunk_bytes.get() / KV_UNIT_BYTES,
+            page_units: geo.page_bytes.get() / KV_UNIT_BYTES,
+        };
+        addr.check(arena.capacity().get())?;
+        let base = arena.base_address();
+        self.lock().kv_addr = addr;
+        // Page-major: page p holds, for layer l, K at 2l and V at 2l+1 (in layer-sized slots).
+        Ok(Some(
+            (0..layers as u64)
+                .map(|l| CudaKv {
+                    geometry: KvGeometry { num_pages: arena.capacity().get(), ..g },
+                    _mem: KvMem::Arena(arena.clone()),
+                    k: base + 2 * l * layer_bytes,
+                    v: base + (2 * l + 1) * layer_bytes,
+                    addr,
+                })
+                .collect(),
+        ))
     }
 
     fn embedding(&self, table: &CudaWeight, ids: &[u32], out: &mut CudaAct) -> Result<()> {
@@ -1127,13 +1251,14 @@ impl Backend for CudaBackend {
 
     fn write_kv(&self, kv: &mut CudaKv, k: &CudaAct, v: &CudaAct, seqs: &[SeqStep<'_>]) {
         self.op(|st| {
+            st.kv_addr = kv.addr;
             self.sync_seqs(st, seqs)?;
             let g = kv.geometry;
             let a = Args::new()
                 .ptr(k.ptr())
                 .ptr(v.ptr())
-                .ptr(kv.k.ptr())
-                .ptr(kv.v.ptr())
+                .ptr(kv.k)
+                .ptr(kv.v)
                 .ptr(st.row_pos.dev.ptr())
                 .ptr(st.row_seq.dev.ptr())
                 .ptr(st.seq_pt_off.dev.ptr())
@@ -1148,6 +1273,7 @@ impl Backend for CudaBackend {
 
     fn attention(&self, q: &CudaAct, kv: &CudaKv, heads: usize, seqs: &[SeqStep<'_>], out: &mut CudaAct) {
         self.op(|st| {
+            st.kv_addr = kv.addr;
             self.sync_seqs(st, seqs)?;
             let g = kv.geometry;
             if !heads.is_multiple_of(g.kv_heads) {
@@ -1192,12 +1318,11 @@ impl Backend for CudaBackend {
 
     fn copy_page(&self, kv: &mut CudaKv, from: PageId, to: PageId) {
         self.op(|_| {
-            let g = kv.geometry;
-            let n = g.page_size * g.kv_heads * g.head_dim * 2;
-            for b in [&kv.k, &kv.v] {
-                let (src, dst) = (b.ptr() + (from.index() * n) as u64, b.ptr() + (to.index() * n) as u64);
-                // SAFETY: both pages lie inside the buffer (page ids come from the pool of this geometry).
-                unsafe { cu::memcpy_dtod_async(dst, src, n, self.stream.0) }
+            let n = kv.page_bytes();
+            let (src, dst) = (kv.addr.unit(from) * KV_UNIT_BYTES, kv.addr.unit(to) * KV_UNIT_BYTES);
+            for base in [kv.k, kv.v] {
+                // SAFETY: both pages lie inside the store (page ids come from the pool of this geometry).
+                unsafe { cu::memcpy_dtod_async(base + dst, base + src, n, self.stream.0) }
                     .map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))?;
             }
             Ok(())

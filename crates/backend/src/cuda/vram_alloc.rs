@@ -104,6 +104,10 @@ impl VramAlloc {
 }
 
 impl DeviceAlloc for VramAlloc {
+    fn card(&self) -> Option<corridor_units::CardId> {
+        Some(self.device.id())
+    }
+
     fn alloc(&self, bytes: Bytes, purpose: Purpose) -> Result<u64> {
         let want = bytes.max(MIN_ALLOCATION);
         let allocation =

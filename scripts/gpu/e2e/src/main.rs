@@ -8,13 +8,17 @@
 //! choice is correct.
 //!
 //! Usage: gpu-e2e <fixtures dir> (tests/fixtures/tiny), or
-//!        gpu-e2e <SmolLM2-135M-Instruct.Q4_1.gguf> for the "Paris" check.
+//!        gpu-e2e <SmolLM2-135M-Instruct.Q4_1.gguf> for the "Paris" check, or
+//!        gpu-e2e logits <checkpoint> <id,id,...> <out.f32>: one prefill of
+//!        the ids on the GPU, the logits of every position written as raw
+//!        little-endian f32 `[positions, vocab]` (scripts/gpu/compare_logits.py
+//!        compares them with transformers).
 
 use corridor_backend::cpu::CpuBackend;
 use corridor_backend::cuda::{CudaBackend, CudaBackendConfig};
-use corridor_backend::Backend;
+use corridor_backend::{Backend, SeqStep};
 use corridor_model::greedy::greedy;
-use corridor_model::llama::Model;
+use corridor_model::llama::{Model, StepInput};
 use corridor_model::Checkpoint;
 use corridor_units::PageId;
 use std::path::Path;
@@ -58,9 +62,39 @@ fn paris(gpu: &CudaBackend, path: &Path) -> bool {
     ok
 }
 
+/// The logits of every position of one prefill of `ids`.
+fn all_logits<B: Backend>(b: &B, ckpt: &Checkpoint, ids: &[u32]) -> Vec<f32> {
+    let model = Model::load(b, ckpt, |_| {}).expect("load");
+    let n = ids.len();
+    let mut ws = model.workspace(b, n, n).expect("workspace");
+    let pages: Vec<PageId> = (0..n.div_ceil(16) as u32).rev().map(PageId).collect();
+    let mut kv = model.kv_cache(b, 16, pages.len()).expect("kv");
+    let positions: Vec<u32> = (0..n as u32).collect();
+    let seqs = [SeqStep { row_start: 0, rows: n, cached: 0, pages: &pages }];
+    let rows: Vec<usize> = (0..n).collect();
+    let step = StepInput { tokens: ids, positions: &positions, seqs: &seqs, logit_rows: &rows };
+    let mut logits = Vec::new();
+    model.forward(b, &mut ws, &mut kv, &step, &mut logits).expect("forward");
+    logits
+}
+
 fn main() {
     let dir = std::env::args().nth(1).unwrap_or_else(|| "tests/fixtures/tiny".into());
     let gpu = CudaBackend::new(CudaBackendConfig::default()).expect("cuda backend");
+    if dir == "logits" {
+        let a: Vec<String> = std::env::args().skip(2).collect();
+        let [model, ids, out] = &a[..] else {
+            eprintln!("usage: gpu-e2e logits <checkpoint> <id,id,...> <out.f32>");
+            std::process::exit(2);
+        };
+        let ids: Vec<u32> = ids.split(',').map(|t| t.trim().parse().expect("token id")).collect();
+        let ckpt = Checkpoint::open(Path::new(model)).expect("checkpoint opens");
+        let logits = all_logits(&gpu, &ckpt, &ids);
+        let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(out, bytes).expect("write logits");
+        println!("wrote {} x {} logits to {out}", ids.len(), logits.len() / ids.len().max(1));
+        return;
+    }
     if dir.ends_with(".gguf") {
         std::process::exit(i32::from(!paris(&gpu, Path::new(&dir))));
     }
