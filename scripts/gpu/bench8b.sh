@@ -129,13 +129,16 @@ elif time_for logits 200; then
         rm -f "$ref" "$ref.stamp"
         timeout 300 python3 scripts/gpu/hf_logits.py "$MODEL_DIR" --ids "$IDS" --out "$ref" --device "${HF_DEVICE:-cuda}" 2>&1 | tee -a "$out/logits.log"
         [ "${PIPESTATUS[0]}" = 0 ] && echo "$stamp" > "$ref.stamp"
+        # The same forward in bf16: the error a plain bf16 implementation makes, the tolerance's yardstick.
+        timeout 300 python3 scripts/gpu/hf_logits.py "$MODEL_DIR" --ids "$IDS" --out /tmp/peer_bf16.f32 --dtype bfloat16 --device "${HF_DEVICE:-cuda}" 2>&1 | tee -a "$out/logits.log"
     fi
     rm -f "$got"
     echo "--- $E2E logits $MODEL_DIR $IDS $got" | tee -a "$out/logits.log"
     timeout 300 "$E2E" logits "$MODEL_DIR" "$IDS" "$got" 2>&1 | tee -a "$out/logits.log"
     e2e_rc=${PIPESTATUS[0]}
     if [ -s "$ref" ] && [ -s "$got" ]; then
-        python3 scripts/gpu/compare_logits.py "$ref" "$got" --vocab "$VOCAB" 2>&1 | tee -a "$out/logits.log"
+        peer=(); [ -s /tmp/peer_bf16.f32 ] && peer=(--peer /tmp/peer_bf16.f32)
+        python3 scripts/gpu/compare_logits.py "$ref" "$got" --vocab "$VOCAB" "${peer[@]}" 2>&1 | tee -a "$out/logits.log"
         case "${PIPESTATUS[0]}" in
             0) ok logits ;;
             1) fail logits "corridor's logits differ from the reference: see logits.log" ;;
@@ -196,9 +199,12 @@ bench() {
     (( limit > $(left) - 30 )) && limit=$(( $(left) - 30 ))
     (( limit < 10 )) && limit=10
     rm -f "$out/$name.json"
+    curl -s -m 5 "$URL/v1/engine/stats" > "$out/$name.stats0.json"
     timeout "$limit" "$BIN" bench --base-url "$URL" --model "$served" --workload fixed \
         --length-control on --no-progress --request-timeout 120 --json "$out/$name.json" "$@" 2>&1 | tee "$out/$name.txt"
     local rc=${PIPESTATUS[0]}
+    curl -s -m 5 "$URL/v1/engine/stats" > "$out/$name.stats1.json"
+    python3 scripts/gpu/step_phases.py "$out/$name.stats0.json" "$out/$name.stats1.json" | tee -a "$out/$name.txt"
     if [ ! -s "$out/$name.json" ]; then
         fail "$name" "no report (bench status $rc$( [ "$rc" = 124 ] && echo ", stopped after $limit s"))"
     elif python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if d["requests_completed"] > 0 and d["requests_failed"] == 0 else 1)' "$out/$name.json"; then

@@ -98,6 +98,8 @@ def main():
     parser.add_argument("--vocab", type=int, required=True, help="vocabulary size (row length)")
     parser.add_argument("--tol", type=float, default=0.03, help="largest allowed max|diff|/max|ref| per position (default 0.03)")
     parser.add_argument("--lsm-top", type=int, default=20, help="reference top-k tokens whose log-softmax is compared (default 20)")
+    parser.add_argument("--peer", help="a peer's logits of the same prompt (e.g. transformers in bf16): the tolerance "
+                        "becomes 1.5x the peer's own worst relative error against the reference")
     args = parser.parse_args()
 
     ref = load(args.ref, args.vocab)
@@ -117,6 +119,20 @@ def main():
         print(f"compare_logits: the tested logits contain {int(bad.sum())} NaN/infinite values (positions {rows[:20]})")
         print(f"RESULT FAIL: non-finite logits at {len(rows)} of {positions} positions")
         sys.exit(1)
+
+    if args.peer:
+        peer = load(args.peer, args.vocab)
+        if peer.shape != ref.shape or not np.isfinite(peer).all():
+            print(f"compare_logits: the peer {args.peer} does not match the reference's shape or is not finite")
+            sys.exit(2)
+        peer_stats = [compare_row(ref[p], peer[p], args.lsm_top) for p in range(positions)]
+        peer_rel = max(s["rel"] for s in peer_stats)
+        peer_agree = sum(s["agree"] for s in peer_stats)
+        peer_lsm = max(s["lsm_diff"] for s in peer_stats)
+        print(f"peer {args.peer}: worst relative error {peer_rel:.4f}, argmax {peer_agree}/{positions}, "
+              f"log-softmax top-{args.lsm_top} max|diff| {peer_lsm:.4f}")
+        args.tol = 1.5 * peer_rel
+        print(f"tolerance: 1.5 x the peer's worst relative error = {args.tol:.4f}")
 
     stats = [compare_row(ref[p], got[p], args.lsm_top) for p in range(positions)]
     # The run's usual error; a flipped argmax whose top-2 gap is well above it is a real mistake.

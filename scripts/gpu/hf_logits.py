@@ -10,6 +10,10 @@ true float32 product) and writes the logits of every position as raw little-endi
 row-major [positions, vocab], to FILE.f32: no header, so the file is exactly
 positions * vocab * 4 bytes. `compare_logits.py` reads this format.
 
+With `--dtype bfloat16` the same forward runs in bf16 (weights and activations), which gives the
+error a plain bf16 implementation makes against float32: `compare_logits.py --peer` holds corridor
+to it.
+
 Prints the shape, the argmax token of each position and the time taken. GPU memory is released
 before the script exits. An 8B model takes about 32 GB of device memory in float32.
 """
@@ -42,11 +46,11 @@ def strict_fp32(torch):
     torch.set_float32_matmul_precision("highest")
 
 
-def load(model_dir, device, torch):
-    """The checkpoint as a float32 model on `device`."""
+def load(model_dir, device, torch, dtype):
+    """The checkpoint as a model of `dtype` on `device`."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(dtype=torch.float32, attn_implementation="eager")
+    kwargs = dict(dtype=dtype, attn_implementation="eager")
     if device != "cpu":
         try:
             # Loads the weights straight onto the device.
@@ -63,6 +67,8 @@ def main():
     parser.add_argument("--ids", required=True, help="comma-separated token ids, e.g. 128000,791,6864")
     parser.add_argument("--out", required=True, help="output file: raw little-endian float32 [positions, vocab]")
     parser.add_argument("--device", default="cuda", help="device to run on (default cuda)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="compute dtype (default float32; bfloat16 gives the plain-bf16 peer)")
     args = parser.parse_args()
 
     ids = parse_ids(args.ids)
@@ -75,10 +81,10 @@ def main():
     strict_fp32(torch)
 
     t0 = time.time()
-    model = load(args.model_dir, args.device, torch)
+    model = load(args.model_dir, args.device, torch, getattr(torch, args.dtype))
     model.eval()
     t1 = time.time()
-    print(f"hf_logits: loaded {args.model_dir} in float32 on {args.device} in {t1 - t0:.1f} s")
+    print(f"hf_logits: loaded {args.model_dir} in {args.dtype} on {args.device} in {t1 - t0:.1f} s")
 
     with torch.no_grad():
         input_ids = torch.tensor([ids], dtype=torch.long, device=args.device)

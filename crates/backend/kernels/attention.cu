@@ -14,85 +14,119 @@
 #define ATT_WARPS 4
 #define ATT_MAX_D 8 // head_dim <= 32 * ATT_MAX_D = 256
 
-extern "C" __global__ void attn_partial(const float* __restrict__ q, const bf16_t* __restrict__ kc,
-                                        const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,
-                                        const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,
-                                        const u32* __restrict__ page_table, float* __restrict__ out,
-                                        float* __restrict__ part_o, float* __restrict__ part_ml, int heads,
-                                        int kv_heads, int head_dim, int page_size, float scale, int chunk,
-                                        int nsplit) {
-    __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
-    __shared__ float sm_o[ATT_WARPS][32 * ATT_MAX_D];
-    int s = blockIdx.x, h = blockIdx.y, r = blockIdx.z;
+// One block serves G query heads that share a KV head (grouped-query
+// attention), so each K and V row is read once for all of them: G = 1, 2, 4
+// or 8, the largest that divides the group. Grid: (splits, heads / G, rows).
+template <int G>
+__device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, const bf16_t* __restrict__ kc,
+                                                  const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,
+                                                  const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,
+                                                  const u32* __restrict__ page_table, float* __restrict__ out,
+                                                  float* __restrict__ part_o, float* __restrict__ part_ml, int heads,
+                                                  int kv_heads, int head_dim, int page_size, float scale, int chunk,
+                                                  int nsplit) {
+    __shared__ float sm_m[ATT_WARPS][G], sm_l[ATT_WARPS][G];
+    __shared__ float sm_o[ATT_WARPS][G][32 * ATT_MAX_D];
+    int s = blockIdx.x, h0 = blockIdx.y * G, r = blockIdx.z;
     if (row_seq[r] == 0xffffffffu) return;
-    int kvh = h / (heads / kv_heads);
+    int kvh = h0 / (heads / kv_heads);
     int ctx = (int)row_pos[r] + 1;
     const u32* pt = page_table + seq_pt_off[row_seq[r]];
     int start = s * chunk;
     int end = imin(ctx, start + chunk);
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int D = (head_dim + 31) / 32;
-    const float* qr = q + ((long long)r * heads + h) * head_dim;
-    float qv[ATT_MAX_D], o[ATT_MAX_D];
+    float qv[G][ATT_MAX_D], o[G][ATT_MAX_D], m[G], l[G];
 #pragma unroll
-    for (int d = 0; d < ATT_MAX_D; d++) {
-        int e = lane * D + d;
-        qv[d] = (d < D && e < head_dim) ? qr[e] * scale : 0.f;
-        o[d] = 0.f;
+    for (int g = 0; g < G; g++) {
+        const float* qr = q + ((long long)r * heads + h0 + g) * head_dim;
+#pragma unroll
+        for (int d = 0; d < ATT_MAX_D; d++) {
+            int e = lane * D + d;
+            qv[g][d] = (d < D && e < head_dim) ? qr[e] * scale : 0.f;
+            o[g][d] = 0.f;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.f;
     }
-    float m = NEG_INF, l = 0.f;
     int kvw = kv_heads * head_dim;
     for (int t = start + wid; t < end; t += ATT_WARPS) {
         long long base = kv_page_elems(pt[t / page_size]) + (long long)(t % page_size) * kvw + kvh * head_dim;
-        float sc = 0.f;
+        float kf[ATT_MAX_D], vf[ATT_MAX_D];
 #pragma unroll
         for (int d = 0; d < ATT_MAX_D; d++) {
             int e = lane * D + d;
-            if (d < D && e < head_dim) sc += qv[d] * bf16_to_f32(kc[base + e]);
+            bool in = d < D && e < head_dim;
+            kf[d] = in ? bf16_to_f32(kc[base + e]) : 0.f;
+            vf[d] = in ? bf16_to_f32(vc[base + e]) : 0.f;
         }
-        sc = warp_sum(sc);
-        float mn = fmaxf(m, sc);
-        float corr = expf(m - mn);
-        float p = expf(sc - mn);
-        l = l * corr + p;
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            float sc = 0.f;
+#pragma unroll
+            for (int d = 0; d < ATT_MAX_D; d++) sc += qv[g][d] * kf[d];
+            sc = warp_sum(sc);
+            float mn = fmaxf(m[g], sc);
+            float corr = expf(m[g] - mn);
+            float p = expf(sc - mn);
+            l[g] = l[g] * corr + p;
+#pragma unroll
+            for (int d = 0; d < ATT_MAX_D; d++) o[g][d] = o[g][d] * corr + p * vf[d];
+            m[g] = mn;
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        if (lane == 0) {
+            sm_m[wid][g] = m[g];
+            sm_l[wid][g] = l[g];
+        }
 #pragma unroll
         for (int d = 0; d < ATT_MAX_D; d++) {
             int e = lane * D + d;
-            float vv = (d < D && e < head_dim) ? bf16_to_f32(vc[base + e]) : 0.f;
-            o[d] = o[d] * corr + p * vv;
+            if (d < D && e < head_dim) sm_o[wid][g][e] = o[g][d];
         }
-        m = mn;
-    }
-    if (lane == 0) {
-        sm_m[wid] = m;
-        sm_l[wid] = l;
-    }
-#pragma unroll
-    for (int d = 0; d < ATT_MAX_D; d++) {
-        int e = lane * D + d;
-        if (d < D && e < head_dim) sm_o[wid][e] = o[d];
     }
     __syncthreads();
-    float M = NEG_INF;
-    for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm_m[w]);
-    float L = 0.f;
-    float wt[ATT_WARPS];
-    for (int w = 0; w < ATT_WARPS; w++) {
-        wt[w] = sm_l[w] > 0.f ? expf(sm_m[w] - M) : 0.f;
-        L += wt[w] * sm_l[w];
-    }
-    long long pidx = ((long long)r * heads + h) * nsplit + s;
-    for (int e = threadIdx.x; e < head_dim; e += blockDim.x) {
-        float acc = 0.f;
-        for (int w = 0; w < ATT_WARPS; w++) acc += wt[w] * sm_o[w][e];
-        if (nsplit == 1) out[((long long)r * heads + h) * head_dim + e] = L > 0.f ? acc / L : 0.f;
-        else part_o[pidx * head_dim + e] = acc;
-    }
-    if (nsplit > 1 && threadIdx.x == 0) {
-        part_ml[2 * pidx] = M;
-        part_ml[2 * pidx + 1] = L;
+    for (int g = 0; g < G; g++) {
+        int h = h0 + g;
+        float M = NEG_INF;
+        for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm_m[w][g]);
+        float L = 0.f;
+        float wt[ATT_WARPS];
+        for (int w = 0; w < ATT_WARPS; w++) {
+            wt[w] = sm_l[w][g] > 0.f ? expf(sm_m[w][g] - M) : 0.f;
+            L += wt[w] * sm_l[w][g];
+        }
+        long long pidx = ((long long)r * heads + h) * nsplit + s;
+        for (int e = threadIdx.x; e < head_dim; e += blockDim.x) {
+            float acc = 0.f;
+            for (int w = 0; w < ATT_WARPS; w++) acc += wt[w] * sm_o[w][g][e];
+            if (nsplit == 1) out[((long long)r * heads + h) * head_dim + e] = L > 0.f ? acc / L : 0.f;
+            else part_o[pidx * head_dim + e] = acc;
+        }
+        if (nsplit > 1 && threadIdx.x == 0) {
+            part_ml[2 * pidx] = M;
+            part_ml[2 * pidx + 1] = L;
+        }
     }
 }
+
+#define ATTN_PARTIAL(G)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                                \
+        attn_partial_g##G(const float* __restrict__ q, const bf16_t* __restrict__ kc,                          \
+                          const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,                      \
+                          const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,                 \
+                          const u32* __restrict__ page_table, float* __restrict__ out,                         \
+                          float* __restrict__ part_o, float* __restrict__ part_ml, int heads, int kv_heads,    \
+                          int head_dim, int page_size, float scale, int chunk, int nsplit) {                   \
+        attn_partial_body<G>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, out, part_o, part_ml, heads, \
+                             kv_heads, head_dim, page_size, scale, chunk, nsplit);                             \
+    }
+ATTN_PARTIAL(1)
+ATTN_PARTIAL(2)
+ATTN_PARTIAL(4)
+ATTN_PARTIAL(8)
 
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                         const u32* __restrict__ row_seq, float* __restrict__ out, int heads,

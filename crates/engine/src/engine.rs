@@ -315,12 +315,13 @@ impl Core {
                     "preempted running requests to give the card memory back"
                 );
             }
+            let started = std::time::Instant::now();
             let out = self.sched.schedule();
             for &id in &out.out_of_capacity {
                 self.finish(id, FinishReason::Length);
             }
             if !out.is_empty() {
-                self.step(&out);
+                self.step(&out, started);
             } else if self.sched.has_work() {
                 // Nothing fits now (the card is under pressure): wait for
                 // memory or a command instead of spinning.
@@ -402,10 +403,13 @@ impl Core {
         }
     }
 
-    fn step(&mut self, out: &SchedulerOutput) {
+    fn step(&mut self, out: &SchedulerOutput, started: std::time::Instant) {
         let logit_rows: Vec<usize> =
             out.seqs.iter().filter(|s| s.samples).map(|s| s.row_start + s.rows - 1).collect();
-        if let Err(e) = self.exec.execute(out, &logit_rows, &mut self.logits) {
+        let scheduled = std::time::Instant::now();
+        let ran = self.exec.execute(out, &logit_rows, &mut self.logits);
+        let forwarded = std::time::Instant::now();
+        if let Err(e) = ran {
             // A failed forward fails the requests in it, not the server.
             tracing::error!("forward pass failed: {e}");
             for s in &out.seqs {
@@ -416,6 +420,12 @@ impl Core {
         self.sched.complete_step(out);
         let sampled: Vec<RequestId> = out.seqs.iter().filter(|s| s.samples).map(|s| s.id).collect();
         self.sample(&sampled);
+        let secs = |a: std::time::Instant, b: std::time::Instant| b.duration_since(a).as_secs_f64();
+        self.stats.add_step(
+            secs(started, scheduled),
+            secs(scheduled, forwarded),
+            secs(forwarded, std::time::Instant::now()),
+        );
     }
 
     /// Sample one token for each id (in logit-row order) and apply it.

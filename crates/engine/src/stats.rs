@@ -18,6 +18,13 @@ pub struct EngineStats {
     pub preemptions: u64,
     pub aborted: u64,
     pub finished: u64,
+    /// Engine steps run, and the seconds they spent in each phase: forming
+    /// the step, the forward pass (device work included, up to the logits on
+    /// the host), and sampling plus handing tokens to their requests.
+    pub steps: u64,
+    pub schedule_seconds: f64,
+    pub forward_seconds: f64,
+    pub sample_seconds: f64,
 }
 
 /// The shared cell behind `EngineHandle::stats`.
@@ -41,6 +48,14 @@ impl StatsCell {
     }
     pub(crate) fn note_abort(&self) {
         self.publish(|s| s.aborted += 1);
+    }
+    pub(crate) fn add_step(&self, schedule: f64, forward: f64, sample: f64) {
+        self.publish(|s| {
+            s.steps += 1;
+            s.schedule_seconds += schedule;
+            s.forward_seconds += forward;
+            s.sample_seconds += sample;
+        });
     }
     pub(crate) fn note_finished(&self) {
         self.publish(|s| s.finished += 1);

@@ -532,6 +532,7 @@ fn boot_cuda(
     };
     let backend = CudaBackend::on_device(bcfg, dev.clone()).map_err(|e| BootError::Config(e.to_string()))?;
     tracing::info!(backend = %backend.name(), "CUDA backend ready");
+    (env.mark)(BootPhase::ContextReady);
     let total = cfg.num_layers + 2;
     let mut done = 0;
     let model = Model::load(&backend, ckpt, |n| {
@@ -549,6 +550,9 @@ fn boot_cuda(
     let mut exec = SingleRank::from_parts(backend, model, ws, kv);
     let captured = exec.warm_up().map_err(|e| BootError::Config(format!("warm-up on the GPU: {e}")))?;
     tracing::info!(graphs = ?captured, "decode steps captured");
+    // What the captures and lazily loaded library kernels cost shows as the
+    // residue's step at this mark.
+    (env.mark)(BootPhase::GraphsCaptured);
     size_kv(env, &dev, &arena)?;
     let pool = PagePool::new(arena, Tokens(opts.page_size));
     env.governor.register_provider(pool.prefix_evictor());

@@ -245,6 +245,12 @@ async fn engine_stats(State(state): State<AppState>) -> Response {
         "preemptions": s.preemptions,
         "aborted": s.aborted,
         "finished": s.finished,
+        "steps": s.steps,
+        "step_seconds": {
+            "schedule": s.schedule_seconds,
+            "forward": s.forward_seconds,
+            "sample": s.sample_seconds,
+        },
     }))
     .into_response()
 }

@@ -254,6 +254,16 @@ pub fn render(s: &Scrape<'_>) -> String {
     );
     single(&mut out, "corridor_prompt_tokens_total", "Prompt tokens received.", "counter", e.prompt_tokens);
     single(&mut out, "corridor_generation_tokens_total", "Tokens generated.", "counter", e.generated_tokens);
+    single(&mut out, "corridor_engine_steps_total", "Engine steps run.", "counter", e.steps);
+    header(
+        &mut out,
+        "corridor_engine_step_seconds_total",
+        "Seconds engine steps spent per phase: schedule (forming the step), forward (the model, up to logits on the host), sample (sampling and handing tokens on).",
+        "counter",
+    );
+    for (phase, v) in [("schedule", e.schedule_seconds), ("forward", e.forward_seconds), ("sample", e.sample_seconds)] {
+        let _ = writeln!(out, "corridor_engine_step_seconds_total{{phase=\"{phase}\"}} {v}");
+    }
     single(
         &mut out,
         "corridor_preemptions_total",

@@ -29,8 +29,8 @@ pub enum BootPhase {
     ContextReady,
     WeightsLoaded,
     WorkspaceReady,
-    KvSized,
     GraphsCaptured,
+    KvSized,
     BootComplete,
     FirstForward,
 }
@@ -41,8 +41,8 @@ impl BootPhase {
         BootPhase::ContextReady,
         BootPhase::WeightsLoaded,
         BootPhase::WorkspaceReady,
-        BootPhase::KvSized,
         BootPhase::GraphsCaptured,
+        BootPhase::KvSized,
         BootPhase::BootComplete,
         BootPhase::FirstForward,
     ];

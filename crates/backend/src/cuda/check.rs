@@ -600,7 +600,7 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
         let bytes = (n * k * 2) as f64;
         for rows in [1usize, 2, 3, 4, 6, 8] {
             // The per-row GEMV kernel itself, whichever path `matmul` picks for these rows.
-            let gemv = |w: &CudaWeight, out: &mut CudaAct| be.op(|_| be.gemv_simt(&x, w, rows, out));
+            let gemv = |w: &CudaWeight, out: &mut CudaAct| be.op("bench", |_| be.gemv_simt(&x, w, rows, out));
             let one = time_ms(be, 50, || gemv(&ws[0], &mut out))?;
             graph_id += 1;
             let all = graph_time_ms(be, graph_id, 20, || {
@@ -612,7 +612,7 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
             let one_gbs = bytes / (one as f64 * 1e-3) / 1e9;
             // cuBLASLt on the same rows (input rounded to bf16), to pick per shape.
             let lt = graph_time_ms(be, graph_id + 100_000, 20, || {
-                be.op(|st| {
+                be.op("bench", |st| {
                     for w in &ws {
                         be.matmul_lt(st, &x, w, rows, &out)?;
                     }
@@ -622,7 +622,7 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
             let lt_gbs = bytes / (lt as f64 * 1e-3) / 1e9;
             let tc = graph_time_ms(be, graph_id + 200_000, 20, || {
                 for w in &ws {
-                    be.op(|_| be.gemv_tc(&x, w, rows, &out));
+                    be.op("bench", |_| be.gemv_tc(&x, w, rows, &out));
                 }
             })? / ws.len() as f32;
             let tc_gbs = bytes / (tc as f64 * 1e-3) / 1e9;
@@ -665,7 +665,7 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
                 graph_id += 1;
                 let any = graph_time_ms(be, graph_id, 5, || {
                     for w in &ws {
-                        be.op(|_| be.gemv_general(&x, w, rows, &out));
+                        be.op("bench", |_| be.gemv_general(&x, w, rows, &out));
                     }
                 })? / ws.len() as f32;
                 lines.push(format!(

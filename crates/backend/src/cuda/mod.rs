@@ -126,7 +126,8 @@ struct Kernels {
     gemv_q4_1: [Kernel; 4],
     gemv_bf16_tc: Kernel,
     gemv_any: Kernel,
-    attn_partial: Kernel,
+    /// Indexed by log2 of the query heads one block serves (1, 2, 4, 8).
+    attn_partial: [Kernel; 4],
     attn_combine: Kernel,
     attn_prefill_hd64: Kernel,
     attn_prefill_hd128: Kernel,
@@ -324,6 +325,10 @@ struct State {
     /// How page ids translate into the page table's entries: the addressing
     /// of the KV store the last op used (every layer of a model shares one).
     kv_addr: KvAddressing,
+    /// Token rows of the step `begin_step` announced: kernels over rows
+    /// cover at least these, so a captured step covers every row it may be
+    /// replayed with (rows of no sequence are skipped on the device).
+    step_rows: usize,
 }
 
 // SAFETY: the raw graph handles inside are only used under the backend's mutex.
@@ -341,6 +346,56 @@ pub struct CudaBackend {
     arch: String,
     config: CudaBackendConfig,
     state: Mutex<State>,
+    /// Per-op timing when `CORRIDOR_CUDA_PROFILE=N` is set (a report every N steps).
+    profile: Option<Mutex<OpProfile>>,
+}
+
+/// Where a step's device time goes, op by op: with profiling on, steps run
+/// without graphs and every op is waited for, so small ops also carry the
+/// launch and wait (a few microseconds each) while large ones are exact.
+struct OpProfile {
+    every: u64,
+    steps: u64,
+    rows: usize,
+    totals: HashMap<String, (std::time::Duration, u64)>,
+}
+
+impl OpProfile {
+    fn add(&mut self, name: &str, d: std::time::Duration) {
+        let e = self.totals.entry(name.to_string()).or_default();
+        e.0 += d;
+        e.1 += 1;
+    }
+
+    /// Count a step; every `every` steps log the table and start again.
+    fn step(&mut self, rows: usize) {
+        self.steps += 1;
+        self.rows = rows;
+        if self.steps < self.every {
+            return;
+        }
+        let mut by_time: Vec<_> = self.totals.iter().collect();
+        by_time.sort_by(|a, b| b.1 .0.cmp(&a.1 .0));
+        let total: f64 = by_time.iter().map(|r| r.1 .0.as_secs_f64()).sum();
+        let mut table = String::new();
+        for (name, (d, n)) in by_time {
+            let ms = d.as_secs_f64() * 1e3 / self.steps as f64;
+            table.push_str(&format!(
+                "\n  {ms:8.3} ms/step {:5.1}%  {:6} calls/step  {:8.1} us/call  {name}",
+                100.0 * d.as_secs_f64() / total.max(1e-12),
+                n / self.steps,
+                d.as_secs_f64() * 1e6 / *n as f64
+            ));
+        }
+        tracing::info!(
+            "CUDA op profile over {} steps (last step {} rows), {:.3} ms/step in ops:{table}",
+            self.steps,
+            self.rows,
+            total * 1e3 / self.steps as f64
+        );
+        self.steps = 0;
+        self.totals.clear();
+    }
 }
 
 // SAFETY: the module handle is immutable once loaded; everything mutable is behind `state`.
@@ -445,7 +500,12 @@ impl CudaBackend {
             gemv_q4_1: [f("gemv_q4_1_r1")?, f("gemv_q4_1_r2")?, f("gemv_q4_1_r4")?, f("gemv_q4_1_r8")?],
             gemv_bf16_tc: f("gemv_bf16_tc")?,
             gemv_any: f("gemv_any")?,
-            attn_partial: f("attn_partial")?,
+            attn_partial: [
+                f("attn_partial_g1")?,
+                f("attn_partial_g2")?,
+                f("attn_partial_g4")?,
+                f("attn_partial_g8")?,
+            ],
             attn_combine: f("attn_combine")?,
             attn_prefill_hd64: f("attn_prefill_hd64")?,
             attn_prefill_hd128: f("attn_prefill_hd128")?,
@@ -492,6 +552,7 @@ impl CudaBackend {
             capturing: None,
             graphs: HashMap::new(),
             kv_addr: KvAddressing { chunk_pages: usize::MAX, chunk_units: 0, page_units: 1 },
+            step_rows: 0,
         };
         let name = format!("cuda:{} ({dev_name}, {arch}, {sm_count} SMs)", config.ordinal);
         Ok(CudaBackend {
@@ -505,6 +566,9 @@ impl CudaBackend {
             arch,
             config,
             state: Mutex::new(state),
+            profile: std::env::var("CORRIDOR_CUDA_PROFILE").ok().and_then(|v| v.parse().ok()).map(|every: u64| {
+                Mutex::new(OpProfile { every: every.max(1), steps: 0, rows: 0, totals: HashMap::new() })
+            }),
         })
     }
 
@@ -531,10 +595,20 @@ impl CudaBackend {
         }
     }
 
-    /// Run `f` with the context bound and the state locked, recording its error.
-    fn op(&self, f: impl FnOnce(&mut State) -> Result<()>) {
+    /// Run `f` with the context bound and the state locked, recording its
+    /// error; under `CORRIDOR_CUDA_PROFILE` also wait for it and count its time.
+    fn op(&self, name: &str, f: impl FnOnce(&mut State) -> Result<()>) {
         let mut st = self.lock();
+        let started = self.profile.as_ref().map(|_| std::time::Instant::now());
         let r = self.ctx.bind().and_then(|_| f(&mut st));
+        let r = match (started, r) {
+            (Some(t0), Ok(())) => self.synchronize().map(|_| {
+                if let Some(p) = &self.profile {
+                    p.lock().unwrap_or_else(|e| e.into_inner()).add(name, t0.elapsed());
+                }
+            }),
+            (_, r) => r,
+        };
         self.record(&mut st, r);
     }
 
@@ -579,7 +653,7 @@ impl CudaBackend {
 
     fn sync_seqs(&self, st: &mut State, seqs: &[SeqStep<'_>]) -> Result<()> {
         let mut m = std::mem::take(&mut st.maps_scratch);
-        m.rows = seqs.iter().map(|s| s.row_start + s.rows).max().unwrap_or(0);
+        m.rows = seqs.iter().map(|s| s.row_start + s.rows).max().unwrap_or(0).max(st.step_rows);
         m.row_pos.clear();
         m.row_pos.resize(m.rows, 0);
         m.row_seq.clear();
@@ -854,7 +928,11 @@ impl CudaBackend {
     fn attn_split(&self, st: &State, a: &AttnLaunch<'_>, row_seq: u64, max_ctx: usize) -> Result<()> {
         let g = a.kv.geometry;
         let rows = st.maps.rows;
-        let nsplit = self.splits(rows, a.heads, max_ctx);
+        // Query heads per block: the largest of 8, 4, 2, 1 that divides the
+        // GQA group, so a block reads each K/V row once for all of them.
+        let group = a.heads / g.kv_heads;
+        let per_block = [8usize, 4, 2, 1].into_iter().find(|p| group.is_multiple_of(*p)).unwrap_or(1);
+        let nsplit = self.splits(rows, a.heads, per_block, max_ctx);
         let chunk = max_ctx.div_ceil(nsplit).max(1);
         let scale = 1.0 / (g.head_dim as f32).sqrt();
         let args = Args::new()
@@ -875,8 +953,9 @@ impl CudaBackend {
             .f32(scale)
             .i32(chunk as i32)
             .i32(nsplit as i32);
-        let dims = LaunchDims { grid: (nsplit as u32, a.heads as u32, rows as u32), block: 128 };
-        unsafe { self.launch(self.k.attn_partial, dims, args)? };
+        let dims = LaunchDims { grid: (nsplit as u32, (a.heads / per_block) as u32, rows as u32), block: 128 };
+        let kernel = self.k.attn_partial[per_block.trailing_zeros() as usize];
+        unsafe { self.launch(kernel, dims, args)? };
         if nsplit > 1 {
             let args = Args::new()
                 .ptr(st.part_o.ptr())
@@ -917,10 +996,10 @@ impl CudaBackend {
     }
 
     /// How many context splits attention uses for `rows × heads` queries over at most `max_ctx` tokens.
-    fn splits(&self, rows: usize, heads: usize, max_ctx: usize) -> usize {
+    fn splits(&self, rows: usize, heads: usize, per_block: usize, max_ctx: usize) -> usize {
         let base = (rows * heads).max(1);
         let want_blocks = self.sm_count * 8;
-        let by_occupancy = want_blocks.div_ceil(base);
+        let by_occupancy = want_blocks.div_ceil((base / per_block).max(1));
         let by_length = max_ctx.div_ceil(64).max(1);
         let by_scratch = (self.config.attn_partials / base).max(1);
         by_occupancy.min(by_length).min(by_scratch).clamp(1, 256)
@@ -937,18 +1016,26 @@ impl CudaBackend {
     }
 }
 
+/// Destroy every captured step (the caller has synchronized the stream or
+/// is about to change what the captures point at, between steps).
+fn drop_graphs(st: &mut State) {
+    for (_, g) in st.graphs.drain() {
+        // SAFETY: created by capture, destroyed once; no replay is in flight
+        // that the driver does not finish first (destroying a launched graph
+        // exec is deferred by the driver until its work is done).
+        unsafe {
+            let _ = cu::graph::exec_destroy(g.exec);
+            let _ = cu::graph::destroy(g.graph);
+        }
+    }
+}
+
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         let _ = self.ctx.bind();
         let _ = self.synchronize();
         let mut st = self.lock();
-        for (_, g) in st.graphs.drain() {
-            // SAFETY: created by capture, destroyed once.
-            unsafe {
-                let _ = cu::graph::exec_destroy(g.exec);
-                let _ = cu::graph::destroy(g.graph);
-            }
-        }
+        drop_graphs(&mut st);
         drop(st);
         // SAFETY: no kernel of the module can still run after the synchronize above.
         unsafe {
@@ -978,7 +1065,8 @@ impl Backend for CudaBackend {
     }
 
     fn captures_graphs(&self) -> bool {
-        true
+        // Profiling times ops one by one, so it runs without graphs.
+        self.profile.is_none()
     }
 
     fn upload_weight(&self, t: &HostTensor) -> Result<CudaWeight> {
@@ -1038,9 +1126,12 @@ impl Backend for CudaBackend {
         // SAFETY: a fresh buffer of `bytes` bytes.
         unsafe { cu::memset_d8_async(buf.ptr(), 0, bytes, self.stream.0) }
             .map_err(|e| cuda_err("cuMemsetD8Async", e))?;
+        self.synchronize()?;
         // The bf16 copy of matmul inputs must hold the widest activation at the most rows.
         let mut guard = self.lock();
         let st = &mut *guard;
+        // A new workspace means new step buffers: captures of the old ones are stale.
+        drop_graphs(st);
         let mut slot = st.xbf.take();
         let r = self.ensure_scratch(&mut slot, shape.rows * shape.cols * 2);
         st.xbf = slot;
@@ -1084,7 +1175,9 @@ impl Backend for CudaBackend {
         }
         self.synchronize()?;
         let (kp, vp) = (k.ptr(), v.ptr());
-        self.lock().kv_addr = addr;
+        let mut st = self.lock();
+        drop_graphs(&mut st);
+        st.kv_addr = addr;
         Ok(CudaKv { geometry: g, _mem: KvMem::Own { _k: k, _v: v }, k: kp, v: vp, addr })
     }
 
@@ -1117,7 +1210,11 @@ impl Backend for CudaBackend {
         };
         addr.check(arena.capacity().get())?;
         let base = arena.base_address();
-        self.lock().kv_addr = addr;
+        self.synchronize()?;
+        let mut st = self.lock();
+        drop_graphs(&mut st);
+        st.kv_addr = addr;
+        drop(st);
         // Page-major: page p holds, for layer l, K at 2l and V at 2l+1 (in layer-sized slots).
         Ok(Some(
             (0..layers as u64)
@@ -1166,7 +1263,7 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaAct, weight: &CudaWeight, eps: f32, rows: usize, out: &mut CudaAct) {
-        self.op(|_| {
+        self.op("rms_norm", |_| {
             let w = self.vector_ptr(weight, "rms_norm")?;
             let a = Args::new().ptr(x.ptr()).ptr(w).ptr(out.ptr()).i32(x.cols as i32).f32(eps);
             unsafe { self.launch(self.k.rms_norm, LaunchDims { grid: (rows as u32, 1, 1), block: 256 }, a) }
@@ -1174,7 +1271,7 @@ impl Backend for CudaBackend {
     }
 
     fn head_rms_norm(&self, x: &mut CudaAct, weight: &CudaWeight, eps: f32, head_dim: usize, rows: usize) {
-        self.op(|_| {
+        self.op("head_rms_norm", |_| {
             let w = self.vector_ptr(weight, "head_rms_norm")?;
             let heads = rows * x.cols / head_dim;
             let a = Args::new().ptr(x.ptr()).ptr(w).i32(head_dim as i32).f32(eps).i32(heads as i32);
@@ -1183,7 +1280,7 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, x: &CudaAct, w: &CudaWeight, bias: Option<&CudaWeight>, rows: usize, out: &mut CudaAct) {
-        self.op(|st| {
+        self.op(&format!("matmul {}x{} {}", w.rows, w.cols, w.dtype), |st| {
             if x.cols != w.cols || out.cols != w.rows {
                 return Err(BackendError::Other(format!(
                     "matmul: x has {} columns, weight is {}x{}, out has {} columns",
@@ -1202,7 +1299,7 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&self, x: &mut CudaAct, table: &RopeTable, head_dim: usize, positions: &[u32]) {
-        self.op(|st| {
+        self.op("rope", |st| {
             self.sync_rope(st, table)?;
             let cap = st.capturing.is_some();
             self.sync_meta(&mut st.positions, positions, "positions", cap)?;
@@ -1222,7 +1319,7 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul(&self, gate: &CudaAct, up: &CudaAct, rows: usize, out: &mut CudaAct) {
-        self.op(|_| {
+        self.op("silu_mul", |_| {
             let n = rows * gate.cols;
             let a = Args::new().ptr(gate.ptr()).ptr(up.ptr()).ptr(out.ptr()).i64(n as i64);
             unsafe { self.launch(self.k.silu_mul, grid_for(n, 256), a) }
@@ -1230,7 +1327,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_assign(&self, x: &mut CudaAct, y: &CudaAct, rows: usize) {
-        self.op(|_| {
+        self.op("add_assign", |_| {
             let n = rows * x.cols;
             let a = Args::new().ptr(x.ptr()).ptr(y.ptr()).i64(n as i64);
             unsafe { self.launch(self.k.add_assign, grid_for(n, 256), a) }
@@ -1238,7 +1335,7 @@ impl Backend for CudaBackend {
     }
 
     fn gather_rows(&self, x: &CudaAct, rows: &[usize], out: &mut CudaAct) {
-        self.op(|st| {
+        self.op("gather_rows", |st| {
             let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
             let cap = st.capturing.is_some();
             self.sync_meta(&mut st.gather, &idx, "logit rows", cap)?;
@@ -1250,7 +1347,7 @@ impl Backend for CudaBackend {
     }
 
     fn write_kv(&self, kv: &mut CudaKv, k: &CudaAct, v: &CudaAct, seqs: &[SeqStep<'_>]) {
-        self.op(|st| {
+        self.op("write_kv", |st| {
             st.kv_addr = kv.addr;
             self.sync_seqs(st, seqs)?;
             let g = kv.geometry;
@@ -1272,7 +1369,7 @@ impl Backend for CudaBackend {
     }
 
     fn attention(&self, q: &CudaAct, kv: &CudaKv, heads: usize, seqs: &[SeqStep<'_>], out: &mut CudaAct) {
-        self.op(|st| {
+        self.op("attention", |st| {
             st.kv_addr = kv.addr;
             self.sync_seqs(st, seqs)?;
             let g = kv.geometry;
@@ -1306,9 +1403,15 @@ impl Backend for CudaBackend {
     }
 
     fn read_rows(&self, x: &CudaAct, rows: usize, out: &mut Vec<f32>) {
-        self.op(|_| {
-            out.clear();
-            out.resize(rows * x.cols, 0.0);
+        self.op("read_rows (logits to host)", |_| {
+            // Only a longer `out` is filled first: the copy overwrites it all,
+            // and zeroing tens of megabytes every step would cost milliseconds.
+            let n = rows * x.cols;
+            if out.len() > n {
+                out.truncate(n);
+            } else {
+                out.resize(n, 0.0);
+            }
             // SAFETY: `out` holds exactly the first `rows` rows of `x`.
             unsafe { cu::memcpy_dtoh_async(out.as_mut_slice(), x.ptr(), self.stream.0) }
                 .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
@@ -1317,7 +1420,7 @@ impl Backend for CudaBackend {
     }
 
     fn copy_page(&self, kv: &mut CudaKv, from: PageId, to: PageId) {
-        self.op(|_| {
+        self.op("copy_page", |_| {
             let n = kv.page_bytes();
             let (src, dst) = (kv.addr.unit(from) * KV_UNIT_BYTES, kv.addr.unit(to) * KV_UNIT_BYTES);
             for base in [kv.k, kv.v] {
@@ -1341,6 +1444,10 @@ impl Backend for CudaBackend {
         self.ctx.bind()?;
         let r = (|| {
             let cap = st.capturing.is_some();
+            st.step_rows = plan.tokens.len();
+            if let Some(p) = &self.profile {
+                p.lock().unwrap_or_else(|e| e.into_inner()).step(plan.tokens.len());
+            }
             self.sync_meta(&mut st.tokens, plan.tokens, "token rows", cap)?;
             self.sync_meta(&mut st.positions, plan.positions, "positions", cap)?;
             let idx: Vec<u32> = plan.logit_rows.iter().map(|&r| r as u32).collect();
@@ -1374,7 +1481,7 @@ impl Backend for CudaBackend {
     fn graph_capture_begin(&self, key: GraphKey) -> Result<bool> {
         let mut st = self.lock();
         self.ctx.bind()?;
-        if st.capturing.is_some() || st.graphs.contains_key(&key) {
+        if st.capturing.is_some() || st.graphs.contains_key(&key) || self.profile.is_some() {
             return Ok(false);
         }
         // Relaxed mode: another thread's unrelated driver calls (an allocation
