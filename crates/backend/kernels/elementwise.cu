@@ -28,6 +28,32 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = xr[j] * inv * w[j];
 }
 
+// The residual add and the next RMSNorm in one pass: x += y, out = norm(x) * w.
+// One block per row; the same sums in the same order as rms_norm.
+extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int cols, float eps) {
+    __shared__ float partial[32];
+    float* xr = x + (long long)blockIdx.x * cols;
+    const float* yr = y + (long long)blockIdx.x * cols;
+    float* o = out + (long long)blockIdx.x * cols;
+    float s = 0.f;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+        float v = xr[j] + yr[j];
+        xr[j] = v;
+        s += v * v;
+    }
+    s = warp_sum(s);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
+        v = warp_sum(v);
+        if (threadIdx.x == 0) partial[0] = v;
+    }
+    __syncthreads();
+    float inv = 1.0f / sqrtf(partial[0] / (float)cols + eps);
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = xr[j] * inv * w[j];
+}
+
 // One warp per head, in place (Qwen3's per-head q/k norm).
 extern "C" __global__ void head_rms_norm(float* x, const float* w, int head_dim, float eps, int total_heads) {
     int head = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);

@@ -195,6 +195,20 @@ pub trait Backend: Send + Sync + 'static {
     fn silu_mul(&self, gate: &Self::Act, up: &Self::Act, rows: usize, out: &mut Self::Act);
     /// `x[r] += y[r]` over the first `rows` rows.
     fn add_assign(&self, x: &mut Self::Act, y: &Self::Act, rows: usize);
+    /// The residual add and the next norm in one pass: `x[r] += y[r]`, then
+    /// `out[r] = rms_norm(x[r]) * weight`, over the first `rows` rows.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Act,
+        y: &Self::Act,
+        weight: &Self::Weight,
+        eps: f32,
+        rows: usize,
+        out: &mut Self::Act,
+    ) {
+        self.add_assign(x, y, rows);
+        self.rms_norm(x, weight, eps, rows, out);
+    }
     /// Copy chosen rows: `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Act, rows: &[usize], out: &mut Self::Act);
     /// Store the step's new K and V rows into the paged cache.

@@ -97,3 +97,45 @@ fn unsupported_tensor_type_is_named() {
     std::fs::write(&p, &bad).unwrap();
     assert_one_line_error(&p, "Q4_K");
 }
+
+/// `--devices` names what is wrong with it, and a build without the `cuda`
+/// feature says how to get one, in one line each.
+#[test]
+fn bad_or_unavailable_devices_are_one_line_errors() {
+    let model = fixtures().join("llama-f32");
+    let run = |devices: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_corridor"))
+            .args([
+                "--log",
+                "error",
+                "generate",
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "1",
+                "--devices",
+                devices,
+                "--model",
+            ])
+            .arg(&model)
+            .output()
+            .expect("the binary runs");
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    for (devices, needle) in [
+        ("cuda:zero", "neither an ordinal nor a GPU-<uuid>"),
+        ("cuda:0,0", "listed twice"),
+        ("tpu", "expected cpu, sim:SIZE"),
+    ] {
+        let (code, err) = run(devices);
+        assert_eq!(code, 1, "--devices {devices}: exit {code}, stderr: {err}");
+        assert!(err.contains(needle) && !err.contains("panicked"), "--devices {devices}: {err}");
+        assert_eq!(err.lines().filter(|l| !l.trim().is_empty()).count(), 1, "{err}");
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let (code, err) = run("cuda:0");
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains("built without CUDA support") && err.contains("--features cuda"), "{err}");
+    }
+}

@@ -399,9 +399,16 @@ impl<B: Backend> Model<B> {
                 return Err(ModelError::Step("a rank that does not embed must receive its input".into()))
             }
         }
-        for (layer, kv_layer) in self.layers.iter().zip(kv.layers.iter_mut()) {
+        // Each block's residual add is fused with the norm that follows it;
+        // the last layer's add stands alone (the final norm reads only the
+        // gathered rows).
+        for (i, (layer, kv_layer)) in self.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
             // Attention block: this rank's heads; o_proj gives a partial sum.
-            b.rms_norm(&ws.x, &layer.input_layernorm, eps, rows, &mut ws.h);
+            if i == 0 {
+                b.rms_norm(&ws.x, &layer.input_layernorm, eps, rows, &mut ws.h);
+            } else {
+                b.add_rms_norm(&mut ws.x, &ws.proj, &layer.input_layernorm, eps, rows, &mut ws.h);
+            }
             let bias = layer.qkv_bias.as_ref();
             b.matmul(&ws.h, &layer.q_proj, bias.map(|x| &x[0]), rows, &mut ws.q);
             b.matmul(&ws.h, &layer.k_proj, bias.map(|x| &x[1]), rows, &mut ws.k);
@@ -416,14 +423,15 @@ impl<B: Backend> Model<B> {
             b.attention(&ws.q, kv_layer, s.heads.len(), step.seqs, &mut ws.attn);
             b.matmul(&ws.attn, &layer.o_proj, None, rows, &mut ws.proj);
             c.all_reduce_sum(b, &mut ws.proj, rows)?;
-            b.add_assign(&mut ws.x, &ws.proj, rows);
             // MLP block: this rank's FFN columns; down_proj gives a partial sum.
-            b.rms_norm(&ws.x, &layer.post_attention_layernorm, eps, rows, &mut ws.h);
+            b.add_rms_norm(&mut ws.x, &ws.proj, &layer.post_attention_layernorm, eps, rows, &mut ws.h);
             b.matmul(&ws.h, &layer.gate_proj, None, rows, &mut ws.gate);
             b.matmul(&ws.h, &layer.up_proj, None, rows, &mut ws.up);
             b.silu_mul(&ws.gate, &ws.up, rows, &mut ws.act);
             b.matmul(&ws.act, &layer.down_proj, None, rows, &mut ws.proj);
             c.all_reduce_sum(b, &mut ws.proj, rows)?;
+        }
+        if !self.layers.is_empty() {
             b.add_assign(&mut ws.x, &ws.proj, rows);
         }
         let (Some(norm), Some(head)) = (&self.norm, &self.head) else {

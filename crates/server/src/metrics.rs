@@ -261,7 +261,9 @@ pub fn render(s: &Scrape<'_>) -> String {
         "Seconds engine steps spent per phase: schedule (forming the step), forward (the model, up to logits on the host), sample (sampling and handing tokens on).",
         "counter",
     );
-    for (phase, v) in [("schedule", e.schedule_seconds), ("forward", e.forward_seconds), ("sample", e.sample_seconds)] {
+    for (phase, v) in
+        [("schedule", e.schedule_seconds), ("forward", e.forward_seconds), ("sample", e.sample_seconds)]
+    {
         let _ = writeln!(out, "corridor_engine_step_seconds_total{{phase=\"{phase}\"}} {v}");
     }
     single(

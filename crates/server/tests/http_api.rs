@@ -57,6 +57,20 @@ async fn health_models_and_metrics() {
     assert!(text.contains("corridor_time_to_first_token_seconds_count 1\n"), "{text}");
     assert!(text.contains("corridor_inter_token_latency_seconds_count 2\n"), "{text}");
     assert!(text.contains("corridor_http_requests_total{outcome=\"completed\"} 1\n"), "{text}");
+    // One prefill step and two decode steps made the three tokens, and each
+    // phase of a step is timed.
+    assert!(text.contains("# TYPE corridor_engine_steps_total counter"), "{text}");
+    assert!(text.contains("corridor_engine_steps_total 3\n"), "{text}");
+    let stats = app.get("/v1/engine/stats").await.json();
+    assert_eq!(stats["steps"], 3, "{stats}");
+    for phase in ["schedule", "forward", "sample"] {
+        let secs = stats["step_seconds"][phase].as_f64().unwrap();
+        assert!(secs > 0.0 && secs < 60.0, "{phase}: {secs}");
+        assert!(
+            text.contains(&format!("corridor_engine_step_seconds_total{{phase=\"{phase}\"}} ")),
+            "{text}"
+        );
+    }
     app.assert_pool_idle().await;
 }
 

@@ -30,7 +30,7 @@ use std::fmt;
 use std::str::FromStr;
 
 #[cfg(feature = "cuda")]
-pub use driver::{driver_library_present, ordinal_uuid, CudaCard};
+pub use driver::{driver_library_present, ordinal_uuid, CudaCard, PinnedHost};
 
 /// Why a CUDA card could not be selected or opened.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -414,6 +414,56 @@ mod driver {
         check_driver_library()?;
         let uuids = visible_uuids()?;
         uuids.get(ordinal as usize).cloned().ok_or(CudaError::NoSuchOrdinal { ordinal, count: uuids.len() })
+    }
+
+    /// Page-locked host memory for copies from a card at full link speed
+    /// (the engine's logits, every step). It is host memory: it is not booked
+    /// on any card, and the card's identity does not see it. The caller has a
+    /// CUDA context current when it makes one.
+    pub struct PinnedHost {
+        ptr: *mut f32,
+        len: usize,
+    }
+
+    // SAFETY: a plain host buffer owned by this value; access goes through &/&mut.
+    unsafe impl Send for PinnedHost {}
+    unsafe impl Sync for PinnedHost {}
+
+    impl PinnedHost {
+        /// Room for `len` f32 values (at least one).
+        pub fn new(len: usize) -> Result<PinnedHost, CudaError> {
+            let len = len.max(1);
+            // SAFETY: a fresh page-locked allocation of `len` f32 values, freed in Drop.
+            let ptr = unsafe { cu::malloc_host(len * 4, 0) }.map_err(|e| CudaError::Driver {
+                ordinal: 0,
+                op: "cuMemHostAlloc",
+                reason: reason(e),
+            })?;
+            Ok(PinnedHost { ptr: ptr as *mut f32, len })
+        }
+        pub fn len(&self) -> usize {
+            self.len
+        }
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+        pub fn as_slice(&self) -> &[f32] {
+            // SAFETY: `len` initialized-or-not f32 slots we own; f32 has no invalid bit patterns.
+            unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+        }
+        pub fn as_mut_slice(&mut self) -> &mut [f32] {
+            // SAFETY: as above, borrowed mutably through &mut self.
+            unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+        }
+    }
+
+    impl Drop for PinnedHost {
+        fn drop(&mut self) {
+            // SAFETY: allocated by cuMemHostAlloc in `new`, freed once.
+            unsafe {
+                let _ = cu::free_host(self.ptr as *mut std::ffi::c_void);
+            }
+        }
     }
 
     /// One GPU as a [`Card`].

@@ -228,6 +228,15 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
     cpu.rms_norm(&x.c, &wc, 1e-5, rows, &mut out.c);
     let (a, b) = read_both(be, &cpu, &out, rows)?;
     rep.compare("rms_norm", &a, &b, EXACT);
+    let ys = rng.vec(rows * cols, 1.0);
+    let (mut xa, ya) = (pair(be, &cpu, rows, cols, Some(&xs))?, pair(be, &cpu, rows, cols, Some(&ys))?);
+    let mut na = pair(be, &cpu, rows, cols, None)?;
+    be.add_rms_norm(&mut xa.g, &ya.g, &wg, 1e-5, rows - 1, &mut na.g);
+    cpu.add_rms_norm(&mut xa.c, &ya.c, &wc, 1e-5, rows - 1, &mut na.c);
+    let (a, b) = read_both(be, &cpu, &na, rows)?;
+    rep.compare("add_rms_norm: the norm", &a, &b, EXACT);
+    let (a, b) = read_both(be, &cpu, &xa, rows)?;
+    rep.compare("add_rms_norm: the residual (last row untouched)", &a, &b, EXACT);
     let hw = float_tensor("h", DType::BF16, 1, hd, &rng.vec(hd, 1.0));
     let (hg, hc) = (be.upload_weight(&hw)?, cpu.upload_weight(&hw)?);
     let mut y = pair(be, &cpu, rows, cols, Some(&xs))?;

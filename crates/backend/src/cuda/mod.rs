@@ -110,6 +110,7 @@ impl Default for CudaBackendConfig {
 struct Kernels {
     embedding: Kernel,
     rms_norm: Kernel,
+    add_rms_norm: Kernel,
     head_rms_norm: Kernel,
     rope: Kernel,
     silu_mul: Kernel,
@@ -187,6 +188,9 @@ impl CudaAct {
         self.cols
     }
 }
+
+/// Reads to the host of at least this many values go through page-locked staging.
+const PINNED_READ_MIN: usize = 1 << 16;
 
 /// Bytes of one KV unit: page tables on the device hold page offsets in these
 /// (kernels/common.cu `KV_UNIT_SHIFT`).
@@ -325,6 +329,8 @@ struct State {
     /// How page ids translate into the page table's entries: the addressing
     /// of the KV store the last op used (every layer of a model shares one).
     kv_addr: KvAddressing,
+    /// Page-locked staging for large reads to the host (logits of a big batch).
+    pinned: Option<corridor_vram::cuda::PinnedHost>,
     /// Token rows of the step `begin_step` announced: kernels over rows
     /// cover at least these, so a captured step covers every row it may be
     /// replayed with (rows of no sequence are skipped on the device).
@@ -485,6 +491,7 @@ impl CudaBackend {
         let k = Kernels {
             embedding: f("embedding")?,
             rms_norm: f("rms_norm")?,
+            add_rms_norm: f("add_rms_norm")?,
             head_rms_norm: f("head_rms_norm")?,
             rope: f("rope")?,
             silu_mul: f("silu_mul")?,
@@ -553,6 +560,7 @@ impl CudaBackend {
             graphs: HashMap::new(),
             kv_addr: KvAddressing { chunk_pages: usize::MAX, chunk_units: 0, page_units: 1 },
             step_rows: 0,
+            pinned: None,
         };
         let name = format!("cuda:{} ({dev_name}, {arch}, {sm_count} SMs)", config.ordinal);
         Ok(CudaBackend {
@@ -566,9 +574,11 @@ impl CudaBackend {
             arch,
             config,
             state: Mutex::new(state),
-            profile: std::env::var("CORRIDOR_CUDA_PROFILE").ok().and_then(|v| v.parse().ok()).map(|every: u64| {
-                Mutex::new(OpProfile { every: every.max(1), steps: 0, rows: 0, totals: HashMap::new() })
-            }),
+            profile: std::env::var("CORRIDOR_CUDA_PROFILE").ok().and_then(|v| v.parse().ok()).map(
+                |every: u64| {
+                    Mutex::new(OpProfile { every: every.max(1), steps: 0, rows: 0, totals: HashMap::new() })
+                },
+            ),
         })
     }
 
@@ -953,7 +963,8 @@ impl CudaBackend {
             .f32(scale)
             .i32(chunk as i32)
             .i32(nsplit as i32);
-        let dims = LaunchDims { grid: (nsplit as u32, (a.heads / per_block) as u32, rows as u32), block: 128 };
+        let dims =
+            LaunchDims { grid: (nsplit as u32, (a.heads / per_block) as u32, rows as u32), block: 128 };
         let kernel = self.k.attn_partial[per_block.trailing_zeros() as usize];
         unsafe { self.launch(kernel, dims, args)? };
         if nsplit > 1 {
@@ -1270,6 +1281,24 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaAct,
+        y: &CudaAct,
+        weight: &CudaWeight,
+        eps: f32,
+        rows: usize,
+        out: &mut CudaAct,
+    ) {
+        self.op("add_rms_norm", |_| {
+            let w = self.vector_ptr(weight, "add_rms_norm")?;
+            let a = Args::new().ptr(x.ptr()).ptr(y.ptr()).ptr(w).ptr(out.ptr()).i32(x.cols as i32).f32(eps);
+            unsafe {
+                self.launch(self.k.add_rms_norm, LaunchDims { grid: (rows as u32, 1, 1), block: 256 }, a)
+            }
+        })
+    }
+
     fn head_rms_norm(&self, x: &mut CudaAct, weight: &CudaWeight, eps: f32, head_dim: usize, rows: usize) {
         self.op("head_rms_norm", |_| {
             let w = self.vector_ptr(weight, "head_rms_norm")?;
@@ -1403,7 +1432,7 @@ impl Backend for CudaBackend {
     }
 
     fn read_rows(&self, x: &CudaAct, rows: usize, out: &mut Vec<f32>) {
-        self.op("read_rows (logits to host)", |_| {
+        self.op("read_rows (logits to host)", |st| {
             // Only a longer `out` is filled first: the copy overwrites it all,
             // and zeroing tens of megabytes every step would cost milliseconds.
             let n = rows * x.cols;
@@ -1412,10 +1441,34 @@ impl Backend for CudaBackend {
             } else {
                 out.resize(n, 0.0);
             }
-            // SAFETY: `out` holds exactly the first `rows` rows of `x`.
-            unsafe { cu::memcpy_dtoh_async(out.as_mut_slice(), x.ptr(), self.stream.0) }
+            if n < PINNED_READ_MIN {
+                // SAFETY: `out` holds exactly the first `rows` rows of `x`.
+                unsafe { cu::memcpy_dtoh_async(out.as_mut_slice(), x.ptr(), self.stream.0) }
+                    .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
+                return self.synchronize();
+            }
+            // Large reads go through page-locked memory at the link's speed
+            // (a pageable copy is staged by the driver at a fraction of it),
+            // then into `out` on every core. The staging grows once, at the
+            // largest read (the warm-up makes it).
+            if st.pinned.as_ref().is_none_or(|p| p.len() < n) {
+                st.pinned = None;
+                st.pinned = Some(
+                    corridor_vram::cuda::PinnedHost::new(n)
+                        .map_err(|e| BackendError::Other(format!("page-locked staging: {e}")))?,
+                );
+            }
+            let pinned = st.pinned.as_mut().expect("made above");
+            let stage = &mut pinned.as_mut_slice()[..n];
+            // SAFETY: `stage` holds exactly the first `rows` rows of `x`.
+            unsafe { cu::memcpy_dtoh_async(stage, x.ptr(), self.stream.0) }
                 .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
-            self.synchronize()
+            self.synchronize()?;
+            use rayon::prelude::*;
+            out.par_chunks_mut(1 << 18)
+                .zip(stage.par_chunks(1 << 18))
+                .for_each(|(o, i)| o.copy_from_slice(i));
+            Ok(())
         })
     }
 
