@@ -24,5 +24,5 @@ cargo test --workspace
 echo "== end-to-end tests against the real server"
 python3 -m pytest -q tests/e2e
 
-echo "== the cuda backend compiles"
-cargo check -p corridor-backend --features cuda
+echo "== the CUDA build compiles (backend, card, server and cli; its checks run on a GPU machine)"
+cargo check --workspace --features cuda --all-targets
