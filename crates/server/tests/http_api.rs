@@ -58,11 +58,20 @@ async fn health_models_and_metrics() {
     assert!(text.contains("corridor_inter_token_latency_seconds_count 2\n"), "{text}");
     assert!(text.contains("corridor_http_requests_total{outcome=\"completed\"} 1\n"), "{text}");
     // One prefill step and two decode steps made the three tokens, and each
-    // phase of a step is timed.
+    // phase of a step is timed. A step is counted once its tokens are handed
+    // on, so the reply can arrive a moment before the count: wait for it.
+    let mut stats = app.get("/v1/engine/stats").await.json();
+    for _ in 0..200 {
+        if stats["steps"] == 3 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        stats = app.get("/v1/engine/stats").await.json();
+    }
+    assert_eq!(stats["steps"], 3, "{stats}");
+    let text = app.get("/metrics").await.text();
     assert!(text.contains("# TYPE corridor_engine_steps_total counter"), "{text}");
     assert!(text.contains("corridor_engine_steps_total 3\n"), "{text}");
-    let stats = app.get("/v1/engine/stats").await.json();
-    assert_eq!(stats["steps"], 3, "{stats}");
     for phase in ["schedule", "forward", "sample"] {
         let secs = stats["step_seconds"][phase].as_f64().unwrap();
         assert!(secs > 0.0 && secs < 60.0, "{phase}: {secs}");
