@@ -9,22 +9,27 @@ extern "C" __global__ void embedding(const u8* table, int dtype, long long row_b
 }
 
 // One block per row. Sum of squares in f32, as the CPU backend does.
+// The sum of `v` over the block (every thread gets it); `partial` holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* partial) {
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float w = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
+        w = warp_sum(w);
+        if (threadIdx.x == 0) partial[0] = w;
+    }
+    __syncthreads();
+    return partial[0];
+}
+
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int cols, float eps) {
     __shared__ float partial[32];
     const float* xr = x + (long long)blockIdx.x * cols;
     float* o = out + (long long)blockIdx.x * cols;
     float s = 0.f;
     for (int j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j] * xr[j];
-    s = warp_sum(s);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-        v = warp_sum(v);
-        if (threadIdx.x == 0) partial[0] = v;
-    }
-    __syncthreads();
-    float inv = 1.0f / sqrtf(partial[0] / (float)cols + eps);
+    float inv = 1.0f / sqrtf(block_sum(s, partial) / (float)cols + eps);
     for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = xr[j] * inv * w[j];
 }
 
@@ -41,16 +46,7 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
         xr[j] = v;
         s += v * v;
     }
-    s = warp_sum(s);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-        v = warp_sum(v);
-        if (threadIdx.x == 0) partial[0] = v;
-    }
-    __syncthreads();
-    float inv = 1.0f / sqrtf(partial[0] / (float)cols + eps);
+    float inv = 1.0f / sqrtf(block_sum(s, partial) / (float)cols + eps);
     for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = xr[j] * inv * w[j];
 }
 

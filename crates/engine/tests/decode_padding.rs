@@ -25,6 +25,16 @@ fn executor(padded: bool) -> SingleRank<CpuBackend> {
     SingleRank::new(backend, model, limits).unwrap().with_decode_padding(padded)
 }
 
+fn empty_step() -> SchedulerOutput {
+    SchedulerOutput {
+        tokens: Vec::new(),
+        positions: Vec::new(),
+        seqs: Vec::new(),
+        preempted: Vec::new(),
+        out_of_capacity: Vec::new(),
+    }
+}
+
 /// `n` sequences: a prefill of `10 + i` tokens each, then `steps` decode steps.
 fn run(exec: &mut SingleRank<CpuBackend>, n: usize, steps: usize) -> Vec<Vec<f32>> {
     let pages = |i: usize| -> Vec<PageId> { (0..4).map(|p| PageId((i * 4 + p) as u32)).collect() };
@@ -32,13 +42,7 @@ fn run(exec: &mut SingleRank<CpuBackend>, n: usize, steps: usize) -> Vec<Vec<f32
     let mut out = Vec::new();
     let mut logits = Vec::new();
     // Prefill every sequence in one step.
-    let mut step = SchedulerOutput {
-        tokens: Vec::new(),
-        positions: Vec::new(),
-        seqs: Vec::new(),
-        preempted: Vec::new(),
-        out_of_capacity: Vec::new(),
-    };
+    let mut step = empty_step();
     let mut logit_rows = Vec::new();
     for (i, &len) in lens.iter().enumerate() {
         let row_start = step.tokens.len();
@@ -57,13 +61,7 @@ fn run(exec: &mut SingleRank<CpuBackend>, n: usize, steps: usize) -> Vec<Vec<f32
     exec.execute(&step, &logit_rows, &mut logits).unwrap();
     out.push(logits.clone());
     for s in 0..steps {
-        let mut step = SchedulerOutput {
-            tokens: Vec::new(),
-            positions: Vec::new(),
-            seqs: Vec::new(),
-            preempted: Vec::new(),
-            out_of_capacity: Vec::new(),
-        };
+        let mut step = empty_step();
         for (i, len) in lens.iter_mut().enumerate() {
             step.tokens.push(((s * 13 + i * 5) % 200) as u32);
             step.positions.push(*len as u32);
