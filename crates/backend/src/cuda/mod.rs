@@ -381,7 +381,7 @@ impl OpProfile {
             return;
         }
         let mut by_time: Vec<_> = self.totals.iter().collect();
-        by_time.sort_by(|a, b| b.1 .0.cmp(&a.1 .0));
+        by_time.sort_by_key(|r| std::cmp::Reverse(r.1 .0));
         let total: f64 = by_time.iter().map(|r| r.1 .0.as_secs_f64()).sum();
         let mut table = String::new();
         for (name, (d, n)) in by_time {
@@ -1202,7 +1202,9 @@ impl Backend for CudaBackend {
                 geo.page_bytes
             )));
         }
-        if geo.page_bytes.get() % KV_UNIT_BYTES != 0 || geo.chunk_bytes.get() % KV_UNIT_BYTES != 0 {
+        if !geo.page_bytes.get().is_multiple_of(KV_UNIT_BYTES)
+            || !geo.chunk_bytes.get().is_multiple_of(KV_UNIT_BYTES)
+        {
             return Err(BackendError::Other(format!(
                 "KV arena pages of {} (chunks of {}) do not start on {KV_UNIT_BYTES}-byte units",
                 geo.page_bytes, geo.chunk_bytes
