@@ -2,7 +2,9 @@
 # One GPU session's checks, in two steps so each call carries under the
 # device transfer limit (binaries built on the development machine into .gpu/):
 #   scripts/gpu/session.sh checks   # card + chokepoint check, kernel checks, tiny checkpoints GPU vs CPU
-#   scripts/gpu/session.sh paris    # SmolLM2 "Paris" on the GPU; its GGUF arrives as .gpu-a/part + .gpu-b/part
+#   scripts/gpu/session.sh paris    # SmolLM2 "Paris" on the GPU, by the model and through `corridor serve`;
+#                                   # first call: `cp .gpu-a/part /tmp/smol_a` (carry .gpu-a), second: this
+#                                   # (carry .gpu-b and .gpu-c = corridor + corridor-gpu-e2e)
 #   scripts/gpu/session.sh serve    # kernel checks, tiny checkpoints, then `corridor serve` on the GPU vs the
 #                                   # CPU (scripts/gpu/serve_check.py) while the 8B checkpoint is written
 #   scripts/gpu/bench8b.sh          # then, on the same warm machine: the Llama-3-8B-shaped benchmark
@@ -32,8 +34,19 @@ case "${1:-checks}" in
     wait "$maker"; echo "8B checkpoint: exit $?"; tail -n 3 "$out/make_llama8b.log"
     ;;
   paris)
-    cat .gpu-a/part .gpu-b/part > /tmp/smollm2.gguf
+    # The GGUF travels in two halves (.gpu-a, then .gpu-b in a second call while the machine is
+    # warm, with the binaries in a small .gpu-c so each call stays under the transfer limit).
+    [ -f /tmp/smollm2.gguf ] || cat /tmp/smol_a .gpu-b/part > /tmp/smollm2.gguf
+    bin=.gpu-c; [ -x "$bin/corridor" ] || bin=.gpu
     sha256sum /tmp/smollm2.gguf | tee "$out/paris.log"
-    ./.gpu/corridor-gpu-e2e /tmp/smollm2.gguf 2>&1 | tee -a "$out/paris.log"
+    "./$bin/corridor-gpu-e2e" /tmp/smollm2.gguf 2>&1 | tee -a "$out/paris.log"
+    # The same question through `corridor serve --devices cuda:0` and the chat API.
+    "./$bin/corridor" serve --model /tmp/smollm2.gguf --devices cuda:0 --port 8500 > "$out/paris_serve.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 120); do curl -sf localhost:8500/health >/dev/null && break; sleep 0.5; done
+    curl -s localhost:8500/v1/chat/completions -H 'Content-Type: application/json' \
+        -d '{"model":"smollm2","messages":[{"role":"user","content":"What is the capital of France?"}],"temperature":0,"max_tokens":20}' \
+        | tee -a "$out/paris.log"; echo
+    kill -INT $pid; wait $pid
     ;;
 esac
