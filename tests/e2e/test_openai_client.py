@@ -126,6 +126,10 @@ def test_chat_logprobs(client):
         assert isinstance(t.bytes, list)
         assert 1 <= len(t.top_logprobs) <= 3
         assert t.top_logprobs[0].token == t.token  # greedy picks the likeliest
+        assert all(isinstance(alt.bytes, list) for alt in t.top_logprobs)
+    # Each token's raw bytes, joined, are the reply's UTF-8 (a character split
+    # over tokens included).
+    assert bytes(b for t in content for b in t.bytes).decode("utf-8", errors="replace") == r.choices[0].message.content
     plain = client.chat.completions.create(**chat_args("Numbers", 2))
     assert plain.choices[0].logprobs is None
 

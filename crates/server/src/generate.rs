@@ -52,9 +52,19 @@ impl Finish {
 pub struct TokenInfo {
     /// The token's text on its own (a partial character shows as U+FFFD).
     pub text: String,
+    /// The token's raw bytes (a partial character's own bytes).
+    pub bytes: Vec<u8>,
     pub logprob: f32,
-    /// The most likely alternatives, most likely first: (text, logprob).
-    pub top: Vec<(String, f32)>,
+    /// The most likely alternatives, most likely first.
+    pub top: Vec<TopToken>,
+}
+
+/// One alternative in `top_logprobs`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopToken {
+    pub text: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
 }
 
 /// What a [`Generation`] yields.
@@ -203,8 +213,16 @@ impl Generation {
             let text_of = |id: u32| tokenizer.decode(&[id], false).unwrap_or_default();
             c.pending.push(TokenInfo {
                 text: text_of(token),
+                bytes: tokenizer.token_bytes(token),
                 logprob: logprob.unwrap_or(f32::NEG_INFINITY),
-                top: top.iter().map(|t| (text_of(t.token), t.logprob)).collect(),
+                top: top
+                    .iter()
+                    .map(|t| TopToken {
+                        text: text_of(t.token),
+                        bytes: tokenizer.token_bytes(t.token),
+                        logprob: t.logprob,
+                    })
+                    .collect(),
             });
         }
         let piece = match c.decode.push(tokenizer, token) {

@@ -30,7 +30,7 @@ use crate::api::{
     ChatTokenLogprob, Completion, CompletionChoice, LegacyLogprobs, TopLogprob, UsageOut,
 };
 use crate::error::ApiError;
-use crate::generate::{Finish, Generation, Output, TokenInfo};
+use crate::generate::{Finish, Generation, Output, TokenInfo, TopToken};
 use crate::metrics::{Metrics, Outcome};
 
 /// Identifies the backend configuration in responses, for `seed` users.
@@ -348,15 +348,11 @@ fn chat_logprobs(tokens: &[TokenInfo]) -> ChatLogprobs {
             .map(|t| ChatTokenLogprob {
                 token: t.text.clone(),
                 logprob: t.logprob,
-                bytes: t.text.as_bytes().to_vec(),
+                bytes: t.bytes.clone(),
                 top_logprobs: t
                     .top
                     .iter()
-                    .map(|(text, lp)| TopLogprob {
-                        token: text.clone(),
-                        logprob: *lp,
-                        bytes: text.as_bytes().to_vec(),
-                    })
+                    .map(|a| TopLogprob { token: a.text.clone(), logprob: a.logprob, bytes: a.bytes.clone() })
                     .collect(),
             })
             .collect(),
@@ -373,7 +369,7 @@ fn legacy_logprobs(tokens: &[TokenInfo], start: usize) -> LegacyLogprobs {
         out.tokens.push(t.text.clone());
         out.token_logprobs.push(Some(t.logprob));
         let mut top = Map::new();
-        for (text, lp) in &t.top {
+        for TopToken { text, logprob: lp, .. } in &t.top {
             // Two ids with the same text collapse to the likelier one, which
             // comes first.
             top.entry(text.clone()).or_insert_with(|| Json_::from(*lp));
@@ -408,7 +404,12 @@ mod tests {
 
     #[test]
     fn legacy_offsets_accumulate() {
-        let t = |s: &str| TokenInfo { text: s.into(), logprob: -1.0, top: vec![(s.into(), -1.0)] };
+        let t = |s: &str| TokenInfo {
+            text: s.into(),
+            bytes: s.as_bytes().to_vec(),
+            logprob: -1.0,
+            top: vec![TopToken { text: s.into(), bytes: s.as_bytes().to_vec(), logprob: -1.0 }],
+        };
         let lp = legacy_logprobs(&[t("ab"), t("c")], 5);
         assert_eq!(lp.text_offset, vec![5, 7]);
         assert_eq!(lp.tokens, vec!["ab".to_string(), "c".to_string()]);

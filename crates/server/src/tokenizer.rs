@@ -106,6 +106,30 @@ const SUPPORTED_PRE: &[&str] = &[
     "codeshell",
 ];
 
+/// The byte a character of the byte-level alphabet stands for: printable
+/// Latin-1 bytes are themselves, the other 68 bytes were moved to U+0100
+/// onwards in byte order (the GPT-2 scheme every byte-level BPE shares).
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable =
+        |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    let cp = c as u32;
+    if cp < 0x100 {
+        return printable(cp).then_some(cp as u8);
+    }
+    // The n-th non-printable byte (in byte order) became U+0100 + n.
+    let n = cp - 0x100;
+    (0u32..256).filter(|&b| !printable(b)).nth(n as usize).map(|b| b as u8)
+}
+
+/// `<0xNN>`, SentencePiece's byte-fallback tokens.
+fn byte_fallback_token(piece: &str) -> Option<u8> {
+    let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
+    if hex.len() != 2 {
+        return None;
+    }
+    u8::from_str_radix(hex, 16).ok()
+}
+
 /// Whether `encode(.., add_special = true)` adds a BOS and/or EOS itself,
 /// overriding whatever post-processor the tokenizer file carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -394,6 +418,38 @@ impl Tokenizer {
         self.inner
             .decode(ids, skip_special)
             .map_err(|e| TokenizerError::Decode { count: ids.len(), message: e.to_string() })
+    }
+
+    /// The raw bytes token `id` stands for, what OpenAI's `bytes` field
+    /// carries: a token that is part of a character (its text alone is
+    /// U+FFFD) still has its own bytes, and the bytes of a run of tokens
+    /// concatenate to the UTF-8 of their text. For a byte-level vocabulary the
+    /// token's characters are mapped back through the byte alphabet; a
+    /// byte-fallback token `<0xNN>` is that byte; anything else (special
+    /// tokens, other vocabularies) is the UTF-8 of its decoded text.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        if let Some(piece) = self.inner.id_to_token(id) {
+            if let Some(b) = byte_fallback_token(&piece) {
+                return vec![b];
+            }
+            let added = self.inner.get_added_vocabulary().is_special_token(&piece);
+            if !added && self.byte_level() {
+                if let Some(bytes) = piece.chars().map(byte_of_char).collect::<Option<Vec<u8>>>() {
+                    return bytes;
+                }
+            }
+        }
+        self.decode(&[id], false).unwrap_or_default().into_bytes()
+    }
+
+    /// Whether the decoder maps tokens through the byte-level alphabet.
+    fn byte_level(&self) -> bool {
+        use tokenizers::DecoderWrapper as D;
+        match self.inner.get_decoder() {
+            Some(D::ByteLevel(_)) => true,
+            Some(D::Sequence(seq)) => seq.get_decoders().iter().any(|d| matches!(d, D::ByteLevel(_))),
+            _ => false,
+        }
     }
 
     /// One past the largest token id (the model's embedding table may be

@@ -78,6 +78,20 @@ fn check_stream(tok: &Tokenizer, tests: &[(String, Vec<u32>)]) {
     }
 }
 
+/// Each token's raw bytes (`bytes` in chat logprobs) concatenate to the
+/// UTF-8 of the decoded text, also where a character spans several tokens
+/// and a token alone decodes to U+FFFD.
+fn check_token_bytes(tok: &Tokenizer, tests: &[(String, Vec<u32>)]) {
+    let mut split_chars = 0;
+    for (_, ids) in tests {
+        let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id)).collect();
+        assert_eq!(bytes, tok.decode(ids, false).unwrap().into_bytes(), "ids {ids:?}");
+        split_chars +=
+            ids.iter().filter(|&&id| tok.decode(&[id], false).unwrap().contains('\u{fffd}')).count();
+    }
+    assert!(split_chars > 0, "the test strings should split some character across tokens");
+}
+
 fn vocab_case(name: &str) {
     let Some(dir) = assets("llama-cpp-python/vocab") else {
         return;
@@ -88,6 +102,7 @@ fn vocab_case(name: &str) {
     let pass = run_vocab_tests(&tok, &tests, name);
     assert_eq!(pass, tests.len(), "{name}: not every test string matched");
     check_stream(&tok, &tests);
+    check_token_bytes(&tok, &tests);
 }
 
 #[test]
@@ -116,6 +131,7 @@ fn hf_dir_qwen3_matches_qwen2_expectations() {
     let tests = read_vocab_tests(&vocab.join("ggml-vocab-qwen2.gguf"));
     let pass = run_vocab_tests(&tok, &tests, "qwen3 tokenizer.json");
     assert_eq!(pass, tests.len());
+    check_token_bytes(&tok, &tests);
     assert_eq!(tok.token_id("<|im_end|>"), Some(151_645));
     assert!(tok.eos_ids().contains(&151_645));
     assert_eq!(tok.bos_id(), None);
