@@ -3,11 +3,12 @@
 compare what a client sees.
 
 For each checkpoint: one server on `--devices cpu`, one on `--devices cuda:0`;
-the same greedy completions (temperature 0) go to both, alone and then eight
-at once (continuous batching, padded and captured decode steps on the GPU);
-the texts must be equal up to the first step where the CPU's own top-2
-log-probability gap is under the bf16 error bound (either token is right
-there). Then `/v1/memory` of the GPU server is printed and its sampler's
+the same greedy chat completions (temperature 0) go to both, alone and then
+eight at once (continuous batching, padded and captured decode steps on the
+GPU); the token sequences, compared by each token's raw `bytes` (so two
+tokens that are parts of characters do not look alike), must be equal up to
+the first step where the CPU's own top-2 log-probability gap is under the
+bf16 error bound (either token is right there). Then `/v1/memory` of the GPU server is printed and its sampler's
 breach count must be zero.
 
 Usage: serve_check.py CORRIDOR_BIN CHECKPOINT [CHECKPOINT...]
@@ -69,25 +70,26 @@ def start(binary, model, devices, port, log):
 
 
 def complete(port, model, prompt):
-    r = post(port, "/v1/completions", {
-        "model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
-        "logprobs": 2,
+    r = post(port, "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
+        "temperature": 0, "logprobs": True, "top_logprobs": 2,
     })
     c = r["choices"][0]
-    return c["text"], c["logprobs"]
+    return c["message"]["content"], c["logprobs"]["content"]
 
 
 def agree(cpu, gpu):
-    """Equal texts, or equal tokens up to a near tie on the CPU side."""
+    """Equal tokens (by their bytes), or equal up to a near tie on the CPU side."""
     (ct, cl), (gt, gl) = cpu, gpu
-    if ct == gt:
+    ca, ga = [bytes(t["bytes"]) for t in cl], [bytes(t["bytes"]) for t in gl]
+    if ca == ga:
         return True, "equal"
-    for i, (a, b) in enumerate(zip(cl["tokens"], gl["tokens"])):
+    for i, (a, b) in enumerate(zip(ca, ga)):
         if a != b:
-            top = sorted(cl["top_logprobs"][i].values(), reverse=True)
+            top = sorted((alt["logprob"] for alt in cl[i]["top_logprobs"]), reverse=True)
             gap = top[0] - top[1] if len(top) > 1 else float("inf")
             return gap < TIE, f"token {i} differs ({a!r} vs {b!r}), CPU top-2 gap {gap:.3f}"
-    return False, "texts differ with equal tokens"
+    return False, f"one reply is shorter ({len(ca)} vs {len(ga)} tokens)"
 
 
 def main():
