@@ -186,6 +186,7 @@ impl ModelArgs {
         o.card_budget_mib = self.card_budget_mib.clone();
         o.flight_dir = self.flight_dir.clone();
         o.sim_events = self.sim_events.clone();
+        o.kernel_cache = Some(cache.join("kernels"));
         if self.tp > 1 || self.pp > 1 {
             o.layout = Some(corridor_model::layout::LayoutSpec {
                 tp: self.tp,

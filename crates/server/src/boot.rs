@@ -97,6 +97,8 @@ pub struct BootOptions {
     /// A parallel layout (`None`: the whole model as one rank). On the CPU
     /// the ranks are threads sharing the host card.
     pub layout: Option<LayoutSpec>,
+    /// Where compiled GPU kernels are cached (`None`: compiled at every start).
+    pub kernel_cache: Option<PathBuf>,
 }
 
 impl BootOptions {
@@ -117,6 +119,7 @@ impl BootOptions {
             kv_hold: None,
             serving_mark_interval: None,
             layout: None,
+            kernel_cache: None,
         }
     }
 }
@@ -528,7 +531,7 @@ fn boot_cuda(
         max_seqs: opts.max_running.max(1),
         max_pages_per_seq: env.context_len.div_ceil(opts.page_size),
         attn_partials: CudaBackendConfig::default().attn_partials,
-        kernel_cache_dir: kernel_cache_dir(),
+        kernel_cache_dir: opts.kernel_cache.clone(),
     };
     let backend = CudaBackend::on_device(bcfg, dev.clone()).map_err(|e| BootError::Config(e.to_string()))?;
     tracing::info!(backend = %backend.name(), "CUDA backend ready");
@@ -567,16 +570,4 @@ fn boot_cuda(
     _progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Started, BootError> {
     Err(BootError::Config("this corridor was built without CUDA support".into()))
-}
-
-/// Where compiled kernels are cached: `$CORRIDOR_CACHE_DIR/kernels`, else
-/// `$XDG_CACHE_HOME/corridor/kernels` or `~/.cache/corridor/kernels`.
-#[cfg(feature = "cuda")]
-fn kernel_cache_dir() -> Option<PathBuf> {
-    let base = std::env::var_os("CORRIDOR_CACHE_DIR").map(PathBuf::from).or_else(|| {
-        std::env::var_os("XDG_CACHE_HOME")
-            .map(|x| PathBuf::from(x).join("corridor"))
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/corridor")))
-    })?;
-    Some(base.join("kernels"))
 }
