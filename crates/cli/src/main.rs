@@ -14,7 +14,8 @@ use std::path::PathBuf;
 #[derive(Parser, Debug)]
 #[command(name = "corridor", version)]
 struct Cli {
-    /// Where downloaded models are cached (default: $XDG_CACHE_HOME/corridor or ~/.cache/corridor).
+    /// Where downloaded models and compiled GPU kernels are cached (default: $XDG_CACHE_HOME/corridor
+    /// or ~/.cache/corridor).
     #[arg(long, global = true, env = "CORRIDOR_CACHE_DIR")]
     cache_dir: Option<PathBuf>,
     /// Log filter, e.g. `info`, `debug`, `corridor_engine=debug` (RUST_LOG syntax).
