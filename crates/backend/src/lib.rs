@@ -14,6 +14,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dtype;
+pub mod kv_units;
 
 pub use dtype::{DType, HostTensor, TensorBytes, QK};
 

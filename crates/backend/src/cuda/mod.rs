@@ -35,6 +35,7 @@ pub mod preflight;
 pub mod vram_alloc;
 
 use crate::dtype::{DType, HostTensor};
+use crate::kv_units::KvAddressing;
 use crate::{
     ActShape, Backend, BackendError, GraphKey, KvGeometry, Result, RopeStyle, RopeTable, SeqStep, StepPlan,
 };
@@ -191,38 +192,6 @@ impl CudaAct {
 
 /// Reads to the host of at least this many values go through page-locked staging.
 const PINNED_READ_MIN: usize = 1 << 16;
-
-/// Bytes of one KV unit: page tables on the device hold page offsets in these
-/// (kernels/common.cu `KV_UNIT_SHIFT`).
-const KV_UNIT_BYTES: u64 = 256;
-
-/// Where the pages of a KV store start, in KV units from its K (or V) base:
-/// pages are packed `chunk_pages` to a chunk, chunks `chunk_units` apart.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct KvAddressing {
-    chunk_pages: usize,
-    chunk_units: u64,
-    page_units: u64,
-}
-
-impl KvAddressing {
-    fn unit(&self, page: PageId) -> u64 {
-        let p = page.index();
-        (p / self.chunk_pages) as u64 * self.chunk_units + (p % self.chunk_pages) as u64 * self.page_units
-    }
-
-    /// Refuse a store whose last page would not be addressable by a u32 entry.
-    fn check(&self, num_pages: usize) -> Result<()> {
-        let last = self.unit(PageId(num_pages.saturating_sub(1) as u32));
-        if last > u32::MAX as u64 {
-            return Err(BackendError::Other(format!(
-                "a KV store of {num_pages} pages spans more than {} GiB",
-                (u32::MAX as u64 * KV_UNIT_BYTES) >> 30
-            )));
-        }
-        Ok(())
-    }
-}
 
 /// What holds a KV store's bytes alive.
 enum KvMem {
@@ -558,7 +527,7 @@ impl CudaBackend {
             arena: None,
             capturing: None,
             graphs: HashMap::new(),
-            kv_addr: KvAddressing { chunk_pages: usize::MAX, chunk_units: 0, page_units: 1 },
+            kv_addr: KvAddressing::IDENTITY,
             step_rows: 0,
             pinned: None,
         };
@@ -1173,10 +1142,9 @@ impl Backend for CudaBackend {
         check_kv_geometry(&g)?;
         // Pages start on whole KV units; a page whose bytes are not a multiple
         // of the unit is padded.
-        let page_units = ((g.page_size * g.kv_heads * g.head_dim * 2) as u64).div_ceil(KV_UNIT_BYTES);
-        let addr = KvAddressing { chunk_pages: g.num_pages.max(1), chunk_units: 0, page_units };
-        addr.check(g.num_pages)?;
-        let bytes = (g.num_pages as u64 * page_units * KV_UNIT_BYTES).max(2) as usize;
+        let addr = KvAddressing::contiguous((g.page_size * g.kv_heads * g.head_dim * 2) as u64, g.num_pages);
+        addr.check(g.num_pages).map_err(BackendError::Other)?;
+        let bytes = addr.span(g.num_pages).max(2) as usize;
         let k = self.alloc_buf(bytes, Purpose::Kv)?;
         let v = self.alloc_buf(bytes, Purpose::Kv)?;
         for b in [&k, &v] {
@@ -1202,26 +1170,14 @@ impl Backend for CudaBackend {
                 geo.page_bytes
             )));
         }
-        if !geo.page_bytes.get().is_multiple_of(KV_UNIT_BYTES)
-            || !geo.chunk_bytes.get().is_multiple_of(KV_UNIT_BYTES)
-        {
-            return Err(BackendError::Other(format!(
-                "KV arena pages of {} (chunks of {}) do not start on {KV_UNIT_BYTES}-byte units",
-                geo.page_bytes, geo.chunk_bytes
-            )));
-        }
         if self.alloc.card() != Some(arena.card()) {
             return Err(BackendError::Other(format!(
                 "the KV arena lives on {}, this backend's memory is not booked there",
                 arena.card()
             )));
         }
-        let addr = KvAddressing {
-            chunk_pages: geo.chunk_pages,
-            chunk_units: geo.chunk_bytes.get() / KV_UNIT_BYTES,
-            page_units: geo.page_bytes.get() / KV_UNIT_BYTES,
-        };
-        addr.check(arena.capacity().get())?;
+        let addr = KvAddressing::of_arena(&geo).map_err(BackendError::Other)?;
+        addr.check(arena.capacity().get()).map_err(BackendError::Other)?;
         let base = arena.base_address();
         self.synchronize()?;
         let mut st = self.lock();
@@ -1477,7 +1433,7 @@ impl Backend for CudaBackend {
     fn copy_page(&self, kv: &mut CudaKv, from: PageId, to: PageId) {
         self.op("copy_page", |_| {
             let n = kv.page_bytes();
-            let (src, dst) = (kv.addr.unit(from) * KV_UNIT_BYTES, kv.addr.unit(to) * KV_UNIT_BYTES);
+            let (src, dst) = (kv.addr.offset(from), kv.addr.offset(to));
             for base in [kv.k, kv.v] {
                 // SAFETY: both pages lie inside the store (page ids come from the pool of this geometry).
                 unsafe { cu::memcpy_dtod_async(base + dst, base + src, n, self.stream.0) }
