@@ -149,16 +149,31 @@ def missing_row(n, problem, columns):
     return f"| {n} | {problem} |" + " - |" * (columns - 2)
 
 
+def table_head(title, columns, rows, kind):
+    """A markdown table's title, header and alignment rows, with one row saying so when no report exists."""
+    out = [title, "", "| " + " | ".join(columns) + " |", "|" + "|".join("---" if i == 1 else "---:" for i in range(len(columns))) + "|"]
+    if not rows:
+        out.append(f"| - | no {kind}_*.json found |" + " - |" * (len(columns) - 2))
+    return out
+
+
+def note_lengths(report, label, notes, chunked):
+    """Collect a run's length note and its share of chunk-less tokens."""
+    note = length_note(report)
+    if note:
+        notes.append(f"{label}{note}")
+    share = chunk_share(report)
+    if share is not None:
+        chunked.append(f"{label} {100 * share:.1f}%")
+
+
 def decode_table(outdir, notes, chunked):
     rows = load_reports(outdir, "decode")
-    out = [
+    out = table_head(
         f"## Decode: {workload(rows, 'fixed (input 512, output 256 tokens)')}",
-        "",
-        "| batch B | completed/sent | output tok/s | ITL p50 ms | ITL p99 ms | TPOT ms | avg context | ceiling step ms | % of ceiling | achieved GB/s |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    if not rows:
-        out.append("| - | no decode_*.json found | - | - | - | - | - | - | - | - |")
+        ["batch B", "completed/sent", "output tok/s", "ITL p50 ms", "ITL p99 ms", "TPOT ms", "avg context",
+         "ceiling step ms", "% of ceiling", "achieved GB/s"],
+        rows, "decode")
     for b, report, problem in rows:
         if report is None:
             out.append(missing_row(b, problem, 10))
@@ -179,12 +194,7 @@ def decode_table(outdir, notes, chunked):
             f"{fmt(pct(report, 'itl_ms', 'p99'), '.2f')} | {fmt(tpot_ms(report), '.2f')} | {avg_context:.0f} | {ceiling_ms:.2f} | "
             f"{fmt(None if fraction is None else 100 * fraction, '.0f', '%')} | {fmt(achieved, '.0f')} |"
         )
-        note = length_note(report)
-        if note:
-            notes.append(f"decode B={b}{note}")
-        share = chunk_share(report)
-        if share is not None:
-            chunked.append(f"decode B={b} {100 * share:.1f}%")
+        note_lengths(report, f"decode B={b}", notes, chunked)
     out += [
         "",
         f"Ceiling step = (weight bytes {WEIGHT_BYTES / 1e9:.2f} GB + B x avg context x {KV_BYTES_PER_TOKEN} KV bytes "
@@ -198,14 +208,11 @@ def decode_table(outdir, notes, chunked):
 
 def prefill_table(outdir):
     rows = load_reports(outdir, "prefill")
-    out = [
+    out = table_head(
         "## Prefill: one request at a time, 1 output token",
-        "",
-        "| prompt P | completed/sent | prompt tokens (server) | TTFT p50 ms | TTFT p99 ms | prefill tok/s | TFLOP/s | % of 800 TFLOP/s |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    if not rows:
-        out.append("| - | no prefill_*.json found | - | - | - | - | - | - |")
+        ["prompt P", "completed/sent", "prompt tokens (server)", "TTFT p50 ms", "TTFT p99 ms", "prefill tok/s",
+         "TFLOP/s", "% of 800 TFLOP/s"],
+        rows, "prefill")
     for p_req, report, problem in rows:
         if report is None:
             out.append(missing_row(p_req, problem, 8))
@@ -234,14 +241,11 @@ def prefill_table(outdir):
 
 def latency_table(outdir, notes, chunked):
     rows = load_reports(outdir, "latency")
-    out = [
+    out = table_head(
         f"## Latency: {workload(rows, 'fixed (input 512, output 128 tokens)')}",
-        "",
-        "| concurrency C | completed/sent | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT ms | E2E p50 ms | output tok/s |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    if not rows:
-        out.append("| - | no latency_*.json found | - | - | - | - | - | - | - |")
+        ["concurrency C", "completed/sent", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "TPOT ms",
+         "E2E p50 ms", "output tok/s"],
+        rows, "latency")
     for c, report, problem in rows:
         if report is None:
             out.append(missing_row(c, problem, 9))
@@ -251,12 +255,7 @@ def latency_table(outdir, notes, chunked):
             f"{fmt(pct(report, 'itl_ms', 'p50'), '.2f')} | {fmt(pct(report, 'itl_ms', 'p99'), '.2f')} | "
             f"{fmt(tpot_ms(report), '.2f')} | {fmt(pct(report, 'e2e_ms', 'p50'))} | {fmt(num(report, 'output_tokens_per_s'))} |"
         )
-        note = length_note(report)
-        if note:
-            notes.append(f"latency C={c}{note}")
-        share = chunk_share(report)
-        if share is not None:
-            chunked.append(f"latency C={c} {100 * share:.1f}%")
+        note_lengths(report, f"latency C={c}", notes, chunked)
     return out
 
 
