@@ -146,14 +146,12 @@ impl<B: Backend> Executor for SingleRank<B> {
     ) -> Result<(), ModelError> {
         let seqs = seq_steps(step);
         let rows = step.tokens.len();
-        let decode = seqs.iter().all(|s| s.rows == 1) && logit_rows.len() == rows;
+        let input = StepInput { tokens: &step.tokens, positions: &step.positions, seqs: &seqs, logit_rows };
         let target = match self.pad_limit {
-            Some(limit) if decode && rows > 0 => decode_bucket(rows).min(limit).max(rows),
+            Some(limit) if input.is_decode() && rows > 0 => decode_bucket(rows).min(limit).max(rows),
             _ => rows,
         };
         if target == rows {
-            let input =
-                StepInput { tokens: &step.tokens, positions: &step.positions, seqs: &seqs, logit_rows };
             return self.model.forward(&self.backend, &mut self.ws, &mut self.kv, &input, logits);
         }
         let p = &mut self.padded;

@@ -153,6 +153,15 @@ pub struct StepInput<'a> {
     pub logit_rows: &'a [usize],
 }
 
+impl StepInput<'_> {
+    /// A decode step: every sequence brings one row and every row samples
+    /// (rows of no sequence, padding, sample too). Such a step may be
+    /// captured once per shape and replayed.
+    pub fn is_decode(&self) -> bool {
+        self.seqs.iter().all(|q| q.rows == 1) && self.logit_rows.len() == self.tokens.len()
+    }
+}
+
 impl<B: Backend> Model<B> {
     /// Load every weight of `ckpt` onto `backend`, checking shapes; `progress`
     /// is told each time a layer is done (layer count + 2 ticks in all).
@@ -328,8 +337,7 @@ impl<B: Backend> Model<B> {
         })?;
         // A decode step of a whole model on one card may be captured once per
         // shape and replayed: the ops read only what begin_step uploaded.
-        let decode = step.seqs.iter().all(|q| q.rows == 1) && step.logit_rows.len() == rows;
-        let key = (decode && c.capturable() && self.head.is_some() && self.embed_tokens.is_some())
+        let key = (step.is_decode() && c.capturable() && self.head.is_some() && self.embed_tokens.is_some())
             .then_some(GraphKey { rows, logit_rows: rows });
         let replayed = match key {
             Some(k) => b.graph_replay(k)?,

@@ -349,6 +349,21 @@ struct BootEnv<'a> {
 /// The engine, the card it runs on, its KV page size and what it holds resident.
 type Started = (EngineHandle, Device, Bytes, Vec<Allocation>);
 
+/// Load the whole model onto `backend`, telling `progress(done, total)` as
+/// the embedding, each layer and the head are placed.
+fn load_model<B: corridor_backend::Backend>(
+    backend: &B,
+    ckpt: &Checkpoint,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Model<B>, BootError> {
+    let total = ckpt.config().num_layers + 2;
+    let mut done = 0;
+    Ok(Model::load(backend, ckpt, |n| {
+        done += n;
+        progress(done, total);
+    })?)
+}
+
 /// The KV arena of `dev` for pages of `page_bytes`: an address reservation
 /// for as many pages as the card could ever hold (or the scheduler could
 /// ever use), nothing committed yet.
@@ -447,14 +462,7 @@ fn boot_host(
     let backend = CpuBackend::new();
     let model = match &layout {
         Some(_) => None,
-        None => {
-            let total = cfg.num_layers + 2;
-            let mut done = 0;
-            Some(Model::load(&backend, ckpt, |n| {
-                done += n;
-                progress(done, total);
-            })?)
-        }
+        None => Some(load_model(&backend, ckpt, progress)?),
     };
     (env.mark)(BootPhase::WeightsLoaded);
     let ws = workspace_bytes(&cfg, opts.max_batched_tokens, opts.max_running);
@@ -536,12 +544,7 @@ fn boot_cuda(
     let backend = CudaBackend::on_device(bcfg, dev.clone()).map_err(|e| BootError::Config(e.to_string()))?;
     tracing::info!(backend = %backend.name(), "CUDA backend ready");
     (env.mark)(BootPhase::ContextReady);
-    let total = cfg.num_layers + 2;
-    let mut done = 0;
-    let model = Model::load(&backend, ckpt, |n| {
-        done += n;
-        progress(done, total);
-    })?;
+    let model = load_model(&backend, ckpt, progress)?;
     (env.mark)(BootPhase::WeightsLoaded);
     let ws = model.workspace(&backend, opts.max_batched_tokens, opts.max_running)?;
     (env.mark)(BootPhase::WorkspaceReady);

@@ -447,12 +447,9 @@ mod driver {
         pub fn is_empty(&self) -> bool {
             self.len == 0
         }
-        pub fn as_slice(&self) -> &[f32] {
-            // SAFETY: `len` initialized-or-not f32 slots we own; f32 has no invalid bit patterns.
-            unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-        }
         pub fn as_mut_slice(&mut self) -> &mut [f32] {
-            // SAFETY: as above, borrowed mutably through &mut self.
+            // SAFETY: `len` f32 slots we own, borrowed mutably through &mut self; f32 has
+            // no invalid bit patterns, so slots not yet written are still valid values.
             unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
         }
     }

@@ -576,14 +576,15 @@ impl CudaBackend {
 
     /// Run `f` with the context bound and the state locked, recording its
     /// error; under `CORRIDOR_CUDA_PROFILE` also wait for it and count its time.
-    fn op(&self, name: &str, f: impl FnOnce(&mut State) -> Result<()>) {
+    /// The name is only formatted when profiling.
+    fn op(&self, name: impl std::fmt::Display, f: impl FnOnce(&mut State) -> Result<()>) {
         let mut st = self.lock();
         let started = self.profile.as_ref().map(|_| std::time::Instant::now());
         let r = self.ctx.bind().and_then(|_| f(&mut st));
         let r = match (started, r) {
             (Some(t0), Ok(())) => self.synchronize().map(|_| {
                 if let Some(p) = &self.profile {
-                    p.lock().unwrap_or_else(|e| e.into_inner()).add(name, t0.elapsed());
+                    p.lock().unwrap_or_else(|e| e.into_inner()).add(&name.to_string(), t0.elapsed());
                 }
             }),
             (_, r) => r,
@@ -703,6 +704,16 @@ impl CudaBackend {
         }
         self.upload(st.inv_freq.ptr(), &table.inv_freq)?;
         st.inv_freq_host = table.inv_freq.clone();
+        Ok(())
+    }
+
+    /// A new KV store: page tables translate through its addressing from now
+    /// on, and captured steps (which point at the old store) are dropped.
+    fn adopt_kv_addressing(&self, addr: KvAddressing) -> Result<()> {
+        self.synchronize()?;
+        let mut st = self.lock();
+        drop_graphs(&mut st);
+        st.kv_addr = addr;
         Ok(())
     }
 
@@ -1152,11 +1163,8 @@ impl Backend for CudaBackend {
             unsafe { cu::memset_d8_async(b.ptr(), 0, bytes, self.stream.0) }
                 .map_err(|e| cuda_err("cuMemsetD8Async", e))?;
         }
-        self.synchronize()?;
+        self.adopt_kv_addressing(addr)?;
         let (kp, vp) = (k.ptr(), v.ptr());
-        let mut st = self.lock();
-        drop_graphs(&mut st);
-        st.kv_addr = addr;
         Ok(CudaKv { geometry: g, _mem: KvMem::Own { _k: k, _v: v }, k: kp, v: vp, addr })
     }
 
@@ -1179,11 +1187,7 @@ impl Backend for CudaBackend {
         let addr = KvAddressing::of_arena(&geo).map_err(BackendError::Other)?;
         addr.check(arena.capacity().get()).map_err(BackendError::Other)?;
         let base = arena.base_address();
-        self.synchronize()?;
-        let mut st = self.lock();
-        drop_graphs(&mut st);
-        st.kv_addr = addr;
-        drop(st);
+        self.adopt_kv_addressing(addr)?;
         // Page-major: page p holds, for layer l, K at 2l and V at 2l+1 (in layer-sized slots).
         Ok(Some(
             (0..layers as u64)
@@ -1267,7 +1271,7 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, x: &CudaAct, w: &CudaWeight, bias: Option<&CudaWeight>, rows: usize, out: &mut CudaAct) {
-        self.op(&format!("matmul {}x{} {}", w.rows, w.cols, w.dtype), |st| {
+        self.op(format_args!("matmul {}x{} {}", w.rows, w.cols, w.dtype), |st| {
             if x.cols != w.cols || out.cols != w.rows {
                 return Err(BackendError::Other(format!(
                     "matmul: x has {} columns, weight is {}x{}, out has {} columns",
