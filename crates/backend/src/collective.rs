@@ -584,6 +584,36 @@ impl ThreadRank {
         Ok(())
     }
 
+    /// Which ranks an all-reduce spans.
+    pub fn shape(&self) -> GroupShape {
+        self.shared.shape
+    }
+
+    /// Count a collective another transport carried out for this rank (a
+    /// device collective whose host side is this group), so the census sees
+    /// it. `peer` names the other end of a send or receive.
+    pub fn count(&self, kind: OpKind, peer: Option<Rank>) {
+        let c = &self.shared.counters[self.rank.0 as usize];
+        match peer {
+            Some(p) => c.bump_p2p(kind, p),
+            None => c.bump(kind),
+        }
+    }
+
+    /// Fail with the group's abort, if it has been aborted.
+    pub fn check_aborted(&self, op: OpKind) -> CollectiveResult<()> {
+        let st = self.shared.lock();
+        match self.abort_error(op, &st) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Check that `peer` is another rank of this group.
+    pub fn check_peer(&self, op: OpKind, peer: Rank) -> CollectiveResult<()> {
+        self.peer(op, peer)
+    }
+
     /// Send host values to `to` (buffered: returns once queued).
     pub fn send_host(&self, to: Rank, values: &[f32]) -> CollectiveResult<()> {
         self.peer(OpKind::Send, to)?;

@@ -4,6 +4,7 @@
 //! loop.
 
 use crate::scheduler::SchedulerOutput;
+use corridor_backend::collective::{Collective, Solo};
 use corridor_backend::{Backend, SeqStep};
 use corridor_model::llama::{KvCache, Model, ModelError, StepInput, Workspace};
 use corridor_model::ModelConfig;
@@ -32,12 +33,14 @@ pub struct ExecutorLimits {
     pub num_pages: usize,
 }
 
-/// The whole model on one backend.
+/// The whole model on one backend, or one rank's slice of it with the
+/// collective that joins it to its peers (`with_collective`).
 pub struct SingleRank<B: Backend> {
     backend: B,
     model: Model<B>,
     ws: Workspace<B>,
     kv: KvCache<B>,
+    comm: Box<dyn Collective<B>>,
     /// Decode steps are padded up to one of a few batch sizes (when the
     /// backend replays captured steps), at most this many rows.
     pad_limit: Option<usize>,
@@ -84,7 +87,31 @@ impl<B: Backend> SingleRank<B> {
     /// where the workspace must be resident before KV is sized).
     pub fn from_parts(backend: B, model: Model<B>, ws: Workspace<B>, kv: KvCache<B>) -> Self {
         let pad_limit = backend.captures_graphs().then(|| ws.max_rows().min(ws.max_logit_rows()));
-        SingleRank { backend, model, ws, kv, pad_limit, padded: PaddedStep::default() }
+        SingleRank {
+            backend,
+            model,
+            ws,
+            kv,
+            comm: Box::new(Solo::new()),
+            pad_limit,
+            padded: PaddedStep::default(),
+        }
+    }
+
+    /// Run as one rank of a layout: every step's exchanges go through `comm`.
+    /// Padding and warm-up are decided from what every rank shares (the
+    /// workspace limits and the backend kind), so the ranks stay in lockstep.
+    pub fn with_collective(mut self, comm: Box<dyn Collective<B>>) -> Self {
+        self.comm = comm;
+        self
+    }
+
+    pub fn collective(&self) -> &dyn Collective<B> {
+        &*self.comm
+    }
+
+    pub fn model(&self) -> &Model<B> {
+        &self.model
     }
 }
 
@@ -101,7 +128,7 @@ impl<B: Backend> SingleRank<B> {
             let logit_rows: Vec<usize> = (0..rows.min(me.ws.max_logit_rows())).collect();
             let input =
                 StepInput { tokens: &tokens, positions: &positions, seqs: &[], logit_rows: &logit_rows };
-            me.model.forward(&me.backend, &mut me.ws, &mut me.kv, &input, &mut logits)
+            me.model.forward_ranked(&me.backend, &*me.comm, &mut me.ws, &mut me.kv, &input, &mut logits)
         };
         // Prefill-sized steps first (cuBLASLt picks kernels by shape).
         let max = self.ws.max_rows();
@@ -152,7 +179,14 @@ impl<B: Backend> Executor for SingleRank<B> {
             _ => rows,
         };
         if target == rows {
-            return self.model.forward(&self.backend, &mut self.ws, &mut self.kv, &input, logits);
+            return self.model.forward_ranked(
+                &self.backend,
+                &*self.comm,
+                &mut self.ws,
+                &mut self.kv,
+                &input,
+                logits,
+            );
         }
         let p = &mut self.padded;
         p.tokens.clear();
@@ -166,7 +200,7 @@ impl<B: Backend> Executor for SingleRank<B> {
         p.logit_rows.extend(rows..target);
         let input =
             StepInput { tokens: &p.tokens, positions: &p.positions, seqs: &seqs, logit_rows: &p.logit_rows };
-        self.model.forward(&self.backend, &mut self.ws, &mut self.kv, &input, logits)?;
+        self.model.forward_ranked(&self.backend, &*self.comm, &mut self.ws, &mut self.kv, &input, logits)?;
         // The padding rows' logits are dropped.
         logits.truncate(logit_rows.len() * self.model.config().vocab_size);
         Ok(())

@@ -10,16 +10,24 @@
 //! collective census; a divergence fails the step and names the rank behind.
 //!
 //! Capacity shared by the group (how many pages it admits) is agreed by a MIN
-//! reduction over what each rank can hold ([`MultiRank::agree_capacity`]).
+//! reduction over what each rank can hold ([`MultiRank::agree_capacity`]):
+//! a rank whose KV lives on a card of its own measures that card's free
+//! column and offers the pages that fit above its floor and margin.
+//!
+//! The ranks are generic over the backend: CPU ranks (on the host or on sim
+//! cards) join through the in-process group, GPU ranks through NCCL.
 
-use crate::executor::{seq_steps, Executor, ExecutorLimits};
+use crate::executor::{Executor, ExecutorLimits, SingleRank};
 use crate::scheduler::SchedulerOutput;
-use corridor_backend::collective::{Collective, Group, GroupShape, ThreadGroup, ThreadRank};
+use corridor_backend::collective::{CollectiveError, GroupShape, ThreadGroup};
 use corridor_backend::cpu::CpuBackend;
+use corridor_backend::Backend;
 use corridor_model::layout::{Layout, LayoutKind};
-use corridor_model::llama::{Model, ModelError, StepInput};
+use corridor_model::llama::{Model, ModelError};
 use corridor_model::{Checkpoint, ModelConfig};
-use corridor_units::Pages;
+use corridor_units::{Bytes, Pages};
+use corridor_vram::sizing::{solve, SizingInput};
+use corridor_vram::{ChunkGeometry, Device};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -50,14 +58,34 @@ enum Job {
     },
     /// Propose holding this many pages; every rank answers the group's MIN.
     Capacity(u64),
+    /// Run every step shape once (see [`SingleRank::warm_up`]).
+    WarmUp,
 }
 
 enum Reply {
     Logits(Option<Vec<f32>>),
     Capacity(u64),
+    WarmedUp(Vec<usize>),
 }
 
-/// A layout's ranks as threads of this process (CPU and sim cards).
+/// Where a rank's KV lives when it has a card of its own: its share of the
+/// group's arena, which it measures to offer a capacity.
+#[derive(Clone, Debug)]
+pub struct KvShare {
+    pub device: Device,
+    pub geometry: ChunkGeometry,
+    /// The error bar sizing keeps above the floor.
+    pub margin: Bytes,
+}
+
+/// One rank ready to run: its executor (slice, workspace, KV, collective)
+/// and, when it has a card of its own, its KV share.
+pub struct RankParts<B: Backend> {
+    pub exec: SingleRank<B>,
+    pub kv: Option<KvShare>,
+}
+
+/// A layout's ranks as threads of this process.
 pub struct MultiRank {
     config: ModelConfig,
     group: ThreadGroup,
@@ -82,40 +110,53 @@ pub fn spawn_layout(
 }
 
 impl MultiRank {
+    /// CPU ranks: load every rank's slice of `ckpt` and start the rank
+    /// threads, joined by the in-process group.
     pub fn spawn(
         ckpt: &Checkpoint,
         layout: &Layout,
         options: LayoutOptions,
     ) -> Result<MultiRank, ModelError> {
-        let world = layout.ranks.len();
-        let shape =
-            if layout.kind == LayoutKind::Pipeline { GroupShape::Pipeline } else { GroupShape::Tensor };
-        let (group, comms) = ThreadGroup::new(world, shape, options.collective_timeout);
+        let (group, comms) =
+            ThreadGroup::new(layout.ranks.len(), group_shape(layout), options.collective_timeout);
+        let l = options.limits;
+        let mut ranks = Vec::with_capacity(layout.ranks.len());
+        for (slice, comm) in layout.ranks.iter().zip(comms) {
+            let backend = CpuBackend::new();
+            let model = Model::load_slice(&backend, ckpt, slice, |_| {})?;
+            let exec = SingleRank::new(backend, model, l)?.with_collective(Box::new(comm));
+            ranks.push(RankParts { exec, kv: None });
+        }
+        Self::start(ckpt.config().clone(), layout, group, ranks, options)
+    }
+
+    /// Start one thread per rank over ranks made by the caller (rank `i` of
+    /// `layout` is `ranks[i]`, whose collective belongs to `group`).
+    pub fn start<B: Backend + Send + 'static>(
+        config: ModelConfig,
+        layout: &Layout,
+        group: ThreadGroup,
+        ranks: Vec<RankParts<B>>,
+        options: LayoutOptions,
+    ) -> Result<MultiRank, ModelError> {
         let logits_rank = layout
             .ranks
             .iter()
             .position(|r| r.emits_logits())
             .ok_or_else(|| ModelError::Step("no rank of the layout computes logits".into()))?;
         let (reply_tx, replies) = mpsc::channel();
-        let (mut jobs, mut threads) = (Vec::with_capacity(world), Vec::with_capacity(world));
-        let l = options.limits;
-        for (slice, comm) in layout.ranks.iter().zip(comms) {
-            let backend = CpuBackend::new();
-            let model = Model::load_slice(&backend, ckpt, slice, |_| {})?;
-            let ws = model.workspace(&backend, l.max_rows, l.max_logit_rows)?;
-            let kv = model.kv_cache(&backend, l.page_size, l.num_pages)?;
+        let (mut jobs, mut threads) = (Vec::with_capacity(ranks.len()), Vec::with_capacity(ranks.len()));
+        for (slice, parts) in layout.ranks.iter().zip(ranks) {
+            let model = parts.exec.model();
             tracing::info!(rank = %slice.rank, layers = ?slice.layers, heads = ?slice.heads, kv_heads = ?slice.kv_heads,
                 ffn = ?slice.ffn, vocab = ?slice.vocab, kv_bytes_per_token = model.kv_bytes_per_token(4), "rank loaded");
             let (tx, rx) = mpsc::channel();
             jobs.push(tx);
             let rank = RankWorker {
                 index: slice.rank.0 as usize,
-                backend,
-                model,
-                ws,
-                kv,
-                comm,
-                max_pages: l.num_pages as u64,
+                exec: parts.exec,
+                kv: parts.kv,
+                max_pages: options.limits.num_pages as u64,
             };
             let reply = reply_tx.clone();
             let t = std::thread::Builder::new()
@@ -125,7 +166,7 @@ impl MultiRank {
             threads.push(t);
         }
         Ok(MultiRank {
-            config: ckpt.config().clone(),
+            config,
             group,
             jobs,
             replies,
@@ -134,6 +175,16 @@ impl MultiRank {
             census_every: options.census_every,
             threads,
         })
+    }
+
+    /// Every rank runs each step shape once, in lockstep (see
+    /// [`SingleRank::warm_up`]); returns the decode batch sizes captured.
+    pub fn warm_up(&mut self) -> Result<Vec<usize>, ModelError> {
+        let replies = self.broadcast(|| Job::WarmUp)?;
+        Ok(replies
+            .into_iter()
+            .find_map(|r| if let Reply::WarmedUp(s) = r { Some(s) } else { None })
+            .unwrap_or_default())
     }
 
     /// Send `job` to every rank and wait for every answer. A failure resets
@@ -157,16 +208,16 @@ impl MultiRank {
             return Ok(out.into_iter().map(|r| r.expect("every rank answered")).collect());
         }
         self.group.reset();
-        let is_echo = |e: &ModelError| {
-            matches!(e, ModelError::Collective(corridor_backend::collective::CollectiveError::Aborted { .. }))
-        };
+        let is_echo = |e: &ModelError| matches!(e, ModelError::Collective(CollectiveError::Aborted { .. }));
         let first = errors.iter().position(|e| !is_echo(e)).unwrap_or(0);
         Err(errors.swap_remove(first))
     }
 
     /// Agree on how many pages the group holds: each rank offers the smaller
-    /// of `want` and what its KV cache can hold, and the group takes the MIN,
-    /// so a rank that must refuse holds the others back instead of desyncing.
+    /// of `want`, what its KV cache can address and (with a card of its own)
+    /// what its card's measured free column holds above floor and margin; the
+    /// group takes the MIN, so a rank that must refuse holds the others back
+    /// instead of desyncing.
     pub fn agree_capacity(&mut self, want: Pages) -> Result<Pages, ModelError> {
         let replies = self.broadcast(|| Job::Capacity(want.get() as u64))?;
         let agreed: Vec<u64> =
@@ -215,35 +266,48 @@ impl Drop for MultiRank {
     }
 }
 
-struct RankWorker {
+struct RankWorker<B: Backend> {
     index: usize,
-    backend: CpuBackend,
-    model: Model<CpuBackend>,
-    ws: corridor_model::llama::Workspace<CpuBackend>,
-    kv: corridor_model::llama::KvCache<CpuBackend>,
-    comm: ThreadRank,
-    /// Pages this rank's KV cache can hold.
+    exec: SingleRank<B>,
+    kv: Option<KvShare>,
+    /// Pages this rank's KV cache can address.
     max_pages: u64,
 }
 
-impl RankWorker {
+impl<B: Backend> RankWorker<B> {
     fn run(mut self, jobs: mpsc::Receiver<Job>, reply: mpsc::Sender<(usize, Result<Reply, ModelError>)>) {
         let mut logits = Vec::new();
         for job in jobs {
             let r = match job {
                 Job::Step { out, logit_rows, census } => self.step(&out, &logit_rows, census, &mut logits),
                 Job::Capacity(want) => {
-                    self.comm.min_u64(want.min(self.max_pages)).map(Reply::Capacity).map_err(ModelError::from)
+                    let offer = want.min(self.max_pages).min(self.own_pages());
+                    self.exec.collective().min_u64(offer).map(Reply::Capacity).map_err(ModelError::from)
                 }
+                Job::WarmUp => self.exec.warm_up().map(Reply::WarmedUp),
             };
             if let Err(e) = &r {
                 // Peers waiting on this rank stop now instead of at a timeout.
-                self.comm.abort(&e.to_string());
+                self.exec.collective().abort(&e.to_string());
             }
             if reply.send((self.index, r)).is_err() {
                 return;
             }
         }
+    }
+
+    /// Pages this rank's card holds above its floor and margin, measured now
+    /// (unbounded when the rank has no card of its own).
+    fn own_pages(&self) -> u64 {
+        let Some(share) = &self.kv else { return u64::MAX };
+        let input = SizingInput::measure(
+            &share.device,
+            share.margin,
+            Bytes::ZERO,
+            share.geometry,
+            Pages(self.max_pages as usize),
+        );
+        solve(input).pages.get() as u64
     }
 
     fn step(
@@ -253,13 +317,18 @@ impl RankWorker {
         census: bool,
         logits: &mut Vec<f32>,
     ) -> Result<Reply, ModelError> {
-        let seqs = seq_steps(out);
-        let input = StepInput { tokens: &out.tokens, positions: &out.positions, seqs: &seqs, logit_rows };
-        let comm: &dyn Collective<CpuBackend> = &self.comm;
-        self.model.forward_ranked(&self.backend, comm, &mut self.ws, &mut self.kv, &input, logits)?;
+        self.exec.execute(out, logit_rows, logits)?;
         if census {
-            self.comm.compare_census()?;
+            self.exec.collective().compare_census()?;
         }
-        Ok(Reply::Logits(self.model.slice().emits_logits().then(|| std::mem::take(logits))))
+        Ok(Reply::Logits(self.exec.model().slice().emits_logits().then(|| std::mem::take(logits))))
+    }
+}
+
+fn group_shape(layout: &Layout) -> GroupShape {
+    if layout.kind == LayoutKind::Pipeline {
+        GroupShape::Pipeline
+    } else {
+        GroupShape::Tensor
     }
 }

@@ -390,8 +390,9 @@ pub struct CostModel {
     pub chunk_target: Bytes,
 }
 
-/// The default commit unit of a KV arena.
-pub const DEFAULT_CHUNK_TARGET: Bytes = Bytes::mib(64);
+/// The commit unit a KV arena aims for (what boot uses: chunks of about
+/// 2 MiB, so a card rests within a few MiB of its floor).
+pub const DEFAULT_CHUNK_TARGET: Bytes = Bytes::mib(2);
 
 fn elems_bytes(dtype: DType, elems: usize) -> u64 {
     // Rounding up to whole blocks only matters for shapes that are not block multiples.
@@ -540,6 +541,32 @@ fn sizing_input(card: &CardRoom, resident: Bytes, geometry: ChunkGeometry) -> Si
     }
 }
 
+/// The chunk geometry of each rank's share of the group's KV arena: one id
+/// space, so every rank that holds KV commits the same pages per chunk (a
+/// rank without layers holds none).
+pub fn group_geometry(
+    cfg: &ModelConfig,
+    layout: &Layout,
+    cards: &[CardRoom],
+    cost: &CostModel,
+) -> Vec<Option<ChunkGeometry>> {
+    let shapes: Vec<Option<(Bytes, Bytes)>> = layout
+        .ranks
+        .iter()
+        .zip(cards)
+        .map(|(s, c)| {
+            let pb = cost.page_bytes(cfg, s);
+            (pb > Bytes::ZERO).then_some((pb, c.granularity))
+        })
+        .collect();
+    let present: Vec<(Bytes, Bytes)> = shapes.iter().flatten().copied().collect();
+    let Ok(mut common) = ChunkGeometry::common(&present, cost.chunk_target) else {
+        return vec![None; shapes.len()];
+    };
+    common.reverse();
+    shapes.iter().map(|s| s.and_then(|_| common.pop())).collect()
+}
+
 fn price(
     cfg: &ModelConfig,
     layout: &Layout,
@@ -551,14 +578,13 @@ fn price(
         return Err(LayoutError::CardCount { ranks: layout.ranks.len(), cards: cards.len() });
     }
     let mut ranks = Vec::with_capacity(cards.len());
-    for (s, card) in layout.ranks.iter().zip(cards) {
+    let geometry = group_geometry(cfg, layout, cards, cost);
+    for ((s, card), chunk) in layout.ranks.iter().zip(cards).zip(geometry) {
         let (weights, workspace) = (cost.weights(cfg, s), cost.workspace(cfg, s));
         let resident = weights + workspace;
-        let page_bytes = cost.page_bytes(cfg, s);
         let fits =
             card.free >= resident + card.floor + card.margin && card.budget.is_none_or(|b| b >= resident);
         // A stage without layers holds no KV: it never bounds the group.
-        let chunk = ChunkGeometry::new(page_bytes, card.granularity, cost.chunk_target).ok();
         let own = match chunk {
             _ if !fits => Pages(0),
             None => Pages(usize::MAX),
@@ -651,12 +677,7 @@ fn balance_ffn(
                 - fixed[i].get()
         })
         .collect();
-    let geometry: Vec<Option<ChunkGeometry>> = base
-        .ranks
-        .iter()
-        .zip(cards)
-        .map(|(s, c)| ChunkGeometry::new(cost.page_bytes(cfg, s), c.granularity, cost.chunk_target).ok())
-        .collect();
+    let geometry = group_geometry(cfg, base, cards, cost);
     let room = |i: usize| {
         let c = &cards[i];
         let by_free = c.free.saturating_sub(c.floor + c.margin);

@@ -30,6 +30,8 @@ use corridor_vram::{
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+mod layout;
+
 /// Which cards to run on.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Devices {
@@ -305,11 +307,17 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         context_len,
         ordinals: &ordinals,
     };
-    let (engine, dev, page_bytes, resident) = match &opts.devices {
-        Devices::Cuda(_) => boot_cuda(&env, config, &mut progress)?,
-        Devices::Cpu | Devices::Sim(_) => boot_host(&env, config, &mut progress)?,
+    let parallel = opts.layout.as_ref().filter(|l| l.ranks() > 1);
+    let (engine, kv_cards, resident) = match (&opts.devices, parallel) {
+        (Devices::Cuda(_), None) => boot_cuda(&env, config, &mut progress)?,
+        (Devices::Cuda(_), Some(spec)) => boot_cuda_layout(&env, config, spec, &mut progress)?,
+        (Devices::Sim(_), Some(spec)) => layout::boot_sim_layout(&env, config, spec, &mut progress)?,
+        (Devices::Cpu, _) | (Devices::Sim(_), None) => boot_host(&env, config, &mut progress)?,
     };
-    governor.register_provider(engine.preempt_provider(dev.id(), page_bytes));
+    // Preempting a request frees its pages on every card that holds KV.
+    for (dev, page_bytes) in &kv_cards {
+        governor.register_provider(engine.preempt_provider(dev.id(), *page_bytes));
+    }
     mark(BootPhase::BootComplete);
     if let Some(r) = recorder {
         governor.attach_recorder(r);
@@ -346,8 +354,9 @@ struct BootEnv<'a> {
     ordinals: &'a [u32],
 }
 
-/// The engine, the card it runs on, its KV page size and what it holds resident.
-type Started = (EngineHandle, Device, Bytes, Vec<Allocation>);
+/// The engine, each card holding KV with its bytes of one page, and what is
+/// held resident by size.
+type Started = (EngineHandle, Vec<(Device, Bytes)>, Vec<Allocation>);
 
 /// Load the whole model onto `backend`, telling `progress(done, total)` as
 /// the embedding, each layer and the head are placed.
@@ -364,38 +373,45 @@ fn load_model<B: corridor_backend::Backend>(
     })?)
 }
 
-/// The KV arena of `dev` for pages of `page_bytes`: an address reservation
-/// for as many pages as the card could ever hold (or the scheduler could
+/// The KV arena over `parts` (each card with the bytes of one page on it;
+/// one card unless a layout spans several): an address reservation for as
+/// many pages as the smallest share could ever hold (or the scheduler could
 /// ever use), nothing committed yet.
 fn new_arena(
     env: &BootEnv<'_>,
-    dev: &Device,
-    page_bytes: Bytes,
+    parts: &[(Device, Bytes)],
     host_cap: Option<Bytes>,
 ) -> Result<Arc<KvArena>, BootError> {
     let opts = env.opts;
     let useful = opts.max_running * env.context_len.div_ceil(opts.page_size);
-    let mut max_pages = useful.min((dev.card().total().get() / page_bytes.get().max(1)) as usize);
+    let mut max_pages = parts
+        .iter()
+        .map(|(dev, pb)| (dev.card().total().get() / pb.get().max(1)) as usize)
+        .min()
+        .unwrap_or(0)
+        .min(useful);
+    let widest = parts.iter().map(|(_, pb)| *pb).max().unwrap_or(Bytes::ZERO);
     if let Some(cap) = host_cap {
         // The host is shared with everything else: hold KV to its budget.
-        max_pages = max_pages.min((cap.get() / page_bytes.get().max(1)) as usize);
+        max_pages = max_pages.min((cap.get() / widest.get().max(1)) as usize);
     }
     // Chunks of about 2 MiB (whole granules of the card), but never more than
     // a quarter of the pool, so a small pool still shrinks and grows in steps.
-    let pool_bytes = Bytes(page_bytes.get() * max_pages.max(1) as u64);
-    let chunk_target = Bytes::mib(2).min(Bytes(pool_bytes.get() / 4)).max(page_bytes);
-    let geometry = ChunkGeometry::new(page_bytes, dev.card().granularity(), chunk_target)
-        .map_err(|e| BootError::Memory(e.to_string()))?;
+    let pool_bytes = Bytes(widest.get() * max_pages.max(1) as u64);
+    let chunk_target = Bytes::mib(2).min(Bytes(pool_bytes.get() / 4)).max(widest);
+    let shapes: Vec<(Bytes, Bytes)> = parts.iter().map(|(d, pb)| (*pb, d.card().granularity())).collect();
+    let geometry =
+        ChunkGeometry::common(&shapes, chunk_target).map_err(|e| BootError::Memory(e.to_string()))?[0];
     // The id space is whole chunks: round up, so even a tiny pool holds one.
     let max_pages = max_pages.max(1).div_ceil(geometry.chunk_pages) * geometry.chunk_pages;
     let arena_cfg = KvArenaConfig {
-        page_bytes,
+        page_bytes: parts[0].1,
         max_pages: Pages(max_pages),
         chunk_target,
         hold: env.governor.config().kv_hold,
     };
-    let arena =
-        KvArena::new(dev, arena_cfg, env.clock.clone()).map_err(|e| BootError::Memory(e.to_string()))?;
+    let arena = KvArena::spanning(parts, arena_cfg, env.clock.clone())
+        .map_err(|e| BootError::Memory(e.to_string()))?;
     Ok(Arc::new(arena))
 }
 
@@ -448,12 +464,7 @@ fn boot_host(
     );
     let layout = match &opts.layout {
         Some(spec) if spec.tp.max(1) * spec.pp.max(1) > 1 => {
-            if opts.devices != Devices::Cpu {
-                return Err(BootError::Config(
-                    "serving a parallel layout runs on --devices cpu for now; use `corridor plan` to solve one for cards".into(),
-                ));
-            }
-            // Block-quantized weights are split on whole 32-column blocks.
+            // Ranks as threads sharing the host card. Block-quantized weights are split on whole 32-column blocks.
             let granule = if ckpt.gguf().is_some() { 32 } else { 1 };
             Some(Layout::from_spec(&cfg, spec, granule).map_err(|e| BootError::Config(e.to_string()))?)
         }
@@ -480,7 +491,7 @@ fn boot_host(
     };
     let page_bytes = Bytes((kv_token_bytes * opts.page_size) as u64);
     let host_cap = (opts.devices == Devices::Cpu).then_some(opts.kv_budget);
-    let arena = new_arena(env, &dev, page_bytes, host_cap)?;
+    let arena = new_arena(env, &[(dev.clone(), page_bytes)], host_cap)?;
     size_kv(env, &dev, &arena)?;
 
     let pool = PagePool::new(arena, Tokens(opts.page_size));
@@ -500,7 +511,7 @@ fn boot_host(
         }
         (None, None) => unreachable!("a model is loaded unless a layout is"),
     };
-    Ok((engine, dev, page_bytes, resident))
+    Ok((engine, vec![(dev, page_bytes)], resident))
 }
 
 /// One NVIDIA GPU: every device byte the backend takes (weights in one
@@ -514,35 +525,19 @@ fn boot_cuda(
     config: EngineConfig,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Started, BootError> {
-    use corridor_backend::cuda::{CudaBackend, CudaBackendConfig};
-    use corridor_backend::Backend;
     use corridor_engine::executor::SingleRank;
     let (opts, ckpt) = (env.opts, env.ckpt);
     let cfg = ckpt.config().clone();
-    if opts.layout.as_ref().is_some_and(|l| l.tp.max(1) * l.pp.max(1) > 1) {
-        return Err(BootError::Config(
-            "a parallel layout on CUDA cards is not available yet: serve it on --devices cpu, or solve it with `corridor plan`".into(),
-        ));
-    }
     let devices = env.governor.devices();
     if devices.len() > 1 {
         return Err(BootError::Config(format!(
-            "--devices names {} CUDA cards; one model on one card is what runs on GPUs today (pick one, e.g. cuda:0)",
+            "--devices names {} CUDA cards: spread one model over them with --tp N or --pp N (N = {}), or pick one card (e.g. cuda:0)",
+            devices.len(),
             devices.len()
         )));
     }
     let dev = devices[0].clone();
-    let ordinal = env.ordinals[0];
-    let bcfg = CudaBackendConfig {
-        ordinal: ordinal as usize,
-        max_rows: opts.max_batched_tokens,
-        max_seqs: opts.max_running.max(1),
-        max_pages_per_seq: env.context_len.div_ceil(opts.page_size),
-        attn_partials: CudaBackendConfig::default().attn_partials,
-        kernel_cache_dir: opts.kernel_cache.clone(),
-    };
-    let backend = CudaBackend::on_device(bcfg, dev.clone()).map_err(|e| BootError::Config(e.to_string()))?;
-    tracing::info!(backend = %backend.name(), "CUDA backend ready");
+    let backend = cuda_backend(env, &dev, env.ordinals[0])?;
     (env.mark)(BootPhase::ContextReady);
     let model = load_model(&backend, ckpt, progress)?;
     (env.mark)(BootPhase::WeightsLoaded);
@@ -551,7 +546,7 @@ fn boot_cuda(
     // KV in bf16; one page holds `page_size` tokens of every layer.
     let page_bytes =
         Bytes((2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * opts.page_size) as u64);
-    let arena = new_arena(env, &dev, page_bytes, None)?;
+    let arena = new_arena(env, &[(dev.clone(), page_bytes)], None)?;
     let kv = model.kv_cache_in(&backend, opts.page_size, &arena)?;
     let mut exec = SingleRank::from_parts(backend, model, ws, kv);
     let captured = exec.warm_up().map_err(|e| BootError::Config(format!("warm-up on the GPU: {e}")))?;
@@ -563,7 +558,44 @@ fn boot_cuda(
     let pool = PagePool::new(arena, Tokens(opts.page_size));
     env.governor.register_provider(pool.prefix_evictor());
     let engine = spawn_with(Box::new(exec), config, pool)?;
-    Ok((engine, dev, page_bytes, Vec::new()))
+    Ok((engine, vec![(dev, page_bytes)], Vec::new()))
+}
+
+/// The CUDA backend of card `dev` (device `ordinal`), every allocation
+/// through that card's chokepoint.
+#[cfg(feature = "cuda")]
+fn cuda_backend(
+    env: &BootEnv<'_>,
+    dev: &Device,
+    ordinal: u32,
+) -> Result<corridor_backend::cuda::CudaBackend, BootError> {
+    use corridor_backend::cuda::{CudaBackend, CudaBackendConfig};
+    use corridor_backend::Backend;
+    let opts = env.opts;
+    let bcfg = CudaBackendConfig {
+        ordinal: ordinal as usize,
+        max_rows: opts.max_batched_tokens,
+        max_seqs: opts.max_running.max(1),
+        max_pages_per_seq: env.context_len.div_ceil(opts.page_size),
+        attn_partials: CudaBackendConfig::default().attn_partials,
+        kernel_cache_dir: opts.kernel_cache.clone(),
+    };
+    let backend = CudaBackend::on_device(bcfg, dev.clone()).map_err(|e| BootError::Config(e.to_string()))?;
+    tracing::info!(card = %dev.id(), backend = %backend.name(), "CUDA backend ready");
+    Ok(backend)
+}
+
+#[cfg(feature = "cuda")]
+use layout::boot_cuda_layout;
+
+#[cfg(not(feature = "cuda"))]
+fn boot_cuda_layout(
+    _env: &BootEnv<'_>,
+    _config: EngineConfig,
+    _spec: &LayoutSpec,
+    _progress: &mut dyn FnMut(usize, usize),
+) -> Result<Started, BootError> {
+    Err(BootError::Config("this corridor was built without CUDA support".into()))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -47,24 +47,49 @@ pub struct ChunkGeometry {
 impl ChunkGeometry {
     /// Chunks of about `target` bytes (at least one page, whole granules).
     pub fn new(page_bytes: Bytes, granularity: Bytes, target: Bytes) -> Result<ChunkGeometry, ArenaError> {
-        if page_bytes == Bytes::ZERO || granularity == Bytes::ZERO {
-            return Err(ArenaError::BadGeometry { page_bytes, granularity });
+        Ok(Self::common(&[(page_bytes, granularity)], target)?[0])
+    }
+
+    /// One chunk geometry per part of a KV arena that spans cards: every part
+    /// holds the same page ids, so the parts share `chunk_pages` and each
+    /// chunk is whole granules of its own card. `parts` is `(page bytes,
+    /// granularity)` per card; the largest part's chunk aims at `target`. One
+    /// part gives exactly [`ChunkGeometry::new`].
+    pub fn common(parts: &[(Bytes, Bytes)], target: Bytes) -> Result<Vec<ChunkGeometry>, ArenaError> {
+        let mut exact_pages = 1u64;
+        let mut widest = 0u64;
+        for &(page_bytes, granularity) in parts {
+            if page_bytes == Bytes::ZERO || granularity == Bytes::ZERO {
+                return Err(ArenaError::BadGeometry { page_bytes, granularity });
+            }
+            let (pb, gran) = (page_bytes.get(), granularity.get());
+            // The fewest pages that fill whole granules of this card exactly,
+            // folded into the fewest that do so on every card.
+            let own = gran / gcd(pb, gran);
+            exact_pages = exact_pages / gcd(exact_pages, own) * own;
+            widest = widest.max(pb);
         }
-        let (pb, gran) = (page_bytes.get(), granularity.get());
-        // The fewest pages that fill whole granules exactly.
-        let exact_pages = gran / gcd(pb, gran);
-        let exact_bytes = exact_pages * pb;
-        if exact_bytes <= target.get().max(MAX_EXACT_CHUNK.get()) {
-            let n = (target.get() / exact_bytes).max(1);
-            let chunk_pages = (exact_pages * n) as usize;
-            return Ok(ChunkGeometry { page_bytes, chunk_pages, chunk_bytes: Bytes(exact_bytes * n) });
+        if parts.is_empty() {
+            return Err(ArenaError::BadGeometry { page_bytes: Bytes::ZERO, granularity: Bytes::ZERO });
         }
-        let chunk_pages = (target.get() / pb).max(1);
-        Ok(ChunkGeometry {
-            page_bytes,
-            chunk_pages: chunk_pages as usize,
-            chunk_bytes: Bytes(chunk_pages * pb).round_up(granularity),
-        })
+        let exact_bytes = exact_pages.saturating_mul(widest);
+        let exact = exact_bytes <= target.get().max(MAX_EXACT_CHUNK.get());
+        let chunk_pages = if exact {
+            exact_pages * (target.get() / exact_bytes).max(1)
+        } else {
+            (target.get() / widest).max(1)
+        };
+        Ok(parts
+            .iter()
+            .map(|&(page_bytes, granularity)| {
+                let bytes = Bytes(chunk_pages * page_bytes.get());
+                ChunkGeometry {
+                    page_bytes,
+                    chunk_pages: chunk_pages as usize,
+                    chunk_bytes: if exact { bytes } else { bytes.round_up(granularity) },
+                }
+            })
+            .collect())
     }
 
     /// Where page `id` starts inside the reservation.
@@ -159,8 +184,9 @@ pub struct ArenaStats {
 }
 
 struct ArenaState {
-    /// Committed chunks, in order: chunk `i` backs pages `[i*cp, (i+1)*cp)`.
-    chunks: Vec<Commit>,
+    /// Committed chunks, in order: chunk `i` backs pages `[i*cp, (i+1)*cp)`,
+    /// with one commit on each part's card.
+    chunks: Vec<Vec<Commit>>,
     /// State of every backed page (`chunks.len() * chunk_pages` of them).
     pages: Vec<PageState>,
     /// Free ids, all under `cap`; the lowest is handed out first.
@@ -182,11 +208,34 @@ struct ArenaState {
     stats: ArenaStats,
 }
 
-/// One card's KV arena. Share it as `Arc<KvArena>`; every method takes
-/// `&self`.
-pub struct KvArena {
+/// One card's share of a KV arena: its own address reservation, with page
+/// `i` of the shared id space at `geometry.page_offset(i)` inside it.
+struct Part {
     device: Device,
     va: VaReservation,
+    geometry: ChunkGeometry,
+}
+
+/// Where one card's share of an arena lives (what a backend that reads KV
+/// inside the arena's pages needs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArenaPart {
+    pub card: CardId,
+    pub geometry: ChunkGeometry,
+    /// A device address on a real card, an opaque handle on sim and CPU cards.
+    pub base_address: u64,
+}
+
+/// A KV arena: one id space of pages over one card, or spanning the cards
+/// of a parallel layout (each card holds its ranks' share of every page: its
+/// heads under tensor parallelism, its layers under pipeline parallelism).
+/// A spanning arena commits a chunk on every card or on none, so the pages
+/// the group holds are always the minimum any card can back, and relief on
+/// any card releases the chunk everywhere. Share it as `Arc<KvArena>`;
+/// every method takes `&self`.
+pub struct KvArena {
+    /// The lead part first: `card()`, `geometry()` and `base_address()` are its.
+    parts: Vec<Part>,
     geometry: ChunkGeometry,
     /// The id space: whole chunks that fit in the reservation.
     max_pages: usize,
@@ -197,7 +246,7 @@ pub struct KvArena {
 
 impl std::fmt::Debug for KvArena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KvArena").field("card", &self.device.id()).field("counts", &self.counts()).finish()
+        f.debug_struct("KvArena").field("cards", &self.cards()).field("counts", &self.counts()).finish()
     }
 }
 
@@ -209,10 +258,22 @@ pub struct Shrink {
 }
 
 impl KvArena {
-    /// Reserve the address space; nothing is committed yet.
+    /// Reserve the address space on one card; nothing is committed yet.
     pub fn new(device: &Device, config: KvArenaConfig, clock: Arc<dyn Clock>) -> Result<KvArena, ArenaError> {
-        let geometry =
-            ChunkGeometry::new(config.page_bytes, device.card().granularity(), config.chunk_target)?;
+        Self::spanning(&[(device.clone(), config.page_bytes)], config, clock)
+    }
+
+    /// Reserve the address space on every card of `parts` (`(card, bytes of
+    /// one page on it)`, lead first); `config.page_bytes` is ignored. Nothing
+    /// is committed yet.
+    pub fn spanning(
+        parts: &[(Device, Bytes)],
+        config: KvArenaConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<KvArena, ArenaError> {
+        let shapes: Vec<(Bytes, Bytes)> = parts.iter().map(|(d, pb)| (*pb, d.card().granularity())).collect();
+        let geometries = ChunkGeometry::common(&shapes, config.chunk_target)?;
+        let geometry = geometries[0];
         let max_chunks = geometry.chunks_in(config.max_pages);
         if max_chunks == 0 {
             return Err(ArenaError::TooSmall {
@@ -220,10 +281,16 @@ impl KvArena {
                 chunk_pages: geometry.chunk_pages,
             });
         }
-        let va = device.reserve_va(Bytes(max_chunks as u64 * geometry.chunk_bytes.get()))?;
+        let parts = parts
+            .iter()
+            .zip(geometries)
+            .map(|((device, _), geometry)| {
+                let va = device.reserve_va(Bytes(max_chunks as u64 * geometry.chunk_bytes.get()))?;
+                Ok(Part { device: device.clone(), va, geometry })
+            })
+            .collect::<Result<Vec<Part>, ArenaError>>()?;
         Ok(KvArena {
-            device: device.clone(),
-            va,
+            parts,
             geometry,
             max_pages: max_chunks * geometry.chunk_pages,
             hold: config.hold,
@@ -245,8 +312,21 @@ impl KvArena {
         })
     }
 
+    /// The lead card (the only one, unless the arena spans cards).
     pub fn card(&self) -> CardId {
-        self.device.id()
+        self.parts[0].device.id()
+    }
+    /// Every card the arena spans, lead first.
+    pub fn cards(&self) -> Vec<CardId> {
+        self.parts.iter().map(|p| p.device.id()).collect()
+    }
+    /// The share of the arena on `card`.
+    pub fn part_on(&self, card: CardId) -> Option<ArenaPart> {
+        self.parts.iter().find(|p| p.device.id() == card).map(|p| ArenaPart {
+            card,
+            geometry: p.geometry,
+            base_address: p.va.base_address(),
+        })
     }
     pub fn geometry(&self) -> ChunkGeometry {
         self.geometry
@@ -255,7 +335,7 @@ impl KvArena {
     /// are at `base_address() + page_offset(id)` once committed), an opaque
     /// handle on sim and CPU cards.
     pub fn base_address(&self) -> u64 {
-        self.va.base_address()
+        self.parts[0].va.base_address()
     }
     /// The whole id space.
     pub fn capacity(&self) -> Pages {
@@ -490,28 +570,23 @@ impl KvArena {
                     });
                 }
                 st.growing = true;
-                Bytes(st.chunks.len() as u64 * self.geometry.chunk_bytes.get())
+                st.chunks.len()
             };
             // The guard may call providers (this arena's own relief among
             // them), so the state lock is not held across the commit.
-            let result = self.device.commit(&self.va, offset, self.geometry.chunk_bytes, urgency);
+            let result = self.commit_chunk(offset, urgency);
             let mut st = lock(&self.state);
             st.growing = false;
             match result {
-                Ok(commit) => {
-                    debug_assert_eq!(commit.offset(), offset);
-                    st.chunks.push(commit);
+                Ok(commits) => {
+                    st.chunks.push(commits);
                     let now = self.clock.now();
                     st.chunk_last_used.push(now);
                     let start = st.pages.len();
                     st.pages.extend(std::iter::repeat_n(PageState::Withheld, self.geometry.chunk_pages));
                     st.n_withheld += self.geometry.chunk_pages;
                     st.stats.chunks_committed += 1;
-                    debug_assert_eq!(
-                        start,
-                        offset.get() as usize / self.geometry.chunk_bytes.get() as usize
-                            * self.geometry.chunk_pages
-                    );
+                    debug_assert_eq!(start, offset * self.geometry.chunk_pages);
                     self.lift_cap(&mut st);
                     self.debug_check(&st);
                 }
@@ -521,6 +596,20 @@ impl KvArena {
                 }
             }
         }
+    }
+
+    /// Commit chunk `index` on every part, or on none: a card that refuses
+    /// releases what the others committed (the group holds what every card
+    /// can back).
+    fn commit_chunk(&self, index: usize, urgency: Urgency) -> Result<Vec<Commit>, Refusal> {
+        let mut commits = Vec::with_capacity(self.parts.len());
+        for p in &self.parts {
+            let offset = Bytes(index as u64 * p.geometry.chunk_bytes.get());
+            let commit = p.device.commit(&p.va, offset, p.geometry.chunk_bytes, urgency)?;
+            debug_assert_eq!(commit.offset(), offset);
+            commits.push(commit);
+        }
+        Ok(commits)
     }
 
     /// Raise the cap to the watermark: withheld backed pages become free.
@@ -566,10 +655,10 @@ impl KvArena {
         st.cap = new_cap;
         let mut out = Shrink::default();
         while st.pages.len() > new_cap {
-            let Some(commit) = st.chunks.pop() else { break };
-            out.bytes += commit.bytes();
+            let Some(commits) = st.chunks.pop() else { break };
+            out.bytes += commits.iter().map(|c| c.bytes()).sum::<Bytes>();
             out.chunks += 1;
-            drop(commit);
+            drop(commits);
             st.chunk_last_used.pop();
             let keep = st.chunks.len() * self.geometry.chunk_pages;
             st.pages.truncate(keep);
@@ -587,8 +676,17 @@ impl KvArena {
     /// pressure: ignores the hold time, never touches live pages). The target
     /// stays, so KV grows back later.
     pub fn release_idle(&self, need: Bytes) -> Shrink {
+        self.release_idle_on(self.card(), need)
+    }
+
+    /// [`KvArena::release_idle`] for `need` bytes on `card` (one of the
+    /// arena's cards; the chunks go from every card).
+    pub fn release_idle_on(&self, card: CardId, need: Bytes) -> Shrink {
+        let Some(part) = self.parts.iter().find(|p| p.device.id() == card) else {
+            return Shrink::default();
+        };
         let mut st = lock(&self.state);
-        let chunks = need.get().div_ceil(self.geometry.chunk_bytes.get()).max(1) as usize;
+        let chunks = need.get().div_ceil(part.geometry.chunk_bytes.get()).max(1) as usize;
         let pages = st.pages.len().saturating_sub(chunks * self.geometry.chunk_pages);
         self.shrink_locked(&mut st, pages)
     }
@@ -723,9 +821,11 @@ impl ReliefProvider for KvArena {
         0
     }
     fn relieve(&self, card: CardId, need: Bytes) -> Bytes {
-        if card != self.card() {
+        let Some(part) = self.parts.iter().find(|p| p.device.id() == card) else {
             return Bytes::ZERO;
-        }
-        self.release_idle(need).bytes
+        };
+        // What this card got back: its own share of every released chunk.
+        let released = self.release_idle_on(card, need);
+        Bytes(released.chunks as u64 * part.geometry.chunk_bytes.get())
     }
 }

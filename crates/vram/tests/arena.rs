@@ -243,3 +243,92 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn common_geometry_shares_page_ids_across_cards() {
+    // 1 MiB pages on one card, 256 KiB on another: 2 and 8 pages fill whole
+    // 2 MiB granules, so 8 pages fill them on both.
+    let g = ChunkGeometry::common(&[(Bytes::mib(1), Bytes::mib(2)), (PAGE, Bytes::mib(2))], Bytes::mib(2))
+        .unwrap();
+    assert_eq!(g[0].chunk_pages, g[1].chunk_pages);
+    assert_eq!((g[0].chunk_pages, g[0].chunk_bytes, g[1].chunk_bytes), (8, Bytes::mib(8), Bytes::mib(2)));
+    // 768 KiB pages need 8 pages for whole granules; 1 MiB pages need 2: 8 for both.
+    let g = ChunkGeometry::common(
+        &[(Bytes(768 * 1024), Bytes::mib(2)), (Bytes::mib(1), Bytes::mib(2))],
+        Bytes::mib(2),
+    )
+    .unwrap();
+    assert_eq!((g[0].chunk_pages, g[1].chunk_pages), (8, 8));
+    assert_eq!((g[0].chunk_bytes, g[1].chunk_bytes), (Bytes::mib(6), Bytes::mib(8)));
+    // One part is exactly the single-card geometry.
+    let one = ChunkGeometry::common(&[(Bytes(1_835_008), Bytes::mib(2))], Bytes::mib(2)).unwrap();
+    assert_eq!(one[0], ChunkGeometry::new(Bytes(1_835_008), Bytes::mib(2), Bytes::mib(2)).unwrap());
+}
+
+/// An arena over two sim cards: 256 KiB pages on a 4 GiB card, 512 KiB
+/// pages on a 2 GiB card (twice the heads).
+fn spanning_arena(c: &Arc<ManualClock>) -> (Vec<Arc<corridor_vram::SimCard>>, Vec<Device>, Arc<KvArena>) {
+    let cards = vec![sim(c, 0, Bytes::gib(4)), sim(c, 1, Bytes::gib(2))];
+    let devs: Vec<Device> =
+        cards.iter().map(|card| Device::standalone(card.clone(), CardSettings::default())).collect();
+    let cfg = KvArenaConfig {
+        page_bytes: Bytes::ZERO,
+        max_pages: Pages(8192),
+        chunk_target: Bytes::mib(2),
+        hold: HOLD,
+    };
+    let parts = [(devs[0].clone(), PAGE), (devs[1].clone(), Bytes(512 * 1024))];
+    let arena = Arc::new(KvArena::spanning(&parts, cfg, c.clone()).unwrap());
+    (cards, devs, arena)
+}
+
+#[test]
+fn a_spanning_arena_holds_what_every_card_can_back() {
+    let c = clock();
+    let (cards, devs, arena) = spanning_arena(&c);
+    assert_eq!(arena.cards(), vec![corridor_units::CardId(0), corridor_units::CardId(1)]);
+    let g1 = arena.part_on(corridor_units::CardId(1)).unwrap().geometry;
+    assert_eq!((arena.geometry().chunk_pages, g1.chunk_pages), (8, 8), "one id space");
+    assert_eq!((arena.geometry().chunk_bytes, g1.chunk_bytes), (Bytes::mib(2), Bytes::mib(4)));
+    arena.commit_to(Pages(40), Urgency::Deferrable).unwrap();
+    assert_eq!(devs[0].books().kv_committed, Bytes::mib(10));
+    assert_eq!(devs[1].books().kv_committed, Bytes::mib(20));
+    // The small card fills first: the group stops where it refuses, and the
+    // big card holds no chunk the small one could not back.
+    let err = arena.ensure_free(Pages(8192), Urgency::Deferrable).unwrap_err();
+    assert!(matches!(err, ArenaError::Refused(_)), "{err}");
+    let backed = arena.backed().get();
+    let chunks = (backed / 8) as u64;
+    assert_eq!(devs[0].books().kv_committed, Bytes(chunks * Bytes::mib(2).get()));
+    assert_eq!(devs[1].books().kv_committed, Bytes(chunks * Bytes::mib(4).get()));
+    let floor = CardSettings::default().floor;
+    assert!(cards[1].driver_free() >= floor, "the small card's floor held");
+    assert!(
+        cards[1].driver_free() < floor + Bytes::mib(4),
+        "the small card is filled to within a chunk: {}",
+        cards[1].driver_free()
+    );
+    assert!(cards[0].driver_free() > Bytes::gib(2), "the big card holds only the group's pages");
+    arena.check_invariants().unwrap();
+}
+
+#[test]
+fn relief_on_any_card_releases_the_chunk_on_every_card() {
+    let c = clock();
+    let (cards, devs, arena) = spanning_arena(&c);
+    arena.commit_to(Pages(40), Urgency::Deferrable).unwrap();
+    let before = (cards[0].driver_free(), cards[1].driver_free());
+    // Relief asked on the small card: its share of whole chunks comes back,
+    // and the big card releases the same pages.
+    let got = arena.relieve(corridor_units::CardId(1), Bytes::mib(3));
+    assert_eq!(got, Bytes::mib(4), "one whole chunk, 4 MiB on card 1");
+    assert_eq!(arena.backed(), Pages(32));
+    assert_eq!(cards[1].driver_free(), before.1 + Bytes::mib(4));
+    assert_eq!(cards[0].driver_free(), before.0 + Bytes::mib(2));
+    assert_eq!(devs[0].books().kv_committed, Bytes::mib(8));
+    // A card the arena does not span is not relieved.
+    assert_eq!(arena.relieve(corridor_units::CardId(7), Bytes::mib(3)), Bytes::ZERO);
+    c.advance(HOLD);
+    assert_eq!(arena.recover(), Pages(8), "both cards grow back together");
+    assert_eq!(devs[1].books().kv_committed, Bytes::mib(20));
+}

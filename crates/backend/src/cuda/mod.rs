@@ -30,6 +30,7 @@
 pub mod check;
 pub mod device;
 pub mod gemm;
+pub mod nccl;
 pub mod nvrtc;
 pub mod preflight;
 pub mod vram_alloc;
@@ -590,6 +591,17 @@ impl CudaBackend {
             (_, r) => r,
         };
         self.record(&mut st, r);
+    }
+
+    /// Enqueue a library call (a collective) on this backend's stream with
+    /// the context bound; an error is recorded like a kernel's and surfaces
+    /// at `check`.
+    pub(crate) fn enqueue_library(
+        &self,
+        name: impl std::fmt::Display,
+        f: impl FnOnce(sys::CUstream) -> Result<()>,
+    ) {
+        self.op(name, |_| f(self.stream.0))
     }
 
     unsafe fn launch(&self, k: Kernel, dims: LaunchDims, args: Args) -> Result<()> {
@@ -1170,7 +1182,14 @@ impl Backend for CudaBackend {
 
     fn kv_in_arena(&self, arena: &Arc<KvArena>, g: KvGeometry, layers: usize) -> Result<Option<Vec<CudaKv>>> {
         check_kv_geometry(&g)?;
-        let geo = arena.geometry();
+        // This card's share of the arena (the whole of it unless it spans cards).
+        let part = self.alloc.card().and_then(|c| arena.part_on(c)).ok_or_else(|| {
+            BackendError::Other(format!(
+                "the KV arena spans {:?}; this backend's memory is not booked on any of them",
+                arena.cards()
+            ))
+        })?;
+        let geo = part.geometry;
         let layer_bytes = (g.page_size * g.kv_heads * g.head_dim * 2) as u64;
         if layers == 0 || geo.page_bytes.get() != 2 * layers as u64 * layer_bytes {
             return Err(BackendError::Other(format!(
@@ -1178,15 +1197,9 @@ impl Backend for CudaBackend {
                 geo.page_bytes
             )));
         }
-        if self.alloc.card() != Some(arena.card()) {
-            return Err(BackendError::Other(format!(
-                "the KV arena lives on {}, this backend's memory is not booked there",
-                arena.card()
-            )));
-        }
         let addr = KvAddressing::of_arena(&geo).map_err(BackendError::Other)?;
         addr.check(arena.capacity().get()).map_err(BackendError::Other)?;
-        let base = arena.base_address();
+        let base = part.base_address;
         self.adopt_kv_addressing(addr)?;
         // Page-major: page p holds, for layer l, K at 2l and V at 2l+1 (in layer-sized slots).
         Ok(Some(

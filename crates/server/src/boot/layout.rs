@@ -1,0 +1,304 @@
+//! Boot of a parallel layout over cards of its own: rank `i` on card `i`.
+//!
+//! The order is the single card's, per card: each card's room is measured
+//! (on GPUs after the contexts and NCCL's buffers exist, so the solve sees
+//! them), the layout is solved on those rooms (`auto` splits maximize the
+//! group's token capacity), every rank's weights and workspace become
+//! resident on its card, the decode steps are warmed up (captured on GPUs),
+//! and only then is KV sized: every rank measures its own card and offers
+//! the pages that fit above its floor and margin, and the group takes the
+//! MIN through its collective. The KV arena spans the cards (each holds its
+//! ranks' share of every page), so growing and shrinking stay agreed: a
+//! chunk is committed on every card or on none.
+//!
+//! Sim cards run CPU ranks (threads joined in-process) and book what each
+//! rank holds by size; CUDA cards run GPU ranks joined by NCCL, whose every
+//! device byte is an allocation through its card's chokepoint.
+
+use super::{new_arena, BootEnv, BootError, Devices, Started};
+use corridor_backend::DType;
+use corridor_engine::engine::{spawn_with, EngineConfig};
+use corridor_engine::executor::ExecutorLimits;
+use corridor_engine::pages::PagePool;
+use corridor_engine::ranks::{KvShare, LayoutOptions, MultiRank, RankParts};
+use corridor_model::layout::{self, CardRoom, CostModel, LayoutSpec, Plan, Split};
+use corridor_units::{Bytes, Pages, Tokens};
+use corridor_vram::recorder::BootPhase;
+use corridor_vram::sizing::DEFAULT_MARGIN;
+use corridor_vram::{Device, KvArena, Urgency};
+use std::sync::Arc;
+
+/// A card's room now, as the layout solver takes it.
+fn card_room(dev: &Device) -> CardRoom {
+    let s = dev.settings();
+    CardRoom {
+        card: dev.id(),
+        free: dev.card().driver_free(),
+        floor: s.arming_floor(),
+        margin: DEFAULT_MARGIN,
+        budget: s.budget.map(|b| b.saturating_sub(dev.books().total())),
+        granularity: dev.card().granularity(),
+    }
+}
+
+/// The cards of the layout, one per rank.
+fn layout_devices(env: &BootEnv<'_>, spec: &LayoutSpec) -> Result<Vec<Device>, BootError> {
+    let devices = env.governor.devices().to_vec();
+    if devices.len() != spec.ranks() {
+        return Err(BootError::Config(format!(
+            "--tp {} --pp {} runs {} ranks, one per card, but --devices names {} card(s)",
+            spec.tp.max(1),
+            spec.pp.max(1),
+            spec.ranks(),
+            devices.len()
+        )));
+    }
+    Ok(devices)
+}
+
+/// Weights as a card holds them: quantized GGUF blocks stay quantized,
+/// float checkpoints are held in bf16.
+fn card_weight_dtype(env: &BootEnv<'_>) -> DType {
+    match env.ckpt.gguf() {
+        Some(_) => {
+            env.ckpt.tensor("model.layers.0.mlp.down_proj.weight").map(|t| t.dtype).unwrap_or(DType::BF16)
+        }
+        None => DType::BF16,
+    }
+}
+
+/// Solve the layout on the cards' measured rooms and log it, with what an
+/// even split would hold.
+fn solve_on_cards(
+    env: &BootEnv<'_>,
+    spec: &LayoutSpec,
+    devices: &[Device],
+    cost: &CostModel,
+) -> Result<Plan, BootError> {
+    let cfg = env.ckpt.config();
+    let rooms: Vec<CardRoom> = devices.iter().map(card_room).collect();
+    let granule = layout::ffn_granule(cost.weight_dtype);
+    let plan =
+        layout::solve(cfg, spec, &rooms, cost, granule).map_err(|e| BootError::Config(e.to_string()))?;
+    let even_spec = LayoutSpec { tp_split: Split::Even, pp_split: Split::Even, ..spec.clone() };
+    let even = layout::solve(cfg, &even_spec, &rooms, cost, granule).ok();
+    tracing::info!(
+        layout = %plan.layout.describe(),
+        planned_tokens = plan.tokens().get(),
+        even_split_tokens = even.map(|p| p.tokens().get()),
+        "layout solved on the cards"
+    );
+    if let Some(r) = plan.ranks.iter().find(|r| !r.fits) {
+        return Err(BootError::Memory(format!(
+            "{}: {} of weights and {} of workspace do not fit above its floor and margin (room {}); \
+             add cards, lower --max-batched-tokens or pick another split",
+            r.card.card, r.weights, r.workspace, r.card.free
+        )));
+    }
+    Ok(plan)
+}
+
+/// The group's KV arena: one part per card whose rank holds layers.
+fn layout_arena(
+    env: &BootEnv<'_>,
+    plan: &Plan,
+    devices: &[Device],
+    cost: &CostModel,
+) -> Result<(Arc<KvArena>, Vec<(Device, Bytes)>), BootError> {
+    let cfg = env.ckpt.config();
+    let parts: Vec<(Device, Bytes)> = plan
+        .layout
+        .ranks
+        .iter()
+        .zip(devices)
+        .map(|(s, d)| (d.clone(), cost.page_bytes(cfg, s)))
+        .filter(|(_, pb)| *pb > Bytes::ZERO)
+        .collect();
+    if parts.is_empty() {
+        return Err(BootError::Config("no rank of the layout holds a layer".into()));
+    }
+    let arena = new_arena(env, &parts, None)?;
+    Ok((arena, parts))
+}
+
+/// Agree on the group's pages, commit them on every card, and start the
+/// engine over the ranks.
+fn finish(
+    env: &BootEnv<'_>,
+    config: EngineConfig,
+    mut multi: MultiRank,
+    arena: Arc<KvArena>,
+    parts: Vec<(Device, Bytes)>,
+    resident: Vec<corridor_vram::Allocation>,
+) -> Result<Started, BootError> {
+    let captured = multi.warm_up()?;
+    tracing::info!(graphs = ?captured, "layout warmed up");
+    (env.mark)(BootPhase::GraphsCaptured);
+    let agreed = multi.agree_capacity(arena.capacity())?;
+    arena
+        .commit_to(agreed, Urgency::Deferrable)
+        .map_err(|e| BootError::Memory(format!("KV pool over {:?}: {e}", arena.cards())))?;
+    if arena.backed().get() == 0 {
+        return Err(BootError::Memory(format!(
+            "no KV page fits on every card of {:?} above its floor: lower --max-batched-tokens, raise a card budget or lower --floor-mib",
+            arena.cards()
+        )));
+    }
+    for (dev, page) in &parts {
+        tracing::info!(card = %dev.id(), page = %page, free = %dev.card().driver_free(), "KV share committed");
+    }
+    tracing::info!(
+        pages = arena.backed().get(),
+        tokens = arena.backed().get() * env.opts.page_size,
+        agreed = agreed.get(),
+        "KV pool sized for the group (MIN over its ranks)"
+    );
+    env.governor.attach_arena(arena.clone());
+    (env.mark)(BootPhase::KvSized);
+    let pool = PagePool::new(arena, Tokens(env.opts.page_size));
+    env.governor.register_provider(pool.prefix_evictor());
+    let engine = spawn_with(Box::new(multi), config, pool)?;
+    Ok((engine, parts, resident))
+}
+
+fn limits(env: &BootEnv<'_>, num_pages: Pages) -> ExecutorLimits {
+    ExecutorLimits {
+        max_rows: env.opts.max_batched_tokens,
+        max_logit_rows: env.opts.max_running,
+        page_size: env.opts.page_size,
+        num_pages: num_pages.get(),
+    }
+}
+
+fn cost_model(env: &BootEnv<'_>, weight_dtype: DType, kv_elem_bytes: u64) -> CostModel {
+    CostModel {
+        weight_dtype,
+        kv_elem_bytes,
+        page_size: Tokens(env.opts.page_size),
+        max_rows: env.opts.max_batched_tokens,
+        max_logit_rows: env.opts.max_running,
+        chunk_target: layout::DEFAULT_CHUNK_TARGET,
+    }
+}
+
+fn kv_share(arena: &KvArena, dev: &Device) -> Option<KvShare> {
+    arena.part_on(dev.id()).map(|p| KvShare {
+        device: dev.clone(),
+        geometry: p.geometry,
+        margin: DEFAULT_MARGIN,
+    })
+}
+
+/// CPU ranks on sim cards: each card books what its rank would hold on a
+/// GPU (weights as the card keeps them, the f32 workspace of its slice) and
+/// its share of the KV arena at the CPU's f32 KV element.
+pub(super) fn boot_sim_layout(
+    env: &BootEnv<'_>,
+    config: EngineConfig,
+    spec: &LayoutSpec,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Started, BootError> {
+    use corridor_backend::collective::{GroupShape, ThreadGroup};
+    use corridor_backend::cpu::CpuBackend;
+    use corridor_engine::executor::SingleRank;
+    use corridor_model::llama::Model;
+    use corridor_vram::Purpose;
+    debug_assert!(matches!(env.opts.devices, Devices::Sim(_)));
+    let devices = layout_devices(env, spec)?;
+    let cost = cost_model(env, card_weight_dtype(env), 4);
+    let plan = solve_on_cards(env, spec, &devices, &cost)?;
+    let cfg = env.ckpt.config();
+    let mut resident = Vec::new();
+    let mut models = Vec::new();
+    let total = plan.layout.ranks.len();
+    for (i, (slice, dev)) in plan.layout.ranks.iter().zip(&devices).enumerate() {
+        resident.push(dev.reserve(cost.weights(cfg, slice), Purpose::Weights).map_err(|e| {
+            BootError::Memory(format!("{}: the weights of {} do not fit: {e}", dev.id(), slice.rank))
+        })?);
+        let backend = CpuBackend::new();
+        let model = Model::load_slice(&backend, env.ckpt, slice, |_| {})?;
+        models.push((backend, model));
+        progress(i + 1, total);
+    }
+    (env.mark)(BootPhase::WeightsLoaded);
+    for (slice, dev) in plan.layout.ranks.iter().zip(&devices) {
+        resident.push(
+            dev.reserve(cost.workspace(cfg, slice), Purpose::Workspace)
+                .map_err(|e| BootError::Memory(format!("{}: workspace does not fit: {e}", dev.id())))?,
+        );
+    }
+    (env.mark)(BootPhase::WorkspaceReady);
+    let (arena, parts) = layout_arena(env, &plan, &devices, &cost)?;
+    let shape = if spec.pp.max(1) > 1 { GroupShape::Pipeline } else { GroupShape::Tensor };
+    let options = LayoutOptions::new(limits(env, arena.capacity()));
+    let (group, comms) = ThreadGroup::new(total, shape, options.collective_timeout);
+    let mut ranks = Vec::with_capacity(total);
+    for (((backend, model), comm), dev) in models.into_iter().zip(comms).zip(&devices) {
+        let exec = SingleRank::new(backend, model, options.limits)?.with_collective(Box::new(comm));
+        ranks.push(RankParts { exec, kv: kv_share(&arena, dev) });
+    }
+    let multi = MultiRank::start(cfg.clone(), &plan.layout, group, ranks, options)?;
+    tracing::info!(ranks = total, layout = %plan.layout.describe(), "parallel layout running on sim cards");
+    finish(env, config, multi, arena, parts, resident)
+}
+
+/// GPU ranks joined by NCCL: one CUDA backend per card, every device byte
+/// through that card's chokepoint, KV in the card's share of the arena.
+#[cfg(feature = "cuda")]
+pub(super) fn boot_cuda_layout(
+    env: &BootEnv<'_>,
+    config: EngineConfig,
+    spec: &LayoutSpec,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Started, BootError> {
+    use corridor_backend::collective::GroupShape;
+    use corridor_backend::cuda::nccl::nccl_group;
+    use corridor_engine::executor::SingleRank;
+    use corridor_model::llama::Model;
+    let devices = layout_devices(env, spec)?;
+    let mut backends = Vec::with_capacity(devices.len());
+    for (dev, &ordinal) in devices.iter().zip(env.ordinals) {
+        backends.push(super::cuda_backend(env, dev, ordinal)?);
+    }
+    (env.mark)(BootPhase::ContextReady);
+    let shape = if spec.pp.max(1) > 1 { GroupShape::Pipeline } else { GroupShape::Tensor };
+    let timeout = LayoutOptions::new(limits(env, Pages(0))).collective_timeout;
+    let ordinals: Vec<usize> = env.ordinals.iter().map(|&o| o as usize).collect();
+    let (group, comms) =
+        nccl_group(&ordinals, shape, timeout).map_err(|e| BootError::Config(format!("NCCL: {e}")))?;
+    let cost = cost_model(env, card_weight_dtype(env), 2);
+    let plan = solve_on_cards(env, spec, &devices, &cost)?;
+    let cfg = env.ckpt.config();
+    let total_layers: usize = cfg.num_layers + 2 * plan.layout.ranks.len();
+    let mut done = 0;
+    let mut loaded = Vec::with_capacity(devices.len());
+    for (slice, backend) in plan.layout.ranks.iter().zip(backends) {
+        let model = Model::load_slice(&backend, env.ckpt, slice, |n| {
+            done += n;
+            progress(done.min(total_layers), total_layers);
+        })?;
+        loaded.push((backend, model));
+    }
+    (env.mark)(BootPhase::WeightsLoaded);
+    let mut with_ws = Vec::with_capacity(loaded.len());
+    for (backend, model) in loaded {
+        let ws = model.workspace(&backend, env.opts.max_batched_tokens, env.opts.max_running)?;
+        with_ws.push((backend, model, ws));
+    }
+    (env.mark)(BootPhase::WorkspaceReady);
+    let (arena, parts) = layout_arena(env, &plan, &devices, &cost)?;
+    let options = LayoutOptions::new(limits(env, arena.capacity()));
+    let mut ranks = Vec::with_capacity(with_ws.len());
+    for (((backend, model, ws), comm), dev) in with_ws.into_iter().zip(comms).zip(&devices) {
+        let kv = if model.slice().layers.is_empty() {
+            model.kv_cache(&backend, env.opts.page_size, 0)?
+        } else {
+            model.kv_cache_in(&backend, env.opts.page_size, &arena)?
+        };
+        let exec = SingleRank::from_parts(backend, model, ws, kv).with_collective(Box::new(comm));
+        ranks.push(RankParts { exec, kv: kv_share(&arena, dev) });
+    }
+    let multi = MultiRank::start(cfg.clone(), &plan.layout, group, ranks, options)?;
+    tracing::info!(ranks = devices.len(), layout = %plan.layout.describe(), "parallel layout running on GPUs over NCCL");
+    finish(env, config, multi, arena, parts, Vec::new())
+}
