@@ -70,6 +70,9 @@ pub struct NcclRank {
     host: ThreadRank,
     comm: sys::ncclComm_t,
     comms: Arc<Comms>,
+    /// Whether decode steps with NCCL calls may be captured as graphs
+    /// (`CORRIDOR_NCCL_GRAPHS=0` turns it off, to rule graphs out).
+    graphs: bool,
 }
 
 // SAFETY: see `Comms`; a rank's communicator is used by its own thread only.
@@ -109,10 +112,11 @@ pub fn nccl_group(
     tracing::info!(nccl = %version, gpus = ?ordinals, "NCCL communicators ready");
     let comms = Arc::new(Comms { comms: raw.clone(), aborted: AtomicBool::new(false) });
     let (group, hosts) = ThreadGroup::new(ordinals.len(), shape, timeout);
+    let graphs = std::env::var("CORRIDOR_NCCL_GRAPHS").map_or(true, |v| v != "0");
     let ranks = hosts
         .into_iter()
         .zip(raw)
-        .map(|(host, comm)| NcclRank { host, comm, comms: comms.clone() })
+        .map(|(host, comm)| NcclRank { host, comm, comms: comms.clone(), graphs })
         .collect();
     Ok((group, ranks))
 }
@@ -178,7 +182,7 @@ impl Group for NcclRank {
 impl Collective<CudaBackend> for NcclRank {
     /// NCCL calls are recorded into a captured step and run at each replay.
     fn capturable(&self) -> bool {
-        true
+        self.graphs
     }
     fn all_reduce_sum(
         &self,
