@@ -7,6 +7,9 @@
 # `corridor memory` at the end (breaches, each card's rest). compare_probes.py then compares each
 # layout with one GPU. Needs .gpu/corridor (cuda build) and .gpu/llama3-tokenizer.
 #   OUT=/dir scripts/gpu/layouts2.sh            (CONFIGS="one tp2 pp2" by default)
+# Diagnostic configs: tp2nog (TP=2 auto without captured steps: CORRIDOR_NCCL_GRAPHS=0), tp2even
+# (TP=2 with an even split), tp2prof (TP=2 auto with the per-op profile in serve_tp2prof.log).
+# DECODE_BATCHES (default "1 8 32") and SKIP_LOADED=1 shorten a run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
@@ -71,7 +74,7 @@ run_config() { # name port args...
     local url=http://127.0.0.1:$port
     grep -E "layout solved|KV share|KV pool sized|NCCL|captured|warmed" "$out/serve_$name.log" | cut -c1-400
     python3 scripts/gpu/layout_probe.py "$url" llama8b "$out/probe_$name.json"
-    for b in 1 8 32; do
+    for b in ${DECODE_BATCHES:-1 8 32}; do
         n=$(( b * 2 > 4 ? b * 2 : 4 ))
         timeout 90 "$BIN" bench --base-url "$url" --model llama8b --workload fixed --length-control on \
             --no-progress --request-timeout 120 --input-tokens 512 --output-tokens 128 --concurrency "$b" \
@@ -79,10 +82,12 @@ run_config() { # name port args...
         python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], "decode batch", sys.argv[3], "output tok/s", round(d["output_tokens_per_s"], 1), "failed", d["requests_failed"])' \
             "$out/decode_${name}_$b.json" "$name" "$b" 2>/dev/null || tail -n 5 "$out/decode_${name}_$b.txt"
     done
-    timeout 150 "$BIN" bench --base-url "$url" --model llama8b --workload fixed --length-control on \
-        --no-progress --request-timeout 140 --input-tokens 512 --output-tokens 256 --concurrency 64 \
-        --num-requests 192 --json "$out/loaded_$name.json" > "$out/loaded_$name.txt" 2>&1
-    tail -n 12 "$out/loaded_$name.txt"
+    if [ "${SKIP_LOADED:-0}" != 1 ]; then
+        timeout 150 "$BIN" bench --base-url "$url" --model llama8b --workload fixed --length-control on \
+            --no-progress --request-timeout 140 --input-tokens 512 --output-tokens 256 --concurrency 64 \
+            --num-requests 192 --json "$out/loaded_$name.json" > "$out/loaded_$name.txt" 2>&1
+        tail -n 12 "$out/loaded_$name.txt"
+    fi
     curl -s -m 10 "$url/v1/memory" > "$out/memory_$name.json"
     timeout 30 "$BIN" memory --url "$url" > "$out/memory_$name.txt" 2>&1
     cat "$out/memory_$name.txt"
@@ -94,6 +99,12 @@ for c in $CONFIGS; do
         one) run_config one 8101 --devices cuda:0 --card-budget-mib 32000 ;;
         tp2) run_config tp2 8102 --devices cuda:0,1 --tp 2 --tp-ratio auto --card-budget-mib 32000,20000 ;;
         pp2) run_config pp2 8103 --devices cuda:0,1 --pp 2 --pp-layers auto --card-budget-mib 32000,20000 ;;
+        tp2nog) (export CORRIDOR_NCCL_GRAPHS=0
+            run_config tp2nog 8104 --devices cuda:0,1 --tp 2 --tp-ratio auto --card-budget-mib 32000,20000) ;;
+        tp2even) run_config tp2even 8105 --devices cuda:0,1 --tp 2 --tp-ratio even --card-budget-mib 32000,20000 ;;
+        tp2prof) (export CORRIDOR_CUDA_PROFILE=200
+            run_config tp2prof 8106 --devices cuda:0,1 --tp 2 --tp-ratio auto --card-budget-mib 32000,20000
+            grep -A 40 "CUDA op profile" "$out/serve_tp2prof.log" | head -n 90) ;;
     esac
 done
 header "compare with one GPU"

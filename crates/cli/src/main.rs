@@ -83,17 +83,20 @@ pub struct ModelArgs {
     /// `corridor memory --flight-dir DIR` reads them.
     #[arg(long)]
     flight_dir: Option<PathBuf>,
-    /// Tensor-parallel ranks (threads on the CPU).
+    /// Tensor-parallel ranks. On `--devices cpu` they are threads sharing the host; on cards
+    /// (`cuda:0,1`, `sim:...`) rank i runs on the i-th card listed, GPUs joined by NCCL, and the
+    /// KV pool is the largest every card holds above its floor.
     #[arg(long, default_value_t = 1)]
     tp: usize,
     /// Head and FFN shares per TP rank: `a,b,c` (head counts when they sum to the model's heads),
-    /// `even`, or `auto`.
+    /// `even`, or `auto` (solved on the cards' measured free memory and budgets for the largest
+    /// token capacity).
     #[arg(long, default_value = "even")]
     tp_ratio: String,
-    /// Pipeline stages (threads on the CPU).
+    /// Pipeline stages, placed like `--tp` ranks (one per card when `--devices` lists cards).
     #[arg(long, default_value_t = 1)]
     pp: usize,
-    /// Layers per PP stage: `a,b,c`, `even`, or `auto`.
+    /// Layers per PP stage: `a,b,c`, `even`, or `auto` (solved on the cards like `--tp-ratio`).
     #[arg(long, default_value = "even")]
     pp_layers: String,
     /// Scheduled foreign processes on sim cards: JSON lines such as
