@@ -680,9 +680,20 @@ fn spread(v: &[usize]) -> usize {
     v.iter().max().unwrap_or(&0) - v.iter().min().unwrap_or(&0)
 }
 
+/// What a TP balance moves between ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Share {
+    /// FFN columns, in whole tiles (the bulk of the weights).
+    Ffn,
+    /// Rows of the LM head, one at a time (fine enough to even out what
+    /// whole FFN tiles leave).
+    Vocab,
+}
+
 /// Move FFN columns between TP ranks so each card's spare memory above the
-/// pool it must hold is as equal as the column granule allows, keeping the
-/// head and vocabulary shares. Returns the best layout found.
+/// pool it must hold is as equal as whole FFN tiles allow, then move rows of
+/// the LM head to even out the rest, keeping the head shares. Returns the
+/// best layout found.
 fn balance_ffn(
     cfg: &ModelConfig,
     base: &Layout,
@@ -690,16 +701,35 @@ fn balance_ffn(
     cost: &CostModel,
     granule: usize,
 ) -> Result<Layout, LayoutError> {
+    let ffn = balance(cfg, base, cards, cost, Share::Ffn, granule)?;
+    balance(cfg, &ffn, cards, cost, Share::Vocab, 1)
+}
+
+fn balance(
+    cfg: &ModelConfig,
+    base: &Layout,
+    cards: &[CardRoom],
+    cost: &CostModel,
+    share: Share,
+    granule: usize,
+) -> Result<Layout, LayoutError> {
     let n = base.ranks.len();
-    let granule = fit_granule(cfg.intermediate_size, n, granule);
-    let blocks = cfg.intermediate_size / granule;
-    // Bytes one granule of FFN columns costs a rank: weights and workspace.
-    let with_ffn = |i: usize, cols: usize| RankSlice { ffn: 0..cols, ..base.ranks[i].clone() };
+    let total = match share {
+        Share::Ffn => cfg.intermediate_size,
+        Share::Vocab => cfg.vocab_size,
+    };
+    let granule = fit_granule(total, n, granule);
+    let blocks = total / granule;
+    // Bytes one granule costs a rank: weights and workspace.
+    let with = |i: usize, units: usize| match share {
+        Share::Ffn => RankSlice { ffn: 0..units, ..base.ranks[i].clone() },
+        Share::Vocab => RankSlice { vocab: 0..units, ..base.ranks[i].clone() },
+    };
     let fixed: Vec<Bytes> =
-        (0..n).map(|i| cost.weights(cfg, &with_ffn(i, 0)) + cost.workspace(cfg, &with_ffn(i, 0))).collect();
+        (0..n).map(|i| cost.weights(cfg, &with(i, 0)) + cost.workspace(cfg, &with(i, 0))).collect();
     let per_block: Vec<u64> = (0..n)
         .map(|i| {
-            (cost.weights(cfg, &with_ffn(i, granule)) + cost.workspace(cfg, &with_ffn(i, granule))).get()
+            (cost.weights(cfg, &with(i, granule)) + cost.workspace(cfg, &with(i, granule))).get()
                 - fixed[i].get()
         })
         .collect();
@@ -751,10 +781,19 @@ fn balance_ffn(
         let i = (0..n).filter(|&i| take[i] > 1).min_by_key(|&i| rest(i, take[i])).unwrap_or(0);
         take[i] -= 1;
     }
-    let ffn: Vec<usize> = take.iter().map(|b| b * granule).collect();
+    let mut units: Vec<usize> = take.iter().map(|b| b * granule).collect();
+    // Units that whole granules leave over (a total that is not a multiple)
+    // go to the last rank.
+    let spare = total - units.iter().sum::<usize>();
+    if let Some(last) = units.last_mut() {
+        *last += spare;
+    }
     let heads: Vec<usize> = base.ranks.iter().map(|r| r.heads.len()).collect();
-    let vocab: Vec<usize> = base.ranks.iter().map(|r| r.vocab.len()).collect();
-    Layout::tensor(cfg, &heads, &ffn, &vocab)
+    let keep = |f: fn(&RankSlice) -> usize| base.ranks.iter().map(f).collect::<Vec<usize>>();
+    match share {
+        Share::Ffn => Layout::tensor(cfg, &heads, &units, &keep(|r| r.vocab.len())),
+        Share::Vocab => Layout::tensor(cfg, &heads, &keep(|r| r.ffn.len()), &units),
+    }
 }
 
 /// Resolve the layout flags on cards: explicit splits are built as given,
@@ -965,8 +1004,10 @@ mod tests {
                 LayoutSpec { pp: 3, pp_split: Split::Auto, ..LayoutSpec::default() },
             ),
         ] {
-            let e = solve(&c, &even, &cards, &cost, 1).unwrap();
-            let a = solve(&c, &auto, &cards, &cost, 1).unwrap();
+            let g = ffn_granule(DType::BF16);
+            let e = solve(&c, &even, &cards, &cost, g).unwrap();
+            let a = solve(&c, &auto, &cards, &cost, g).unwrap();
+            assert!(a.layout.ranks.iter().all(|r| r.ffn.len() % g == 0), "{name}: whole FFN tiles");
             println!(
                 "{name}: even [{}] {} tokens; auto [{}] {} tokens (+{:.1}%)",
                 e.layout.describe(),
