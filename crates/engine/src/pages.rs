@@ -340,16 +340,17 @@ impl ReliefProvider for PrefixEvictor {
         10
     }
     fn relieve(&self, card: CardId, need: Bytes) -> Bytes {
-        if card != self.arena.card() {
+        // Any card the arena spans: a page evicted frees its share on every card.
+        let Some(part) = self.arena.part_on(card) else {
             return Bytes::ZERO;
-        }
-        let page = self.arena.geometry().page_bytes.get().max(1);
-        let pages = need.get().div_ceil(page) as usize;
+        };
+        let pages = need.get().div_ceil(part.geometry.page_bytes.get().max(1)) as usize;
         {
             let mut idx = lock(&self.index);
             evict_top(&self.arena, &mut idx, pages);
         }
-        self.arena.release_idle(need).bytes
+        let released = self.arena.release_idle_on(card, need);
+        Bytes(released.chunks as u64 * part.geometry.chunk_bytes.get())
     }
 }
 

@@ -7,6 +7,7 @@
 
 use corridor_engine::engine::{Event, FinishReason, GenerateRequest};
 use corridor_engine::sampling::SamplingParams;
+use corridor_model::layout::{LayoutSpec, Split};
 use corridor_server::boot::{boot, BootOptions, Devices};
 use corridor_units::Bytes;
 use corridor_vram::recorder::{read_dir, MarkKind};
@@ -19,23 +20,43 @@ fn fixture(name: &str) -> std::path::PathBuf {
 
 #[test]
 fn an_intruder_is_answered_without_a_breach_and_kv_grows_back() {
+    intrusion(&[1300], None);
+}
+
+/// The same on a TP=2 layout over two sim cards, the intruder on the second:
+/// the KV arena spans both cards, so relief on card1 releases the chunk on
+/// both, the group shrinks together and grows back together.
+#[test]
+fn an_intruder_on_one_card_of_a_layout_shrinks_the_group_without_a_breach() {
+    // Card1 holds a quarter of the KV (one of four heads), so it is smaller,
+    // to rest about as far above its floor as the single card does.
+    intrusion(
+        &[1300, 1260],
+        Some(LayoutSpec { tp: 2, tp_split: Split::Ratio(vec![3, 1]), pp: 1, pp_split: Split::Even }),
+    );
+}
+
+fn intrusion(sizes_mib: &[u64], layout: Option<LayoutSpec>) {
+    let cards = sizes_mib.len();
+    let target = cards - 1;
     let dir = tempfile::tempdir().unwrap();
     let flight = dir.path().join("flight");
     let events = dir.path().join("events.jsonl");
-    // The card: 1300 MiB. After boot corridor holds ~64 MiB of KV and rests
+    // The (last) card: 1300 MiB. After boot corridor holds ~64 MiB of KV and rests
     // ~200 MiB above the 1024 MiB floor; at 1.5 s pid 4242 takes 230 MiB,
     // which puts the card ~30 MiB under the floor until corridor gives KV back.
     let mib = 1024 * 1024u64;
     std::fs::write(
         &events,
         format!(
-            "{{\"at_s\": 1.5, \"card\": 0, \"pid\": 4242, \"bytes\": {}}}\n{{\"at_s\": 3.0, \"card\": 0, \"pid\": 4242, \"bytes\": 0}}\n",
+            "{{\"at_s\": 1.5, \"card\": {target}, \"pid\": 4242, \"bytes\": {}}}\n{{\"at_s\": 3.0, \"card\": {target}, \"pid\": 4242, \"bytes\": 0}}\n",
             230 * mib
         ),
     )
     .unwrap();
     let mut opts = BootOptions::new(fixture("llama-f32"));
-    opts.devices = Devices::Sim(vec![Bytes::mib(1300)]);
+    opts.devices = Devices::Sim(sizes_mib.iter().map(|&m| Bytes::mib(m)).collect());
+    opts.layout = layout;
     opts.max_running = 64;
     opts.context_len = Some(2048);
     opts.max_batched_tokens = 256;
@@ -45,8 +66,9 @@ fn an_intruder_is_answered_without_a_breach_and_kv_grows_back() {
     opts.serving_mark_interval = Some(Duration::from_millis(250));
     let booted = boot(&opts, |_, _| {}).unwrap();
     let gov = booted.governor.clone();
-    let kv_at_boot = gov.memory_report().cards[0].books.kv_committed;
-    assert!(kv_at_boot > Bytes::mib(32), "KV sized to {kv_at_boot}");
+    let kv = |card: usize| gov.memory_report().cards[card].books.kv_committed;
+    let kv_at_boot: Vec<Bytes> = (0..cards).map(kv).collect();
+    assert!(kv_at_boot[target] >= Bytes::mib(32), "KV sized to {kv_at_boot:?}");
 
     // Clients: keep requests flowing for 4.5 s.
     let start = Instant::now();
@@ -81,26 +103,41 @@ fn an_intruder_is_answered_without_a_breach_and_kv_grows_back() {
             })
         })
         .collect();
-    let mut kv_during = Bytes(u64::MAX);
+    let mut kv_during = vec![Bytes(u64::MAX); cards];
     while start.elapsed() < Duration::from_millis(2900) {
-        kv_during = kv_during.min(gov.memory_report().cards[0].books.kv_committed);
+        for (c, low) in kv_during.iter_mut().enumerate() {
+            *low = (*low).min(kv(c));
+        }
         std::thread::sleep(Duration::from_millis(50));
     }
     let outcomes: Vec<FinishReason> = clients.into_iter().flat_map(|c| c.join().unwrap()).collect();
     // Give KV time to grow back after the intruder left at 3.0 s.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while gov.memory_report().cards[0].books.kv_committed < kv_at_boot && Instant::now() < deadline {
+    while (0..cards).any(|c| kv(c) < kv_at_boot[c]) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
-    let r = gov.memory_report().cards[0].clone();
+    let report = gov.memory_report();
+    let r = report.cards[target].clone();
 
     assert!(!outcomes.is_empty());
     assert!(outcomes.iter().all(|o| *o == FinishReason::Length), "every request completes: {outcomes:?}");
     assert_eq!(r.breaches, 0, "corridor's own allocations never took the card under its floor: {r:?}");
     assert!(r.intrusions >= 1, "the intruder was seen under the floor: {r:?}");
     assert!(r.restore_ms_max.is_some_and(|ms| ms <= 1000), "floor restored within a second: {r:?}");
-    assert!(kv_during < kv_at_boot, "KV gave memory back during the intrusion ({kv_during} vs {kv_at_boot})");
-    assert!(r.books.kv_committed >= kv_at_boot, "KV grew back after the intruder left: {r:?}");
+    for c in 0..cards {
+        let card = &report.cards[c];
+        assert_eq!(card.breaches, 0, "card{c}: {card:?}");
+        assert!(
+            kv_during[c] < kv_at_boot[c],
+            "card{c}: KV gave memory back during the intrusion ({} vs {})",
+            kv_during[c],
+            kv_at_boot[c]
+        );
+        assert!(
+            card.books.kv_committed >= kv_at_boot[c],
+            "card{c}: KV grew back after the intruder left: {card:?}"
+        );
+    }
     let pool = booted.engine.stats().pages;
     assert_eq!(pool.free + pool.cached + pool.in_use + pool.withheld, pool.capacity);
 
