@@ -376,11 +376,11 @@ impl<B: Backend> Model<B> {
         if c.world() == 1 && s.vocab == (0..cfg.vocab_size) {
             // The whole vocabulary is here: the rows come straight into
             // `logits` (at a large batch they are tens of megabytes).
-            b.read_rows(&ws.logits, n, logits);
+            b.read_logits(&ws.logits, n, logits);
             b.check()?;
             return Ok(());
         }
-        b.read_rows(&ws.logits, n, &mut ws.host_logits);
+        b.read_logits(&ws.logits, n, &mut ws.host_logits);
         b.check()?;
         logits.resize(n * cfg.vocab_size, 0.0);
         c.all_gather_cols(&ws.host_logits, n, s.vocab.start, logits)?;
