@@ -153,11 +153,23 @@ pub trait Group: Send + Sync {
     /// (how many tokens the group admits) is agreed through this, so one rank
     /// that cannot grow holds the whole group back instead of desyncing it.
     fn min_u64(&self, value: u64) -> CollectiveResult<u64>;
+    /// Whether [`Group::gather_cols`] leaves the whole rows on this rank:
+    /// rank 0 of a tensor-parallel group (the rank whose logits are sampled),
+    /// every stage of a pipeline (a stage's rows are its own), a group of one.
+    fn gathers_here(&self) -> bool;
     /// Gather column blocks of host rows: this rank's `mine` is `[rows,
-    /// width]` and lands at columns `at..at + width` of `out`, `[rows, cols]`.
-    /// Every rank ends with the whole of `out`; columns no rank covers are left
-    /// as they were.
-    fn all_gather_cols(&self, mine: &[f32], rows: usize, at: usize, out: &mut [f32]) -> CollectiveResult<()>;
+    /// width]` and lands at columns `at..at + width` of `out`, `[rows, cols]`,
+    /// on the rank that [gathers](Group::gathers_here); every rank of a tensor
+    /// group enters it, and only the gathering one passes `out` (the others
+    /// pass `None` and copy nothing but their own block). Columns no rank
+    /// covers are left as they were.
+    fn gather_cols(
+        &self,
+        mine: &[f32],
+        rows: usize,
+        at: usize,
+        out: Option<&mut [f32]>,
+    ) -> CollectiveResult<()>;
     /// This rank's counts so far.
     fn census(&self) -> Census;
     /// Compare every rank's census over the side channel. Call at a cadence
@@ -254,9 +266,21 @@ impl Group for Solo {
         self.counters.bump(OpKind::Min);
         Ok(value)
     }
-    fn all_gather_cols(&self, mine: &[f32], rows: usize, at: usize, out: &mut [f32]) -> CollectiveResult<()> {
+    fn gathers_here(&self) -> bool {
+        true
+    }
+    fn gather_cols(
+        &self,
+        mine: &[f32],
+        rows: usize,
+        at: usize,
+        out: Option<&mut [f32]>,
+    ) -> CollectiveResult<()> {
         self.counters.bump(OpKind::AllGather);
-        place_cols(Rank(0), mine, rows, at, out)
+        match out {
+            Some(out) => place_cols(Rank(0), mine, rows, at, out),
+            None => Ok(()),
+        }
     }
     fn census(&self) -> Census {
         self.counters.snapshot()
@@ -694,13 +718,31 @@ impl Group for ThreadRank {
         let Outcome::Min(v) = &*out else { unreachable!("a min round yields a minimum") };
         Ok(*v)
     }
-    fn all_gather_cols(&self, mine: &[f32], rows: usize, at: usize, out: &mut [f32]) -> CollectiveResult<()> {
+    fn gathers_here(&self) -> bool {
+        self.shared.shape == GroupShape::Pipeline || self.rank == Rank(0)
+    }
+    fn gather_cols(
+        &self,
+        mine: &[f32],
+        rows: usize,
+        at: usize,
+        out: Option<&mut [f32]>,
+    ) -> CollectiveResult<()> {
         if self.shared.shape == GroupShape::Pipeline {
-            return place_cols(self.rank, mine, rows, at, out);
+            return match out {
+                Some(out) => place_cols(self.rank, mine, rows, at, out),
+                None => Ok(()),
+            };
         }
-        let res = self.round(OpKind::AllGather, Contribution::Cols { at, rows, data: mine.to_vec() })?;
+        // The gathering rank places its own block straight from `mine`; only
+        // the others' blocks travel through the round.
+        let gathering = self.gathers_here();
+        let data = if gathering { Vec::new() } else { mine.to_vec() };
+        let res = self.round(OpKind::AllGather, Contribution::Cols { at, rows, data })?;
+        let Some(out) = out.filter(|_| gathering) else { return Ok(()) };
+        place_cols(self.rank, mine, rows, at, out)?;
         let Outcome::Cols(blocks) = &*res else { unreachable!("an all-gather round yields blocks") };
-        for (at, r, data) in blocks {
+        for (at, r, data) in blocks.iter().filter(|b| !b.2.is_empty()) {
             if *r != rows {
                 return Err(CollectiveError::Length {
                     rank: self.rank,
@@ -858,11 +900,13 @@ mod tests {
             let (at, w) = [(0, 3), (3, 1), (4, 2)][r.rank().0 as usize];
             let mine: Vec<f32> = (0..2 * w).map(|i| (r.rank().0 * 100 + i as u32) as f32).collect();
             let mut full = vec![-1.0; 12];
-            r.all_gather_cols(&mine, 2, at, &mut full).unwrap();
+            let here = r.gathers_here();
+            r.gather_cols(&mine, 2, at, here.then_some(&mut full[..])).unwrap();
             full
         });
         let want = vec![0., 1., 2., 100., 200., 201., 3., 4., 5., 101., 202., 203.];
-        assert!(out.iter().all(|o| *o == want), "{out:?}");
+        assert_eq!(out[0], want, "rank 0 gathers every block");
+        assert!(out[1..].iter().all(|o| o.iter().all(|&v| v == -1.0)), "the others copy nothing: {out:?}");
     }
 
     #[test]
@@ -882,7 +926,7 @@ mod tests {
         assert_eq!(out[1], vec![[1.0, 2.0], [3.0, 4.0]]);
         let solo = Solo::new();
         let mut full = vec![0.0; 4];
-        solo.all_gather_cols(&[1.0, 2.0, 3.0, 4.0], 2, 0, &mut full).unwrap();
+        solo.gather_cols(&[1.0, 2.0, 3.0, 4.0], 2, 0, Some(&mut full)).unwrap();
         assert_eq!(full, vec![1.0, 2.0, 3.0, 4.0]);
         assert_eq!(solo.min_u64(9).unwrap(), 9);
     }

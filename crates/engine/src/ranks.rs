@@ -321,7 +321,8 @@ impl<B: Backend> RankWorker<B> {
         if census {
             self.exec.collective().compare_census()?;
         }
-        Ok(Reply::Logits(self.exec.model().slice().emits_logits().then(|| std::mem::take(logits))))
+        let sampled = self.exec.model().slice().emits_logits() && self.exec.collective().gathers_here();
+        Ok(Reply::Logits(sampled.then(|| std::mem::take(logits))))
     }
 }
 

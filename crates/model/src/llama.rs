@@ -306,8 +306,9 @@ impl<B: Backend> Model<B> {
     }
 
     /// Run this rank's part of one step. Every rank of a layout calls this
-    /// with the same step; ranks that compute logits leave `[logit_rows,
-    /// vocab]` in `logits`, the others leave it empty.
+    /// with the same step; the rank whose logits are sampled (the last stage
+    /// of a pipeline, rank 0 of a tensor group: `Group::gathers_here`) leaves
+    /// `[logit_rows, vocab]` in `logits`, the others leave it empty.
     pub fn forward_ranked(
         &self,
         b: &B,
@@ -382,8 +383,13 @@ impl<B: Backend> Model<B> {
         }
         b.read_logits(&ws.logits, n, &mut ws.host_logits);
         b.check()?;
-        logits.resize(n * cfg.vocab_size, 0.0);
-        c.all_gather_cols(&ws.host_logits, n, s.vocab.start, logits)?;
+        // Only the rank whose logits are sampled holds the whole rows.
+        if c.gathers_here() {
+            logits.resize(n * cfg.vocab_size, 0.0);
+            c.gather_cols(&ws.host_logits, n, s.vocab.start, Some(logits))?;
+        } else {
+            c.gather_cols(&ws.host_logits, n, s.vocab.start, None)?;
+        }
         Ok(())
     }
 

@@ -164,8 +164,17 @@ impl Group for NcclRank {
     fn min_u64(&self, value: u64) -> CollectiveResult<u64> {
         self.host.min_u64(value)
     }
-    fn all_gather_cols(&self, mine: &[f32], rows: usize, at: usize, out: &mut [f32]) -> CollectiveResult<()> {
-        self.host.all_gather_cols(mine, rows, at, out)
+    fn gathers_here(&self) -> bool {
+        self.host.gathers_here()
+    }
+    fn gather_cols(
+        &self,
+        mine: &[f32],
+        rows: usize,
+        at: usize,
+        out: Option<&mut [f32]>,
+    ) -> CollectiveResult<()> {
+        self.host.gather_cols(mine, rows, at, out)
     }
     fn census(&self) -> Census {
         self.host.census()
