@@ -136,35 +136,3 @@ extern "C" __global__ void write_kv(const float* k, const float* v, bf16_t* kc, 
         vc[dst + j] = f32_to_bf16(v[src + j]);
     }
 }
-
-__device__ __forceinline__ float block_max(float v, float* partial) {
-    v = warp_max(v);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float w = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : NEG_INF;
-        w = warp_max(w);
-        if (threadIdx.x == 0) partial[0] = w;
-    }
-    __syncthreads();
-    return partial[0];
-}
-
-// Logits for the host in half the bytes: each row as its maximum (f32) and
-// every logit's distance below it in f16, rounded to nearest. Where sampling
-// and log-probs look (within a few nats of the top) f16 keeps about 1e-3
-// absolute, and the top logit is exact. One block per row.
-extern "C" __global__ void logits_rel_f16(const float* x, int cols, unsigned short* out, float* row_max) {
-    __shared__ float partial[32];
-    const float* xr = x + (long long)blockIdx.x * cols;
-    float m = NEG_INF;
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
-    m = block_max(m, partial);
-    unsigned short* o = out + (long long)blockIdx.x * cols;
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-        unsigned short h;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(xr[j] - m));
-        o[j] = h;
-    }
-    if (threadIdx.x == 0) row_max[blockIdx.x] = m;
-}

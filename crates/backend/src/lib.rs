@@ -227,14 +227,6 @@ pub trait Backend: Send + Sync + 'static {
     );
     /// Copy the first `rows` rows to the host.
     fn read_rows(&self, x: &Self::Act, rows: usize, out: &mut Vec<f32>);
-    /// Copy the first `rows` rows of logits to the host for sampling. A
-    /// backend may carry them in fewer bytes, exact at each row's maximum and
-    /// within 2^-11 of each logit's distance below it (the CUDA backend does,
-    /// where the copy to the host is a large part of a decode step); the
-    /// default is `read_rows`.
-    fn read_logits(&self, x: &Self::Act, rows: usize, out: &mut Vec<f32>) {
-        self.read_rows(x, rows, out)
-    }
     /// Copy KV rows of one page to another (a copy-on-write of a shared page).
     fn copy_page(&self, kv: &mut Self::Kv, from: PageId, to: PageId);
 

@@ -377,11 +377,11 @@ impl<B: Backend> Model<B> {
         if c.world() == 1 && s.vocab == (0..cfg.vocab_size) {
             // The whole vocabulary is here: the rows come straight into
             // `logits` (at a large batch they are tens of megabytes).
-            b.read_logits(&ws.logits, n, logits);
+            b.read_rows(&ws.logits, n, logits);
             b.check()?;
             return Ok(());
         }
-        b.read_logits(&ws.logits, n, &mut ws.host_logits);
+        b.read_rows(&ws.logits, n, &mut ws.host_logits);
         b.check()?;
         // Only the rank whose logits are sampled holds the whole rows.
         if c.gathers_here() {

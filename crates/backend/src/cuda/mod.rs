@@ -120,7 +120,6 @@ struct Kernels {
     add_bias: Kernel,
     gather_rows: Kernel,
     f32_to_bf16_rows: Kernel,
-    logits_rel_f16: Kernel,
     dequant_rows: Kernel,
     write_kv: Kernel,
     /// Indexed by log2 of the row-count instantiation (1, 2, 4, 8 rows).
@@ -194,17 +193,6 @@ impl CudaAct {
 
 /// Reads to the host of at least this many values go through page-locked staging.
 const PINNED_READ_MIN: usize = 1 << 16;
-
-/// Where `read_logits` puts the row maxima in the scratch: after `rows x
-/// cols` f16, on a 256-byte boundary.
-fn relative_logits_max_offset(rows: usize, cols: usize) -> usize {
-    (rows * cols * 2).div_ceil(256) * 256
-}
-
-/// Scratch bytes `read_logits` needs for `rows x cols` logits.
-fn relative_logits_bytes(rows: usize, cols: usize) -> usize {
-    relative_logits_max_offset(rows, cols) + rows * 4
-}
 
 /// What holds a KV store's bytes alive.
 enum KvMem {
@@ -336,8 +324,6 @@ pub struct CudaBackend {
     state: Mutex<State>,
     /// Per-op timing when `CORRIDOR_CUDA_PROFILE=N` is set (a report every N steps).
     profile: Option<Mutex<OpProfile>>,
-    /// `CORRIDOR_EXACT_LOGITS=1`: logits cross to the host in f32 (see `read_logits`).
-    exact_logits: bool,
 }
 
 /// Where a step's device time goes, op by op: with profiling on, steps run
@@ -483,7 +469,6 @@ impl CudaBackend {
             add_bias: f("add_bias")?,
             gather_rows: f("gather_rows")?,
             f32_to_bf16_rows: f("f32_to_bf16_rows")?,
-            logits_rel_f16: f("logits_rel_f16")?,
             dequant_rows: f("dequant_rows")?,
             write_kv: f("write_kv")?,
             gemv_bf16: [f("gemv_bf16_r1")?, f("gemv_bf16_r2")?, f("gemv_bf16_r4")?, f("gemv_bf16_r8")?],
@@ -564,17 +549,11 @@ impl CudaBackend {
                     Mutex::new(OpProfile { every: every.max(1), steps: 0, rows: 0, totals: HashMap::new() })
                 },
             ),
-            exact_logits: std::env::var("CORRIDOR_EXACT_LOGITS").is_ok_and(|v| v == "1"),
         })
     }
 
     pub fn arch(&self) -> &str {
         &self.arch
-    }
-
-    /// `CORRIDOR_EXACT_LOGITS=1`: logits cross to the host in f32.
-    fn config_exact_logits(&self) -> bool {
-        self.exact_logits
     }
 
     /// Wait for every enqueued operation.
@@ -1157,8 +1136,7 @@ impl Backend for CudaBackend {
         // A new workspace means new step buffers: captures of the old ones are stale.
         drop_graphs(st);
         let mut slot = st.xbf.take();
-        // Also the f16 logits of `read_logits` with their row maxima after them.
-        let r = self.ensure_scratch(&mut slot, relative_logits_bytes(shape.rows, shape.cols));
+        let r = self.ensure_scratch(&mut slot, shape.rows * shape.cols * 2);
         st.xbf = slot;
         r?;
         // Row-indexed metadata grows with the largest workspace too.
@@ -1465,67 +1443,6 @@ impl Backend for CudaBackend {
             out.par_chunks_mut(1 << 18)
                 .zip(stage.par_chunks(1 << 18))
                 .for_each(|(o, i)| o.copy_from_slice(i));
-            Ok(())
-        })
-    }
-
-    /// Large reads cross the link in half the bytes (see `logits_rel_f16`):
-    /// each row's maximum in f32 and every logit below it in f16, widened
-    /// back on the host on every core. `CORRIDOR_EXACT_LOGITS=1` reads f32.
-    fn read_logits(&self, x: &CudaAct, rows: usize, out: &mut Vec<f32>) {
-        let (n, cols) = (rows * x.cols, x.cols);
-        if n < PINNED_READ_MIN || self.config_exact_logits() {
-            return self.read_rows(x, rows, out);
-        }
-        self.op("read_logits (f16 to host)", |st| {
-            let xbf = st
-                .xbf
-                .as_ref()
-                .filter(|b| b.bytes().0 as usize >= relative_logits_bytes(rows, cols))
-                .ok_or_else(|| {
-                BackendError::Other("the logits scratch is smaller than the logits".into())
-            })?;
-            let (half_ptr, max_ptr) = (xbf.ptr(), xbf.ptr() + relative_logits_max_offset(rows, cols) as u64);
-            let a = Args::new().ptr(x.ptr()).i32(cols as i32).ptr(half_ptr).ptr(max_ptr);
-            // SAFETY: `rows` rows of `cols` f32 in, as many f16 and `rows` f32 maxima out, inside the scratch.
-            unsafe {
-                self.launch(self.k.logits_rel_f16, LaunchDims { grid: (rows as u32, 1, 1), block: 256 }, a)?
-            };
-            let words = n.div_ceil(2) + rows;
-            if st.pinned.as_ref().is_none_or(|p| p.len() < words) {
-                st.pinned = None;
-                st.pinned = Some(
-                    corridor_vram::cuda::PinnedHost::new(words)
-                        .map_err(|e| BackendError::Other(format!("page-locked staging: {e}")))?,
-                );
-            }
-            let pinned = st.pinned.as_mut().expect("made above").as_mut_slice();
-            let (halves, maxima) = pinned.split_at_mut(n.div_ceil(2));
-            // SAFETY: `halves` holds at least `n` u16 (two per f32 slot), f32 is 4-byte aligned.
-            let halves: &mut [u16] =
-                unsafe { std::slice::from_raw_parts_mut(halves.as_mut_ptr() as *mut u16, n) };
-            let maxima = &mut maxima[..rows];
-            // SAFETY: both destinations are exactly the sizes the kernel wrote.
-            unsafe {
-                cu::memcpy_dtoh_async(&mut *halves, half_ptr, self.stream.0)
-                    .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
-                cu::memcpy_dtoh_async(&mut *maxima, max_ptr, self.stream.0)
-                    .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
-            }
-            self.synchronize()?;
-            if out.len() > n {
-                out.truncate(n);
-            } else {
-                out.resize(n, 0.0);
-            }
-            use rayon::prelude::*;
-            out.par_chunks_mut(cols).zip(halves.par_chunks(cols)).zip(maxima.par_iter()).for_each(
-                |((o, h), &m)| {
-                    for (o, &h) in o.iter_mut().zip(h) {
-                        *o = m + f16::from_bits(h).to_f32();
-                    }
-                },
-            );
             Ok(())
         })
     }
