@@ -217,6 +217,17 @@ impl HostRows for CpuAct {
     }
 }
 
+/// A gather that involves no peer: place this rank's block, if it gathers.
+fn place_own(
+    rank: Rank,
+    mine: &[f32],
+    rows: usize,
+    at: usize,
+    out: Option<&mut [f32]>,
+) -> CollectiveResult<()> {
+    out.map_or(Ok(()), |out| place_cols(rank, mine, rows, at, out))
+}
+
 fn place_cols(rank: Rank, mine: &[f32], rows: usize, at: usize, out: &mut [f32]) -> CollectiveResult<()> {
     let bad = |width: usize, cols: usize| CollectiveError::BadColumns {
         rank,
@@ -277,10 +288,7 @@ impl Group for Solo {
         out: Option<&mut [f32]>,
     ) -> CollectiveResult<()> {
         self.counters.bump(OpKind::AllGather);
-        match out {
-            Some(out) => place_cols(Rank(0), mine, rows, at, out),
-            None => Ok(()),
-        }
+        place_own(Rank(0), mine, rows, at, out)
     }
     fn census(&self) -> Census {
         self.counters.snapshot()
@@ -729,10 +737,7 @@ impl Group for ThreadRank {
         out: Option<&mut [f32]>,
     ) -> CollectiveResult<()> {
         if self.shared.shape == GroupShape::Pipeline {
-            return match out {
-                Some(out) => place_cols(self.rank, mine, rows, at, out),
-                None => Ok(()),
-            };
+            return place_own(self.rank, mine, rows, at, out);
         }
         // The gathering rank places its own block straight from `mine`; only
         // the others' blocks travel through the round.

@@ -66,7 +66,8 @@ impl ChunkGeometry {
             // The fewest pages that fill whole granules of this card exactly,
             // folded into the fewest that do so on every card.
             let own = gran / gcd(pb, gran);
-            exact_pages = exact_pages / gcd(exact_pages, own) * own;
+            // Saturates on absurd combinations: then chunks are rounded up to granules instead.
+            exact_pages = (exact_pages / gcd(exact_pages, own)).saturating_mul(own);
             widest = widest.max(pb);
         }
         if parts.is_empty() {

@@ -332,3 +332,14 @@ fn relief_on_any_card_releases_the_chunk_on_every_card() {
     assert_eq!(arena.recover(), Pages(8), "both cards grow back together");
     assert_eq!(devs[1].books().kv_committed, Bytes::mib(20));
 }
+
+#[test]
+fn common_geometry_of_pages_that_never_pack_rounds_to_granules() {
+    // Page sizes with no common exact packing: whole pages per chunk, each
+    // part rounded up to its granules, no overflow.
+    let parts = [(Bytes(1000), Bytes::mib(2)), (Bytes(1001), Bytes::mib(2)), (Bytes(1003), Bytes::mib(2))];
+    let g = ChunkGeometry::common(&parts, Bytes::mib(2)).unwrap();
+    assert!(g.iter().all(|x| x.chunk_pages == g[0].chunk_pages && x.chunk_pages > 0));
+    assert!(g.iter().all(|x| x.chunk_bytes.get() % Bytes::mib(2).get() == 0));
+    assert!(g.iter().all(|x| x.chunk_bytes.get() >= x.chunk_pages as u64 * x.page_bytes.get()));
+}
