@@ -4,7 +4,8 @@
 //! Two levels, so the model's code never branches on how many ranks there are:
 //! - [`Group`]: what needs no device buffer — the rank's place in the group,
 //!   a barrier, the MIN reduction every shared capacity decision goes through,
-//!   the all-gather of host rows (logits live on the host), and the census.
+//!   the gather of host rows onto the rank that samples (logits live on the
+//!   host), and the census.
 //! - [`Collective`]: the operations on a backend's activations — all-reduce
 //!   (sum) and point-to-point send/recv. It is generic over the backend, so a
 //!   NCCL implementation can work on device buffers directly while the

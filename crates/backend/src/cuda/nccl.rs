@@ -1,6 +1,7 @@
 //! The collective of ranks on NVIDIA GPUs: NCCL for what moves activations
 //! between cards (all-reduce, send/recv), the in-process group for what the
-//! host agrees on (barrier, MIN, the all-gather of host logits, the census).
+//! host agrees on (barrier, MIN, the gather of host logits onto the rank that
+//! samples, the census).
 //!
 //! Every rank is a thread of this process driving one card, so the
 //! communicators are made together (`ncclCommInitAll`) and each rank
