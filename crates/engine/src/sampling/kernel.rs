@@ -100,22 +100,24 @@ pub fn weight_of(logit: f32, max: f32, inv_t: f32) -> f32 {
     exp_nonpositive(if x > 0.0 { 0.0 } else { x })
 }
 
-/// The f64 sum of one block's weights, with eight partial sums so the loop
-/// vectorizes (a fixed order, so the same on every machine and thread).
-fn block_weight(block: &[f32], max: f32, inv_t: f32) -> f64 {
-    let mut acc = [0f64; 8];
-    let mut w = [0f32; 8];
-    let mut chunks = block.chunks_exact(8);
-    for c in &mut chunks {
-        for j in 0..8 {
-            w[j] = weight_of(c[j], max, inv_t);
+super::simd::multiversion! {
+    /// The f64 sum of one block's weights, with eight partial sums so the loop
+    /// vectorizes (a fixed order, so the same on every machine and thread).
+    fn block_weight(block: &[f32], max: f32, inv_t: f32) -> f64 {
+        let mut acc = [0f64; 8];
+        let mut w = [0f32; 8];
+        let mut chunks = block.chunks_exact(8);
+        for c in &mut chunks {
+            for j in 0..8 {
+                w[j] = weight_of(c[j], max, inv_t);
+            }
+            for j in 0..8 {
+                acc[j] += w[j] as f64;
+            }
         }
-        for j in 0..8 {
-            acc[j] += w[j] as f64;
-        }
+        let tail: f64 = chunks.remainder().iter().map(|&l| weight_of(l, max, inv_t) as f64).sum();
+        acc.iter().sum::<f64>() + tail
     }
-    let tail: f64 = chunks.remainder().iter().map(|&l| weight_of(l, max, inv_t) as f64).sum();
-    acc.iter().sum::<f64>() + tail
 }
 
 /// The inverse-CDF draw over every token of positive weight, in vocabulary
@@ -259,6 +261,26 @@ mod tests {
             x -= 0.000_73;
         }
         assert!(worst < 3e-7, "relative error {worst:e}");
+    }
+
+    /// A block's sum is the same bits whichever build of the loop runs (the
+    /// wide one on a CPU with AVX2 and FMA): eight lanes, each in order.
+    #[test]
+    fn block_sums_are_the_same_bits_on_every_vector_width() {
+        let row: Vec<f32> = (0..DRAW_BLOCK + 5)
+            .map(|i| if i % 31 == 3 { f32::NEG_INFINITY } else { ((i * 48271) % 2003) as f32 / 97.0 - 9.0 })
+            .collect();
+        for inv_t in [0.37f32, 1.0, 3.1] {
+            let got = block_weight(&row, 11.5, inv_t);
+            let mut lanes = [0f64; 8];
+            let whole = row.len() / 8 * 8;
+            for (i, &l) in row[..whole].iter().enumerate() {
+                lanes[i % 8] += std::hint::black_box(weight_of(l, 11.5, inv_t)) as f64;
+            }
+            let tail: f64 = row[whole..].iter().map(|&l| weight_of(l, 11.5, inv_t) as f64).sum();
+            let want = lanes.iter().sum::<f64>() + tail;
+            assert_eq!(got.to_bits(), want.to_bits(), "inv_t {inv_t}");
+        }
     }
 
     /// The blocked draw picks the token a plain walk over every weight picks.

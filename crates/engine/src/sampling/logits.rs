@@ -33,27 +33,29 @@ impl RawScan {
     }
 }
 
-/// Replaces NaN with -inf and +inf with `f32::MAX`, and reports how many of
-/// each it found. +inf becomes the largest finite value rather than -inf so
-/// that argmax still picks the token the model shouted for, while softmax
-/// stays defined.
-pub fn sanitize(row: &mut [f32]) -> RawScan {
-    // Branch-free, so it vectorizes: it runs over every logit of every row.
-    let (mut nan, mut pos_inf) = (0usize, 0usize);
-    for v in row.iter_mut() {
-        let is_nan = v.is_nan();
-        let is_inf = *v == f32::INFINITY;
-        nan += is_nan as usize;
-        pos_inf += is_inf as usize;
-        *v = if is_nan {
-            f32::NEG_INFINITY
-        } else if is_inf {
-            f32::MAX
-        } else {
-            *v
-        };
+super::simd::multiversion! {
+    /// Replaces NaN with -inf and +inf with `f32::MAX`, and reports how many of
+    /// each it found. +inf becomes the largest finite value rather than -inf so
+    /// that argmax still picks the token the model shouted for, while softmax
+    /// stays defined.
+    pub fn sanitize(row: &mut [f32]) -> RawScan {
+        // Branch-free, so it vectorizes: it runs over every logit of every row.
+        let (mut nan, mut pos_inf) = (0usize, 0usize);
+        for v in row.iter_mut() {
+            let is_nan = v.is_nan();
+            let is_inf = *v == f32::INFINITY;
+            nan += is_nan as usize;
+            pos_inf += is_inf as usize;
+            *v = if is_nan {
+                f32::NEG_INFINITY
+            } else if is_inf {
+                f32::MAX
+            } else {
+                *v
+            };
+        }
+        RawScan { nan, pos_inf }
     }
-    RawScan { nan, pos_inf }
 }
 
 /// Keeps a processed value inside the sanitized domain: an overflow to +inf
@@ -130,28 +132,30 @@ pub fn rank_order(row: &[f32], a: u32, b: u32) -> Ordering {
     row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b))
 }
 
-/// The first token with the largest logit, or `None` when every entry is -inf
-/// (or NaN, which `total_cmp` would otherwise rank above everything).
-pub fn argmax(row: &[f32]) -> Option<TokenId> {
-    // Two passes that vectorize: the largest value (NaN never wins a `>`),
-    // then the first index holding it.
-    let mut lanes = [f32::NEG_INFINITY; 8];
-    let mut chunks = row.chunks_exact(8);
-    for c in &mut chunks {
-        for j in 0..8 {
-            lanes[j] = if c[j] > lanes[j] { c[j] } else { lanes[j] };
+super::simd::multiversion! {
+    /// The first token with the largest logit, or `None` when every entry is -inf
+    /// (or NaN, which `total_cmp` would otherwise rank above everything).
+    pub fn argmax(row: &[f32]) -> Option<TokenId> {
+        // Two passes that vectorize: the largest value (NaN never wins a `>`),
+        // then the first index holding it.
+        let mut lanes = [f32::NEG_INFINITY; 8];
+        let mut chunks = row.chunks_exact(8);
+        for c in &mut chunks {
+            for j in 0..8 {
+                lanes[j] = if c[j] > lanes[j] { c[j] } else { lanes[j] };
+            }
         }
-    }
-    let mut best = lanes.iter().copied().fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
-    for &v in chunks.remainder() {
-        if v > best {
-            best = v;
+        let mut best = lanes.iter().copied().fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
+        for &v in chunks.remainder() {
+            if v > best {
+                best = v;
+            }
         }
+        if best == f32::NEG_INFINITY {
+            return None;
+        }
+        row.iter().position(|&v| v == best).map(|i| i as TokenId)
     }
-    if best == f32::NEG_INFINITY {
-        return None;
-    }
-    row.iter().position(|&v| v == best).map(|i| i as TokenId)
 }
 
 /// Natural-log normalizer of a sanitized row: `ln Σ exp(l_i)`, computed in

@@ -61,6 +61,8 @@ pub mod logits;
 mod cpu;
 mod outcome;
 mod params;
+#[macro_use]
+mod simd;
 mod state;
 mod stats;
 
