@@ -6,7 +6,6 @@
 //! and the group's token capacity next to what an even split would give.
 
 use anyhow::{bail, Context, Result};
-use corridor_backend::DType;
 use corridor_model::layout::{self, CardRoom, CostModel, LayoutSpec, Plan, Split};
 use corridor_model::Checkpoint;
 use corridor_units::{Bytes, CardId, Tokens};
@@ -83,12 +82,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             }
         })
         .collect();
-    // Quantized GGUF weights stay quantized on a card; float checkpoints are
-    // held in bf16.
-    let weight_dtype = match ckpt.gguf() {
-        Some(_) => ckpt.tensor("model.layers.0.mlp.down_proj.weight").map(|t| t.dtype).unwrap_or(DType::BF16),
-        None => DType::BF16,
-    };
+    let weight_dtype = layout::card_weight_dtype(&ckpt);
     let granule = layout::ffn_granule(weight_dtype);
     let cost = CostModel {
         weight_dtype,

@@ -33,6 +33,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+/// How long a rank waits for its peers inside one collective by default.
+pub const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// How a layout's ranks run.
 #[derive(Clone, Copy, Debug)]
 pub struct LayoutOptions {
@@ -46,7 +49,7 @@ pub struct LayoutOptions {
 
 impl LayoutOptions {
     pub fn new(limits: ExecutorLimits) -> LayoutOptions {
-        LayoutOptions { limits, census_every: 64, collective_timeout: Duration::from_secs(300) }
+        LayoutOptions { limits, census_every: 64, collective_timeout: COLLECTIVE_TIMEOUT }
     }
 }
 
@@ -147,9 +150,8 @@ impl MultiRank {
         let (reply_tx, replies) = mpsc::channel();
         let (mut jobs, mut threads) = (Vec::with_capacity(ranks.len()), Vec::with_capacity(ranks.len()));
         for (slice, parts) in layout.ranks.iter().zip(ranks) {
-            let model = parts.exec.model();
             tracing::info!(rank = %slice.rank, layers = ?slice.layers, heads = ?slice.heads, kv_heads = ?slice.kv_heads,
-                ffn = ?slice.ffn, vocab = ?slice.vocab, kv_bytes_per_token = model.kv_bytes_per_token(4), "rank loaded");
+                ffn = ?slice.ffn, vocab = ?slice.vocab, "rank loaded");
             let (tx, rx) = mpsc::channel();
             jobs.push(tx);
             let rank = RankWorker {

@@ -160,6 +160,16 @@ impl LayoutSpec {
     }
 }
 
+/// How a card holds a checkpoint's weight matrices: quantized GGUF blocks
+/// stay quantized, float checkpoints are held in bf16 (what plans and boot
+/// price a rank's weights with).
+pub fn card_weight_dtype(ckpt: &crate::Checkpoint) -> DType {
+    match ckpt.gguf() {
+        Some(_) => ckpt.tensor("model.layers.0.mlp.down_proj.weight").map(|t| t.dtype).unwrap_or(DType::BF16),
+        None => DType::BF16,
+    }
+}
+
 /// Columns of FFN a card's split keeps together: whole 128-column tiles
 /// (and so whole quantization blocks). A GPU's matrix kernels read rows in
 /// aligned vectors; a rank holding 11,535 of Llama-3-8B's 14,336 columns made

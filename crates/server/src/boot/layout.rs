@@ -16,6 +16,7 @@
 //! device byte is an allocation through its card's chokepoint.
 
 use super::{new_arena, BootEnv, BootError, Devices, Started};
+use corridor_backend::collective::GroupShape;
 use corridor_backend::DType;
 use corridor_engine::engine::{spawn_with, EngineConfig};
 use corridor_engine::executor::ExecutorLimits;
@@ -56,14 +57,12 @@ fn layout_devices(env: &BootEnv<'_>, spec: &LayoutSpec) -> Result<Vec<Device>, B
     Ok(devices)
 }
 
-/// Weights as a card holds them: quantized GGUF blocks stay quantized,
-/// float checkpoints are held in bf16.
-fn card_weight_dtype(env: &BootEnv<'_>) -> DType {
-    match env.ckpt.gguf() {
-        Some(_) => {
-            env.ckpt.tensor("model.layers.0.mlp.down_proj.weight").map(|t| t.dtype).unwrap_or(DType::BF16)
-        }
-        None => DType::BF16,
+/// How the ranks of `spec` share reductions (see `GroupShape`).
+fn group_shape(spec: &LayoutSpec) -> GroupShape {
+    if spec.pp.max(1) > 1 {
+        GroupShape::Pipeline
+    } else {
+        GroupShape::Tensor
     }
 }
 
@@ -198,14 +197,14 @@ pub(super) fn boot_sim_layout(
     spec: &LayoutSpec,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Started, BootError> {
-    use corridor_backend::collective::{GroupShape, ThreadGroup};
+    use corridor_backend::collective::ThreadGroup;
     use corridor_backend::cpu::CpuBackend;
     use corridor_engine::executor::SingleRank;
     use corridor_model::llama::Model;
     use corridor_vram::Purpose;
     debug_assert!(matches!(env.opts.devices, Devices::Sim(_)));
     let devices = layout_devices(env, spec)?;
-    let cost = cost_model(env, card_weight_dtype(env), 4);
+    let cost = cost_model(env, layout::card_weight_dtype(env.ckpt), 4);
     let plan = solve_on_cards(env, spec, &devices, &cost)?;
     let cfg = env.ckpt.config();
     let mut resident = Vec::new();
@@ -229,9 +228,8 @@ pub(super) fn boot_sim_layout(
     }
     (env.mark)(BootPhase::WorkspaceReady);
     let (arena, parts) = layout_arena(env, &plan, &devices, &cost)?;
-    let shape = if spec.pp.max(1) > 1 { GroupShape::Pipeline } else { GroupShape::Tensor };
     let options = LayoutOptions::new(limits(env, arena.capacity()));
-    let (group, comms) = ThreadGroup::new(total, shape, options.collective_timeout);
+    let (group, comms) = ThreadGroup::new(total, group_shape(spec), options.collective_timeout);
     let mut ranks = Vec::with_capacity(total);
     for (((backend, model), comm), dev) in models.into_iter().zip(comms).zip(&devices) {
         let exec = SingleRank::new(backend, model, options.limits)?.with_collective(Box::new(comm));
@@ -251,9 +249,9 @@ pub(super) fn boot_cuda_layout(
     spec: &LayoutSpec,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Started, BootError> {
-    use corridor_backend::collective::GroupShape;
     use corridor_backend::cuda::nccl::nccl_group;
     use corridor_engine::executor::SingleRank;
+    use corridor_engine::ranks::COLLECTIVE_TIMEOUT;
     use corridor_model::llama::Model;
     let devices = layout_devices(env, spec)?;
     let mut backends = Vec::with_capacity(devices.len());
@@ -261,12 +259,10 @@ pub(super) fn boot_cuda_layout(
         backends.push(super::cuda_backend(env, dev, ordinal)?);
     }
     (env.mark)(BootPhase::ContextReady);
-    let shape = if spec.pp.max(1) > 1 { GroupShape::Pipeline } else { GroupShape::Tensor };
-    let timeout = LayoutOptions::new(limits(env, Pages(0))).collective_timeout;
     let ordinals: Vec<usize> = env.ordinals.iter().map(|&o| o as usize).collect();
-    let (group, comms) =
-        nccl_group(&ordinals, shape, timeout).map_err(|e| BootError::Config(format!("NCCL: {e}")))?;
-    let cost = cost_model(env, card_weight_dtype(env), 2);
+    let (group, comms) = nccl_group(&ordinals, group_shape(spec), COLLECTIVE_TIMEOUT)
+        .map_err(|e| BootError::Config(format!("NCCL: {e}")))?;
+    let cost = cost_model(env, layout::card_weight_dtype(env.ckpt), 2);
     let plan = solve_on_cards(env, spec, &devices, &cost)?;
     let cfg = env.ckpt.config();
     let total_layers: usize = cfg.num_layers + 2 * plan.layout.ranks.len();
