@@ -120,8 +120,13 @@ impl Governor {
         results
     }
 
-    /// One relief step: restore floors, grow KV back where there is room.
+    /// One relief step: restore floors, grow KV back where there is room. A
+    /// card found under its floor is sampled first, so the record never
+    /// misses a dip that relief ends before the sampler's next period.
     pub fn relieve(&self) -> Vec<ReliefAction> {
+        if self.devices.iter().any(|d| d.card().driver_free() < d.settings().floor) {
+            self.sample();
+        }
         relief_step(&self.devices, &self.arenas())
     }
 

@@ -161,6 +161,23 @@ fn an_intrusion_is_relieved_within_a_second_and_kv_grows_back() {
     assert!(report.cards[1].min_free_bytes < CardSettings::default().floor);
 }
 
+/// Relief that runs before the sampler's next period still leaves the dip on
+/// record: a card found under its floor is sampled before it is relieved.
+#[test]
+fn relief_never_ends_a_dip_the_sampler_has_not_seen() {
+    let events = [SimEvent { at_s: 1.0, card: 2, pid: 77, bytes: Bytes::mib(512).get() }];
+    let b = boot(&events, [None; 3]);
+    b.clock.advance(Duration::from_millis(1100));
+    let before = b.cards[2].driver_free();
+    assert!(before < CardSettings::default().floor, "the intruder took card2 under its floor");
+    // Only the relief step runs: no sample of the dip was taken before it.
+    b.gov.relieve();
+    assert!(b.cards[2].driver_free() > before, "relief gave memory back");
+    let s = b.gov.sampler().stats(CardId(2)).unwrap();
+    assert_eq!(s.intrusions, 1, "the dip is on record: {s:?}");
+    assert!(s.min_free.unwrap() < CardSettings::default().floor);
+}
+
 #[test]
 fn a_card_budget_is_never_exceeded() {
     let budget = Bytes::gib(12);
