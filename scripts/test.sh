@@ -8,7 +8,7 @@ export CORRIDOR_REQUIRE_ASSETS=1
 export CARGO_TERM_COLOR=never
 
 echo "== python packages for the end-to-end tests"
-python3 -m pip install --quiet --disable-pip-version-check openai pytest requests
+python3 -m pip install --quiet --disable-pip-version-check openai pytest requests nvidia-cuda-nvrtc
 
 echo "== build (dev profile)"
 cargo build --workspace --all-targets
@@ -23,6 +23,9 @@ cargo test --workspace
 
 echo "== end-to-end tests against the real server"
 python3 -m pytest -q tests/e2e
+
+echo "== the CUDA kernels compile (NVRTC from its wheel, no GPU needed)"
+python3 scripts/check_kernels.py
 
 echo "== the CUDA build compiles (backend, card, server and cli; its checks run on a GPU machine)"
 cargo check --workspace --features cuda --all-targets

@@ -14,10 +14,41 @@
 #define ATT_WARPS 4
 #define ATT_MAX_D 8 // head_dim <= 32 * ATT_MAX_D = 256
 
+// One lane's D elements of a bf16 row, starting at element `e0` (a multiple
+// of D): one 4-, 8- or 16-byte load when the row is exactly 32 * D wide.
+template <int D>
+__device__ __forceinline__ void load_bf16_lane(const bf16_t* __restrict__ p, float (&f)[D]) {
+    if (D == 2) {
+        u32 w = *(const u32*)p;
+        f[0] = __uint_as_float(w << 16), f[1] = __uint_as_float(w & 0xffff0000u);
+    } else if (D == 4) {
+        uint2 w = *(const uint2*)p;
+        u32 a[2] = {w.x, w.y};
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            f[2 * i] = __uint_as_float(a[i] << 16), f[2 * i + 1] = __uint_as_float(a[i] & 0xffff0000u);
+    } else if (D == 8) {
+        uint4 w = *(const uint4*)p;
+        u32 a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            f[2 * i] = __uint_as_float(a[i] << 16), f[2 * i + 1] = __uint_as_float(a[i] & 0xffff0000u);
+    } else {
+#pragma unroll
+        for (int d = 0; d < D; d++) f[d] = bf16_to_f32(p[d]);
+    }
+}
+
 // One block serves G query heads that share a KV head (grouped-query
 // attention), so each K and V row is read once for all of them: G = 1, 2, 4
 // or 8, the largest that divides the group. Grid: (splits, heads / G, rows).
-template <int G>
+//
+// Lane l holds elements [l * D, l * D + D) of a head. EXACT: head_dim is
+// 32 * D, the lane's elements are one vector load, and each warp loads U
+// tokens' K and V before it uses any (a decode step waits on these loads, not
+// on the arithmetic). Otherwise D = ceil(head_dim / 32) is found at run time
+// (up to ATT_MAX_D) and a token is loaded element by element.
+template <int G, int D, int U, bool EXACT>
 __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, const bf16_t* __restrict__ kc,
                                                   const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,
                                                   const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,
@@ -25,8 +56,9 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
                                                   float* __restrict__ part_o, float* __restrict__ part_ml, int heads,
                                                   int kv_heads, int head_dim, int page_size, float scale, int chunk,
                                                   int nsplit) {
+    pdl_enter();
     __shared__ float sm_m[ATT_WARPS][G], sm_l[ATT_WARPS][G];
-    __shared__ float sm_o[ATT_WARPS][G][32 * ATT_MAX_D];
+    __shared__ float sm_o[ATT_WARPS][G][32 * D];
     int s = blockIdx.x, h0 = blockIdx.y * G, r = blockIdx.z;
     if (row_seq[r] == 0xffffffffu) return;
     int kvh = h0 / (heads / kv_heads);
@@ -34,45 +66,66 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
     const u32* pt = page_table + seq_pt_off[row_seq[r]];
     int start = s * chunk;
     int end = imin(ctx, start + chunk);
+    // A split past the context (a captured step splits for the longest
+    // context it may see) has nothing to add: attn_combine reads only the
+    // splits that hold some of the row's context.
+    if (start >= ctx) return;
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    int D = (head_dim + 31) / 32;
-    float qv[G][ATT_MAX_D], o[G][ATT_MAX_D], m[G], l[G];
+    const int Dr = EXACT ? D : (head_dim + 31) / 32;
+    float qv[G][D], o[G][D], m[G], l[G];
 #pragma unroll
     for (int g = 0; g < G; g++) {
         const float* qr = q + ((long long)r * heads + h0 + g) * head_dim;
 #pragma unroll
-        for (int d = 0; d < ATT_MAX_D; d++) {
-            int e = lane * D + d;
-            qv[g][d] = (d < D && e < head_dim) ? qr[e] * scale : 0.f;
+        for (int d = 0; d < D; d++) {
+            int e = lane * Dr + d;
+            qv[g][d] = (EXACT || (d < Dr && e < head_dim)) ? qr[e] * scale : 0.f;
             o[g][d] = 0.f;
         }
         m[g] = NEG_INF;
         l[g] = 0.f;
     }
     int kvw = kv_heads * head_dim;
-    for (int t = start + wid; t < end; t += ATT_WARPS) {
-        long long base = kv_page_elems(pt[t / page_size]) + (long long)(t % page_size) * kvw + kvh * head_dim;
-        float kf[ATT_MAX_D], vf[ATT_MAX_D];
+    for (int t0 = start + wid; t0 < end; t0 += ATT_WARPS * U) {
+        float kf[U][D], vf[U][D];
 #pragma unroll
-        for (int d = 0; d < ATT_MAX_D; d++) {
-            int e = lane * D + d;
-            bool in = d < D && e < head_dim;
-            kf[d] = in ? bf16_to_f32(kc[base + e]) : 0.f;
-            vf[d] = in ? bf16_to_f32(vc[base + e]) : 0.f;
+        for (int u = 0; u < U; u++) {
+            int t = t0 + u * ATT_WARPS;
+            if (t < end) {
+                long long base =
+                    kv_page_elems(pt[t / page_size]) + (long long)(t % page_size) * kvw + kvh * head_dim;
+                if (EXACT) {
+                    load_bf16_lane<D>(kc + base + lane * D, kf[u]);
+                    load_bf16_lane<D>(vc + base + lane * D, vf[u]);
+                } else {
+#pragma unroll
+                    for (int d = 0; d < D; d++) {
+                        int e = lane * Dr + d;
+                        bool in = d < Dr && e < head_dim;
+                        kf[u][d] = in ? bf16_to_f32(kc[base + e]) : 0.f;
+                        vf[u][d] = in ? bf16_to_f32(vc[base + e]) : 0.f;
+                    }
+                }
+            }
         }
 #pragma unroll
-        for (int g = 0; g < G; g++) {
-            float sc = 0.f;
+        for (int u = 0; u < U; u++) {
+            if (t0 + u * ATT_WARPS < end) {
 #pragma unroll
-            for (int d = 0; d < ATT_MAX_D; d++) sc += qv[g][d] * kf[d];
-            sc = warp_sum(sc);
-            float mn = fmaxf(m[g], sc);
-            float corr = expf(m[g] - mn);
-            float p = expf(sc - mn);
-            l[g] = l[g] * corr + p;
+                for (int g = 0; g < G; g++) {
+                    float sc = 0.f;
 #pragma unroll
-            for (int d = 0; d < ATT_MAX_D; d++) o[g][d] = o[g][d] * corr + p * vf[d];
-            m[g] = mn;
+                    for (int d = 0; d < D; d++) sc += qv[g][d] * kf[u][d];
+                    sc = warp_sum(sc);
+                    float mn = fmaxf(m[g], sc);
+                    float corr = expf(m[g] - mn);
+                    float p = expf(sc - mn);
+                    l[g] = l[g] * corr + p;
+#pragma unroll
+                    for (int d = 0; d < D; d++) o[g][d] = o[g][d] * corr + p * vf[u][d];
+                    m[g] = mn;
+                }
+            }
         }
     }
 #pragma unroll
@@ -82,9 +135,9 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
             sm_l[wid][g] = l[g];
         }
 #pragma unroll
-        for (int d = 0; d < ATT_MAX_D; d++) {
-            int e = lane * D + d;
-            if (d < D && e < head_dim) sm_o[wid][g][e] = o[g][d];
+        for (int d = 0; d < D; d++) {
+            int e = lane * Dr + d;
+            if (EXACT || (d < Dr && e < head_dim)) sm_o[wid][g][e] = o[g][d];
         }
     }
     __syncthreads();
@@ -112,34 +165,49 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
     }
 }
 
-#define ATTN_PARTIAL(G)                                                                                         \
+// attn_partial_g{G}: any head_dim up to 32 * ATT_MAX_D; attn_partial_g{G}_d{D}:
+// head_dim exactly 32 * D (64, 128, 256), U tokens in flight per warp.
+#define ATTN_PARTIAL(NAME, G, D, U, EXACT)                                                                      \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                                \
-        attn_partial_g##G(const float* __restrict__ q, const bf16_t* __restrict__ kc,                          \
-                          const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,                      \
-                          const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,                 \
-                          const u32* __restrict__ page_table, float* __restrict__ out,                         \
-                          float* __restrict__ part_o, float* __restrict__ part_ml, int heads, int kv_heads,    \
-                          int head_dim, int page_size, float scale, int chunk, int nsplit) {                   \
-        attn_partial_body<G>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, out, part_o, part_ml, heads, \
-                             kv_heads, head_dim, page_size, scale, chunk, nsplit);                             \
+        NAME(const float* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,         \
+             const u32* __restrict__ row_pos, const u32* __restrict__ row_seq,                                  \
+             const u32* __restrict__ seq_pt_off, const u32* __restrict__ page_table, float* __restrict__ out,   \
+             float* __restrict__ part_o, float* __restrict__ part_ml, int heads, int kv_heads, int head_dim,    \
+             int page_size, float scale, int chunk, int nsplit) {                                               \
+        attn_partial_body<G, D, U, EXACT>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, out, part_o,    \
+                                          part_ml, heads, kv_heads, head_dim, page_size, scale, chunk, nsplit); \
     }
-ATTN_PARTIAL(1)
-ATTN_PARTIAL(2)
-ATTN_PARTIAL(4)
-ATTN_PARTIAL(8)
+ATTN_PARTIAL(attn_partial_g1, 1, ATT_MAX_D, 1, false)
+ATTN_PARTIAL(attn_partial_g2, 2, ATT_MAX_D, 1, false)
+ATTN_PARTIAL(attn_partial_g4, 4, ATT_MAX_D, 1, false)
+ATTN_PARTIAL(attn_partial_g8, 8, ATT_MAX_D, 1, false)
+ATTN_PARTIAL(attn_partial_g1_d2, 1, 2, 4, true)
+ATTN_PARTIAL(attn_partial_g2_d2, 2, 2, 4, true)
+ATTN_PARTIAL(attn_partial_g4_d2, 4, 2, 4, true)
+ATTN_PARTIAL(attn_partial_g8_d2, 8, 2, 4, true)
+ATTN_PARTIAL(attn_partial_g1_d4, 1, 4, 4, true)
+ATTN_PARTIAL(attn_partial_g2_d4, 2, 4, 4, true)
+ATTN_PARTIAL(attn_partial_g4_d4, 4, 4, 4, true)
+ATTN_PARTIAL(attn_partial_g8_d4, 8, 4, 4, true)
+ATTN_PARTIAL(attn_partial_g1_d8, 1, 8, 2, true)
+ATTN_PARTIAL(attn_partial_g2_d8, 2, 8, 2, true)
+ATTN_PARTIAL(attn_partial_g4_d8, 4, 8, 2, true)
+ATTN_PARTIAL(attn_partial_g8_d8, 8, 8, 2, true)
 
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                        const u32* __restrict__ row_seq, float* __restrict__ out, int heads,
-                                        int head_dim, int nsplit) {
+                                        const u32* __restrict__ row_pos, const u32* __restrict__ row_seq,
+                                        float* __restrict__ out, int heads, int head_dim, int nsplit, int chunk) {
+    pdl_enter();
     int h = blockIdx.x, r = blockIdx.y;
     if (row_seq[r] == 0xffffffffu) return;
     long long p0 = ((long long)r * heads + h) * nsplit;
+    int used = imin(nsplit, ((int)row_pos[r] + chunk) / chunk);
     float M = NEG_INF;
-    for (int s = 0; s < nsplit; s++)
+    for (int s = 0; s < used; s++)
         if (part_ml[2 * (p0 + s) + 1] > 0.f) M = fmaxf(M, part_ml[2 * (p0 + s)]);
     for (int e = threadIdx.x; e < head_dim; e += blockDim.x) {
         float acc = 0.f, L = 0.f;
-        for (int s = 0; s < nsplit; s++) {
+        for (int s = 0; s < used; s++) {
             float ls = part_ml[2 * (p0 + s) + 1];
             if (ls > 0.f) {
                 float w = expf(part_ml[2 * (p0 + s)] - M);
@@ -244,6 +312,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
                                                   const u32* __restrict__ page_table, const u32* __restrict__ tiles,
                                                   float* __restrict__ out, int heads, int kv_heads, int page_size,
                                                   float scale_log2, int ntiles) {
+    pdl_enter();
     __shared__ __align__(16) bf16_t ks[FA_BN * (HD + 8)];
     __shared__ __align__(16) bf16_t vs[FA_BN * (HD + 8)];
     const int LD = HD + 8;

@@ -3,6 +3,7 @@
 
 extern "C" __global__ void embedding(const u8* table, int dtype, long long row_bytes, const u32* ids, float* out,
                                      int cols) {
+    pdl_enter();
     const u8* row = table + (long long)ids[blockIdx.x] * row_bytes;
     float* o = out + (long long)blockIdx.x * cols;
     for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = load_elem(row, dtype, j);
@@ -23,35 +24,76 @@ __device__ __forceinline__ float block_sum(float v, float* partial) {
     return partial[0];
 }
 
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int cols, float eps) {
-    __shared__ float partial[32];
-    const float* xr = x + (long long)blockIdx.x * cols;
-    float* o = out + (long long)blockIdx.x * cols;
-    float s = 0.f;
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j] * xr[j];
-    float inv = 1.0f / sqrtf(block_sum(s, partial) / (float)cols + eps);
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = xr[j] * inv * w[j];
-}
-
-// The residual add and the next RMSNorm in one pass: x += y, out = norm(x) * w.
-// One block per row; the same sums in the same order as rms_norm.
-extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int cols, float eps) {
+// RMSNorm of row blockIdx.x: out = x / rms(x) * w, after x += y when y is
+// given. Sum of squares in f32, as the CPU backend does. Rows of whole float4s
+// that fit NORM_V4 per thread are held in registers: every load of the row is
+// in flight at once, which is what a decode step's one-row norm waits on.
+#define NORM_V4 4
+__device__ __forceinline__ void norm_row(float* __restrict__ x, const float* __restrict__ y,
+                                         const float* __restrict__ w, float* __restrict__ out, int cols, float eps) {
     __shared__ float partial[32];
     float* xr = x + (long long)blockIdx.x * cols;
-    const float* yr = y + (long long)blockIdx.x * cols;
+    const float* yr = y ? y + (long long)blockIdx.x * cols : nullptr;
     float* o = out + (long long)blockIdx.x * cols;
+    int n4 = cols >> 2;
+    if ((cols & 3) == 0 && n4 <= NORM_V4 * (int)blockDim.x) {
+        float4 v[NORM_V4], wv[NORM_V4];
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < NORM_V4; i++) {
+            int c = threadIdx.x + i * blockDim.x;
+            if (c < n4) {
+                v[i] = ((const float4*)xr)[c];
+                wv[i] = __ldg((const float4*)w + c);
+                if (yr) {
+                    float4 b = ((const float4*)yr)[c];
+                    v[i].x += b.x, v[i].y += b.y, v[i].z += b.z, v[i].w += b.w;
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NORM_V4; i++) {
+            int c = threadIdx.x + i * blockDim.x;
+            if (c < n4) {
+                if (yr) ((float4*)xr)[c] = v[i];
+                s += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+            }
+        }
+        float inv = 1.0f / sqrtf(block_sum(s, partial) / (float)cols + eps);
+#pragma unroll
+        for (int i = 0; i < NORM_V4; i++) {
+            int c = threadIdx.x + i * blockDim.x;
+            if (c < n4)
+                ((float4*)o)[c] = make_float4(v[i].x * inv * wv[i].x, v[i].y * inv * wv[i].y,
+                                              v[i].z * inv * wv[i].z, v[i].w * inv * wv[i].w);
+        }
+        return;
+    }
     float s = 0.f;
     for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-        float v = xr[j] + yr[j];
-        xr[j] = v;
+        float v = yr ? xr[j] + yr[j] : xr[j];
+        if (yr) xr[j] = v;
         s += v * v;
     }
     float inv = 1.0f / sqrtf(block_sum(s, partial) / (float)cols + eps);
     for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = xr[j] * inv * w[j];
 }
 
+// One block per row.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int cols, float eps) {
+    pdl_enter();
+    norm_row((float*)x, nullptr, w, out, cols, eps);
+}
+
+// The residual add and the next RMSNorm in one pass: x += y, out = norm(x) * w.
+extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int cols, float eps) {
+    pdl_enter();
+    norm_row(x, y, w, out, cols, eps);
+}
+
 // One warp per head, in place (Qwen3's per-head q/k norm).
 extern "C" __global__ void head_rms_norm(float* x, const float* w, int head_dim, float eps, int total_heads) {
+    pdl_enter();
     int head = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (head >= total_heads) return;
     int lane = threadIdx.x & 31;
@@ -63,13 +105,11 @@ extern "C" __global__ void head_rms_norm(float* x, const float* w, int head_dim,
     for (int j = lane; j < head_dim; j += 32) h[j] = h[j] * inv * w[j];
 }
 
-// One block per row; each thread rotates (head, pair) items. The angle is
-// computed in f32 as pos * inv_freq and fed to the precise sincos, as the CPU
-// reference does, so long positions agree.
-extern "C" __global__ void rope(float* x, const float* inv_freq, const u32* positions, int cols, int head_dim,
-                                int half, int interleaved) {
-    float* row = x + (long long)blockIdx.x * cols;
-    float pos = (float)positions[blockIdx.x];
+// Rotate every head of one row by `pos`; the block's threads share the
+// (head, pair) items. The angle is computed in f32 as pos * inv_freq and fed
+// to the precise sincos, as the CPU reference does, so long positions agree.
+__device__ __forceinline__ void rope_row(float* row, const float* inv_freq, float pos, int cols, int head_dim,
+                                         int half, int interleaved) {
     int heads = cols / head_dim;
     for (int it = threadIdx.x; it < heads * half; it += blockDim.x) {
         int h = it / half, i = it % half;
@@ -84,7 +124,16 @@ extern "C" __global__ void rope(float* x, const float* inv_freq, const u32* posi
     }
 }
 
+// One block per row.
+extern "C" __global__ void rope(float* x, const float* inv_freq, const u32* positions, int cols, int head_dim,
+                                int half, int interleaved) {
+    pdl_enter();
+    rope_row(x + (long long)blockIdx.x * cols, inv_freq, (float)positions[blockIdx.x], cols, head_dim, half,
+             interleaved);
+}
+
 extern "C" __global__ void silu_mul(const float* g, const float* u, float* out, long long n) {
+    pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         float v = g[i];
         out[i] = v / (1.0f + expf(-v)) * u[i];
@@ -92,47 +141,117 @@ extern "C" __global__ void silu_mul(const float* g, const float* u, float* out, 
 }
 
 extern "C" __global__ void add_assign(float* x, const float* y, long long n) {
+    pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         x[i] += y[i];
 }
 
 extern "C" __global__ void add_bias(float* out, const float* b, int cols, long long n) {
+    pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] += b[i % cols];
 }
 
 extern "C" __global__ void gather_rows(const float* x, const u32* idx, float* out, int cols) {
+    pdl_enter();
     const float* src = x + (long long)idx[blockIdx.x] * cols;
     float* dst = out + (long long)blockIdx.x * cols;
     for (int j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = src[j];
 }
 
 extern "C" __global__ void f32_to_bf16_rows(const float* x, bf16_t* out, long long n) {
+    pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] = f32_to_bf16(x[i]);
 }
 
 // Widen `nrows` stored rows starting at `row0` to a bf16 tile [nrows, k].
 extern "C" __global__ void dequant_rows(const u8* w, int dtype, long long row_bytes, bf16_t* out, int row0, int k) {
+    pdl_enter();
     const u8* row = w + (long long)(row0 + blockIdx.x) * row_bytes;
     bf16_t* o = out + (long long)blockIdx.x * k;
     for (int j = threadIdx.x; j < k; j += blockDim.x) o[j] = f32_to_bf16(load_elem(row, dtype, j));
 }
 
-// Store each new row's K and V (width = kv_heads * head_dim) at its cache
-// slot, found from the row's position and its sequence's page table. Rows that
+// Store row r's K and V (width = kv_heads * head_dim) at its cache slot,
+// found from the row's position and its sequence's page table. Rows that
 // belong to no sequence carry row_seq = 0xffffffff and are skipped.
-extern "C" __global__ void write_kv(const float* k, const float* v, bf16_t* kc, bf16_t* vc, const u32* row_pos,
-                                    const u32* row_seq, const u32* seq_pt_off, const u32* page_table, int page_size,
-                                    int width) {
-    u32 seq = row_seq[blockIdx.x];
+__device__ __forceinline__ void store_kv_row(int r, const float* k, const float* v, bf16_t* kc, bf16_t* vc,
+                                             const u32* row_pos, const u32* row_seq, const u32* seq_pt_off,
+                                             const u32* page_table, int page_size, int width) {
+    u32 seq = row_seq[r];
     if (seq == 0xffffffffu) return;
-    u32 pos = row_pos[blockIdx.x];
+    u32 pos = row_pos[r];
     u32 page = page_table[seq_pt_off[seq] + pos / page_size];
     long long dst = kv_page_elems(page) + (long long)(pos % page_size) * width;
-    long long src = (long long)blockIdx.x * width;
+    long long src = (long long)r * width;
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
         kc[dst + j] = f32_to_bf16(k[src + j]);
         vc[dst + j] = f32_to_bf16(v[src + j]);
+    }
+}
+
+extern "C" __global__ void write_kv(const float* k, const float* v, bf16_t* kc, bf16_t* vc, const u32* row_pos,
+                                    const u32* row_seq, const u32* seq_pt_off, const u32* page_table, int page_size,
+                                    int width) {
+    pdl_enter();
+    store_kv_row(blockIdx.x, k, v, kc, vc, row_pos, row_seq, seq_pt_off, page_table, page_size, width);
+}
+
+// rope(q), rope(k) and write_kv in one launch, the same arithmetic as the
+// three kernels, q and k rotated in place. Block (r, h) serves one head of
+// row r: h < heads a query head, then the KV heads' k, then their v, so a
+// decode row's heads all run at once (each thread one rotary pair) instead of
+// one after another in one block. Rows at or past `npos` (the step's
+// positions) are not rotated, rows at or past `nkv` (the rows the step's maps
+// cover) or of no sequence not stored.
+extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, bf16_t* kc, bf16_t* vc,
+                                         const float* inv_freq, const u32* positions, int npos, int nkv,
+                                         const u32* row_pos, const u32* row_seq, const u32* seq_pt_off,
+                                         const u32* page_table, int page_size, int heads, int kv_heads,
+                                         int head_dim, int half, int interleaved) {
+    pdl_enter();
+    int r = blockIdx.x, h = blockIdx.y;
+    int kvw = kv_heads * head_dim;
+    bool is_q = h < heads, is_k = !is_q && h < heads + kv_heads;
+    int kvh = is_q ? 0 : (is_k ? h - heads : h - heads - kv_heads);
+    long long dst = -1;
+    if (!is_q && r < nkv) {
+        u32 seq = row_seq[r];
+        if (seq != 0xffffffffu) {
+            u32 pos = row_pos[r];
+            u32 page = page_table[seq_pt_off[seq] + pos / page_size];
+            dst = kv_page_elems(page) + (long long)(pos % page_size) * kvw + (long long)kvh * head_dim;
+        }
+    }
+    if (is_q || is_k) {
+        float* hp = is_q ? q + ((long long)r * heads + h) * head_dim : k + (long long)r * kvw + kvh * head_dim;
+        bf16_t* cache = kc + dst;
+        if (r < npos) {
+            float pos = (float)positions[r];
+            for (int i = threadIdx.x; i < half; i += blockDim.x) {
+                float sn, cs;
+                sincosf(pos * inv_freq[i], &sn, &cs);
+                int a = interleaved ? 2 * i : i;
+                int b = interleaved ? 2 * i + 1 : i + half;
+                float x0 = hp[a], x1 = hp[b];
+                float y0 = x0 * cs - x1 * sn, y1 = x0 * sn + x1 * cs;
+                hp[a] = y0;
+                hp[b] = y1;
+                if (is_k && dst >= 0) {
+                    cache[a] = f32_to_bf16(y0);
+                    cache[b] = f32_to_bf16(y1);
+                }
+            }
+        }
+        // The dimensions past the rotary ones (partial rotary), or all of
+        // them for a row without a position, are stored as they are.
+        if (is_k && dst >= 0) {
+            int from = r < npos ? 2 * half : 0;
+            for (int e = from + threadIdx.x; e < head_dim; e += blockDim.x) cache[e] = f32_to_bf16(hp[e]);
+        }
+    } else if (dst >= 0) {
+        const float* vp = v + (long long)r * kvw + kvh * head_dim;
+        for (int e = threadIdx.x; e < head_dim; e += blockDim.x) vc[dst + e] = f32_to_bf16(vp[e]);
     }
 }

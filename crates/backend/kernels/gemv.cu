@@ -51,9 +51,11 @@ __device__ __forceinline__ float dot8_bf16(uint4 p, float4 a, float4 b) {
     return s;
 }
 
-// Sum each warp's partials over the block and store the NW x R results.
+// Sum each warp's partials over the block and store the NW x R results
+// (plus `bias[j]` when a bias is given).
 template <int R, int NW>
-__device__ __forceinline__ void gemv_finish(float (&acc)[R][NW], float* __restrict__ out, int n, int j0, int rows) {
+__device__ __forceinline__ void gemv_finish(float (&acc)[R][NW], float* __restrict__ out,
+                                            const float* __restrict__ bias, int n, int j0, int rows) {
     __shared__ float red[GEMV_WARPS][R * NW];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
 #pragma unroll
@@ -74,34 +76,31 @@ __device__ __forceinline__ void gemv_finish(float (&acc)[R][NW], float* __restri
             float s = 0.f;
 #pragma unroll
             for (int w = 0; w < GEMV_WARPS; w++) s += red[w][t];
+            if (bias) s += bias[j];
             out[(long long)r * n + j] = s;
         }
     }
 }
 
-// bf16 weights, k a multiple of 8, rows 16-byte aligned.
-template <int R, int U>
-__device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ w, const float* __restrict__ x,
-                                               float* __restrict__ out, int n, int k, int rows) {
+// acc[r][i] = x[r] . (weight row behind wr[i]) over k (a multiple of 8), the
+// K range split between the block's warps.
+template <int R, int U, int NW>
+__device__ __forceinline__ void gemv_bf16_acc(const uint4* const (&wr)[NW], const float* __restrict__ x, int k,
+                                              int rows, float (&acc)[R][NW]) {
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    int j0 = blockIdx.x * GEMV_NW;
-    const uint4* wr[GEMV_NW];
-#pragma unroll
-    for (int i = 0; i < GEMV_NW; i++) wr[i] = (const uint4*)(w + (long long)imin(j0 + i, n - 1) * k);
-    float acc[R][GEMV_NW];
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
-        for (int i = 0; i < GEMV_NW; i++) acc[r][i] = 0.f;
+        for (int i = 0; i < NW; i++) acc[r][i] = 0.f;
     int chunks = k >> 3;
     const int step = GEMV_WARPS * 32;
     for (int base = wid * 32 + lane; base < chunks; base += step * U) {
-        uint4 p[U][GEMV_NW];
+        uint4 p[U][NW];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = base + u * step;
 #pragma unroll
-            for (int i = 0; i < GEMV_NW; i++) {
+            for (int i = 0; i < NW; i++) {
                 if (c < chunks) p[u][i] = ld_stream(wr[i] + c);
                 else p[u][i].x = p[u][i].y = p[u][i].z = p[u][i].w = 0u;
             }
@@ -116,13 +115,59 @@ __device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ w, con
                         const float4* xr = (const float4*)(x + (long long)r * k) + 2 * c;
                         float4 a = __ldg(xr), b = __ldg(xr + 1);
 #pragma unroll
-                        for (int i = 0; i < GEMV_NW; i++) acc[r][i] += dot8_bf16(p[u][i], a, b);
+                        for (int i = 0; i < NW; i++) acc[r][i] += dot8_bf16(p[u][i], a, b);
                     }
                 }
             }
         }
     }
-    gemv_finish<R, GEMV_NW>(acc, out, n, j0, rows);
+}
+
+// Weights do not depend on the kernel ahead: before waiting for it, ask the
+// L2 for the first `prefetch` bytes of each of the block's NW rows (weight
+// rows j0.. of an n-row matrix), so the wait overlaps the weights' transfer.
+template <int NW>
+__device__ __forceinline__ void gemv_prefetch(const bf16_t* w, int j0, int n, int k, int prefetch) {
+    int t = threadIdx.x;
+    if (prefetch > 0 && t < NW && j0 + t < n) {
+        u32 bytes = (u32)imin(prefetch, 2 * k) & ~15u;
+        prefetch_l2(w + (long long)(j0 + t) * k, bytes);
+    }
+}
+
+// Up to three bf16 matrices that share one input (q/k/v) in one launch:
+// blocks [0, nb0) serve matrix 0, the next nb1 matrix 1, the rest matrix 2
+// (a plain matmul passes n1 = n2 = 0). Biases may be null. Rows 16-byte
+// aligned, k a multiple of 8.
+template <int R, int U>
+__device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ w0, const bf16_t* __restrict__ w1,
+                                               const bf16_t* __restrict__ w2, float* __restrict__ o0,
+                                               float* __restrict__ o1, float* __restrict__ o2,
+                                               const float* __restrict__ b0, const float* __restrict__ b1,
+                                               const float* __restrict__ b2, int n0, int n1, int n2,
+                                               const float* __restrict__ x, int k, int rows, int prefetch) {
+    int blk = blockIdx.x;
+    int nb0 = (n0 + GEMV_NW - 1) / GEMV_NW, nb1 = (n1 + GEMV_NW - 1) / GEMV_NW;
+    const bf16_t* w = w0;
+    float* out = o0;
+    const float* bias = b0;
+    int n = n0;
+    if (blk >= nb0 + nb1) {
+        blk -= nb0 + nb1;
+        w = w2, out = o2, bias = b2, n = n2;
+    } else if (blk >= nb0) {
+        blk -= nb0;
+        w = w1, out = o1, bias = b1, n = n1;
+    }
+    int j0 = blk * GEMV_NW;
+    gemv_prefetch<GEMV_NW>(w, j0, n, k, prefetch);
+    pdl_enter();
+    const uint4* wr[GEMV_NW];
+#pragma unroll
+    for (int i = 0; i < GEMV_NW; i++) wr[i] = (const uint4*)(w + (long long)imin(j0 + i, n - 1) * k);
+    float acc[R][GEMV_NW];
+    gemv_bf16_acc<R, U, GEMV_NW>(wr, x, k, rows, acc);
+    gemv_finish<R, GEMV_NW>(acc, out, bias, n, j0, rows);
 }
 
 // MINB: blocks per SM the register budget must allow. At one row, 2 x 4
@@ -131,14 +176,78 @@ __device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ w, con
 // a 4096-row matrix then runs in one wave of blocks instead of one and a half.
 #define GEMV_BF16(R, U, MINB)                                                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                            \
-        gemv_bf16_r##R(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, int n, \
-                       int k, int rows) {                                                                          \
-        gemv_bf16_body<R, U>(w, x, out, n, k, rows);                                                               \
+        gemv_bf16_r##R(const bf16_t* __restrict__ w0, const bf16_t* __restrict__ w1,                               \
+                       const bf16_t* __restrict__ w2, float* __restrict__ o0, float* __restrict__ o1,              \
+                       float* __restrict__ o2, const float* __restrict__ b0, const float* __restrict__ b1,         \
+                       const float* __restrict__ b2, int n0, int n1, int n2, const float* __restrict__ x, int k,   \
+                       int rows, int prefetch) {                                                                   \
+        gemv_bf16_body<R, U>(w0, w1, w2, o0, o1, o2, b0, b1, b2, n0, n1, n2, x, k, rows, prefetch);               \
     }
 GEMV_BF16(1, 2, 8)
 GEMV_BF16(2, 4, 1)
 GEMV_BF16(4, 2, 1)
 GEMV_BF16(8, 2, 1)
+
+// The MLP's gate and up projections and SiLU in one launch:
+// out[r][j] = silu(x[r] . gate[j]) * (x[r] . up[j]). A block owns GLU_NW
+// output columns and reads their gate and up rows together (2 x GLU_NW
+// loads in flight per thread, as the plain kernel's 2 x 4), so the products
+// never leave the block. Same SiLU as `silu_mul`.
+#define GLU_NW 4
+template <int R>
+__device__ __forceinline__ void gemv_bf16_glu_body(const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu,
+                                                   const float* __restrict__ x, float* __restrict__ out, int n,
+                                                   int k, int rows, int prefetch) {
+    __shared__ float red[GEMV_WARPS][R * 2 * GLU_NW];
+    int j0 = blockIdx.x * GLU_NW;
+    gemv_prefetch<GLU_NW>(wg, j0, n, k, prefetch);
+    gemv_prefetch<GLU_NW>(wu, j0, n, k, prefetch);
+    pdl_enter();
+    const uint4* wr[2 * GLU_NW];
+#pragma unroll
+    for (int i = 0; i < GLU_NW; i++) {
+        long long row = (long long)imin(j0 + i, n - 1) * k;
+        wr[i] = (const uint4*)(wg + row);
+        wr[GLU_NW + i] = (const uint4*)(wu + row);
+    }
+    float acc[R][2 * GLU_NW];
+    gemv_bf16_acc<R, 1, 2 * GLU_NW>(wr, x, k, rows, acc);
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (r < rows) {
+#pragma unroll
+            for (int i = 0; i < 2 * GLU_NW; i++) {
+                float s = warp_sum(acc[r][i]);
+                if (lane == 0) red[wid][r * 2 * GLU_NW + i] = s;
+            }
+        }
+    }
+    __syncthreads();
+    int t = threadIdx.x;
+    if (t < R * GLU_NW) {
+        int r = t / GLU_NW, i = t % GLU_NW, j = j0 + i;
+        if (r < rows && j < n) {
+            float g = 0.f, u = 0.f;
+#pragma unroll
+            for (int w = 0; w < GEMV_WARPS; w++) {
+                g += red[w][r * 2 * GLU_NW + i];
+                u += red[w][r * 2 * GLU_NW + GLU_NW + i];
+            }
+            out[(long long)r * n + j] = g / (1.0f + expf(-g)) * u;
+        }
+    }
+}
+
+#define GEMV_GLU(R, MINB)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                            \
+        gemv_bf16_glu_r##R(const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu,                           \
+                           const float* __restrict__ x, float* __restrict__ out, int n, int k, int rows,           \
+                           int prefetch) {                                                                         \
+        gemv_bf16_glu_body<R>(wg, wu, x, out, n, k, rows, prefetch);                                               \
+    }
+GEMV_GLU(1, 8)
+GEMV_GLU(2, 1)
 
 // bf16 weights on the tensor cores, for 2..8 input rows, k a multiple of 32.
 //
@@ -177,6 +286,7 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, u32& hi, u32& l
 template <int U, int MT>
 __device__ __forceinline__ void gemv_tc_body(const bf16_t* __restrict__ w, const float* __restrict__ x,
                                              float* __restrict__ out, int n, int k, int rows) {
+    pdl_enter();
     // MT tiles of 16 weight rows share every activation fragment.
     __shared__ float red[GEMVT_WARPS][16 * MT][8];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -326,6 +436,7 @@ __device__ __forceinline__ void q_decode(const QPiece<DT>& p, float (&v)[8]) {
 template <int DT, int R, int U>
 __device__ __forceinline__ void gemv_q_body(const u8* __restrict__ w, long long row_bytes, const float* __restrict__ x,
                                             float* __restrict__ out, int n, int k, int rows) {
+    pdl_enter();
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int j0 = blockIdx.x * GEMVQ_NW;
     const u8* wr[GEMVQ_NW];
@@ -373,7 +484,7 @@ __device__ __forceinline__ void gemv_q_body(const u8* __restrict__ w, long long 
             }
         }
     }
-    gemv_finish<R, GEMVQ_NW>(acc, out, n, j0, rows);
+    gemv_finish<R, GEMVQ_NW>(acc, out, nullptr, n, j0, rows);
 }
 
 #define GEMV_Q(NAME, DT, R, U)                                                                                    \
@@ -400,6 +511,7 @@ GEMV_Q(q4_1, DT_Q4_1, 8, 2)
 // above take every shape a real checkpoint has.
 extern "C" __global__ void gemv_any(const u8* __restrict__ w, int dtype, long long row_bytes,
                                     const float* __restrict__ x, float* __restrict__ out, int n, int k, int rows) {
+    pdl_enter();
     int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (j >= n) return;
     int lane = threadIdx.x & 31;

@@ -125,6 +125,13 @@ pub struct GraphKey {
     pub logit_rows: usize,
 }
 
+/// One product of [`Backend::matmul_many`]: `out = x · wᵀ (+ bias)`.
+pub struct MatmulPart<'a, B: Backend + ?Sized> {
+    pub w: &'a B::Weight,
+    pub bias: Option<&'a B::Weight>,
+    pub out: &'a mut B::Act,
+}
+
 /// The operations a forward pass is written against.
 ///
 /// Buffers are row-major f32 matrices from the model's point of view; a
@@ -209,6 +216,50 @@ pub trait Backend: Send + Sync + 'static {
     ) {
         self.add_assign(x, y, rows);
         self.rms_norm(x, weight, eps, rows, out);
+    }
+    /// Several products of one input (a layer's q, k and v projections):
+    /// `part.out = x · part.wᵀ (+ part.bias)` for each part. A device
+    /// backend may run them as one launch.
+    fn matmul_many(&self, x: &Self::Act, parts: &mut [MatmulPart<'_, Self>], rows: usize) {
+        for p in parts.iter_mut() {
+            self.matmul(x, p.w, p.bias, rows, p.out);
+        }
+    }
+    /// The gated MLP's first half: `out = silu(x · gateᵀ) * (x · upᵀ)`.
+    /// `gate_out` and `up_out` are scratch of `out`'s shape, which a backend
+    /// that fuses the three need not touch.
+    #[allow(clippy::too_many_arguments)]
+    fn gate_up_silu(
+        &self,
+        x: &Self::Act,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        rows: usize,
+        gate_out: &mut Self::Act,
+        up_out: &mut Self::Act,
+        out: &mut Self::Act,
+    ) {
+        self.matmul(x, gate, None, rows, gate_out);
+        self.matmul(x, up, None, rows, up_out);
+        self.silu_mul(gate_out, up_out, rows, out);
+    }
+    /// Rotate q and k by their rows' positions (in place), then store the
+    /// step's k and v rows in the cache: `rope`, `rope`, `write_kv`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_write_kv(
+        &self,
+        q: &mut Self::Act,
+        k: &mut Self::Act,
+        v: &Self::Act,
+        table: &RopeTable,
+        head_dim: usize,
+        positions: &[u32],
+        kv: &mut Self::Kv,
+        seqs: &[SeqStep<'_>],
+    ) {
+        self.rope(q, table, head_dim, positions);
+        self.rope(k, table, head_dim, positions);
+        self.write_kv(kv, k, v, seqs);
     }
     /// Copy chosen rows: `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Act, rows: &[usize], out: &mut Self::Act);

@@ -29,8 +29,8 @@ use crate::layout::RankSlice;
 use crate::rope::rope_table;
 use corridor_backend::collective::{Collective, CollectiveError, Solo};
 use corridor_backend::{
-    ActShape, Backend, BackendError, DType, GraphKey, HostTensor, KvGeometry, RopeTable, SeqStep, StepPlan,
-    TensorBytes,
+    ActShape, Backend, BackendError, DType, GraphKey, HostTensor, KvGeometry, MatmulPart, RopeTable, SeqStep,
+    StepPlan, TensorBytes,
 };
 use std::ops::Range;
 
@@ -424,24 +424,43 @@ impl<B: Backend> Model<B> {
                 b.add_rms_norm(&mut ws.x, &ws.proj, &layer.input_layernorm, eps, rows, &mut ws.h);
             }
             let bias = layer.qkv_bias.as_ref();
-            b.matmul(&ws.h, &layer.q_proj, bias.map(|x| &x[0]), rows, &mut ws.q);
-            b.matmul(&ws.h, &layer.k_proj, bias.map(|x| &x[1]), rows, &mut ws.k);
-            b.matmul(&ws.h, &layer.v_proj, bias.map(|x| &x[2]), rows, &mut ws.v);
+            b.matmul_many(
+                &ws.h,
+                &mut [
+                    MatmulPart { w: &layer.q_proj, bias: bias.map(|x| &x[0]), out: &mut ws.q },
+                    MatmulPart { w: &layer.k_proj, bias: bias.map(|x| &x[1]), out: &mut ws.k },
+                    MatmulPart { w: &layer.v_proj, bias: bias.map(|x| &x[2]), out: &mut ws.v },
+                ],
+                rows,
+            );
             if let Some([qn, kn]) = &layer.qk_norm {
                 b.head_rms_norm(&mut ws.q, qn, eps, cfg.head_dim, rows);
                 b.head_rms_norm(&mut ws.k, kn, eps, cfg.head_dim, rows);
             }
-            b.rope(&mut ws.q, &self.rope, cfg.head_dim, step.positions);
-            b.rope(&mut ws.k, &self.rope, cfg.head_dim, step.positions);
-            b.write_kv(kv_layer, &ws.k, &ws.v, step.seqs);
+            b.rope_write_kv(
+                &mut ws.q,
+                &mut ws.k,
+                &ws.v,
+                &self.rope,
+                cfg.head_dim,
+                step.positions,
+                kv_layer,
+                step.seqs,
+            );
             b.attention(&ws.q, kv_layer, s.heads.len(), step.seqs, &mut ws.attn);
             b.matmul(&ws.attn, &layer.o_proj, None, rows, &mut ws.proj);
             c.all_reduce_sum(b, &mut ws.proj, rows)?;
             // MLP block: this rank's FFN columns; down_proj gives a partial sum.
             b.add_rms_norm(&mut ws.x, &ws.proj, &layer.post_attention_layernorm, eps, rows, &mut ws.h);
-            b.matmul(&ws.h, &layer.gate_proj, None, rows, &mut ws.gate);
-            b.matmul(&ws.h, &layer.up_proj, None, rows, &mut ws.up);
-            b.silu_mul(&ws.gate, &ws.up, rows, &mut ws.act);
+            b.gate_up_silu(
+                &ws.h,
+                &layer.gate_proj,
+                &layer.up_proj,
+                rows,
+                &mut ws.gate,
+                &mut ws.up,
+                &mut ws.act,
+            );
             b.matmul(&ws.act, &layer.down_proj, None, rows, &mut ws.proj);
             c.all_reduce_sum(b, &mut ws.proj, rows)?;
         }

@@ -569,7 +569,7 @@ fn cuda_backend(
     dev: &Device,
     ordinal: u32,
 ) -> Result<corridor_backend::cuda::CudaBackend, BootError> {
-    use corridor_backend::cuda::{CudaBackend, CudaBackendConfig};
+    use corridor_backend::cuda::{CudaBackend, CudaBackendConfig, Tuning};
     use corridor_backend::Backend;
     let opts = env.opts;
     let bcfg = CudaBackendConfig {
@@ -579,9 +579,18 @@ fn cuda_backend(
         max_pages_per_seq: env.context_len.div_ceil(opts.page_size),
         attn_partials: CudaBackendConfig::default().attn_partials,
         kernel_cache_dir: opts.kernel_cache.clone(),
+        tuning: Tuning::from_env(),
     };
+    let tuning = bcfg.tuning;
     let backend = CudaBackend::on_device(bcfg, dev.clone()).map_err(|e| BootError::Config(e.to_string()))?;
-    tracing::info!(card = %dev.id(), backend = %backend.name(), "CUDA backend ready");
+    tracing::info!(
+        card = %dev.id(),
+        backend = %backend.name(),
+        pdl = tuning.pdl,
+        fused = tuning.fuse,
+        gemv_prefetch = tuning.gemv_prefetch,
+        "CUDA backend ready"
+    );
     Ok(backend)
 }
 

@@ -16,7 +16,9 @@ use super::device::{cuda_err, Purpose, Stream};
 use super::{CudaAct, CudaBackend, CudaKv, CudaWeight, PrefillPath};
 use crate::cpu::{CpuAct, CpuBackend};
 use crate::dtype::{DType, HostTensor, TensorBytes};
-use crate::{ActShape, Backend, GraphKey, KvGeometry, Result, RopeStyle, RopeTable, SeqStep, StepPlan};
+use crate::{
+    ActShape, Backend, GraphKey, KvGeometry, MatmulPart, Result, RopeStyle, RopeTable, SeqStep, StepPlan,
+};
 use corridor_units::PageId;
 use cudarc::driver::{result as cu, sys};
 use half::{bf16, f16};
@@ -193,6 +195,8 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
         }
     }
 
+    fused_matmul_checks(be, &cpu, &mut rep, &mut rng)?;
+
     // Embedding from bf16 and Q8_0 tables.
     for dtype in [DType::BF16, DType::Q8_0] {
         let (vocab, cols) = (50, 64);
@@ -277,6 +281,80 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
     Ok(rep)
 }
 
+/// The fused launches of a decode layer against the CPU's separate ops: q/k/v
+/// in one GEMV launch (with and without biases) and gate/up/SiLU in one, at
+/// the row counts that take them (1, 2) and one that falls back (3).
+fn fused_matmul_checks(
+    be: &CudaBackend,
+    cpu: &CpuBackend,
+    rep: &mut CheckReport,
+    rng: &mut Rng,
+) -> Result<()> {
+    for &(k, nq, nkv) in &[(64usize, 96usize, 32usize), (4104, 37, 13)] {
+        let mk = |rng: &mut Rng, n: usize| float_tensor("w", DType::BF16, n, k, &rng.vec(n * k, 0.5));
+        let ws = [mk(rng, nq), mk(rng, nkv), mk(rng, nkv)];
+        let bs: Vec<HostTensor> =
+            [nq, nkv, nkv].iter().map(|&n| float_tensor("b", DType::F32, 1, n, &rng.vec(n, 0.5))).collect();
+        let wg = ws.iter().map(|t| be.upload_weight(t)).collect::<Result<Vec<_>>>()?;
+        let wc = ws.iter().map(|t| cpu.upload_weight(t)).collect::<Result<Vec<_>>>()?;
+        let bg = bs.iter().map(|t| be.upload_weight(t)).collect::<Result<Vec<_>>>()?;
+        let bc = bs.iter().map(|t| cpu.upload_weight(t)).collect::<Result<Vec<_>>>()?;
+        for rows in [1usize, 2, 3] {
+            for with_bias in [false, true] {
+                let x = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 1.0)))?;
+                let mut outs = Vec::new();
+                for n in [nq, nkv, nkv] {
+                    outs.push(pair(be, cpu, rows, n, None)?);
+                }
+                {
+                    let (o0, rest) = outs.split_at_mut(1);
+                    let (o1, o2) = rest.split_at_mut(1);
+                    let b = |i: usize| with_bias.then(|| &bg[i]);
+                    be.matmul_many(
+                        &x.g,
+                        &mut [
+                            MatmulPart { w: &wg[0], bias: b(0), out: &mut o0[0].g },
+                            MatmulPart { w: &wg[1], bias: b(1), out: &mut o1[0].g },
+                            MatmulPart { w: &wg[2], bias: b(2), out: &mut o2[0].g },
+                        ],
+                        rows,
+                    );
+                }
+                for (i, o) in outs.iter_mut().enumerate() {
+                    cpu.matmul(&x.c, &wc[i], with_bias.then(|| &bc[i]), rows, &mut o.c);
+                }
+                for (i, o) in outs.iter().enumerate() {
+                    let (a, b) = read_both(be, cpu, o, rows)?;
+                    let tol = if be.takes_gemv(&wg[i], rows) { EXACT } else { BF16 };
+                    rep.compare(
+                        &format!(
+                            "matmul_many part {i} {rows}x{k} ({}bias)",
+                            if with_bias { "" } else { "no " }
+                        ),
+                        &a,
+                        &b,
+                        tol,
+                    );
+                }
+            }
+            let x = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 1.0)))?;
+            let (mut g, mut u, mut o) = (
+                pair(be, cpu, rows, nq, None)?,
+                pair(be, cpu, rows, nq, None)?,
+                pair(be, cpu, rows, nq, None)?,
+            );
+            let up = mk(rng, nq);
+            let (ug, uc) = (be.upload_weight(&up)?, cpu.upload_weight(&up)?);
+            be.gate_up_silu(&x.g, &wg[0], &ug, rows, &mut g.g, &mut u.g, &mut o.g);
+            cpu.gate_up_silu(&x.c, &wc[0], &uc, rows, &mut g.c, &mut u.c, &mut o.c);
+            let (a, b) = read_both(be, cpu, &o, rows)?;
+            let tol = if be.takes_gemv(&wg[0], rows) { EXACT } else { BF16 };
+            rep.compare(&format!("gate_up_silu {rows}x{k} · 2x{nq}x{k}"), &a, &b, tol);
+        }
+    }
+    Ok(())
+}
+
 /// One attention scenario on both backends.
 struct AttnCase<'a> {
     name: &'a str,
@@ -306,6 +384,12 @@ fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, r
             heads: 32,
             geometry: g(16, 8, 128),
             seqs: &[(3000, 1)],
+        },
+        AttnCase {
+            name: "decode + short prefill, hd 256, GQA 2",
+            heads: 4,
+            geometry: g(16, 2, 256),
+            seqs: &[(150, 1), (0, 21)],
         },
         AttnCase {
             name: "batch-4 decode, hd 128",
@@ -411,9 +495,27 @@ fn attention_case(
     let rows = row;
     let k = pair(be, cpu, rows, kvw, Some(&rng.vec(rows * kvw, 1.0)))?;
     let v = pair(be, cpu, rows, kvw, Some(&rng.vec(rows * kvw, 1.0)))?;
-    let q = pair(be, cpu, rows, qw, Some(&rng.vec(rows * qw, 2.0)))?;
-    be.write_kv(&mut kg, &k.g, &v.g, &step);
-    cpu.write_kv(&mut kc, &k.c, &v.c, &step);
+    let mut k = k;
+    let mut q = pair(be, cpu, rows, qw, Some(&rng.vec(rows * qw, 2.0)))?;
+    if path == PrefillPath::SplitK {
+        // The fused RoPE + KV store, against the CPU's rope, rope, write_kv.
+        let table = RopeTable {
+            style: RopeStyle::Half,
+            rot_dim: geo.head_dim,
+            inv_freq: (0..geo.head_dim / 2)
+                .map(|i| 10000f32.powf(-((2 * i) as f32) / geo.head_dim as f32))
+                .collect(),
+        };
+        let positions: Vec<u32> =
+            c.seqs.iter().flat_map(|&(cached, rows)| (cached..cached + rows).map(|p| p as u32)).collect();
+        be.rope_write_kv(&mut q.g, &mut k.g, &v.g, &table, geo.head_dim, &positions, &mut kg, &step);
+        cpu.rope_write_kv(&mut q.c, &mut k.c, &v.c, &table, geo.head_dim, &positions, &mut kc, &step);
+        let (a, b) = read_both(be, cpu, &q, rows)?;
+        rep.compare(&format!("rope_write_kv: q of {}", c.name), &a, &b, EXACT);
+    } else {
+        be.write_kv(&mut kg, &k.g, &v.g, &step);
+        cpu.write_kv(&mut kc, &k.c, &v.c, &step);
+    }
     let mut out = pair(be, cpu, rows, qw, None)?;
     be.attention(&q.g, &kg, c.heads, &step, &mut out.g);
     cpu.attention(&q.c, &kc, c.heads, &step, &mut out.c);
@@ -447,15 +549,23 @@ pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
     let (mut kg, mut kc) = (be.alloc_kv(geo)?, cpu.alloc_kv(geo)?);
     let wq = float_tensor("wq", DType::BF16, heads * hd, hidden, &rng.vec(heads * hd * hidden, 0.2));
     let wk = float_tensor("wk", DType::BF16, kvh * hd, hidden, &rng.vec(kvh * hd * hidden, 0.2));
+    let wv = float_tensor("wv", DType::BF16, kvh * hd, hidden, &rng.vec(kvh * hd * hidden, 0.2));
+    let table = RopeTable {
+        style: RopeStyle::Half,
+        rot_dim: hd,
+        inv_freq: (0..hd / 2).map(|i| 10000f32.powf(-((2 * i) as f32) / hd as f32)).collect(),
+    };
     let nw = float_tensor("n", DType::BF16, 1, hidden, &rng.vec(hidden, 1.0));
     let (qg, qc) = (be.upload_weight(&wq)?, cpu.upload_weight(&wq)?);
     let (kwg, kwc) = (be.upload_weight(&wk)?, cpu.upload_weight(&wk)?);
+    let (vwg, vwc) = (be.upload_weight(&wv)?, cpu.upload_weight(&wv)?);
     let (ng, nc) = (be.upload_weight(&nw)?, cpu.upload_weight(&nw)?);
     let pages = [PageId(9), PageId(2), PageId(30)];
     let key = GraphKey { rows: 2, logit_rows: 2 };
     let mut h = pair(be, &cpu, 2, hidden, None)?;
     let mut q = pair(be, &cpu, 2, heads * hd, None)?;
     let mut k = pair(be, &cpu, 2, kvh * hd, None)?;
+    let mut v = pair(be, &cpu, 2, kvh * hd, None)?;
     let mut o = pair(be, &cpu, 2, heads * hd, None)?;
     for (round, cached) in [(0usize, 3usize), (1, 20), (2, 41)] {
         let x = pair(be, &cpu, 2, hidden, Some(&rng.vec(2 * hidden, 1.0)))?;
@@ -471,26 +581,49 @@ pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
             seqs: &seqs,
             logit_rows: &[0, 1],
         })?;
-        let ops_g = |h: &mut CudaAct, q: &mut CudaAct, k: &mut CudaAct, kv: &mut CudaKv, o: &mut CudaAct| {
-            be.rms_norm(&x.g, &ng, 1e-5, 2, h);
-            be.matmul(h, &qg, None, 2, q);
-            be.matmul(h, &kwg, None, 2, k);
-            be.write_kv(kv, k, k, &seqs);
-            be.attention(q, kv, heads, &seqs, o);
-        };
+        // The decode layer's fused launches (q/k/v in one GEMV, RoPE with the
+        // KV store) inside the capture, against the CPU's separate ops.
+        fn ops<B: Backend>(
+            b: &B,
+            (x, n, wq, wk, wv): (&B::Act, &B::Weight, &B::Weight, &B::Weight, &B::Weight),
+            (h, q, k, v, o): (&mut B::Act, &mut B::Act, &mut B::Act, &mut B::Act, &mut B::Act),
+            kv: &mut B::Kv,
+            (table, positions, seqs, heads): (&RopeTable, &[u32], &[SeqStep<'_>], usize),
+        ) {
+            b.rms_norm(x, n, 1e-5, 2, h);
+            b.matmul_many(
+                h,
+                &mut [
+                    MatmulPart { w: wq, bias: None, out: &mut *q },
+                    MatmulPart { w: wk, bias: None, out: &mut *k },
+                    MatmulPart { w: wv, bias: None, out: &mut *v },
+                ],
+                2,
+            );
+            b.rope_write_kv(q, k, v, table, table.rot_dim, positions, kv, seqs);
+            b.attention(q, kv, heads, seqs, o);
+        }
         let replayed = be.graph_replay(key)?;
         if !replayed {
             let capturing = be.graph_capture_begin(key)?;
-            ops_g(&mut h.g, &mut q.g, &mut k.g, &mut kg, &mut o.g);
+            ops(
+                be,
+                (&x.g, &ng, &qg, &kwg, &vwg),
+                (&mut h.g, &mut q.g, &mut k.g, &mut v.g, &mut o.g),
+                &mut kg,
+                (&table, &positions, &seqs, heads),
+            );
             if capturing {
                 be.graph_capture_end(key)?;
             }
         }
-        cpu.rms_norm(&x.c, &nc, 1e-5, 2, &mut h.c);
-        cpu.matmul(&h.c, &qc, None, 2, &mut q.c);
-        cpu.matmul(&h.c, &kwc, None, 2, &mut k.c);
-        cpu.write_kv(&mut kc, &k.c, &k.c, &seqs);
-        cpu.attention(&q.c, &kc, heads, &seqs, &mut o.c);
+        ops(
+            &cpu,
+            (&x.c, &nc, &qc, &kwc, &vwc),
+            (&mut h.c, &mut q.c, &mut k.c, &mut v.c, &mut o.c),
+            &mut kc,
+            (&table, &positions, &seqs, heads),
+        );
         let (a, b) = read_both(be, &cpu, &o, 2)?;
         rep.compare(
             &format!(

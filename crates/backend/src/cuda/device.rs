@@ -175,12 +175,22 @@ pub struct LaunchDims {
 }
 
 impl Kernel {
-    /// Enqueue the kernel on `stream`.
+    /// Enqueue the kernel on `stream`. With `dependent`, the kernel may be
+    /// started before the one ahead of it on the stream has finished
+    /// (programmatic dependent launch, sm_90+): it must wait for it on the
+    /// device before touching its results, as every kernel in
+    /// `kernels/*.cu` does (`pdl_enter`).
     ///
     /// # Safety
     /// The arguments must match the kernel's signature and every pointer must
     /// be valid for what the kernel reads and writes.
-    pub unsafe fn launch(&self, stream: Stream, dims: LaunchDims, args: &mut Args) -> Result<()> {
+    pub unsafe fn launch(
+        &self,
+        stream: Stream,
+        dims: LaunchDims,
+        args: &mut Args,
+        dependent: bool,
+    ) -> Result<()> {
         let mut params: [*mut std::ffi::c_void; 24] = [std::ptr::null_mut(); 24];
         for (i, p) in params.iter_mut().enumerate().take(args.n) {
             *p = (&mut args.vals[i]) as *mut u64 as *mut std::ffi::c_void;
@@ -188,7 +198,35 @@ impl Kernel {
         if dims.grid.0 == 0 || dims.grid.1 == 0 || dims.grid.2 == 0 {
             return Ok(());
         }
-        cu::launch_kernel(self.0, dims.grid, (dims.block, 1, 1), 0, stream.0, &mut params[..args.n])
-            .map_err(|e| cuda_err("cuLaunchKernel", e))
+        if !dependent {
+            return cu::launch_kernel(
+                self.0,
+                dims.grid,
+                (dims.block, 1, 1),
+                0,
+                stream.0,
+                &mut params[..args.n],
+            )
+            .map_err(|e| cuda_err("cuLaunchKernel", e));
+        }
+        // SAFETY: a zeroed attribute is a valid plain-data value; id and value are set below.
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: dims.grid.0,
+            gridDimY: dims.grid.1,
+            gridDimZ: dims.grid.2,
+            blockDimX: dims.block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: stream.0,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        sys::cuLaunchKernelEx(&config, self.0, params.as_mut_ptr(), std::ptr::null_mut())
+            .result()
+            .map_err(|e| cuda_err("cuLaunchKernelEx", e))
     }
 }

@@ -38,7 +38,8 @@ pub mod vram_alloc;
 use crate::dtype::{DType, HostTensor};
 use crate::kv_units::KvAddressing;
 use crate::{
-    ActShape, Backend, BackendError, GraphKey, KvGeometry, Result, RopeStyle, RopeTable, SeqStep, StepPlan,
+    ActShape, Backend, BackendError, GraphKey, KvGeometry, MatmulPart, Result, RopeStyle, RopeTable, SeqStep,
+    StepPlan,
 };
 use corridor_units::{Bytes, PageId};
 use corridor_vram::KvArena;
@@ -60,6 +61,8 @@ const GEMV_WARPS: u32 = 4;
 /// Weight rows per block of the bf16 GEMV (GEMV_NW) and of the block-format GEMV (GEMVQ_NW).
 const GEMV_NW: usize = 4;
 const GEMVQ_NW: usize = 2;
+/// Output columns per block of the gate/up/SiLU GEMV (GLU_NW).
+const GLU_NW: usize = 4;
 /// Warps per block of the tensor-core GEMV (GEMVT_WARPS).
 const GEMV_TC_WARPS: u32 = 8;
 /// Weight rows below which the tensor-core GEMV leaves 3 and 4 input rows to the per-row kernel.
@@ -94,6 +97,46 @@ pub struct CudaBackendConfig {
     pub attn_partials: usize,
     /// Where compiled kernels are cached (`$CORRIDOR_CACHE_DIR/kernels`); `None` compiles every time.
     pub kernel_cache_dir: Option<PathBuf>,
+    /// How decode steps are launched.
+    pub tuning: Tuning,
+}
+
+/// How decode steps are launched. Everything is on by default; each switch
+/// exists so one binary can measure a step with and without it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// Programmatic dependent launch (sm_90 and later; ignored below): each
+    /// kernel may start while the one ahead of it finishes, and waits for it
+    /// on the device (`CORRIDOR_PDL=0` turns it off).
+    pub pdl: bool,
+    /// One launch for a layer's q/k/v GEMVs, for gate/up and SiLU, and for
+    /// RoPE and the KV store, where the shapes allow (`CORRIDOR_FUSE=0`).
+    pub fuse: bool,
+    /// Bytes of each of its weight rows a bf16 GEMV block asks the L2 for
+    /// before it waits for the kernel ahead (`CORRIDOR_GEMV_PREFETCH=N`; 0: none).
+    pub gemv_prefetch: u32,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning { pdl: true, fuse: true, gemv_prefetch: 0 }
+    }
+}
+
+impl Tuning {
+    /// The defaults with the environment's overrides.
+    pub fn from_env() -> Tuning {
+        let d = Tuning::default();
+        let flag = |name: &str, default: bool| std::env::var(name).map(|v| v != "0").unwrap_or(default);
+        Tuning {
+            pdl: flag("CORRIDOR_PDL", d.pdl),
+            fuse: flag("CORRIDOR_FUSE", d.fuse),
+            gemv_prefetch: std::env::var("CORRIDOR_GEMV_PREFETCH")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(d.gemv_prefetch),
+        }
+    }
 }
 
 impl Default for CudaBackendConfig {
@@ -105,6 +148,7 @@ impl Default for CudaBackendConfig {
             max_pages_per_seq: 4096,
             attn_partials: 1 << 16,
             kernel_cache_dir: None,
+            tuning: Tuning::from_env(),
         }
     }
 }
@@ -122,8 +166,11 @@ struct Kernels {
     f32_to_bf16_rows: Kernel,
     dequant_rows: Kernel,
     write_kv: Kernel,
+    rope_write_kv: Kernel,
     /// Indexed by log2 of the row-count instantiation (1, 2, 4, 8 rows).
     gemv_bf16: [Kernel; 4],
+    /// gate/up/SiLU for 1 and 2 rows.
+    gemv_bf16_glu: [Kernel; 2],
     gemv_q8_0: [Kernel; 4],
     gemv_q4_0: [Kernel; 4],
     gemv_q4_1: [Kernel; 4],
@@ -131,6 +178,8 @@ struct Kernels {
     gemv_any: Kernel,
     /// Indexed by log2 of the query heads one block serves (1, 2, 4, 8).
     attn_partial: [Kernel; 4],
+    /// The same for head_dim 64, 128 and 256 exactly (vector loads, tokens in flight).
+    attn_partial_exact: [[Kernel; 4]; 3],
     attn_combine: Kernel,
     attn_prefill_hd64: Kernel,
     attn_prefill_hd128: Kernel,
@@ -321,19 +370,25 @@ pub struct CudaBackend {
     sm_count: usize,
     arch: String,
     config: CudaBackendConfig,
+    /// Kernels are launched with programmatic dependent launch (`Tuning::pdl` on sm_90+).
+    pdl: bool,
     state: Mutex<State>,
     /// Per-op timing when `CORRIDOR_CUDA_PROFILE=N` is set (a report every N steps).
     profile: Option<Mutex<OpProfile>>,
 }
 
 /// Where a step's device time goes, op by op: with profiling on, steps run
-/// without graphs and every op is waited for, so small ops also carry the
-/// launch and wait (a few microseconds each) while large ones are exact.
+/// without graphs, every op is waited for, and its time is the device's
+/// between two events recorded around it (the host's launch and wait are not
+/// in it; the kernel's start on an idle device is).
 struct OpProfile {
     every: u64,
     steps: u64,
     rows: usize,
     totals: HashMap<String, (std::time::Duration, u64)>,
+    /// Recorded around each op on the stream: its device time, without the
+    /// host's launch and wait.
+    events: Option<(sys::CUevent, sys::CUevent)>,
 }
 
 impl OpProfile {
@@ -398,6 +453,13 @@ fn check_kv_geometry(g: &KvGeometry) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// One block per row with a thread per float4 of the row (kernels/elementwise.cu
+/// `norm_row`), so a one-row norm has all of its loads in flight at once.
+fn norm_dims(rows: usize, cols: usize) -> LaunchDims {
+    let threads = cols.div_ceil(4).next_multiple_of(32).clamp(32, 1024);
+    LaunchDims { grid: (rows as u32, 1, 1), block: threads as u32 }
 }
 
 fn dims1(n: usize, block: u32) -> LaunchDims {
@@ -471,7 +533,9 @@ impl CudaBackend {
             f32_to_bf16_rows: f("f32_to_bf16_rows")?,
             dequant_rows: f("dequant_rows")?,
             write_kv: f("write_kv")?,
+            rope_write_kv: f("rope_write_kv")?,
             gemv_bf16: [f("gemv_bf16_r1")?, f("gemv_bf16_r2")?, f("gemv_bf16_r4")?, f("gemv_bf16_r8")?],
+            gemv_bf16_glu: [f("gemv_bf16_glu_r1")?, f("gemv_bf16_glu_r2")?],
             gemv_q8_0: [f("gemv_q8_0_r1")?, f("gemv_q8_0_r2")?, f("gemv_q8_0_r4")?, f("gemv_q8_0_r8")?],
             gemv_q4_0: [f("gemv_q4_0_r1")?, f("gemv_q4_0_r2")?, f("gemv_q4_0_r4")?, f("gemv_q4_0_r8")?],
             gemv_q4_1: [f("gemv_q4_1_r1")?, f("gemv_q4_1_r2")?, f("gemv_q4_1_r4")?, f("gemv_q4_1_r8")?],
@@ -483,6 +547,17 @@ impl CudaBackend {
                 f("attn_partial_g4")?,
                 f("attn_partial_g8")?,
             ],
+            attn_partial_exact: {
+                let g = |d: usize| -> Result<[Kernel; 4]> {
+                    Ok([
+                        f(&format!("attn_partial_g1_d{d}"))?,
+                        f(&format!("attn_partial_g2_d{d}"))?,
+                        f(&format!("attn_partial_g4_d{d}"))?,
+                        f(&format!("attn_partial_g8_d{d}"))?,
+                    ])
+                };
+                [g(2)?, g(4)?, g(8)?]
+            },
             attn_combine: f("attn_combine")?,
             attn_prefill_hd64: f("attn_prefill_hd64")?,
             attn_prefill_hd128: f("attn_prefill_hd128")?,
@@ -542,11 +617,18 @@ impl CudaBackend {
             alloc,
             sm_count,
             arch,
+            pdl: config.tuning.pdl && major >= 9,
             config,
             state: Mutex::new(state),
             profile: std::env::var("CORRIDOR_CUDA_PROFILE").ok().and_then(|v| v.parse().ok()).map(
                 |every: u64| {
-                    Mutex::new(OpProfile { every: every.max(1), steps: 0, rows: 0, totals: HashMap::new() })
+                    Mutex::new(OpProfile {
+                        every: every.max(1),
+                        steps: 0,
+                        rows: 0,
+                        totals: HashMap::new(),
+                        events: None,
+                    })
                 },
             ),
         })
@@ -580,17 +662,35 @@ impl CudaBackend {
     /// The name is only formatted when profiling.
     fn op(&self, name: impl std::fmt::Display, f: impl FnOnce(&mut State) -> Result<()>) {
         let mut st = self.lock();
-        let started = self.profile.as_ref().map(|_| std::time::Instant::now());
-        let r = self.ctx.bind().and_then(|_| f(&mut st));
-        let r = match (started, r) {
-            (Some(t0), Ok(())) => self.synchronize().map(|_| {
-                if let Some(p) = &self.profile {
-                    p.lock().unwrap_or_else(|e| e.into_inner()).add(&name.to_string(), t0.elapsed());
-                }
-            }),
-            (_, r) => r,
+        let Some(profile) = &self.profile else {
+            let r = self.ctx.bind().and_then(|_| f(&mut st));
+            self.record(&mut st, r);
+            return;
         };
+        let r = self.ctx.bind().and_then(|_| self.profiled(profile, &name.to_string(), || f(&mut st)));
         self.record(&mut st, r);
+    }
+
+    /// Run `f` between two events on the stream, wait, and count the
+    /// device time between them under `name`.
+    fn profiled(&self, profile: &Mutex<OpProfile>, name: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
+        if p.events.is_none() {
+            let ev = || {
+                cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                    .map_err(|e| cuda_err("cuEventCreate", e))
+            };
+            p.events = Some((ev()?, ev()?));
+        }
+        let (a, b) = p.events.expect("created above");
+        // SAFETY: events of this context, recorded on our stream.
+        unsafe { cu::event::record(a, self.stream.0) }.map_err(|e| cuda_err("cuEventRecord", e))?;
+        f()?;
+        unsafe { cu::event::record(b, self.stream.0) }.map_err(|e| cuda_err("cuEventRecord", e))?;
+        self.synchronize()?;
+        let ms = unsafe { cu::event::elapsed(a, b) }.map_err(|e| cuda_err("cuEventElapsedTime", e))?;
+        p.add(name, std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3));
+        Ok(())
     }
 
     /// Enqueue a library call (a collective) on this backend's stream with
@@ -606,7 +706,7 @@ impl CudaBackend {
 
     unsafe fn launch(&self, k: Kernel, dims: LaunchDims, args: Args) -> Result<()> {
         let mut args = args;
-        k.launch(self.stream, dims, &mut args)
+        k.launch(self.stream, dims, &mut args, self.pdl)
     }
 
     fn upload<T: Copy>(&self, dst: u64, src: &[T]) -> Result<()> {
@@ -843,16 +943,51 @@ impl CudaBackend {
         match fast {
             Some((kernel, per_block)) => {
                 let dims = LaunchDims { grid: (n.div_ceil(per_block) as u32, 1, 1), block: 32 * GEMV_WARPS };
-                let a = if w.dtype == DType::BF16 {
-                    Args::new().ptr(w.ptr()).ptr(x.ptr()).ptr(out.ptr())
-                } else {
-                    Args::new().ptr(w.ptr()).i64(w.row_bytes as i64).ptr(x.ptr()).ptr(out.ptr())
-                };
+                if w.dtype == DType::BF16 {
+                    return self.gemv_bf16_parts(x, &[(w, 0, out.ptr())], rows);
+                }
+                let a = Args::new().ptr(w.ptr()).i64(w.row_bytes as i64).ptr(x.ptr()).ptr(out.ptr());
                 let a = a.i32(n as i32).i32(k as i32).i32(rows as i32);
                 unsafe { self.launch(kernel, dims, a) }
             }
             None => self.gemv_general(x, w, rows, out),
         }
+    }
+
+    /// Up to three bf16 matrices of one input in one launch of the per-row
+    /// kernel (`gemv_bf16_r*`): each part is (weight, bias pointer or 0,
+    /// output pointer). The weights share `x`'s width, a multiple of 8.
+    fn gemv_bf16_parts(&self, x: &CudaAct, parts: &[(&CudaWeight, u64, u64)], rows: usize) -> Result<()> {
+        debug_assert!((1..=3).contains(&parts.len()) && (1..=GEMV_MAX_ROWS).contains(&rows));
+        let inst = rows.next_power_of_two().trailing_zeros() as usize;
+        let (mut w, mut o, mut b, mut n) = ([0u64; 3], [0u64; 3], [0u64; 3], [0usize; 3]);
+        for (i, (wt, bias, out)) in parts.iter().enumerate() {
+            (w[i], b[i], o[i], n[i]) = (wt.ptr(), *bias, *out, wt.rows);
+        }
+        let blocks: usize = n.iter().map(|n| n.div_ceil(GEMV_NW)).sum();
+        let dims = LaunchDims { grid: (blocks as u32, 1, 1), block: 32 * GEMV_WARPS };
+        let mut a = Args::new();
+        for p in w.iter().chain(&o).chain(&b) {
+            a = a.ptr(*p);
+        }
+        for n in n {
+            a = a.i32(n as i32);
+        }
+        let a =
+            a.ptr(x.ptr()).i32(x.cols as i32).i32(rows as i32).i32(self.config.tuning.gemv_prefetch as i32);
+        unsafe { self.launch(self.k.gemv_bf16[inst], dims, a) }
+    }
+
+    /// Whether `rows` rows against bf16 `w` take the per-row kernel, the one
+    /// the fused launches extend (1 and 2 rows, 16-byte rows).
+    fn fusable_gemv(&self, x: &CudaAct, w: &CudaWeight, rows: usize) -> bool {
+        self.config.tuning.fuse
+            && (1..=2).contains(&rows)
+            && w.dtype == DType::BF16
+            && w.cols == x.cols
+            && w.cols.is_multiple_of(8)
+            && self.takes_gemv(w, rows)
+            && !self.takes_gemv_tc(w, rows)
     }
 
     /// The per-element GEMV for any storage type and width (f32 weights, bf16
@@ -957,17 +1092,25 @@ impl CudaBackend {
             .i32(nsplit as i32);
         let dims =
             LaunchDims { grid: (nsplit as u32, (a.heads / per_block) as u32, rows as u32), block: 128 };
-        let kernel = self.k.attn_partial[per_block.trailing_zeros() as usize];
+        let g_idx = per_block.trailing_zeros() as usize;
+        let kernel = match g.head_dim {
+            64 => self.k.attn_partial_exact[0][g_idx],
+            128 => self.k.attn_partial_exact[1][g_idx],
+            256 => self.k.attn_partial_exact[2][g_idx],
+            _ => self.k.attn_partial[g_idx],
+        };
         unsafe { self.launch(kernel, dims, args)? };
         if nsplit > 1 {
             let args = Args::new()
                 .ptr(st.part_o.ptr())
                 .ptr(st.part_ml.ptr())
+                .ptr(st.row_pos.dev.ptr())
                 .ptr(row_seq)
                 .ptr(a.out)
                 .i32(a.heads as i32)
                 .i32(g.head_dim as i32)
-                .i32(nsplit as i32);
+                .i32(nsplit as i32)
+                .i32(chunk as i32);
             let dims = LaunchDims { grid: (a.heads as u32, rows as u32, 1), block: 128 };
             unsafe { self.launch(self.k.attn_combine, dims, args)? };
         }
@@ -1252,7 +1395,7 @@ impl Backend for CudaBackend {
         self.op("rms_norm", |_| {
             let w = self.vector_ptr(weight, "rms_norm")?;
             let a = Args::new().ptr(x.ptr()).ptr(w).ptr(out.ptr()).i32(x.cols as i32).f32(eps);
-            unsafe { self.launch(self.k.rms_norm, LaunchDims { grid: (rows as u32, 1, 1), block: 256 }, a) }
+            unsafe { self.launch(self.k.rms_norm, norm_dims(rows, x.cols), a) }
         })
     }
 
@@ -1268,9 +1411,7 @@ impl Backend for CudaBackend {
         self.op("add_rms_norm", |_| {
             let w = self.vector_ptr(weight, "add_rms_norm")?;
             let a = Args::new().ptr(x.ptr()).ptr(y.ptr()).ptr(w).ptr(out.ptr()).i32(x.cols as i32).f32(eps);
-            unsafe {
-                self.launch(self.k.add_rms_norm, LaunchDims { grid: (rows as u32, 1, 1), block: 256 }, a)
-            }
+            unsafe { self.launch(self.k.add_rms_norm, norm_dims(rows, x.cols), a) }
         })
     }
 
@@ -1299,6 +1440,137 @@ impl Backend for CudaBackend {
                 unsafe { self.launch(self.k.add_bias, grid_for(n, 256), a)? };
             }
             Ok(())
+        })
+    }
+
+    fn matmul_many(&self, x: &CudaAct, parts: &mut [MatmulPart<'_, Self>], rows: usize) {
+        let fused = parts.len() <= 3
+            && parts.iter().all(|p| p.out.cols == p.w.rows && self.fusable_gemv(x, p.w, rows))
+            && parts
+                .iter()
+                .all(|p| p.bias.is_none_or(|b| b.dtype == DType::F32 && b.rows * b.cols == p.w.rows));
+        if !fused {
+            for p in parts.iter_mut() {
+                self.matmul(x, p.w, p.bias, rows, p.out);
+            }
+            return;
+        }
+        self.op("matmul_many (q/k/v)", |_| {
+            let mut v = Vec::with_capacity(3);
+            for p in parts.iter() {
+                let bias = match p.bias {
+                    Some(b) => self.vector_ptr(b, "bias")?,
+                    None => 0,
+                };
+                v.push((p.w, bias, p.out.ptr()));
+            }
+            self.gemv_bf16_parts(x, &v, rows)
+        })
+    }
+
+    fn gate_up_silu(
+        &self,
+        x: &CudaAct,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        rows: usize,
+        gate_out: &mut CudaAct,
+        up_out: &mut CudaAct,
+        out: &mut CudaAct,
+    ) {
+        let fused = self.fusable_gemv(x, gate, rows)
+            && self.fusable_gemv(x, up, rows)
+            && gate.rows == up.rows
+            && out.cols == gate.rows;
+        if !fused {
+            self.matmul(x, gate, None, rows, gate_out);
+            self.matmul(x, up, None, rows, up_out);
+            self.silu_mul(gate_out, up_out, rows, out);
+            return;
+        }
+        self.op("gate_up_silu", |_| {
+            let n = gate.rows;
+            let dims = LaunchDims { grid: (n.div_ceil(GLU_NW) as u32, 1, 1), block: 32 * GEMV_WARPS };
+            let a = Args::new()
+                .ptr(gate.ptr())
+                .ptr(up.ptr())
+                .ptr(x.ptr())
+                .ptr(out.ptr())
+                .i32(n as i32)
+                .i32(x.cols as i32)
+                .i32(rows as i32)
+                .i32(self.config.tuning.gemv_prefetch as i32);
+            unsafe { self.launch(self.k.gemv_bf16_glu[rows - 1], dims, a) }
+        })
+    }
+
+    fn rope_write_kv(
+        &self,
+        q: &mut CudaAct,
+        k: &mut CudaAct,
+        v: &CudaAct,
+        table: &RopeTable,
+        head_dim: usize,
+        positions: &[u32],
+        kv: &mut CudaKv,
+        seqs: &[SeqStep<'_>],
+    ) {
+        if !self.config.tuning.fuse {
+            self.rope(q, table, head_dim, positions);
+            self.rope(k, table, head_dim, positions);
+            self.write_kv(kv, k, v, seqs);
+            return;
+        }
+        self.op("rope_write_kv", |st| {
+            self.sync_rope(st, table)?;
+            let cap = st.capturing.is_some();
+            self.sync_meta(&mut st.positions, positions, "positions", cap)?;
+            st.kv_addr = kv.addr;
+            self.sync_seqs(st, seqs)?;
+            let g = kv.geometry;
+            let width = g.kv_heads * g.head_dim;
+            if k.cols != width || v.cols != width {
+                return Err(BackendError::Other(format!(
+                    "rope_write_kv: k has {} and v {} columns, the cache {width}",
+                    k.cols, v.cols
+                )));
+            }
+            if head_dim == 0 || !q.cols.is_multiple_of(head_dim) || head_dim != g.head_dim {
+                return Err(BackendError::Other(format!(
+                    "rope_write_kv: q has {} columns, heads of {head_dim}, the cache's {}",
+                    q.cols, g.head_dim
+                )));
+            }
+            let heads = q.cols / head_dim;
+            let half = table.rot_dim / 2;
+            let interleaved = i32::from(table.style == RopeStyle::Interleaved);
+            let a = Args::new()
+                .ptr(q.ptr())
+                .ptr(k.ptr())
+                .ptr(v.ptr())
+                .ptr(kv.k)
+                .ptr(kv.v)
+                .ptr(st.inv_freq.ptr())
+                .ptr(st.positions.dev.ptr())
+                .i32(positions.len() as i32)
+                .i32(st.maps.rows as i32)
+                .ptr(st.row_pos.dev.ptr())
+                .ptr(st.row_seq.dev.ptr())
+                .ptr(st.seq_pt_off.dev.ptr())
+                .ptr(st.page_table.dev.ptr())
+                .i32(g.page_size as i32)
+                .i32(heads as i32)
+                .i32(g.kv_heads as i32)
+                .i32(head_dim as i32)
+                .i32(half as i32)
+                .i32(interleaved);
+            // A block per (row, head): q heads, then the KV heads' k, then their v.
+            let rows = st.maps.rows.max(positions.len());
+            let dims = LaunchDims {
+                grid: (rows as u32, (heads + 2 * g.kv_heads) as u32, 1),
+                block: half.next_power_of_two().clamp(32, 256) as u32,
+            };
+            unsafe { self.launch(self.k.rope_write_kv, dims, a) }
         })
     }
 
