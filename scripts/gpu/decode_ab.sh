@@ -100,16 +100,12 @@ first=
 for c in ${AB_CONFIGS:-base fuse pdl all}; do
     [ -z "$first" ] && first=$c
     case $c in
-        base) run_config base CORRIDOR_PDL=0 CORRIDOR_FUSE=0 CORRIDOR_GEMV_PREFETCH=0 ;;
-        fuse) run_config fuse CORRIDOR_PDL=0 CORRIDOR_FUSE=1 CORRIDOR_GEMV_PREFETCH=0 ;;
-        pdl) run_config pdl CORRIDOR_PDL=1 CORRIDOR_FUSE=0 CORRIDOR_GEMV_PREFETCH=0 ;;
-        pdlpf) run_config pdlpf CORRIDOR_PDL=1 CORRIDOR_FUSE=0 CORRIDOR_GEMV_PREFETCH=4096 ;;
-        all) run_config all CORRIDOR_PDL=1 CORRIDOR_FUSE=1 CORRIDOR_GEMV_PREFETCH=0 ;;
-        all1k) run_config all1k CORRIDOR_PDL=1 CORRIDOR_FUSE=1 CORRIDOR_GEMV_PREFETCH=1024 ;;
-        all4k) run_config all4k CORRIDOR_PDL=1 CORRIDOR_FUSE=1 CORRIDOR_GEMV_PREFETCH=4096 ;;
-        prof) run_config prof CORRIDOR_PDL=1 CORRIDOR_FUSE=1 CORRIDOR_GEMV_PREFETCH=0 CORRIDOR_CUDA_PROFILE=100 ;;
-        profbase) run_config profbase CORRIDOR_PDL=0 CORRIDOR_FUSE=0 CORRIDOR_GEMV_PREFETCH=0 \
-            CORRIDOR_CUDA_PROFILE=100 ;;
+        base) run_config base CORRIDOR_PDL=0 CORRIDOR_FUSE=0 ;;
+        fuse) run_config fuse CORRIDOR_PDL=0 CORRIDOR_FUSE=1 ;;
+        pdl) run_config pdl CORRIDOR_PDL=1 CORRIDOR_FUSE=0 ;;
+        all) run_config all CORRIDOR_PDL=1 CORRIDOR_FUSE=1 ;;
+        prof) run_config prof CORRIDOR_PDL=1 CORRIDOR_FUSE=1 CORRIDOR_CUDA_PROFILE=100 ;;
+        profbase) run_config profbase CORRIDOR_PDL=0 CORRIDOR_FUSE=0 CORRIDOR_CUDA_PROFILE=100 ;;
         *) echo "unknown configuration $c" ;;
     esac
 done

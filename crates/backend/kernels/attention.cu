@@ -9,10 +9,18 @@
 // Long contexts are split over blockIdx.x (flash-decoding): each split keeps
 // an online-softmax state (max, sum, unnormalized output) and attn_combine
 // merges the splits. With a single split the kernel normalizes and writes
-// the output itself.
+// the output itself. A row's split length is found on the device from its
+// own context (`split_len`), so a step captured for the longest context
+// still spreads a short one over as many blocks as it can use.
 
 #define ATT_WARPS 4
 #define ATT_MAX_D 8 // head_dim <= 32 * ATT_MAX_D = 256
+
+// Tokens per split of a row with `ctx` tokens over `nsplit` splits: an even
+// share, at least `min_chunk`. Only the first ceil(ctx / len) splits hold any.
+__device__ __forceinline__ int split_len(int ctx, int nsplit, int min_chunk) {
+    return max(min_chunk, (ctx + nsplit - 1) / nsplit);
+}
 
 // One lane's D elements of a bf16 row, starting at element `e0` (a multiple
 // of D): one 4-, 8- or 16-byte load when the row is exactly 32 * D wide.
@@ -54,8 +62,8 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
                                                   const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,
                                                   const u32* __restrict__ page_table, float* __restrict__ out,
                                                   float* __restrict__ part_o, float* __restrict__ part_ml, int heads,
-                                                  int kv_heads, int head_dim, int page_size, float scale, int chunk,
-                                                  int nsplit) {
+                                                  int kv_heads, int head_dim, int page_size, float scale,
+                                                  int min_chunk, int nsplit) {
     pdl_enter();
     __shared__ float sm_m[ATT_WARPS][G], sm_l[ATT_WARPS][G];
     __shared__ float sm_o[ATT_WARPS][G][32 * D];
@@ -64,8 +72,9 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
     int kvh = h0 / (heads / kv_heads);
     int ctx = (int)row_pos[r] + 1;
     const u32* pt = page_table + seq_pt_off[row_seq[r]];
-    int start = s * chunk;
-    int end = imin(ctx, start + chunk);
+    int len = split_len(ctx, nsplit, min_chunk);
+    int start = s * len;
+    int end = imin(ctx, start + len);
     // A split past the context (a captured step splits for the longest
     // context it may see) has nothing to add: attn_combine reads only the
     // splits that hold some of the row's context.
@@ -173,9 +182,10 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
              const u32* __restrict__ row_pos, const u32* __restrict__ row_seq,                                  \
              const u32* __restrict__ seq_pt_off, const u32* __restrict__ page_table, float* __restrict__ out,   \
              float* __restrict__ part_o, float* __restrict__ part_ml, int heads, int kv_heads, int head_dim,    \
-             int page_size, float scale, int chunk, int nsplit) {                                               \
+             int page_size, float scale, int min_chunk, int nsplit) {                                           \
         attn_partial_body<G, D, U, EXACT>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, out, part_o,    \
-                                          part_ml, heads, kv_heads, head_dim, page_size, scale, chunk, nsplit); \
+                                          part_ml, heads, kv_heads, head_dim, page_size, scale, min_chunk,      \
+                                          nsplit);                                                              \
     }
 ATTN_PARTIAL(attn_partial_g1, 1, ATT_MAX_D, 1, false)
 ATTN_PARTIAL(attn_partial_g2, 2, ATT_MAX_D, 1, false)
@@ -194,28 +204,68 @@ ATTN_PARTIAL(attn_partial_g2_d8, 2, 8, 2, true)
 ATTN_PARTIAL(attn_partial_g4_d8, 4, 8, 2, true)
 ATTN_PARTIAL(attn_partial_g8_d8, 8, 8, 2, true)
 
+// The largest `v` over the block (every thread gets it); `partial` holds 32 floats.
+__device__ __forceinline__ float block_max(float v, float* partial) {
+    v = warp_max(v);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float w = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : NEG_INF;
+        w = warp_max(w);
+        if (threadIdx.x == 0) partial[0] = w;
+    }
+    __syncthreads();
+    float m = partial[0];
+    __syncthreads();
+    return m;
+}
+
+// Merge the splits of each (row, head): only the ones attn_partial wrote.
+// The block first weighs every split at once (a thread per split), then each
+// thread sums one output element over the splits, ATT_COMBINE_ILP loads in
+// flight: a split-by-split loop would wait on one load per split.
+#define ATT_MAX_SPLITS 256 // the host never splits further
+#define ATT_COMBINE_ILP 8
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                         const u32* __restrict__ row_pos, const u32* __restrict__ row_seq,
-                                        float* __restrict__ out, int heads, int head_dim, int nsplit, int chunk) {
+                                        float* __restrict__ out, int heads, int head_dim, int nsplit,
+                                        int min_chunk) {
     pdl_enter();
+    __shared__ float weight[ATT_MAX_SPLITS];
+    __shared__ float partial[32];
     int h = blockIdx.x, r = blockIdx.y;
     if (row_seq[r] == 0xffffffffu) return;
     long long p0 = ((long long)r * heads + h) * nsplit;
-    int used = imin(nsplit, ((int)row_pos[r] + chunk) / chunk);
-    float M = NEG_INF;
-    for (int s = 0; s < used; s++)
-        if (part_ml[2 * (p0 + s) + 1] > 0.f) M = fmaxf(M, part_ml[2 * (p0 + s)]);
+    int ctx = (int)row_pos[r] + 1;
+    int len = split_len(ctx, nsplit, min_chunk);
+    int used = imin(imin(nsplit, ATT_MAX_SPLITS), (ctx + len - 1) / len);
+    float m = NEG_INF;
+    for (int s = threadIdx.x; s < used; s += blockDim.x)
+        if (part_ml[2 * (p0 + s) + 1] > 0.f) m = fmaxf(m, part_ml[2 * (p0 + s)]);
+    float M = block_max(m, partial);
+    float l = 0.f;
+    for (int s = threadIdx.x; s < used; s += blockDim.x) {
+        float ls = part_ml[2 * (p0 + s) + 1];
+        float w = ls > 0.f ? expf(part_ml[2 * (p0 + s)] - M) : 0.f;
+        weight[s] = w;
+        l += w * ls;
+    }
+    float L = block_sum(l, partial); // its barrier also publishes `weight`
     for (int e = threadIdx.x; e < head_dim; e += blockDim.x) {
-        float acc = 0.f, L = 0.f;
-        for (int s = 0; s < used; s++) {
-            float ls = part_ml[2 * (p0 + s) + 1];
-            if (ls > 0.f) {
-                float w = expf(part_ml[2 * (p0 + s)] - M);
-                acc += w * part_o[(p0 + s) * head_dim + e];
-                L += w * ls;
-            }
+        const float* po = part_o + p0 * head_dim + e;
+        float acc[ATT_COMBINE_ILP];
+#pragma unroll
+        for (int i = 0; i < ATT_COMBINE_ILP; i++) acc[i] = 0.f;
+        int s = 0;
+        for (; s + ATT_COMBINE_ILP <= used; s += ATT_COMBINE_ILP) {
+#pragma unroll
+            for (int i = 0; i < ATT_COMBINE_ILP; i++) acc[i] += weight[s + i] * po[(long long)(s + i) * head_dim];
         }
-        out[((long long)r * heads + h) * head_dim + e] = L > 0.f ? acc / L : 0.f;
+        for (; s < used; s++) acc[0] += weight[s] * po[(long long)s * head_dim];
+        float a = 0.f;
+#pragma unroll
+        for (int i = 0; i < ATT_COMBINE_ILP; i++) a += acc[i];
+        out[((long long)r * heads + h) * head_dim + e] = L > 0.f ? a / L : 0.f;
     }
 }
 

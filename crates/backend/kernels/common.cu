@@ -86,9 +86,9 @@ __device__ __forceinline__ float load_elem(const u8* row, int dtype, int j) {
 
 // Programmatic dependent launch (sm_90 and later). The host may launch a
 // kernel before the one ahead of it on the stream has finished; the kernel
-// then runs what does not depend on earlier kernels (a GEMV prefetches its
-// weights) and waits in `pdl_wait` until every earlier kernel has finished
-// and its writes are visible. Every kernel calls `pdl_enter` (or `pdl_wait`)
+// is then resident and waits in `pdl_wait` until every earlier kernel has
+// finished and its writes are visible, so the launch and the block
+// scheduling overlap the kernel ahead. Every kernel calls `pdl_enter` (or `pdl_wait`)
 // before it reads or writes any buffer another kernel touches, so any kernel
 // may be launched that way; without the launch attribute the wait returns at
 // once. `pdl_release` lets the next kernel on the stream start launching: it
@@ -106,13 +106,4 @@ __device__ __forceinline__ void pdl_release() {
 __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
     pdl_release();
-}
-
-// Ask the L2 to fetch `bytes` (a multiple of 16) from `p` (16-byte aligned),
-// without waiting for it: weights a GEMV reads once, fetched while the kernel
-// ahead of it still runs.
-__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
-#if __CUDA_ARCH__ >= 900
-    if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
 }

@@ -123,31 +123,20 @@ __device__ __forceinline__ void gemv_bf16_acc(const uint4* const (&wr)[NW], cons
     }
 }
 
-// Weights do not depend on the kernel ahead: before waiting for it, ask the
-// L2 for the first `prefetch` bytes of each of the block's NW rows (weight
-// rows j0.. of an n-row matrix), so the wait overlaps the weights' transfer.
-template <int NW>
-__device__ __forceinline__ void gemv_prefetch(const bf16_t* w, int j0, int n, int k, int prefetch) {
-    int t = threadIdx.x;
-    if (prefetch > 0 && t < NW && j0 + t < n) {
-        u32 bytes = (u32)imin(prefetch, 2 * k) & ~15u;
-        prefetch_l2(w + (long long)(j0 + t) * k, bytes);
-    }
-}
-
 // Up to three bf16 matrices that share one input (q/k/v) in one launch:
 // blocks [0, nb0) serve matrix 0, the next nb1 matrix 1, the rest matrix 2
 // (a plain matmul passes n1 = n2 = 0). Biases may be null. Rows 16-byte
-// aligned, k a multiple of 8.
-template <int R, int U>
+// aligned, k a multiple of 8. A block owns NW weight rows.
+template <int R, int U, int NW>
 __device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ w0, const bf16_t* __restrict__ w1,
                                                const bf16_t* __restrict__ w2, float* __restrict__ o0,
                                                float* __restrict__ o1, float* __restrict__ o2,
                                                const float* __restrict__ b0, const float* __restrict__ b1,
                                                const float* __restrict__ b2, int n0, int n1, int n2,
-                                               const float* __restrict__ x, int k, int rows, int prefetch) {
+                                               const float* __restrict__ x, int k, int rows) {
+    pdl_enter();
     int blk = blockIdx.x;
-    int nb0 = (n0 + GEMV_NW - 1) / GEMV_NW, nb1 = (n1 + GEMV_NW - 1) / GEMV_NW;
+    int nb0 = (n0 + NW - 1) / NW, nb1 = (n1 + NW - 1) / NW;
     const bf16_t* w = w0;
     float* out = o0;
     const float* bias = b0;
@@ -159,50 +148,46 @@ __device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ w0, co
         blk -= nb0;
         w = w1, out = o1, bias = b1, n = n1;
     }
-    int j0 = blk * GEMV_NW;
-    gemv_prefetch<GEMV_NW>(w, j0, n, k, prefetch);
-    pdl_enter();
-    const uint4* wr[GEMV_NW];
+    int j0 = blk * NW;
+    const uint4* wr[NW];
 #pragma unroll
-    for (int i = 0; i < GEMV_NW; i++) wr[i] = (const uint4*)(w + (long long)imin(j0 + i, n - 1) * k);
-    float acc[R][GEMV_NW];
-    gemv_bf16_acc<R, U, GEMV_NW>(wr, x, k, rows, acc);
-    gemv_finish<R, GEMV_NW>(acc, out, bias, n, j0, rows);
+    for (int i = 0; i < NW; i++) wr[i] = (const uint4*)(w + (long long)imin(j0 + i, n - 1) * k);
+    float acc[R][NW];
+    gemv_bf16_acc<R, U, NW>(wr, x, k, rows, acc);
+    gemv_finish<R, NW>(acc, out, bias, n, j0, rows);
 }
 
 // MINB: blocks per SM the register budget must allow. At one row, 2 x 4
 // loads in flight per thread with 8 blocks per SM beat 4 x 4 loads with 5
 // (measured on the H200: 4096x4096 76% against 67% of the copy bandwidth):
 // a 4096-row matrix then runs in one wave of blocks instead of one and a half.
-#define GEMV_BF16(R, U, MINB)                                                                                      \
+// (2 rows per block with 4 x 2 loads, twice the blocks for a fuller last wave,
+// measured slower in serving: 4.78 -> 4.86 ms per batch-1 step.)
+#define GEMV_BF16(NAME, R, U, NW, MINB)                                                                            \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                            \
-        gemv_bf16_r##R(const bf16_t* __restrict__ w0, const bf16_t* __restrict__ w1,                               \
-                       const bf16_t* __restrict__ w2, float* __restrict__ o0, float* __restrict__ o1,              \
-                       float* __restrict__ o2, const float* __restrict__ b0, const float* __restrict__ b1,         \
-                       const float* __restrict__ b2, int n0, int n1, int n2, const float* __restrict__ x, int k,   \
-                       int rows, int prefetch) {                                                                   \
-        gemv_bf16_body<R, U>(w0, w1, w2, o0, o1, o2, b0, b1, b2, n0, n1, n2, x, k, rows, prefetch);               \
+        NAME(const bf16_t* __restrict__ w0, const bf16_t* __restrict__ w1, const bf16_t* __restrict__ w2,          \
+             float* __restrict__ o0, float* __restrict__ o1, float* __restrict__ o2,                               \
+             const float* __restrict__ b0, const float* __restrict__ b1, const float* __restrict__ b2, int n0,    \
+             int n1, int n2, const float* __restrict__ x, int k, int rows) {                                       \
+        gemv_bf16_body<R, U, NW>(w0, w1, w2, o0, o1, o2, b0, b1, b2, n0, n1, n2, x, k, rows);                     \
     }
-GEMV_BF16(1, 2, 8)
-GEMV_BF16(2, 4, 1)
-GEMV_BF16(4, 2, 1)
-GEMV_BF16(8, 2, 1)
+GEMV_BF16(gemv_bf16_r1, 1, 2, GEMV_NW, 8)
+GEMV_BF16(gemv_bf16_r2, 2, 4, GEMV_NW, 1)
+GEMV_BF16(gemv_bf16_r4, 4, 2, GEMV_NW, 1)
+GEMV_BF16(gemv_bf16_r8, 8, 2, GEMV_NW, 1)
 
 // The MLP's gate and up projections and SiLU in one launch:
 // out[r][j] = silu(x[r] . gate[j]) * (x[r] . up[j]). A block owns GLU_NW
 // output columns and reads their gate and up rows together (2 x GLU_NW
 // loads in flight per thread, as the plain kernel's 2 x 4), so the products
 // never leave the block. Same SiLU as `silu_mul`.
-#define GLU_NW 4
-template <int R>
+template <int R, int GLU_NW, int U>
 __device__ __forceinline__ void gemv_bf16_glu_body(const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu,
                                                    const float* __restrict__ x, float* __restrict__ out, int n,
-                                                   int k, int rows, int prefetch) {
+                                                   int k, int rows) {
+    pdl_enter();
     __shared__ float red[GEMV_WARPS][R * 2 * GLU_NW];
     int j0 = blockIdx.x * GLU_NW;
-    gemv_prefetch<GLU_NW>(wg, j0, n, k, prefetch);
-    gemv_prefetch<GLU_NW>(wu, j0, n, k, prefetch);
-    pdl_enter();
     const uint4* wr[2 * GLU_NW];
 #pragma unroll
     for (int i = 0; i < GLU_NW; i++) {
@@ -211,7 +196,7 @@ __device__ __forceinline__ void gemv_bf16_glu_body(const bf16_t* __restrict__ wg
         wr[GLU_NW + i] = (const uint4*)(wu + row);
     }
     float acc[R][2 * GLU_NW];
-    gemv_bf16_acc<R, 1, 2 * GLU_NW>(wr, x, k, rows, acc);
+    gemv_bf16_acc<R, U, 2 * GLU_NW>(wr, x, k, rows, acc);
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -239,15 +224,14 @@ __device__ __forceinline__ void gemv_bf16_glu_body(const bf16_t* __restrict__ wg
     }
 }
 
-#define GEMV_GLU(R, MINB)                                                                                          \
+#define GEMV_GLU(NAME, R, NW, U, MINB)                                                                             \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                            \
-        gemv_bf16_glu_r##R(const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu,                           \
-                           const float* __restrict__ x, float* __restrict__ out, int n, int k, int rows,           \
-                           int prefetch) {                                                                         \
-        gemv_bf16_glu_body<R>(wg, wu, x, out, n, k, rows, prefetch);                                               \
+        NAME(const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, const float* __restrict__ x,            \
+             float* __restrict__ out, int n, int k, int rows) {                                                    \
+        gemv_bf16_glu_body<R, NW, U>(wg, wu, x, out, n, k, rows);                                                  \
     }
-GEMV_GLU(1, 8)
-GEMV_GLU(2, 1)
+GEMV_GLU(gemv_bf16_glu_r1, 1, 4, 1, 8)
+GEMV_GLU(gemv_bf16_glu_r2, 2, 4, 1, 1)
 
 // bf16 weights on the tensor cores, for 2..8 input rows, k a multiple of 32.
 //

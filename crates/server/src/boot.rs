@@ -588,7 +588,6 @@ fn cuda_backend(
         backend = %backend.name(),
         pdl = tuning.pdl,
         fused = tuning.fuse,
-        gemv_prefetch = tuning.gemv_prefetch,
         "CUDA backend ready"
     );
     Ok(backend)

@@ -74,6 +74,10 @@ pub const TILED_MIN_ROWS: usize = 16;
 const TILE_ROWS: usize = 64;
 /// Threads per block of the tiled prefill kernel (FA_WARPS warps).
 const TILE_THREADS: u32 = 128;
+/// Fewest tokens in one split of the split-K attention; each row's split
+/// length is its context over the splits, at least this (kernels/attention.cu
+/// `split_len`). 16 tokens is one batch of loads for each of a block's warps.
+const ATT_MIN_SPLIT: usize = 16;
 /// Largest head dimension the attention kernel holds in registers.
 pub const MAX_HEAD_DIM: usize = 256;
 /// Bytes of the bf16 tile a quantized weight is widened into for prefill.
@@ -112,14 +116,11 @@ pub struct Tuning {
     /// One launch for a layer's q/k/v GEMVs, for gate/up and SiLU, and for
     /// RoPE and the KV store, where the shapes allow (`CORRIDOR_FUSE=0`).
     pub fuse: bool,
-    /// Bytes of each of its weight rows a bf16 GEMV block asks the L2 for
-    /// before it waits for the kernel ahead (`CORRIDOR_GEMV_PREFETCH=N`; 0: none).
-    pub gemv_prefetch: u32,
 }
 
 impl Default for Tuning {
     fn default() -> Self {
-        Tuning { pdl: true, fuse: true, gemv_prefetch: 0 }
+        Tuning { pdl: true, fuse: true }
     }
 }
 
@@ -128,14 +129,7 @@ impl Tuning {
     pub fn from_env() -> Tuning {
         let d = Tuning::default();
         let flag = |name: &str, default: bool| std::env::var(name).map(|v| v != "0").unwrap_or(default);
-        Tuning {
-            pdl: flag("CORRIDOR_PDL", d.pdl),
-            fuse: flag("CORRIDOR_FUSE", d.fuse),
-            gemv_prefetch: std::env::var("CORRIDOR_GEMV_PREFETCH")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(d.gemv_prefetch),
-        }
+        Tuning { pdl: flag("CORRIDOR_PDL", d.pdl), fuse: flag("CORRIDOR_FUSE", d.fuse) }
     }
 }
 
@@ -973,8 +967,7 @@ impl CudaBackend {
         for n in n {
             a = a.i32(n as i32);
         }
-        let a =
-            a.ptr(x.ptr()).i32(x.cols as i32).i32(rows as i32).i32(self.config.tuning.gemv_prefetch as i32);
+        let a = a.ptr(x.ptr()).i32(x.cols as i32).i32(rows as i32);
         unsafe { self.launch(self.k.gemv_bf16[inst], dims, a) }
     }
 
@@ -1070,7 +1063,6 @@ impl CudaBackend {
         let group = a.heads / g.kv_heads;
         let per_block = [8usize, 4, 2, 1].into_iter().find(|p| group.is_multiple_of(*p)).unwrap_or(1);
         let nsplit = self.splits(rows, a.heads, per_block, max_ctx);
-        let chunk = max_ctx.div_ceil(nsplit).max(1);
         let scale = 1.0 / (g.head_dim as f32).sqrt();
         let args = Args::new()
             .ptr(a.q.ptr())
@@ -1088,7 +1080,7 @@ impl CudaBackend {
             .i32(g.head_dim as i32)
             .i32(g.page_size as i32)
             .f32(scale)
-            .i32(chunk as i32)
+            .i32(ATT_MIN_SPLIT as i32)
             .i32(nsplit as i32);
         let dims =
             LaunchDims { grid: (nsplit as u32, (a.heads / per_block) as u32, rows as u32), block: 128 };
@@ -1110,7 +1102,7 @@ impl CudaBackend {
                 .i32(a.heads as i32)
                 .i32(g.head_dim as i32)
                 .i32(nsplit as i32)
-                .i32(chunk as i32);
+                .i32(ATT_MIN_SPLIT as i32);
             let dims = LaunchDims { grid: (a.heads as u32, rows as u32, 1), block: 128 };
             unsafe { self.launch(self.k.attn_combine, dims, args)? };
         }
@@ -1146,8 +1138,9 @@ impl CudaBackend {
         let base = (rows * heads).max(1);
         let want_blocks = self.sm_count * 8;
         let by_occupancy = want_blocks.div_ceil((base / per_block).max(1));
-        let by_length = max_ctx.div_ceil(64).max(1);
+        let by_length = max_ctx.div_ceil(ATT_MIN_SPLIT).max(1);
         let by_scratch = (self.config.attn_partials / base).max(1);
+        // 256: kernels/attention.cu ATT_MAX_SPLITS.
         by_occupancy.min(by_length).min(by_scratch).clamp(1, 256)
     }
 
@@ -1498,8 +1491,7 @@ impl Backend for CudaBackend {
                 .ptr(out.ptr())
                 .i32(n as i32)
                 .i32(x.cols as i32)
-                .i32(rows as i32)
-                .i32(self.config.tuning.gemv_prefetch as i32);
+                .i32(rows as i32);
             unsafe { self.launch(self.k.gemv_bf16_glu[rows - 1], dims, a) }
         })
     }

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::guard::{fall_back, settle_draw, Settled};
 use super::kernel::{CpuDrawKernel, DrawKernel, DrawSpec};
-use super::logits::{apply_adjustments, log_sum_exp, sanitize, top_logprobs};
+use super::logits::{apply_adjustments, log_sum_exp, sanitize, sanitize_wide, top_logprobs};
 use super::outcome::{BatchError, FallbackKind, SampleError, SampleOutcome, Sampled, StopReason};
 use super::stats::SamplerStats;
 use super::{SampleRow, Sampler};
@@ -60,13 +60,15 @@ impl<K: DrawKernel> Sampler for CpuSampler<K> {
             logits
                 .par_chunks_mut(vocab)
                 .zip(rows.par_iter_mut())
-                .map(|(row_logits, row)| sample_row(kernel, stats, row_logits, row))
+                .map(|(row_logits, row)| sample_row(kernel, stats, row_logits, row, false))
                 .collect()
         } else {
+            // One row (or a short batch): its own passes run on every core.
+            let wide = rows.len() == 1;
             logits
                 .chunks_mut(vocab)
                 .zip(rows.iter_mut())
-                .map(|(row_logits, row)| sample_row(kernel, stats, row_logits, row))
+                .map(|(row_logits, row)| sample_row(kernel, stats, row_logits, row, wide))
                 .collect()
         };
         Ok(outcomes)
@@ -80,11 +82,12 @@ fn sample_row<K: DrawKernel>(
     stats: &SamplerStats,
     logits: &mut [f32],
     row: &mut SampleRow<'_>,
+    wide: bool,
 ) -> SampleOutcome {
     // The draw comes first and unconditionally, so the stream advances by
     // exactly one per token whatever happens below.
     let uniform = row.state.next_uniform();
-    let scan = sanitize(logits);
+    let scan = if wide { sanitize_wide(logits) } else { sanitize(logits) };
     apply_adjustments(logits, row.params, row.state, row.eos_token_ids);
 
     let settled = if !logits.iter().any(|&v| v > f32::NEG_INFINITY) {

@@ -26,7 +26,7 @@
 
 use corridor_units::TokenId;
 
-use super::logits::{argmax, rank_order};
+use super::logits::{argmax, argmax_wide, rank_order};
 
 /// The truncation and temperature of one row.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -171,7 +171,7 @@ impl DrawKernel for CpuDrawKernel {
         if spec.temperature == 0.0 {
             return argmax(row);
         }
-        let top = argmax(row)?;
+        let top = argmax_wide(row)?;
         let max = row[top as usize];
         let inv_t = 1.0 / spec.temperature;
         let weight = |i: u32| weight_of(row[i as usize], max, inv_t) as f64;

@@ -158,6 +158,37 @@ super::simd::multiversion! {
     }
 }
 
+/// Rows at least this long are sanitized and searched in parallel slices
+/// (a step that samples one row would otherwise leave every core but one idle
+/// while the card waits for its token).
+pub const WIDE_ROW_MIN: usize = 1 << 16;
+const WIDE_SLICE: usize = 1 << 14;
+
+/// [`sanitize`] over parallel slices of a long row: the same row, the same counts.
+pub fn sanitize_wide(row: &mut [f32]) -> RawScan {
+    use rayon::prelude::*;
+    if row.len() < WIDE_ROW_MIN {
+        return sanitize(row);
+    }
+    row.par_chunks_mut(WIDE_SLICE)
+        .map(sanitize)
+        .reduce(RawScan::default, |a, b| RawScan { nan: a.nan + b.nan, pos_inf: a.pos_inf + b.pos_inf })
+}
+
+/// [`argmax`] over parallel slices of a long row: the same token (the first
+/// of the largest value).
+pub fn argmax_wide(row: &[f32]) -> Option<TokenId> {
+    use rayon::prelude::*;
+    if row.len() < WIDE_ROW_MIN {
+        return argmax(row);
+    }
+    row.par_chunks(WIDE_SLICE)
+        .enumerate()
+        .filter_map(|(i, c)| argmax(c).map(|j| (i * WIDE_SLICE + j as usize, c[j as usize])))
+        .reduce_with(|a, b| if b.1 > a.1 || (b.1 == a.1 && b.0 < a.0) { b } else { a })
+        .map(|(i, _)| i as TokenId)
+}
+
 /// Natural-log normalizer of a sanitized row: `ln Σ exp(l_i)`, computed in
 /// f64 around the maximum so that neither huge nor tiny logits overflow.
 /// `None` when every entry is -inf.
@@ -208,6 +239,33 @@ mod argmax_tests {
         assert_eq!(argmax(&[f32::NEG_INFINITY; 19]), None);
         assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY, -1e30]), Some(2));
         assert_eq!(argmax(&[]), None);
+    }
+
+    #[test]
+    fn wide_row_passes_match_the_plain_ones() {
+        let n = WIDE_ROW_MIN * 2 + 12_345;
+        let mut row: Vec<f32> = (0..n).map(|i| ((i as u64 * 2_654_435_761) % 1000) as f32 / 100.0).collect();
+        // Specials in several slices, and the maximum tied across slices:
+        // the first one must win.
+        row[5] = f32::NAN;
+        row[WIDE_SLICE * 3 + 7] = f32::INFINITY;
+        row[WIDE_SLICE * 5 + 1] = f32::NAN;
+        row[WIDE_SLICE * 2 + 9] = 50.0;
+        row[WIDE_SLICE + 4] = 50.0;
+        row[n - 1] = 50.0;
+        let (mut a, mut b) = (row.clone(), row.clone());
+        assert_eq!(sanitize_wide(&mut a), sanitize(&mut b));
+        assert_eq!(
+            a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        assert_eq!(argmax_wide(&a), argmax(&a));
+        // Without the +inf (now f32::MAX) the tie at 50 decides.
+        a[WIDE_SLICE * 3 + 7] = 0.0;
+        assert_eq!(argmax_wide(&a), Some((WIDE_SLICE + 4) as TokenId));
+        assert_eq!(argmax_wide(&a), argmax(&a));
+        a.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+        assert_eq!(argmax_wide(&a), None);
     }
 
     #[test]
