@@ -26,21 +26,8 @@ SECONDS=0
 header() { echo; echo "=== [${SECONDS}s] $*"; }
 
 nvidia-smi -L
-if [ ! -f "$MODEL_DIR/config.json" ]; then
-    header "checkpoint $MODEL_DIR"
-    python3 scripts/gpu/make_llama8b.py "$MODEL_DIR" --tokenizer-dir .gpu/llama3-tokenizer 2>&1 | tail -n 3
-fi
-
-server_pid=
-stop_server() {
-    [ -n "$server_pid" ] || return 0
-    kill -INT "$server_pid" 2>/dev/null
-    for _ in $(seq 60); do kill -0 "$server_pid" 2>/dev/null || break; sleep 1; done
-    kill -KILL "$server_pid" 2>/dev/null
-    wait "$server_pid" 2>/dev/null
-    server_pid=
-}
-trap stop_server EXIT
+source scripts/gpu/server_lib.sh
+ensure_checkpoint "$MODEL_DIR"
 
 start_server() { # name port args...
     local name=$1 port=$2; shift 2

@@ -191,18 +191,14 @@ ATTN_PARTIAL(attn_partial_g1, 1, ATT_MAX_D, 1, false)
 ATTN_PARTIAL(attn_partial_g2, 2, ATT_MAX_D, 1, false)
 ATTN_PARTIAL(attn_partial_g4, 4, ATT_MAX_D, 1, false)
 ATTN_PARTIAL(attn_partial_g8, 8, ATT_MAX_D, 1, false)
-ATTN_PARTIAL(attn_partial_g1_d2, 1, 2, 4, true)
-ATTN_PARTIAL(attn_partial_g2_d2, 2, 2, 4, true)
-ATTN_PARTIAL(attn_partial_g4_d2, 4, 2, 4, true)
-ATTN_PARTIAL(attn_partial_g8_d2, 8, 2, 4, true)
-ATTN_PARTIAL(attn_partial_g1_d4, 1, 4, 4, true)
-ATTN_PARTIAL(attn_partial_g2_d4, 2, 4, 4, true)
-ATTN_PARTIAL(attn_partial_g4_d4, 4, 4, 4, true)
-ATTN_PARTIAL(attn_partial_g8_d4, 8, 4, 4, true)
-ATTN_PARTIAL(attn_partial_g1_d8, 1, 8, 2, true)
-ATTN_PARTIAL(attn_partial_g2_d8, 2, 8, 2, true)
-ATTN_PARTIAL(attn_partial_g4_d8, 4, 8, 2, true)
-ATTN_PARTIAL(attn_partial_g8_d8, 8, 8, 2, true)
+#define ATTN_PARTIAL_EXACT(D, U)                                                                                \
+    ATTN_PARTIAL(attn_partial_g1_d##D, 1, D, U, true)                                                           \
+    ATTN_PARTIAL(attn_partial_g2_d##D, 2, D, U, true)                                                           \
+    ATTN_PARTIAL(attn_partial_g4_d##D, 4, D, U, true)                                                           \
+    ATTN_PARTIAL(attn_partial_g8_d##D, 8, D, U, true)
+ATTN_PARTIAL_EXACT(2, 4)
+ATTN_PARTIAL_EXACT(4, 4)
+ATTN_PARTIAL_EXACT(8, 2)
 
 // The largest `v` over the block (every thread gets it); `partial` holds 32 floats.
 __device__ __forceinline__ float block_max(float v, float* partial) {
