@@ -91,6 +91,7 @@ for c in ${AB_CONFIGS:-base fuse pdl all}; do
         fuse) run_config fuse CORRIDOR_PDL=0 CORRIDOR_FUSE=1 ;;
         pdl) run_config pdl CORRIDOR_PDL=1 CORRIDOR_FUSE=0 ;;
         all) run_config all CORRIDOR_PDL=1 CORRIDOR_FUSE=1 ;;
+        lanes0) run_config lanes0 CORRIDOR_PDL=1 CORRIDOR_FUSE=1 CORRIDOR_ATTN_LANES=0 ;;
         prof) run_config prof CORRIDOR_PDL=1 CORRIDOR_FUSE=1 CORRIDOR_CUDA_PROFILE=100 ;;
         profbase) run_config profbase CORRIDOR_PDL=0 CORRIDOR_FUSE=0 CORRIDOR_CUDA_PROFILE=100 ;;
         *) echo "unknown configuration $c" ;;

@@ -47,6 +47,54 @@ __device__ __forceinline__ void load_bf16_lane(const bf16_t* __restrict__ p, flo
     }
 }
 
+// The end of a split, shared by the decode kernels: each warp's online-softmax
+// state (m, l and its lanes' output elements e = lane * Dr + d) meets in shared
+// memory, and the block writes the split's merged state (or, with one split,
+// the normalized output).
+template <int G, int D>
+__device__ __forceinline__ void attn_finish(float (&m)[G], float (&l)[G], float (&o)[G][D], int Dr, bool exact,
+                                            float (*sm_m)[G], float (*sm_l)[G], float (*sm_o)[G][32 * D],
+                                            float* __restrict__ out, float* __restrict__ part_o,
+                                            float* __restrict__ part_ml, int r, int h0, int s, int heads,
+                                            int head_dim, int nsplit) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        if (lane == 0) {
+            sm_m[wid][g] = m[g];
+            sm_l[wid][g] = l[g];
+        }
+#pragma unroll
+        for (int d = 0; d < D; d++) {
+            int e = lane * Dr + d;
+            if (exact || (d < Dr && e < head_dim)) sm_o[wid][g][e] = o[g][d];
+        }
+    }
+    __syncthreads();
+    for (int g = 0; g < G; g++) {
+        int h = h0 + g;
+        float M = NEG_INF;
+        for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm_m[w][g]);
+        float L = 0.f;
+        float wt[ATT_WARPS];
+        for (int w = 0; w < ATT_WARPS; w++) {
+            wt[w] = sm_l[w][g] > 0.f ? expf(sm_m[w][g] - M) : 0.f;
+            L += wt[w] * sm_l[w][g];
+        }
+        long long pidx = ((long long)r * heads + h) * nsplit + s;
+        for (int e = threadIdx.x; e < head_dim; e += blockDim.x) {
+            float acc = 0.f;
+            for (int w = 0; w < ATT_WARPS; w++) acc += wt[w] * sm_o[w][g][e];
+            if (nsplit == 1) out[((long long)r * heads + h) * head_dim + e] = L > 0.f ? acc / L : 0.f;
+            else part_o[pidx * head_dim + e] = acc;
+        }
+        if (nsplit > 1 && threadIdx.x == 0) {
+            part_ml[2 * pidx] = M;
+            part_ml[2 * pidx + 1] = L;
+        }
+    }
+}
+
 // One block serves G query heads that share a KV head (grouped-query
 // attention), so each K and V row is read once for all of them: G = 1, 2, 4
 // or 8, the largest that divides the group. Grid: (splits, heads / G, rows).
@@ -137,41 +185,8 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
             }
         }
     }
-#pragma unroll
-    for (int g = 0; g < G; g++) {
-        if (lane == 0) {
-            sm_m[wid][g] = m[g];
-            sm_l[wid][g] = l[g];
-        }
-#pragma unroll
-        for (int d = 0; d < D; d++) {
-            int e = lane * Dr + d;
-            if (EXACT || (d < Dr && e < head_dim)) sm_o[wid][g][e] = o[g][d];
-        }
-    }
-    __syncthreads();
-    for (int g = 0; g < G; g++) {
-        int h = h0 + g;
-        float M = NEG_INF;
-        for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm_m[w][g]);
-        float L = 0.f;
-        float wt[ATT_WARPS];
-        for (int w = 0; w < ATT_WARPS; w++) {
-            wt[w] = sm_l[w][g] > 0.f ? expf(sm_m[w][g] - M) : 0.f;
-            L += wt[w] * sm_l[w][g];
-        }
-        long long pidx = ((long long)r * heads + h) * nsplit + s;
-        for (int e = threadIdx.x; e < head_dim; e += blockDim.x) {
-            float acc = 0.f;
-            for (int w = 0; w < ATT_WARPS; w++) acc += wt[w] * sm_o[w][g][e];
-            if (nsplit == 1) out[((long long)r * heads + h) * head_dim + e] = L > 0.f ? acc / L : 0.f;
-            else part_o[pidx * head_dim + e] = acc;
-        }
-        if (nsplit > 1 && threadIdx.x == 0) {
-            part_ml[2 * pidx] = M;
-            part_ml[2 * pidx + 1] = L;
-        }
-    }
+    attn_finish<G, D>(m, l, o, Dr, EXACT, sm_m, sm_l, sm_o, out, part_o, part_ml, r, h0, s, heads, head_dim,
+                      nsplit);
 }
 
 // attn_partial_g{G}: any head_dim up to 32 * ATT_MAX_D; attn_partial_g{G}_d{D}:
@@ -199,6 +214,132 @@ ATTN_PARTIAL(attn_partial_g8, 8, ATT_MAX_D, 1, false)
 ATTN_PARTIAL_EXACT(2, 4)
 ATTN_PARTIAL_EXACT(4, 4)
 ATTN_PARTIAL_EXACT(8, 2)
+
+// The same splits with a token per lane, for batches of decode rows, where
+// the arithmetic (not the loads' latency) is what a step waits on: the kernel
+// above spends a warp-wide reduction per token and query head. Here each warp
+// takes 32 tokens at a time: lane t computes its token's score for the G query
+// heads on its own (K row in 16-byte loads, q from shared memory), the tile's
+// softmax update costs two reductions per head, and then every lane adds the
+// 32 weighted V rows into its D output elements (p from shared memory, V in
+// one vector load per token). head_dim is exactly 32 * D.
+template <int G, int D>
+__device__ __forceinline__ void attn_lanes_body(const float* __restrict__ q, const bf16_t* __restrict__ kc,
+                                                const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,
+                                                const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,
+                                                const u32* __restrict__ page_table, float* __restrict__ out,
+                                                float* __restrict__ part_o, float* __restrict__ part_ml, int heads,
+                                                int kv_heads, int page_size, float scale, int min_chunk,
+                                                int nsplit) {
+    pdl_enter();
+    const int HD = 32 * D, CH = HD / 8; // 16-byte chunks of a K row
+    __shared__ __align__(16) float qs[G][HD];
+    __shared__ float ps[ATT_WARPS][G][32];
+    __shared__ float sm_m[ATT_WARPS][G], sm_l[ATT_WARPS][G];
+    __shared__ float sm_o[ATT_WARPS][G][HD];
+    int s = blockIdx.x, h0 = blockIdx.y * G, r = blockIdx.z;
+    if (row_seq[r] == 0xffffffffu) return;
+    int kvh = h0 / (heads / kv_heads);
+    int ctx = (int)row_pos[r] + 1;
+    const u32* pt = page_table + seq_pt_off[row_seq[r]];
+    int len = split_len(ctx, nsplit, min_chunk);
+    int start = s * len;
+    int end = imin(ctx, start + len);
+    if (start >= ctx) return;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x)
+        qs[i / HD][i % HD] = q[((long long)r * heads + h0 + i / HD) * HD + i % HD] * scale;
+    __syncthreads();
+    float m[G], l[G], o[G][D];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int d = 0; d < D; d++) o[g][d] = 0.f;
+    }
+    int kvw = kv_heads * HD;
+    for (int t0 = start + wid * 32; t0 < end; t0 += ATT_WARPS * 32) {
+        int t = t0 + lane;
+        bool valid = t < end;
+        long long base = valid ? kv_page_elems(pt[t / page_size]) + (long long)(t % page_size) * kvw + kvh * HD : 0;
+        float sc[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) sc[g] = 0.f;
+        if (valid) {
+            const uint4* kr = (const uint4*)(kc + base);
+#pragma unroll
+            for (int c0 = 0; c0 < CH; c0 += 8) {
+                uint4 kw[8];
+#pragma unroll
+                for (int c = 0; c < 8; c++) kw[c] = kr[c0 + c];
+#pragma unroll
+                for (int c = 0; c < 8; c++) {
+                    u32 w[4] = {kw[c].x, kw[c].y, kw[c].z, kw[c].w};
+                    float kf[8];
+#pragma unroll
+                    for (int i = 0; i < 4; i++)
+                        kf[2 * i] = __uint_as_float(w[i] << 16), kf[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+#pragma unroll
+                    for (int g = 0; g < G; g++) {
+                        float4 qa = *(const float4*)&qs[g][(c0 + c) * 8];
+                        float4 qb = *(const float4*)&qs[g][(c0 + c) * 8 + 4];
+                        sc[g] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] +
+                                 qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+                    }
+                }
+            }
+        }
+        // The tile's softmax update: lane 0's token is always in range, so the
+        // tile's maximum is finite.
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            float x = valid ? sc[g] : NEG_INF;
+            float mn = fmaxf(m[g], warp_max(x));
+            float corr = expf(m[g] - mn);
+            float p = valid ? expf(x - mn) : 0.f;
+            l[g] = l[g] * corr + warp_sum(p);
+#pragma unroll
+            for (int d = 0; d < D; d++) o[g][d] *= corr;
+            m[g] = mn;
+            ps[wid][g][lane] = p;
+        }
+        __syncwarp();
+        int nv = imin(32, end - t0);
+        u32 blo = (u32)base, bhi = (u32)(base >> 32);
+#pragma unroll 4
+        for (int j = 0; j < nv; j++) {
+            long long bj = ((long long)__shfl_sync(0xffffffffu, bhi, j) << 32) | __shfl_sync(0xffffffffu, blo, j);
+            float vf[D];
+            load_bf16_lane<D>(vc + bj + lane * D, vf);
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                float p = ps[wid][g][j];
+#pragma unroll
+                for (int d = 0; d < D; d++) o[g][d] += p * vf[d];
+            }
+        }
+        __syncwarp();
+    }
+    attn_finish<G, D>(m, l, o, D, true, sm_m, sm_l, sm_o, out, part_o, part_ml, r, h0, s, heads, HD, nsplit);
+}
+
+#define ATTN_LANES(G, D)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                                \
+        attn_lanes_g##G##_d##D(const float* __restrict__ q, const bf16_t* __restrict__ kc,                     \
+                               const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,                 \
+                               const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,            \
+                               const u32* __restrict__ page_table, float* __restrict__ out,                    \
+                               float* __restrict__ part_o, float* __restrict__ part_ml, int heads,             \
+                               int kv_heads, int head_dim, int page_size, float scale, int min_chunk,          \
+                               int nsplit) {                                                                    \
+        attn_lanes_body<G, D>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, out, part_o, part_ml, heads,  \
+                              kv_heads, page_size, scale, min_chunk, nsplit);                                   \
+    }
+#define ATTN_LANES_ALL_G(D) ATTN_LANES(1, D) ATTN_LANES(2, D) ATTN_LANES(4, D) ATTN_LANES(8, D)
+ATTN_LANES_ALL_G(2)
+ATTN_LANES_ALL_G(4)
+ATTN_LANES_ALL_G(8)
 
 // The largest `v` over the block (every thread gets it); `partial` holds 32 floats.
 __device__ __forceinline__ float block_max(float v, float* partial) {

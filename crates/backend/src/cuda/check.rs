@@ -391,6 +391,20 @@ fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, r
             geometry: g(16, 2, 256),
             seqs: &[(150, 1), (0, 21)],
         },
+        // Batches of decode rows take the token-per-lane kernel: tiles of 32
+        // tokens, partial last tiles, contexts shorter than one tile.
+        AttnCase {
+            name: "batch-9 decode, hd 128, GQA 4, contexts 1..1001",
+            heads: 16,
+            geometry: g(16, 4, 128),
+            seqs: &[(700, 1), (31, 1), (32, 1), (33, 1), (129, 1), (0, 1), (255, 1), (256, 1), (1000, 1)],
+        },
+        AttnCase {
+            name: "batch-8 decode, hd 128, GQA 8",
+            heads: 16,
+            geometry: g(16, 2, 128),
+            seqs: &[(300, 1), (17, 1), (64, 1), (5, 1), (511, 1), (90, 1), (2, 1), (160, 1)],
+        },
         AttnCase {
             name: "batch-4 decode, hd 128",
             heads: 16,

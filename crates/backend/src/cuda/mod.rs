@@ -78,6 +78,11 @@ const TILE_THREADS: u32 = 128;
 /// length is its context over the splits, at least this (kernels/attention.cu
 /// `split_len`). 16 tokens is one batch of loads for each of a block's warps.
 const ATT_MIN_SPLIT: usize = 16;
+/// Steps with at least this many rows take the token-per-lane decode
+/// attention (`attn_lanes_*`), whose splits hold at least a 32-token tile for
+/// each of a block's four warps.
+const ATT_LANES_MIN_ROWS: usize = 8;
+const ATT_LANES_SPLIT: usize = 128;
 /// Largest head dimension the attention kernel holds in registers.
 pub const MAX_HEAD_DIM: usize = 256;
 /// Bytes of the bf16 tile a quantized weight is widened into for prefill.
@@ -116,11 +121,14 @@ pub struct Tuning {
     /// One launch for a layer's q/k/v GEMVs, for gate/up and SiLU, and for
     /// RoPE and the KV store, where the shapes allow (`CORRIDOR_FUSE=0`).
     pub fuse: bool,
+    /// Decode attention with a token per lane for steps of `ATT_LANES_MIN_ROWS`
+    /// rows and more (`CORRIDOR_ATTN_LANES=0` keeps the warp-per-token kernel).
+    pub lane_attention: bool,
 }
 
 impl Default for Tuning {
     fn default() -> Self {
-        Tuning { pdl: true, fuse: true }
+        Tuning { pdl: true, fuse: true, lane_attention: true }
     }
 }
 
@@ -129,7 +137,11 @@ impl Tuning {
     pub fn from_env() -> Tuning {
         let d = Tuning::default();
         let flag = |name: &str, default: bool| std::env::var(name).map(|v| v != "0").unwrap_or(default);
-        Tuning { pdl: flag("CORRIDOR_PDL", d.pdl), fuse: flag("CORRIDOR_FUSE", d.fuse) }
+        Tuning {
+            pdl: flag("CORRIDOR_PDL", d.pdl),
+            fuse: flag("CORRIDOR_FUSE", d.fuse),
+            lane_attention: flag("CORRIDOR_ATTN_LANES", d.lane_attention),
+        }
     }
 }
 
@@ -174,6 +186,8 @@ struct Kernels {
     attn_partial: [Kernel; 4],
     /// The same for head_dim 64, 128 and 256 exactly (vector loads, tokens in flight).
     attn_partial_exact: [[Kernel; 4]; 3],
+    /// The token-per-lane kernels, same indexing as `attn_partial_exact`.
+    attn_lanes: [[Kernel; 4]; 3],
     attn_combine: Kernel,
     attn_prefill_hd64: Kernel,
     attn_prefill_hd128: Kernel,
@@ -548,6 +562,17 @@ impl CudaBackend {
                         f(&format!("attn_partial_g2_d{d}"))?,
                         f(&format!("attn_partial_g4_d{d}"))?,
                         f(&format!("attn_partial_g8_d{d}"))?,
+                    ])
+                };
+                [g(2)?, g(4)?, g(8)?]
+            },
+            attn_lanes: {
+                let g = |d: usize| -> Result<[Kernel; 4]> {
+                    Ok([
+                        f(&format!("attn_lanes_g1_d{d}"))?,
+                        f(&format!("attn_lanes_g2_d{d}"))?,
+                        f(&format!("attn_lanes_g4_d{d}"))?,
+                        f(&format!("attn_lanes_g8_d{d}"))?,
                     ])
                 };
                 [g(2)?, g(4)?, g(8)?]
@@ -1062,7 +1087,16 @@ impl CudaBackend {
         // GQA group, so a block reads each K/V row once for all of them.
         let group = a.heads / g.kv_heads;
         let per_block = [8usize, 4, 2, 1].into_iter().find(|p| group.is_multiple_of(*p)).unwrap_or(1);
-        let nsplit = self.splits(rows, a.heads, per_block, max_ctx);
+        let g_idx = per_block.trailing_zeros() as usize;
+        let exact = match g.head_dim {
+            64 => Some(0),
+            128 => Some(1),
+            256 => Some(2),
+            _ => None,
+        };
+        let lanes = self.config.tuning.lane_attention && rows >= ATT_LANES_MIN_ROWS && exact.is_some();
+        let min_split = if lanes { ATT_LANES_SPLIT } else { ATT_MIN_SPLIT };
+        let nsplit = self.splits(rows, a.heads, per_block, max_ctx, min_split);
         let scale = 1.0 / (g.head_dim as f32).sqrt();
         let args = Args::new()
             .ptr(a.q.ptr())
@@ -1080,16 +1114,14 @@ impl CudaBackend {
             .i32(g.head_dim as i32)
             .i32(g.page_size as i32)
             .f32(scale)
-            .i32(ATT_MIN_SPLIT as i32)
+            .i32(min_split as i32)
             .i32(nsplit as i32);
         let dims =
             LaunchDims { grid: (nsplit as u32, (a.heads / per_block) as u32, rows as u32), block: 128 };
-        let g_idx = per_block.trailing_zeros() as usize;
-        let kernel = match g.head_dim {
-            64 => self.k.attn_partial_exact[0][g_idx],
-            128 => self.k.attn_partial_exact[1][g_idx],
-            256 => self.k.attn_partial_exact[2][g_idx],
-            _ => self.k.attn_partial[g_idx],
+        let kernel = match exact {
+            Some(d) if lanes => self.k.attn_lanes[d][g_idx],
+            Some(d) => self.k.attn_partial_exact[d][g_idx],
+            None => self.k.attn_partial[g_idx],
         };
         unsafe { self.launch(kernel, dims, args)? };
         if nsplit > 1 {
@@ -1102,7 +1134,7 @@ impl CudaBackend {
                 .i32(a.heads as i32)
                 .i32(g.head_dim as i32)
                 .i32(nsplit as i32)
-                .i32(ATT_MIN_SPLIT as i32);
+                .i32(min_split as i32);
             let dims = LaunchDims { grid: (a.heads as u32, rows as u32, 1), block: 128 };
             unsafe { self.launch(self.k.attn_combine, dims, args)? };
         }
@@ -1134,11 +1166,11 @@ impl CudaBackend {
     }
 
     /// How many context splits attention uses for `rows × heads` queries over at most `max_ctx` tokens.
-    fn splits(&self, rows: usize, heads: usize, per_block: usize, max_ctx: usize) -> usize {
+    fn splits(&self, rows: usize, heads: usize, per_block: usize, max_ctx: usize, min_split: usize) -> usize {
         let base = (rows * heads).max(1);
         let want_blocks = self.sm_count * 8;
         let by_occupancy = want_blocks.div_ceil((base / per_block).max(1));
-        let by_length = max_ctx.div_ceil(ATT_MIN_SPLIT).max(1);
+        let by_length = max_ctx.div_ceil(min_split).max(1);
         let by_scratch = (self.config.attn_partials / base).max(1);
         // 256: kernels/attention.cu ATT_MAX_SPLITS.
         by_occupancy.min(by_length).min(by_scratch).clamp(1, 256)
