@@ -8,9 +8,10 @@
 #   OUT=/tmp/ab scripts/gpu/decode_ab.sh
 #
 # Environment (all optional):
-#   AB_CONFIGS     space-separated names, each defined in the case below (default: base fuse pdl all);
-#                  prof and profbase run with CORRIDOR_CUDA_PROFILE (per-op device time, graphs off)
-#                  at PROFILE_BATCHES (default "1 32") and print the last op table
+#   AB_CONFIGS     space-separated names, each defined in the case below (default: base fuse pdl all;
+#                  lanes0 sets CORRIDOR_ATTN_LANES=0); prof and profbase run with CORRIDOR_CUDA_PROFILE
+#                  (per-op device time, graphs off) at PROFILE_BATCHES (default "1 32") and print the
+#                  last op table
 #   DECODE_BATCHES batch sizes (default "1 8 32 128")
 #   SKIP_CHECKS=1  skip the kernel checks and the tiny-checkpoint GPU-vs-CPU runs
 #   DEADLINE_S     stop starting configurations after this many seconds (default 540)
