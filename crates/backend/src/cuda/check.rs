@@ -553,6 +553,35 @@ fn attention_case(
     Ok(())
 }
 
+/// What one decode layer of `graph_check` runs with, besides its buffers.
+struct LayerStep<'a> {
+    table: &'a RopeTable,
+    positions: &'a [u32],
+    seqs: &'a [SeqStep<'a>],
+    heads: usize,
+}
+
+impl LayerStep<'_> {
+    /// Norm, q/k/v in one `matmul_many`, RoPE with the KV store, attention.
+    /// `w`: the norm and the q, k, v weights; `a`: h, q, k, v and the output.
+    fn run<B: Backend>(&self, b: &B, x: &B::Act, w: [&B::Weight; 4], a: [&mut B::Act; 5], kv: &mut B::Kv) {
+        let [n, wq, wk, wv] = w;
+        let [h, q, k, v, o] = a;
+        b.rms_norm(x, n, 1e-5, 2, h);
+        b.matmul_many(
+            h,
+            &mut [
+                MatmulPart { w: wq, bias: None, out: &mut *q },
+                MatmulPart { w: wk, bias: None, out: &mut *k },
+                MatmulPart { w: wv, bias: None, out: &mut *v },
+            ],
+            2,
+        );
+        b.rope_write_kv(q, k, v, self.table, self.table.rot_dim, self.positions, kv, self.seqs);
+        b.attention(q, kv, self.heads, self.seqs, o);
+    }
+}
+
 /// Capture a decode-shaped step (norm, matmul, KV write, attention), replay it
 /// with other metadata and inputs, and compare with the CPU running the ops.
 pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
@@ -597,46 +626,27 @@ pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
         })?;
         // The decode layer's fused launches (q/k/v in one GEMV, RoPE with the
         // KV store) inside the capture, against the CPU's separate ops.
-        fn ops<B: Backend>(
-            b: &B,
-            (x, n, wq, wk, wv): (&B::Act, &B::Weight, &B::Weight, &B::Weight, &B::Weight),
-            (h, q, k, v, o): (&mut B::Act, &mut B::Act, &mut B::Act, &mut B::Act, &mut B::Act),
-            kv: &mut B::Kv,
-            (table, positions, seqs, heads): (&RopeTable, &[u32], &[SeqStep<'_>], usize),
-        ) {
-            b.rms_norm(x, n, 1e-5, 2, h);
-            b.matmul_many(
-                h,
-                &mut [
-                    MatmulPart { w: wq, bias: None, out: &mut *q },
-                    MatmulPart { w: wk, bias: None, out: &mut *k },
-                    MatmulPart { w: wv, bias: None, out: &mut *v },
-                ],
-                2,
-            );
-            b.rope_write_kv(q, k, v, table, table.rot_dim, positions, kv, seqs);
-            b.attention(q, kv, heads, seqs, o);
-        }
+        let step = LayerStep { table: &table, positions: &positions, seqs: &seqs, heads };
         let replayed = be.graph_replay(key)?;
         if !replayed {
             let capturing = be.graph_capture_begin(key)?;
-            ops(
+            step.run(
                 be,
-                (&x.g, &ng, &qg, &kwg, &vwg),
-                (&mut h.g, &mut q.g, &mut k.g, &mut v.g, &mut o.g),
+                &x.g,
+                [&ng, &qg, &kwg, &vwg],
+                [&mut h.g, &mut q.g, &mut k.g, &mut v.g, &mut o.g],
                 &mut kg,
-                (&table, &positions, &seqs, heads),
             );
             if capturing {
                 be.graph_capture_end(key)?;
             }
         }
-        ops(
+        step.run(
             &cpu,
-            (&x.c, &nc, &qc, &kwc, &vwc),
-            (&mut h.c, &mut q.c, &mut k.c, &mut v.c, &mut o.c),
+            &x.c,
+            [&nc, &qc, &kwc, &vwc],
+            [&mut h.c, &mut q.c, &mut k.c, &mut v.c, &mut o.c],
             &mut kc,
-            (&table, &positions, &seqs, heads),
         );
         let (a, b) = read_both(be, &cpu, &o, 2)?;
         rep.compare(
