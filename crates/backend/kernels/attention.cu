@@ -47,6 +47,29 @@ __device__ __forceinline__ void load_bf16_lane(const bf16_t* __restrict__ p, flo
     }
 }
 
+// Split s of row r for the query heads from h0: the KV head they read, the
+// row's page table and the tokens [start, end) of its context. False when the
+// block has nothing to do: a row of no sequence, or a split past the context
+// (a captured step splits for the longest context it may see; attn_combine
+// reads only the splits that hold some of the row's context).
+struct Split {
+    int kvh, start, end;
+    const u32* pt;
+};
+__device__ __forceinline__ bool split_of(Split& sp, int r, int s, int h0, int heads, int kv_heads,
+                                         const u32* __restrict__ row_pos, const u32* __restrict__ row_seq,
+                                         const u32* __restrict__ seq_pt_off, const u32* __restrict__ page_table,
+                                         int min_chunk, int nsplit) {
+    if (row_seq[r] == 0xffffffffu) return false;
+    int ctx = (int)row_pos[r] + 1;
+    int len = split_len(ctx, nsplit, min_chunk);
+    sp.kvh = h0 / (heads / kv_heads);
+    sp.pt = page_table + seq_pt_off[row_seq[r]];
+    sp.start = s * len;
+    sp.end = imin(ctx, sp.start + len);
+    return sp.start < ctx;
+}
+
 // The end of a split, shared by the decode kernels: each warp's online-softmax
 // state (m, l and its lanes' output elements e = lane * Dr + d) meets in shared
 // memory, and the block writes the split's merged state (or, with one split,
@@ -116,17 +139,11 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
     __shared__ float sm_m[ATT_WARPS][G], sm_l[ATT_WARPS][G];
     __shared__ float sm_o[ATT_WARPS][G][32 * D];
     int s = blockIdx.x, h0 = blockIdx.y * G, r = blockIdx.z;
-    if (row_seq[r] == 0xffffffffu) return;
-    int kvh = h0 / (heads / kv_heads);
-    int ctx = (int)row_pos[r] + 1;
-    const u32* pt = page_table + seq_pt_off[row_seq[r]];
-    int len = split_len(ctx, nsplit, min_chunk);
-    int start = s * len;
-    int end = imin(ctx, start + len);
-    // A split past the context (a captured step splits for the longest
-    // context it may see) has nothing to add: attn_combine reads only the
-    // splits that hold some of the row's context.
-    if (start >= ctx) return;
+    Split sp;
+    if (!split_of(sp, r, s, h0, heads, kv_heads, row_pos, row_seq, seq_pt_off, page_table, min_chunk, nsplit))
+        return;
+    const int kvh = sp.kvh, start = sp.start, end = sp.end;
+    const u32* pt = sp.pt;
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int Dr = EXACT ? D : (head_dim + 31) / 32;
     float qv[G][D], o[G][D], m[G], l[G];
@@ -238,14 +255,11 @@ __device__ __forceinline__ void attn_lanes_body(const float* __restrict__ q, con
     __shared__ float sm_m[ATT_WARPS][G], sm_l[ATT_WARPS][G];
     __shared__ float sm_o[ATT_WARPS][G][HD];
     int s = blockIdx.x, h0 = blockIdx.y * G, r = blockIdx.z;
-    if (row_seq[r] == 0xffffffffu) return;
-    int kvh = h0 / (heads / kv_heads);
-    int ctx = (int)row_pos[r] + 1;
-    const u32* pt = page_table + seq_pt_off[row_seq[r]];
-    int len = split_len(ctx, nsplit, min_chunk);
-    int start = s * len;
-    int end = imin(ctx, start + len);
-    if (start >= ctx) return;
+    Split sp;
+    if (!split_of(sp, r, s, h0, heads, kv_heads, row_pos, row_seq, seq_pt_off, page_table, min_chunk, nsplit))
+        return;
+    const int kvh = sp.kvh, start = sp.start, end = sp.end;
+    const u32* pt = sp.pt;
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     for (int i = threadIdx.x; i < G * HD; i += blockDim.x)
         qs[i / HD][i % HD] = q[((long long)r * heads + h0 + i / HD) * HD + i % HD] * scale;

@@ -528,6 +528,18 @@ impl CudaBackend {
                 .map(Kernel)
                 .map_err(|e| cuda_err("cuModuleGetFunction", e))
         };
+        // `{prefix}_g{G}_d{D}` for G = 1, 2, 4, 8 and D = 2, 4, 8 (head_dim 64, 128, 256).
+        let by_width = |prefix: &str| -> Result<[[Kernel; 4]; 3]> {
+            let g = |d: usize| -> Result<[Kernel; 4]> {
+                Ok([
+                    f(&format!("{prefix}_g1_d{d}"))?,
+                    f(&format!("{prefix}_g2_d{d}"))?,
+                    f(&format!("{prefix}_g4_d{d}"))?,
+                    f(&format!("{prefix}_g8_d{d}"))?,
+                ])
+            };
+            Ok([g(2)?, g(4)?, g(8)?])
+        };
         let k = Kernels {
             embedding: f("embedding")?,
             rms_norm: f("rms_norm")?,
@@ -555,28 +567,8 @@ impl CudaBackend {
                 f("attn_partial_g4")?,
                 f("attn_partial_g8")?,
             ],
-            attn_partial_exact: {
-                let g = |d: usize| -> Result<[Kernel; 4]> {
-                    Ok([
-                        f(&format!("attn_partial_g1_d{d}"))?,
-                        f(&format!("attn_partial_g2_d{d}"))?,
-                        f(&format!("attn_partial_g4_d{d}"))?,
-                        f(&format!("attn_partial_g8_d{d}"))?,
-                    ])
-                };
-                [g(2)?, g(4)?, g(8)?]
-            },
-            attn_lanes: {
-                let g = |d: usize| -> Result<[Kernel; 4]> {
-                    Ok([
-                        f(&format!("attn_lanes_g1_d{d}"))?,
-                        f(&format!("attn_lanes_g2_d{d}"))?,
-                        f(&format!("attn_lanes_g4_d{d}"))?,
-                        f(&format!("attn_lanes_g8_d{d}"))?,
-                    ])
-                };
-                [g(2)?, g(4)?, g(8)?]
-            },
+            attn_partial_exact: by_width("attn_partial")?,
+            attn_lanes: by_width("attn_lanes")?,
             attn_combine: f("attn_combine")?,
             attn_prefill_hd64: f("attn_prefill_hd64")?,
             attn_prefill_hd128: f("attn_prefill_hd128")?,
