@@ -132,6 +132,55 @@ pub struct MatmulPart<'a, B: Backend + ?Sized> {
     pub out: &'a mut B::Act,
 }
 
+/// The composite ops of [`Backend`] as the plain ops they stand for: the
+/// trait's defaults, and what a fusing backend falls back to where its fused
+/// launch does not apply.
+pub mod unfused {
+    use super::{Backend, MatmulPart, RopeTable, SeqStep};
+
+    /// [`Backend::matmul_many`]: one `matmul` per part.
+    pub fn matmul_many<B: Backend + ?Sized>(b: &B, x: &B::Act, parts: &mut [MatmulPart<'_, B>], rows: usize) {
+        for p in parts.iter_mut() {
+            b.matmul(x, p.w, p.bias, rows, p.out);
+        }
+    }
+
+    /// [`Backend::gate_up_silu`]: two matmuls into the scratch, then `silu_mul`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gate_up_silu<B: Backend + ?Sized>(
+        b: &B,
+        x: &B::Act,
+        gate: &B::Weight,
+        up: &B::Weight,
+        rows: usize,
+        gate_out: &mut B::Act,
+        up_out: &mut B::Act,
+        out: &mut B::Act,
+    ) {
+        b.matmul(x, gate, None, rows, gate_out);
+        b.matmul(x, up, None, rows, up_out);
+        b.silu_mul(gate_out, up_out, rows, out);
+    }
+
+    /// [`Backend::rope_write_kv`]: `rope` of q and of k, then `write_kv`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_write_kv<B: Backend + ?Sized>(
+        b: &B,
+        q: &mut B::Act,
+        k: &mut B::Act,
+        v: &B::Act,
+        table: &RopeTable,
+        head_dim: usize,
+        positions: &[u32],
+        kv: &mut B::Kv,
+        seqs: &[SeqStep<'_>],
+    ) {
+        b.rope(q, table, head_dim, positions);
+        b.rope(k, table, head_dim, positions);
+        b.write_kv(kv, k, v, seqs);
+    }
+}
+
 /// The operations a forward pass is written against.
 ///
 /// Buffers are row-major f32 matrices from the model's point of view; a
@@ -221,9 +270,7 @@ pub trait Backend: Send + Sync + 'static {
     /// `part.out = x · part.wᵀ (+ part.bias)` for each part. A device
     /// backend may run them as one launch.
     fn matmul_many(&self, x: &Self::Act, parts: &mut [MatmulPart<'_, Self>], rows: usize) {
-        for p in parts.iter_mut() {
-            self.matmul(x, p.w, p.bias, rows, p.out);
-        }
+        unfused::matmul_many(self, x, parts, rows)
     }
     /// The gated MLP's first half: `out = silu(x · gateᵀ) * (x · upᵀ)`.
     /// `gate_out` and `up_out` are scratch of `out`'s shape, which a backend
@@ -239,9 +286,7 @@ pub trait Backend: Send + Sync + 'static {
         up_out: &mut Self::Act,
         out: &mut Self::Act,
     ) {
-        self.matmul(x, gate, None, rows, gate_out);
-        self.matmul(x, up, None, rows, up_out);
-        self.silu_mul(gate_out, up_out, rows, out);
+        unfused::gate_up_silu(self, x, gate, up, rows, gate_out, up_out, out)
     }
     /// Rotate q and k by their rows' positions (in place), then store the
     /// step's k and v rows in the cache: `rope`, `rope`, `write_kv`.
@@ -257,9 +302,7 @@ pub trait Backend: Send + Sync + 'static {
         kv: &mut Self::Kv,
         seqs: &[SeqStep<'_>],
     ) {
-        self.rope(q, table, head_dim, positions);
-        self.rope(k, table, head_dim, positions);
-        self.write_kv(kv, k, v, seqs);
+        unfused::rope_write_kv(self, q, k, v, table, head_dim, positions, kv, seqs)
     }
     /// Copy chosen rows: `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Act, rows: &[usize], out: &mut Self::Act);

@@ -942,21 +942,20 @@ impl CudaBackend {
     fn gemv_simt(&self, x: &CudaAct, w: &CudaWeight, rows: usize, out: &CudaAct) -> Result<()> {
         let (n, k) = (w.rows, w.cols);
         // The instantiation for the smallest power of two >= rows (1, 2, 4, 8).
+        // bf16 with 16-byte loads: rows of whole 8-element chunks (the arena keeps 256-byte alignment).
+        if w.dtype == DType::BF16 && k % 8 == 0 {
+            return self.gemv_bf16_parts(x, &[(w, 0, out.ptr())], rows);
+        }
         let inst = rows.next_power_of_two().trailing_zeros() as usize;
-        let fast = match w.dtype {
-            // 16-byte loads: rows of whole 8-element chunks (the arena keeps 256-byte alignment).
-            DType::BF16 if k % 8 == 0 => Some((self.k.gemv_bf16[inst], GEMV_NW)),
-            DType::Q8_0 => Some((self.k.gemv_q8_0[inst], GEMVQ_NW)),
-            DType::Q4_0 => Some((self.k.gemv_q4_0[inst], GEMVQ_NW)),
-            DType::Q4_1 => Some((self.k.gemv_q4_1[inst], GEMVQ_NW)),
+        let block_format = match w.dtype {
+            DType::Q8_0 => Some(self.k.gemv_q8_0[inst]),
+            DType::Q4_0 => Some(self.k.gemv_q4_0[inst]),
+            DType::Q4_1 => Some(self.k.gemv_q4_1[inst]),
             _ => None,
         };
-        match fast {
-            Some((kernel, per_block)) => {
-                let dims = LaunchDims { grid: (n.div_ceil(per_block) as u32, 1, 1), block: 32 * GEMV_WARPS };
-                if w.dtype == DType::BF16 {
-                    return self.gemv_bf16_parts(x, &[(w, 0, out.ptr())], rows);
-                }
+        match block_format {
+            Some(kernel) => {
+                let dims = LaunchDims { grid: (n.div_ceil(GEMVQ_NW) as u32, 1, 1), block: 32 * GEMV_WARPS };
                 let a = Args::new().ptr(w.ptr()).i64(w.row_bytes as i64).ptr(x.ptr()).ptr(out.ptr());
                 let a = a.i32(n as i32).i32(k as i32).i32(rows as i32);
                 unsafe { self.launch(kernel, dims, a) }
@@ -1467,10 +1466,7 @@ impl Backend for CudaBackend {
                 .iter()
                 .all(|p| p.bias.is_none_or(|b| b.dtype == DType::F32 && b.rows * b.cols == p.w.rows));
         if !fused {
-            for p in parts.iter_mut() {
-                self.matmul(x, p.w, p.bias, rows, p.out);
-            }
-            return;
+            return crate::unfused::matmul_many(self, x, parts, rows);
         }
         self.op("matmul_many (q/k/v)", |_| {
             let mut v = Vec::with_capacity(3);
@@ -1500,10 +1496,7 @@ impl Backend for CudaBackend {
             && gate.rows == up.rows
             && out.cols == gate.rows;
         if !fused {
-            self.matmul(x, gate, None, rows, gate_out);
-            self.matmul(x, up, None, rows, up_out);
-            self.silu_mul(gate_out, up_out, rows, out);
-            return;
+            return crate::unfused::gate_up_silu(self, x, gate, up, rows, gate_out, up_out, out);
         }
         self.op("gate_up_silu", |_| {
             let n = gate.rows;
@@ -1532,10 +1525,7 @@ impl Backend for CudaBackend {
         seqs: &[SeqStep<'_>],
     ) {
         if !self.config.tuning.fuse {
-            self.rope(q, table, head_dim, positions);
-            self.rope(k, table, head_dim, positions);
-            self.write_kv(kv, k, v, seqs);
-            return;
+            return crate::unfused::rope_write_kv(self, q, k, v, table, head_dim, positions, kv, seqs);
         }
         self.op("rope_write_kv", |st| {
             self.sync_rope(st, table)?;
