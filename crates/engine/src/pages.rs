@@ -126,8 +126,13 @@ impl PagePool {
         spec.granularity = gran;
         let card = Arc::new(SimCard::new(spec, &[], clock.clone()));
         let dev = Device::standalone(card, CardSettings { floor: Bytes::ZERO, ..CardSettings::default() });
-        let cfg =
-            KvArenaConfig { page_bytes: gran, max_pages: capacity, chunk_target: gran, hold: Duration::ZERO };
+        let cfg = KvArenaConfig {
+            page_bytes: gran,
+            max_pages: capacity,
+            chunk_target: gran,
+            hold: Duration::ZERO,
+            margin: Bytes::ZERO,
+        };
         let arena = Arc::new(KvArena::new(&dev, cfg, clock).expect("a standalone arena fits its card"));
         arena.commit_to(capacity, Urgency::Blocking).expect("a standalone arena commits");
         PagePool::new(arena, page_size)

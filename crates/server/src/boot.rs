@@ -409,6 +409,7 @@ fn new_arena(
         max_pages: Pages(max_pages),
         chunk_target,
         hold: env.governor.config().kv_hold,
+        margin: DEFAULT_MARGIN,
     };
     let arena = KvArena::spanning(parts, arena_cfg, env.clock.clone())
         .map_err(|e| BootError::Memory(e.to_string()))?;

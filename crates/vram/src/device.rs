@@ -204,7 +204,28 @@ impl Device {
         urgency: Urgency,
     ) -> Result<Commit, Refusal> {
         debug_assert!(Arc::ptr_eq(&va.inner.device, &self.shared), "committing another card's reservation");
-        let mut stats = lock(&self.shared.decide);
+        // Growth that spends no relief never waits on a guard decision in
+        // progress: while relief runs on this card (and may be waiting for
+        // the engine to move pages) there is no spare headroom to take.
+        let mut stats = if urgency == Urgency::Opportunistic {
+            match self.shared.decide.try_lock() {
+                Ok(g) => g,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    return Err(Refusal {
+                        card: self.id(),
+                        want: bytes,
+                        free: self.shared.card.driver_free(),
+                        floor: self.shared.settings.floor,
+                        books: self.books().total(),
+                        budget: self.shared.settings.budget,
+                        reason: RefusalReason::NoSpareHeadroom,
+                    })
+                }
+            }
+        } else {
+            lock(&self.shared.decide)
+        };
         let outcome = self.ensure_locked(bytes, urgency, &mut stats)?;
         self.shared.card.commit(&va.inner.range, offset, bytes).map_err(|e| {
             stats.refusals += 1;

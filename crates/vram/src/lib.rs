@@ -18,9 +18,10 @@
 //! - [`guard`]: spill before allocate. Arms under the arming floor, spends
 //!   [`ReliefProvider`]s in (tier, cost) order, credits only measured rises,
 //!   refuses when exhausted.
-//! - [`arena`]: the KV arena: page ids over one address reservation, chunked
-//!   commit and release, the row cap, non-destructive shrink, recovery after
-//!   a hold time, and `free + cached + in_use + withheld == capacity`.
+//! - [`arena`]: the KV arena: page ids over one address reservation, chunks
+//!   committed and released wherever they sit (holes), live pages moved out
+//!   of sparse chunks, non-destructive shrink, recovery after a hold time,
+//!   and `free + cached + in_use + withheld == capacity`.
 //! - [`sizing`]: pages per card solved from the measured free column.
 //! - [`sampler`]: every card's free memory every 100 ms; the running
 //!   minimum; breaches and intrusions, attributed and timed; the spread.
@@ -68,7 +69,7 @@ pub mod sampler;
 pub mod sim;
 pub mod sizing;
 
-pub use arena::{ArenaCounts, ArenaError, ChunkGeometry, KvArena, KvArenaConfig, Shrink};
+pub use arena::{ArenaCounts, ArenaError, ArenaStats, ChunkGeometry, KvArena, KvArenaConfig, Shrink, Vacate};
 pub use books::{Books, Purpose};
 pub use card::{Card, CardError, CardKind, ProcessBytes};
 pub use clock::{Clock, ManualClock, SystemClock};

@@ -1,5 +1,6 @@
-//! The KV arena: page ids, the row cap, non-destructive shrink, recovery
-//! after the hold time, and the page-count invariant.
+//! The KV arena: page ids, holes released anywhere, live pages moved out of
+//! sparse chunks, non-destructive shrink, recovery after the hold time and
+//! within the margin, and the page-count invariant.
 
 mod common;
 
@@ -30,6 +31,7 @@ fn arena_on(
         max_pages: Pages(max_pages),
         chunk_target: Bytes::mib(2),
         hold: HOLD,
+        margin: Bytes::ZERO,
     };
     let arena = Arc::new(KvArena::new(&dev, cfg, c.clone()).unwrap());
     (card, dev, arena)
@@ -79,7 +81,7 @@ fn withheld_ids_are_never_handed_out() {
 }
 
 #[test]
-fn shrink_never_goes_below_the_highest_live_page() {
+fn free_chunks_are_released_wherever_they_sit() {
     let c = clock();
     let (card, dev, arena) = arena_on(&c, Bytes::gib(4), 64);
     arena.commit_to(Pages(4 * CP), Urgency::Deferrable).unwrap();
@@ -89,21 +91,67 @@ fn shrink_never_goes_below_the_highest_live_page() {
         arena.release(*id).unwrap();
     }
     let out = arena.shrink_to(Pages(0));
-    assert_eq!(out.chunks, 1, "only the chunk above the live page goes");
-    assert_eq!(arena.backed(), Pages(3 * CP));
-    assert!(live.index() < arena.backed().get(), "the live page is still backed");
-    assert_eq!(dev.books().kv_committed, Bytes::mib(6));
-    // Free ids above the live page stay handed-out-able only under the cap.
+    assert_eq!(out.chunks, 3, "every chunk without a live page goes, under the live one too");
+    assert_eq!(arena.backed(), Pages(CP));
+    assert!(arena.is_backed(live), "the live page is still backed");
+    assert!(!arena.is_backed(PageId(0)) && !arena.is_backed(PageId(3 * CP as u32)));
+    assert_eq!(dev.books().kv_committed, Bytes::mib(2));
+    // Ids in the holes are never handed out: only the live page's chunk has free ids.
     let again: Vec<PageId> = std::iter::from_fn(|| arena.alloc()).collect();
-    assert!(again.iter().all(|id| id.index() < 3 * CP));
+    assert_eq!(again.len(), CP - 1);
+    assert!(again.iter().all(|id| id.index() / CP == 2), "{again:?}");
     for id in again {
         arena.release(id).unwrap();
     }
+    // Growth fills the lowest hole first.
+    arena.ensure_free(Pages(CP + 1), Urgency::Deferrable).unwrap();
+    assert!(arena.is_backed(PageId(0)) && !arena.is_backed(PageId(CP as u32)));
+    assert_eq!(arena.alloc(), Some(PageId(0)), "the lowest free id first");
+    arena.release(PageId(0)).unwrap();
     arena.release(live).unwrap();
     let out = arena.shrink_to(Pages(0));
-    assert_eq!(out.chunks, 3);
+    assert_eq!(out.chunks, 2);
     assert_eq!(arena.backed(), Pages(0));
     assert_eq!(card.driver_free(), Bytes::gib(4));
+    arena.check_invariants().unwrap();
+}
+
+#[test]
+fn live_pages_move_out_of_sparse_chunks_so_they_can_be_released() {
+    let c = clock();
+    let (card, _dev, arena) = arena_on(&c, Bytes::gib(4), 64);
+    arena.commit_to(Pages(4 * CP), Urgency::Deferrable).unwrap();
+    let ids = arena.alloc_many(Pages(4 * CP)).unwrap();
+    // Two live pages in each of chunks 1 and 3, one of them cached with a
+    // second holder elsewhere: every chunk holds something, nothing is free.
+    let keep = [PageId(9), PageId(12), PageId(25), PageId(30)];
+    arena.retain(PageId(12)).unwrap();
+    for id in ids.iter().filter(|id| !keep.contains(id)) {
+        arena.release(*id).unwrap();
+    }
+    arena.release_to_cache(PageId(30)).unwrap();
+    assert_eq!(arena.shrink_to(Pages(0)).chunks, 2, "chunks 0 and 2 go; 1 and 3 are pinned");
+    assert_eq!(arena.free_chunks(), 0);
+    let free_before = card.driver_free();
+    // One more chunk: the sparsest, highest first (chunk 3), moves into the
+    // lowest free pages of chunk 1.
+    let plan = arena.plan_vacate(1);
+    assert_eq!(plan.chunks, vec![3]);
+    assert_eq!(plan.moves, vec![(PageId(25), PageId(8)), (PageId(30), PageId(10))]);
+    assert_eq!(arena.alloc(), Some(PageId(11)), "the destinations are taken during the copy");
+    arena.release(PageId(11)).unwrap();
+    arena.finish_moves(&plan.moves).unwrap();
+    assert_eq!(arena.counts().cached, Pages(1));
+    assert!(arena.evict(PageId(10)).is_ok() && arena.release_to_cache(PageId(8)).is_ok());
+    assert_eq!(arena.stats().pages_moved, 2);
+    assert_eq!(arena.free_chunks(), 1);
+    assert_eq!(arena.release_idle(Bytes::mib(1)).chunks, 1);
+    assert_eq!(card.driver_free(), free_before + Bytes::mib(2));
+    assert!(!arena.is_backed(PageId(25)));
+    // Emptying the last chunk needs a chunk of free pages elsewhere: none left.
+    assert_eq!(arena.plan_vacate(1), corridor_vram::Vacate::default());
+    // A finished move is checked whole first.
+    assert!(arena.finish_moves(&[(PageId(13), PageId(14))]).is_err());
     arena.check_invariants().unwrap();
 }
 
@@ -150,6 +198,41 @@ fn kv_grows_back_only_after_the_hold_time() {
 }
 
 #[test]
+fn growth_without_relief_stops_at_the_margin_after_an_intrusion() {
+    let c = clock();
+    let card = sim(&c, 0, Bytes::gib(2));
+    let dev = Device::standalone(card.clone(), CardSettings::default());
+    let margin = Bytes::mib(64);
+    let cfg = KvArenaConfig {
+        page_bytes: PAGE,
+        max_pages: Pages(4096),
+        chunk_target: Bytes::mib(2),
+        hold: HOLD,
+        margin,
+    };
+    let arena = Arc::new(KvArena::new(&dev, cfg, c.clone()).unwrap());
+    dev.register_provider(arena.clone());
+    let floor = CardSettings::default().floor;
+    let rests = |what: &str| {
+        let free = card.driver_free();
+        assert!(free >= floor + margin && free < floor + margin + Bytes::mib(2), "{what}: free {free}");
+    };
+    // Boot sizing leaves floor + margin; admission growth stops there too.
+    arena.commit_to(Pages((1024 - 64 - 100) / 2 * CP), Urgency::Deferrable).unwrap();
+    while arena.ensure_free(Pages(arena.counts().free.get() + 1), Urgency::Opportunistic).is_ok() {}
+    rests("after admission growth");
+    // An intruder takes 300 MiB; relief gives it back; it leaves again.
+    card.set_foreign(7, Bytes::mib(300));
+    dev.make_room(Bytes::ZERO, Urgency::Blocking).unwrap();
+    assert!(card.driver_free() >= floor);
+    card.set_foreign(7, Bytes::ZERO);
+    c.advance(HOLD);
+    assert!(arena.recover() > Pages(0));
+    rests("after regrowth");
+    arena.check_invariants().unwrap();
+}
+
+#[test]
 fn a_refused_grow_leaves_a_consistent_arena() {
     let c = clock();
     let (card, dev, arena) = arena_on(&c, Bytes::gib(4), 4096);
@@ -188,6 +271,7 @@ enum Op {
     Shrink(usize),
     Relieve(u64),
     Recover(u64),
+    Vacate(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -201,6 +285,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0usize..64).prop_map(Op::Shrink),
         1 => (1u64..8).prop_map(Op::Relieve),
         1 => (0u64..8).prop_map(Op::Recover),
+        1 => (0usize..4).prop_map(Op::Vacate),
     ]
 }
 
@@ -220,7 +305,7 @@ proptest! {
         for op in ops {
             match op {
                 Op::Alloc => if let Some(id) = arena.alloc() {
-                    prop_assert!(id.index() < arena.backed().get());
+                    prop_assert!(arena.is_backed(id));
                     prop_assert!(!live.contains(&id) && !cached.contains(&id));
                     live.push(id);
                 },
@@ -232,13 +317,23 @@ proptest! {
                 Op::Shrink(n) => { arena.shrink_to(Pages(n)); }
                 Op::Relieve(mib) => { arena.relieve(arena.card(), Bytes::mib(mib)); }
                 Op::Recover(s) => { c.advance(Duration::from_secs(s)); arena.recover(); }
+                Op::Vacate(n) => {
+                    let plan = arena.plan_vacate(n);
+                    arena.finish_moves(&plan.moves).unwrap();
+                    for (from, to) in &plan.moves {
+                        for id in live.iter_mut().chain(cached.iter_mut()).filter(|id| *id == from) {
+                            *id = *to;
+                        }
+                    }
+                    prop_assert!(arena.free_chunks() >= plan.chunks.len(), "the vacated chunks hold nothing");
+                }
                 _ => {}
             }
             let counts = arena.check_invariants().map_err(TestCaseError::fail)?;
             prop_assert_eq!(counts.in_use.get(), live.len());
             prop_assert_eq!(counts.cached.get(), cached.len());
             for id in live.iter().chain(&cached) {
-                prop_assert!(id.index() < arena.backed().get(), "{} lost its backing", id);
+                prop_assert!(arena.is_backed(*id), "{} lost its backing", id);
             }
         }
     }
@@ -276,6 +371,7 @@ fn spanning_arena(c: &Arc<ManualClock>) -> (Vec<Arc<corridor_vram::SimCard>>, Ve
         max_pages: Pages(8192),
         chunk_target: Bytes::mib(2),
         hold: HOLD,
+        margin: Bytes::ZERO,
     };
     let parts = [(devs[0].clone(), PAGE), (devs[1].clone(), Bytes(512 * 1024))];
     let arena = Arc::new(KvArena::spanning(&parts, cfg, c.clone()).unwrap());

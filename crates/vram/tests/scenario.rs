@@ -74,7 +74,13 @@ fn boot(events: &[SimEvent], budgets: [Option<Bytes>; 3]) -> Boot {
     let mut sizings = Vec::new();
     for dev in gov.devices() {
         let max_pages = Pages((dev.card().total().get() / PAGE.get()) as usize);
-        let cfg = KvArenaConfig { page_bytes: PAGE, max_pages, chunk_target: Bytes::mib(32), hold: HOLD };
+        let cfg = KvArenaConfig {
+            page_bytes: PAGE,
+            max_pages,
+            chunk_target: Bytes::mib(32),
+            hold: HOLD,
+            margin: Bytes::ZERO,
+        };
         let arena = Arc::new(KvArena::new(dev, cfg, clock.clone()).unwrap());
         let sizing =
             solve(SizingInput::measure(dev, MARGIN, Bytes::ZERO, arena.geometry(), arena.capacity()));
