@@ -321,8 +321,15 @@ pub trait Backend: Send + Sync + 'static {
     );
     /// Copy the first `rows` rows to the host.
     fn read_rows(&self, x: &Self::Act, rows: usize, out: &mut Vec<f32>);
-    /// Copy KV rows of one page to another (a copy-on-write of a shared page).
+    /// Copy KV rows of one page to another (a copy-on-write of a shared page,
+    /// or a live page moved so its chunk can be released). A device backend
+    /// may only queue the copy: [`Backend::synchronize`] waits for it.
     fn copy_page(&self, kv: &mut Self::Kv, from: PageId, to: PageId);
+    /// Wait until every queued operation has finished (before memory they
+    /// read is released) and report the first error any of them hit.
+    fn synchronize(&self) -> Result<()> {
+        self.check()
+    }
 
     // Step hooks. The CPU needs none of them; a device backend uses them to
     // avoid per-op uploads, to place weights in one allocation and to replay

@@ -91,6 +91,13 @@ enum Command {
     Abort(RequestId),
     /// End a request as completed (the server matched a stop string).
     Finish(RequestId),
+    /// The governor needs `need` bytes back on `card`: answer with what the
+    /// card got back (see [`Scheduler::give_back`]).
+    GiveBack {
+        card: CardId,
+        need: Bytes,
+        reply: mpsc::Sender<Bytes>,
+    },
     Shutdown,
 }
 
@@ -157,7 +164,6 @@ pub struct EngineHandle {
     stats: Arc<StatsCell>,
     sampler_stats: Arc<SamplerStats>,
     info: Arc<ModelInfo>,
-    preempt: Arc<PreemptRequest>,
     thread: Arc<std::sync::Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
 
@@ -174,10 +180,15 @@ impl EngineHandle {
         self.stats.snapshot()
     }
 
-    /// The relief provider that asks the engine to preempt running requests
-    /// when the card needs memory back and cheaper relief is spent.
-    pub fn preempt_provider(&self, card: CardId, page_bytes: Bytes) -> Arc<dyn ReliefProvider> {
-        Arc::new(PreemptProvider { request: self.preempt.clone(), card, page_bytes })
+    /// The relief provider through which the governor asks the engine for
+    /// memory back on any card its KV spans: between steps the engine
+    /// releases idle chunks, moves live pages out of sparse ones and, only
+    /// when running requests hold more than the card keeps, preempts. The
+    /// provider waits for the answer (at most `timeout`), so the guard
+    /// credits what the card really got back in the same round.
+    pub fn kv_relief(&self, timeout: std::time::Duration) -> Arc<dyn ReliefProvider> {
+        let engine_thread = self.thread.lock().ok().and_then(|t| t.as_ref().map(|t| t.thread().id()));
+        Arc::new(KvRelief { commands: std::sync::Mutex::new(self.commands.clone()), engine_thread, timeout })
     }
 
     /// Sampler fallback counters (exported as Prometheus counters).
@@ -246,14 +257,12 @@ pub fn spawn_with(
         num_pages: pool.capacity(),
         page_size: config.page_size.get(),
     });
-    let preempt = Arc::new(PreemptRequest::default());
     let (commands, rx) = mpsc::channel();
     let stats = Arc::new(StatsCell::default());
     let sampler_stats = Arc::new(SamplerStats::default());
     let mut core = Core {
         exec,
         sched: Scheduler::new(sc, pool),
-        preempt: preempt.clone(),
         live: HashMap::new(),
         rx,
         stats: stats.clone(),
@@ -271,14 +280,12 @@ pub fn spawn_with(
         stats,
         sampler_stats,
         info,
-        preempt,
         thread: Arc::new(std::sync::Mutex::new(Some(thread))),
     })
 }
 
 struct Core {
     exec: Box<dyn Executor>,
-    preempt: Arc<PreemptRequest>,
     sched: Scheduler,
     live: HashMap<RequestId, Live>,
     rx: mpsc::Receiver<Command>,
@@ -306,15 +313,6 @@ impl Core {
                 self.command(cmd);
             }
             self.drop_disconnected();
-            let pages = self.preempt.pages.swap(0, Ordering::AcqRel);
-            if pages > 0 {
-                let ids = self.sched.preempt_for_memory(pages as usize);
-                tracing::warn!(
-                    pages,
-                    preempted = ids.len(),
-                    "preempted running requests to give the card memory back"
-                );
-            }
             let started = std::time::Instant::now();
             let out = self.sched.schedule();
             for &id in &out.out_of_capacity {
@@ -371,6 +369,26 @@ impl Core {
                 if self.live.contains_key(&id) {
                     self.finish(id, FinishReason::Stop);
                 }
+            }
+            Command::GiveBack { card, need, reply } => {
+                let exec = &mut self.exec;
+                let done = self
+                    .sched
+                    .give_back(card, need, &mut |moves| exec.move_pages(moves).map_err(|e| e.to_string()));
+                if done.moved > 0 || !done.preempted.is_empty() {
+                    tracing::info!(
+                        %card,
+                        %need,
+                        released = %done.bytes,
+                        moved = done.moved,
+                        evicted = done.evicted,
+                        preempted = done.preempted.len(),
+                        "gave KV memory back"
+                    );
+                }
+                self.stats.note_give_back(done.moved, done.preempted.len());
+                // The asker may have timed out and gone; the work stands.
+                let _ = reply.send(done.bytes);
             }
             Command::Shutdown => {
                 self.shutting_down = true;
@@ -499,39 +517,48 @@ impl Core {
     }
 }
 
-/// Pages the governor asked the engine to give back by preemption.
-#[derive(Default)]
-struct PreemptRequest {
-    pages: AtomicU64,
+/// Relief provider: the engine gives memory back between steps (see
+/// [`EngineHandle::kv_relief`]).
+struct KvRelief {
+    commands: std::sync::Mutex<mpsc::Sender<Command>>,
+    /// Asking from the engine thread itself would wait on its own answer.
+    engine_thread: Option<std::thread::ThreadId>,
+    timeout: std::time::Duration,
 }
 
-/// Relief provider: ask the engine to preempt (recompute later) enough
-/// running requests to free `need`. It returns at once, having freed nothing
-/// itself; the engine preempts before its next step, and the relief loop's
-/// next round evicts and releases what became idle. The guard credits only
-/// what the card shows.
-struct PreemptProvider {
-    request: Arc<PreemptRequest>,
-    card: CardId,
-    page_bytes: Bytes,
-}
-
-impl ReliefProvider for PreemptProvider {
+impl ReliefProvider for KvRelief {
     fn name(&self) -> &str {
-        "preempt running requests"
+        "move KV pages between steps, or preempt"
     }
     fn tier(&self) -> Tier {
         Tier::Local
     }
     fn cost(&self) -> u32 {
-        // The dearest local relief: live work is thrown away and recomputed.
-        100
+        // After idle chunks (cost 0), before evicting prefixes (10): a move
+        // costs a copy and keeps every prefix; it preempts only when running
+        // requests truly hold more than the card keeps.
+        5
     }
     fn relieve(&self, card: CardId, need: Bytes) -> Bytes {
-        if card == self.card {
-            let pages = need.get().div_ceil(self.page_bytes.get().max(1));
-            self.request.pages.fetch_max(pages, Ordering::AcqRel);
+        if Some(std::thread::current().id()) == self.engine_thread {
+            return Bytes::ZERO;
         }
-        Bytes::ZERO
+        let (reply, answer) = mpsc::channel();
+        let sent = self
+            .commands
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(Command::GiveBack { card, need, reply })
+            .is_ok();
+        if !sent {
+            return Bytes::ZERO;
+        }
+        match answer.recv_timeout(self.timeout) {
+            Ok(bytes) => bytes,
+            Err(_) => {
+                tracing::warn!(%card, %need, timeout = ?self.timeout, "the engine did not answer a request for memory in time");
+                Bytes::ZERO
+            }
+        }
     }
 }

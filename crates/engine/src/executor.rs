@@ -8,6 +8,7 @@ use corridor_backend::collective::{Collective, Solo};
 use corridor_backend::{Backend, SeqStep};
 use corridor_model::llama::{KvCache, Model, ModelError, StepInput, Workspace};
 use corridor_model::ModelConfig;
+use corridor_units::PageId;
 
 /// Runs steps for the engine.
 pub trait Executor: Send + 'static {
@@ -20,6 +21,10 @@ pub trait Executor: Send + 'static {
         logit_rows: &[usize],
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError>;
+    /// Copy the KV of each `(from, to)` page, every layer this executor
+    /// holds, and wait until the copies are done, so the sources can be
+    /// released. Runs between steps.
+    fn move_pages(&mut self, moves: &[(PageId, PageId)]) -> Result<(), ModelError>;
 }
 
 /// Sizes the executor must be able to run.
@@ -204,5 +209,12 @@ impl<B: Backend> Executor for SingleRank<B> {
         // The padding rows' logits are dropped.
         logits.truncate(logit_rows.len() * self.model.config().vocab_size);
         Ok(())
+    }
+
+    fn move_pages(&mut self, moves: &[(PageId, PageId)]) -> Result<(), ModelError> {
+        for &(from, to) in moves {
+            self.kv.copy_page(&self.backend, from, to);
+        }
+        Ok(self.backend.synchronize()?)
     }
 }

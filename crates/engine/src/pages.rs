@@ -12,8 +12,11 @@
 //! the first miss; every hit also compares the page's tokens, so a hash
 //! collision can never hand one prompt another prompt's KV. Cached pages
 //! (registered, held by no sequence) are evicted least-recently-used first
-//! when a sequence needs pages, and highest-id first when the governor needs
-//! memory back (so the arena's top chunks become idle and can be released).
+//! when a sequence needs pages. When the card needs memory back, live pages
+//! (cached ones included) are moved out of the sparsest chunks between steps
+//! so those chunks can be released ([`PagePool::vacate`]); while the engine
+//! is busy, the governor's evictor drops the cached pages of chunks that
+//! hold nothing in use.
 //!
 //! Locking: the prefix index is shared with the governor's relief provider.
 //! The engine never holds the index lock while it calls into the guard (which
@@ -304,19 +307,87 @@ impl PagePool {
         evict_top(&self.arena, &mut lock(&self.index), n)
     }
 
+    /// Empty up to `chunks` chunks of the arena so they can be released:
+    /// the live pages of the chunks with the fewest move to free pages
+    /// elsewhere, their data copied by `copy` (every layer, every rank)
+    /// before any page changes state. Cached pages are evicted, least
+    /// recently used first, only while the free pages cannot take what the
+    /// chunks hold; a cached prefix otherwise moves like any page. Returns
+    /// the moves (the caller rewrites its sequences' page tables with them)
+    /// and the pages evicted. On a failed copy nothing moved.
+    pub fn vacate(
+        &mut self,
+        chunks: usize,
+        copy: &mut dyn FnMut(&[(PageId, PageId)]) -> Result<(), String>,
+    ) -> Result<Vacated, String> {
+        // The index is held throughout, so the governor's evictor cannot
+        // touch a cached page that is being moved.
+        let mut idx = lock(&self.index);
+        let cp = self.arena.geometry().chunk_pages;
+        let mut evicted = 0;
+        while self.arena.counts().free.get() < chunks * cp {
+            let Some((_, id)) = idx.lru.pop_first() else { break };
+            idx.released_at.remove(&id);
+            if let Some(r) = idx.registered.remove(&id) {
+                idx.by_hash.remove(&r.hash);
+            }
+            self.arena.evict(PageId(id)).expect("an indexed cached page is cached in the arena");
+            idx.evictions += 1;
+            evicted += 1;
+        }
+        let plan = self.arena.plan_vacate(chunks);
+        if plan.moves.is_empty() {
+            return Ok(Vacated { moves: Vec::new(), evicted });
+        }
+        if let Err(e) = copy(&plan.moves) {
+            self.arena.abandon_moves(&plan.moves);
+            return Err(e);
+        }
+        self.arena.finish_moves(&plan.moves).expect("planned moves of live pages onto taken pages");
+        // Sources and destinations are disjoint (live pages onto free ones),
+        // so the entries can be moved one by one.
+        for &(from, to) in &plan.moves {
+            if let Some(r) = idx.registered.remove(&from.0) {
+                idx.by_hash.insert(r.hash, to.0);
+                idx.registered.insert(to.0, r);
+            }
+            if let Some(n) = idx.refs.remove(&from.0) {
+                idx.refs.insert(to.0, n);
+            }
+            if let Some(t) = idx.released_at.remove(&from.0) {
+                idx.lru.remove(&(t, from.0));
+                idx.lru.insert((t, to.0));
+                idx.released_at.insert(to.0, t);
+            }
+        }
+        Ok(Vacated { moves: plan.moves, evicted })
+    }
+
     /// The relief provider that gives cached prefixes back to the card.
     pub fn prefix_evictor(&self) -> Arc<dyn ReliefProvider> {
         Arc::new(PrefixEvictor { arena: self.arena.clone(), index: self.index.clone() })
     }
 }
 
-/// Evict up to `n` cached pages, highest ids first, so the arena's top chunks
-/// become idle and releasable.
+/// What [`PagePool::vacate`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Vacated {
+    /// `(from, to)` for every live page moved.
+    pub moves: Vec<(PageId, PageId)>,
+    /// Cached pages evicted to make room for the moves.
+    pub evicted: usize,
+}
+
+/// Evict up to `n` cached pages, highest ids first.
 fn evict_top(arena: &KvArena, idx: &mut PrefixIndex, n: usize) -> usize {
     let mut victims: Vec<u32> = idx.released_at.keys().copied().collect();
     victims.sort_unstable_by(|a, b| b.cmp(a));
     victims.truncate(n);
-    for &id in &victims {
+    evict_all(arena, idx, &victims)
+}
+
+fn evict_all(arena: &KvArena, idx: &mut PrefixIndex, victims: &[u32]) -> usize {
+    for &id in victims {
         idx.forget(id);
         arena.evict(PageId(id)).expect("an indexed cached page is cached in the arena");
         idx.evictions += 1;
@@ -324,8 +395,31 @@ fn evict_top(arena: &KvArena, idx: &mut PrefixIndex, n: usize) -> usize {
     victims.len()
 }
 
-/// Relief provider: evict cached prefix pages, then release the arena chunks
-/// that became idle. The guard re-probes the card afterwards and credits only
+/// Evict the cached pages of up to `chunks` chunks that hold no page in
+/// use, so those chunks can be released: the chunks with the fewest cached
+/// pages first (the least reuse lost), the highest among equals. Cached
+/// pages that share a chunk with pages in use are left alone: evicting
+/// them would free no memory.
+fn evict_whole_chunks(arena: &KvArena, idx: &mut PrefixIndex, chunks: usize) -> usize {
+    let cp = arena.geometry().chunk_pages;
+    let busy: BTreeSet<usize> = idx.refs.keys().map(|&id| id as usize / cp).collect();
+    let mut by_chunk: HashMap<usize, Vec<u32>> = HashMap::new();
+    for &id in idx.released_at.keys() {
+        let c = id as usize / cp;
+        if !busy.contains(&c) {
+            by_chunk.entry(c).or_default().push(id);
+        }
+    }
+    let mut order: Vec<(usize, Vec<u32>)> = by_chunk.into_iter().collect();
+    order.sort_by_key(|(c, ids)| (ids.len(), std::cmp::Reverse(*c)));
+    let victims: Vec<u32> = order.into_iter().take(chunks).flat_map(|(_, ids)| ids).collect();
+    evict_all(arena, idx, &victims)
+}
+
+/// Relief provider: evict the cached prefixes of chunks that hold nothing
+/// else, then release the chunks that became idle. The engine's own relief
+/// (moving pages between steps) runs before it; this one answers while the
+/// engine is busy. The guard re-probes the card afterwards and credits only
 /// what the driver shows.
 struct PrefixEvictor {
     arena: Arc<KvArena>,
@@ -340,8 +434,9 @@ impl ReliefProvider for PrefixEvictor {
         Tier::Local
     }
     fn cost(&self) -> u32 {
-        // After idle chunks (the arena itself, cost 0): losing a cached
-        // prefix costs a later prompt its recompute.
+        // After idle chunks (the arena itself, cost 0) and after the engine's
+        // page moves, which keep the prefixes: losing a cached prefix costs
+        // a later prompt its recompute.
         10
     }
     fn relieve(&self, card: CardId, need: Bytes) -> Bytes {
@@ -349,10 +444,11 @@ impl ReliefProvider for PrefixEvictor {
         let Some(part) = self.arena.part_on(card) else {
             return Bytes::ZERO;
         };
-        let pages = need.get().div_ceil(part.geometry.page_bytes.get().max(1)) as usize;
-        {
+        let chunks = need.get().div_ceil(part.geometry.chunk_bytes.get().max(1)) as usize;
+        let idle = self.arena.free_chunks();
+        if chunks > idle {
             let mut idx = lock(&self.index);
-            evict_top(&self.arena, &mut idx, pages);
+            evict_whole_chunks(&self.arena, &mut idx, chunks - idle);
         }
         let released = self.arena.release_idle_on(card, need);
         Bytes(released.chunks as u64 * part.geometry.chunk_bytes.get())

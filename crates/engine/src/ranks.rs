@@ -25,7 +25,7 @@ use corridor_backend::Backend;
 use corridor_model::layout::{Layout, LayoutKind};
 use corridor_model::llama::{Model, ModelError};
 use corridor_model::{Checkpoint, ModelConfig};
-use corridor_units::{Bytes, Pages};
+use corridor_units::{Bytes, PageId, Pages};
 use corridor_vram::sizing::{solve, SizingInput};
 use corridor_vram::{ChunkGeometry, Device};
 use std::sync::mpsc;
@@ -63,12 +63,15 @@ enum Job {
     Capacity(u64),
     /// Run every step shape once (see [`SingleRank::warm_up`]).
     WarmUp,
+    /// Copy these pages' KV (every rank its own share of each page).
+    MovePages(Arc<Vec<(PageId, PageId)>>),
 }
 
 enum Reply {
     Logits(Option<Vec<f32>>),
     Capacity(u64),
     WarmedUp(Vec<usize>),
+    Moved,
 }
 
 /// Where a rank's KV lives when it has a card of its own: its share of the
@@ -256,6 +259,11 @@ impl Executor for MultiRank {
             _ => Err(ModelError::Step(format!("rank{} returned no logits", self.logits_rank))),
         }
     }
+
+    fn move_pages(&mut self, moves: &[(PageId, PageId)]) -> Result<(), ModelError> {
+        let moves = Arc::new(moves.to_vec());
+        self.broadcast(|| Job::MovePages(moves.clone())).map(|_| ())
+    }
 }
 
 impl Drop for MultiRank {
@@ -287,6 +295,7 @@ impl<B: Backend> RankWorker<B> {
                     self.exec.collective().min_u64(offer).map(Reply::Capacity).map_err(ModelError::from)
                 }
                 Job::WarmUp => self.exec.warm_up().map(Reply::WarmedUp),
+                Job::MovePages(moves) => self.exec.move_pages(&moves).map(|()| Reply::Moved),
             };
             if let Err(e) = &r {
                 // Peers waiting on this rank stop now instead of at a timeout.

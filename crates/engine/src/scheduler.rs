@@ -14,14 +14,15 @@
 //! sequence is preempted: its pages are released (full ones stay in the prefix
 //! cache) and it goes back to the head of the queue to be recomputed. Admission
 //! never overcommits the pool: a sequence is admitted only with the pages for
-//! the rows it is given.
+//! the rows it is given. When the card needs memory back, [`Scheduler::give_back`]
+//! moves live pages out of sparse chunks before it ever preempts.
 //!
 //! The scheduler knows tokens and pages only: not the model, the backend, the
 //! sampler or the client.
 
 use crate::pages::{page_hashes, PagePool};
-use corridor_units::PageId;
-use std::collections::VecDeque;
+use corridor_units::{Bytes, CardId, PageId};
+use std::collections::{HashMap, VecDeque};
 
 /// Identifies a request inside the engine.
 pub type RequestId = u64;
@@ -94,6 +95,20 @@ impl SchedulerOutput {
     pub fn is_empty(&self) -> bool {
         self.seqs.is_empty()
     }
+}
+
+/// What [`Scheduler::give_back`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GiveBack {
+    /// Chunks released, and their bytes on the card that asked.
+    pub chunks: usize,
+    pub bytes: Bytes,
+    /// Live pages moved to free pages of other chunks.
+    pub moved: usize,
+    /// Cached pages evicted.
+    pub evicted: usize,
+    /// Running sequences preempted (back in the queue).
+    pub preempted: Vec<RequestId>,
 }
 
 /// The scheduler and the page pool it allocates from.
@@ -277,19 +292,80 @@ impl Scheduler {
         out
     }
 
-    /// Preempt the newest running sequences until at least `pages` pages have
-    /// been given back (memory pressure from outside the engine). Returns the
-    /// preempted ids.
-    pub fn preempt_for_memory(&mut self, pages: usize) -> Vec<RequestId> {
-        let mut freed = 0;
-        let mut ids = Vec::new();
-        while freed < pages {
+    /// Give `card` (one of the cards the pool's arena spans) at least `need`
+    /// bytes back, between steps. In order: release the chunks that hold
+    /// nothing; move live pages out of the sparsest chunks into free pages
+    /// elsewhere (`copy` copies their data; page tables are rewritten) and
+    /// release those chunks too, evicting cached pages only where the free
+    /// pages cannot take them; and only when the pages that running
+    /// sequences hold exceed what the card keeps after giving `need` back,
+    /// preempt the newest (each preemption logged with that arithmetic).
+    pub fn give_back(
+        &mut self,
+        card: CardId,
+        need: Bytes,
+        copy: &mut dyn FnMut(&[(PageId, PageId)]) -> Result<(), String>,
+    ) -> GiveBack {
+        let arena = self.pool.arena().clone();
+        let mut out = GiveBack::default();
+        let Some(part) = arena.part_on(card) else { return out };
+        let g = part.geometry;
+        let want = (need.get().div_ceil(g.chunk_bytes.get().max(1)) as usize).max(1);
+        loop {
+            let left = want.saturating_sub(out.chunks);
+            let r = arena.release_idle_on(card, Bytes(left as u64 * g.chunk_bytes.get()));
+            out.chunks += r.chunks;
+            out.bytes += Bytes(r.chunks as u64 * g.chunk_bytes.get());
+            let left = want.saturating_sub(out.chunks);
+            if left == 0 {
+                break;
+            }
+            match self.pool.vacate(left, copy) {
+                Ok(v) => {
+                    out.evicted += v.evicted;
+                    if !v.moves.is_empty() {
+                        out.moved += v.moves.len();
+                        self.remap(&v.moves);
+                        continue;
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(%card, "moving KV pages failed, nothing moved: {e}");
+                    break;
+                }
+            }
+            // Nothing left to move into: the pages in use exceed what the card keeps.
+            let c = arena.counts();
+            let keep = c.committed.get().saturating_sub(left * g.chunk_pages);
             let Some(victim) = self.running.pop() else { break };
-            freed += victim.pages.len();
-            ids.push(victim.id);
+            tracing::warn!(
+                %card,
+                "running requests hold {} KV pages ({}) but after giving back {} the card keeps {} pages ({}) \
+                 above its floor: preempting request {} ({} pages; it is recomputed when memory returns)",
+                c.in_use.get(),
+                Bytes(c.in_use.get() as u64 * g.page_bytes.get()),
+                need,
+                keep,
+                Bytes(keep as u64 * g.page_bytes.get()),
+                victim.id,
+                victim.pages.len()
+            );
+            out.preempted.push(victim.id);
             self.preempt(victim);
         }
-        ids
+        out
+    }
+
+    /// Rewrite every sequence's page table after pages moved.
+    fn remap(&mut self, moves: &[(PageId, PageId)]) {
+        let map: HashMap<PageId, PageId> = moves.iter().copied().collect();
+        for s in self.running.iter_mut().chain(self.waiting.iter_mut()) {
+            for p in &mut s.pages {
+                if let Some(&to) = map.get(p) {
+                    *p = to;
+                }
+            }
+        }
     }
 
     fn preempt(&mut self, mut s: Seq) {

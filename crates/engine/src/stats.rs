@@ -16,6 +16,11 @@ pub struct EngineStats {
     pub prompt_tokens: u64,
     pub generated_tokens: u64,
     pub preemptions: u64,
+    /// KV pages moved between chunks to give memory back, and the
+    /// preemptions made because running requests held more than the card
+    /// kept (a subset of `preemptions`).
+    pub kv_pages_moved: u64,
+    pub memory_preemptions: u64,
     pub aborted: u64,
     pub finished: u64,
     /// Engine steps run, and the seconds they spent in each phase: forming
@@ -55,6 +60,12 @@ impl StatsCell {
             s.schedule_seconds += schedule;
             s.forward_seconds += forward;
             s.sample_seconds += sample;
+        });
+    }
+    pub(crate) fn note_give_back(&self, moved: usize, preempted: usize) {
+        self.publish(|s| {
+            s.kv_pages_moved += moved as u64;
+            s.memory_preemptions += preempted as u64;
         });
     }
     pub(crate) fn note_finished(&self) {

@@ -32,6 +32,10 @@ use std::sync::Arc;
 
 mod layout;
 
+/// How long the governor waits for the engine to give memory back: a step
+/// in flight finishes first (a long prefill chunk on a CPU can take this long).
+const KV_RELIEF_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Which cards to run on.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Devices {
@@ -308,16 +312,16 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         ordinals: &ordinals,
     };
     let parallel = opts.layout.as_ref().filter(|l| l.ranks() > 1);
-    let (engine, kv_cards, resident) = match (&opts.devices, parallel) {
+    let (engine, resident) = match (&opts.devices, parallel) {
         (Devices::Cuda(_), None) => boot_cuda(&env, config, &mut progress)?,
         (Devices::Cuda(_), Some(spec)) => boot_cuda_layout(&env, config, spec, &mut progress)?,
         (Devices::Sim(_), Some(spec)) => layout::boot_sim_layout(&env, config, spec, &mut progress)?,
         (Devices::Cpu, _) | (Devices::Sim(_), None) => boot_host(&env, config, &mut progress)?,
     };
-    // Preempting a request frees its pages on every card that holds KV.
-    for (dev, page_bytes) in &kv_cards {
-        governor.register_provider(engine.preempt_provider(dev.id(), *page_bytes));
-    }
+    // The engine answers for every card its KV spans: it moves live pages
+    // between steps and preempts only when running requests hold more than
+    // the card keeps.
+    governor.register_provider(engine.kv_relief(KV_RELIEF_TIMEOUT));
     mark(BootPhase::BootComplete);
     if let Some(r) = recorder {
         governor.attach_recorder(r);
@@ -354,9 +358,8 @@ struct BootEnv<'a> {
     ordinals: &'a [u32],
 }
 
-/// The engine, each card holding KV with its bytes of one page, and what is
-/// held resident by size.
-type Started = (EngineHandle, Vec<(Device, Bytes)>, Vec<Allocation>);
+/// The engine and what is held resident by size.
+type Started = (EngineHandle, Vec<Allocation>);
 
 /// Load the whole model onto `backend`, telling `progress(done, total)` as
 /// the embedding, each layer and the head are placed.
@@ -512,7 +515,7 @@ fn boot_host(
         }
         (None, None) => unreachable!("a model is loaded unless a layout is"),
     };
-    Ok((engine, vec![(dev, page_bytes)], resident))
+    Ok((engine, resident))
 }
 
 /// One NVIDIA GPU: every device byte the backend takes (weights in one
@@ -559,7 +562,7 @@ fn boot_cuda(
     let pool = PagePool::new(arena, Tokens(opts.page_size));
     env.governor.register_provider(pool.prefix_evictor());
     let engine = spawn_with(Box::new(exec), config, pool)?;
-    Ok((engine, vec![(dev, page_bytes)], Vec::new()))
+    Ok((engine, Vec::new()))
 }
 
 /// The CUDA backend of card `dev` (device `ordinal`), every allocation

@@ -1763,6 +1763,11 @@ impl Backend for CudaBackend {
         r
     }
 
+    fn synchronize(&self) -> Result<()> {
+        CudaBackend::synchronize(self)?;
+        self.check()
+    }
+
     fn check(&self) -> Result<()> {
         match self.lock().error.take() {
             Some(e) => Err(e),

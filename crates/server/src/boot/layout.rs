@@ -157,7 +157,7 @@ fn finish(
     let pool = PagePool::new(arena, Tokens(env.opts.page_size));
     env.governor.register_provider(pool.prefix_evictor());
     let engine = spawn_with(Box::new(multi), config, pool)?;
-    Ok((engine, parts, resident))
+    Ok((engine, resident))
 }
 
 fn limits(env: &BootEnv<'_>, num_pages: Pages) -> ExecutorLimits {
