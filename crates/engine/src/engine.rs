@@ -372,9 +372,12 @@ impl Core {
             }
             Command::GiveBack { card, need, reply } => {
                 let exec = &mut self.exec;
-                let done = self
-                    .sched
-                    .give_back(card, need, &mut |moves| exec.move_pages(moves).map_err(|e| e.to_string()));
+                // The guard aims `delta` above what the card needs.
+                let delta = self.sched.pool().arena().settings_on(card).map_or(Bytes::ZERO, |s| s.delta);
+                let must = need.saturating_sub(delta);
+                let done = self.sched.give_back(card, need, must, &mut |moves| {
+                    exec.move_pages(moves).map_err(|e| e.to_string())
+                });
                 if done.moved > 0 || !done.preempted.is_empty() {
                     tracing::info!(
                         %card,

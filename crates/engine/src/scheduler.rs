@@ -300,17 +300,24 @@ impl Scheduler {
     /// pages cannot take them; and only when the pages that running
     /// sequences hold exceed what the card keeps after giving `need` back,
     /// preempt the newest (each preemption logged with that arithmetic).
+    ///
+    /// `need` is what the guard aims for; `must` (at most `need`) is what the
+    /// card cannot do without — the guard's overshoot above the floor is
+    /// worth releasing idle and cached KV for, never a running request.
     pub fn give_back(
         &mut self,
         card: CardId,
         need: Bytes,
+        must: Bytes,
         copy: &mut dyn FnMut(&[(PageId, PageId)]) -> Result<(), String>,
     ) -> GiveBack {
         let arena = self.pool.arena().clone();
         let mut out = GiveBack::default();
         let Some(part) = arena.part_on(card) else { return out };
         let g = part.geometry;
-        let want = (need.get().div_ceil(g.chunk_bytes.get().max(1)) as usize).max(1);
+        let chunks_for = |b: Bytes| b.get().div_ceil(g.chunk_bytes.get().max(1)) as usize;
+        let want = chunks_for(need).max(1);
+        let must = chunks_for(must.min(need));
         loop {
             let left = want.saturating_sub(out.chunks);
             let r = arena.release_idle_on(card, Bytes(left as u64 * g.chunk_bytes.get()));
@@ -334,9 +341,15 @@ impl Scheduler {
                     break;
                 }
             }
-            // Nothing left to move into: the pages in use exceed what the card keeps.
+            // Nothing left to move into: the pages in use exceed what the
+            // card keeps. Only what the card cannot do without is worth
+            // live work.
+            let short = must.saturating_sub(out.chunks);
+            if short == 0 {
+                break;
+            }
             let c = arena.counts();
-            let keep = c.committed.get().saturating_sub(left * g.chunk_pages);
+            let keep = c.committed.get().saturating_sub(short * g.chunk_pages);
             let Some(victim) = self.running.pop() else { break };
             tracing::warn!(
                 %card,
@@ -344,7 +357,7 @@ impl Scheduler {
                  above its floor: preempting request {} ({} pages; it is recomputed when memory returns)",
                 c.in_use.get(),
                 Bytes(c.in_use.get() as u64 * g.page_bytes.get()),
-                need,
+                Bytes(short as u64 * g.chunk_bytes.get()),
                 keep,
                 Bytes(keep as u64 * g.page_bytes.get()),
                 victim.id,

@@ -29,6 +29,7 @@
 //! arming floor plus the sizing margin.
 
 use crate::clock::Clock;
+use crate::config::CardSettings;
 use crate::device::{lock, Commit, Device, VaReservation};
 use crate::guard::{Refusal, ReliefProvider, Tier, Urgency};
 use corridor_units::{Bytes, CardId, PageId, Pages};
@@ -400,6 +401,10 @@ impl KvArena {
             geometry: p.geometry,
             base_address: p.va.base_address(),
         })
+    }
+    /// The limits of `card` (one of the arena's cards).
+    pub fn settings_on(&self, card: CardId) -> Option<CardSettings> {
+        self.parts.iter().find(|p| p.device.id() == card).map(|p| p.device.settings())
     }
     pub fn geometry(&self) -> ChunkGeometry {
         self.geometry
