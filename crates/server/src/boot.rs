@@ -100,6 +100,8 @@ pub struct BootOptions {
     pub kv_hold: Option<std::time::Duration>,
     /// Pace of serving marks (`None`: the governor's default, 30 s).
     pub serving_mark_interval: Option<std::time::Duration>,
+    /// How often the sampler reads every card (`None`: 100 ms).
+    pub sample_interval: Option<std::time::Duration>,
     /// A parallel layout (`None`: the whole model as one rank). On the CPU
     /// the ranks are threads sharing the host card.
     pub layout: Option<LayoutSpec>,
@@ -124,6 +126,7 @@ impl BootOptions {
             sim_carve_out: Bytes::ZERO,
             kv_hold: None,
             serving_mark_interval: None,
+            sample_interval: None,
             layout: None,
             kernel_cache: None,
         }
@@ -259,6 +262,9 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
     }
     if let Some(i) = opts.serving_mark_interval {
         gcfg.serving_mark_interval = i;
+    }
+    if let Some(i) = opts.sample_interval {
+        gcfg.sample_interval = i;
     }
     let governor =
         Arc::new(Governor::new(cards, gcfg, clock.clone()).map_err(|e| BootError::Config(e.to_string()))?);
