@@ -202,3 +202,111 @@ fn removing_a_request_frees_its_pages() {
     assert_eq!(s.pool().counts().in_use, 0);
     s.pool().check_invariants().unwrap();
 }
+
+/// A pool of `chunks` chunks of four pages (512 KiB pages, 2 MiB chunks) on
+/// a private sim card, all committed, and a scheduler over it.
+fn chunked(chunks: usize) -> Scheduler {
+    use corridor_units::{Bytes, CardId};
+    use corridor_vram::{
+        CardSettings, Device, KvArena, KvArenaConfig, ManualClock, SimCard, SimCardSpec, Urgency,
+    };
+    use std::sync::Arc;
+    let clock = Arc::new(ManualClock::new());
+    let card = Arc::new(SimCard::new(SimCardSpec::new(CardId(0), Bytes::gib(1)), &[], clock.clone()));
+    let dev = Device::standalone(card, CardSettings { floor: Bytes::ZERO, ..CardSettings::default() });
+    let cfg = KvArenaConfig {
+        page_bytes: Bytes(512 * 1024),
+        max_pages: Pages(4 * chunks),
+        chunk_target: Bytes::mib(2),
+        hold: std::time::Duration::ZERO,
+        margin: Bytes::ZERO,
+    };
+    let arena = Arc::new(KvArena::new(&dev, cfg, clock).unwrap());
+    arena.commit_to(Pages(4 * chunks), Urgency::Blocking).unwrap();
+    assert_eq!(arena.geometry().chunk_pages, 4);
+    let config = SchedulerConfig { max_running: 16, max_batched_tokens: 256, context_len: 1024 };
+    Scheduler::new(config, PagePool::new(arena, Tokens(4)))
+}
+
+/// Eight one-page sequences on pages 0..8, then all but those on pages 0, 4
+/// and 7 finish: chunk 0 holds one live page, chunk 1 two, chunks 2 and 3
+/// none. Returns the ids left running, in admission order.
+fn scattered(s: &mut Scheduler) -> Vec<u64> {
+    for id in 0..8 {
+        s.add(id, vec![1, 2, 3]);
+    }
+    let out = s.schedule();
+    let pages: Vec<u32> = out.seqs.iter().map(|q| q.pages[0].0).collect();
+    assert_eq!(pages, (0..8).collect::<Vec<u32>>());
+    s.complete_step(&out);
+    for id in [1, 2, 3, 5, 6] {
+        assert!(s.remove(id));
+    }
+    s.pool().check_invariants().unwrap();
+    vec![0, 4, 7]
+}
+
+fn pages_of(s: &mut Scheduler, id: u64) -> Vec<u32> {
+    s.append_token(id, 9);
+    let out = s.schedule();
+    let q = out.seqs.iter().find(|q| q.id == id).expect("scheduled");
+    let pages = q.pages.iter().map(|p| p.0).collect();
+    s.complete_step(&out);
+    pages
+}
+
+#[test]
+fn give_back_moves_live_pages_out_of_sparse_chunks_instead_of_preempting() {
+    use corridor_units::{Bytes, CardId, PageId};
+    let mut s = chunked(4);
+    scattered(&mut s);
+    let mut copies: Vec<(PageId, PageId)> = Vec::new();
+    let need = Bytes::mib(6); // three chunks
+    let done = s.give_back(CardId(0), need, need, &mut |moves| {
+        copies.extend_from_slice(moves);
+        Ok(())
+    });
+    assert_eq!((done.chunks, done.bytes), (3, Bytes::mib(6)), "{done:?}");
+    assert_eq!(done.preempted, Vec::<u64>::new(), "free pages held the live one: nothing preempted");
+    assert_eq!(
+        copies,
+        vec![(PageId(0), PageId(5))],
+        "the sparsest chunk's page moved to the lowest free page"
+    );
+    assert_eq!(done.moved, 1);
+    s.pool().check_invariants().unwrap();
+    assert_eq!(s.pool().counts().committed, 4, "one chunk left");
+    assert_eq!(pages_of(&mut s, 0), vec![5], "the page table follows the move");
+    assert_eq!(s.preemptions, 0);
+}
+
+#[test]
+fn give_back_preempts_only_what_the_card_cannot_keep() {
+    use corridor_units::{Bytes, CardId};
+    let mut s = chunked(4);
+    let running = scattered(&mut s);
+    // The whole pool asked for, but only the overshoot beyond three chunks
+    // is optional: no request is worth it.
+    let done = s.give_back(CardId(0), Bytes::mib(8), Bytes::mib(6), &mut |_| Ok(()));
+    assert_eq!((done.chunks, done.preempted.len()), (3, 0), "{done:?}");
+    // All of it needed: the three live pages exceed what no chunk keeps, so
+    // every running sequence goes, newest first.
+    let done = s.give_back(CardId(0), Bytes::mib(2), Bytes::mib(2), &mut |_| Ok(()));
+    assert_eq!(done.preempted, running.iter().rev().copied().collect::<Vec<u64>>(), "{done:?}");
+    assert_eq!(done.chunks, 1);
+    assert_eq!(s.pool().counts().committed, 0);
+    s.pool().check_invariants().unwrap();
+}
+
+#[test]
+fn a_failed_copy_moves_nothing() {
+    use corridor_units::{Bytes, CardId};
+    let mut s = chunked(4);
+    scattered(&mut s);
+    let before = s.pool().counts();
+    let done = s.give_back(CardId(0), Bytes::mib(6), Bytes::mib(6), &mut |_| Err("device lost".into()));
+    assert_eq!((done.chunks, done.moved, done.preempted.len()), (2, 0, 0), "{done:?}");
+    assert_eq!(s.pool().counts().in_use, before.in_use);
+    s.pool().check_invariants().unwrap();
+    assert_eq!(pages_of(&mut s, 0), vec![0], "the page stayed where it was");
+}
