@@ -183,11 +183,9 @@ impl Hub {
                 ResolveError::GatedNoToken { repo: repo_s, endpoint }
             }
             ("GatedRepo", _) | ("", 403) => ResolveError::GatedTokenRefused { repo: repo_s, endpoint },
-            ("RepoNotFound", _) | ("", 401) if !has_token => {
-                ResolveError::NeedsToken { repo: repo_s, endpoint }
-            }
-            ("", 401) => ResolveError::TokenRefused { repo: repo_s, endpoint, status },
             ("RepoNotFound", _) => ResolveError::RepoNotFound { repo: repo_s, endpoint },
+            ("", 401) if !has_token => ResolveError::NeedsToken { repo: repo_s, endpoint },
+            ("", 401) => ResolveError::TokenRefused { repo: repo_s, endpoint, status },
             ("RevisionNotFound", _) => ResolveError::RevisionNotFound { repo: repo_s, revision, endpoint },
             ("EntryNotFound", _) => match subject {
                 Subject::File { file, .. } => {
@@ -199,9 +197,7 @@ impl Hub {
                 Subject::File { file, .. } => {
                     ResolveError::FileNotFound { repo: repo_s, revision, file: file.to_string() }
                 }
-                Subject::Repo { revision } if revision == "main" => {
-                    ResolveError::RepoNotFound { repo: repo_s, endpoint }
-                }
+                Subject::Repo { revision: "main" } => ResolveError::RepoNotFound { repo: repo_s, endpoint },
                 Subject::Repo { .. } => ResolveError::RevisionNotFound { repo: repo_s, revision, endpoint },
             },
             _ => ResolveError::Http { url: url.to_string(), status, message },
@@ -236,6 +232,7 @@ impl Hub {
         );
         bar.set_message(file.rsplit('/').next().unwrap_or(file).to_string());
         let mut last_err = None;
+        let mut cut: Option<String> = None;
         for attempt in 0..ATTEMPTS {
             let have = out.metadata().map_err(|e| ResolveError::io(&partial, e))?.len();
             if meta.size.is_some_and(|s| s == have && s > 0) {
@@ -285,10 +282,7 @@ impl Hub {
                 Ok(()) => {}
                 Err(e) => {
                     let _ = out.flush();
-                    last_err = Some(ResolveError::Network {
-                        endpoint: self.endpoint.clone(),
-                        detail: e.to_string(),
-                    });
+                    cut = Some(e.to_string());
                 }
             }
         }
@@ -298,12 +292,17 @@ impl Hub {
         let got = std::fs::metadata(&partial).map_err(|e| ResolveError::io(&partial, e))?.len();
         if let Some(want) = meta.size {
             if got != want {
-                return Err(last_err.unwrap_or(ResolveError::ShortDownload {
-                    repo: repo.to_string(),
-                    file: file.to_string(),
-                    want,
-                    got,
-                }));
+                // What was received stays in `.incomplete` for the next run to resume.
+                return Err(match (got, last_err) {
+                    (0, Some(e)) => e,
+                    _ => ResolveError::ShortDownload {
+                        repo: repo.to_string(),
+                        file: file.to_string(),
+                        want,
+                        got,
+                        why: cut.unwrap_or_else(|| "the connection closed early".to_string()),
+                    },
+                });
             }
         }
         // An LFS file's etag is the sha256 of its bytes; a git file's is a

@@ -136,9 +136,10 @@ pub enum ResolveError {
     )]
     Checksum { repo: String, file: String, want: String, got: String },
     #[error(
-        "{repo}/{file}: received {got} bytes, the hub announced {want}; run the command again to resume"
+        "{repo}/{file}: the download stopped at {got} of {want} bytes ({why}); run the command again \
+         to resume it"
     )]
-    ShortDownload { repo: String, file: String, want: u64, got: u64 },
+    ShortDownload { repo: String, file: String, want: u64, got: u64, why: String },
     #[error("{repo}: {why}; its files: {files}")]
     NoWeights { repo: String, why: String, files: String },
     #[error("{repo} has several GGUF files: name one by its quantization, e.g. --model {repo}:{example} (files: {files})")]
