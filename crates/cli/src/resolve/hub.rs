@@ -71,6 +71,11 @@ impl Hub {
             .timeout_recv_response(Some(Duration::from_secs(60)))
             .timeout_per_read(Some(Duration::from_secs(60)))
             .user_agent(concat!("corridor/", env!("CARGO_PKG_VERSION")))
+            // The system's trust store (and SSL_CERT_FILE), so a proxy's own
+            // certificate authority is honoured as curl and pip honour it.
+            .tls_config(
+                ureq::tls::TlsConfig::builder().root_certs(ureq::tls::RootCerts::PlatformVerifier).build(),
+            )
             .build();
         Hub {
             agent: ureq::Agent::new_with_config(config),
