@@ -687,3 +687,47 @@ fn no_network_and_bad_names_are_one_line_errors() {
     let out = env.run(&["generate", "--model", "org/absent", "--prompt", "x"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the Hugging Face hub"));
 }
+
+/// Kills the server when the test ends, however it ends.
+struct Server(std::process::Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_model_served_by_name_is_listed_under_that_name() {
+    let env = Env::new(&dead_endpoint());
+    write_ollama(&env.ollama(), "library", "tiny", "q4", &gguf_bytes());
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_corridor"))
+        .args(["--log", "info", "--cache-dir"])
+        .arg(env.dir.path().join("corridor"))
+        .args(["serve", "--model", "tiny:q4", "--port", &port.to_string(), "--kv-cache-mib", "16"])
+        .args(["--context-length", "64"])
+        .env("OLLAMA_MODELS", env.ollama())
+        .env("HF_HUB_CACHE", env.hub_cache())
+        .env("HF_ENDPOINT", &env.endpoint)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let _server = Server(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("serving at") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(60)).expect("the server comes up within a minute");
+    let mut conn = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    conn.write_all(b"GET /v1/models HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n").unwrap();
+    let mut body = String::new();
+    std::io::Read::read_to_string(&mut conn, &mut body).unwrap();
+    assert!(body.contains("\"id\":\"tiny:q4\""), "{body}");
+}
