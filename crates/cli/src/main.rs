@@ -163,8 +163,8 @@ struct GenerateArgs {
 
 #[derive(Args, Debug)]
 struct PullArgs {
-    /// A model name to fetch (`org/name`, `org/name:Q4_K_M`; see `serve --help` for --model);
-    /// without it, the default model. Prints the path to load.
+    /// The model to fetch or find, named as `--model` names it (`org/name`, `org/name:Q4_K_M`,
+    /// `ollama:NAME:TAG`; see `serve --help`); without it, the default model. Prints the path to load.
     model: Option<PathBuf>,
     /// The branch, tag or commit of the Hugging Face repository.
     #[arg(long, default_value = "main")]

@@ -41,6 +41,8 @@ struct HubState {
     cut: HashMap<String, (usize, usize)>,
     /// sha256 of blobs served with one byte flipped.
     corrupt: Vec<String>,
+    /// A pause after every 8 KiB of a blob (a slow link).
+    slow: Option<std::time::Duration>,
     /// "METHOD path | range | authorization" of every request.
     log: Vec<String>,
 }
@@ -225,6 +227,9 @@ fn serve(mut conn: TcpStream, state: &Mutex<HubState>) {
                 .and_then(|r| r.strip_suffix('-'))
                 .and_then(|r| r.parse().ok())
                 .unwrap_or(0);
+            if start > blob.len() {
+                return respond(&mut conn, "416 Range Not Satisfiable", &[], b"", head);
+            }
             let body = &blob[start..];
             let (status, mut h) = if start > 0 {
                 (
@@ -242,6 +247,7 @@ fn serve(mut conn: TcpStream, state: &Mutex<HubState>) {
                 }
                 _ => None,
             };
+            let slow = st.slow;
             drop(st);
             match cut {
                 Some(at) => {
@@ -250,7 +256,18 @@ fn serve(mut conn: TcpStream, state: &Mutex<HubState>) {
                     let _ = conn.flush();
                     let _ = conn.shutdown(Shutdown::Both);
                 }
-                None => respond(&mut conn, status, &h, body, head),
+                None => match slow {
+                    Some(pause) => {
+                        respond(&mut conn, status, &h, b"", true);
+                        for chunk in body.chunks(8 << 10) {
+                            if conn.write_all(chunk).is_err() {
+                                return;
+                            }
+                            std::thread::sleep(pause);
+                        }
+                    }
+                    None => respond(&mut conn, status, &h, body, head),
+                },
             }
         }
         _ => not_found(&mut conn, "RepoNotFound"),
@@ -452,6 +469,30 @@ fn a_download_cut_on_every_try_is_resumed_by_the_next_run() {
     assert!(!partial.exists());
     let last = hub.log().into_iter().rfind(|l| l.starts_with("GET /lfs/")).unwrap();
     assert!(last.contains("| bytes=5000- |"), "{last}");
+}
+
+#[test]
+fn two_runs_fetching_one_file_at_once_download_it_once() {
+    let gguf = gguf_bytes();
+    let mut st = HubState::default();
+    st.repos
+        .insert(("tiny/busy-GGUF".into(), "main".into()), snapshot("busy", &[("b-Q4_0.gguf", gguf.clone())]));
+    // 14 chunks of 8 KiB at 100 ms: the first run is still downloading when the second starts.
+    st.slow = Some(std::time::Duration::from_millis(100));
+    let hub = FakeHub::start(st);
+    let env = Arc::new(Env::new(&hub.url));
+    let runs: Vec<_> = (0..2)
+        .map(|i| {
+            let env = env.clone();
+            std::thread::sleep(std::time::Duration::from_millis(200 * i));
+            std::thread::spawn(move || env.pull(&["tiny/busy-GGUF:Q4_0"]))
+        })
+        .collect();
+    for r in runs {
+        assert_eq!(std::fs::read(r.join().unwrap()).unwrap(), gguf);
+    }
+    let gets = hub.log().into_iter().filter(|l| l.starts_with("GET /lfs/")).count();
+    assert_eq!(gets, 1, "the second run waits for the first one's file: {:?}", hub.log());
 }
 
 #[test]

@@ -133,12 +133,18 @@ pub fn link(root: &Path, repo: &str, commit: &str, file: &str, etag: &str) -> Re
     std::fs::create_dir_all(parent).map_err(|e| ResolveError::io(parent, e))?;
     let ups = file.split('/').count() + 1;
     let target: PathBuf = std::iter::repeat_n("..", ups).collect::<PathBuf>().join("blobs").join(etag);
-    match std::fs::symlink_metadata(&pointer) {
-        Ok(_) => std::fs::remove_file(&pointer).map_err(|e| ResolveError::io(&pointer, e))?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(ResolveError::io(&pointer, e)),
+    if std::fs::read_link(&pointer).is_ok_and(|t| t == target) {
+        return Ok(pointer);
     }
-    symlink(&target, &pointer).map_err(|e| ResolveError::io(&pointer, e))?;
+    // Made beside and renamed over, so a reader never finds the pointer missing.
+    let tmp = pointer.with_file_name(format!(
+        ".{}.{}.tmp",
+        pointer.file_name().expect("a file name").to_string_lossy(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&tmp);
+    symlink(&target, &tmp).map_err(|e| ResolveError::io(&tmp, e))?;
+    std::fs::rename(&tmp, &pointer).map_err(|e| ResolveError::io(&pointer, e))?;
     Ok(pointer)
 }
 

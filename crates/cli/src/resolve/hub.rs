@@ -216,13 +216,21 @@ impl Hub {
         let blob = cache::blob_path(ctx.root, ctx.repo, &meta.etag);
         let have = std::fs::metadata(&blob).ok().map(|m| m.len());
         if ctx.force || have.is_none() || (meta.size.is_some() && have != meta.size) {
-            self.download(ctx.repo, file, &meta, &blob)?;
+            self.download(ctx.repo, file, &meta, &blob, have.is_some())?;
         }
         cache::link(ctx.root, ctx.repo, ctx.commit, file, &meta.etag)
     }
 
-    /// Download into `<blob>.incomplete`, resuming, then verify and move into place.
-    fn download(&self, repo: &str, file: &str, meta: &FileMeta, blob: &Path) -> Result<(), ResolveError> {
+    /// Download into `<blob>.incomplete`, resuming, then verify and move into
+    /// place; `replace` when a blob already there is to be fetched again.
+    fn download(
+        &self,
+        repo: &str,
+        file: &str,
+        meta: &FileMeta,
+        blob: &Path,
+        replace: bool,
+    ) -> Result<(), ResolveError> {
         let parent = blob.parent().expect("blobs/<etag>");
         std::fs::create_dir_all(parent).map_err(|e| ResolveError::io(parent, e))?;
         let partial = PathBuf::from(format!("{}.incomplete", blob.display()));
@@ -231,6 +239,12 @@ impl Hub {
             .append(true)
             .open(&partial)
             .map_err(|e| ResolveError::io(&partial, e))?;
+        // Another process fetching the same blob holds this lock until its
+        // file is in place; appending beside it would interleave the bytes.
+        out.lock().map_err(|e| ResolveError::io(&partial, e))?;
+        if !replace && blob.is_file() {
+            return Ok(());
+        }
         let bar = ProgressBar::new(meta.size.unwrap_or(0)).with_style(
             ProgressStyle::with_template("{msg} {bar:30} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
                 .expect("valid template"),
@@ -293,7 +307,7 @@ impl Hub {
         }
         bar.finish_and_clear();
         out.flush().map_err(|e| ResolveError::io(&partial, e))?;
-        drop(out);
+        // `out` stays open (and locked) until the blob is in place.
         let got = std::fs::metadata(&partial).map_err(|e| ResolveError::io(&partial, e))?.len();
         if let Some(want) = meta.size {
             if got != want {
@@ -324,7 +338,9 @@ impl Hub {
                 });
             }
         }
-        std::fs::rename(&partial, blob).map_err(|e| ResolveError::io(blob, e))
+        std::fs::rename(&partial, blob).map_err(|e| ResolveError::io(blob, e))?;
+        drop(out);
+        Ok(())
     }
 }
 
