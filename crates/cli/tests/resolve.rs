@@ -416,6 +416,49 @@ fn a_hub_repository_downloads_into_the_cache_and_then_loads_offline() {
 }
 
 #[test]
+fn a_sharded_checkpoint_fetches_the_shards_its_index_names() {
+    let dir = fixtures().join("llama-bf16-sharded");
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n != "reference.json")
+        .map(|n| (n.clone(), std::fs::read(dir.join(&n)).unwrap()))
+        .collect();
+    // Weights in another layout beside the index are not fetched.
+    files.push(("consolidated.safetensors".into(), b"not read".to_vec()));
+    let named: Vec<(&str, Vec<u8>)> = files.iter().map(|(n, b)| (n.as_str(), b.clone())).collect();
+    let mut st = HubState::default();
+    st.repos.insert(("tiny/sharded".into(), "main".into()), snapshot("sharded", &named));
+    let hub = FakeHub::start(st);
+    let mut env = Env::new(&hub.url);
+
+    let path = env.pull(&["tiny/sharded"]);
+    for i in 1..=4 {
+        assert!(path.join(format!("model-0000{i}-of-00004.safetensors")).is_file());
+    }
+    assert!(!path.join("consolidated.safetensors").exists());
+    env.endpoint = dead_endpoint();
+    env.generate("tiny/sharded");
+}
+
+#[test]
+fn force_fetches_a_cached_file_again() {
+    let gguf = gguf_bytes();
+    let mut st = HubState::default();
+    st.repos.insert(("tiny/f-GGUF".into(), "main".into()), snapshot("f", &[("f-Q4_0.gguf", gguf.clone())]));
+    let hub = FakeHub::start(st);
+    let env = Env::new(&hub.url);
+    let path = env.pull(&["tiny/f-GGUF"]);
+    // Damage the cached blob behind the link.
+    let blob = std::fs::canonicalize(&path).unwrap();
+    std::fs::write(&blob, vec![0u8; gguf.len()]).unwrap();
+    assert_eq!(env.pull(&["tiny/f-GGUF"]), path, "without --force the cache is trusted");
+    assert_eq!(env.pull(&["tiny/f-GGUF", "--force"]), path);
+    assert_eq!(std::fs::read(&path).unwrap(), gguf);
+    assert_eq!(hub.log().iter().filter(|l| l.starts_with("GET /lfs/")).count(), 2);
+}
+
+#[test]
 fn a_cut_connection_is_resumed_with_a_range_request() {
     let gguf = gguf_bytes();
     let cut_at = gguf.len() / 3;

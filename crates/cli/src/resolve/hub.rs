@@ -420,8 +420,13 @@ fn copy(mut from: impl Read, to: &mut std::fs::File, bar: &ProgressBar) -> std::
     }
 }
 
+/// The sha256 of a file, with a bar (a multi-GB file takes a while).
 fn sha256_file(path: &Path) -> Result<String, ResolveError> {
     let mut f = std::fs::File::open(path).map_err(|e| ResolveError::io(path, e))?;
+    let len = f.metadata().map_err(|e| ResolveError::io(path, e))?.len();
+    let bar = ProgressBar::new(len).with_style(
+        ProgressStyle::with_template("verifying {bar:30} {bytes}/{total_bytes}").expect("valid template"),
+    );
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
@@ -430,7 +435,9 @@ fn sha256_file(path: &Path) -> Result<String, ResolveError> {
             break;
         }
         h.update(&buf[..n]);
+        bar.inc(n as u64);
     }
+    bar.finish_and_clear();
     Ok(hex::encode(h.finalize()))
 }
 
