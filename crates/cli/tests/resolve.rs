@@ -578,8 +578,18 @@ fn a_gated_repository_names_the_token_it_needs() {
     let err = env.pull_err(&["meta/gated-GGUF"]);
     assert!(err.contains("meta/gated-GGUF") && err.contains("HF_TOKEN is not accepted"), "{err}");
 
+    // The token file `huggingface-cli login` writes is read when HF_TOKEN is not set.
+    env.token = None;
+    let home = env.dir.path().join("hf-home");
+    std::fs::create_dir_all(&home).unwrap();
+    std::fs::write(home.join("token"), "hf_granted\n").unwrap();
+    env.extra = vec![("HF_HOME".into(), home.display().to_string())];
+    let path = env.pull(&["meta/gated-GGUF", "--force"]);
+    assert_eq!(std::fs::read(path).unwrap(), gguf_bytes());
+
+    env.extra.clear();
     env.token = Some("hf_granted".into());
-    let path = env.pull(&["meta/gated-GGUF"]);
+    let path = env.pull(&["meta/gated-GGUF", "--force"]);
     assert_eq!(std::fs::read(path).unwrap(), gguf_bytes());
     assert!(hub.log().iter().any(|l| l.starts_with("GET /lfs/") && l.ends_with("| Bearer hf_granted")));
 }
@@ -745,6 +755,15 @@ fn models_in_ollamas_store_load_by_their_ollama_name() {
     env.pull(&["ollama:tiny"]);
     write_ollama(&env.ollama(), "someone", "small", "latest", &gguf_bytes());
     env.generate("someone/small");
+    // ollama keeps what it pulled from the hub under the hf.co host.
+    let hf_dir = env.ollama().join("manifests/hf.co/org/m-GGUF");
+    std::fs::create_dir_all(&hf_dir).unwrap();
+    std::fs::copy(
+        env.ollama().join("manifests/registry.ollama.ai/someone/small/latest"),
+        hf_dir.join("Q4_0"),
+    )
+    .unwrap();
+    env.pull(&["hf.co/org/m-GGUF:Q4_0"]);
 
     let err = env.pull_err(&["tiny:7b"]);
     assert!(err.contains("tiny:7b") && err.contains("ollama pull tiny:7b"), "{err}");

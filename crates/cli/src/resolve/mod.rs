@@ -26,7 +26,8 @@ pub struct Settings {
     pub hf_cache: PathBuf,
     /// The hub's base URL (`HF_ENDPOINT`, default https://huggingface.co), without a trailing `/`.
     pub endpoint: String,
-    /// A bearer token for gated and private repositories (`HF_TOKEN`).
+    /// A bearer token for gated and private repositories (`HF_TOKEN`, else the token file
+    /// `huggingface-cli login` writes: `HF_TOKEN_PATH` or `HF_HOME/token`).
     pub token: Option<String>,
     /// Never touch the network (`HF_HUB_OFFLINE=1`).
     pub offline: bool,
@@ -48,7 +49,7 @@ impl Settings {
         });
         let hf_cache = var("HF_HUB_CACHE")
             .or_else(|| var("HUGGINGFACE_HUB_CACHE"))
-            .or_else(|| hf_home.map(|h| h.join("hub")))
+            .or_else(|| hf_home.as_ref().map(|h| h.join("hub")))
             .unwrap_or_else(|| PathBuf::from(".cache/huggingface/hub"));
         let endpoint = std::env::var("HF_ENDPOINT")
             .ok()
@@ -56,7 +57,13 @@ impl Settings {
             .unwrap_or_else(|| "https://huggingface.co".to_string())
             .trim_end_matches('/')
             .to_string();
-        let token = std::env::var("HF_TOKEN").ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty());
+        // As huggingface_hub: HF_TOKEN, else the file `huggingface-cli login` writes.
+        let token_file = var("HF_TOKEN_PATH").or_else(|| hf_home.as_ref().map(|h| h.join("token")));
+        let token = std::env::var("HF_TOKEN")
+            .ok()
+            .or_else(|| token_file.and_then(|f| std::fs::read_to_string(f).ok()))
+            .map(|t| t.trim().to_string())
+            .filter(|t| !t.is_empty());
         let offline = std::env::var("HF_HUB_OFFLINE")
             .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
         let ollama_roots = match var("OLLAMA_MODELS") {
@@ -213,16 +220,17 @@ pub fn resolve(req: Request<'_>, settings: &Settings) -> Result<Resolved, Resolv
                     tracing::info!(model = %req.spec, path = %path.display(), "found in the Hugging Face cache");
                     return Ok(Resolved { path, name });
                 }
-                // `user/model:tag` may be an ollama model of a user namespace.
-                let ollama_name = match &quant {
+                // `user/model:tag` may be an ollama model of a user namespace, and
+                // `hf.co/org/name:QUANT` one that ollama pulled from the hub.
+                let short = match &quant {
                     Some(q) => format!("{repo}:{q}"),
                     None => repo.clone(),
                 };
-                if let Some(blob) = ollama::find(&settings.ollama_roots, &ollama_name)? {
-                    return Ok(Resolved {
-                        path: ollama::gguf_link(&settings.link_dir, &ollama_name, &blob)?,
-                        name,
-                    });
+                for ollama_name in [short.as_str(), req.spec] {
+                    if let Some(blob) = ollama::find(&settings.ollama_roots, ollama_name)? {
+                        let path = ollama::gguf_link(&settings.link_dir, ollama_name, &blob)?;
+                        return Ok(Resolved { path, name });
+                    }
                 }
             }
             if settings.offline {
