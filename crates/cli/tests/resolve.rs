@@ -41,6 +41,10 @@ struct HubState {
     cut: HashMap<String, (usize, usize)>,
     /// sha256 of blobs served with one byte flipped.
     corrupt: Vec<String>,
+    /// Where LFS files redirect to (another server, as the hub's CDN is); `None`: this one.
+    lfs_base: Option<String>,
+    /// How many more blob GETs are answered 503.
+    busy: usize,
     /// A pause after every 8 KiB of a blob (a slow link).
     slow: Option<std::time::Duration>,
     /// "METHOD path | range | authorization" of every request.
@@ -200,7 +204,7 @@ fn serve(mut conn: TcpStream, state: &Mutex<HubState>) {
                 h.extend([
                     ("x-linked-etag", format!("\"{sha}\"")),
                     ("x-linked-size", bytes.len().to_string()),
-                    ("location", format!("/lfs/{sha}")),
+                    ("location", format!("{}/lfs/{sha}", st.lfs_base.clone().unwrap_or_default())),
                 ]);
                 respond(&mut conn, "302 Found", &h, b"", head)
             } else {
@@ -218,6 +222,10 @@ fn serve(mut conn: TcpStream, state: &Mutex<HubState>) {
                 .find(|(_, b)| sha256(b) == *sha)
                 .map(|(_, b)| b.clone());
             let Some(mut blob) = blob else { return not_found(&mut conn, "EntryNotFound") };
+            if st.busy > 0 {
+                st.busy -= 1;
+                return respond(&mut conn, "503 Service Unavailable", &[], b"busy", head);
+            }
             if st.corrupt.iter().any(|c| c == sha) {
                 let mid = blob.len() / 2;
                 blob[mid] ^= 0x55;
@@ -387,6 +395,8 @@ fn a_hub_repository_downloads_into_the_cache_and_then_loads_offline() {
     let snap = snapshot("tiny-main", &hf_files());
     let mut st = HubState::default();
     st.repos.insert(("tiny/llama-f32".into(), "main".into()), snap.clone());
+    // The first blob request meets a busy server; the next try gets it.
+    st.busy = 1;
     let hub = FakeHub::start(st);
     let mut env = Env::new(&hub.url);
 
@@ -408,6 +418,7 @@ fn a_hub_repository_downloads_into_the_cache_and_then_loads_offline() {
     let st_bytes = &snap.files.iter().find(|(n, _)| n == "model.safetensors").unwrap().1;
     assert!(repo.join("blobs").join(sha256(st_bytes)).is_file());
     assert!(hub.log().iter().all(|l| l.ends_with("| ")), "no token was sent: {:?}", hub.log());
+    assert_eq!(hub.state.lock().unwrap().busy, 0);
 
     // With the hub gone, the name resolves from the cache and the model loads.
     env.endpoint = dead_endpoint();
@@ -565,6 +576,11 @@ fn a_gated_repository_names_the_token_it_needs() {
         snapshot("gated", &[("g-Q4_0.gguf", gguf_bytes())]),
     );
     st.gated.insert("meta/gated-GGUF".into(), "hf_granted".into());
+    // The bytes come from another server, which must never see the token.
+    let mut cdn_state = HubState::default();
+    cdn_state.repos = st.repos.clone();
+    let cdn = FakeHub::start(cdn_state);
+    st.lfs_base = Some(cdn.url.clone());
     let hub = FakeHub::start(st);
     let mut env = Env::new(&hub.url);
 
@@ -591,7 +607,10 @@ fn a_gated_repository_names_the_token_it_needs() {
     env.token = Some("hf_granted".into());
     let path = env.pull(&["meta/gated-GGUF", "--force"]);
     assert_eq!(std::fs::read(path).unwrap(), gguf_bytes());
-    assert!(hub.log().iter().any(|l| l.starts_with("GET /lfs/") && l.ends_with("| Bearer hf_granted")));
+    assert!(hub.log().iter().any(|l| l.starts_with("HEAD /meta/") && l.ends_with("| Bearer hf_granted")));
+    let cdn_log = cdn.log();
+    assert_eq!(cdn_log.iter().filter(|l| l.starts_with("GET /lfs/")).count(), 2, "{cdn_log:?}");
+    assert!(cdn_log.iter().all(|l| l.ends_with("| ")), "the token stays with the hub: {cdn_log:?}");
 }
 
 #[test]

@@ -71,6 +71,8 @@ impl Hub {
             .timeout_recv_response(Some(Duration::from_secs(60)))
             .timeout_per_read(Some(Duration::from_secs(60)))
             .user_agent(concat!("corridor/", env!("CARGO_PKG_VERSION")))
+            // Sizes from HEAD must be the sizes of the bytes a GET brings.
+            .accept_encoding("identity")
             // The system's trust store (and SSL_CERT_FILE), so a proxy's own
             // certificate authority is honoured as curl and pip honour it.
             .tls_config(
@@ -86,7 +88,7 @@ impl Hub {
 
     fn authorized<B>(&self, req: ureq::RequestBuilder<B>, url: &str) -> ureq::RequestBuilder<B> {
         match &self.token {
-            Some(t) if url.starts_with(&self.endpoint) => req.header("Authorization", format!("Bearer {t}")),
+            Some(t) if same_origin(url, &self.endpoint) => req.header("Authorization", format!("Bearer {t}")),
             _ => req,
         }
     }
@@ -290,6 +292,12 @@ impl Hub {
                     out.set_len(0).map_err(|e| ResolveError::io(&partial, e))?;
                     continue;
                 }
+                // A busy or failing server may answer the next try.
+                429 | 500..=599 => {
+                    last_err =
+                        Some(ResolveError::Http { url: meta.url.clone(), status, message: String::new() });
+                    continue;
+                }
                 _ => {
                     let e = self.status_error(repo, Subject::File { revision: "", file }, &meta.url, resp);
                     bar.finish_and_clear();
@@ -464,6 +472,11 @@ fn encode(s: &str, keep_slash: bool) -> String {
     out
 }
 
+/// Whether `url` is on the endpoint's own origin (the token goes nowhere else).
+fn same_origin(url: &str, endpoint: &str) -> bool {
+    url.strip_prefix(endpoint).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+}
+
 /// Resolve a `Location` header against the URL it answered.
 fn join_url(base: &str, location: &str) -> String {
     if location.contains("://") {
@@ -492,5 +505,8 @@ mod tests {
         assert_eq!(join_url("http://h:1/a", "https://cdn/z"), "https://cdn/z");
         assert_eq!(clean_etag("W/\"abc\""), "abc");
         assert_eq!(clean_etag("\"abc\""), "abc");
+        assert!(same_origin("http://h:80/a", "http://h:80"));
+        assert!(!same_origin("http://h:8000/a", "http://h:80"));
+        assert!(!same_origin("https://cdn.example/x", "https://hub.example"));
     }
 }
