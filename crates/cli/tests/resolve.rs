@@ -577,9 +577,7 @@ fn a_gated_repository_names_the_token_it_needs() {
     );
     st.gated.insert("meta/gated-GGUF".into(), "hf_granted".into());
     // The bytes come from another server, which must never see the token.
-    let mut cdn_state = HubState::default();
-    cdn_state.repos = st.repos.clone();
-    let cdn = FakeHub::start(cdn_state);
+    let cdn = FakeHub::start(HubState { repos: st.repos.clone(), ..Default::default() });
     st.lfs_base = Some(cdn.url.clone());
     let hub = FakeHub::start(st);
     let mut env = Env::new(&hub.url);
