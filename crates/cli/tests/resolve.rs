@@ -145,6 +145,14 @@ fn serve(mut conn: TcpStream, state: &Mutex<HubState>) {
         )
     };
     match segs.as_slice() {
+        ["api", "models", "old-org", name, "revision", rev] => {
+            let to = format!("/api/models/tiny/{name}/revision/{rev}");
+            respond(&mut conn, "307 Temporary Redirect", &[("location", to)], b"", head)
+        }
+        ["old-org", name, "resolve", rest @ ..] => {
+            let to = format!("/tiny/{name}/resolve/{}", rest.join("/"));
+            respond(&mut conn, "307 Temporary Redirect", &[("location", to)], b"", head)
+        }
         ["api", "models", org, name, "revision", rev] => {
             let repo = format!("{org}/{name}");
             let rev = decode(rev);
@@ -419,6 +427,13 @@ fn a_hub_repository_downloads_into_the_cache_and_then_loads_offline() {
     assert!(repo.join("blobs").join(sha256(st_bytes)).is_file());
     assert!(hub.log().iter().all(|l| l.ends_with("| ")), "no token was sent: {:?}", hub.log());
     assert_eq!(hub.state.lock().unwrap().busy, 0);
+
+    // A repository that moved is followed to its new name.
+    let moved = env.pull(&["old-org/llama-f32"]);
+    assert_eq!(
+        std::fs::read(moved.join("config.json")).unwrap(),
+        std::fs::read(path.join("config.json")).unwrap()
+    );
 
     // With the hub gone, the name resolves from the cache and the model loads.
     env.endpoint = dead_endpoint();

@@ -99,8 +99,17 @@ impl Hub {
 
     /// The commit a revision points at and the repository's files.
     pub fn repo_info(&self, repo: &str, revision: &str) -> Result<RepoInfo, ResolveError> {
-        let url = format!("{}/api/models/{repo}/revision/{}", self.endpoint, encode(revision, false));
-        let resp = self.authorized(self.agent.get(&url), &url).call().map_err(|e| self.network(e))?;
+        let mut url = format!("{}/api/models/{repo}/revision/{}", self.endpoint, encode(revision, false));
+        let mut resp = self.authorized(self.agent.get(&url), &url).call().map_err(|e| self.network(e))?;
+        // A renamed repository answers with a redirect to its new name.
+        for _ in 0..5 {
+            let Some(loc) = resp.headers().get("location").and_then(|v| v.to_str().ok()) else { break };
+            if !resp.status().is_redirection() {
+                break;
+            }
+            url = join_url(&url, loc);
+            resp = self.authorized(self.agent.get(&url), &url).call().map_err(|e| self.network(e))?;
+        }
         let status = resp.status().as_u16();
         if status != 200 {
             return Err(self.status_error(repo, Subject::Repo { revision }, &url, resp));

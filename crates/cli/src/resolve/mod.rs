@@ -226,7 +226,10 @@ pub fn resolve(req: Request<'_>, settings: &Settings) -> Result<Resolved, Resolv
                     Some(q) => format!("{repo}:{q}"),
                     None => repo.clone(),
                 };
-                for ollama_name in [short.as_str(), req.spec] {
+                // ollama keeps no revisions: only the default one can be there.
+                let ollama_names =
+                    if req.revision == "main" { vec![short.as_str(), req.spec] } else { vec![] };
+                for ollama_name in ollama_names {
                     if let Some(blob) = ollama::find(&settings.ollama_roots, ollama_name)? {
                         let path = ollama::gguf_link(&settings.link_dir, ollama_name, &blob)?;
                         return Ok(Resolved { path, name });
