@@ -51,9 +51,9 @@ pub struct ModelArgs {
     /// a repository, by its quantization tag), `ollama:NAME[:TAG]` or `NAME:TAG` (ollama's local
     /// store). A name is looked up in the Hugging Face cache (HF_HUB_CACHE, HF_HOME/hub,
     /// ~/.cache/huggingface/hub), then ollama's store (OLLAMA_MODELS, ~/.ollama/models), and
-    /// otherwise downloaded from the hub (HF_ENDPOINT; HF_TOKEN or the `huggingface-cli login` token for gated repositories;
-    /// HF_HUB_OFFLINE=1 never downloads). A path that exists always wins. Without it, the default
-    /// model is used (and fetched on first use).
+    /// otherwise downloaded from the hub (HF_ENDPOINT; HF_TOKEN or the `huggingface-cli login`
+    /// token for gated repositories; HF_HUB_OFFLINE=1 never downloads). A path that exists always
+    /// wins. Without it, the default model is used (and fetched on first use).
     #[arg(long)]
     model: Option<PathBuf>,
     /// The branch, tag or commit of a Hugging Face repository named by --model.
