@@ -9,6 +9,7 @@
 
 use super::cache::{self, INDEX, SINGLE};
 use super::{choose_gguf, ResolveError};
+use corridor_units::Bytes;
 use indicatif::{ProgressBar, ProgressStyle};
 use sha2::{Digest, Sha256};
 use std::io::{Read, Seek, Write};
@@ -334,8 +335,8 @@ impl Hub {
                     _ => ResolveError::ShortDownload {
                         repo: repo.to_string(),
                         file: file.to_string(),
-                        want,
-                        got,
+                        want: Bytes(want),
+                        got: Bytes(got),
                         why: cut.unwrap_or_else(|| "the connection closed early".to_string()),
                     },
                 });

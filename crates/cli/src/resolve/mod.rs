@@ -15,6 +15,7 @@ mod cache;
 mod hub;
 mod ollama;
 
+use corridor_units::Bytes;
 use std::path::{Path, PathBuf};
 
 pub use hub::Hub;
@@ -143,10 +144,10 @@ pub enum ResolveError {
     )]
     Checksum { repo: String, file: String, want: String, got: String },
     #[error(
-        "{repo}/{file}: the download stopped at {got} of {want} bytes ({why}); run the command again \
-         to resume it"
+        "{repo}/{file}: the download stopped at {} of {} bytes ({why}); run the command again to \
+         resume it", .got.get(), .want.get()
     )]
-    ShortDownload { repo: String, file: String, want: u64, got: u64, why: String },
+    ShortDownload { repo: String, file: String, want: Bytes, got: Bytes, why: String },
     #[error("{repo}: {why}; its files: {files}")]
     NoWeights { repo: String, why: String, files: String },
     #[error("{repo} has several GGUF files: name one by its quantization, e.g. --model {repo}:{example} (files: {files})")]
