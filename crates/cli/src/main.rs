@@ -5,6 +5,7 @@ mod generate;
 mod memory;
 mod plan;
 mod pull;
+mod resolve;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
@@ -31,7 +32,8 @@ enum Command {
     Serve(ServeArgs),
     /// Generate text for one prompt and stream it to stdout.
     Generate(GenerateArgs),
-    /// Fetch the default model (SmolLM2-135M-Instruct, GGUF Q4_1, 98 MB) into the cache.
+    /// Fetch a model by name (`corridor pull org/name[:QUANT]`) or, without one, the default model
+    /// (SmolLM2-135M-Instruct, GGUF Q4_1, 98 MB) into the cache, and print its path.
     Pull(PullArgs),
     /// Drive any OpenAI-compatible server with a workload and report throughput and latency.
     Bench(corridor_bench::BenchArgs),
@@ -44,10 +46,19 @@ enum Command {
 /// Model and engine sizing shared by `serve` and `generate`.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// A Hugging Face model directory (config.json, safetensors, tokenizer.json) or a .gguf file.
-    /// Without it, the default model is used (and fetched on first use).
+    /// The model: a Hugging Face directory (config.json, safetensors, tokenizer.json) or a .gguf
+    /// file; or a name: `org/name` (a Hugging Face repository), `org/name:Q4_K_M` (one GGUF file of
+    /// a repository, by its quantization tag), `ollama:NAME[:TAG]` or `NAME:TAG` (ollama's local
+    /// store). A name is looked up in the Hugging Face cache (HF_HUB_CACHE, HF_HOME/hub,
+    /// ~/.cache/huggingface/hub), then ollama's store (OLLAMA_MODELS, ~/.ollama/models), and
+    /// otherwise downloaded from the hub (HF_ENDPOINT; HF_TOKEN or the `huggingface-cli login`
+    /// token for gated repositories; HF_HUB_OFFLINE=1 never downloads). A path that exists always
+    /// wins. Without it, the default model is used (and fetched on first use).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// The branch, tag or commit of a Hugging Face repository named by --model.
+    #[arg(long, default_value = "main")]
+    revision: String,
     /// Requests that may run at once (continuous batching).
     #[arg(long, default_value_t = 32)]
     max_running_requests: usize,
@@ -152,6 +163,12 @@ struct GenerateArgs {
 
 #[derive(Args, Debug)]
 struct PullArgs {
+    /// The model to fetch or find, named as `--model` names it (`org/name`, `org/name:Q4_K_M`,
+    /// `ollama:NAME:TAG`; see `serve --help`); without it, the default model. Prints the path to load.
+    model: Option<PathBuf>,
+    /// The branch, tag or commit of the Hugging Face repository.
+    #[arg(long, default_value = "main")]
+    revision: String,
     /// Download again even if the model is cached.
     #[arg(long)]
     force: bool,
@@ -177,7 +194,7 @@ impl ModelArgs {
             rayon::ThreadPoolBuilder::new().num_threads(t.max(1)).build_global()?;
         }
         let path = match &self.model {
-            Some(p) => p.clone(),
+            Some(p) => resolve::model_arg(p, &self.revision, cache, false)?.path,
             None => pull::ensure_default_model(cache, false)?,
         };
         let mut o = corridor_server::boot::BootOptions::new(path);
@@ -200,6 +217,13 @@ impl ModelArgs {
             });
         }
         Ok(o)
+    }
+}
+
+impl ModelArgs {
+    /// `--model` when it is a name rather than a path that exists.
+    fn name_for_serving(&self) -> Option<String> {
+        self.model.as_ref().filter(|m| !m.exists()).map(|m| m.to_string_lossy().to_string())
     }
 }
 
@@ -231,7 +255,10 @@ fn run(cli: Cli) -> Result<()> {
     let cache = cli.cache_dir.clone().unwrap_or_else(pull::default_cache_dir);
     match cli.command {
         Command::Pull(a) => {
-            let p = pull::ensure_default_model(&cache, a.force)?;
+            let p = match &a.model {
+                Some(m) => resolve::model_arg(m, &a.revision, &cache, a.force)?.path,
+                None => pull::ensure_default_model(&cache, a.force)?,
+            };
             println!("{}", p.display());
             Ok(())
         }
@@ -242,7 +269,8 @@ fn run(cli: Cli) -> Result<()> {
             let cfg = corridor_server::http::ServerConfig {
                 host: a.host,
                 port: a.port,
-                served_model_name: a.served_model_name,
+                // A model asked for by name is served under that name.
+                served_model_name: a.served_model_name.or_else(|| a.model.name_for_serving()),
                 api_key: a.api_key,
                 ..Default::default()
             };
@@ -251,7 +279,10 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Memory(a) => memory::run(&a),
-        Command::Plan(a) => plan::run(&a),
+        Command::Plan(mut a) => {
+            a.model = resolve::model_arg(&a.model, &a.revision, &cache, false)?.path;
+            plan::run(&a)
+        }
         Command::Bench(a) => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let report = rt.block_on(corridor_bench::run(a))?;

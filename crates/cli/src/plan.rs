@@ -15,9 +15,13 @@ use std::path::PathBuf;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct PlanArgs {
-    /// A Hugging Face model directory or a .gguf file (only its shape is read).
+    /// A Hugging Face model directory or a .gguf file (only its shape is read), or a model name
+    /// as `serve --model` takes it.
     #[arg(long)]
     pub model: PathBuf,
+    /// The branch, tag or commit of a Hugging Face repository named by --model.
+    #[arg(long, default_value = "main")]
+    pub revision: String,
     /// The cards, one per rank: `sim:32GiB,20GiB,20GiB` (simulated cards of those sizes).
     #[arg(long)]
     pub devices: String,
