@@ -338,7 +338,7 @@ impl Tokenizer {
                     unk_id: check_id("tokenizer.ggml.unknown_token_id")?.or(Some(0)),
                     add_space_prefix: meta.optional_bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(true),
                 });
-                (Engine::Spm(Box::new(spm)), true)
+                (Engine::Spm(spm), true)
             }
             GgufModel::Wpm => {
                 let unk = check_id("tokenizer.ggml.unknown_token_id")?.unwrap_or(100);
@@ -630,12 +630,14 @@ enum GgufModel {
 /// The `tokenizer.ggml.model` names we build, for error messages.
 const SUPPORTED_MODELS: &[&str] = &["gpt2", "gemma4", "llama", "bert"];
 
-/// What does the work behind a [`Tokenizer`].
+/// What does the work behind a [`Tokenizer`]. There is one per loaded
+/// model and it is never moved after loading, so its size does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Engine {
     /// The `tokenizers` crate: Hugging Face files, GGUF BPE and WordPiece.
     Hf(tokenizers::Tokenizer),
     /// Our SentencePiece merge, for GGUF `llama` vocabularies.
-    Spm(Box<Spm>),
+    Spm(Spm),
 }
 
 impl Engine {
