@@ -190,8 +190,8 @@ fn every_llama_cpp_vocab_matches_its_test_strings() {
 }
 
 /// The vocabularies without test strings load, and encode and decode a
-/// sample text back to itself; the one whose model we do not implement
-/// (`t5`, Unigram) is refused by name.
+/// sample text back to itself. (Their ids have no reference here; the
+/// Unigram one, nomic-bert-moe, is the only vocabulary of its kind.)
 #[test]
 fn every_llama_cpp_vocab_without_tests_loads() {
     let Some(dir) = assets("llama-cpp-python/vocab") else {
@@ -200,16 +200,15 @@ fn every_llama_cpp_vocab_without_tests_loads() {
     let (_, without) = vocab_names(&dir);
     assert_eq!(without, VOCABS_WITHOUT_TESTS, "the vocab files without test strings changed");
     for name in &without {
-        let loaded = Tokenizer::from_gguf_path(&dir.join(format!("ggml-vocab-{name}.gguf")));
-        if name == "nomic-bert-moe" {
-            let err = loaded.unwrap_err().to_string();
-            assert!(err.contains("tokenizer model `t5` is not supported (supported: "), "{err}");
-            continue;
-        }
-        let tok = loaded.unwrap_or_else(|e| panic!("{name}: {e}"));
+        let tok = Tokenizer::from_gguf_path(&dir.join(format!("ggml-vocab-{name}.gguf")))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
         let text = "Hello world, 3.14 times";
         let ids = tok.encode(text, false).unwrap();
         assert!(!ids.is_empty(), "{name}");
+        eprintln!(
+            "DBG {name} {ids:?} {:?}",
+            ids.iter().map(|&i| tok.decode(&[i], false).unwrap()).collect::<Vec<_>>()
+        );
         assert_eq!(tok.decode(&ids, false).unwrap(), text, "{name}");
     }
 }

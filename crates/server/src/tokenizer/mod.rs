@@ -12,7 +12,8 @@
 //! - `gemma4`: BPE over raw UTF-8 with spaces as U+2581 and `<0xNN>` bytes;
 //! - `llama`: SentencePiece's score-ordered merge with byte fallback
 //!   ([`spm`]);
-//! - `bert`: WordPiece after BERT's uncased normalization.
+//! - `bert`: WordPiece after BERT's uncased normalization;
+//! - `t5`: SentencePiece Unigram with the vocabulary's compiled normalizer.
 //!
 //! Any other model or pre-tokenizer name is refused with an error that names
 //! it and lists the supported ones, rather than tokenized wrongly.
@@ -36,12 +37,18 @@ use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::decoders::fuse::Fuse;
 use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip as DecoderStrip;
 use tokenizers::decoders::wordpiece::WordPiece as WordPieceDecoder;
 use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::models::unigram::Unigram;
 use tokenizers::models::wordpiece::WordPiece;
 use tokenizers::normalizers::bert::BertNormalizer;
-use tokenizers::normalizers::replace::Replace;
+use tokenizers::normalizers::replace::{Replace, ReplacePattern};
+use tokenizers::normalizers::strip::Strip;
+use tokenizers::normalizers::utils::Sequence as NormalizerSequence;
+use tokenizers::normalizers::Precompiled;
 use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
+use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper};
 
@@ -264,6 +271,7 @@ impl Tokenizer {
             "gemma4" => GgufModel::Bpe,
             "llama" => GgufModel::Spm,
             "bert" => GgufModel::Wpm,
+            "t5" => GgufModel::Ugm,
             _ => {
                 return Err(TokenizerError::UnsupportedModel {
                     origin: origin.to_string(),
@@ -345,6 +353,27 @@ impl Tokenizer {
                 let unk_text = tokens.get(unk as usize).copied().unwrap_or("[UNK]");
                 (Engine::Hf(build_wpm(&tokens, unk_text).map_err(build_err)?), true)
             }
+            GgufModel::Ugm => {
+                let scores = meta.optional_floats("tokenizer.ggml.scores")?.unwrap_or_default();
+                let charsmap =
+                    meta.optional_bytes("tokenizer.ggml.precompiled_charsmap")?.unwrap_or_default();
+                let unk = check_id("tokenizer.ggml.unknown_token_id")?.or_else(|| {
+                    let types = token_types.as_deref()?;
+                    types.iter().position(|&t| t == spm::token_type::UNKNOWN).map(|i| i as u32)
+                });
+                let ugm = UgmVocab {
+                    tokens: &tokens,
+                    scores: &scores,
+                    types: token_types.as_deref(),
+                    unk_id: unk,
+                    charsmap: &charsmap,
+                    add_space_prefix: meta.optional_bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(true),
+                    remove_extra_whitespaces: meta
+                        .optional_bool("tokenizer.ggml.remove_extra_whitespaces")?
+                        .unwrap_or(true),
+                };
+                (Engine::Hf(build_ugm(&ugm).map_err(build_err)?), false)
+            }
         };
 
         // Control and user-defined tokens match as whole strings before any
@@ -384,9 +413,11 @@ impl Tokenizer {
             // llama.cpp always adds Gemma 4's BOS, whatever the metadata says.
             add_bos = true;
         }
+        // Unigram (T5) vocabularies end a sequence with EOS unless told not to.
+        let default_add_eos = model_kind == GgufModel::Ugm;
         let policy = SpecialPolicy {
             add_bos,
-            add_eos: meta.optional_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false),
+            add_eos: meta.optional_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(default_add_eos),
         };
         let chat_template = meta.optional_str("tokenizer.chat_template")?.map(str::to_string);
         let text_of = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize).map(|t| t.to_string()));
@@ -625,10 +656,12 @@ enum GgufModel {
     Spm,
     /// `bert`: WordPiece.
     Wpm,
+    /// `t5`: SentencePiece Unigram.
+    Ugm,
 }
 
 /// The `tokenizer.ggml.model` names we build, for error messages.
-const SUPPORTED_MODELS: &[&str] = &["gpt2", "gemma4", "llama", "bert"];
+const SUPPORTED_MODELS: &[&str] = &["gpt2", "gemma4", "llama", "bert", "t5"];
 
 /// What does the work behind a [`Tokenizer`]. There is one per loaded
 /// model and it is never moved after loading, so its size does not matter.
@@ -716,6 +749,75 @@ fn build_bpe(
             DecoderWrapper::Fuse(Fuse::new()),
         ]))));
     }
+    Ok(inner)
+}
+
+/// A Unigram vocabulary as read from GGUF metadata.
+struct UgmVocab<'a> {
+    tokens: &'a [&'a str],
+    scores: &'a [f32],
+    types: Option<&'a [u64]>,
+    unk_id: Option<u32>,
+    /// SentencePiece's compiled normalization rules (empty for none).
+    charsmap: &'a [u8],
+    add_space_prefix: bool,
+    remove_extra_whitespaces: bool,
+}
+
+/// A SentencePiece Unigram (T5, XLM-R) tokenizer: the text is normalized by
+/// the vocabulary's compiled rules, runs of spaces are collapsed and the ends
+/// trimmed (`remove_extra_whitespaces`), spaces become U+2581 with one put in
+/// front of each word, and the segmentation with the highest total score
+/// wins. User-defined pieces score 0, as in llama.cpp, so whole matches of
+/// them are preferred.
+fn build_ugm(v: &UgmVocab<'_>) -> Result<tokenizers::Tokenizer, String> {
+    let vocab: Vec<(String, f64)> = v
+        .tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let ty = v.types.map_or(spm::token_type::NORMAL, |types| types[i]);
+            let score = if ty == spm::token_type::USER_DEFINED {
+                0.0
+            } else {
+                v.scores.get(i).copied().unwrap_or(0.0)
+            };
+            ((*t).to_string(), f64::from(score))
+        })
+        .collect();
+    let byte_fallback = v.tokens.iter().any(|t| byte_fallback_token(t).is_some());
+    let unigram =
+        Unigram::from(vocab, v.unk_id.map(|id| id as usize), byte_fallback).map_err(|e| e.to_string())?;
+    let mut inner = tokenizers::Tokenizer::new(unigram);
+    let mut normalizers = Vec::new();
+    if !v.charsmap.is_empty() {
+        let compiled = Precompiled::from(v.charsmap).map_err(|e| format!("precompiled_charsmap: {e}"))?;
+        normalizers.push(NormalizerWrapper::Precompiled(compiled));
+    }
+    if v.remove_extra_whitespaces {
+        let collapse =
+            Replace::new(ReplacePattern::Regex(" {2,}".to_string()), " ").map_err(|e| e.to_string())?;
+        normalizers.push(NormalizerWrapper::Replace(collapse));
+        normalizers.push(NormalizerWrapper::StripNormalizer(Strip::new(true, true)));
+    }
+    inner
+        .with_normalizer(Some(NormalizerWrapper::Sequence(NormalizerSequence::new(normalizers))))
+        .map_err(|e| e.to_string())?;
+    let scheme = if v.add_space_prefix { PrependScheme::Always } else { PrependScheme::Never };
+    let mark = '\u{2581}';
+    inner.with_pre_tokenizer(Some(PreTokenizerWrapper::Metaspace(Metaspace::new(mark, scheme, true))));
+    // Decoding turns U+2581 back into spaces and takes away the one space
+    // put in front of the text.
+    let to_space = Replace::new(SPACE_MARK, " ").map_err(|e| e.to_string())?;
+    let mut decoders = vec![
+        DecoderWrapper::Replace(to_space),
+        DecoderWrapper::ByteFallback(ByteFallback::new()),
+        DecoderWrapper::Fuse(Fuse::new()),
+    ];
+    if v.add_space_prefix {
+        decoders.push(DecoderWrapper::Strip(DecoderStrip::new(' ', 1, 0)));
+    }
+    inner.with_decoder(Some(DecoderWrapper::Sequence(DecoderSequence::new(decoders))));
     Ok(inner)
 }
 
@@ -811,6 +913,23 @@ where
         items
             .iter()
             .map(|item| item.as_f64().map(|x| x as f32).ok_or_else(|| self.bad(key, item, "numbers")))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+    }
+
+    /// An array of bytes (GGUF writes them as u8 or i8).
+    fn optional_bytes(&self, key: &str) -> Result<Option<Vec<u8>>, TokenizerError> {
+        let Some(v) = (self.get)(key) else {
+            return Ok(None);
+        };
+        let items = v.as_array().ok_or_else(|| self.bad(key, v, "an array of bytes"))?;
+        items
+            .iter()
+            .map(|item| match item {
+                GgufValue::U8(b) => Ok(*b),
+                GgufValue::I8(b) => Ok(*b as u8),
+                other => Err(self.bad(key, other, "bytes")),
+            })
             .collect::<Result<Vec<_>, _>>()
             .map(Some)
     }
