@@ -61,6 +61,9 @@ pub(super) struct Spm {
     byte_ids: [Option<u32>; 256],
     /// Special pieces matched in the text, longest first.
     specials: Vec<(String, u32)>,
+    /// For each first byte, the indices into `specials` that start with it
+    /// (still longest first), so a scan looks only at candidates.
+    specials_by_first_byte: Vec<Vec<usize>>,
     unk_id: Option<u32>,
     add_space_prefix: bool,
 }
@@ -161,6 +164,10 @@ impl Spm {
             }
         }
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let mut specials_by_first_byte = vec![Vec::new(); 256];
+        for (i, (piece, _)) in specials.iter().enumerate() {
+            specials_by_first_byte[piece.as_bytes()[0] as usize].push(i);
+        }
         let mut scores = vocab.scores.to_vec();
         scores.resize(n, 0.0);
         Spm {
@@ -171,6 +178,7 @@ impl Spm {
             by_text,
             byte_ids,
             specials,
+            specials_by_first_byte,
             unk_id: vocab.unk_id,
             add_space_prefix: vocab.add_space_prefix,
         }
@@ -224,7 +232,10 @@ impl Spm {
         }
         for (at, _) in text.char_indices() {
             let tail = &text[at..];
-            if let Some((piece, id)) = self.specials.iter().find(|(p, _)| tail.starts_with(p.as_str())) {
+            let candidates = &self.specials_by_first_byte[tail.as_bytes()[0] as usize];
+            let found =
+                candidates.iter().map(|&i| &self.specials[i]).find(|(p, _)| tail.starts_with(p.as_str()));
+            if let Some((piece, id)) = found {
                 return (&text[..at], Some((*id, piece.len())));
             }
         }
