@@ -232,6 +232,16 @@ fn sentencepiece_gguf_encodes_with_space_prefix_bos_and_byte_fallback() {
     text.push_str(&stream.finish(&tok).unwrap());
     assert_eq!(text, "hi hié");
 
+    // Phi-3 files (by name, as llama.cpp tells them) drop the whitespace
+    // after special pieces other than <s>/<unk>; others keep it.
+    // ('\n' has neither a piece nor a byte piece here, so it is <unk>.)
+    assert_eq!(tok.encode("</s>\n hi", false).unwrap(), vec![2, 5, 0, 9]);
+    let mut meta = spm_meta();
+    meta.insert("general.name".into(), GgufValue::String("Phi-3 Mini 4K Instruct".into()));
+    let phi = Tokenizer::from_gguf_metadata(|k| meta.get(k), "phi3.gguf").unwrap();
+    assert_eq!(phi.encode("</s>\n hi", false).unwrap(), vec![2, 9]);
+    assert_eq!(phi.encode("<s> hi", false).unwrap(), vec![1, 5, 9]);
+
     let mut meta = spm_meta();
     meta.insert("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(false));
     meta.insert("tokenizer.ggml.add_space_prefix".into(), GgufValue::Bool(false));

@@ -345,6 +345,10 @@ impl Tokenizer {
                     types: token_types.as_deref(),
                     unk_id: check_id("tokenizer.ggml.unknown_token_id")?.or(Some(0)),
                     add_space_prefix: meta.optional_bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(true),
+                    rstrip_specials: meta.optional_str("general.name")?.is_some_and(|name| {
+                        let name = name.to_ascii_lowercase();
+                        name.contains("phi-3") || name.contains("phi3")
+                    }),
                 });
                 (Engine::Spm(spm), true)
             }

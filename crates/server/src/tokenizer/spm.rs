@@ -59,8 +59,9 @@ pub(super) struct Spm {
     /// Every piece by text (the last of duplicated strings wins, like llama.cpp).
     by_text: HashMap<String, u32>,
     byte_ids: [Option<u32>; 256],
-    /// Special pieces matched in the text, longest first.
-    specials: Vec<(String, u32)>,
+    /// Special pieces matched in the text, longest first, and whether the
+    /// whitespace after one is dropped (`rstrip`).
+    specials: Vec<(String, u32, bool)>,
     /// For each first byte, the indices into `specials` that start with it
     /// (still longest first), so a scan looks only at candidates.
     specials_by_first_byte: Vec<Vec<usize>>,
@@ -76,6 +77,10 @@ pub(super) struct SpmVocab<'a> {
     pub types: Option<&'a [u64]>,
     pub unk_id: Option<u32>,
     pub add_space_prefix: bool,
+    /// Phi-3's special pieces swallow the whitespace after them (llama.cpp
+    /// recognizes these files by their `general.name`), except `<unk>`,
+    /// `<s>` and `<|endoftext|>`.
+    pub rstrip_specials: bool,
 }
 
 /// One candidate merge of two adjacent symbols.
@@ -146,7 +151,9 @@ impl Spm {
                 }
                 Kind::Byte(b) => byte_ids[b as usize] = Some(id),
                 Kind::Control | Kind::UserDefined | Kind::Unknown if !piece.is_empty() => {
-                    specials.push((piece.to_string(), id));
+                    let rstrip =
+                        vocab.rstrip_specials && !matches!(*piece, "<unk>" | "<s>" | "<|endoftext|>");
+                    specials.push((piece.to_string(), id, rstrip));
                 }
                 _ => {}
             }
@@ -165,7 +172,7 @@ impl Spm {
         }
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
         let mut specials_by_first_byte = vec![Vec::new(); 256];
-        for (i, (piece, _)) in specials.iter().enumerate() {
+        for (i, (piece, _, _)) in specials.iter().enumerate() {
             specials_by_first_byte[piece.as_bytes()[0] as usize].push(i);
         }
         let mut scores = vocab.scores.to_vec();
@@ -214,9 +221,13 @@ impl Spm {
                 self.encode_run(&escaped, &mut out);
             }
             match special {
-                Some((id, len)) => {
+                Some((id, len, rstrip)) => {
                     out.push(id);
                     rest = &rest[plain.len() + len..];
+                    if rstrip {
+                        // C's isspace: space, \t, \n, \v, \f, \r.
+                        rest = rest.trim_start_matches([' ', '\t', '\n', '\x0b', '\x0c', '\r']);
+                    }
                 }
                 None => break,
             }
@@ -225,8 +236,9 @@ impl Spm {
     }
 
     /// Splits `text` at the first special piece: the plain text before it,
-    /// and the piece's id and byte length (longest match at that position).
-    fn next_special<'t>(&self, text: &'t str) -> (&'t str, Option<(u32, usize)>) {
+    /// and the piece's id, byte length (longest match at that position) and
+    /// whether it swallows the whitespace after it.
+    fn next_special<'t>(&self, text: &'t str) -> (&'t str, Option<(u32, usize, bool)>) {
         if self.specials.is_empty() {
             return (text, None);
         }
@@ -234,9 +246,9 @@ impl Spm {
             let tail = &text[at..];
             let candidates = &self.specials_by_first_byte[tail.as_bytes()[0] as usize];
             let found =
-                candidates.iter().map(|&i| &self.specials[i]).find(|(p, _)| tail.starts_with(p.as_str()));
-            if let Some((piece, id)) = found {
-                return (&text[..at], Some((*id, piece.len())));
+                candidates.iter().map(|&i| &self.specials[i]).find(|(p, _, _)| tail.starts_with(p.as_str()));
+            if let Some((piece, id, rstrip)) = found {
+                return (&text[..at], Some((*id, piece.len(), *rstrip)));
             }
         }
         (text, None)
@@ -360,6 +372,7 @@ mod tests {
             types: Some(&types),
             unk_id: Some(0),
             add_space_prefix,
+            rstrip_specials: false,
         })
     }
 
