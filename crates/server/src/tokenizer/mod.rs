@@ -310,7 +310,7 @@ impl Tokenizer {
 
         // What encode(.., add_special = true) adds when the metadata is
         // silent follows llama.cpp's defaults per tokenizer type.
-        let (engine, default_add_bos) = match model_kind {
+        let (mut engine, default_add_bos) = match model_kind {
             GgufModel::Bpe => {
                 let pre = if model == "gemma4" {
                     "gemma4"
@@ -385,7 +385,6 @@ impl Tokenizer {
         // stored raw (not byte-level mapped), which is also how added tokens
         // are written in tokenizer.json; their ids come from the vocabulary.
         // (SentencePiece keeps its own list.)
-        let mut engine = engine;
         if let (Engine::Hf(inner), Some(types)) = (&mut engine, &token_types) {
             let mut special = Vec::new();
             let mut user = Vec::new();
