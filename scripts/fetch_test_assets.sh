@@ -2,8 +2,9 @@
 # Fetches the real tokenizer data the tokenizer and template tests use, into
 # a cache directory: $CORRIDOR_TEST_ASSETS, or target/test-assets.
 #
-#   llama-cpp-python/vocab/ggml-vocab-{gpt-2,llama-bpe,qwen2}.gguf(.inp/.out)
-#       vocab-only GGUFs with llama.cpp's expected token ids (PyPI sdist
+#   llama-cpp-python/vocab/ggml-vocab-*.gguf(.inp/.out)
+#       every vocab-only GGUF of llama.cpp's tokenizer tests, with the
+#       expected token ids where llama.cpp has them (PyPI sdist
 #       llama-cpp-python 0.3.36, MIT)
 #   llama-cpp-python/templates/*.jinja
 #       real chat templates (input of scripts/make_template_fixtures.py)
@@ -67,19 +68,18 @@ fetch "$QWEN3_TGZ" "$QWEN3_SHA" \
 
 # llama.cpp vocab files and templates.
 lcp="$assets/llama-cpp-python"
-if [ ! -f "$lcp/.done-$LCP_SHA" ]; then
+if [ ! -f "$lcp/.done-all-vocab-$LCP_SHA" ]; then
     rm -rf "$lcp" && mkdir -p "$lcp/vocab" "$lcp/templates"
     tmp="$(mktemp -d)"
     prefix=llama_cpp_python-0.3.36/vendor/llama.cpp/models
-    members=()
-    for v in gpt-2 llama-bpe qwen2; do
-        members+=("$prefix/ggml-vocab-$v.gguf" "$prefix/ggml-vocab-$v.gguf.inp" "$prefix/ggml-vocab-$v.gguf.out")
-    done
-    tar -xzf "$downloads/$LCP_SDIST" -C "$tmp" "${members[@]}" --wildcards "$prefix/templates/*.jinja"
+    # Every vocabulary llama.cpp ships, with its test strings where it has
+    # them (crates/server/tests/tokenizer_assets.rs lists which are checked).
+    tar -xzf "$downloads/$LCP_SDIST" -C "$tmp" --wildcards \
+        "$prefix/ggml-vocab-*" "$prefix/templates/*.jinja"
     mv "$tmp/$prefix"/ggml-vocab-* "$lcp/vocab/"
     mv "$tmp/$prefix"/templates/*.jinja "$lcp/templates/"
     rm -rf "$tmp"
-    touch "$lcp/.done-$LCP_SHA"
+    touch "$lcp/.done-all-vocab-$LCP_SHA"
 fi
 
 # SmolLM2 GGUF from the wheel (a zip).

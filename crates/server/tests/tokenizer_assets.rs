@@ -33,8 +33,13 @@ fn assets(sub: &str) -> Option<PathBuf> {
 /// "\n__ggml_vocab_test__\n" (the file ends with one), and one line of
 /// space-separated expected ids per input, in the same order.
 fn read_vocab_tests(gguf: &Path) -> Vec<(String, Vec<u32>)> {
-    let inp = std::fs::read_to_string(gguf.with_extension("gguf.inp")).unwrap();
-    let out = std::fs::read_to_string(gguf.with_extension("gguf.out")).unwrap();
+    read_test_pair(&gguf.with_extension("gguf.inp"), &gguf.with_extension("gguf.out"))
+}
+
+fn read_test_pair(inp: &Path, out: &Path) -> Vec<(String, Vec<u32>)> {
+    let gguf = inp;
+    let inp = std::fs::read_to_string(inp).unwrap();
+    let out = std::fs::read_to_string(out).unwrap();
     let mut inputs: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
     // The separator after the last input leaves an empty tail, which
     // llama.cpp's reader never turns into a test.
@@ -62,6 +67,21 @@ fn run_vocab_tests(tok: &Tokenizer, tests: &[(String, Vec<u32>)], label: &str) -
     pass
 }
 
+/// Decoding the expected ids gives back the test string (SentencePiece
+/// takes away the one space its encoding put in front). WordPiece (BERT)
+/// lowercases, strips accents and drops spacing, so there the decoded text
+/// is checked by encoding it again to the same ids.
+fn check_decode(tok: &Tokenizer, tests: &[(String, Vec<u32>)], label: &str) {
+    for (text, ids) in tests {
+        let got = tok.decode(ids, false).unwrap();
+        if label == "bert-bge" {
+            assert_eq!(tok.encode(&got, false).unwrap(), *ids, "{label}: re-encoding {got:?}");
+        } else {
+            assert_eq!(got, *text, "{label}: decode of {ids:?}");
+        }
+    }
+}
+
 /// Streams the expected ids one at a time and checks the pieces add up to
 /// the full decode, on real multi-byte text.
 fn check_stream(tok: &Tokenizer, tests: &[(String, Vec<u32>)]) {
@@ -85,39 +105,130 @@ fn check_token_bytes(tok: &Tokenizer, tests: &[(String, Vec<u32>)]) {
     let mut split_chars = 0;
     for (_, ids) in tests {
         let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id)).collect();
-        assert_eq!(bytes, tok.decode(ids, false).unwrap().into_bytes(), "ids {ids:?}");
+        let text = tok.decode(ids, false).unwrap().into_bytes();
+        // A SentencePiece token keeps its space; the decoded text starts
+        // without the one encoding put in front.
+        let spm_prefixed = bytes.first() == Some(&b' ') && bytes[1..] == text[..];
+        assert!(bytes == text || spm_prefixed, "ids {ids:?}");
         split_chars +=
             ids.iter().filter(|&&id| tok.decode(&[id], false).unwrap().contains('\u{fffd}')).count();
     }
     assert!(split_chars > 0, "the test strings should split some character across tokens");
 }
 
-fn vocab_case(name: &str) {
+/// Every `ggml-vocab-*.gguf` of llama.cpp 0.3.36 that has `.inp`/`.out` test
+/// strings. The test below fails if the directory holds one that is not
+/// listed here (or lacks one that is), so no vocabulary is skipped silently.
+const VOCABS_WITH_TESTS: &[&str] = &[
+    "bert-bge",
+    "command-r",
+    "deepseek-coder",
+    "deepseek-llm",
+    "falcon",
+    "gemma-4",
+    "gpt-2",
+    "llama-bpe",
+    "llama-spm",
+    "mpt",
+    "phi-3",
+    "qwen2",
+    "qwen35",
+    "refact",
+    "starcoder",
+];
+
+/// The vocabularies llama.cpp ships without test strings; each must load.
+const VOCABS_WITHOUT_TESTS: &[&str] = &["aquila", "baichuan", "gpt-neox", "nomic-bert-moe"];
+
+/// Names `ggml-vocab-NAME.gguf` in `dir`, split by whether test strings exist.
+fn vocab_names(dir: &Path) -> (Vec<String>, Vec<String>) {
+    let mut with = Vec::new();
+    let mut without = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let file = entry.unwrap().file_name().into_string().unwrap();
+        if let Some(name) = file.strip_prefix("ggml-vocab-").and_then(|f| f.strip_suffix(".gguf")) {
+            if dir.join(format!("{file}.inp")).exists() {
+                with.push(name.to_string());
+            } else {
+                without.push(name.to_string());
+            }
+        }
+    }
+    with.sort();
+    without.sort();
+    (with, without)
+}
+
+/// Checks one vocabulary; returns a description of what went wrong, if anything.
+fn vocab_case(dir: &Path, name: &str) -> Option<String> {
+    let gguf = dir.join(format!("ggml-vocab-{name}.gguf"));
+    let tok = match Tokenizer::from_gguf_path(&gguf) {
+        Ok(tok) => tok,
+        Err(e) => return Some(format!("{name}: does not load: {e}")),
+    };
+    let tests = read_vocab_tests(&gguf);
+    let pass = run_vocab_tests(&tok, &tests, name);
+    if pass != tests.len() {
+        return Some(format!("{name}: {pass}/{} test strings encode exactly", tests.len()));
+    }
+    check_decode(&tok, &tests, name);
+    check_stream(&tok, &tests);
+    // WordPiece pieces are not spans of the text (`##` continuations), so
+    // raw token bytes are only checked for the other vocabularies.
+    if name != "bert-bge" {
+        check_token_bytes(&tok, &tests);
+    }
+    None
+}
+
+/// Every vocabulary with test strings: each string encodes to exactly the
+/// ids llama.cpp expects, and the ids decode back to the text.
+#[test]
+fn every_llama_cpp_vocab_matches_its_test_strings() {
     let Some(dir) = assets("llama-cpp-python/vocab") else {
         return;
     };
-    let gguf = dir.join(format!("ggml-vocab-{name}.gguf"));
-    let tok = Tokenizer::from_gguf_path(&gguf).unwrap();
-    let tests = read_vocab_tests(&gguf);
-    let pass = run_vocab_tests(&tok, &tests, name);
-    assert_eq!(pass, tests.len(), "{name}: not every test string matched");
+    let (with, _) = vocab_names(&dir);
+    assert_eq!(with, VOCABS_WITH_TESTS, "the vocab files with test strings changed; update the list");
+    let failures: Vec<String> = with.iter().filter_map(|name| vocab_case(&dir, name)).collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The vocabularies without test strings load, and encode and decode a
+/// sample text back to itself. (Their ids have no reference here; the
+/// Unigram one, nomic-bert-moe, is the only vocabulary of its kind.)
+#[test]
+fn every_llama_cpp_vocab_without_tests_loads() {
+    let Some(dir) = assets("llama-cpp-python/vocab") else {
+        return;
+    };
+    let (_, without) = vocab_names(&dir);
+    assert_eq!(without, VOCABS_WITHOUT_TESTS, "the vocab files without test strings changed");
+    for name in &without {
+        let tok = Tokenizer::from_gguf_path(&dir.join(format!("ggml-vocab-{name}.gguf")))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let text = "Hello world, 3.14 times";
+        let ids = tok.encode(text, false).unwrap();
+        assert!(!ids.is_empty(), "{name}");
+        assert_eq!(tok.decode(&ids, false).unwrap(), text, "{name}");
+    }
+}
+
+/// The Unigram vocabulary has no test strings of its own; the standard ones
+/// were encoded by SentencePiece itself, from a model rebuilt out of the
+/// same GGUF metadata, by `scripts/make_vocab_fixtures.py` (the ids are
+/// committed in tests/fixtures/vocab).
+#[test]
+fn gguf_unigram_matches_sentencepiece() {
+    let Some(dir) = assets("llama-cpp-python/vocab") else {
+        return;
+    };
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vocab/nomic-bert-moe.out");
+    let tests = read_test_pair(&dir.join("ggml-vocab-llama-spm.gguf.inp"), &fixture);
+    let tok = Tokenizer::from_gguf_path(&dir.join("ggml-vocab-nomic-bert-moe.gguf")).unwrap();
+    let pass = run_vocab_tests(&tok, &tests, "nomic-bert-moe");
+    assert_eq!(pass, tests.len(), "nomic-bert-moe: not every test string matched");
     check_stream(&tok, &tests);
-    check_token_bytes(&tok, &tests);
-}
-
-#[test]
-fn gguf_gpt2_matches_llama_cpp() {
-    vocab_case("gpt-2");
-}
-
-#[test]
-fn gguf_llama_bpe_matches_llama_cpp() {
-    vocab_case("llama-bpe");
-}
-
-#[test]
-fn gguf_qwen2_matches_llama_cpp() {
-    vocab_case("qwen2");
 }
 
 /// The Qwen3 tokenizer.json shares Qwen2's vocabulary, so llama.cpp's Qwen2
