@@ -243,6 +243,8 @@ async fn engine_stats(State(state): State<AppState>) -> Response {
         "prompt_tokens": s.prompt_tokens,
         "generated_tokens": s.generated_tokens,
         "preemptions": s.preemptions,
+        "memory_preemptions": s.memory_preemptions,
+        "kv_pages_moved": s.kv_pages_moved,
         "aborted": s.aborted,
         "finished": s.finished,
         "steps": s.steps,

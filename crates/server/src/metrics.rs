@@ -275,6 +275,20 @@ pub fn render(s: &Scrape<'_>) -> String {
     );
     single(
         &mut out,
+        "corridor_memory_preemptions_total",
+        "Sequences preempted because running requests held more KV than the card kept above its floor.",
+        "counter",
+        e.memory_preemptions,
+    );
+    single(
+        &mut out,
+        "corridor_kv_pages_moved_total",
+        "Live KV pages moved out of sparse chunks so the chunks could be released.",
+        "counter",
+        e.kv_pages_moved,
+    );
+    single(
+        &mut out,
         "corridor_requests_aborted_total",
         "Sequences aborted (client gone or server shutting down).",
         "counter",
