@@ -1,7 +1,7 @@
 //! The real SmolLM2-135M-Instruct (GGUF, Q8_0 embedding and Q4_1 matrices)
 //! answers "What is the capital of France?" with "The capital of France is
-//! Paris." under greedy decoding. Token ids are the model's own (see
-//! research/models.md §1): this checks the GGUF reader, the quantized kernels,
+//! Paris." under greedy decoding. Token ids are the model's own (the GGUF
+//! carries its tokenizer): this checks the GGUF reader, the quantized kernels,
 //! the interleaved RoPE and tied embeddings on a trained model at once.
 //!
 //! The model comes from `corridor pull` (its cache, or `CORRIDOR_CACHE_DIR`).
