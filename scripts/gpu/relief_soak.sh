@@ -48,8 +48,8 @@ python3 scripts/gpu/make_llama8b.py "$MODEL_DIR" --tokenizer-dir .gpu/llama3-tok
 
 header "b. corridor serve"
 mkdir -p "$out/flight"
-"$BIN" serve --model "$MODEL_DIR" --devices cuda:0 --max-running-requests 32 --max-batched-tokens 2048 \
-    --context-length 4096 --host 127.0.0.1 --port "$PORT" --flight-dir "$out/flight" > "$out/serve.log" 2>&1 &
+"$BIN" serve --model "$MODEL_DIR" --devices cuda:0 --max-running-requests ${MAX_RUNNING:-128} --max-batched-tokens 2048 \
+    --context-length ${CONTEXT:-8192} --host 127.0.0.1 --port "$PORT" --flight-dir "$out/flight" > "$out/serve.log" 2>&1 &
 server_pid=$!
 for _ in $(seq 300); do
     kill -0 "$server_pid" 2>/dev/null || { echo "server exited"; tail -n 40 "$out/serve.log"; exit 1; }

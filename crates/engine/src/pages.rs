@@ -207,8 +207,13 @@ impl PagePool {
             return Some(Vec::new());
         }
         // Growing never spends relief here: admission waits rather than
-        // pushing the card towards its floor.
-        let _ = self.arena.ensure_free(Pages(n), Urgency::Opportunistic);
+        // pushing the card towards its floor. Shortly after KV gave memory
+        // back (another process is growing), evicting cached pages comes
+        // before growing into the headroom relief just made.
+        let c = self.arena.counts();
+        if c.free.get() < n && (!self.arena.holding() || c.free.get() + c.cached.get() < n) {
+            let _ = self.arena.ensure_free(Pages(n), Urgency::Opportunistic);
+        }
         let mut idx = lock(&self.index);
         let free = self.arena.counts().free.get();
         if free + idx.lru.len() < n {
@@ -308,36 +313,23 @@ impl PagePool {
     }
 
     /// Empty up to `chunks` chunks of the arena so they can be released:
-    /// the live pages of the chunks with the fewest move to free pages
-    /// elsewhere, their data copied by `copy` (every layer, every rank)
-    /// before any page changes state. Cached pages are evicted, least
-    /// recently used first, only while the free pages cannot take what the
-    /// chunks hold; a cached prefix otherwise moves like any page. Returns
-    /// the moves (the caller rewrites its sequences' page tables with them)
-    /// and the pages evicted. On a failed copy nothing moved.
+    /// the live pages (cached prefixes too) of the chunks with the fewest
+    /// move to free pages of other chunks in use, their data copied by
+    /// `copy` (every layer, every rank) before any page changes state.
+    /// Returns the moves (the caller rewrites its sequences' page tables with
+    /// them); none when the free pages cannot take a chunk's worth. On a
+    /// failed copy nothing moved.
     pub fn vacate(
         &mut self,
         chunks: usize,
         copy: &mut dyn FnMut(&[(PageId, PageId)]) -> Result<(), String>,
-    ) -> Result<Vacated, String> {
+    ) -> Result<Vec<(PageId, PageId)>, String> {
         // The index is held throughout, so the governor's evictor cannot
         // touch a cached page that is being moved.
         let mut idx = lock(&self.index);
-        let cp = self.arena.geometry().chunk_pages;
-        let mut evicted = 0;
-        while self.arena.counts().free.get() < chunks * cp {
-            let Some((_, id)) = idx.lru.pop_first() else { break };
-            idx.released_at.remove(&id);
-            if let Some(r) = idx.registered.remove(&id) {
-                idx.by_hash.remove(&r.hash);
-            }
-            self.arena.evict(PageId(id)).expect("an indexed cached page is cached in the arena");
-            idx.evictions += 1;
-            evicted += 1;
-        }
         let plan = self.arena.plan_vacate(chunks);
         if plan.moves.is_empty() {
-            return Ok(Vacated { moves: Vec::new(), evicted });
+            return Ok(Vec::new());
         }
         if let Err(e) = copy(&plan.moves) {
             self.arena.abandon_moves(&plan.moves);
@@ -360,22 +352,30 @@ impl PagePool {
                 idx.released_at.insert(to.0, t);
             }
         }
-        Ok(Vacated { moves: plan.moves, evicted })
+        Ok(plan.moves)
+    }
+
+    /// Evict cached pages so that up to `chunks` chunks can be released or
+    /// emptied: first the cached pages of chunks that hold nothing in use
+    /// (those chunks are then free), the chunks with the fewest cached pages
+    /// and the least recently used first; failing that, least recently used
+    /// cached pages anywhere, a chunk's worth, so live pages can move into
+    /// their room. Returns the pages evicted.
+    pub fn evict_for(&mut self, chunks: usize) -> usize {
+        let mut idx = lock(&self.index);
+        let n = evict_whole_chunks(&self.arena, &mut idx, chunks);
+        if n > 0 {
+            return n;
+        }
+        let cp = self.arena.geometry().chunk_pages;
+        let victims: Vec<u32> = idx.lru.iter().take(cp).map(|&(_, id)| id).collect();
+        evict_all(&self.arena, &mut idx, &victims)
     }
 
     /// The relief provider that gives cached prefixes back to the card.
     pub fn prefix_evictor(&self) -> Arc<dyn ReliefProvider> {
         Arc::new(PrefixEvictor { arena: self.arena.clone(), index: self.index.clone() })
     }
-}
-
-/// What [`PagePool::vacate`] did.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Vacated {
-    /// `(from, to)` for every live page moved.
-    pub moves: Vec<(PageId, PageId)>,
-    /// Cached pages evicted to make room for the moves.
-    pub evicted: usize,
 }
 
 /// Evict up to `n` cached pages, highest ids first.
@@ -397,9 +397,9 @@ fn evict_all(arena: &KvArena, idx: &mut PrefixIndex, victims: &[u32]) -> usize {
 
 /// Evict the cached pages of up to `chunks` chunks that hold no page in
 /// use, so those chunks can be released: the chunks with the fewest cached
-/// pages first (the least reuse lost), the highest among equals. Cached
-/// pages that share a chunk with pages in use are left alone: evicting
-/// them would free no memory.
+/// pages first (the least reuse lost), the least recently used among
+/// equals. Cached pages that share a chunk with pages in use are left
+/// alone: evicting them would free no memory.
 fn evict_whole_chunks(arena: &KvArena, idx: &mut PrefixIndex, chunks: usize) -> usize {
     let cp = arena.geometry().chunk_pages;
     let busy: BTreeSet<usize> = idx.refs.keys().map(|&id| id as usize / cp).collect();
@@ -410,9 +410,13 @@ fn evict_whole_chunks(arena: &KvArena, idx: &mut PrefixIndex, chunks: usize) -> 
             by_chunk.entry(c).or_default().push(id);
         }
     }
-    let mut order: Vec<(usize, Vec<u32>)> = by_chunk.into_iter().collect();
-    order.sort_by_key(|(c, ids)| (ids.len(), std::cmp::Reverse(*c)));
-    let victims: Vec<u32> = order.into_iter().take(chunks).flat_map(|(_, ids)| ids).collect();
+    // Fewest cached pages first (the least reuse lost), then the chunk whose
+    // newest page was released longest ago.
+    let newest = |ids: &[u32]| ids.iter().map(|id| idx.released_at[id]).max().unwrap_or(0);
+    let mut order: Vec<(usize, u64, Vec<u32>)> =
+        by_chunk.into_values().map(|ids| (ids.len(), newest(&ids), ids)).collect();
+    order.sort_by_key(|(n, t, _)| (*n, *t));
+    let victims: Vec<u32> = order.into_iter().take(chunks).flat_map(|(_, _, ids)| ids).collect();
     evict_all(arena, idx, &victims)
 }
 

@@ -293,13 +293,14 @@ impl Scheduler {
     }
 
     /// Give `card` (one of the cards the pool's arena spans) at least `need`
-    /// bytes back, between steps. In order: release the chunks that hold
-    /// nothing; move live pages out of the sparsest chunks into free pages
-    /// elsewhere (`copy` copies their data; page tables are rewritten) and
-    /// release those chunks too, evicting cached pages only where the free
-    /// pages cannot take them; and only when the pages that running
-    /// sequences hold exceed what the card keeps after giving `need` back,
-    /// preempt the newest (each preemption logged with that arithmetic).
+    /// bytes back, between steps. In order, each step repeated while it
+    /// helps: release the chunks that hold nothing; move live pages out of
+    /// the sparsest chunks into free pages of other chunks in use (`copy`
+    /// copies their data; page tables are rewritten); evict cached pages
+    /// (whole chunks of them first), which frees chunks or makes room for
+    /// moves; and only when the pages that running sequences hold exceed
+    /// what the card keeps after giving `need` back, preempt the newest (each
+    /// preemption logged with that arithmetic).
     ///
     /// `need` is what the guard aims for; `must` (at most `need`) is what the
     /// card cannot do without — the guard's overshoot above the floor is
@@ -328,18 +329,21 @@ impl Scheduler {
                 break;
             }
             match self.pool.vacate(left, copy) {
-                Ok(v) => {
-                    out.evicted += v.evicted;
-                    if !v.moves.is_empty() {
-                        out.moved += v.moves.len();
-                        self.remap(&v.moves);
-                        continue;
-                    }
+                Ok(moves) if !moves.is_empty() => {
+                    out.moved += moves.len();
+                    self.remap(&moves);
+                    continue;
                 }
+                Ok(_) => {}
                 Err(e) => {
                     tracing::error!(%card, "moving KV pages failed, nothing moved: {e}");
                     break;
                 }
+            }
+            let evicted = self.pool.evict_for(left);
+            if evicted > 0 {
+                out.evicted += evicted;
+                continue;
             }
             // Nothing left to move into: the pages in use exceed what the
             // card keeps. Only what the card cannot do without is worth

@@ -566,26 +566,34 @@ impl KvArena {
 
     /// Plan the moves that empty up to `chunks` more chunks: the committed
     /// chunks with the fewest live pages (the highest first among equals)
-    /// give their live pages to the lowest free pages of the other chunks.
-    /// Emptying a chunk takes a whole chunk's worth of free pages elsewhere,
-    /// so at most `free / chunk_pages` chunks can be emptied; fewer are
-    /// planned when fewer are possible. The destinations are taken now, so
-    /// nothing else can hand them out or release their chunks while the
-    /// caller copies the data; then [`KvArena::finish_moves`].
+    /// give their live pages to the lowest free pages of the other chunks
+    /// that hold live pages (a chunk that holds nothing is released, not
+    /// filled). Emptying a chunk takes a whole chunk's worth of free pages in
+    /// such chunks, so at most `free in them / chunk_pages` chunks can be
+    /// emptied; fewer are planned when fewer are possible (none when chunks
+    /// are one page). The destinations are taken now, so nothing else can
+    /// hand them out or release their chunks while the caller copies the
+    /// data; then [`KvArena::finish_moves`].
     pub fn plan_vacate(&self, chunks: usize) -> Vacate {
         let mut st = lock(&self.state);
         let cp = self.geometry.chunk_pages;
         let mut candidates: Vec<usize> =
             (0..st.slots.len()).filter(|&s| st.is_committed(s) && st.live[s] > 0).collect();
+        let free_in_used: usize = candidates.iter().map(|&s| cp - st.live[s] as usize).sum();
         candidates.sort_by_key(|&s| (st.live[s], std::cmp::Reverse(s)));
-        let k = chunks.min(st.free.len() / cp).min(candidates.len());
+        let k = chunks.min(free_in_used / cp).min(candidates.len());
         let mut chosen: Vec<usize> = candidates[..k].to_vec();
         chosen.sort_unstable();
         let in_chosen = |i: u32| chosen.binary_search(&(i as usize / cp)).is_ok();
         let sources: Vec<usize> =
             chosen.iter().flat_map(|&s| s * cp..(s + 1) * cp).filter(|&i| st.pages[i].is_live()).collect();
-        let dests: Vec<u32> =
-            st.free.iter().copied().filter(|&i| !in_chosen(i)).take(sources.len()).collect();
+        let dests: Vec<u32> = st
+            .free
+            .iter()
+            .copied()
+            .filter(|&i| !in_chosen(i) && st.live[i as usize / cp] > 0)
+            .take(sources.len())
+            .collect();
         debug_assert_eq!(
             dests.len(),
             sources.len(),
@@ -661,6 +669,12 @@ impl KvArena {
         let mut st = lock(&self.state);
         st.target = st.target.max(st.committed * self.geometry.chunk_pages);
         Ok(())
+    }
+
+    /// Whether a release happened less than the hold time ago: KV should not
+    /// grow back yet unless it must.
+    pub fn holding(&self) -> bool {
+        lock(&self.state).last_release.is_some_and(|t| self.clock.now().saturating_sub(t) < self.hold)
     }
 
     /// Grow back toward the target if the hold time has passed since the last

@@ -67,9 +67,22 @@ pub(crate) struct DeviceShared {
     decide: Mutex<GuardStats>,
     providers: Arc<ProviderRegistry>,
     fleet: Arc<FleetView>,
+    /// Allocations and commits after which the driver showed less than the
+    /// floor free: what the sampler calls a breach while a card is under.
+    landed_under: std::sync::atomic::AtomicU64,
 }
 
 impl DeviceShared {
+    /// Re-probe after an allocation landed: a grant judged above the floor
+    /// can still land under it when another process took memory between the
+    /// guard's probe and the driver's allocation.
+    fn note_landing(&self, want: Bytes, purpose: &dyn std::fmt::Display) {
+        let free = self.card.driver_free();
+        if free < self.settings.floor {
+            self.landed_under.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(card = %self.card.id(), %want, %free, floor = %self.settings.floor, "an allocation for {purpose} landed under the floor");
+        }
+    }
     fn book(&self, purpose: Purpose, bytes: Bytes) {
         *lock(&self.books).slot(purpose) += bytes;
     }
@@ -134,6 +147,7 @@ impl Device {
                 decide: Mutex::new(GuardStats::default()),
                 providers,
                 fleet,
+                landed_under: Default::default(),
             }),
         }
     }
@@ -154,6 +168,11 @@ impl Device {
     pub fn guard_stats(&self) -> GuardStats {
         *lock(&self.shared.decide)
     }
+    /// Allocations and commits of ours after which the card showed less
+    /// than its floor free.
+    pub fn allocations_under_floor(&self) -> u64 {
+        self.shared.landed_under.load(std::sync::atomic::Ordering::Relaxed)
+    }
     /// Add a relief provider (shared by every card of the fleet).
     pub fn register_provider(&self, provider: Arc<dyn ReliefProvider>) {
         self.shared.providers.register(provider);
@@ -173,6 +192,7 @@ impl Device {
             self.card_refusal(req.want, outcome.free_after, e)
         })?;
         self.shared.book(req.purpose, req.want);
+        self.shared.note_landing(req.want, &req.purpose);
         Ok(Allocation { device: self.shared.clone(), block: Some(block), purpose: req.purpose })
     }
 
@@ -232,6 +252,7 @@ impl Device {
             self.card_refusal(bytes, outcome.free_after, e)
         })?;
         self.shared.book(Purpose::Kv, bytes);
+        self.shared.note_landing(bytes, &Purpose::Kv);
         Ok(Commit { va: va.inner.clone(), offset, bytes })
     }
 

@@ -6,8 +6,12 @@
 //! - on entering the floor: an **intrusion** when, without what foreign
 //!   processes grew since the previous sample, the card would have held; a
 //!   **breach** otherwise (corridor's own allocation took it under);
-//! - while under: a **breach** if this process's bytes grew since the
-//!   previous sample (corridor went deeper), else the episode's cause.
+//! - while under: a **breach** if one of corridor's allocations landed
+//!   under the floor since the previous sample, or this process grew beyond
+//!   its books (corridor went deeper), else the episode's cause — a booked
+//!   allocation made while the card was above its floor, between two
+//!   samples of one episode, is not turned into a breach by another
+//!   process taking more after it.
 //!
 //! Consecutive samples under the floor form an episode; the time from its
 //! first sample to the first sample back at the floor is its restore time.
@@ -93,6 +97,10 @@ struct Track {
     /// The previous sample: foreign processes and this process's bytes.
     prev_foreign: BTreeMap<u32, Bytes>,
     prev_self: Bytes,
+    /// Our books and the device's count of allocations that landed under
+    /// the floor, at the previous sample.
+    prev_books: Bytes,
+    prev_landed: u64,
 }
 
 /// The sampler of a fleet.
@@ -132,6 +140,8 @@ impl Sampler {
             let foreign: BTreeMap<u32, Bytes> =
                 processes.into_iter().filter(|p| p.pid != me).map(|p| (p.pid, p.bytes)).collect();
             let floor = dev.settings().floor;
+            let books = dev.books().total();
+            let landed = dev.allocations_under_floor();
             let s = &mut track.stats;
             s.samples += 1;
             s.last_free = Some(free);
@@ -161,8 +171,19 @@ impl Sampler {
                     .map(|(pid, bytes)| ProcessBytes { pid: *pid, bytes: *bytes })
                     .collect();
                 let cause = match &s.open {
-                    // Going deeper while under: ours if this process grew.
-                    Some(_) if self_bytes > track.prev_self => Cause::Breach,
+                    // Going deeper while under: ours if one of our
+                    // allocations landed under the floor, or this process
+                    // grew beyond its books (memory we took that the
+                    // guard never saw). A booked allocation made while the
+                    // card was above its floor, between two samples, is
+                    // not a breach because another process then took more.
+                    Some(_)
+                        if landed > track.prev_landed
+                            || self_bytes.saturating_sub(track.prev_self)
+                                > books.saturating_sub(track.prev_books) =>
+                    {
+                        Cause::Breach
+                    }
                     Some(ep) => ep.cause,
                     None => {
                         // Entering: would the card have held without the
@@ -199,6 +220,8 @@ impl Sampler {
             };
             track.prev_foreign = foreign;
             track.prev_self = self_bytes;
+            track.prev_books = books;
+            track.prev_landed = landed;
             let verdict = match under {
                 None => "ok",
                 Some(Cause::Breach) => "breach",
@@ -343,5 +366,30 @@ mod tests {
         assert_eq!(lines.len(), 1 + 5 * 2);
         assert!(lines.iter().any(|l| l.starts_with("100,0,") && l.contains(",intrusion,")));
         assert_eq!(cards[0].driver_free(), Bytes::gib(6));
+    }
+
+    #[test]
+    fn a_grant_above_the_floor_between_two_samples_of_an_episode_is_not_a_breach() {
+        let clock = Arc::new(ManualClock::new());
+        let card = Arc::new(SimCard::new(SimCardSpec::new(CardId(0), Bytes::gib(8)), &[], clock.clone()));
+        let dev = Device::standalone(card.clone(), CardSettings::default());
+        let sampler = Sampler::new(vec![dev.clone()], clock.clone());
+        sampler.sample();
+        // An intruder takes the card under its floor.
+        card.set_foreign(7, Bytes::gib(7) + Bytes::mib(512));
+        clock.advance(Duration::from_millis(100));
+        assert_eq!(sampler.sample()[0].under, Some(Cause::Intrusion));
+        // Before the next sample: the intruder shrinks, corridor takes 300
+        // MiB while the card is above its floor, then the intruder grows
+        // again and takes the card under once more.
+        card.set_foreign(7, Bytes::gib(6));
+        let grant = dev.reserve(Bytes::mib(300), crate::Purpose::Kv).unwrap();
+        assert_eq!(dev.allocations_under_floor(), 0);
+        card.set_foreign(7, Bytes::gib(7));
+        clock.advance(Duration::from_millis(100));
+        assert_eq!(sampler.sample()[0].under, Some(Cause::Intrusion), "the episode stays the intruder's");
+        let s = sampler.stats(CardId(0)).unwrap();
+        assert_eq!((s.intrusions, s.breaches), (2, 0));
+        drop(grant);
     }
 }
