@@ -121,6 +121,42 @@ struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health. Never logged.
     #[arg(long, env = "CORRIDOR_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    #[command(flatten)]
+    sampling: SamplingFlags,
+}
+
+/// Defaults for requests that leave a sampling field out. Each field is taken from the request,
+/// else from this flag, else from the model (`generation_config.json`, or a GGUF file's
+/// `general.sampling.*`), else from the built-in default (chosen so small models answer and stop).
+#[derive(Args, Debug, Clone, Default)]
+struct SamplingFlags {
+    /// Default sampling temperature, in [0, 2]; 0 is greedy (built-in: 0.2).
+    #[arg(long, help_heading = "Sampling defaults")]
+    temperature: Option<f32>,
+    /// Default nucleus cut-off, in (0, 1]; 1 disables it (built-in: 0.9).
+    #[arg(long, help_heading = "Sampling defaults")]
+    top_p: Option<f32>,
+    /// Default top-k cut-off; -1 or 0 disable it (built-in: off).
+    #[arg(long, allow_hyphen_values = true, help_heading = "Sampling defaults")]
+    top_k: Option<i64>,
+    /// Default min-p cut-off relative to the top token, in [0, 1]; 0 disables it (built-in: 0.05).
+    #[arg(long, help_heading = "Sampling defaults")]
+    min_p: Option<f32>,
+    /// Default repetition penalty, > 0; 1 disables it (built-in: 1.1).
+    #[arg(long, help_heading = "Sampling defaults")]
+    repetition_penalty: Option<f32>,
+}
+
+impl SamplingFlags {
+    fn preferences(&self) -> corridor_server::defaults::SamplingPreferences {
+        corridor_server::defaults::SamplingPreferences {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -237,6 +273,9 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Generate(a) => generate::run(&a, &cache),
         Command::Serve(a) => {
+            let sampling = a.sampling.preferences();
+            // Checked before the model loads, so a typo fails at once.
+            sampling.validate().map_err(|e| anyhow::anyhow!("--{}: {e}", e.param.replace('_', "-")))?;
             let opts = a.model.boot_options(&cache)?;
             let booted = boot_with_progress(&opts)?;
             let cfg = corridor_server::http::ServerConfig {
@@ -244,6 +283,7 @@ fn run(cli: Cli) -> Result<()> {
                 port: a.port,
                 served_model_name: a.served_model_name,
                 api_key: a.api_key,
+                sampling,
                 ..Default::default()
             };
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -134,6 +134,9 @@ pub struct Booted {
     /// The name `/v1/models` lists by default (the checkpoint's file or directory name).
     pub model_name: String,
     pub checkpoint_path: PathBuf,
+    /// The sampling values the checkpoint recommends (`generation_config.json`
+    /// or a GGUF file's `general.sampling.*`); the server's flags win over them.
+    pub sampling: crate::defaults::SamplingPreferences,
     /// The memory governor: cards, books, arenas, sampler.
     pub governor: Arc<Governor>,
     /// What must live as long as anything serves from this boot: the weights
@@ -288,6 +291,11 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         tokenizer.bos_token(),
         tokenizer.eos_token(),
     )?;
+    let sampling = match (ckpt.gguf(), ckpt.dir()) {
+        (Some(g), _) => crate::defaults::SamplingPreferences::from_gguf(g),
+        (None, Some(dir)) => crate::defaults::SamplingPreferences::from_hf_dir(dir),
+        (None, None) => Default::default(),
+    };
     let cfg = ckpt.config().clone();
     let context_len = opts.context_len.unwrap_or(cfg.max_position_embeddings).max(1);
     let config = EngineConfig {
@@ -336,6 +344,7 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         template: Arc::new(template),
         model_name,
         checkpoint_path: opts.model.clone(),
+        sampling,
         governor,
         keep_alive: Arc::new(KeepAlive { monitor: Some(monitor), resident }),
     })

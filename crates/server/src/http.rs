@@ -27,6 +27,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::api::{ModelCard, ModelList};
 use crate::boot::Booted;
+use crate::defaults::{self, SamplingDefaults, SamplingPreferences};
 use crate::error::ApiError;
 use crate::generate::{ChoiceSpec, DecodeSettings, Generation};
 use crate::metrics::{self, Metrics, Scrape};
@@ -55,6 +56,8 @@ struct Shared {
     template: Arc<ChatTemplate>,
     facts: ModelFacts,
     limits: Limits,
+    /// What the sampling fields a request leaves out mean.
+    defaults: SamplingDefaults,
     /// Kept out of every `Debug` and log line.
     api_key: Option<String>,
     /// End-of-sequence ids: the tokenizer's and the model config's.
@@ -74,6 +77,9 @@ pub struct StateOptions {
     pub served_model_name: Option<String>,
     pub api_key: Option<String>,
     pub limits: Limits,
+    /// Sampling defaults from the server's flags; they win over the model's
+    /// recommendation (see `defaults`).
+    pub sampling: SamplingPreferences,
 }
 
 impl std::fmt::Debug for StateOptions {
@@ -82,6 +88,7 @@ impl std::fmt::Debug for StateOptions {
             .field("served_model_name", &self.served_model_name)
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("limits", &self.limits)
+            .field("sampling", &self.sampling)
             .finish()
     }
 }
@@ -100,6 +107,8 @@ impl AppState {
             pool_tokens: Tokens(info.num_pages * info.page_size),
             vocab_size: info.config.vocab_size,
         };
+        let defaults = defaults::resolve(&options.sampling, &booted.sampling);
+        tracing::info!("sampling defaults: {defaults}");
         AppState {
             inner: Arc::new(Shared {
                 engine: booted.engine.clone(),
@@ -109,6 +118,7 @@ impl AppState {
                 template: booted.template.clone(),
                 facts,
                 limits: options.limits,
+                defaults: defaults.values,
                 api_key: options.api_key.filter(|k| !k.is_empty()),
                 eos_ids,
                 metrics: Arc::new(Metrics::default()),
@@ -280,6 +290,7 @@ impl AppState {
             facts: &self.inner.facts,
             tokenizer: &self.inner.tokenizer,
             template: &self.inner.template,
+            defaults: &self.inner.defaults,
         }
     }
 

@@ -6,13 +6,15 @@
 //! to a typed request, every limit and every 400) → `generate` (one engine
 //! request per choice; detokenization and stop strings) → `respond` (a JSON
 //! body or server-sent events). `error` maps every failure to HTTP in one
-//! place; `metrics` renders `/metrics`; `serve` binds and shuts down.
+//! place; `defaults` resolves the sampling values a request leaves out;
+//! `metrics` renders `/metrics`; `serve` binds and shuts down.
 
 pub mod boot;
 pub mod template;
 pub mod tokenizer;
 
 pub mod api;
+pub mod defaults;
 pub mod error;
 pub mod generate;
 pub mod http;

@@ -11,6 +11,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 
 use crate::boot::Booted;
+use crate::defaults::SamplingPreferences;
 use crate::error::ServerError;
 use crate::http::{router, AppState, StateOptions};
 use crate::validate::Limits;
@@ -29,6 +30,8 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// Per-request limits (stop strings, `n`, body size, ...).
     pub limits: Limits,
+    /// Sampling defaults set by flags (`--temperature`, ...).
+    pub sampling: SamplingPreferences,
 }
 
 impl Default for ServerConfig {
@@ -39,6 +42,7 @@ impl Default for ServerConfig {
             served_model_name: None,
             api_key: None,
             limits: Limits::default(),
+            sampling: SamplingPreferences::default(),
         }
     }
 }
@@ -51,6 +55,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("served_model_name", &self.served_model_name)
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("limits", &self.limits)
+            .field("sampling", &self.sampling)
             .finish()
     }
 }
@@ -61,6 +66,7 @@ impl ServerConfig {
             served_model_name: self.served_model_name.clone(),
             api_key: self.api_key.clone(),
             limits: self.limits,
+            sampling: self.sampling,
         }
     }
 }
@@ -80,6 +86,7 @@ pub async fn run_until(
     if cfg.served_model_name.as_deref().is_some_and(|n| n.trim().is_empty()) {
         return Err(ServerError::Config { message: "the served model name must not be empty".into() });
     }
+    cfg.sampling.validate().map_err(|e| ServerError::Config { message: e.to_string() })?;
     let state = AppState::new(&booted, cfg.state_options());
     let addr = format!("{}:{}", cfg.host, cfg.port);
     let listener = tokio::net::TcpListener::bind(&addr)
