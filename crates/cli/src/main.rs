@@ -2,6 +2,7 @@
 //! then handed to the layer that acts on them.
 
 mod generate;
+mod logging;
 mod memory;
 mod plan;
 mod pull;
@@ -21,6 +22,9 @@ struct Cli {
     /// Log filter, e.g. `info`, `debug`, `corridor_engine=debug` (RUST_LOG syntax).
     #[arg(long, global = true, default_value = "info", env = "CORRIDOR_LOG")]
     log: String,
+    /// Log lines as human-readable `text` or as `json` objects, one per line.
+    #[arg(long, global = true, value_enum, default_value_t = logging::LogFormat::Text)]
+    log_format: logging::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -121,6 +125,10 @@ struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health. Never logged.
     #[arg(long, env = "CORRIDOR_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Let browser pages from this origin call the API (CORS), e.g. `http://localhost:3000`;
+    /// repeat for more, or `*` for any. Without it no CORS headers are sent.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
     #[command(flatten)]
     sampling: SamplingFlags,
 }
@@ -193,18 +201,6 @@ struct PullArgs {
     force: bool,
 }
 
-fn init_logging(filter: &str) {
-    let env = tracing_subscriber::EnvFilter::try_new(filter)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_env_filter(env)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_target(false)
-        .init();
-}
-
 impl ModelArgs {
     /// Resolve the model path (fetching the default model if needed) and the
     /// engine options.
@@ -244,6 +240,7 @@ fn boot_with_progress(opts: &corridor_server::boot::BootOptions) -> Result<corri
     let bar = indicatif::ProgressBar::new(0)
         .with_style(indicatif::ProgressStyle::with_template("loading {msg} {bar:40} {pos}/{len} layers")?);
     bar.set_message(opts.model.display().to_string());
+    let _shown = logging::show_progress(&bar);
     let booted = corridor_server::boot::boot(opts, |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
@@ -254,7 +251,7 @@ fn boot_with_progress(opts: &corridor_server::boot::BootOptions) -> Result<corri
 
 fn main() {
     let cli = Cli::parse();
-    init_logging(&cli.log);
+    logging::init(&cli.log, cli.log_format);
     if let Err(e) = run(cli) {
         // One line a person can act on; the chain says why.
         let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();
@@ -276,6 +273,8 @@ fn run(cli: Cli) -> Result<()> {
             let sampling = a.sampling.preferences();
             // Checked before the model loads, so a typo fails at once.
             sampling.validate().map_err(|e| anyhow::anyhow!("--{}: {e}", e.param.replace('_', "-")))?;
+            // Bound before the model loads: a busy port fails now, not after the load.
+            let listener = corridor_server::bind(&a.host, a.port)?;
             let opts = a.model.boot_options(&cache)?;
             let booted = boot_with_progress(&opts)?;
             let cfg = corridor_server::http::ServerConfig {
@@ -284,10 +283,11 @@ fn run(cli: Cli) -> Result<()> {
                 served_model_name: a.served_model_name,
                 api_key: a.api_key,
                 sampling,
+                cors_origins: a.cors_origins,
                 ..Default::default()
             };
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-            rt.block_on(corridor_server::http::run(booted, cfg))?;
+            rt.block_on(corridor_server::run_on(listener, booted, cfg, corridor_server::shutdown_signal()))?;
             Ok(())
         }
         Command::Memory(a) => memory::run(&a),

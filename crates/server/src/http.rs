@@ -10,20 +10,22 @@
 //! a wrong field all get the OpenAI error object instead of axum's plain
 //! text rejections.
 
+use crate::access::TokenTally;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
-use axum::http::{header, Method, StatusCode, Uri};
+use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use corridor_engine::engine::{EngineHandle, GenerateRequest};
 use corridor_units::Tokens;
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
+use tower_http::cors::{self, AllowOrigin, CorsLayer};
 
 use crate::api::{ModelCard, ModelList};
 use crate::boot::Booted;
@@ -38,7 +40,7 @@ use crate::validate::{self, Edge, Limits, ModelFacts, ValidGeneration};
 
 // The entry points live in `serve`; they are also reachable from here, where
 // the rest of the HTTP surface is.
-pub use crate::serve::{run, run_until, ServerConfig};
+pub use crate::serve::{bind, run, run_on, run_until, ServerConfig};
 
 /// What the handlers share. Cheap to clone.
 #[derive(Clone)]
@@ -56,6 +58,7 @@ struct Shared {
     template: Arc<ChatTemplate>,
     facts: ModelFacts,
     limits: Limits,
+    cors_origins: Vec<String>,
     /// What the sampling fields a request leaves out mean.
     defaults: SamplingDefaults,
     /// Kept out of every `Debug` and log line.
@@ -80,6 +83,8 @@ pub struct StateOptions {
     /// Sampling defaults from the server's flags; they win over the model's
     /// recommendation (see `defaults`).
     pub sampling: SamplingPreferences,
+    /// Origins allowed to call the API from a browser (`*`: any).
+    pub cors_origins: Vec<String>,
 }
 
 impl std::fmt::Debug for StateOptions {
@@ -89,6 +94,7 @@ impl std::fmt::Debug for StateOptions {
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("limits", &self.limits)
             .field("sampling", &self.sampling)
+            .field("cors_origins", &self.cors_origins)
             .finish()
     }
 }
@@ -119,6 +125,7 @@ impl AppState {
                 facts,
                 limits: options.limits,
                 defaults: defaults.values,
+                cors_origins: options.cors_origins,
                 api_key: options.api_key.filter(|k| !k.is_empty()),
                 eos_ids,
                 metrics: Arc::new(Metrics::default()),
@@ -162,11 +169,32 @@ pub fn router(state: AppState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), require_key));
-    Router::new()
+    let app = Router::new()
         .route("/health", get(health))
         .merge(protected)
         .layer(DefaultBodyLimit::max(limit))
-        .with_state(state)
+        .layer(middleware::from_fn(crate::access::log_request));
+    // Outermost, so a browser's preflight is answered before the key check
+    // (preflights carry no credentials) and every answer carries the headers.
+    match cors_layer(&state.inner.cors_origins) {
+        Some(cors) => app.layer(cors).with_state(state),
+        None => app.with_state(state),
+    }
+}
+
+/// The CORS policy for `--cors-origin`: `*` allows any origin, otherwise the
+/// exact origins listed; any method and header, as the OpenAI clients send
+/// `Authorization` and `Content-Type`. `None` when no origin is configured.
+fn cors_layer(origins: &[String]) -> Option<CorsLayer> {
+    if origins.is_empty() {
+        return None;
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o.trim_end_matches('/')).ok()))
+    };
+    Some(CorsLayer::new().allow_origin(allow).allow_methods(cors::Any).allow_headers(cors::Any))
 }
 
 /// Checks `Authorization: Bearer <key>` when a key is configured.
@@ -310,7 +338,8 @@ impl AppState {
     }
 
     /// Submits every choice of a validated request and answers it.
-    async fn run(&self, gen: ValidGeneration, shape: Shape, echo: bool) -> Response {
+    async fn run(&self, gen: ValidGeneration, shape: Shape, echo: bool, tally: Tally) -> Response {
+        let tally = tally.map(|t| t.0).unwrap_or_default();
         let metrics = self.inner.metrics.clone();
         let specs = choice_specs(&gen, &self.inner.eos_ids);
         let settings = DecodeSettings {
@@ -334,6 +363,7 @@ impl AppState {
             logprobs: gen.params.logprobs.is_some(),
             include_usage: gen.include_usage,
             metrics,
+            tally,
         };
         if gen.stream {
             respond::stream(generation, plan)
@@ -365,18 +395,29 @@ fn choice_specs(gen: &ValidGeneration, eos_ids: &[u32]) -> Vec<ChoiceSpec> {
     specs
 }
 
-async fn chat_completions(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+/// The request's token tally, from the access-log middleware.
+type Tally = Option<Extension<Arc<TokenTally>>>;
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    tally: Tally,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let valid = state.accept(body).and_then(|json| validate::chat(&json, state.edge()));
     match valid {
-        Ok(chat) => state.run(chat.gen, Shape::Chat, false).await,
+        Ok(chat) => state.run(chat.gen, Shape::Chat, false, tally).await,
         Err(e) => respond::reject(e, &state.inner.metrics),
     }
 }
 
-async fn completions(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(
+    State(state): State<AppState>,
+    tally: Tally,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let valid = state.accept(body).and_then(|json| validate::completion(&json, state.edge()));
     match valid {
-        Ok(c) => state.run(c.gen, Shape::Completion, c.echo).await,
+        Ok(c) => state.run(c.gen, Shape::Completion, c.echo, tally).await,
         Err(e) => respond::reject(e, &state.inner.metrics),
     }
 }

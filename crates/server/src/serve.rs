@@ -32,6 +32,9 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// Sampling defaults set by flags (`--temperature`, ...).
     pub sampling: SamplingPreferences,
+    /// Origins browsers may call the API from (`*` for any); empty: no CORS
+    /// headers, so browsers keep to same-origin.
+    pub cors_origins: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -43,6 +46,7 @@ impl Default for ServerConfig {
             api_key: None,
             limits: Limits::default(),
             sampling: SamplingPreferences::default(),
+            cors_origins: Vec::new(),
         }
     }
 }
@@ -56,6 +60,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("limits", &self.limits)
             .field("sampling", &self.sampling)
+            .field("cors_origins", &self.cors_origins)
             .finish()
     }
 }
@@ -67,6 +72,7 @@ impl ServerConfig {
             api_key: self.api_key.clone(),
             limits: self.limits,
             sampling: self.sampling,
+            cors_origins: self.cors_origins.clone(),
         }
     }
 }
@@ -83,17 +89,55 @@ pub async fn run_until(
     cfg: ServerConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
+    let listener = bind(&cfg.host, cfg.port)?;
+    run_on(listener, booted, cfg, shutdown).await
+}
+
+/// Binds the listen address. `corridor serve` calls it before loading the
+/// model, so a busy port fails at once instead of after the load.
+pub fn bind(host: &str, port: u16) -> Result<std::net::TcpListener, ServerError> {
+    let addr = format!("{host}:{port}");
+    let listener = std::net::TcpListener::bind(&addr).map_err(|error| ServerError::Bind {
+        hint: match error.kind() {
+            std::io::ErrorKind::AddrInUse => {
+                " (another process is listening there: stop it or choose another --port)"
+            }
+            std::io::ErrorKind::AddrNotAvailable => {
+                " (no interface of this machine has that address: check --host)"
+            }
+            std::io::ErrorKind::PermissionDenied => {
+                " (ports below 1024 need privileges: choose another --port)"
+            }
+            _ => "",
+        },
+        addr: addr.clone(),
+        error,
+    })?;
+    // tokio needs the socket non-blocking.
+    listener.set_nonblocking(true).map_err(|error| ServerError::Bind { addr, error, hint: "" })?;
+    Ok(listener)
+}
+
+/// Serves on a listener from [`bind`] until `shutdown` completes.
+pub async fn run_on(
+    listener: std::net::TcpListener,
+    booted: Booted,
+    cfg: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
     if cfg.served_model_name.as_deref().is_some_and(|n| n.trim().is_empty()) {
         return Err(ServerError::Config { message: "the served model name must not be empty".into() });
     }
     cfg.sampling.validate().map_err(|e| ServerError::Config { message: e.to_string() })?;
     let state = AppState::new(&booted, cfg.state_options());
     let addr = format!("{}:{}", cfg.host, cfg.port);
-    let listener = tokio::net::TcpListener::bind(&addr)
-        .await
-        .map_err(|source| ServerError::Bind { addr: addr.clone(), source })?;
+    let listener = tokio::net::TcpListener::from_std(listener).map_err(|error| ServerError::Bind {
+        addr: addr.clone(),
+        error,
+        hint: "",
+    })?;
     let local: SocketAddr =
-        listener.local_addr().map_err(|source| ServerError::Bind { addr: addr.clone(), source })?;
+        listener.local_addr().map_err(|error| ServerError::Bind { addr: addr.clone(), error, hint: "" })?;
     tracing::info!(
         model = state.served_model_name(),
         auth = if cfg.api_key.is_some() { "api key required" } else { "none" },
