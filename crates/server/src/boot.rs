@@ -479,7 +479,10 @@ fn boot_host(
         }
         _ => None,
     };
-    let backend = CpuBackend::new();
+    // On the host card the KV and workspace buffers are the memory the books
+    // count, so they are made resident when allocated (see
+    // `CpuBackend::resident`); sim cards simulate their memory instead.
+    let backend = if opts.devices == Devices::Cpu { CpuBackend::resident() } else { CpuBackend::new() };
     let model = match &layout {
         Some(_) => None,
         None => Some(load_model(&backend, ckpt, progress)?),
@@ -499,7 +502,19 @@ fn boot_host(
         None => 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
     };
     let page_bytes = Bytes((kv_token_bytes * opts.page_size) as u64);
-    let host_cap = (opts.devices == Devices::Cpu).then_some(opts.kv_budget);
+    // The host's KV buffer spans the arena's whole id space and is made
+    // resident at once, so the id space must not outgrow what is really
+    // free above the floor (the workspace, booked but not yet allocated,
+    // comes out of that too).
+    let host_cap = (opts.devices == Devices::Cpu).then(|| {
+        let room = dev
+            .card()
+            .driver_free()
+            .saturating_sub(dev.settings().floor)
+            .saturating_sub(DEFAULT_MARGIN)
+            .saturating_sub(ws);
+        opts.kv_budget.min(room)
+    });
     let arena = new_arena(env, &[(dev.clone(), page_bytes)], host_cap)?;
     size_kv(env, &dev, &arena)?;
 
