@@ -275,8 +275,17 @@ fn run(cli: Cli) -> Result<()> {
             sampling.validate().map_err(|e| anyhow::anyhow!("--{}: {e}", e.param.replace('_', "-")))?;
             // Bound before the model loads: a busy port fails now, not after the load.
             let listener = corridor_server::bind(&a.host, a.port)?;
-            let opts = a.model.boot_options(&cache)?;
-            let booted = boot_with_progress(&opts)?;
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            // While the model loads, the address answers 503 "loading" instead of
+            // leaving connections unanswered in the backlog.
+            let (loaded, wait_loaded) = tokio::sync::oneshot::channel::<()>();
+            let loading = rt.spawn(corridor_server::serve_while_loading(listener.try_clone()?, async {
+                let _ = wait_loaded.await;
+            }));
+            let booted = a.model.boot_options(&cache).and_then(|opts| boot_with_progress(&opts));
+            let _ = loaded.send(());
+            rt.block_on(loading)??;
+            let booted = booted?;
             let cfg = corridor_server::http::ServerConfig {
                 host: a.host,
                 port: a.port,
@@ -286,7 +295,6 @@ fn run(cli: Cli) -> Result<()> {
                 cors_origins: a.cors_origins,
                 ..Default::default()
             };
-            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             rt.block_on(corridor_server::run_on(listener, booted, cfg, corridor_server::shutdown_signal()))?;
             Ok(())
         }

@@ -27,5 +27,5 @@ pub mod validate;
 
 pub use error::{ApiError, ServerError};
 pub use http::{router, AppState, StateOptions};
-pub use serve::{bind, run, run_on, run_until, shutdown_signal, ServerConfig};
+pub use serve::{bind, run, run_on, run_until, serve_while_loading, shutdown_signal, ServerConfig};
 pub use validate::Limits;

@@ -118,6 +118,37 @@ pub fn bind(host: &str, port: u16) -> Result<std::net::TcpListener, ServerError>
     Ok(listener)
 }
 
+/// Answers on a listener from [`bind`] while the model loads, until `loaded`
+/// completes: `/health` is 503 `{"status": "loading"}` (so a probe or a
+/// client that waits for it keeps waiting, rather than hanging on a socket
+/// nobody accepts), and every other route is 503 with the OpenAI error
+/// object. Then it lets go of the listener for [`run_on`] (pass it a clone
+/// from `try_clone`; both are the same socket).
+pub async fn serve_while_loading(
+    listener: std::net::TcpListener,
+    loaded: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    use axum::response::IntoResponse;
+    let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    let listener = tokio::net::TcpListener::from_std(listener).map_err(|error| ServerError::Bind {
+        addr,
+        error,
+        hint: "",
+    })?;
+    let health = || async {
+        (axum::http::StatusCode::SERVICE_UNAVAILABLE, axum::Json(serde_json::json!({"status": "loading"})))
+    };
+    let busy = || async {
+        crate::error::ApiError::Unavailable { message: "the model is still loading; retry shortly".into() }
+            .into_response()
+    };
+    let app = axum::Router::new().route("/health", axum::routing::get(health)).fallback(busy);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(loaded)
+        .await
+        .map_err(|source| ServerError::Serve { source })
+}
+
 /// Serves on a listener from [`bind`] until `shutdown` completes.
 pub async fn run_on(
     listener: std::net::TcpListener,
@@ -186,5 +217,52 @@ pub async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {}
         _ = term => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn get(port: u16, path: &str) -> String {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connect");
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.expect("write");
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.expect("read");
+        out
+    }
+
+    #[tokio::test]
+    async fn a_loading_server_answers_503_and_lets_go_of_the_socket() {
+        let listener = bind("127.0.0.1", 0).expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let kept = listener.try_clone().expect("clone");
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let loading = tokio::spawn(serve_while_loading(listener, async {
+            let _ = rx.await;
+        }));
+        let health = get(port, "/health").await;
+        assert!(health.starts_with("HTTP/1.1 503"), "{health}");
+        assert!(health.contains(r#"{"status":"loading"}"#), "{health}");
+        let other = get(port, "/v1/models").await;
+        assert!(other.starts_with("HTTP/1.1 503") && other.contains("still loading"), "{other}");
+        tx.send(()).expect("loading server alive");
+        loading.await.expect("joined").expect("served");
+        // The socket is still bound (the clone holds it): nobody else can take the port.
+        assert!(bind("127.0.0.1", port).is_err());
+        drop(kept);
+    }
+
+    #[test]
+    fn a_busy_port_names_the_fix() {
+        let held = bind("127.0.0.1", 0).expect("bind");
+        let port = held.local_addr().expect("addr").port();
+        let err = bind("127.0.0.1", port).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("cannot listen on 127.0.0.1:{port}")) && err.contains("--port"),
+            "{err}"
+        );
     }
 }
