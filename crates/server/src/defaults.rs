@@ -268,6 +268,47 @@ mod tests {
         assert_eq!(none, SamplingPreferences::default());
     }
 
+    /// A GGUF file of metadata only: `(key, type id, little-endian value)`.
+    fn gguf_with(kvs: &[(&str, u32, Vec<u8>)]) -> tempfile::NamedTempFile {
+        let mut out = b"GGUF".to_vec();
+        out.extend(3u32.to_le_bytes());
+        out.extend(0u64.to_le_bytes());
+        out.extend((kvs.len() as u64).to_le_bytes());
+        for (key, kind, value) in kvs {
+            out.extend((key.len() as u64).to_le_bytes());
+            out.extend(key.as_bytes());
+            out.extend(kind.to_le_bytes());
+            out.extend(value);
+        }
+        out.resize(out.len().div_ceil(32) * 32, 0);
+        let file = tempfile::NamedTempFile::new().expect("temp file");
+        std::fs::write(file.path(), out).expect("write");
+        file
+    }
+
+    #[test]
+    fn gguf_sampling_metadata_is_read() {
+        const F32: u32 = 6;
+        const I32: u32 = 5;
+        let file = gguf_with(&[
+            ("general.architecture", 8, [5u64.to_le_bytes().to_vec(), b"llama".to_vec()].concat()),
+            ("general.sampling.temp", F32, 0.7f32.to_le_bytes().to_vec()),
+            ("general.sampling.top_k", I32, 20i32.to_le_bytes().to_vec()),
+            ("general.sampling.penalty_repeat", F32, 1.05f32.to_le_bytes().to_vec()),
+        ]);
+        let gguf = GgufFile::open(file.path()).expect("a metadata-only GGUF opens");
+        let p = SamplingPreferences::from_gguf(&gguf);
+        assert_eq!(
+            p,
+            SamplingPreferences {
+                temperature: Some(0.7),
+                top_k: Some(20),
+                repetition_penalty: Some(1.05),
+                ..Default::default()
+            }
+        );
+    }
+
     #[test]
     fn a_bad_model_value_is_dropped_not_fatal() {
         let p = SamplingPreferences::from_generation_config(&json!({
