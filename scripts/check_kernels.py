@@ -2,7 +2,7 @@
 """Compile the CUDA backend's kernels with NVRTC, as the backend does at run time, without a GPU.
 
     python3 -m pip install nvidia-cuda-nvrtc   # NVRTC 13 as a wheel; no toolkit, no driver
-    python3 scripts/check_kernels.py [ARCH ...]   (default: sm_90 sm_80)
+    python3 scripts/check_kernels.py [ARCH ...]   (default: every architecture in ARCHS)
 
 The sources are read in the order crates/backend/src/cuda/nvrtc.rs includes them and compiled with
 its options. Fails on any compile error; prints how many kernels each architecture got and any
@@ -16,6 +16,10 @@ import site
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The generations the README promises: A100 (sm_80), RTX 30xx / A10 / A40 (sm_86), RTX 40xx / L4 /
+# L40 (sm_89), H100 / H200 (sm_90) and RTX 50xx (sm_120). The backend compiles for the card it
+# runs on, so each of these must compile.
+ARCHS = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_120"]
 
 
 def nvrtc():
@@ -57,7 +61,7 @@ def main():
     names, src = sources()
     print(f"NVRTC {major.value}.{minor.value} ({path}); sources: {', '.join(names)}")
     failed = False
-    for arch in sys.argv[1:] or ["sm_90", "sm_80"]:
+    for arch in sys.argv[1:] or ARCHS:
         rc, log = compile_for(lib, src, arch)
         kernels = re.findall(r"Compiling entry function '([^']+)'", log)
         spills = []

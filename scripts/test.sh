@@ -7,7 +7,16 @@ cd "$(dirname "$0")/.."
 export CORRIDOR_REQUIRE_ASSETS=1
 export CARGO_TERM_COLOR=never
 
-echo "== python packages for the end-to-end tests"
+echo "== python packages for the end-to-end tests (in a virtual environment, not the system Python)"
+venv="$PWD/target/venv"
+if [ ! -x "$venv/bin/python3" ]; then
+    python3 -m venv "$venv" || {
+        echo "python3 -m venv failed: install the venv module (e.g. apt-get install python3-venv)" >&2
+        exit 1
+    }
+fi
+# Every later python3 and pip (pytest, corridor pull, the asset fetch, the kernel check) is the venv's.
+export VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH"
 python3 -m pip install --quiet --disable-pip-version-check openai pytest requests nvidia-cuda-nvrtc
 
 echo "== build (dev profile)"

@@ -2,6 +2,7 @@
 //! then handed to the layer that acts on them.
 
 mod generate;
+mod logging;
 mod memory;
 mod plan;
 mod pull;
@@ -22,6 +23,9 @@ struct Cli {
     /// Log filter, e.g. `info`, `debug`, `corridor_engine=debug` (RUST_LOG syntax).
     #[arg(long, global = true, default_value = "info", env = "CORRIDOR_LOG")]
     log: String,
+    /// Log lines as human-readable `text` or as `json` objects, one per line.
+    #[arg(long, global = true, value_enum, default_value_t = logging::LogFormat::Text)]
+    log_format: logging::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -132,6 +136,46 @@ struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health. Never logged.
     #[arg(long, env = "CORRIDOR_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Let browser pages from this origin call the API (CORS), e.g. `http://localhost:3000`;
+    /// repeat for more, or `*` for any. Without it no CORS headers are sent.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
+    #[command(flatten)]
+    sampling: SamplingFlags,
+}
+
+/// Defaults for requests that leave a sampling field out. Each field is taken from the request,
+/// else from this flag, else from the model (`generation_config.json`, or a GGUF file's
+/// `general.sampling.*`), else from the built-in default (chosen so small models answer and stop).
+#[derive(Args, Debug, Clone, Default)]
+struct SamplingFlags {
+    /// Default sampling temperature, in [0, 2]; 0 is greedy (built-in: 0.2).
+    #[arg(long, help_heading = "Sampling defaults")]
+    temperature: Option<f32>,
+    /// Default nucleus cut-off, in (0, 1]; 1 disables it (built-in: 0.9).
+    #[arg(long, help_heading = "Sampling defaults")]
+    top_p: Option<f32>,
+    /// Default top-k cut-off; -1 or 0 disable it (built-in: off).
+    #[arg(long, allow_hyphen_values = true, help_heading = "Sampling defaults")]
+    top_k: Option<i64>,
+    /// Default min-p cut-off relative to the top token, in [0, 1]; 0 disables it (built-in: 0.05).
+    #[arg(long, help_heading = "Sampling defaults")]
+    min_p: Option<f32>,
+    /// Default repetition penalty, > 0; 1 disables it (built-in: 1.1).
+    #[arg(long, help_heading = "Sampling defaults")]
+    repetition_penalty: Option<f32>,
+}
+
+impl SamplingFlags {
+    fn preferences(&self) -> corridor_server::defaults::SamplingPreferences {
+        corridor_server::defaults::SamplingPreferences {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -172,18 +216,6 @@ struct PullArgs {
     /// Download again even if the model is cached.
     #[arg(long)]
     force: bool,
-}
-
-fn init_logging(filter: &str) {
-    let env = tracing_subscriber::EnvFilter::try_new(filter)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_env_filter(env)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_target(false)
-        .init();
 }
 
 impl ModelArgs {
@@ -232,6 +264,7 @@ fn boot_with_progress(opts: &corridor_server::boot::BootOptions) -> Result<corri
     let bar = indicatif::ProgressBar::new(0)
         .with_style(indicatif::ProgressStyle::with_template("loading {msg} {bar:40} {pos}/{len} layers")?);
     bar.set_message(opts.model.display().to_string());
+    let _shown = logging::show_progress(&bar);
     let booted = corridor_server::boot::boot(opts, |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
@@ -242,7 +275,7 @@ fn boot_with_progress(opts: &corridor_server::boot::BootOptions) -> Result<corri
 
 fn main() {
     let cli = Cli::parse();
-    init_logging(&cli.log);
+    logging::init(&cli.log, cli.log_format);
     if let Err(e) = run(cli) {
         // One line a person can act on; the chain says why.
         let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();
@@ -264,18 +297,33 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Generate(a) => generate::run(&a, &cache),
         Command::Serve(a) => {
-            let opts = a.model.boot_options(&cache)?;
-            let booted = boot_with_progress(&opts)?;
+            let sampling = a.sampling.preferences();
+            // Checked before the model loads, so a typo fails at once.
+            sampling.validate().map_err(|e| anyhow::anyhow!("--{}: {e}", e.param.replace('_', "-")))?;
+            // Bound before the model loads: a busy port fails now, not after the load.
+            let listener = corridor_server::bind(&a.host, a.port)?;
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            // While the model loads, the address answers 503 "loading" instead of
+            // leaving connections unanswered in the backlog.
+            let (loaded, wait_loaded) = tokio::sync::oneshot::channel::<()>();
+            let loading = rt.spawn(corridor_server::serve_while_loading(listener.try_clone()?, async {
+                let _ = wait_loaded.await;
+            }));
+            let booted = a.model.boot_options(&cache).and_then(|opts| boot_with_progress(&opts));
+            let _ = loaded.send(());
+            rt.block_on(loading)??;
+            let booted = booted?;
             let cfg = corridor_server::http::ServerConfig {
                 host: a.host,
                 port: a.port,
                 // A model asked for by name is served under that name.
                 served_model_name: a.served_model_name.or_else(|| a.model.name_for_serving()),
                 api_key: a.api_key,
+                sampling,
+                cors_origins: a.cors_origins,
                 ..Default::default()
             };
-            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-            rt.block_on(corridor_server::http::run(booted, cfg))?;
+            rt.block_on(corridor_server::run_on(listener, booted, cfg, corridor_server::shutdown_signal()))?;
             Ok(())
         }
         Command::Memory(a) => memory::run(&a),

@@ -14,6 +14,7 @@ use std::io::{Read, Write};
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
+#[command(after_help = corridor_vram::report::LEGEND)]
 pub struct MemoryArgs {
     /// A running corridor server, e.g. http://127.0.0.1:8000.
     #[arg(long, conflicts_with = "flight_dir")]

@@ -141,6 +141,9 @@ pub struct Booted {
     /// The name `/v1/models` lists by default (the checkpoint's file or directory name).
     pub model_name: String,
     pub checkpoint_path: PathBuf,
+    /// The sampling values the checkpoint recommends (`generation_config.json`
+    /// or a GGUF file's `general.sampling.*`); the server's flags win over them.
+    pub sampling: crate::defaults::SamplingPreferences,
     /// The memory governor: cards, books, arenas, sampler.
     pub governor: Arc<Governor>,
     /// What must live as long as anything serves from this boot: the weights
@@ -298,6 +301,11 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         tokenizer.bos_token(),
         tokenizer.eos_token(),
     )?;
+    let sampling = match (ckpt.gguf(), ckpt.dir()) {
+        (Some(g), _) => crate::defaults::SamplingPreferences::from_gguf(g),
+        (None, Some(dir)) => crate::defaults::SamplingPreferences::from_hf_dir(dir),
+        (None, None) => Default::default(),
+    };
     let cfg = ckpt.config().clone();
     let context_len = opts.context_len.unwrap_or(cfg.max_position_embeddings).max(1);
     let config = EngineConfig {
@@ -346,6 +354,7 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         template: Arc::new(template),
         model_name,
         checkpoint_path: opts.model.clone(),
+        sampling,
         governor,
         keep_alive: Arc::new(KeepAlive { monitor: Some(monitor), resident }),
     })
@@ -480,7 +489,10 @@ fn boot_host(
         }
         _ => None,
     };
-    let backend = CpuBackend::new();
+    // On the host card the KV and workspace buffers are the memory the books
+    // count, so they are made resident when allocated (see
+    // `CpuBackend::resident`); sim cards simulate their memory instead.
+    let backend = if opts.devices == Devices::Cpu { CpuBackend::resident() } else { CpuBackend::new() };
     let model = match &layout {
         Some(_) => None,
         None => Some(load_model(&backend, ckpt, progress)?),
@@ -500,7 +512,19 @@ fn boot_host(
         None => 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
     };
     let page_bytes = Bytes((kv_token_bytes * opts.page_size) as u64);
-    let host_cap = (opts.devices == Devices::Cpu).then_some(opts.kv_budget);
+    // The host's KV buffer spans the arena's whole id space and is made
+    // resident at once, so the id space must not outgrow what is really
+    // free above the floor (the workspace, booked but not yet allocated,
+    // comes out of that too).
+    let host_cap = (opts.devices == Devices::Cpu).then(|| {
+        let room = dev
+            .card()
+            .driver_free()
+            .saturating_sub(dev.settings().floor)
+            .saturating_sub(DEFAULT_MARGIN)
+            .saturating_sub(ws);
+        opts.kv_budget.min(room)
+    });
     let arena = new_arena(env, &[(dev.clone(), page_bytes)], host_cap)?;
     size_kv(env, &dev, &arena)?;
 

@@ -129,11 +129,13 @@ impl IntoResponse for ApiError {
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
     /// The address could not be bound (in use, or not allowed).
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}: {error}{hint}")]
     Bind {
         addr: String,
-        #[source]
-        source: std::io::Error,
+        /// Part of the message rather than a source, so the hint comes last.
+        error: std::io::Error,
+        /// What to do about it, when the cause is a common one.
+        hint: &'static str,
     },
     /// The accept loop failed.
     #[error("the HTTP server failed: {source}")]

@@ -10,23 +10,26 @@
 //! a wrong field all get the OpenAI error object instead of axum's plain
 //! text rejections.
 
+use crate::access::TokenTally;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
-use axum::http::{header, Method, StatusCode, Uri};
+use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use corridor_engine::engine::{EngineHandle, GenerateRequest};
 use corridor_units::Tokens;
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
+use tower_http::cors::{self, AllowOrigin, CorsLayer};
 
 use crate::api::{ModelCard, ModelList};
 use crate::boot::Booted;
+use crate::defaults::{self, SamplingDefaults, SamplingPreferences};
 use crate::error::ApiError;
 use crate::generate::{ChoiceSpec, DecodeSettings, Generation};
 use crate::metrics::{self, Metrics, Scrape};
@@ -37,7 +40,7 @@ use crate::validate::{self, Edge, Limits, ModelFacts, ValidGeneration};
 
 // The entry points live in `serve`; they are also reachable from here, where
 // the rest of the HTTP surface is.
-pub use crate::serve::{run, run_until, ServerConfig};
+pub use crate::serve::{bind, run, run_on, run_until, ServerConfig};
 
 /// What the handlers share. Cheap to clone.
 #[derive(Clone)]
@@ -55,6 +58,9 @@ struct Shared {
     template: Arc<ChatTemplate>,
     facts: ModelFacts,
     limits: Limits,
+    cors_origins: Vec<String>,
+    /// What the sampling fields a request leaves out mean.
+    defaults: SamplingDefaults,
     /// Kept out of every `Debug` and log line.
     api_key: Option<String>,
     /// End-of-sequence ids: the tokenizer's and the model config's.
@@ -74,6 +80,11 @@ pub struct StateOptions {
     pub served_model_name: Option<String>,
     pub api_key: Option<String>,
     pub limits: Limits,
+    /// Sampling defaults from the server's flags; they win over the model's
+    /// recommendation (see `defaults`).
+    pub sampling: SamplingPreferences,
+    /// Origins allowed to call the API from a browser (`*`: any).
+    pub cors_origins: Vec<String>,
 }
 
 impl std::fmt::Debug for StateOptions {
@@ -82,6 +93,8 @@ impl std::fmt::Debug for StateOptions {
             .field("served_model_name", &self.served_model_name)
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("limits", &self.limits)
+            .field("sampling", &self.sampling)
+            .field("cors_origins", &self.cors_origins)
             .finish()
     }
 }
@@ -100,6 +113,8 @@ impl AppState {
             pool_tokens: Tokens(info.num_pages * info.page_size),
             vocab_size: info.config.vocab_size,
         };
+        let defaults = defaults::resolve(&options.sampling, &booted.sampling);
+        tracing::info!("sampling defaults: {defaults}");
         AppState {
             inner: Arc::new(Shared {
                 engine: booted.engine.clone(),
@@ -109,6 +124,8 @@ impl AppState {
                 template: booted.template.clone(),
                 facts,
                 limits: options.limits,
+                defaults: defaults.values,
+                cors_origins: options.cors_origins,
                 api_key: options.api_key.filter(|k| !k.is_empty()),
                 eos_ids,
                 metrics: Arc::new(Metrics::default()),
@@ -152,11 +169,32 @@ pub fn router(state: AppState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), require_key));
-    Router::new()
+    let app = Router::new()
         .route("/health", get(health))
         .merge(protected)
         .layer(DefaultBodyLimit::max(limit))
-        .with_state(state)
+        .layer(middleware::from_fn(crate::access::log_request));
+    // Outermost, so a browser's preflight is answered before the key check
+    // (preflights carry no credentials) and every answer carries the headers.
+    match cors_layer(&state.inner.cors_origins) {
+        Some(cors) => app.layer(cors).with_state(state),
+        None => app.with_state(state),
+    }
+}
+
+/// The CORS policy for `--cors-origin`: `*` allows any origin, otherwise the
+/// exact origins listed; any method and header, as the OpenAI clients send
+/// `Authorization` and `Content-Type`. `None` when no origin is configured.
+fn cors_layer(origins: &[String]) -> Option<CorsLayer> {
+    if origins.is_empty() {
+        return None;
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o.trim_end_matches('/')).ok()))
+    };
+    Some(CorsLayer::new().allow_origin(allow).allow_methods(cors::Any).allow_headers(cors::Any))
 }
 
 /// Checks `Authorization: Bearer <key>` when a key is configured.
@@ -282,6 +320,7 @@ impl AppState {
             facts: &self.inner.facts,
             tokenizer: &self.inner.tokenizer,
             template: &self.inner.template,
+            defaults: &self.inner.defaults,
         }
     }
 
@@ -301,7 +340,8 @@ impl AppState {
     }
 
     /// Submits every choice of a validated request and answers it.
-    async fn run(&self, gen: ValidGeneration, shape: Shape, echo: bool) -> Response {
+    async fn run(&self, gen: ValidGeneration, shape: Shape, echo: bool, tally: Tally) -> Response {
+        let tally = tally.map(|t| t.0).unwrap_or_default();
         let metrics = self.inner.metrics.clone();
         let specs = choice_specs(&gen, &self.inner.eos_ids);
         let settings = DecodeSettings {
@@ -325,6 +365,7 @@ impl AppState {
             logprobs: gen.params.logprobs.is_some(),
             include_usage: gen.include_usage,
             metrics,
+            tally,
         };
         if gen.stream {
             respond::stream(generation, plan)
@@ -356,18 +397,29 @@ fn choice_specs(gen: &ValidGeneration, eos_ids: &[u32]) -> Vec<ChoiceSpec> {
     specs
 }
 
-async fn chat_completions(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+/// The request's token tally, from the access-log middleware.
+type Tally = Option<Extension<Arc<TokenTally>>>;
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    tally: Tally,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let valid = state.accept(body).and_then(|json| validate::chat(&json, state.edge()));
     match valid {
-        Ok(chat) => state.run(chat.gen, Shape::Chat, false).await,
+        Ok(chat) => state.run(chat.gen, Shape::Chat, false, tally).await,
         Err(e) => respond::reject(e, &state.inner.metrics),
     }
 }
 
-async fn completions(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(
+    State(state): State<AppState>,
+    tally: Tally,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let valid = state.accept(body).and_then(|json| validate::completion(&json, state.edge()));
     match valid {
-        Ok(c) => state.run(c.gen, Shape::Completion, c.echo).await,
+        Ok(c) => state.run(c.gen, Shape::Completion, c.echo, tally).await,
         Err(e) => respond::reject(e, &state.inner.metrics),
     }
 }

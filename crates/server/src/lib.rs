@@ -6,13 +6,16 @@
 //! to a typed request, every limit and every 400) → `generate` (one engine
 //! request per choice; detokenization and stop strings) → `respond` (a JSON
 //! body or server-sent events). `error` maps every failure to HTTP in one
-//! place; `metrics` renders `/metrics`; `serve` binds and shuts down.
+//! place; `access` writes one log line per request; `defaults` resolves the sampling values a request leaves out;
+//! `metrics` renders `/metrics`; `serve` binds and shuts down.
 
 pub mod boot;
 pub mod template;
 pub mod tokenizer;
 
+pub mod access;
 pub mod api;
+pub mod defaults;
 pub mod error;
 pub mod generate;
 pub mod http;
@@ -24,5 +27,5 @@ pub mod validate;
 
 pub use error::{ApiError, ServerError};
 pub use http::{router, AppState, StateOptions};
-pub use serve::{run, run_until, shutdown_signal, ServerConfig};
+pub use serve::{bind, run, run_on, run_until, serve_while_loading, shutdown_signal, ServerConfig};
 pub use validate::Limits;

@@ -57,6 +57,8 @@ pub struct ResponsePlan {
     pub logprobs: bool,
     pub include_usage: bool,
     pub metrics: Arc<Metrics>,
+    /// Where the request's log line reads its token counts.
+    pub tally: Arc<crate::access::TokenTally>,
 }
 
 #[derive(Default)]
@@ -89,6 +91,7 @@ pub async fn complete(mut generation: Generation, plan: ResponsePlan) -> Respons
         }
     }
     let usage = total_usage(choices.iter().map(|c| c.usage), plan.n);
+    plan.tally.set(usage.prompt_tokens, usage.completion_tokens);
     plan.metrics.count(Outcome::Completed);
     tracing::debug!(
         id = %plan.id,
@@ -314,8 +317,9 @@ impl StreamState {
     }
 
     fn closing_chunks(&mut self) {
+        let usage = total_usage(self.usages.iter().copied(), self.plan.n);
+        self.plan.tally.set(usage.prompt_tokens, usage.completion_tokens);
         if self.plan.include_usage {
-            let usage = total_usage(self.usages.iter().copied(), self.plan.n);
             let event = match self.plan.shape {
                 Shape::Chat => self.chat_chunk(Vec::new(), Some(usage)),
                 Shape::Completion => self.completion_chunk(Vec::new(), Some(usage)),

@@ -18,7 +18,8 @@
 //!   a list of text parts (joined with newlines before the template sees
 //!   them), or null for an assistant turn. Image, audio, video and file
 //!   parts are refused: the models served are text-only.
-//! - Sampling ranges are the sampler's own ([`SamplingParams::validate`]).
+//! - Sampling ranges are the sampler's own ([`SamplingParams::validate`]);
+//!   the fields a request leaves out take the server's [`SamplingDefaults`].
 
 use corridor_engine::sampling::{SamplingParams, MAX_TOP_LOGPROBS};
 use corridor_units::Tokens;
@@ -26,6 +27,7 @@ use serde_json::{Map, Value as Json};
 use std::collections::BTreeMap;
 
 use crate::api::{self, ChatRequest, CompletionRequest, PromptField, SamplingFields, StopField};
+use crate::defaults::SamplingDefaults;
 use crate::error::ApiError;
 use crate::template::{ChatTemplate, RenderOptions, TemplateError};
 use crate::tokenizer::Tokenizer;
@@ -70,6 +72,8 @@ pub struct Edge<'a> {
     pub facts: &'a ModelFacts,
     pub tokenizer: &'a Tokenizer,
     pub template: &'a ChatTemplate,
+    /// What the sampling fields a request leaves out mean.
+    pub defaults: &'a SamplingDefaults,
 }
 
 /// One prompt, tokenized, with its text for `echo`.
@@ -236,7 +240,7 @@ fn generation(input: GenerationInput, edge: Edge<'_>) -> Result<ValidGeneration,
         ));
     }
     let include_usage = fields.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
-    let params = sampling_params(&fields, logprobs, edge.facts.vocab_size)?;
+    let params = sampling_params(&fields, logprobs, edge.facts.vocab_size, edge.defaults)?;
     for prompt in &prompts {
         check_fits(prompt.ids.len(), max_tokens, prompt_param, edge.facts)?;
     }
@@ -312,10 +316,11 @@ fn sampling_params(
     f: &SamplingFields,
     logprobs: Option<u32>,
     vocab_size: usize,
+    server: &SamplingDefaults,
 ) -> Result<SamplingParams, ApiError> {
     let defaults = SamplingParams::default();
     let top_k = match f.top_k {
-        None => None,
+        None => server.top_k,
         Some(k) => {
             SamplingParams::top_k_from_request(k).map_err(|e| ApiError::invalid(e.param, e.message))?
         }
@@ -335,11 +340,11 @@ fn sampling_params(
         }
     };
     let params = SamplingParams {
-        temperature: f.temperature.unwrap_or(defaults.temperature),
+        temperature: f.temperature.unwrap_or(server.temperature),
         top_k,
-        top_p: f.top_p.unwrap_or(defaults.top_p),
-        min_p: f.min_p.unwrap_or(defaults.min_p),
-        repetition_penalty: f.repetition_penalty.unwrap_or(defaults.repetition_penalty),
+        top_p: f.top_p.unwrap_or(server.top_p),
+        min_p: f.min_p.unwrap_or(server.min_p),
+        repetition_penalty: f.repetition_penalty.unwrap_or(server.repetition_penalty),
         presence_penalty: f.presence_penalty.unwrap_or(defaults.presence_penalty),
         frequency_penalty: f.frequency_penalty.unwrap_or(defaults.frequency_penalty),
         logit_bias,
@@ -597,13 +602,47 @@ mod tests {
     #[test]
     fn sampling_errors_keep_the_sampler_param() {
         let f = SamplingFields { temperature: Some(3.0), ..Default::default() };
-        let err = sampling_params(&f, None, 50).unwrap_err();
+        let err = sampling_params(&f, None, 50, &SamplingDefaults::default()).unwrap_err();
         assert!(matches!(err, ApiError::InvalidRequest { param: Some(p), .. } if p == "temperature"));
         let f = SamplingFields { logit_bias: Some([("abc".to_string(), 1.0)].into()), ..Default::default() };
-        assert!(matches!(sampling_params(&f, None, 50),
+        assert!(matches!(sampling_params(&f, None, 50, &SamplingDefaults::default()),
             Err(ApiError::InvalidRequest { param: Some(p), .. }) if p == "logit_bias"));
         let f = SamplingFields { seed: Some(-1), ..Default::default() };
-        assert_eq!(sampling_params(&f, None, 50).expect("valid").seed, Some(u64::MAX));
+        assert_eq!(
+            sampling_params(&f, None, 50, &SamplingDefaults::default()).expect("valid").seed,
+            Some(u64::MAX)
+        );
+    }
+
+    #[test]
+    fn request_values_override_the_server_defaults() {
+        let server = SamplingDefaults {
+            temperature: 0.25,
+            top_p: 0.8,
+            top_k: Some(12),
+            min_p: 0.2,
+            repetition_penalty: 1.3,
+        };
+        // Left out: the server's defaults.
+        let p = sampling_params(&SamplingFields::default(), None, 50, &server).expect("valid");
+        assert_eq!(
+            (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty),
+            (0.25, 0.8, Some(12), 0.2, 1.3)
+        );
+        // Given: the request's own, including "off" for top_k.
+        let f = SamplingFields {
+            temperature: Some(1.0),
+            top_p: Some(1.0),
+            top_k: Some(-1),
+            min_p: Some(0.0),
+            repetition_penalty: Some(1.0),
+            ..Default::default()
+        };
+        let p = sampling_params(&f, None, 50, &server).expect("valid");
+        assert_eq!(
+            (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty),
+            (1.0, 1.0, None, 0.0, 1.0)
+        );
     }
 
     #[test]

@@ -65,6 +65,13 @@ pub trait Card: Send + Sync + raw::RawCard {
     fn processes(&self) -> Vec<ProcessBytes>;
     /// The unit physical memory is committed in (2 MiB on an H200).
     fn granularity(&self) -> Bytes;
+    /// Whether [`Card::processes`] names every holder of the card's used
+    /// memory. The host does not (other processes' memory is not ours to
+    /// list, and the kernel's has no pid), so its report counts everything
+    /// used on it but by this process as foreign, one lump.
+    fn names_every_holder(&self) -> bool {
+        true
+    }
     /// This process's id as the driver lists it.
     fn self_pid(&self) -> u32 {
         std::process::id()

@@ -89,6 +89,9 @@ impl Card for CpuCard {
         // card lists only this process.
         vec![ProcessBytes { pid: self.self_pid(), bytes: self.process_bytes() }]
     }
+    fn names_every_holder(&self) -> bool {
+        false
+    }
     fn granularity(&self) -> Bytes {
         CPU_GRANULARITY
     }

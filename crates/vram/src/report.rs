@@ -65,7 +65,13 @@ pub fn build_report(gov: &Governor) -> MemoryReport {
         let books = dev.books();
         let pid = card.self_pid();
         let foreign: Vec<ProcessBytes> = processes.into_iter().filter(|p| p.pid != pid).collect();
-        let foreign_bytes: Bytes = foreign.iter().map(|p| p.bytes).sum();
+        let foreign_bytes: Bytes = if card.names_every_holder() {
+            foreign.iter().map(|p| p.bytes).sum()
+        } else {
+            // The host: whatever is used and not by this process (other
+            // processes, the kernel, caches it will not give back).
+            total.saturating_sub(carve).saturating_sub(free).saturating_sub(me)
+        };
         let residue = signed(me) - signed(books.total());
         let drift = signed(total)
             - (signed(carve) + signed(foreign_bytes) + residue + signed(books.total()) + signed(free));
@@ -98,6 +104,30 @@ pub fn build_report(gov: &Governor) -> MemoryReport {
         };
     MemoryReport { cards, spread_bytes }
 }
+
+/// What each column of [`render_table`] means; `corridor memory --help`
+/// shows it too.
+pub const LEGEND: &str = "\
+Columns (sizes in MiB; per card, read at one instant):
+  total      all memory on the card (the host: MemTotal)
+  free       what the driver says is free now (the host: MemAvailable)
+  floor      free memory corridor keeps at every instant (--floor-mib)
+  min free   the lowest free memory any 100 ms sample saw
+  breach     samples that saw free below the floor
+  intru      times another process grew into the floor
+  restore    the slowest return above the floor after an intrusion
+  foreign    memory other processes hold (the host: everything used but not by corridor)
+  residue    what corridor's process holds beyond its books: runtime, code, libraries
+             (negative means the books claim memory the process does not hold)
+  weights, workspace, graphs, kv, other
+             corridor's books by purpose: model weights, the activation workspace, captured
+             CUDA graphs, KV pages committed, staging and other buffers
+  kv resv    KV address space reserved (addresses only: not memory, not in the books)
+  drift      total - (carve-out + foreign + residue + books + free), the carve-out being
+             what the driver keeps for itself: memory nobody accounts for; near 0 when the
+             table adds up (on the host foreign is measured as the rest, so drift is only
+             what changed between the readings, and residue is the check that matters)
+";
 
 fn mib(b: Bytes) -> String {
     format!("{:.0}", b.as_mib_f64())
@@ -164,5 +194,7 @@ pub fn render_table(report: &MemoryReport) -> String {
             let _ = writeln!(out, "{}: foreign pid {} holds {} MiB", c.card, p.pid, mib(p.bytes));
         }
     }
+    out.push('\n');
+    out.push_str(LEGEND);
     out
 }

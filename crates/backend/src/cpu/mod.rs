@@ -29,12 +29,60 @@ const DOT_MAX_ROWS: usize = 2;
 /// The CPU backend. Threads come from rayon's global pool, which the binary
 /// sizes once at start-up.
 #[derive(Clone, Debug, Default)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    /// Touch every page of the KV and activation buffers when they are
+    /// allocated (see [`CpuBackend::resident`]).
+    resident: bool,
+}
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend
+        CpuBackend { resident: false }
     }
+
+    /// A backend whose KV and activation buffers are resident from the start.
+    /// A zeroed allocation of that size is mapped lazily by the OS, so until a
+    /// page is first written the host's books (which count it as held) and
+    /// the process's resident memory disagree, and the host's free memory
+    /// still offers it to others. On the host card the buffers are the card's
+    /// memory, so they are made real at once; on sim cards (whose memory is
+    /// simulated, and whose KV id space may be far larger than the host) they
+    /// are left lazy.
+    pub fn resident() -> Self {
+        CpuBackend { resident: true }
+    }
+
+    fn zeroed(&self, n: usize) -> Vec<f32> {
+        let mut v = vec![0.0f32; n];
+        if self.resident {
+            touch_pages(&mut v);
+        }
+        v
+    }
+}
+
+/// Reads one byte in every 4 KiB page of a mapped file, so each page is in
+/// memory now; volatile so the reads are not dropped as unused.
+fn read_pages(bytes: &[u8]) {
+    bytes.par_chunks(4096 * 256).for_each(|chunk| {
+        for i in (0..chunk.len()).step_by(4096) {
+            // SAFETY: `i` is in bounds of `chunk`.
+            unsafe { std::ptr::read_volatile(chunk.as_ptr().add(i)) };
+        }
+    });
+}
+
+/// Writes one element in every 4 KiB page, so each page is backed now. The
+/// writes are volatile: zeros over zeroed memory are otherwise removed as
+/// redundant, and the pages would stay unbacked.
+fn touch_pages(v: &mut [f32]) {
+    const PER_PAGE: usize = 4096 / std::mem::size_of::<f32>();
+    v.par_chunks_mut(PER_PAGE * 256).for_each(|chunk| {
+        for i in (0..chunk.len()).step_by(PER_PAGE) {
+            // SAFETY: `i` is in bounds of `chunk`.
+            unsafe { std::ptr::write_volatile(chunk.as_mut_ptr().add(i), 0.0) };
+        }
+    });
 }
 
 /// An activation matrix: `rows × cols` f32, row-major, with a fixed capacity.
@@ -184,6 +232,12 @@ impl Backend for CpuBackend {
                 CpuWeight::F32 { data, rows, cols }
             }
             dtype => {
+                if self.resident {
+                    // Kept in the checkpoint's mapping: read it in now, so
+                    // the weights the books count are resident before the
+                    // first request rather than page by page during it.
+                    read_pages(t.data.bytes());
+                }
                 CpuWeight::Packed { dtype, bytes: t.data.clone(), rows, cols, row_bytes: want / rows.max(1) }
             }
         })
@@ -194,12 +248,12 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_act(&self, shape: ActShape) -> Result<CpuAct> {
-        Ok(CpuAct { data: vec![0.0; shape.rows * shape.cols], rows: shape.rows, cols: shape.cols })
+        Ok(CpuAct { data: self.zeroed(shape.rows * shape.cols), rows: shape.rows, cols: shape.cols })
     }
 
     fn alloc_kv(&self, geometry: KvGeometry) -> Result<CpuKv> {
         let n = geometry.num_pages * geometry.page_size * geometry.kv_heads * geometry.head_dim;
-        Ok(CpuKv { geometry, k: vec![0.0; n], v: vec![0.0; n] })
+        Ok(CpuKv { geometry, k: self.zeroed(n), v: self.zeroed(n) })
     }
 
     fn embedding(&self, table: &CpuWeight, ids: &[u32], out: &mut CpuAct) -> Result<()> {
@@ -425,5 +479,33 @@ impl Backend for CpuBackend {
         let (a, b) = (kv.slot(from, 0), kv.slot(to, 0));
         kv.k.copy_within(a..a + n, b);
         kv.v.copy_within(a..a + n, b);
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod residency_tests {
+    use super::*;
+
+    fn rss() -> usize {
+        let status = std::fs::read_to_string("/proc/self/status").expect("status");
+        let line = status.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS");
+        line.split_whitespace().nth(1).expect("kB").parse::<usize>().expect("number") * 1024
+    }
+
+    #[test]
+    fn resident_buffers_are_backed_at_allocation() {
+        const MIB: usize = 1 << 20;
+        // 64 MiB of K and 64 of V.
+        let geometry = KvGeometry { num_pages: 1024, page_size: 16, kv_heads: 1, head_dim: 1024 };
+        let before = rss();
+        let lazy = CpuBackend::new().alloc_kv(geometry).expect("kv");
+        let after_lazy = rss();
+        let real = CpuBackend::resident().alloc_kv(geometry).expect("kv");
+        let after_real = rss();
+        // Other tests of this binary allocate too, so the bounds are loose;
+        // the difference (0 against 128 MiB) is not.
+        assert!(after_lazy.saturating_sub(before) < 32 * MIB, "a lazy buffer was backed");
+        assert!(after_real.saturating_sub(after_lazy) > 100 * MIB, "the resident buffer was not backed");
+        drop((lazy, real));
     }
 }
