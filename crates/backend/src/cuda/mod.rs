@@ -448,7 +448,17 @@ fn dtype_code(d: DType) -> i32 {
         DType::Q8_0 => 2,
         DType::Q4_0 => 3,
         DType::Q4_1 => 4,
-        DType::F16 => -1, // converted at upload, never on the device
+        // Converted at upload, never on the device.
+        DType::F16
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::IQ4_NL
+        | DType::IQ4_XS => -1,
     }
 }
 
@@ -1221,6 +1231,7 @@ impl Backend for CudaBackend {
         let bytes = match dtype {
             _ if rows == 1 => cols as u64 * 4,
             DType::F32 | DType::F16 | DType::BF16 => (rows * cols * 2) as u64,
+            q if dtype_code(q) < 0 => (rows * cols * 2) as u64,
             q => q.bytes_for(cols).unwrap_or(0) as u64 * rows as u64,
         };
         bytes.div_ceil(ARENA_ALIGN) * ARENA_ALIGN
@@ -1258,10 +1269,10 @@ impl Backend for CudaBackend {
         } else {
             match t.dtype {
                 DType::BF16 => (DType::BF16, src.to_vec()),
-                DType::F32 | DType::F16 => {
-                    (DType::BF16, as_f32().iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect())
-                }
-                q => (q, src.to_vec()),
+                q if dtype_code(q) >= 0 && q != DType::F32 => (q, src.to_vec()),
+                // f32, f16 and the block formats without device kernels are
+                // widened to bf16 here.
+                _ => (DType::BF16, as_f32().iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect()),
             }
         };
         if dtype.is_quantized() {
