@@ -292,9 +292,9 @@ pub fn unpack_block(dtype: DType, b: &[u8], out: &mut Block) {
                     }
                 }
             }
-            for g in 0..16 {
-                out.d[g] = d * (sc[g] & 0x0f) as f32;
-                out.m[g] = -dmin * (sc[g] >> 4) as f32;
+            for ((od, om), &s) in out.d.iter_mut().zip(out.m.iter_mut()).zip(sc) {
+                *od = d * (s & 0x0f) as f32;
+                *om = -dmin * (s >> 4) as f32;
             }
         }
         DType::Q3_K => {
@@ -351,8 +351,8 @@ pub fn unpack_block(dtype: DType, b: &[u8], out: &mut Block) {
                     }
                 }
             }
-            for g in 0..16 {
-                out.d[g] = d * (sc[g] as i8) as f32;
+            for (od, &s) in out.d.iter_mut().zip(sc) {
+                *od = d * (s as i8) as f32;
             }
             out.m.fill(0.0);
         }
@@ -437,7 +437,7 @@ impl Q8Row {
     /// Quantizes `x` (a whole number of 32-element blocks) into this row,
     /// reusing its buffers.
     pub fn quantize(&mut self, x: &[f32]) {
-        assert!(x.len() % QK == 0, "a Q8 activation row is whole 32-element blocks");
+        assert!(x.len().is_multiple_of(QK), "a Q8 activation row is whole 32-element blocks");
         self.q.resize(x.len(), 0);
         self.d.resize(x.len() / QK, 0.0);
         self.gsum.resize(x.len() / GROUP, 0.0);
