@@ -211,6 +211,7 @@ fn quantized_files_match_the_f16_file_within_per_type_tolerances() {
         println!("{ft}: weighted |Δ logprob| prefill {p:.4}, decode q8 {d:.4}, decode f32 {d32:.4} (tolerance {tol}); q8 vs f32 decode {act:.4}");
         assert!(p < tol && d < tol && d32 < tol, "{ft}: {p} / {d} / {d32} over {tol}");
         assert!(act < ACT_TOL, "{ft}: 8-bit activations moved decode by {act}");
+        assert!(act > 0.0, "{ft}: the default decode did not take the 8-bit activation path");
         seen.insert(ft, d);
     }
     // The f16 file against itself through the Q8 decode path: the activation
