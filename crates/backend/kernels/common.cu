@@ -14,6 +14,15 @@ typedef unsigned char u8;
 #define DT_Q8_0 2
 #define DT_Q4_0 3
 #define DT_Q4_1 4
+#define DT_Q5_0 5
+#define DT_Q5_1 6
+#define DT_IQ4_NL 7
+#define DT_Q2_K 8
+#define DT_Q3_K 9
+#define DT_Q4_K 10
+#define DT_Q5_K 11
+#define DT_Q6_K 12
+#define DT_IQ4_XS 13
 
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -59,6 +68,95 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The 16 levels of IQ4_NL and IQ4_XS (the ggml format's fixed grid).
+__constant__ signed char kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                           1,    13,   25,  38,  53,  69,  89,  113};
+
+// Bytes per block of the formats bq_weight decodes (32 or 256 weights).
+__device__ __forceinline__ int bq_block_bytes(int dt) {
+    switch (dt) {
+    case DT_Q5_0: return 22;
+    case DT_Q5_1: return 24;
+    case DT_IQ4_NL: return 18;
+    case DT_Q2_K: return 84;
+    case DT_Q3_K: return 110;
+    case DT_Q4_K: return 144;
+    case DT_Q5_K: return 176;
+    case DT_Q6_K: return 210;
+    default: return 136; // DT_IQ4_XS
+    }
+}
+
+// Weight `e` of a row of Q5_0, Q5_1, IQ4_NL, the K-quants or IQ4_XS, from
+// the block layouts documented in cpu/quant.rs (`unpack_block`). Written per
+// element so the dequantizing copy and the GEMVs share one definition; in
+// the GEMVs `dt` is a constant and 32 consecutive `e` are unrolled, so the
+// scale reads are loaded once per 32 weights.
+__device__ __forceinline__ float bq_weight(int dt, const u8* row, int e) {
+    if (dt == DT_Q5_0 || dt == DT_Q5_1 || dt == DT_IQ4_NL) {
+        const u8* b = row + (e >> 5) * bq_block_bytes(dt);
+        int i = e & 31, j = i & 15;
+        float d = f16_at(b);
+        if (dt == DT_IQ4_NL) {
+            int q = i < 16 ? (b[2 + j] & 0x0f) : (b[2 + j] >> 4);
+            return d * (float)kIQ4Levels[q];
+        }
+        int at = dt == DT_Q5_1 ? 4 : 2;
+        u32 qh = (u32)b[at] | ((u32)b[at + 1] << 8) | ((u32)b[at + 2] << 16) | ((u32)b[at + 3] << 24);
+        int q = (i < 16 ? (b[at + 4 + j] & 0x0f) : (b[at + 4 + j] >> 4)) | (int)(((qh >> i) & 1) << 4);
+        return dt == DT_Q5_1 ? d * (float)q + f16_at(b + 2) : d * (float)(q - 16);
+    }
+    const u8* b = row + (e >> 8) * bq_block_bytes(dt);
+    int i = e & 255, s = i >> 5, l = i & 31, g = i >> 4;
+    switch (dt) {
+    case DT_Q2_K: {
+        int q = (b[16 + 32 * (s >> 2) + l] >> (2 * (s & 3))) & 3;
+        int sc = b[g];
+        return f16_at(b + 80) * (float)(sc & 15) * (float)q - f16_at(b + 82) * (float)(sc >> 4);
+    }
+    case DT_Q3_K: {
+        int h = s >> 2, jj = s & 3;
+        int low = (b[32 + 32 * h + l] >> (2 * jj)) & 3;
+        int q = low - (((b[l] >> (4 * h + jj)) & 1) ? 0 : 4);
+        const u8* sc = b + 96;
+        int lo = g < 8 ? (sc[g] & 15) : (sc[g - 8] >> 4);
+        int hi = (sc[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+        return f16_at(b + 108) * (float)((lo | (hi << 4)) - 32) * (float)q;
+    }
+    case DT_Q4_K:
+    case DT_Q5_K: {
+        const u8* sc = b + 4;
+        int scale, min;
+        if (s < 4) {
+            scale = sc[s] & 63;
+            min = sc[s + 4] & 63;
+        } else {
+            scale = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
+            min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+        }
+        int qs = dt == DT_Q5_K ? 48 : 16;
+        int v = b[qs + 32 * (s >> 1) + l];
+        int q = (s & 1) ? (v >> 4) : (v & 15);
+        if (dt == DT_Q5_K) q |= ((b[16 + l] >> s) & 1) << 4;
+        return f16_at(b) * (float)scale * (float)q - f16_at(b + 2) * (float)min;
+    }
+    case DT_Q6_K: {
+        int h = s >> 2, k4 = s & 3;
+        int v = b[64 * h + l + 32 * (k4 & 1)];
+        int low = k4 < 2 ? (v & 15) : (v >> 4);
+        int high = (b[128 + 32 * h + l] >> (2 * k4)) & 3;
+        return f16_at(b + 208) * (float)(signed char)b[192 + g] * (float)((low | (high << 4)) - 32);
+    }
+    default: { // DT_IQ4_XS
+        u32 sh = (u32)b[2] | ((u32)b[3] << 8);
+        int ls = ((b[4 + (s >> 1)] >> (4 * (s & 1))) & 15) | (int)(((sh >> (2 * s)) & 3) << 4);
+        int v = b[8 + 16 * s + (l & 15)];
+        int q = l < 16 ? (v & 15) : (v >> 4);
+        return f16_at(b) * (float)(ls - 32) * (float)kIQ4Levels[q];
+    }
+    }
+}
+
 // Element `j` of a stored row in any storage type (slow path: embeddings and
 // the dequantizing copy, never the decode GEMV).
 __device__ __forceinline__ float load_elem(const u8* row, int dtype, int j) {
@@ -75,12 +173,13 @@ __device__ __forceinline__ float load_elem(const u8* row, int dtype, int j) {
         int q = i < 16 ? (b[2 + i] & 0x0f) : (b[2 + i - 16] >> 4);
         return f16_at(b) * (float)(q - 8);
     }
-    default: { // DT_Q4_1
+    case DT_Q4_1: {
         const u8* b = row + (j / 32) * 20;
         int i = j % 32;
         int q = i < 16 ? (b[4 + i] & 0x0f) : (b[4 + i - 16] >> 4);
         return f16_at(b) * (float)q + f16_at(b + 2);
     }
+    default: return bq_weight(dtype, row, j);
     }
 }
 

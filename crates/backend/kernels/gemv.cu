@@ -490,6 +490,63 @@ GEMV_Q(q4_1, DT_Q4_1, 2, 4)
 GEMV_Q(q4_1, DT_Q4_1, 4, 2)
 GEMV_Q(q4_1, DT_Q4_1, 8, 2)
 
+// Q5_0, Q5_1, IQ4_NL, the K-quants and IQ4_XS for decode rows: one warp per
+// weight row, each lane a 32-weight stretch at a time (a K-quant sub-block:
+// its scale bytes are read once per stretch, the quants of one super-block by
+// eight neighbouring lanes), decoded by bq_weight and dotted with every row.
+template <int DT, int R>
+__device__ __forceinline__ void gemv_bq_body(const u8* __restrict__ w, long long row_bytes, const float* __restrict__ x,
+                                             float* __restrict__ out, int n, int k, int rows) {
+    pdl_enter();
+    int lane = threadIdx.x & 31;
+    int j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (j >= n) return;
+    const u8* row = w + (long long)j * row_bytes;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.f;
+    for (int c = lane; c < (k >> 5); c += 32) {
+        float wv[32];
+#pragma unroll
+        for (int l = 0; l < 32; l++) wv[l] = bq_weight(DT, row, c * 32 + l);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (r < rows) {
+                const float4* xr = (const float4*)(x + (long long)r * k + c * 32);
+                float s = 0.f;
+#pragma unroll
+                for (int q = 0; q < 8; q++) {
+                    float4 a = __ldg(xr + q);
+                    s += wv[4 * q] * a.x + wv[4 * q + 1] * a.y + wv[4 * q + 2] * a.z + wv[4 * q + 3] * a.w;
+                }
+                acc[r] += s;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float s = warp_sum(acc[r]);
+        if (lane == 0 && r < rows) out[(long long)r * n + j] = s;
+    }
+}
+
+#define GEMV_BQ(NAME, DT, R)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                                 \
+        gemv_##NAME##_r##R(const u8* __restrict__ w, long long row_bytes, const float* __restrict__ x,           \
+                           float* __restrict__ out, int n, int k, int rows) {                                     \
+        gemv_bq_body<DT, R>(w, row_bytes, x, out, n, k, rows);                                                    \
+    }
+#define GEMV_BQ_ALL(NAME, DT) GEMV_BQ(NAME, DT, 1) GEMV_BQ(NAME, DT, 2) GEMV_BQ(NAME, DT, 4) GEMV_BQ(NAME, DT, 8)
+GEMV_BQ_ALL(q5_0, DT_Q5_0)
+GEMV_BQ_ALL(q5_1, DT_Q5_1)
+GEMV_BQ_ALL(iq4_nl, DT_IQ4_NL)
+GEMV_BQ_ALL(q2_k, DT_Q2_K)
+GEMV_BQ_ALL(q3_k, DT_Q3_K)
+GEMV_BQ_ALL(q4_k, DT_Q4_K)
+GEMV_BQ_ALL(q5_k, DT_Q5_K)
+GEMV_BQ_ALL(q6_k, DT_Q6_K)
+GEMV_BQ_ALL(iq4_xs, DT_IQ4_XS)
+
 // Any storage type, any k (bf16 rows of odd width, f32): one warp per weight
 // row, one lane per 32-element stretch. Slow but general; the fast kernels
 // above take every shape a real checkpoint has.

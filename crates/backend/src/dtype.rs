@@ -8,10 +8,22 @@
 //!   nibble; `w = d·(q − 8)`.
 //! - `Q4_1`: 32 weights per 20-byte block: f16 `d`, f16 `m`, 16 bytes of
 //!   nibbles laid out as in `Q4_0`; `w = d·q + m`.
+//! - `Q5_0` / `Q5_1`: as `Q4_0` / `Q4_1` with a fifth bit per weight in a
+//!   32-bit mask after the scale(s) (bit `j` for weight `j`); 22 / 24 bytes;
+//!   `w = d·(q − 16)` / `w = d·q + m`.
+//! - `IQ4_NL`: 32 weights per 18-byte block laid out as `Q4_0`, but each
+//!   nibble indexes a fixed non-uniform table of 16 levels: `w = d·T[q]`.
+//! - The K-quants and `IQ4_XS` use 256-weight super-blocks ([`QK_K`]) made of
+//!   sub-blocks of 16 or 32 weights, each sub-block with a small integer scale
+//!   (and for `Q2_K`, `Q4_K`, `Q5_K` a small integer min) that is itself scaled
+//!   by the super-block's f16 `d` (and `dmin`): `Q2_K` 84 bytes, `Q3_K` 110,
+//!   `Q4_K` 144, `Q5_K` 176, `Q6_K` 210, `IQ4_XS` 136. The exact bit layouts
+//!   are documented beside their decoders in `cpu/quant.rs`.
 
 use std::fmt;
 
-/// The element type of a stored tensor.
+/// The element type of a stored tensor (named as ggml names them).
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
@@ -20,17 +32,29 @@ pub enum DType {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    IQ4_NL,
+    IQ4_XS,
 }
 
-/// Elements per quantization block for the block-quantized types.
+/// Elements per quantization block for the 32-element block types.
 pub const QK: usize = 32;
+/// Elements per super-block of the K-quants and `IQ4_XS`.
+pub const QK_K: usize = 256;
 
 impl DType {
     /// Elements per block (1 for the plain float types).
     pub const fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => QK,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::IQ4_NL => QK,
+            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => QK_K,
         }
     }
     /// Bytes per block.
@@ -41,8 +65,35 @@ impl DType {
             DType::Q8_0 => 34,
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
+            DType::Q5_0 => 22,
+            DType::Q5_1 => 24,
+            DType::IQ4_NL => 18,
+            DType::Q2_K => 84,
+            DType::Q3_K => 110,
+            DType::Q4_K => 144,
+            DType::Q5_K => 176,
+            DType::Q6_K => 210,
+            DType::IQ4_XS => 136,
         }
     }
+    /// Every storage type, for tests and tables.
+    pub const ALL: [DType; 15] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::IQ4_NL,
+        DType::IQ4_XS,
+    ];
     pub const fn is_quantized(self) -> bool {
         self.block_elems() > 1
     }
@@ -65,6 +116,15 @@ impl fmt::Display for DType {
             DType::Q8_0 => "Q8_0",
             DType::Q4_0 => "Q4_0",
             DType::Q4_1 => "Q4_1",
+            DType::Q5_0 => "Q5_0",
+            DType::Q5_1 => "Q5_1",
+            DType::Q2_K => "Q2_K",
+            DType::Q3_K => "Q3_K",
+            DType::Q4_K => "Q4_K",
+            DType::Q5_K => "Q5_K",
+            DType::Q6_K => "Q6_K",
+            DType::IQ4_NL => "IQ4_NL",
+            DType::IQ4_XS => "IQ4_XS",
         };
         f.write_str(s)
     }

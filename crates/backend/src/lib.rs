@@ -16,7 +16,7 @@ pub mod cuda;
 pub mod dtype;
 pub mod kv_units;
 
-pub use dtype::{DType, HostTensor, TensorBytes, QK};
+pub use dtype::{DType, HostTensor, TensorBytes, QK, QK_K};
 
 use corridor_units::PageId;
 use corridor_vram::KvArena;

@@ -83,7 +83,7 @@ fn unknown_architecture_and_missing_tokenizer_are_one_line_errors() {
 
 #[test]
 fn unsupported_tensor_type_is_named() {
-    // Rewrite one tensor's ggml type id in the tiny GGUF to Q4_K (12).
+    // Rewrite one tensor's ggml type id in the tiny GGUF to IQ2_XXS (16), a type corridor does not read.
     let gguf = std::fs::read(fixtures().join("llama-q.gguf")).unwrap();
     let name = b"blk.0.attn_q.weight";
     let at = gguf.windows(name.len()).position(|w| w == name).expect("tensor name in the file") + name.len();
@@ -91,11 +91,11 @@ fn unsupported_tensor_type_is_named() {
     let n_dims = u32::from_le_bytes(gguf[at..at + 4].try_into().unwrap()) as usize;
     let ty = at + 4 + 8 * n_dims;
     let mut bad = gguf.clone();
-    bad[ty..ty + 4].copy_from_slice(&12u32.to_le_bytes());
+    bad[ty..ty + 4].copy_from_slice(&16u32.to_le_bytes());
     let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("q4k.gguf");
+    let p = dir.path().join("iq2.gguf");
     std::fs::write(&p, &bad).unwrap();
-    assert_one_line_error(&p, "Q4_K");
+    assert_one_line_error(&p, "IQ2_XXS");
 }
 
 /// `--devices` names what is wrong with it, and a build without the `cuda`

@@ -11,10 +11,13 @@
 //! (partial sums over heads and FFN columns added by the all-reduce), which
 //! moves f32 logits of these models by about 1e-6; a wrong slice (a head read
 //! against the wrong KV head, an FFN block dropped, a misplaced vocabulary
-//! block) moves them by 1e-2 or more.
+//! block) moves them by 1e-2 or more. Decode keeps activations in f32
+//! (`DecodeActivations::F32`): a slice cut inside a quantized block is
+//! widened to f32 at load, so with 8-bit activations the oracle and the
+//! slices would round differently.
 
 use corridor_backend::collective::{Collective, GroupShape, ThreadGroup};
-use corridor_backend::cpu::CpuBackend;
+use corridor_backend::cpu::{CpuBackend, DecodeActivations};
 use corridor_backend::SeqStep;
 use corridor_model::layout::{Layout, LayoutKind};
 use corridor_model::llama::{Model, StepInput};
@@ -55,7 +58,7 @@ fn run(path: &Path, layout: &Layout) -> (Vec<Vec<f32>>, Vec<u32>) {
     let (reply_tx, reply_rx) = mpsc::channel::<(usize, Vec<f32>)>();
     let mut threads = Vec::new();
     for (slice, comm) in layout.ranks.iter().cloned().zip(ranks) {
-        let backend = CpuBackend::new();
+        let backend = CpuBackend::with_decode_activations(DecodeActivations::F32);
         let model = Model::load_slice(&backend, &ckpt, &slice, |_| {}).unwrap();
         let (tx, rx) = mpsc::channel::<Job>();
         jobs.push(tx);

@@ -195,14 +195,24 @@ fn gguf_metadata_of_every_value_type_round_trips_in_file_order() {
     assert!(f.get("a.missing").is_none());
 }
 
-/// Every supported type: (ggml id, dtype, bytes for 64 elements).
-const SUPPORTED: [(u32, DType, usize); 6] = [
-    (0, DType::F32, 256),
-    (1, DType::F16, 128),
-    (30, DType::BF16, 128),
-    (8, DType::Q8_0, 68),
-    (2, DType::Q4_0, 36),
-    (3, DType::Q4_1, 40),
+/// Every supported type: (ggml id, dtype, bytes for 512 elements: two rows of
+/// 256, one K-quant super-block each).
+const SUPPORTED: [(u32, DType, usize); 15] = [
+    (0, DType::F32, 2048),
+    (1, DType::F16, 1024),
+    (30, DType::BF16, 1024),
+    (8, DType::Q8_0, 544),
+    (2, DType::Q4_0, 288),
+    (3, DType::Q4_1, 320),
+    (6, DType::Q5_0, 352),
+    (7, DType::Q5_1, 384),
+    (20, DType::IQ4_NL, 288),
+    (10, DType::Q2_K, 168),
+    (11, DType::Q3_K, 220),
+    (12, DType::Q4_K, 288),
+    (13, DType::Q5_K, 352),
+    (14, DType::Q6_K, 420),
+    (23, DType::IQ4_XS, 272),
 ];
 
 #[test]
@@ -212,8 +222,8 @@ fn gguf_tensors_of_every_supported_type_round_trip_with_pytorch_shapes() {
         w.version = version;
         w.alignment = 64;
         for (i, (id, dtype, len)) in SUPPORTED.iter().enumerate() {
-            // 64 elements stored as 2 rows of 32: GGUF dims [32, 2].
-            w = w.tensor(&format!("t.{dtype}"), &[32, 2], *id, pattern(*len, i as u8));
+            // 512 elements stored as 2 rows of 256: GGUF dims [256, 2].
+            w = w.tensor(&format!("t.{dtype}"), &[256, 2], *id, pattern(*len, i as u8));
         }
         w = w.tensor("t.vector", &[32], 0, pattern(128, 99));
         let dir = tempfile::tempdir().unwrap();
@@ -224,7 +234,7 @@ fn gguf_tensors_of_every_supported_type_round_trip_with_pytorch_shapes() {
         for (i, (_, dtype, len)) in SUPPORTED.iter().enumerate() {
             let t = f.tensor(&format!("t.{dtype}")).unwrap();
             assert_eq!(t.dtype, *dtype);
-            assert_eq!(t.shape, vec![2, 32], "dims are reversed into PyTorch order");
+            assert_eq!(t.shape, vec![2, 256], "dims are reversed into PyTorch order");
             assert_eq!(t.data.bytes(), pattern(*len, i as u8).as_slice(), "{dtype} bytes");
             assert_eq!(t.name, format!("t.{dtype}"));
         }
@@ -232,26 +242,37 @@ fn gguf_tensors_of_every_supported_type_round_trip_with_pytorch_shapes() {
         assert_eq!(v.shape, vec![32]);
         assert_eq!(v.data.bytes(), pattern(128, 99).as_slice());
         let info = f.tensor_info("t.Q8_0").unwrap();
-        assert_eq!(info.dims, vec![32, 2]);
-        assert_eq!(info.byte_len(), Some(68));
+        assert_eq!(info.dims, vec![256, 2]);
+        assert_eq!(info.byte_len(), Some(544));
     }
+}
+
+/// A K-quant row must be whole 256-weight super-blocks; a 128-wide Q4_K
+/// tensor is a corrupt file, named as such.
+#[test]
+fn gguf_k_quant_rows_must_be_whole_super_blocks() {
+    let bytes = GgufWriter::new().tensor("narrow", &[128, 2], 12, vec![0; 144]).bytes();
+    let dir = tempfile::tempdir().unwrap();
+    let err = GgufFile::open(&write(dir.path(), "n.gguf", &bytes)).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("narrow") && msg.contains("256-element blocks"), "{msg}");
 }
 
 #[test]
 fn gguf_unknown_tensor_type_is_listed_but_refused_by_name() {
     let bytes = GgufWriter::new()
         .kv("general.architecture", s("llama"))
-        .tensor("blk.0.attn_q.weight", &[256, 1], 12, vec![0; 144])
+        .tensor("blk.0.attn_q.weight", &[256, 1], 16, vec![0; 66])
         .tensor("ok", &[2], 0, vec![0; 8])
         .bytes();
     let dir = tempfile::tempdir().unwrap();
     let f = GgufFile::open(&write(dir.path(), "k.gguf", &bytes)).expect("metadata stays readable");
     assert_eq!(f.tensors().len(), 2);
-    assert_eq!(f.tensor_info("blk.0.attn_q.weight").unwrap().type_label(), "Q4_K (type 12)");
+    assert_eq!(f.tensor_info("blk.0.attn_q.weight").unwrap().type_label(), "IQ2_XXS (type 16)");
     let err = f.tensor("blk.0.attn_q.weight").unwrap_err();
     assert!(matches!(err, LoadError::UnsupportedDType { .. }), "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("Q4_K (type 12)") && msg.contains("blk.0.attn_q.weight"), "{msg}");
+    assert!(msg.contains("IQ2_XXS (type 16)") && msg.contains("blk.0.attn_q.weight"), "{msg}");
     assert!(f.tensor("ok").is_ok());
     assert!(matches!(f.tensor("absent"), Err(LoadError::MissingTensor { .. })));
 }

@@ -2,7 +2,9 @@
 //! checkpoints `scripts/make_fixtures.py` writes (float32 reference outputs).
 //!
 //! Tolerance: 1e-4 in log-probability. The reference runs the same weights
-//! in float32 (quantized GGUF weights dequantized first); running it in
+//! in float32 (quantized GGUF weights dequantized first), and so does the
+//! backend here (`DecodeActivations::F32`: its default decode rounds
+//! activations to 8 bits, which `kquants.rs` bounds instead); running it in
 //! float64 instead moves the log-probs by at most 1e-5, so summation order
 //! (blocked dot products, a different GEMM) stays well inside the bound, while
 //! a real mistake (a wrong RoPE pairing, a missing bias, an off-by-one
@@ -10,7 +12,7 @@
 //! first step whose reference top-1/top-2 gap is under 1e-3, a genuine near
 //! tie where either choice is correct.
 
-use corridor_backend::cpu::CpuBackend;
+use corridor_backend::cpu::{CpuBackend, DecodeActivations};
 use corridor_backend::SeqStep;
 use corridor_model::greedy::greedy;
 use corridor_model::llama::{Model, StepInput};
@@ -44,7 +46,7 @@ struct Runner {
 impl Runner {
     fn open(path: &Path) -> Runner {
         let ckpt = Checkpoint::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let backend = CpuBackend::new();
+        let backend = CpuBackend::with_decode_activations(DecodeActivations::F32);
         let model =
             Model::load(&backend, &ckpt, |_| {}).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         Runner { backend, model }

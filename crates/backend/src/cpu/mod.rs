@@ -26,6 +26,20 @@ const ROWS_PER_TASK: usize = 32;
 /// tok/s where dotting 8 rows gives 32.7, so the switch stays at 2.
 const DOT_MAX_ROWS: usize = 2;
 
+/// How decode (a matmul of at most `DOT_MAX_ROWS` rows) multiplies
+/// block-format weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DecodeActivations {
+    /// Quantize each activation row to 8 bits per 32 once per matmul and take
+    /// integer dot products with the weight blocks ([`quant::Q8Row`]); the
+    /// way llama.cpp computes, and the default.
+    #[default]
+    Q8,
+    /// Keep the activations in f32 and dequantize the weights in registers:
+    /// f32 arithmetic throughout, for comparing against f32 references.
+    F32,
+}
+
 /// The CPU backend. Threads come from rayon's global pool, which the binary
 /// sizes once at start-up.
 #[derive(Clone, Debug, Default)]
@@ -33,11 +47,16 @@ pub struct CpuBackend {
     /// Touch every page of the KV and activation buffers when they are
     /// allocated (see [`CpuBackend::resident`]).
     resident: bool,
+    decode: DecodeActivations,
 }
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend { resident: false }
+        CpuBackend::default()
+    }
+    /// A backend whose decode keeps activations as chosen.
+    pub fn with_decode_activations(decode: DecodeActivations) -> Self {
+        CpuBackend { decode, ..CpuBackend::default() }
     }
 
     /// A backend whose KV and activation buffers are resident from the start.
@@ -49,7 +68,7 @@ impl CpuBackend {
     /// simulated, and whose KV id space may be far larger than the host) they
     /// are left lazy.
     pub fn resident() -> Self {
-        CpuBackend { resident: true }
+        CpuBackend { resident: true, ..CpuBackend::default() }
     }
 
     fn zeroed(&self, n: usize) -> Vec<f32> {
@@ -158,6 +177,21 @@ impl CpuWeight {
             CpuWeight::Packed { dtype, bytes, row_bytes, .. } => {
                 quant::dequantize_row(*dtype, &bytes.bytes()[r * row_bytes..(r + 1) * row_bytes], out)
             }
+        }
+    }
+    /// The block format of a packed block-quantized weight.
+    fn block_dtype(&self) -> Option<DType> {
+        match self {
+            CpuWeight::Packed { dtype, .. } if dtype.is_quantized() => Some(*dtype),
+            _ => None,
+        }
+    }
+    fn dot_q8(&self, r: usize, x: &quant::Q8Row) -> f32 {
+        match self {
+            CpuWeight::Packed { dtype, bytes, row_bytes, .. } => {
+                quant::dot_row_q8(*dtype, &bytes.bytes()[r * row_bytes..(r + 1) * row_bytes], x)
+            }
+            CpuWeight::F32 { .. } => unreachable!("f32 weights are not dotted with Q8 rows"),
         }
     }
     fn dot(&self, r: usize, x: &[f32]) -> f32 {
@@ -300,10 +334,33 @@ impl Backend for CpuBackend {
         let xs = x.live(rows);
         let optr = SendPtr(out.data.as_mut_ptr());
         let tasks = n.div_ceil(ROWS_PER_TASK);
+        // Decode over a block format: each activation row is quantized once
+        // here, then read by every task.
+        let q8_rows: Vec<quant::Q8Row> = match w.block_dtype() {
+            Some(_) if rows <= DOT_MAX_ROWS && self.decode == DecodeActivations::Q8 => xs
+                .chunks_exact(k)
+                .map(|r| {
+                    let mut q = quant::Q8Row::default();
+                    q.quantize(r);
+                    q
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
         (0..tasks).into_par_iter().for_each(|t| {
             let optr = optr;
             let j0 = t * ROWS_PER_TASK;
             let nb = ROWS_PER_TASK.min(n - j0);
+            if !q8_rows.is_empty() {
+                for j in j0..j0 + nb {
+                    for (r, xq) in q8_rows.iter().enumerate() {
+                        let v = w.dot_q8(j, xq);
+                        // SAFETY: task t alone writes columns j0..j0+nb.
+                        unsafe { *optr.0.add(r * n + j) = v };
+                    }
+                }
+                return;
+            }
             if rows <= DOT_MAX_ROWS {
                 // Decode: each weight row, once in cache, is dotted with every live row.
                 for j in j0..j0 + nb {

@@ -5,13 +5,44 @@
 //! widening the matrix to f32 (a Q4_1 model must not need four times its size
 //! in RAM). Each block's scale is applied once per block, and the inner loops
 //! are written over fixed 16-element halves so the compiler vectorizes them.
+//!
+//! Every block format (Q8_0, Q4_0/1, Q5_0/1, IQ4_NL and the 256-weight
+//! K-quants and IQ4_XS) is decoded by one function, [`unpack_block`], into
+//! integer codes with a scale and an offset per 16 weights ([`Block`]); the
+//! dequantizer and both dot products run over that shape. Decode dots the
+//! weights with activations quantized to 8 bits per 32 ([`Q8Row`], once per
+//! matmul), so the inner products are integer and the activations a quarter
+//! of their f32 size in cache.
 
-use crate::dtype::{DType, QK};
+use crate::dtype::{DType, QK, QK_K};
 use half::{bf16, f16};
 
 #[inline(always)]
 fn f16_at(bytes: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
+}
+
+/// Calls `$f(DType::X, args..)` with the block type as a constant in each
+/// arm, so that after inlining every per-type `match` inside the block loop
+/// folds away and the loops vectorize for that one format.
+macro_rules! per_block_type {
+    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::Q8_0 => $f(DType::Q8_0, $($arg),*),
+            DType::Q4_0 => $f(DType::Q4_0, $($arg),*),
+            DType::Q4_1 => $f(DType::Q4_1, $($arg),*),
+            DType::Q5_0 => $f(DType::Q5_0, $($arg),*),
+            DType::Q5_1 => $f(DType::Q5_1, $($arg),*),
+            DType::IQ4_NL => $f(DType::IQ4_NL, $($arg),*),
+            DType::Q2_K => $f(DType::Q2_K, $($arg),*),
+            DType::Q3_K => $f(DType::Q3_K, $($arg),*),
+            DType::Q4_K => $f(DType::Q4_K, $($arg),*),
+            DType::Q5_K => $f(DType::Q5_K, $($arg),*),
+            DType::Q6_K => $f(DType::Q6_K, $($arg),*),
+            DType::IQ4_XS => $f(DType::IQ4_XS, $($arg),*),
+            DType::F32 | DType::F16 | DType::BF16 => unreachable!("{} is not a block format", $dtype),
+        }
+    };
 }
 
 /// Dot product of one stored row (`dtype`, `x.len()` elements) with `x`.
@@ -72,50 +103,12 @@ fn dot_row_generic(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
             }
             acc.iter().sum::<f32>() + tail_dot(dtype, row, x, 8)
         }
-        // The block formats accumulate lane-wise across blocks (the block's
-        // scale broadcast into 16 lanes) and reduce once per row: a
-        // horizontal sum per 32-weight block would cost as much as the block.
-        DType::Q8_0 => {
-            let mut tot = [0f32; 16];
-            for (b, xs) in row.chunks_exact(34).zip(x.chunks_exact(QK)) {
-                let d = f16_at(b, 0);
-                let q: &[u8; 32] = b[2..34].try_into().expect("34-byte block");
-                let (x0, x1) = xs.split_at(16);
-                for i in 0..16 {
-                    tot[i] += d * ((q[i] as i8) as f32 * x0[i] + (q[i + 16] as i8) as f32 * x1[i]);
-                }
-            }
-            tot.iter().sum()
-        }
-        DType::Q4_0 => {
-            let mut tot = [0f32; 16];
-            for (b, xs) in row.chunks_exact(18).zip(x.chunks_exact(QK)) {
-                let d = f16_at(b, 0);
-                let q: &[u8; 16] = b[2..18].try_into().expect("18-byte block");
-                let (x0, x1) = xs.split_at(16);
-                for i in 0..16 {
-                    let lo = (q[i] & 0x0f) as f32 - 8.0;
-                    let hi = (q[i] >> 4) as f32 - 8.0;
-                    tot[i] += d * (lo * x0[i] + hi * x1[i]);
-                }
-            }
-            tot.iter().sum()
-        }
-        DType::Q4_1 => {
-            let mut tot = [0f32; 16];
-            for (b, xs) in row.chunks_exact(20).zip(x.chunks_exact(QK)) {
-                let d = f16_at(b, 0);
-                let m = f16_at(b, 2);
-                let q: &[u8; 16] = b[4..20].try_into().expect("20-byte block");
-                let (x0, x1) = xs.split_at(16);
-                for i in 0..16 {
-                    let lo = (q[i] & 0x0f) as f32;
-                    let hi = (q[i] >> 4) as f32;
-                    tot[i] += d * (lo * x0[i] + hi * x1[i]) + m * (x0[i] + x1[i]);
-                }
-            }
-            tot.iter().sum()
-        }
+        // The block formats are unpacked block by block into integer codes
+        // with a scale and offset per 16 weights (`Block`), and accumulate
+        // lane-wise across blocks (the group's scale broadcast into 8 lanes),
+        // reducing once per row: a horizontal sum per block would cost as much
+        // as the block.
+        q => per_block_type!(q, blocks_dot_f32(row, x)),
     }
 }
 
@@ -170,34 +163,388 @@ pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
                 *o = bf16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32();
             }
         }
+        q => per_block_type!(q, dequantize_blocks(row, out)),
+    }
+}
+
+/// Weights per group sharing one scale and offset in [`Block`]: the finest
+/// sub-block of any supported format (Q2_K, Q3_K and Q6_K scale 16 weights).
+pub const GROUP: usize = 16;
+
+/// One block of a ggml block format, unpacked: weight `i` is
+/// `d[i / 16] · q[i] + m[i / 16]`. Every supported format decodes into this
+/// shape exactly (the codes fit an i8: at most 0..31 or −128..127), so one
+/// dot-product loop serves them all, in f32 and against 8-bit activations.
+pub struct Block {
+    pub q: [i8; QK_K],
+    pub d: [f32; QK_K / GROUP],
+    pub m: [f32; QK_K / GROUP],
+}
+
+impl Block {
+    const fn new() -> Self {
+        Block { q: [0; QK_K], d: [0.0; QK_K / GROUP], m: [0.0; QK_K / GROUP] }
+    }
+}
+
+/// The 16 levels of IQ4_NL and IQ4_XS, a fixed non-uniform grid (denser near
+/// zero, where trained weights cluster), as the ggml format defines them.
+pub const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// The 6-bit scale and min `j` (0..8) of a Q4_K / Q5_K super-block, packed
+/// in 12 bytes: for `j < 4` the low 6 bits of bytes `j` and `j + 4`; for
+/// `j >= 4` a nibble of byte `j + 4` below the top two bits of bytes `j − 4`
+/// (scale) and `j` (min).
+#[inline(always)]
+fn k4_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        ((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+    }
+}
+
+/// The 6-bit scale `g` (0..16) of a Q3_K super-block, packed in 12 bytes:
+/// low nibble from byte `g` (g < 8) or the high nibble of byte `g − 8`, top
+/// two bits from byte `8 + g % 4` at bit `2·(g / 4)`; stored offset by 32.
+#[inline(always)]
+fn q3k_scale(g: usize, s: &[u8]) -> i32 {
+    let low = if g < 8 { s[g] & 0x0f } else { s[g - 8] >> 4 };
+    let high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+    (low | (high << 4)) as i32 - 32
+}
+
+/// Decode one block of `dtype` (its `block_bytes()` bytes) into `out`.
+///
+/// Layouts (all little-endian; f16 scales):
+/// - Q8_0 `[d][32 × i8]`; Q4_0 `[d][16 nibble bytes]`, codes `q − 8`;
+///   Q4_1 `[d][m][16]`; IQ4_NL as Q4_0 with codes `IQ4_LEVELS[q]`. In the
+///   nibble formats byte `j` holds weight `j` (low) and `j + 16` (high).
+/// - Q5_0 `[d][u32 qh][16]`, codes `(nibble | bit j of qh << 4) − 16`; Q5_1
+///   `[d][m][u32 qh][16]` without the offset.
+/// - Q2_K `[16 scale bytes][64 qs][d][dmin]`: weight `128h + 32j + l` is bits
+///   `2j..2j+2` of `qs[32h + l]`; its group's byte holds the scale (low
+///   nibble, × d) and min (high nibble, × dmin, subtracted).
+/// - Q3_K `[32 hmask][64 qs][12 scales][d]`: two low bits as Q2_K, minus 4
+///   unless bit `4h + j` of `hmask[l]` is set; 6-bit signed scales × d.
+/// - Q4_K `[d][dmin][12 scales][128 qs]`: 64-weight chunk `c` takes the low
+///   nibbles of `qs[32c..32c+32]` then the high ones; sub-block `s` (32
+///   weights) has 6-bit scale × d and min × dmin (subtracted).
+/// - Q5_K `[d][dmin][12 scales][32 qh][128 qs]`: as Q4_K, plus 16 when bit
+///   `s` of `qh[l]` is set (weight `32s + l`).
+/// - Q6_K `[128 ql][64 qh][16 i8 scales][d]`: weight `128h + 32k + l` is a
+///   nibble of `ql[64h + l + 32(k % 2)]` (low for k < 2) with bits `2k..2k+2`
+///   of `qh[32h + l]` above it, minus 32; group scale `scales[g]` × d.
+/// - IQ4_XS `[d][u16 scales_h][4 scales_l][128 qs]`: sub-block `s` of 32 has
+///   6-bit scale (nibble of `scales_l[s/2]`, two bits of `scales_h`) − 32,
+///   × d, and codes `IQ4_LEVELS[q]` laid out per sub-block as in IQ4_NL.
+#[inline(always)]
+pub fn unpack_block(dtype: DType, b: &[u8], out: &mut Block) {
+    let q = &mut out.q;
+    match dtype {
         DType::Q8_0 => {
-            for (b, o) in row.chunks_exact(34).zip(out.chunks_exact_mut(QK)) {
-                let d = f16_at(b, 0);
-                for i in 0..QK {
-                    o[i] = d * (b[2 + i] as i8) as f32;
+            let d = f16_at(b, 0);
+            for i in 0..QK {
+                q[i] = b[2 + i] as i8;
+            }
+            out.d[..2].fill(d);
+            out.m[..2].fill(0.0);
+        }
+        DType::Q4_0 | DType::Q4_1 | DType::IQ4_NL => {
+            let (d, m, qs) = match dtype {
+                DType::Q4_1 => (f16_at(b, 0), f16_at(b, 2), &b[4..20]),
+                _ => (f16_at(b, 0), 0.0, &b[2..18]),
+            };
+            for j in 0..16 {
+                let (lo, hi) = (qs[j] & 0x0f, qs[j] >> 4);
+                (q[j], q[j + 16]) = match dtype {
+                    DType::Q4_0 => (lo as i8 - 8, hi as i8 - 8),
+                    DType::Q4_1 => (lo as i8, hi as i8),
+                    _ => (IQ4_LEVELS[lo as usize], IQ4_LEVELS[hi as usize]),
+                };
+            }
+            out.d[..2].fill(d);
+            out.m[..2].fill(m);
+        }
+        DType::Q5_0 | DType::Q5_1 => {
+            let (d, m, at, off) = match dtype {
+                DType::Q5_1 => (f16_at(b, 0), f16_at(b, 2), 4, 0),
+                _ => (f16_at(b, 0), 0.0, 2, 16),
+            };
+            let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+            let qs = &b[at + 4..at + 20];
+            for j in 0..16 {
+                let lo = (qs[j] & 0x0f) | (((qh >> j) & 1) << 4) as u8;
+                let hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4) as u8;
+                q[j] = lo as i8 - off;
+                q[j + 16] = hi as i8 - off;
+            }
+            out.d[..2].fill(d);
+            out.m[..2].fill(m);
+        }
+        DType::Q2_K => {
+            let (sc, qs) = (&b[0..16], &b[16..80]);
+            let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+            for h in 0..2 {
+                for j in 0..4 {
+                    for l in 0..32 {
+                        q[128 * h + 32 * j + l] = ((qs[32 * h + l] >> (2 * j)) & 3) as i8;
+                    }
                 }
             }
-        }
-        DType::Q4_0 => {
-            for (b, o) in row.chunks_exact(18).zip(out.chunks_exact_mut(QK)) {
-                let d = f16_at(b, 0);
-                for i in 0..16 {
-                    o[i] = d * ((b[2 + i] & 0x0f) as i32 - 8) as f32;
-                    o[i + 16] = d * ((b[2 + i] >> 4) as i32 - 8) as f32;
-                }
+            for ((od, om), &s) in out.d.iter_mut().zip(out.m.iter_mut()).zip(sc) {
+                *od = d * (s & 0x0f) as f32;
+                *om = -dmin * (s >> 4) as f32;
             }
         }
-        DType::Q4_1 => {
-            for (b, o) in row.chunks_exact(20).zip(out.chunks_exact_mut(QK)) {
-                let d = f16_at(b, 0);
-                let m = f16_at(b, 2);
-                for i in 0..16 {
-                    o[i] = d * (b[4 + i] & 0x0f) as f32 + m;
-                    o[i + 16] = d * (b[4 + i] >> 4) as f32 + m;
+        DType::Q3_K => {
+            let (hmask, qs, sc) = (&b[0..32], &b[32..96], &b[96..108]);
+            let d = f16_at(b, 108);
+            for h in 0..2 {
+                for j in 0..4 {
+                    let bit = 1u8 << (4 * h + j);
+                    for l in 0..32 {
+                        let low = ((qs[32 * h + l] >> (2 * j)) & 3) as i8;
+                        q[128 * h + 32 * j + l] = low - if hmask[l] & bit != 0 { 0 } else { 4 };
+                    }
                 }
+            }
+            for g in 0..16 {
+                out.d[g] = d * q3k_scale(g, sc) as f32;
+            }
+            out.m.fill(0.0);
+        }
+        DType::Q4_K | DType::Q5_K => {
+            let (d, dmin, sc) = (f16_at(b, 0), f16_at(b, 2), &b[4..16]);
+            let (qh, qs) = match dtype {
+                DType::Q5_K => (Some(&b[16..48]), &b[48..176]),
+                _ => (None, &b[16..144]),
+            };
+            for c in 0..4 {
+                for l in 0..32 {
+                    let v = qs[32 * c + l];
+                    let (mut lo, mut hi) = (v & 0x0f, v >> 4);
+                    if let Some(qh) = qh {
+                        lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+                        hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                    }
+                    q[64 * c + l] = lo as i8;
+                    q[64 * c + 32 + l] = hi as i8;
+                }
+            }
+            for s in 0..8 {
+                let (scale, min) = k4_scale_min(s, sc);
+                out.d[2 * s..2 * s + 2].fill(d * scale as f32);
+                out.m[2 * s..2 * s + 2].fill(-dmin * min as f32);
+            }
+        }
+        DType::Q6_K => {
+            let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+            let d = f16_at(b, 208);
+            for h in 0..2 {
+                for k in 0..4 {
+                    for l in 0..32 {
+                        let byte = ql[64 * h + l + 32 * (k % 2)];
+                        let low = if k < 2 { byte & 0x0f } else { byte >> 4 };
+                        let high = (qh[32 * h + l] >> (2 * k)) & 3;
+                        q[128 * h + 32 * k + l] = (low | (high << 4)) as i8 - 32;
+                    }
+                }
+            }
+            for (od, &s) in out.d.iter_mut().zip(sc) {
+                *od = d * (s as i8) as f32;
+            }
+            out.m.fill(0.0);
+        }
+        DType::IQ4_XS => {
+            let d = f16_at(b, 0);
+            let sh = u16::from_le_bytes([b[2], b[3]]);
+            let (sl, qs) = (&b[4..8], &b[8..136]);
+            for s in 0..8 {
+                let ls = ((sl[s / 2] >> (4 * (s % 2))) & 0x0f) | ((((sh >> (2 * s)) & 3) as u8) << 4);
+                out.d[2 * s..2 * s + 2].fill(d * (ls as i32 - 32) as f32);
+                for j in 0..16 {
+                    let v = qs[16 * s + j];
+                    q[32 * s + j] = IQ4_LEVELS[(v & 0x0f) as usize];
+                    q[32 * s + 16 + j] = IQ4_LEVELS[(v >> 4) as usize];
+                }
+            }
+            out.m.fill(0.0);
+        }
+        DType::F32 | DType::F16 | DType::BF16 => unreachable!("{dtype} is not a block format"),
+    }
+}
+
+/// Calls `f(block, elems, first_elem)` for every block of a row of `n`
+/// elements, with the block unpacked into a per-thread buffer.
+#[inline(always)]
+fn for_each_block(dtype: DType, row: &[u8], n: usize, mut f: impl FnMut(&Block, usize, usize)) {
+    let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+    let mut blk = Block::new();
+    for (i, b) in row.chunks_exact(bb).take(n / be).enumerate() {
+        unpack_block(dtype, b, &mut blk);
+        f(&blk, be, i * be);
+    }
+}
+
+#[inline(always)]
+fn dequantize_blocks(dtype: DType, row: &[u8], out: &mut [f32]) {
+    let n = out.len();
+    for_each_block(dtype, row, n, |blk, elems, at| {
+        for (g, o) in out[at..at + elems].chunks_exact_mut(GROUP).enumerate() {
+            let (d, m) = (blk.d[g], blk.m[g]);
+            for (o, &c) in o.iter_mut().zip(&blk.q[g * GROUP..(g + 1) * GROUP]) {
+                *o = d * c as f32 + m;
+            }
+        }
+    })
+}
+
+/// `Σ w·x` over a row of a block format, in f32.
+#[inline(always)]
+fn blocks_dot_f32(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    for_each_block(dtype, row, x.len(), |blk, elems, at| {
+        for g in 0..elems / GROUP {
+            let (d, m) = (blk.d[g], blk.m[g]);
+            let xs = &x[at + g * GROUP..at + (g + 1) * GROUP];
+            let qs = &blk.q[g * GROUP..(g + 1) * GROUP];
+            for l in 0..8 {
+                let (x0, x1) = (xs[2 * l], xs[2 * l + 1]);
+                acc[l] += d * (qs[2 * l] as f32 * x0 + qs[2 * l + 1] as f32 * x1) + m * (x0 + x1);
+            }
+        }
+    });
+    acc.iter().sum()
+}
+
+/// An activation row quantized to 8 bits in blocks of 32, the way it is
+/// dotted with block-format weights: `x[i] ≈ d[i / 32] · q[i]`, with
+/// `d = max|x| / 127` per block. `gsum[g]` is `d · Σ q` over the 16-element
+/// group `g`, for the formats whose weights carry an offset (`m · Σ x`).
+///
+/// Error: each element moves by at most `d / 2 = max|x| / 254` of its block,
+/// so a dot product with weights `w` moves by at most
+/// `Σ_blocks max|x_b| / 254 · Σ_{i∈b} |w_i|` (checked by the tests).
+#[derive(Clone, Debug, Default)]
+pub struct Q8Row {
+    q: Vec<i8>,
+    d: Vec<f32>,
+    gsum: Vec<f32>,
+}
+
+impl Q8Row {
+    /// Quantizes `x` (a whole number of 32-element blocks) into this row,
+    /// reusing its buffers.
+    pub fn quantize(&mut self, x: &[f32]) {
+        assert!(x.len().is_multiple_of(QK), "a Q8 activation row is whole 32-element blocks");
+        self.q.resize(x.len(), 0);
+        self.d.resize(x.len() / QK, 0.0);
+        self.gsum.resize(x.len() / GROUP, 0.0);
+        for (b, (xs, qs)) in x.chunks_exact(QK).zip(self.q.chunks_exact_mut(QK)).enumerate() {
+            let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            for (q, v) in qs.iter_mut().zip(xs) {
+                *q = (v * inv).round() as i8;
+            }
+            self.d[b] = d;
+            for h in 0..2 {
+                let s: i32 = qs[h * GROUP..(h + 1) * GROUP].iter().map(|&q| q as i32).sum();
+                self.gsum[2 * b + h] = d * s as f32;
             }
         }
     }
+    pub fn len(&self) -> usize {
+        self.q.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.q.is_empty()
+    }
+    /// The values the row stands for, `d · q` (for tests and bounds).
+    pub fn dequantized(&self) -> Vec<f32> {
+        self.q.iter().enumerate().map(|(i, &q)| self.d[i / QK] * q as f32).collect()
+    }
+}
+
+/// Dot product of one stored row of a block format with a Q8 activation row:
+/// integer products within each 16-weight group (exact), scaled once per
+/// group by the weight's and the activation's scales.
+///
+/// On x86-64 the same code is also compiled with AVX2 and FMA and chosen at
+/// run time. Both builds perform the same f32 operations in the same order
+/// (Rust never contracts or reassociates float arithmetic), so they return
+/// bit-identical results; the tests check that.
+pub fn dot_row_q8(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        return unsafe { dot_row_q8_avx2(dtype, row, x) };
+    }
+    dot_row_q8_portable(dtype, row, x)
+}
+
+/// [`dot_row_q8`] without the run-time choice of instruction set: the build
+/// for the baseline CPU.
+pub fn dot_row_q8_portable(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
+    per_block_type!(dtype, q8_dot(row, x))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_row_q8_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
+    per_block_type!(dtype, q8_dot_avx2(row, x))
+}
+
+/// [`q8_dot`] with the group product written in AVX2: the 16 codes and 16
+/// activations widened to i16, `vpmaddwd` into 8 lanes of i32 (lane `l` is
+/// the pair `2l, 2l + 1`, as in the portable loop), converted and scaled.
+/// The scale is applied with a multiply then an add (not an FMA) and the
+/// lanes summed in order, so the result is the portable one bit for bit.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q8_dot_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    let mut offsets = 0f32;
+    for_each_block(dtype, row, x.len(), |blk, elems, at| {
+        for g in 0..elems / GROUP {
+            let gi = at / GROUP + g;
+            let scale = blk.d[g] * x.d[gi / 2];
+            // SAFETY: both slices hold 16 bytes from these offsets (checked by
+            // the slice indexing), read unaligned.
+            let (wq, xq) = (&blk.q[g * GROUP..(g + 1) * GROUP], &x.q[gi * GROUP..(gi + 1) * GROUP]);
+            let a = _mm256_cvtepi8_epi16(_mm_loadu_si128(wq.as_ptr() as *const __m128i));
+            let b = _mm256_cvtepi8_epi16(_mm_loadu_si128(xq.as_ptr() as *const __m128i));
+            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(a, b));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(scale), p));
+            offsets += blk.m[g] * x.gsum[gi];
+        }
+    });
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    lanes.iter().sum::<f32>() + offsets
+}
+
+#[inline(always)]
+fn q8_dot(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut offsets = 0f32;
+    for_each_block(dtype, row, x.len(), |blk, elems, at| {
+        for g in 0..elems / GROUP {
+            let gi = at / GROUP + g;
+            let scale = blk.d[g] * x.d[gi / 2];
+            let qs = &blk.q[g * GROUP..(g + 1) * GROUP];
+            let xs = &x.q[gi * GROUP..(gi + 1) * GROUP];
+            for l in 0..8 {
+                let p = qs[2 * l] as i32 * xs[2 * l] as i32 + qs[2 * l + 1] as i32 * xs[2 * l + 1] as i32;
+                acc[l] += scale * p as f32;
+            }
+            offsets += blk.m[g] * x.gsum[gi];
+        }
+    });
+    acc.iter().sum::<f32>() + offsets
 }
 
 #[cfg(test)]

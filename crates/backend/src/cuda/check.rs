@@ -88,8 +88,34 @@ fn float_tensor(name: &str, dtype: DType, rows: usize, cols: usize, vals: &[f32]
     tensor(name, dtype, &shape, bytes)
 }
 
+/// Byte offsets of the f16 scale fields of the block formats after Q4_1.
+fn f16_fields(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+        DType::Q2_K => &[80, 82],
+        DType::Q3_K => &[108],
+        DType::Q6_K => &[208],
+        _ => &[0],
+    }
+}
+
 /// Random ggml blocks with sane scales (random bytes would make inf/NaN scales).
 fn quant_tensor(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> HostTensor {
+    if !matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1) {
+        // Every other block format: random quant and sub-scale bytes (all
+        // codes and sub-scales occur), f16 fields set to small scales.
+        let (bb, be) = (dtype.block_bytes(), dtype.block_elems());
+        let mut b = Vec::new();
+        for _ in 0..rows * cols / be {
+            let mut blk: Vec<u8> = (0..bb).map(|_| (rng.next() >> 56) as u8).collect();
+            for &at in f16_fields(dtype) {
+                let v = f16::from_f32(0.001 + 0.004 * rng.f().abs());
+                blk[at..at + 2].copy_from_slice(&v.to_le_bytes());
+            }
+            b.extend(blk);
+        }
+        return tensor("q", dtype, &[rows, cols], b);
+    }
     let mut b = Vec::new();
     for _ in 0..rows * cols / 32 {
         let d = f16::from_f32(0.01 + 0.02 * rng.f().abs());
@@ -143,7 +169,8 @@ fn read_both(be: &CudaBackend, cpu: &CpuBackend, p: &Pair, rows: usize) -> Resul
 
 /// Run every op on both backends and compare.
 pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
-    let cpu = CpuBackend::new();
+    // Decode in f32 on the CPU too: the GPU's GEMVs keep activations in f32.
+    let cpu = CpuBackend::with_decode_activations(crate::cpu::DecodeActivations::F32);
     let mut rep = CheckReport::default();
     let mut rng = Rng(0x9e3779b97f4a7c15);
 
@@ -163,6 +190,26 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
         (DType::Q8_0, 51, 4128),
         (DType::Q4_0, 51, 4128),
         (DType::Q4_1, 51, 4128),
+        // The formats of gemv_bq_body: short rows, and long ones (more than one
+        // pass of the warp over its row) with a half-empty last block.
+        (DType::Q5_0, 80, 96),
+        (DType::Q5_1, 80, 96),
+        (DType::IQ4_NL, 80, 96),
+        (DType::Q5_0, 51, 4128),
+        (DType::Q5_1, 51, 4128),
+        (DType::IQ4_NL, 51, 4128),
+        (DType::Q2_K, 37, 512),
+        (DType::Q3_K, 37, 512),
+        (DType::Q4_K, 37, 512),
+        (DType::Q5_K, 37, 512),
+        (DType::Q6_K, 37, 512),
+        (DType::IQ4_XS, 37, 512),
+        (DType::Q2_K, 51, 9216),
+        (DType::Q3_K, 51, 9216),
+        (DType::Q4_K, 51, 9216),
+        (DType::Q5_K, 51, 9216),
+        (DType::Q6_K, 51, 9216),
+        (DType::IQ4_XS, 51, 9216),
     ] {
         let t = if dtype.is_quantized() {
             quant_tensor(&mut rng, dtype, n, k)
@@ -197,10 +244,10 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
 
     fused_matmul_checks(be, &cpu, &mut rep, &mut rng)?;
 
-    // Embedding from bf16 and Q8_0 tables.
-    for dtype in [DType::BF16, DType::Q8_0] {
-        let (vocab, cols) = (50, 64);
-        let t = if dtype == DType::Q8_0 {
+    // Embedding from bf16, Q8_0 and K-quant tables (the lookup dequantizes rows).
+    for dtype in [DType::BF16, DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::IQ4_XS, DType::Q5_0] {
+        let (vocab, cols) = (50, 256);
+        let t = if dtype.is_quantized() {
             quant_tensor(&mut rng, dtype, vocab, cols)
         } else {
             float_tensor("e", dtype, vocab, cols, &rng.vec(vocab * cols, 1.0))

@@ -180,6 +180,8 @@ struct Kernels {
     gemv_q8_0: [Kernel; 4],
     gemv_q4_0: [Kernel; 4],
     gemv_q4_1: [Kernel; 4],
+    /// The `gemv_bq_body` kernels, one set per entry of `BLOCK_GEMVS`.
+    gemv_blocks: [[Kernel; 4]; 9],
     gemv_bf16_tc: Kernel,
     gemv_any: Kernel,
     /// Indexed by log2 of the query heads one block serves (1, 2, 4, 8).
@@ -448,8 +450,35 @@ fn dtype_code(d: DType) -> i32 {
         DType::Q8_0 => 2,
         DType::Q4_0 => 3,
         DType::Q4_1 => 4,
+        DType::Q5_0 => 5,
+        DType::Q5_1 => 6,
+        DType::IQ4_NL => 7,
+        DType::Q2_K => 8,
+        DType::Q3_K => 9,
+        DType::Q4_K => 10,
+        DType::Q5_K => 11,
+        DType::Q6_K => 12,
+        DType::IQ4_XS => 13,
         DType::F16 => -1, // converted at upload, never on the device
     }
+}
+
+/// The block formats with a `gemv_bq_body` kernel set (kernels/gemv.cu), in
+/// the order of `Kernels::gemv_blocks`, with their kernel name stems.
+const BLOCK_GEMVS: [(DType, &str); 9] = [
+    (DType::Q5_0, "q5_0"),
+    (DType::Q5_1, "q5_1"),
+    (DType::IQ4_NL, "iq4_nl"),
+    (DType::Q2_K, "q2_k"),
+    (DType::Q3_K, "q3_k"),
+    (DType::Q4_K, "q4_k"),
+    (DType::Q5_K, "q5_k"),
+    (DType::Q6_K, "q6_k"),
+    (DType::IQ4_XS, "iq4_xs"),
+];
+
+fn block_gemv_index(d: DType) -> Option<usize> {
+    BLOCK_GEMVS.iter().position(|(t, _)| *t == d)
 }
 
 /// Head sizes the attention kernels hold in registers.
@@ -559,6 +588,21 @@ impl CudaBackend {
             gemv_q8_0: [f("gemv_q8_0_r1")?, f("gemv_q8_0_r2")?, f("gemv_q8_0_r4")?, f("gemv_q8_0_r8")?],
             gemv_q4_0: [f("gemv_q4_0_r1")?, f("gemv_q4_0_r2")?, f("gemv_q4_0_r4")?, f("gemv_q4_0_r8")?],
             gemv_q4_1: [f("gemv_q4_1_r1")?, f("gemv_q4_1_r2")?, f("gemv_q4_1_r4")?, f("gemv_q4_1_r8")?],
+            gemv_blocks: {
+                let set = |stem: &str| -> Result<[Kernel; 4]> {
+                    Ok([
+                        f(&format!("gemv_{stem}_r1"))?,
+                        f(&format!("gemv_{stem}_r2"))?,
+                        f(&format!("gemv_{stem}_r4"))?,
+                        f(&format!("gemv_{stem}_r8"))?,
+                    ])
+                };
+                let mut sets = Vec::with_capacity(BLOCK_GEMVS.len());
+                for (_, stem) in BLOCK_GEMVS {
+                    sets.push(set(stem)?);
+                }
+                sets.try_into().map_err(|_| BackendError::Other("block GEMV kernel table".into()))?
+            },
             gemv_bf16_tc: f("gemv_bf16_tc")?,
             gemv_any: f("gemv_any")?,
             attn_partial: [
@@ -951,7 +995,20 @@ impl CudaBackend {
             DType::Q8_0 => Some(self.k.gemv_q8_0[inst]),
             DType::Q4_0 => Some(self.k.gemv_q4_0[inst]),
             DType::Q4_1 => Some(self.k.gemv_q4_1[inst]),
-            _ => None,
+            d => match block_gemv_index(d) {
+                // One warp per weight row (gemv_bq_body).
+                Some(i) => {
+                    let kernel = self.k.gemv_blocks[i][inst];
+                    let dims = LaunchDims {
+                        grid: (n.div_ceil(GEMV_WARPS as usize) as u32, 1, 1),
+                        block: 32 * GEMV_WARPS,
+                    };
+                    let a = Args::new().ptr(w.ptr()).i64(w.row_bytes as i64).ptr(x.ptr()).ptr(out.ptr());
+                    let a = a.i32(n as i32).i32(k as i32).i32(rows as i32);
+                    return unsafe { self.launch(kernel, dims, a) };
+                }
+                None => None,
+            },
         };
         match block_format {
             Some(kernel) => {

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Tiny llama checkpoints quantized by llama.cpp's own quantizer (tests/fixtures/tiny/kquant/).
+
+Run by hand, not in CI:
+
+    pip install cmake ninja numpy
+    scripts/build_llama_cpp.sh            # builds target/llama.cpp/build/bin/llama-quantize
+    python3 scripts/make_quant_fixtures.py
+
+It writes `llama-k-f16.gguf`, a random-weight llama whose every matrix row is a whole number of
+256-weight K-quant super-blocks (hidden 256, intermediate 512), so llama-quantize applies its real
+per-tensor mixes instead of falling back to other types for narrow rows; then one file per llama.cpp
+file type (`llama-k-Q4_K_M.gguf`, ...) made by `llama-quantize`, and `types.json` with the storage
+type of every tensor of every file, as llama-quantize chose it. The tokenizer is the one of
+`tests/fixtures/tiny/llama-bf16.gguf` (vocab 384); one layer keeps the files small (llama-quantize
+still applies its per-layer rules: a lone layer counts as a first and a last one). Weights come from a fixed numpy seed, so a
+re-run with the same numpy and llama.cpp writes the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA = ROOT / "target/llama.cpp"
+sys.path.insert(0, str(LLAMA / "src/vendor/llama.cpp/gguf-py"))
+
+import numpy as np  # noqa: E402
+import gguf  # noqa: E402
+
+HIDDEN = 256
+INTERMEDIATE = 512
+LAYERS = 1
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = HIDDEN // HEADS
+CONTEXT = 256
+# llama.cpp file types, named as llama-quantize takes them.
+FILE_TYPES = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
+
+
+def copy_tokenizer(src: Path, w: gguf.GGUFWriter) -> int:
+    """Copies every `tokenizer.*` key of `src` into `w`; returns the vocabulary size."""
+    r = gguf.GGUFReader(str(src))
+    vocab = 0
+    for key, field in r.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value, field.types[0], sub_type=field.types[-1])
+            if key == "tokenizer.ggml.tokens":
+                vocab = len(value)
+        else:
+            w.add_key_value(key, value, field.types[0])
+    return vocab
+
+
+def write_f16(path: Path) -> None:
+    rng = np.random.default_rng(20261201)
+    w = gguf.GGUFWriter(str(path), "llama")
+    vocab = copy_tokenizer(ROOT / "tests/fixtures/tiny/llama-bf16.gguf", w)
+    w.add_name("llama-k-f16")
+    w.add_context_length(CONTEXT)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(INTERMEDIATE)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+
+    # std 1/sqrt(fan-in) keeps activations of order 1 through the layers, so
+    # the logits are spread out rather than saturated or nearly tied.
+    def matrix(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float16)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, HIDDEN))).astype(np.float16))
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", norm(HIDDEN))
+        w.add_tensor(p + "attn_q.weight", matrix(HEADS * HEAD_DIM, HIDDEN))
+        w.add_tensor(p + "attn_k.weight", matrix(KV_HEADS * HEAD_DIM, HIDDEN))
+        w.add_tensor(p + "attn_v.weight", matrix(KV_HEADS * HEAD_DIM, HIDDEN))
+        w.add_tensor(p + "attn_output.weight", matrix(HIDDEN, HEADS * HEAD_DIM))
+        w.add_tensor(p + "ffn_norm.weight", norm(HIDDEN))
+        w.add_tensor(p + "ffn_gate.weight", matrix(INTERMEDIATE, HIDDEN))
+        w.add_tensor(p + "ffn_up.weight", matrix(INTERMEDIATE, HIDDEN))
+        w.add_tensor(p + "ffn_down.weight", matrix(HIDDEN, INTERMEDIATE))
+    w.add_tensor("output_norm.weight", norm(HIDDEN))
+    w.add_tensor("output.weight", matrix(vocab, HIDDEN, 2.0))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "tests/fixtures/tiny/kquant")
+    ap.add_argument("--quantize", type=Path, default=LLAMA / "build/bin/llama-quantize")
+    args = ap.parse_args()
+    if not args.quantize.exists():
+        print(f"missing {args.quantize}: run scripts/build_llama_cpp.sh first", file=sys.stderr)
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    src = args.out / "llama-k-f16.gguf"
+    write_f16(src)
+    types = {"llama-k-f16.gguf": tensor_types(src)}
+    for ft in FILE_TYPES:
+        dst = args.out / f"llama-k-{ft}.gguf"
+        subprocess.run([str(args.quantize), str(src), str(dst), ft, "1"], check=True,
+                       stdout=subprocess.DEVNULL)
+        types[dst.name] = tensor_types(dst)
+        print(dst.name, sorted(set(types[dst.name].values())), dst.stat().st_size, "bytes")
+    (args.out / "types.json").write_text(json.dumps(types, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
