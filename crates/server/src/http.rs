@@ -29,8 +29,9 @@ use crate::api::{ModelCard, ModelList};
 use crate::boot::Booted;
 use crate::error::ApiError;
 use crate::generate::{ChoiceSpec, DecodeSettings, Generation};
+use crate::grammar::LazyGrammar;
 use crate::metrics::{self, Metrics, Scrape};
-use crate::respond::{self, ResponsePlan, Shape};
+use crate::respond::{self, ChatReading, ResponsePlan, Shape};
 use crate::template::ChatTemplate;
 use crate::tokenizer::Tokenizer;
 use crate::validate::{self, Edge, Limits, ModelFacts, ValidGeneration};
@@ -60,6 +61,8 @@ struct Shared {
     /// End-of-sequence ids: the tokenizer's and the model config's.
     eos_ids: Vec<u32>,
     metrics: Arc<Metrics>,
+    /// Compiles `response_format` and forced-call schemas.
+    grammar: LazyGrammar,
     /// When the server started (`created` of the model card).
     started: u64,
     /// Set once shutdown begins: `/health` turns 503 and new generation
@@ -110,6 +113,7 @@ impl AppState {
                 facts,
                 limits: options.limits,
                 api_key: options.api_key.filter(|k| !k.is_empty()),
+                grammar: LazyGrammar::new(booted.tokenizer.clone(), info.config.vocab_size, eos_ids.clone()),
                 eos_ids,
                 metrics: Arc::new(Metrics::default()),
                 started: unix_now(),
@@ -280,6 +284,7 @@ impl AppState {
             facts: &self.inner.facts,
             tokenizer: &self.inner.tokenizer,
             template: &self.inner.template,
+            grammar: &self.inner.grammar,
         }
     }
 
@@ -299,7 +304,13 @@ impl AppState {
     }
 
     /// Submits every choice of a validated request and answers it.
-    async fn run(&self, gen: ValidGeneration, shape: Shape, echo: bool) -> Response {
+    async fn run(
+        &self,
+        gen: ValidGeneration,
+        shape: Shape,
+        echo: bool,
+        reading: Option<ChatReading>,
+    ) -> Response {
         let metrics = self.inner.metrics.clone();
         let specs = choice_specs(&gen, &self.inner.eos_ids);
         let settings = DecodeSettings {
@@ -323,6 +334,7 @@ impl AppState {
             logprobs: gen.params.logprobs.is_some(),
             include_usage: gen.include_usage,
             metrics,
+            reading,
         };
         if gen.stream {
             respond::stream(generation, plan)
@@ -347,6 +359,8 @@ fn choice_specs(gen: &ValidGeneration, eos_ids: &[u32]) -> Vec<ChoiceSpec> {
                     params,
                     max_new_tokens: gen.max_tokens,
                     eos_ids: eos_ids.to_vec(),
+                    // Cloning forks the grammar: every choice has its own state.
+                    constraint: gen.constraint.clone(),
                 },
             });
         }
@@ -357,7 +371,10 @@ fn choice_specs(gen: &ValidGeneration, eos_ids: &[u32]) -> Vec<ChoiceSpec> {
 async fn chat_completions(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let valid = state.accept(body).and_then(|json| validate::chat(&json, state.edge()));
     match valid {
-        Ok(chat) => state.run(chat.gen, Shape::Chat, false).await,
+        Ok(chat) => {
+            let reading = ChatReading { mode: chat.shape, reasoning: chat.reasoning };
+            state.run(chat.gen, Shape::Chat, false, Some(reading)).await
+        }
         Err(e) => respond::reject(e, &state.inner.metrics),
     }
 }
@@ -365,7 +382,7 @@ async fn chat_completions(State(state): State<AppState>, body: Result<Bytes, Byt
 async fn completions(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let valid = state.accept(body).and_then(|json| validate::completion(&json, state.edge()));
     match valid {
-        Ok(c) => state.run(c.gen, Shape::Completion, c.echo).await,
+        Ok(c) => state.run(c.gen, Shape::Completion, c.echo, None).await,
         Err(e) => respond::reject(e, &state.inner.metrics),
     }
 }
