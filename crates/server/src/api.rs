@@ -85,6 +85,8 @@ pub struct ChatRequest {
     pub top_logprobs: Option<i64>,
     pub tools: Option<Vec<Json>>,
     pub tool_choice: Option<Json>,
+    /// `false`: at most one call per answer.
+    pub parallel_tool_calls: Option<bool>,
     /// `text`, `json_object` or `json_schema`; read by `validate`, which
     /// names the nested field at fault.
     pub response_format: Option<Json>,

@@ -187,3 +187,99 @@ impl LazyGrammar {
             .map_err(Clone::clone)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn tiny_tokenizer() -> Arc<Tokenizer> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/llama-f32");
+        Arc::new(Tokenizer::from_hf_dir(&dir).expect("tiny tokenizer"))
+    }
+
+    /// Walks the grammar choosing uniformly among the allowed tokens (a
+    /// model with no preference at all) until it ends; the text must be
+    /// valid JSON matching the schema every time.
+    #[test]
+    fn random_walks_under_the_mask_produce_valid_documents() {
+        let tok = tiny_tokenizer();
+        let eos = vec![2u32];
+        let vocab = tok.vocab_size() + 3; // padding rows past the tokenizer
+        let compiler = GrammarCompiler::new(tok.clone(), vocab, &eos).expect("compiler");
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 6},
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                "ok": {"type": "boolean"},
+                "color": {"enum": ["red", "green"]},
+                "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}
+            },
+            "required": ["name", "age", "ok", "color", "tags"],
+            "additionalProperties": false
+        });
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for walk in 0..20 {
+            let mut c = compiler.json_schema(&schema).expect("compiles");
+            let mut out = Vec::new();
+            let mut ended = false;
+            for _ in 0..400 {
+                let mask = c.0.mask(vocab).expect("mask");
+                let allowed: Vec<u32> = (0..vocab as u32).filter(|&t| mask.allows(t)).collect();
+                assert!(!allowed.is_empty(), "walk {walk}: nothing allowed after {out:?}");
+                assert!(
+                    allowed.iter().all(|&t| (t as usize) < tok.vocab_size()),
+                    "padding ids are never allowed"
+                );
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let token = allowed[(state >> 33) as usize % allowed.len()];
+                if token == 2 {
+                    ended = true;
+                    break;
+                }
+                c.0.accept(token).expect("allowed tokens are accepted");
+                out.push(token);
+            }
+            assert!(ended, "walk {walk} did not end");
+            let text = tok.decode(&out, false).expect("decodes");
+            let v: Json =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("walk {walk}: {text:?}: {e}"));
+            assert!(v["name"].as_str().is_some_and(|s| s.chars().count() <= 6), "{text}");
+            assert!(v["age"].as_i64().is_some_and(|a| (0..=120).contains(&a)), "{text}");
+            assert!(v["ok"].is_boolean(), "{text}");
+            assert!(v["color"] == "red" || v["color"] == "green", "{text}");
+            assert!(v["tags"].as_array().is_some_and(|t| t.len() <= 2), "{text}");
+            assert_eq!(v.as_object().map(|o| o.len()), Some(5), "{text}");
+        }
+    }
+
+    #[test]
+    fn end_is_allowed_only_when_complete_and_forks_are_independent() {
+        let tok = tiny_tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone(), tok.vocab_size(), &[2]).expect("compiler");
+        let mut c = compiler.json_schema(&json!({"type": "boolean"})).expect("compiles");
+        let vocab = tok.vocab_size();
+        assert!(!c.0.mask(vocab).expect("mask").allows(2), "an empty document is not complete");
+        let fork = c.clone();
+        for t in tok.encode("true", false).expect("encodes") {
+            c.0.accept(t).expect("accepted");
+        }
+        assert!(c.0.mask(vocab).expect("mask").allows(2));
+        let mut fork = fork;
+        assert!(!fork.0.mask(vocab).expect("mask").allows(2), "the fork kept its own state");
+    }
+
+    #[test]
+    fn bad_schemas_are_refused() {
+        let tok = tiny_tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone(), tok.vocab_size(), &[2]).expect("compiler");
+        assert!(matches!(
+            compiler.json_schema(
+                &json!({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}, "required": ["a"]})
+            ),
+            Err(GrammarError::Schema(_))
+        ));
+        assert!(matches!(compiler.json_schema(&json!("string")), Err(GrammarError::Schema(_))));
+    }
+}

@@ -206,10 +206,11 @@ pub fn chat(body: &Json, edge: Edge<'_>) -> Result<ValidChat, ApiError> {
     // The markers of Llama's and Mistral's calls are special tokens, which
     // must reach the parser; a client's explicit choice still wins.
     let keep_special = matches!(shape, ShapeMode::Auto(f) if f.needs_special_tokens());
-    let (schema, schema_param) = match tool_choice.grammar_schema(&tools) {
-        Some(schema) => (Some(schema), "tools"),
-        None => (response_schema, "response_format.json_schema.schema"),
-    };
+    let (schema, schema_param) =
+        match tool_choice.grammar_schema(&tools, req.parallel_tool_calls.unwrap_or(true)) {
+            Some(schema) => (Some(schema), "tools"),
+            None => (response_schema, "response_format.json_schema.schema"),
+        };
     let constraint = match schema {
         None => None,
         Some(schema) => {
@@ -682,6 +683,52 @@ mod tests {
         assert!(normalize_messages(Some(&[json!({"role": "assistant", "content": null})])).is_ok());
         assert!(normalize_messages(Some(&[])).is_err());
         assert!(normalize_messages(None).is_err());
+    }
+
+    #[test]
+    fn unknown_roles_are_refused_and_developer_is_system() {
+        let err = normalize_messages(Some(&[
+            json!({"role": "user", "content": "a"}),
+            json!({"role": "wizard", "content": "b"}),
+        ]))
+        .unwrap_err();
+        assert!(matches!(err, ApiError::InvalidRequest { param: Some(p), .. } if p == "messages[1].role"));
+        for role in ["system", "user", "assistant", "tool"] {
+            assert!(normalize_messages(Some(&[json!({"role": role, "content": "x"})])).is_ok(), "{role}");
+        }
+        let m = normalize_messages(Some(&[json!({"role": "developer", "content": "x"})])).expect("developer");
+        assert_eq!(m[0]["role"], "system");
+        let m = normalize_messages(Some(&[json!({"role": "assistant", "content": null, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})]))
+        .expect("call-only turn");
+        assert_eq!(m[0]["content"], "");
+    }
+
+    #[test]
+    fn response_format_errors_name_the_nested_field() {
+        let p = |v: Json| match response_format_schema(Some(&v)).unwrap_err() {
+            ApiError::InvalidRequest { param: Some(p), .. } => p,
+            other => panic!("unexpected {other:?}"),
+        };
+        assert_eq!(response_format_schema(Some(&json!({"type": "text"}))).expect("text"), None);
+        assert_eq!(
+            response_format_schema(Some(&json!({"type": "json_object"}))).expect("obj"),
+            Some(json!({"type": "object"}))
+        );
+        assert_eq!(p(json!({"type": "yaml"})), "response_format.type");
+        assert_eq!(p(json!({"type": "json_schema"})), "response_format.json_schema");
+        assert_eq!(
+            p(json!({"type": "json_schema", "json_schema": {"schema": {}}})),
+            "response_format.json_schema.name"
+        );
+        assert_eq!(
+            p(json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}})),
+            "response_format.json_schema.schema"
+        );
+        assert_eq!(
+            p(json!({"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}})),
+            "response_format.json_schema.strict"
+        );
     }
 
     fn facts() -> ModelFacts {

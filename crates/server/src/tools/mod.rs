@@ -275,8 +275,8 @@ pub fn validate_tool_choice(choice: Option<&Json>, tools: &[ToolDef]) -> Result<
 
 impl ToolChoice {
     /// The JSON schema the answer is held to, for the choices that force a
-    /// call.
-    pub fn grammar_schema(&self, tools: &[ToolDef]) -> Option<Json> {
+    /// call; `parallel`: whether `required` may make several calls.
+    pub fn grammar_schema(&self, tools: &[ToolDef], parallel: bool) -> Option<Json> {
         match self {
             ToolChoice::Named(name) => tools.iter().find(|t| &t.name == name).map(|t| t.parameters.clone()),
             ToolChoice::Required => {
@@ -291,7 +291,11 @@ impl ToolChoice {
                         })
                     })
                     .collect();
-                Some(json!({"type": "array", "minItems": 1, "items": {"anyOf": one_of}}))
+                let mut schema = json!({"type": "array", "minItems": 1, "items": {"anyOf": one_of}});
+                if !parallel {
+                    schema["maxItems"] = json!(1);
+                }
+                Some(schema)
             }
             ToolChoice::Auto | ToolChoice::None => None,
         }
@@ -359,5 +363,95 @@ pub fn check_message_tools(i: usize, role: &str, obj: &Map<String, Json>) -> Res
             "only assistant messages carry 'tool_calls'",
         )),
         Some(_) => Err(ApiError::invalid(format!("messages[{i}].tool_calls"), "'tool_calls' must be a list")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn param(e: ApiError) -> String {
+        match e {
+            ApiError::InvalidRequest { param: Some(p), .. } => p,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    fn weather() -> Json {
+        json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+    }
+
+    #[test]
+    fn tool_definitions_are_checked_with_the_field_named() {
+        assert_eq!(validate_tools(&[weather()]).expect("valid")[0].name, "get_weather");
+        let bad = |t: Json| param(validate_tools(&[weather(), t]).unwrap_err());
+        assert_eq!(bad(json!("x")), "tools[1]");
+        assert_eq!(bad(json!({"type": "retrieval"})), "tools[1].type");
+        assert_eq!(bad(json!({"type": "function"})), "tools[1].function");
+        assert_eq!(
+            bad(json!({"type": "function", "function": {"name": "has space"}})),
+            "tools[1].function.name"
+        );
+        assert_eq!(bad(weather()), "tools[1].function.name", "duplicate name");
+        assert_eq!(
+            bad(json!({"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}})),
+            "tools[1].function.parameters"
+        );
+        assert_eq!(
+            bad(
+                json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}})
+            ),
+            "tools[1].function.parameters"
+        );
+        assert_eq!(
+            bad(json!({"type": "function", "function": {"name": "f", "parameters": []}})),
+            "tools[1].function.parameters"
+        );
+    }
+
+    #[test]
+    fn tool_choice_forms() {
+        let tools = validate_tools(&[weather()]).expect("valid");
+        assert_eq!(validate_tool_choice(None, &tools).expect("default"), ToolChoice::Auto);
+        assert_eq!(validate_tool_choice(None, &[]).expect("default"), ToolChoice::None);
+        assert_eq!(validate_tool_choice(Some(&json!("required")), &tools).expect("ok"), ToolChoice::Required);
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        assert_eq!(
+            validate_tool_choice(Some(&named), &tools).expect("ok"),
+            ToolChoice::Named("get_weather".into())
+        );
+        for bad in [json!("always"), json!({"type": "function", "function": {"name": "nope"}}), json!(3)] {
+            assert_eq!(param(validate_tool_choice(Some(&bad), &tools).unwrap_err()), "tool_choice");
+        }
+        assert!(validate_tool_choice(Some(&json!("required")), &[]).is_err());
+        // The forced schemas.
+        let named = ToolChoice::Named("get_weather".into()).grammar_schema(&tools, true).expect("schema");
+        assert_eq!(named["required"], json!(["city"]));
+        let required = ToolChoice::Required.grammar_schema(&tools, true).expect("schema");
+        assert_eq!(required["items"]["anyOf"][0]["properties"]["name"]["const"], "get_weather");
+        assert!(required.get("maxItems").is_none());
+        assert_eq!(ToolChoice::Required.grammar_schema(&tools, false).expect("schema")["maxItems"], 1);
+        assert!(ToolChoice::Auto.grammar_schema(&tools, true).is_none());
+    }
+
+    #[test]
+    fn history_arguments_become_objects() {
+        let mut m = vec![json!({"role": "assistant", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}},
+            {"id": "b", "type": "function", "function": {"name": "g", "arguments": "not json"}}]})];
+        prepare_history(&mut m);
+        assert_eq!(m[0]["tool_calls"][0]["function"]["arguments"], json!({"x": 1}));
+        assert_eq!(m[0]["tool_calls"][1]["function"]["arguments"], "not json");
+        let obj = json!({"role": "user", "tool_calls": []});
+        assert_eq!(
+            param(check_message_tools(2, "user", obj.as_object().unwrap()).unwrap_err()),
+            "messages[2].tool_calls"
+        );
+        let obj = json!({"role": "tool", "tool_call_id": 5});
+        assert_eq!(
+            param(check_message_tools(1, "tool", obj.as_object().unwrap()).unwrap_err()),
+            "messages[1].tool_call_id"
+        );
     }
 }
