@@ -88,7 +88,8 @@ pub enum EngineError {
 enum Command {
     Add {
         id: RequestId,
-        req: GenerateRequest,
+        // Boxed: a request is much larger than the other commands.
+        req: Box<GenerateRequest>,
         tx: tmpsc::UnboundedSender<Event>,
     },
     Abort(RequestId),
@@ -169,7 +170,7 @@ impl EngineHandle {
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, EngineError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = tmpsc::unbounded_channel();
-        self.commands.send(Command::Add { id, req, tx }).map_err(|_| EngineError::Stopped)?;
+        self.commands.send(Command::Add { id, req: Box::new(req), tx }).map_err(|_| EngineError::Stopped)?;
         Ok(RequestStream { id, rx, commands: self.commands.clone(), done: false })
     }
 
@@ -344,6 +345,7 @@ impl Core {
     fn command(&mut self, cmd: Command) {
         match cmd {
             Command::Add { id, req, tx } => {
+                let req = *req;
                 if self.shutting_down {
                     let _ = tx.send(Event::Done { reason: FinishReason::Aborted, usage: Usage::default() });
                     return;

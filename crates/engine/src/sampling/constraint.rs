@@ -55,7 +55,13 @@ impl TokenMask {
     pub fn apply(&self, row: &mut [f32]) {
         for (w, chunk) in row.chunks_mut(32).enumerate() {
             let word = self.words.get(w).copied().unwrap_or(0);
+            // Most words of a grammar's mask are all-allowed or all-masked
+            // (whole stretches of the vocabulary); those need no bit tests.
             if word == u32::MAX {
+                continue;
+            }
+            if word == 0 {
+                chunk.fill(f32::NEG_INFINITY);
                 continue;
             }
             for (b, v) in chunk.iter_mut().enumerate() {

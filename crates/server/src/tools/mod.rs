@@ -206,7 +206,7 @@ pub fn check_schema(schema: &Json) -> Result<(), String> {
         check_schema(items).map_err(|e| format!("items: {e}"))?;
     }
     if let Some(e) = map.get("enum") {
-        if !e.as_array().is_some_and(|l| !l.is_empty()) {
+        if e.as_array().is_none_or(|l| l.is_empty()) {
             return Err("schema 'enum' must be a non-empty list".into());
         }
     }
