@@ -18,6 +18,14 @@
 //!   a list of text parts (joined with newlines before the template sees
 //!   them), or null for an assistant turn. Image, audio, video and file
 //!   parts are refused: the models served are text-only.
+//! - A message's role is one of system, developer (rendered as system),
+//!   user, assistant and tool; an assistant's `tool_calls` and a tool
+//!   message's `tool_call_id` are checked for shape.
+//! - `tools`, `tool_choice` and `response_format` are checked by
+//!   [`crate::tools`], naming the nested field (`tools[0].function.name`,
+//!   `response_format.json_schema.schema`); a schema that is to constrain
+//!   the output is compiled here, so one the grammar compiler refuses is a
+//!   400 too.
 //! - Sampling ranges are the sampler's own ([`SamplingParams::validate`]).
 
 use corridor_engine::sampling::{SamplingParams, MAX_TOP_LOGPROBS};
