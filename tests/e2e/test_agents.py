@@ -1,4 +1,4 @@
-"""Tool calls and structured output through the official OpenAI client.
+"""Tool calls, reasoning and structured output through the official OpenAI client.
 
 The tool-calling loop (a call, the tool's result, a final answer) runs on the
 default model, SmolLM2-135M-Instruct, with the call forced by `tool_choice`:
@@ -223,3 +223,52 @@ def test_named_tool_choice_streams_name_then_arguments(client):
     assert args["unit"] in ("celsius", "fahrenheit")
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == ["tool_calls"]
+
+
+# A thinking template on the tiny model: the generation prompt opens a
+# `<think>` block unless `enable_thinking` is false, as Qwen3's does.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    import shutil
+
+    from conftest import TINY
+
+    model = tmp_path_factory.mktemp("thinking") / "tiny"
+    shutil.copytree(TINY, model)
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = THINKING_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    s = start_server(model=model)
+    yield s
+    assert s.stop() == 0
+
+
+def test_reasoning_content_and_enable_thinking(thinking_server):
+    client = thinking_server.client()
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=24, temperature=0)
+    # The prompt opened the block, so the (cut-off) answer is all reasoning.
+    thinking = client.chat.completions.create(**kwargs).choices[0]
+    reasoning = thinking.message.model_extra.get("reasoning_content")
+    assert reasoning, thinking.message
+    assert not thinking.message.content
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            parts["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+            parts["content"] += delta.content or ""
+    assert parts == {"reasoning_content": reasoning, "content": ""}
+    # With thinking switched off through the template kwargs, the prompt
+    # closes the block itself and what the model writes is the answer.
+    plain = client.chat.completions.create(extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **kwargs)
+    message = plain.choices[0].message
+    assert message.content and not (message.model_extra or {}).get("reasoning_content")
