@@ -48,6 +48,42 @@ CHAT_CASES = [
     ),
     ({"messages": [{"role": "user", "content": LONG}], "max_tokens": 8}, "messages", "context_length_exceeded"),
     ({"messages": MSGS, "max_tokens": 100000}, "messages", "context_length_exceeded"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", None),
+    ({"messages": MSGS, "tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name", None),
+    (
+        {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
+        "tools[0].function.parameters",
+        None,
+    ),
+    ({"messages": MSGS, "tools": [{"type": "code_interpreter"}]}, "tools[0].type", None),
+    ({"messages": MSGS, "tool_choice": "required"}, "tool_choice", None),
+    (
+        {
+            "messages": MSGS,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+        None,
+    ),
+    ({"messages": MSGS, "response_format": {"type": "yaml"}}, "response_format.type", None),
+    ({"messages": MSGS, "response_format": {"type": "json_schema"}}, "response_format.json_schema", None),
+    (
+        {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 1}}}},
+        "response_format.json_schema.schema",
+        None,
+    ),
+    (
+        {
+            "messages": MSGS,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}, "required": ["a"]}},
+            },
+        },
+        "response_format.json_schema.schema",
+        None,
+    ),
 ]
 
 

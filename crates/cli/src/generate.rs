@@ -37,6 +37,7 @@ pub fn run(a: &GenerateArgs, cache: &std::path::Path) -> Result<()> {
         params,
         max_new_tokens: a.max_tokens,
         eos_ids: booted.tokenizer.eos_ids().to_vec(),
+        constraint: None,
     })?;
     let mut decoder = booted.tokenizer.decode_stream(true);
     let mut out = std::io::stdout().lock();

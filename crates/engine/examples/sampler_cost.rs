@@ -31,6 +31,7 @@ fn main() {
                     params: &params,
                     state,
                     eos_token_ids: &eos,
+                    mask: None,
                 })
                 .collect();
             sampler.sample(&mut logits, vocab, &mut rows).expect("a well-formed batch");

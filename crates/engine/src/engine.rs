@@ -10,7 +10,7 @@
 use crate::executor::{Executor, ExecutorLimits, SingleRank};
 use crate::pages::PagePool;
 use crate::sampling::{
-    CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams, TokenLogprob,
+    Constraint, CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams, TokenLogprob,
 };
 use crate::scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::stats::{EngineStats, StatsCell};
@@ -42,6 +42,9 @@ pub struct GenerateRequest {
     /// End-of-sequence ids of the tokenizer (the sampler masks them while
     /// `min_tokens` is not reached).
     pub eos_ids: Vec<u32>,
+    /// A grammar the output is held to (structured output, forced tool
+    /// calls); `None` leaves the output free.
+    pub constraint: Option<Constraint>,
 }
 
 /// Why a request ended.
@@ -85,7 +88,8 @@ pub enum EngineError {
 enum Command {
     Add {
         id: RequestId,
-        req: GenerateRequest,
+        // Boxed: a request is much larger than the other commands.
+        req: Box<GenerateRequest>,
         tx: tmpsc::UnboundedSender<Event>,
     },
     Abort(RequestId),
@@ -172,7 +176,7 @@ impl EngineHandle {
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, EngineError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = tmpsc::unbounded_channel();
-        self.commands.send(Command::Add { id, req, tx }).map_err(|_| EngineError::Stopped)?;
+        self.commands.send(Command::Add { id, req: Box::new(req), tx }).map_err(|_| EngineError::Stopped)?;
         Ok(RequestStream { id, rx, commands: self.commands.clone(), done: false })
     }
 
@@ -217,6 +221,7 @@ struct Live {
     prompt_len: usize,
     generated: usize,
     max_new: Option<usize>,
+    constraint: Option<Constraint>,
 }
 
 /// Start the engine thread with the whole model on one backend. The KV
@@ -338,6 +343,7 @@ impl Core {
     fn command(&mut self, cmd: Command) {
         match cmd {
             Command::Add { id, req, tx } => {
+                let req = *req;
                 if self.shutting_down {
                     let _ = tx.send(Event::Done { reason: FinishReason::Aborted, usage: Usage::default() });
                     return;
@@ -354,6 +360,7 @@ impl Core {
                         prompt_len,
                         generated: 0,
                         max_new: req.max_new_tokens,
+                        constraint: req.constraint,
                     },
                 );
                 self.stats.add_prompt_tokens(prompt_len);
@@ -452,6 +459,12 @@ impl Core {
     /// Sample one token for each id (in logit-row order) and apply it.
     fn sample(&mut self, ids: &[RequestId]) {
         let vocab = self.exec.config().vocab_size;
+        let (masks, failed) = self.grammar_masks(ids, vocab);
+        for (id, message) in failed {
+            self.finish(id, FinishReason::Error(message));
+        }
+        let ids: Vec<RequestId> = ids.iter().copied().filter(|id| self.live.contains_key(id)).collect();
+        let ids = &ids[..];
         let outcomes = {
             let mut rows: Vec<SampleRow<'_>> = Vec::with_capacity(ids.len());
             // Collect disjoint &mut borrows of the live map in id order.
@@ -464,6 +477,7 @@ impl Core {
                     params: &l.params,
                     state: &mut l.state,
                     eos_token_ids: &l.eos_ids,
+                    mask: masks.get(id),
                 });
             }
             self.sampler.sample(&mut self.logits[..ids.len() * vocab], vocab, &mut rows)
@@ -489,6 +503,10 @@ impl Core {
                         self.finish(id, FinishReason::Stop);
                         continue;
                     }
+                    if let Some(Err(e)) = l.constraint.as_mut().map(|c| c.0.accept(s.token)) {
+                        self.finish(id, FinishReason::Error(e.to_string()));
+                        continue;
+                    }
                     l.generated += 1;
                     self.stats.add_generated(1);
                     let _ = l.tx.send(Event::Token {
@@ -505,6 +523,40 @@ impl Core {
                 }
             }
         }
+    }
+
+    /// The grammar masks of the constrained rows among `ids`, computed in
+    /// parallel (one grammar per row, on rayon's pool), with the requests
+    /// whose grammar failed. Rows without a grammar cost nothing here.
+    fn grammar_masks(
+        &mut self,
+        ids: &[RequestId],
+        vocab: usize,
+    ) -> (HashMap<RequestId, crate::sampling::TokenMask>, Vec<(RequestId, String)>) {
+        use rayon::prelude::*;
+        let mut constrained: Vec<(RequestId, &mut Constraint)> = Vec::new();
+        let wanted: std::collections::HashSet<RequestId> = ids.iter().copied().collect();
+        for (id, l) in self.live.iter_mut() {
+            if let (true, Some(c)) = (wanted.contains(id), l.constraint.as_mut()) {
+                constrained.push((*id, c));
+            }
+        }
+        if constrained.is_empty() {
+            return (HashMap::new(), Vec::new());
+        }
+        let results: Vec<(RequestId, Result<_, _>)> =
+            constrained.into_par_iter().map(|(id, c)| (id, c.0.mask(vocab))).collect();
+        let mut masks = HashMap::with_capacity(results.len());
+        let mut failed = Vec::new();
+        for (id, r) in results {
+            match r {
+                Ok(m) => {
+                    masks.insert(id, m);
+                }
+                Err(e) => failed.push((id, e.to_string())),
+            }
+        }
+        (masks, failed)
     }
 
     fn publish_stats(&self) {

@@ -52,6 +52,7 @@ fn greedy(prompt: Vec<u32>, n: usize) -> GenerateRequest {
         params: SamplingParams { temperature: 0.0, ignore_eos: true, ..Default::default() },
         max_new_tokens: Some(n),
         eos_ids: vec![2],
+        constraint: None,
     }
 }
 

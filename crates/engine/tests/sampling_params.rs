@@ -94,7 +94,7 @@ fn sample_one(
 ) -> (SampleOutcome, Vec<f32>) {
     let mut sampler = CpuSampler::new(Arc::new(SamplerStats::default()));
     let mut logits = raw.to_vec();
-    let mut rows = [SampleRow { request_id: 0, params, state, eos_token_ids: eos }];
+    let mut rows = [SampleRow { request_id: 0, params, state, eos_token_ids: eos, mask: None }];
     let out = sampler.sample(&mut logits, raw.len(), &mut rows).expect("shape").remove(0);
     (out, logits)
 }

@@ -155,6 +155,7 @@ fn run_batch(
             params: &c.params,
             state,
             eos_token_ids: &c.eos,
+            mask: None,
         })
         .collect();
     let outcomes = sampler.sample(&mut logits, vocab, &mut rows).expect("well-shaped batch");
@@ -243,7 +244,8 @@ fn histogram(raw: &[f32], params: &SamplingParams, n: usize) -> Vec<u64> {
     let mut logits = raw.to_vec();
     for _ in 0..n {
         logits.copy_from_slice(raw);
-        let mut rows = [SampleRow { request_id: 0, params, state: &mut state, eos_token_ids: &[] }];
+        let mut rows =
+            [SampleRow { request_id: 0, params, state: &mut state, eos_token_ids: &[], mask: None }];
         let out = sampler.sample(&mut logits, raw.len(), &mut rows).expect("shape");
         counts[out[0].as_ref().expect("valid row").token as usize] += 1;
     }
@@ -363,7 +365,13 @@ fn generate_in_batch(
             .iter()
             .zip(states.iter_mut())
             .enumerate()
-            .map(|(i, (params, state))| SampleRow { request_id: i as u64, params, state, eos_token_ids: &[] })
+            .map(|(i, (params, state))| SampleRow {
+                request_id: i as u64,
+                params,
+                state,
+                eos_token_ids: &[],
+                mask: None,
+            })
             .collect();
         let outcomes = sampler.sample(&mut logits, vocab, &mut rows).expect("shape");
         tokens.push(outcomes[position].as_ref().expect("focus row is valid").token);
@@ -419,7 +427,8 @@ fn generate_with_state(mut state: SamplerState, params: &SamplingParams) -> Vec<
     (0..20)
         .map(|step| {
             let mut logits = fake_logits(50, step, 0);
-            let mut rows = [SampleRow { request_id: 0, params, state: &mut state, eos_token_ids: &[] }];
+            let mut rows =
+                [SampleRow { request_id: 0, params, state: &mut state, eos_token_ids: &[], mask: None }];
             sampler.sample(&mut logits, 50, &mut rows).expect("shape")[0].as_ref().expect("valid").token
         })
         .collect()

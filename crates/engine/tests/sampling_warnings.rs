@@ -54,10 +54,21 @@ fn one_warning_per_request_every_fallback_counted() {
         let mut b = SamplerState::new(&params, &[]);
         for step in 0..6 {
             let mut logits = [flat_with(8, &[(2, f32::NAN)]), flat_with(8, &[(3, f32::INFINITY)])].concat();
-            let mut rows =
-                vec![SampleRow { request_id: 1, params: &params, state: &mut a, eos_token_ids: &[] }];
+            let mut rows = vec![SampleRow {
+                request_id: 1,
+                params: &params,
+                state: &mut a,
+                eos_token_ids: &[],
+                mask: None,
+            }];
             if step % 2 == 0 {
-                rows.push(SampleRow { request_id: 2, params: &params, state: &mut b, eos_token_ids: &[] });
+                rows.push(SampleRow {
+                    request_id: 2,
+                    params: &params,
+                    state: &mut b,
+                    eos_token_ids: &[],
+                    mask: None,
+                });
             } else {
                 logits.truncate(8);
             }

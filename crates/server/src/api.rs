@@ -85,18 +85,14 @@ pub struct ChatRequest {
     pub top_logprobs: Option<i64>,
     pub tools: Option<Vec<Json>>,
     pub tool_choice: Option<Json>,
-    pub response_format: Option<ResponseFormat>,
+    /// `false`: at most one call per answer.
+    pub parallel_tool_calls: Option<bool>,
+    /// `text`, `json_object` or `json_schema`; read by `validate`, which
+    /// names the nested field at fault.
+    pub response_format: Option<Json>,
     pub chat_template_kwargs: Option<Map<String, Json>>,
     /// vLLM's extension: end the prompt with the assistant header (default).
     pub add_generation_prompt: Option<bool>,
-}
-
-/// `response_format`: only `text` is supported; the others are refused
-/// rather than silently ignored.
-#[derive(Debug, Clone, Deserialize)]
-pub struct ResponseFormat {
-    #[serde(rename = "type")]
-    pub kind: String,
 }
 
 /// `prompt` of a completion: a string, strings, token ids, or lists of ids.
@@ -186,7 +182,48 @@ pub struct LegacyLogprobs {
 #[derive(Debug, Clone, Serialize)]
 pub struct ChatMessageOut {
     pub role: &'static str,
-    pub content: String,
+    /// `null` for an answer that is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallOut>,
+}
+
+/// One entry of a message's `tool_calls`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallOut {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionOut,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionOut {
+    pub name: String,
+    /// The arguments as a JSON string.
+    pub arguments: String,
+}
+
+/// One entry of a streamed delta's `tool_calls`: the first for a call
+/// carries its id, type and name; later ones append to `arguments`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallDelta {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FunctionDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -216,6 +253,10 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Debug, Clone, Serialize)]

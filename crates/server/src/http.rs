@@ -32,8 +32,9 @@ use crate::boot::Booted;
 use crate::defaults::{self, SamplingDefaults, SamplingPreferences};
 use crate::error::ApiError;
 use crate::generate::{ChoiceSpec, DecodeSettings, Generation};
+use crate::grammar::LazyGrammar;
 use crate::metrics::{self, Metrics, Scrape};
-use crate::respond::{self, ResponsePlan, Shape};
+use crate::respond::{self, ChatReading, ResponsePlan, Shape};
 use crate::template::ChatTemplate;
 use crate::tokenizer::Tokenizer;
 use crate::validate::{self, Edge, Limits, ModelFacts, ValidGeneration};
@@ -66,6 +67,8 @@ struct Shared {
     /// End-of-sequence ids: the tokenizer's and the model config's.
     eos_ids: Vec<u32>,
     metrics: Arc<Metrics>,
+    /// Compiles `response_format` and forced-call schemas.
+    grammar: LazyGrammar,
     /// When the server started (`created` of the model card).
     started: u64,
     /// Set once shutdown begins: `/health` turns 503 and new generation
@@ -127,6 +130,7 @@ impl AppState {
                 defaults: defaults.values,
                 cors_origins: options.cors_origins,
                 api_key: options.api_key.filter(|k| !k.is_empty()),
+                grammar: LazyGrammar::new(booted.tokenizer.clone(), info.config.vocab_size, eos_ids.clone()),
                 eos_ids,
                 metrics: Arc::new(Metrics::default()),
                 started: unix_now(),
@@ -321,6 +325,7 @@ impl AppState {
             tokenizer: &self.inner.tokenizer,
             template: &self.inner.template,
             defaults: &self.inner.defaults,
+            grammar: &self.inner.grammar,
         }
     }
 
@@ -340,7 +345,14 @@ impl AppState {
     }
 
     /// Submits every choice of a validated request and answers it.
-    async fn run(&self, gen: ValidGeneration, shape: Shape, echo: bool, tally: Tally) -> Response {
+    async fn run(
+        &self,
+        gen: ValidGeneration,
+        shape: Shape,
+        echo: bool,
+        reading: Option<ChatReading>,
+        tally: Tally,
+    ) -> Response {
         let tally = tally.map(|t| t.0).unwrap_or_default();
         let metrics = self.inner.metrics.clone();
         let specs = choice_specs(&gen, &self.inner.eos_ids);
@@ -366,6 +378,7 @@ impl AppState {
             include_usage: gen.include_usage,
             metrics,
             tally,
+            reading,
         };
         if gen.stream {
             respond::stream(generation, plan)
@@ -390,6 +403,8 @@ fn choice_specs(gen: &ValidGeneration, eos_ids: &[u32]) -> Vec<ChoiceSpec> {
                     params,
                     max_new_tokens: gen.max_tokens,
                     eos_ids: eos_ids.to_vec(),
+                    // Cloning forks the grammar: every choice has its own state.
+                    constraint: gen.constraint.clone(),
                 },
             });
         }
@@ -407,7 +422,10 @@ async fn chat_completions(
 ) -> Response {
     let valid = state.accept(body).and_then(|json| validate::chat(&json, state.edge()));
     match valid {
-        Ok(chat) => state.run(chat.gen, Shape::Chat, false, tally).await,
+        Ok(chat) => {
+            let reading = ChatReading { mode: chat.shape, reasoning: chat.reasoning };
+            state.run(chat.gen, Shape::Chat, false, Some(reading), tally).await
+        }
         Err(e) => respond::reject(e, &state.inner.metrics),
     }
 }
@@ -419,7 +437,7 @@ async fn completions(
 ) -> Response {
     let valid = state.accept(body).and_then(|json| validate::completion(&json, state.edge()));
     match valid {
-        Ok(c) => state.run(c.gen, Shape::Completion, c.echo, tally).await,
+        Ok(c) => state.run(c.gen, Shape::Completion, c.echo, None, tally).await,
         Err(e) => respond::reject(e, &state.inner.metrics),
     }
 }

@@ -18,11 +18,13 @@ pub mod api;
 pub mod defaults;
 pub mod error;
 pub mod generate;
+pub mod grammar;
 pub mod http;
 pub mod metrics;
 pub mod respond;
 pub mod serve;
 pub mod stop;
+pub mod tools;
 pub mod validate;
 
 pub use error::{ApiError, ServerError};

@@ -27,11 +27,15 @@ use std::sync::Arc;
 
 use crate::api::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatDelta, ChatLogprobs, ChatMessageOut,
-    ChatTokenLogprob, Completion, CompletionChoice, LegacyLogprobs, TopLogprob, UsageOut,
+    ChatTokenLogprob, Completion, CompletionChoice, FunctionDelta, FunctionOut, LegacyLogprobs,
+    ToolCallDelta, ToolCallOut, TopLogprob, UsageOut,
 };
 use crate::error::ApiError;
 use crate::generate::{Finish, Generation, Output, TokenInfo, TopToken};
 use crate::metrics::{Metrics, Outcome};
+use crate::tools::reasoning::ReasoningSplitter;
+use crate::tools::shaper::{ChatShaper, Delta, ShapeMode};
+use crate::validate::ReasoningStart;
 
 /// Identifies the backend configuration in responses, for `seed` users.
 pub const SYSTEM_FINGERPRINT: &str = concat!("fp_corridor_", env!("CARGO_PKG_VERSION"));
@@ -59,11 +63,98 @@ pub struct ResponsePlan {
     pub metrics: Arc<Metrics>,
     /// Where the request's log line reads its token counts.
     pub tally: Arc<crate::access::TokenTally>,
+    /// How chat answers are split into reasoning, content and tool calls
+    /// (`None` for completions).
+    pub reading: Option<ChatReading>,
+}
+
+/// How to read a chat answer.
+#[derive(Debug, Clone)]
+pub struct ChatReading {
+    pub mode: ShapeMode,
+    pub reasoning: ReasoningStart,
+}
+
+impl ChatReading {
+    fn shaper(&self) -> ChatShaper {
+        let splitter = match self.reasoning {
+            ReasoningStart::Off => None,
+            ReasoningStart::MayOpen => Some(ReasoningSplitter::new()),
+            ReasoningStart::Inside => Some(ReasoningSplitter::inside()),
+        };
+        ChatShaper::new(self.mode.clone(), splitter)
+    }
+}
+
+/// The finish reason a chat choice reports: a choice that called tools
+/// says so.
+fn chat_finish(reason: Finish, shaper: Option<&ChatShaper>) -> &'static str {
+    match shaper {
+        Some(s) if !s.calls().is_empty() => "tool_calls",
+        _ => reason.as_str(),
+    }
+}
+
+/// A chat message assembled from an answer's deltas.
+fn chat_message(deltas: &[Delta], shaper: &ChatShaper) -> ChatMessageOut {
+    let (mut content, mut reasoning) = (String::new(), String::new());
+    for d in deltas {
+        match d {
+            Delta::Content(t) => content.push_str(t),
+            Delta::Reasoning(t) => reasoning.push_str(t),
+            Delta::CallStart { .. } | Delta::CallArgs { .. } => {}
+        }
+    }
+    let tool_calls: Vec<ToolCallOut> = shaper
+        .calls()
+        .iter()
+        .map(|c| ToolCallOut {
+            id: c.id.clone(),
+            kind: "function",
+            function: FunctionOut { name: c.name.clone(), arguments: c.arguments.clone() },
+        })
+        .collect();
+    let content = if content.is_empty() && !tool_calls.is_empty() { None } else { Some(content) };
+    ChatMessageOut {
+        role: "assistant",
+        content,
+        reasoning_content: (!reasoning.is_empty()).then_some(reasoning),
+        tool_calls,
+    }
+}
+
+/// The streamed form of one delta.
+fn chat_delta(delta: Delta) -> ChatDelta {
+    match delta {
+        Delta::Content(t) => ChatDelta { content: Some(t), ..ChatDelta::default() },
+        Delta::Reasoning(t) => ChatDelta { reasoning_content: Some(t), ..ChatDelta::default() },
+        Delta::CallStart { index, id, name } => ChatDelta {
+            tool_calls: Some(vec![ToolCallDelta {
+                index,
+                id: Some(id),
+                kind: Some("function"),
+                function: FunctionDelta { name: Some(name), arguments: Some(String::new()) },
+            }]),
+            ..ChatDelta::default()
+        },
+        Delta::CallArgs { index, fragment } => ChatDelta {
+            tool_calls: Some(vec![ToolCallDelta {
+                index,
+                id: None,
+                kind: None,
+                function: FunctionDelta { name: None, arguments: Some(fragment) },
+            }]),
+            ..ChatDelta::default()
+        },
+    }
 }
 
 #[derive(Default)]
 struct Collected {
     text: String,
+    /// Chat only: the answer's shaper and what it released.
+    shaper: Option<ChatShaper>,
+    deltas: Vec<Delta>,
     tokens: Vec<TokenInfo>,
     finish: Option<Finish>,
     usage: Usage,
@@ -71,17 +162,27 @@ struct Collected {
 
 /// Runs the generation to the end and answers with one JSON body.
 pub async fn complete(mut generation: Generation, plan: ResponsePlan) -> Response {
-    let mut choices: Vec<Collected> = (0..generation.len()).map(|_| Collected::default()).collect();
+    let mut choices: Vec<Collected> = (0..generation.len())
+        .map(|_| Collected { shaper: plan.reading.as_ref().map(ChatReading::shaper), ..Collected::default() })
+        .collect();
     while let Some(outputs) = generation.next().await {
         for output in outputs {
             match output {
                 Output::Text { choice, text, tokens } => {
-                    choices[choice].text.push_str(&text);
-                    choices[choice].tokens.extend(tokens);
+                    let c = &mut choices[choice];
+                    if let Some(shaper) = &mut c.shaper {
+                        c.deltas.extend(shaper.push(&text));
+                    }
+                    c.text.push_str(&text);
+                    c.tokens.extend(tokens);
                 }
                 Output::Finished { choice, reason, usage } => {
-                    choices[choice].finish = Some(reason);
-                    choices[choice].usage = usage;
+                    let c = &mut choices[choice];
+                    if let Some(shaper) = &mut c.shaper {
+                        c.deltas.extend(shaper.finish());
+                    }
+                    c.finish = Some(reason);
+                    c.usage = usage;
                 }
                 Output::Failed { error, .. } => {
                     plan.metrics.count(Outcome::Failed);
@@ -108,8 +209,16 @@ pub async fn complete(mut generation: Generation, plan: ResponsePlan) -> Respons
                 .map(|(index, c)| ChatChoice {
                     index,
                     logprobs: plan.logprobs.then(|| chat_logprobs(&c.tokens)),
-                    message: ChatMessageOut { role: "assistant", content: c.text },
-                    finish_reason: c.finish.unwrap_or(Finish::Length).as_str(),
+                    message: match &c.shaper {
+                        Some(shaper) => chat_message(&c.deltas, shaper),
+                        None => ChatMessageOut {
+                            role: "assistant",
+                            content: Some(c.text.clone()),
+                            reasoning_content: None,
+                            tool_calls: Vec::new(),
+                        },
+                    },
+                    finish_reason: chat_finish(c.finish.unwrap_or(Finish::Length), c.shaper.as_ref()),
                 })
                 .collect();
             Json(ChatCompletion {
@@ -157,6 +266,7 @@ pub fn stream(generation: Generation, plan: ResponsePlan) -> Response {
         queue: VecDeque::new(),
         usages: vec![Usage::default(); generation.len()],
         text_offsets: vec![0; generation.len()],
+        shapers: (0..generation.len()).map(|_| plan.reading.as_ref().map(ChatReading::shaper)).collect(),
         generation,
         plan,
         ended: false,
@@ -173,6 +283,8 @@ struct StreamState {
     usages: Vec<Usage>,
     /// Bytes of text sent so far per choice, for the legacy `text_offset`.
     text_offsets: Vec<usize>,
+    /// Chat only: each choice's shaper.
+    shapers: Vec<Option<ChatShaper>>,
     /// Nothing more will be queued.
     ended: bool,
 }
@@ -238,7 +350,11 @@ impl StreamState {
                 Shape::Chat => self.chat_chunk(
                     vec![ChatChunkChoice {
                         index,
-                        delta: ChatDelta { role: Some("assistant"), content: Some(String::new()) },
+                        delta: ChatDelta {
+                            role: Some("assistant"),
+                            content: Some(String::new()),
+                            ..ChatDelta::default()
+                        },
                         logprobs: None,
                         finish_reason: None,
                     }],
@@ -258,14 +374,73 @@ impl StreamState {
         }
     }
 
+    /// Queues one chunk per delta of a chat choice; log-probabilities go
+    /// with the first (or alone, when the text released nothing yet).
+    fn chat_deltas(&mut self, choice: usize, deltas: Vec<Delta>, mut logprobs: Option<ChatLogprobs>) {
+        if deltas.is_empty() {
+            if let Some(lp) = logprobs.filter(|lp| !lp.content.is_empty()) {
+                let event = self.chat_chunk(
+                    vec![ChatChunkChoice {
+                        index: choice,
+                        delta: ChatDelta::default(),
+                        logprobs: Some(lp),
+                        finish_reason: None,
+                    }],
+                    None,
+                );
+                self.queue.push_back(event);
+            }
+            return;
+        }
+        for delta in deltas {
+            let event = self.chat_chunk(
+                vec![ChatChunkChoice {
+                    index: choice,
+                    delta: chat_delta(delta),
+                    logprobs: logprobs.take(),
+                    finish_reason: None,
+                }],
+                None,
+            );
+            self.queue.push_back(event);
+        }
+    }
+
     fn on_output(&mut self, output: Output) {
+        let shaped = |choice: usize, st: &Self| st.plan.shape == Shape::Chat && st.shapers[choice].is_some();
+        let output = match output {
+            Output::Text { choice, text, tokens } if shaped(choice, self) => {
+                let deltas = self.shapers[choice].as_mut().map(|s| s.push(&text)).unwrap_or_default();
+                let logprobs = self.plan.logprobs.then(|| chat_logprobs(&tokens));
+                self.chat_deltas(choice, deltas, logprobs);
+                return;
+            }
+            Output::Finished { choice, reason, usage } if shaped(choice, self) => {
+                self.usages[choice] = usage;
+                let deltas = self.shapers[choice].as_mut().map(ChatShaper::finish).unwrap_or_default();
+                self.chat_deltas(choice, deltas, None);
+                let finish_reason = Some(chat_finish(reason, self.shapers[choice].as_ref()));
+                let event = self.chat_chunk(
+                    vec![ChatChunkChoice {
+                        index: choice,
+                        delta: ChatDelta::default(),
+                        logprobs: None,
+                        finish_reason,
+                    }],
+                    None,
+                );
+                self.queue.push_back(event);
+                return;
+            }
+            other => other,
+        };
         let event = match output {
             Output::Text { choice, text, tokens } => match self.plan.shape {
                 Shape::Chat => self.chat_chunk(
                     vec![ChatChunkChoice {
                         index: choice,
                         logprobs: self.plan.logprobs.then(|| chat_logprobs(&tokens)),
-                        delta: ChatDelta { role: None, content: Some(text) },
+                        delta: ChatDelta { content: Some(text), ..ChatDelta::default() },
                         finish_reason: None,
                     }],
                     None,

@@ -18,6 +18,14 @@
 //!   a list of text parts (joined with newlines before the template sees
 //!   them), or null for an assistant turn. Image, audio, video and file
 //!   parts are refused: the models served are text-only.
+//! - A message's role is one of system, developer (rendered as system),
+//!   user, assistant and tool; an assistant's `tool_calls` and a tool
+//!   message's `tool_call_id` are checked for shape.
+//! - `tools`, `tool_choice` and `response_format` are checked by
+//!   [`crate::tools`], naming the nested field (`tools[0].function.name`,
+//!   `response_format.json_schema.schema`); a schema that is to constrain
+//!   the output is compiled here, so one the grammar compiler refuses is a
+//!   400 too.
 //! - Sampling ranges are the sampler's own ([`SamplingParams::validate`]);
 //!   the fields a request leaves out take the server's [`SamplingDefaults`].
 
@@ -26,11 +34,17 @@ use corridor_units::Tokens;
 use serde_json::{Map, Value as Json};
 use std::collections::BTreeMap;
 
+use corridor_engine::sampling::Constraint;
+
 use crate::api::{self, ChatRequest, CompletionRequest, PromptField, SamplingFields, StopField};
 use crate::defaults::SamplingDefaults;
 use crate::error::ApiError;
+use crate::grammar::LazyGrammar;
 use crate::template::{ChatTemplate, RenderOptions, TemplateError};
 use crate::tokenizer::Tokenizer;
+use crate::tools::reasoning::{self, ReasoningSplitter};
+use crate::tools::shaper::ShapeMode;
+use crate::tools::{self as tool_rules, ToolChoice, ToolFormat};
 
 /// Limits on what one request may ask for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,6 +88,8 @@ pub struct Edge<'a> {
     pub template: &'a ChatTemplate,
     /// What the sampling fields a request leaves out mean.
     pub defaults: &'a SamplingDefaults,
+    /// The schema compiler, built on first use.
+    pub grammar: &'a LazyGrammar,
 }
 
 /// One prompt, tokenized, with its text for `echo`.
@@ -84,7 +100,7 @@ pub struct ValidPrompt {
 }
 
 /// What chat and completions have in common once validated.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct ValidGeneration {
     /// One entry per prompt (chat always has one).
     pub prompts: Vec<ValidPrompt>,
@@ -98,16 +114,34 @@ pub struct ValidGeneration {
     pub stream: bool,
     pub include_usage: bool,
     pub skip_special_tokens: bool,
+    /// The grammar every choice's output is held to (each choice gets its
+    /// own state).
+    pub constraint: Option<Constraint>,
 }
 
 /// A chat request ready to run.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct ValidChat {
     pub gen: ValidGeneration,
+    /// How the answer is read: text, or tool calls in which format.
+    pub shape: ShapeMode,
+    /// Split a leading `<think>` block into `reasoning_content`.
+    pub reasoning: ReasoningStart,
+}
+
+/// Where an answer's reasoning block starts, if the model writes one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReasoningStart {
+    /// The template shows no `<think>` block: nothing is split.
+    Off,
+    /// The answer may open with `<think>`.
+    MayOpen,
+    /// The prompt opened the block: the answer starts inside it.
+    Inside,
 }
 
 /// A completion request ready to run.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct ValidCompletion {
     pub gen: ValidGeneration,
     /// Prepend the prompt's text to each choice.
@@ -137,22 +171,23 @@ pub fn chat(body: &Json, edge: Edge<'_>) -> Result<ValidChat, ApiError> {
         (false, None) => None,
         (true, top) => Some(top_logprobs(top)?),
     };
-    if let Some(format) = &req.response_format {
-        if format.kind != "text" {
-            return Err(ApiError::invalid(
-                "response_format",
-                format!("response_format type '{}' is not supported; only 'text' is", format.kind),
-            ));
-        }
+    let tools = tool_rules::validate_tools(req.tools.as_deref().unwrap_or(&[]))?;
+    let tool_choice = tool_rules::validate_tool_choice(req.tool_choice.as_ref(), &tools)?;
+    let response_schema = response_format_schema(req.response_format.as_ref())?;
+    if response_schema.is_some() && matches!(tool_choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        return Err(ApiError::invalid(
+            "response_format",
+            "'response_format' cannot be combined with a 'tool_choice' that forces a call",
+        ));
     }
-    check_tool_choice(req.tool_choice.as_ref())?;
     // `max_completion_tokens` is the current name and wins over the old one.
     let max_tokens = match req.max_completion_tokens {
         Some(v) => Some(positive("max_completion_tokens", v)?),
         None => fields.max_tokens.map(|v| positive("max_tokens", v)).transpose()?,
     };
 
-    let messages = normalize_messages(req.messages.as_deref())?;
+    let mut messages = normalize_messages(req.messages.as_deref())?;
+    tool_rules::prepare_history(&mut messages);
     let opts = RenderOptions {
         add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
         tools: req.tools.filter(|t| !t.is_empty()).map(Json::Array),
@@ -165,12 +200,47 @@ pub fn chat(body: &Json, edge: Edge<'_>) -> Result<ValidChat, ApiError> {
         .tokenizer
         .encode(&text, false)
         .map_err(|e| ApiError::invalid("messages", format!("the conversation cannot be tokenized: {e}")))?;
+    let source = edge.template.source();
+    let reasoning = if !source.contains(reasoning::OPEN) {
+        ReasoningStart::Off
+    } else if ReasoningSplitter::prompt_opens_block(&text) {
+        ReasoningStart::Inside
+    } else {
+        ReasoningStart::MayOpen
+    };
+    let format = ToolFormat::detect(source);
+    let shape = match &tool_choice {
+        ToolChoice::None => ShapeMode::Plain,
+        ToolChoice::Auto => ShapeMode::Auto(format),
+        ToolChoice::Required => ShapeMode::Required(format),
+        ToolChoice::Named(name) => ShapeMode::Named { name: name.clone(), format },
+    };
+    // The markers of Llama's and Mistral's calls are special tokens, which
+    // must reach the parser; a client's explicit choice still wins.
+    let keep_special = matches!(shape, ShapeMode::Auto(f) if f.needs_special_tokens());
+    let (schema, schema_param) =
+        match tool_choice.grammar_schema(&tools, req.parallel_tool_calls.unwrap_or(true)) {
+            Some(schema) => (Some(schema), "tools"),
+            None => (response_schema, "response_format.json_schema.schema"),
+        };
+    let constraint = match schema {
+        None => None,
+        Some(schema) => {
+            let compiler =
+                edge.grammar.get().map_err(|e| ApiError::invalid("response_format", e.to_string()))?;
+            Some(compiler.json_schema(&schema).map_err(|e| ApiError::invalid(schema_param, e.to_string()))?)
+        }
+    };
     let prompt = ValidPrompt { ids, text };
-    let gen = generation(
+    let mut gen = generation(
         GenerationInput { fields, prompts: vec![prompt], max_tokens, logprobs, prompt_param: "messages" },
         edge,
     )?;
-    Ok(ValidChat { gen })
+    if keep_special && body.get("skip_special_tokens").is_none_or(Json::is_null) {
+        gen.skip_special_tokens = false;
+    }
+    gen.constraint = constraint;
+    Ok(ValidChat { gen, shape, reasoning })
 }
 
 /// `POST /v1/completions`.
@@ -253,6 +323,7 @@ fn generation(input: GenerationInput, edge: Edge<'_>) -> Result<ValidGeneration,
         stream,
         include_usage,
         skip_special_tokens: fields.skip_special_tokens.unwrap_or(true),
+        constraint: None,
     })
 }
 
@@ -284,16 +355,52 @@ fn top_logprobs(top: Option<i64>) -> Result<u32, ApiError> {
     }
 }
 
-/// Tool definitions reach the template, but tool calls are not parsed out of
-/// the answer, so a request that needs a call cannot be honoured.
-fn check_tool_choice(choice: Option<&Json>) -> Result<(), ApiError> {
-    match choice {
-        None => Ok(()),
-        Some(Json::String(s)) if s == "none" || s == "auto" => Ok(()),
-        Some(_) => Err(ApiError::invalid(
-            "tool_choice",
-            "only 'none' and 'auto' are supported for 'tool_choice' (tool calls are not parsed)",
+/// The schema `response_format` holds the answer to: none for `text`, any
+/// JSON object for `json_object`, the given one for `json_schema`.
+fn response_format_schema(format: Option<&Json>) -> Result<Option<Json>, ApiError> {
+    let param = "response_format";
+    let Some(format) = format.filter(|f| !f.is_null()) else { return Ok(None) };
+    let obj =
+        format.as_object().ok_or_else(|| ApiError::invalid(param, "'response_format' must be an object"))?;
+    match obj.get("type").and_then(Json::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(serde_json::json!({"type": "object"}))),
+        Some("json_schema") => {
+            let at = "response_format.json_schema";
+            let js = obj.get("json_schema").and_then(Json::as_object).ok_or_else(|| {
+                ApiError::invalid(at, "'json_schema' must be an object with 'name' and 'schema'")
+            })?;
+            match js.get("name") {
+                Some(Json::String(n))
+                    if !n.is_empty()
+                        && n.len() <= 64
+                        && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') => {}
+                _ => {
+                    return Err(ApiError::invalid(
+                        format!("{at}.name"),
+                        "'name' must be 1 to 64 characters of a-z, A-Z, 0-9, underscores and dashes",
+                    ))
+                }
+            }
+            if let Some(strict) = js.get("strict") {
+                if !strict.is_boolean() && !strict.is_null() {
+                    return Err(ApiError::invalid(format!("{at}.strict"), "'strict' must be a boolean"));
+                }
+            }
+            let schema = match js.get("schema") {
+                None | Some(Json::Null) => serde_json::json!({}),
+                Some(schema) => schema.clone(),
+            };
+            tool_rules::check_schema(&schema).map_err(|m| ApiError::invalid(format!("{at}.schema"), m))?;
+            Ok(Some(schema))
+        }
+        Some(other) => Err(ApiError::invalid(
+            format!("{param}.type"),
+            format!(
+                "response_format type '{other}' is not supported; use 'text', 'json_object' or 'json_schema'"
+            ),
         )),
+        None => Err(ApiError::invalid(format!("{param}.type"), "'response_format' needs a 'type'")),
     }
 }
 
@@ -397,6 +504,9 @@ fn check_fits(
     Ok(())
 }
 
+/// The roles a chat message may have.
+const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
+
 /// Content part types of other modalities, refused by a text-only model.
 const NON_TEXT_PARTS: &[&str] = &[
     "image_url",
@@ -429,10 +539,27 @@ fn normalize_message(i: usize, message: &Json) -> Result<Json, ApiError> {
         Some(_) => return Err(ApiError::invalid(param(".role"), "'role' must be a string")),
         None => return Err(ApiError::invalid(param(".role"), "'role' is required")),
     };
+    if !ROLES.contains(&role) {
+        return Err(ApiError::invalid(
+            param(".role"),
+            format!("unknown role '{role}'; a message's role is one of {}", ROLES.join(", ")),
+        ));
+    }
+    tool_rules::check_message_tools(i, role, obj)?;
     let mut out: Map<String, Json> = obj.clone();
+    if role == "developer" {
+        // OpenAI's newer name for the system turn; templates know `system`.
+        out.insert("role".into(), Json::String("system".into()));
+    }
+    let has_calls = obj.get("tool_calls").and_then(Json::as_array).is_some_and(|c| !c.is_empty());
     match obj.get("content") {
         Some(Json::String(_)) => {}
-        None | Some(Json::Null) if role == "assistant" => {}
+        None | Some(Json::Null) if role == "assistant" => {
+            // Templates test `content` as a string; a call-only turn has none.
+            if has_calls {
+                out.insert("content".into(), Json::String(String::new()));
+            }
+        }
         None | Some(Json::Null) => {
             return Err(ApiError::invalid(param(".content"), format!("a '{role}' message needs 'content'")));
         }
@@ -569,6 +696,52 @@ mod tests {
         assert!(normalize_messages(Some(&[json!({"role": "assistant", "content": null})])).is_ok());
         assert!(normalize_messages(Some(&[])).is_err());
         assert!(normalize_messages(None).is_err());
+    }
+
+    #[test]
+    fn unknown_roles_are_refused_and_developer_is_system() {
+        let err = normalize_messages(Some(&[
+            json!({"role": "user", "content": "a"}),
+            json!({"role": "wizard", "content": "b"}),
+        ]))
+        .unwrap_err();
+        assert!(matches!(err, ApiError::InvalidRequest { param: Some(p), .. } if p == "messages[1].role"));
+        for role in ["system", "user", "assistant", "tool"] {
+            assert!(normalize_messages(Some(&[json!({"role": role, "content": "x"})])).is_ok(), "{role}");
+        }
+        let m = normalize_messages(Some(&[json!({"role": "developer", "content": "x"})])).expect("developer");
+        assert_eq!(m[0]["role"], "system");
+        let m = normalize_messages(Some(&[json!({"role": "assistant", "content": null, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})]))
+        .expect("call-only turn");
+        assert_eq!(m[0]["content"], "");
+    }
+
+    #[test]
+    fn response_format_errors_name_the_nested_field() {
+        let p = |v: Json| match response_format_schema(Some(&v)).unwrap_err() {
+            ApiError::InvalidRequest { param: Some(p), .. } => p,
+            other => panic!("unexpected {other:?}"),
+        };
+        assert_eq!(response_format_schema(Some(&json!({"type": "text"}))).expect("text"), None);
+        assert_eq!(
+            response_format_schema(Some(&json!({"type": "json_object"}))).expect("obj"),
+            Some(json!({"type": "object"}))
+        );
+        assert_eq!(p(json!({"type": "yaml"})), "response_format.type");
+        assert_eq!(p(json!({"type": "json_schema"})), "response_format.json_schema");
+        assert_eq!(
+            p(json!({"type": "json_schema", "json_schema": {"schema": {}}})),
+            "response_format.json_schema.name"
+        );
+        assert_eq!(
+            p(json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}})),
+            "response_format.json_schema.schema"
+        );
+        assert_eq!(
+            p(json!({"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}})),
+            "response_format.json_schema.strict"
+        );
     }
 
     fn facts() -> ModelFacts {

@@ -85,6 +85,7 @@ fn intrusion(sizes_mib: &[u64], layout: Option<LayoutSpec>) {
                         params: SamplingParams { temperature: 0.0, ignore_eos: true, ..Default::default() },
                         max_new_tokens: Some(24),
                         eos_ids: vec![2],
+                        constraint: None,
                     };
                     let mut s = engine.submit(req).unwrap();
                     loop {

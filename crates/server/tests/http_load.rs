@@ -141,6 +141,7 @@ async fn shutdown_aborts_in_flight_streams_and_returns_ok() {
                 params: Default::default(),
                 max_new_tokens: Some(1),
                 eos_ids: vec![],
+                constraint: None,
             })
             .is_err(),
         "the engine has stopped"

@@ -116,6 +116,7 @@ fn two_hundred_intrusions_never_preempt_while_free_kv_covers_them() {
                         params: SamplingParams { temperature: 0.0, ignore_eos: true, ..Default::default() },
                         max_new_tokens: Some(rng.range(8, 32) as usize),
                         eos_ids: vec![2],
+                        constraint: None,
                     };
                     let mut s = engine.submit(req).unwrap();
                     loop {

@@ -89,6 +89,9 @@ fn sample_row<K: DrawKernel>(
     let uniform = row.state.next_uniform();
     let scan = if wide { sanitize_wide(logits) } else { sanitize(logits) };
     apply_adjustments(logits, row.params, row.state, row.eos_token_ids);
+    if let Some(mask) = row.mask {
+        mask.apply(logits);
+    }
 
     let settled = if !logits.iter().any(|&v| v > f32::NEG_INFINITY) {
         Err(SampleError::AllLogitsInvalid { vocab: logits.len(), nan: scan.nan })

@@ -10,7 +10,8 @@
 //!    either one marks the row as broken ([`logits::sanitize`]).
 //! 3. Adjust: repetition penalty (prompt and output tokens), frequency and
 //!    presence penalties (output tokens), `logit_bias` clamped to ±100, then
-//!    the masks for `min_tokens` and `ignore_eos` ([`logits::apply_adjustments`]).
+//!    the masks for `min_tokens` and `ignore_eos` ([`logits::apply_adjustments`]),
+//!    then the row's grammar mask, if it has one ([`constraint`]).
 //!    The result is the *adjusted row*; it is left in the caller's buffer.
 //! 4. Draw from the adjusted row with temperature, top-k, top-p and min-p
 //!    ([`kernel`] documents the candidate set exactly).
@@ -54,6 +55,7 @@
 //! non-finite logits) and count through [`SamplerStats`], so the fallback
 //! rules cannot drift between backends.
 
+pub mod constraint;
 pub mod guard;
 pub mod kernel;
 pub mod logits;
@@ -66,6 +68,7 @@ mod simd;
 mod state;
 mod stats;
 
+pub use constraint::{Constraint, ConstraintError, TokenConstraint, TokenMask};
 pub use cpu::CpuSampler;
 pub use kernel::{CpuDrawKernel, DrawKernel, DrawSpec};
 pub use outcome::{BatchError, FallbackKind, SampleError, SampleOutcome, Sampled, StopReason, TokenLogprob};
@@ -88,6 +91,9 @@ pub struct SampleRow<'a> {
     /// The model's end-of-sequence token ids (masked before `min_tokens` and
     /// under `ignore_eos`, reported as [`StopReason::Eos`] otherwise).
     pub eos_token_ids: &'a [TokenId],
+    /// The tokens a grammar allows next ([`constraint`]); applied after the
+    /// adjustments of step 3, so the fallbacks of step 5 pick among them.
+    pub mask: Option<&'a TokenMask>,
 }
 
 /// Turns a batch of logits into one outcome per row.

@@ -511,6 +511,17 @@ impl Tokenizer {
         self.decode(&[id], false).unwrap_or_default().into_bytes()
     }
 
+    /// Whether `id` is a special token (markers such as `<|im_end|>` that are
+    /// not text, as the tokenizer file flags them).
+    pub fn is_special(&self, id: u32) -> bool {
+        match &self.engine {
+            Engine::Hf(inner) => {
+                inner.id_to_token(id).is_some_and(|piece| inner.get_added_vocabulary().is_special_token(&piece))
+            }
+            Engine::Spm(spm) => spm.is_control(id),
+        }
+    }
+
     /// Whether the decoder maps tokens through the byte-level alphabet.
     fn byte_level(&self) -> bool {
         use tokenizers::DecoderWrapper as D;
