@@ -151,13 +151,12 @@ impl StepBudget {
         }
         let room = max_batched_tokens.saturating_sub(decode_rows);
         let decodes = self.cost.predict(StepShape { prefill_rows: 0, decode_rows });
-        let per_row = self.cost.per_prefill_row.as_nanos();
-        let fits = if per_row > 0 {
-            // Rounded down: a row that would cross the target is not taken.
-            let rows = target.saturating_sub(decodes).as_nanos() / per_row;
-            usize::try_from(rows).unwrap_or(usize::MAX).min(room)
-        } else {
-            room
+        let left = target.saturating_sub(decodes).as_nanos();
+        // Rounded down: a row that would cross the target is not taken. A
+        // prompt row the fit finds free (no division) fits without limit.
+        let fits = match left.checked_div(self.cost.per_prefill_row.as_nanos()) {
+            Some(rows) => usize::try_from(rows).unwrap_or(usize::MAX).min(room),
+            None => room,
         };
         fits.max(self.floor).min(room)
     }
@@ -215,10 +214,11 @@ fn solve3(mut a: [[f64; 3]; 3], mut b: [f64; 3]) -> Option<[f64; 3]> {
         }
         a.swap(col, pivot);
         b.swap(col, pivot);
+        let pivot_row = a[col];
         for row in col + 1..3 {
-            let f = a[row][col] / a[col][col];
-            for k in col..3 {
-                a[row][k] -= f * a[col][k];
+            let f = a[row][col] / pivot_row[col];
+            for (k, v) in a[row].iter_mut().enumerate().skip(col) {
+                *v -= f * pivot_row[k];
             }
             b[row] -= f * b[col];
         }
@@ -286,6 +286,14 @@ mod tests {
         // But never more rows than the step has beside its decodes.
         assert_eq!(known(40).prefill_rows(500, 512), 12);
         assert_eq!(known(40).prefill_rows(600, 512), 0);
+    }
+
+    #[test]
+    fn free_prompt_rows_fill_the_step() {
+        // A fit that finds prompt rows cost nothing (say, measured steps all hid them in the fixed
+        // cost) limits them only by the step's rows.
+        let free = StepCost { per_prefill_row: Duration::ZERO, ..KNOWN };
+        assert_eq!(StepBudget::with_prior(Some(ms(50)), 16, free).prefill_rows(10, 512), 502);
     }
 
     #[test]
