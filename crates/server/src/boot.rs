@@ -314,6 +314,14 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         },
         page_size: Tokens(opts.page_size),
     };
+    match opts.itl_target {
+        Some(t) => tracing::info!(
+            itl_target_ms = t.as_millis() as u64,
+            max_batched_tokens = opts.max_batched_tokens,
+            "while requests decode, a step takes only the prompt rows predicted to keep this inter-token latency"
+        ),
+        None => tracing::info!("no inter-token-latency bound: prompts take every row decodes leave"),
+    }
     let env = BootEnv {
         opts,
         ckpt: &ckpt,
