@@ -5,6 +5,13 @@
 //! client really observes. A request is complete when `data: [DONE]` arrives, or when the stream
 //! ends cleanly after a chunk that carried a `finish_reason`; anything else is a failure of a named
 //! kind, and no failure ends the run.
+//!
+//! A server may close a kept-alive connection just as the client sends the next request on it (an
+//! idle timeout that fires as the request arrives): the request then fails without a byte of
+//! response, through no fault of the request. Such a request is sent once more on a new connection
+//! and marked as retried, so the report counts it apart instead of as a failure of the server's
+//! serving. Only a connection that has already carried a response counts as kept alive: a fresh
+//! connection closed without an answer is a real failure (`transport`).
 
 use crate::sse::SseDecoder;
 use crate::workload::Endpoint;
@@ -13,11 +20,15 @@ use corridor_units::Tokens;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE};
 use hyper::{Method, Request, StatusCode, Uri};
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{HttpConnector, HttpInfo};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
+use std::collections::HashSet;
 use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 /// The most of an error body kept for the report.
@@ -36,6 +47,9 @@ pub enum ErrorKind {
     Connect,
     /// The HTTP exchange failed before a response arrived, for another reason.
     Transport,
+    /// The request went out on a pooled keep-alive connection that the server closed without a byte
+    /// of response (counted only when such a request is not retried on a new connection).
+    ClosedKeepAlive,
     /// The connection broke while the response was streaming.
     StreamBroken,
     /// The stream carried an `{"error": ...}` event.
@@ -55,6 +69,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Timeout => f.write_str("timeout"),
             ErrorKind::Connect => f.write_str("connect"),
             ErrorKind::Transport => f.write_str("transport"),
+            ErrorKind::ClosedKeepAlive => f.write_str("closed_keepalive"),
             ErrorKind::StreamBroken => f.write_str("stream_broken"),
             ErrorKind::StreamError => f.write_str("stream_error"),
             ErrorKind::MalformedChunk => f.write_str("malformed_chunk"),
@@ -194,10 +209,35 @@ impl StreamState {
     }
 }
 
+/// Whether a request that met a closed keep-alive connection is sent again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClosedKeepAlive {
+    /// Once more, on a new connection; the request is marked as retried.
+    Retry,
+    /// Not at all: the request fails as `closed_keepalive`.
+    Fail,
+}
+
+/// What became of one request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Streamed {
+    pub outcome: Result<Completion, Failure>,
+    /// The first attempt met a closed keep-alive connection and the request was sent again on a new
+    /// connection; `outcome` is that second attempt's.
+    pub retried: bool,
+}
+
 /// A pooled HTTP client for one target.
 #[derive(Clone, Debug)]
 pub struct HttpClient {
     inner: Client<HttpConnector, Full<Bytes>>,
+    /// Keeps no idle connection, so every request through it opens a new one: the retry after a
+    /// closed keep-alive connection must not meet another pooled connection the server may close.
+    fresh: Client<HttpConnector, Full<Bytes>>,
+    /// Local addresses of the pooled connections that have carried a response: a request that
+    /// fails on one of them was sent on a kept-alive connection.
+    served: Arc<Mutex<HashSet<SocketAddr>>>,
+    closed_keepalive: ClosedKeepAlive,
     api_key: Option<String>,
 }
 
@@ -211,27 +251,63 @@ pub struct Exchange {
     pub timeout: Duration,
 }
 
+/// Which of the client's two pools an attempt uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pool {
+    Pooled,
+    Fresh,
+}
+
 impl HttpClient {
-    pub fn new(api_key: Option<String>) -> HttpClient {
+    pub fn new(api_key: Option<String>, closed_keepalive: ClosedKeepAlive) -> HttpClient {
         let mut connector = HttpConnector::new();
         // Token-by-token streams are many small writes; Nagle's algorithm would delay them.
         connector.set_nodelay(true);
-        HttpClient { inner: Client::builder(TokioExecutor::new()).build(connector), api_key }
+        let inner = Client::builder(TokioExecutor::new()).build(connector.clone());
+        let fresh = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build(connector);
+        HttpClient { inner, fresh, served: Arc::default(), closed_keepalive, api_key }
     }
 
-    /// Send the request and stream the response to its end, within the timeout.
-    pub async fn stream(&self, exchange: &Exchange) -> Result<Completion, Failure> {
-        let sent = Instant::now();
-        match tokio::time::timeout(exchange.timeout, self.stream_inner(exchange, sent)).await {
+    /// Send the request and stream the response to its end, within the timeout (both attempts
+    /// together when the first met a closed keep-alive connection). A retried request's latencies
+    /// are timed from its second sending: the first attempt measured the connection, not the server.
+    pub async fn stream(&self, exchange: &Exchange) -> Streamed {
+        let retried = AtomicBool::new(false);
+        let attempts = async {
+            let first = self.attempt(exchange, Pool::Pooled).await;
+            match first {
+                Err(Failure { kind: ErrorKind::ClosedKeepAlive, .. })
+                    if self.closed_keepalive == ClosedKeepAlive::Retry =>
+                {
+                    retried.store(true, Ordering::Relaxed);
+                    self.attempt(exchange, Pool::Fresh).await
+                }
+                other => other,
+            }
+        };
+        let outcome = match tokio::time::timeout(exchange.timeout, attempts).await {
             Ok(result) => result,
             Err(_) => Err(Failure::new(
                 ErrorKind::Timeout,
                 format!("no complete response within {:.1} s", exchange.timeout.as_secs_f64()),
             )),
-        }
+        };
+        Streamed { outcome, retried: retried.load(Ordering::Relaxed) }
     }
 
-    async fn stream_inner(&self, exchange: &Exchange, sent: Instant) -> Result<Completion, Failure> {
+    /// Whether `error` says the request went out on a connection that had carried a response
+    /// before and was closed before any byte of the next response came.
+    fn closed_while_kept_alive(&self, error: &hyper_util::client::legacy::Error) -> bool {
+        let Some(info) = error.connect_info() else { return false };
+        let mut extensions = hyper::http::Extensions::new();
+        info.get_extras(&mut extensions);
+        let Some(local) = extensions.get::<HttpInfo>().map(HttpInfo::local_addr) else { return false };
+        let kept_alive = self.served.lock().unwrap_or_else(PoisonError::into_inner).contains(&local);
+        kept_alive && closed_before_response(error)
+    }
+
+    async fn attempt(&self, exchange: &Exchange, pool: Pool) -> Result<Completion, Failure> {
+        let sent = Instant::now();
         let mut builder = Request::builder()
             .method(Method::POST)
             .uri(exchange.uri.clone())
@@ -243,8 +319,18 @@ impl HttpClient {
         let request = builder
             .body(Full::new(exchange.body.clone()))
             .map_err(|e| Failure::new(ErrorKind::Transport, e))?;
-        let response = self.inner.request(request).await.map_err(|e| {
-            let kind = if e.is_connect() { ErrorKind::Connect } else { ErrorKind::Transport };
+        let client = match pool {
+            Pool::Pooled => &self.inner,
+            Pool::Fresh => &self.fresh,
+        };
+        let response = client.request(request).await.map_err(|e| {
+            let kind = if e.is_connect() {
+                ErrorKind::Connect
+            } else if pool == Pool::Pooled && self.closed_while_kept_alive(&e) {
+                ErrorKind::ClosedKeepAlive
+            } else {
+                ErrorKind::Transport
+            };
             // The outer error says little ("client error (Connect)"); its source says why.
             let message = match std::error::Error::source(&e) {
                 Some(source) => format!("{e}: {source}"),
@@ -252,6 +338,11 @@ impl HttpClient {
             };
             Failure::new(kind, message)
         })?;
+        if pool == Pool::Pooled {
+            if let Some(info) = response.extensions().get::<HttpInfo>() {
+                self.served.lock().unwrap_or_else(PoisonError::into_inner).insert(info.local_addr());
+            }
+        }
         let status = response.status();
         if !status.is_success() {
             return Err(http_failure(status, response.into_body()).await);
@@ -278,6 +369,19 @@ impl HttpClient {
         }
         state.finish(at)
     }
+}
+
+/// Whether the connection closed before a response began ("connection closed before message
+/// completed"), anywhere in the error's chain of sources.
+fn closed_before_response(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(error);
+    while let Some(e) = source {
+        if e.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_incomplete_message) {
+            return true;
+        }
+        source = e.source();
+    }
+    false
 }
 
 /// Read an error response (bounded) and pull out the OpenAI error message when there is one.

@@ -101,6 +101,11 @@ pub struct BenchArgs {
     /// Do not draw a progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Count a request sent on a kept-alive connection that the server closed without answering as
+    /// failed (`closed_keepalive`). By default it is sent once more on a new connection and counted
+    /// apart, as retried, since the close says nothing about the server's serving.
+    #[arg(long)]
+    pub no_keepalive_retry: bool,
 }
 
 impl BenchArgs {
@@ -128,6 +133,7 @@ impl BenchArgs {
             request_timeout: 300.0,
             api_key: None,
             no_progress: false,
+            no_keepalive_retry: false,
         }
     }
 }
@@ -269,6 +275,8 @@ pub struct BenchConfig {
     pub api_key: Option<String>,
     pub outputs: Outputs,
     pub progress: Progress,
+    /// Send a request that met a closed keep-alive connection once more on a new connection.
+    pub retry_closed_keepalive: bool,
 }
 
 /// Default number of requests when neither a count nor a duration is given.
@@ -393,6 +401,7 @@ impl BenchConfig {
             api_key: args.api_key,
             outputs: Outputs { json: args.json, chart: args.chart },
             progress: if args.no_progress { Progress::Hidden } else { Progress::Bar },
+            retry_closed_keepalive: !args.no_keepalive_retry,
         })
     }
 }

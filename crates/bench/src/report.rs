@@ -5,6 +5,9 @@
 //! - `requests_sent` is the number of tickets issued; every sent request ends either completed or
 //!   failed, so `requests_sent = requests_completed + requests_failed` and the `errors` counts sum to
 //!   `requests_failed`.
+//! - A request whose first attempt met a kept-alive connection the server had closed, and that was
+//!   sent again on a new connection, counts once, by its second attempt; `retried_closed_keepalive`
+//!   says how many were.
 //! - Token totals count completed requests only. `output_tokens` is the server's `usage` count when
 //!   it sent one and the number of streamed content chunks otherwise; `token_check` sets the two
 //!   side by side so a server whose usage disagrees with its own stream is visible.
@@ -77,6 +80,8 @@ pub struct RequestSummary {
     pub prompt_tokens: Option<Tokens>,
     pub completion_tokens: Option<Tokens>,
     pub content_chunks: usize,
+    /// Sent again on a new connection after a closed keep-alive connection.
+    pub retried: bool,
 }
 
 /// Everything a run measured. Field order is the JSON key order.
@@ -97,6 +102,10 @@ pub struct BenchReport {
     pub errors: BTreeMap<String, u64>,
     /// The first message seen for each error kind.
     pub error_examples: BTreeMap<String, String>,
+    /// Requests sent again on a new connection because the kept-alive connection they first went
+    /// out on was closed before any byte of a response (not failures; their outcome is the second
+    /// attempt's).
+    pub retried_closed_keepalive: u64,
     pub injected_errors: InjectedErrors,
     pub input_tokens: Tokens,
     pub output_tokens: Tokens,
@@ -158,6 +167,7 @@ pub(crate) fn build(facts: &RunFacts<'_>) -> BenchReport {
     let (mut ttft, mut itl, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
     let mut input_differences = Vec::new();
     let mut completed = 0u64;
+    let mut retried = 0u64;
     let mut summaries = Vec::with_capacity(records.len());
 
     for record in &records {
@@ -178,7 +188,11 @@ pub(crate) fn build(facts: &RunFacts<'_>) -> BenchReport {
             prompt_tokens: None,
             completion_tokens: None,
             content_chunks: 0,
+            retried: record.retried,
         };
+        if record.retried {
+            retried += 1;
+        }
         match &record.outcome {
             Err(failure) => {
                 let key = failure.kind.to_string();
@@ -258,6 +272,7 @@ pub(crate) fn build(facts: &RunFacts<'_>) -> BenchReport {
         requests_failed: sent - completed,
         errors,
         error_examples,
+        retried_closed_keepalive: retried,
         injected_errors: injected,
         input_tokens,
         output_tokens,
@@ -295,6 +310,13 @@ pub fn render_table(report: &BenchReport) -> String {
     for (kind, count) in &report.errors {
         let example = report.error_examples.get(kind).map(|m| format!("  e.g. \"{m}\"")).unwrap_or_default();
         let _ = writeln!(out, "  {kind:<11} {count}{example}");
+    }
+    if report.retried_closed_keepalive > 0 {
+        let _ = writeln!(
+            out,
+            "  retried after a closed keep-alive connection: {} (not failures)",
+            report.retried_closed_keepalive
+        );
     }
     if report.injected_errors.sent > 0 {
         let _ = writeln!(
@@ -383,6 +405,7 @@ mod tests {
             requested_input: Tokens(10),
             requested_output: Tokens(3),
             outcome,
+            retried: false,
         }
     }
 
@@ -422,5 +445,35 @@ mod tests {
         assert_eq!(report.itl_ms.count, 3);
         assert_eq!(report.request_throughput, 1.0);
         assert_eq!(report.requests[1].status, "http_503");
+    }
+
+    #[test]
+    fn retried_requests_count_apart_from_failures() {
+        let config = BenchConfig::resolve(BenchArgs::new("http://127.0.0.1:1", "m")).unwrap();
+        let failure = Failure { kind: ErrorKind::Timeout, message: "slow".into() };
+        let retried = |index, outcome| RequestRecord { retried: true, ..record(index, outcome) };
+        let records =
+            vec![retried(0, Ok(completed(10, 3))), record(1, Ok(completed(10, 3))), retried(2, Err(failure))];
+        let report = build(&RunFacts {
+            config: &config,
+            length: LengthFields::Omit,
+            sent: 3,
+            duration: Duration::from_secs(1),
+            records,
+        });
+        assert_eq!((report.requests_completed, report.requests_failed), (2, 1));
+        assert_eq!(report.retried_closed_keepalive, 2);
+        assert_eq!(report.errors.get("timeout"), Some(&1));
+        assert_eq!(report.errors.len(), 1, "a retry is not an error kind");
+        assert!(report.requests[0].retried && !report.requests[1].retried);
+        assert!(render_table(&report).contains("retried after a closed keep-alive connection: 2"));
+        assert!(!render_table(&build(&RunFacts {
+            config: &config,
+            length: LengthFields::Omit,
+            sent: 1,
+            duration: Duration::from_secs(1),
+            records: vec![record(0, Ok(completed(10, 3)))],
+        }))
+        .contains("retried"));
     }
 }

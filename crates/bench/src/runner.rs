@@ -6,7 +6,7 @@
 //! claims a ticket first, so the count bound is exact whichever way requests arrive, and each one is
 //! recorded whatever happens to it, so `sent = completed + failed` holds by construction.
 
-use crate::client::{Completion, ErrorKind, Exchange, Failure, HttpClient};
+use crate::client::{ClosedKeepAlive, Completion, ErrorKind, Exchange, Failure, HttpClient, Streamed};
 use crate::config::{Arrivals, BenchConfig, Bound, LengthControl, Progress};
 use crate::error::BenchError;
 use crate::report::{self, BenchReport};
@@ -65,6 +65,8 @@ pub struct RequestRecord {
     /// `max_tokens`.
     pub requested_output: Tokens,
     pub outcome: Result<Completion, Failure>,
+    /// The first attempt met a closed keep-alive connection; `outcome` is the second one's.
+    pub retried: bool,
 }
 
 /// The prompt of one request.
@@ -160,7 +162,7 @@ impl Shared {
             timeout: self.timeout,
         };
         let start = self.start.elapsed();
-        let outcome = self.client.stream(&exchange).await;
+        let Streamed { outcome, retried } = self.client.stream(&exchange).await;
         let completion = outcome.as_ref().ok().cloned();
         self.record(RequestRecord {
             ticket: request.ticket,
@@ -170,6 +172,7 @@ impl Shared {
             requested_input: request.requested_input,
             requested_output: request.requested_output,
             outcome,
+            retried,
         });
         completion
     }
@@ -258,7 +261,7 @@ async fn preflight(
             injected: false,
         });
         let exchange = Exchange { uri: uri.clone(), endpoint, body, timeout: config.request_timeout };
-        async move { client.stream(&exchange).await }
+        async move { client.stream(&exchange).await.outcome }
     };
     let fatal = |failure: Failure| match failure.kind {
         ErrorKind::Connect => BenchError::Unreachable { url: uri.to_string(), message: failure.message },
@@ -303,7 +306,8 @@ fn progress_bar(config: &BenchConfig) -> (ProgressBar, ProgressUnit) {
 
 /// Run the benchmark described by `config` and build its report (no files written here).
 pub async fn execute(config: &BenchConfig) -> Result<BenchReport, BenchError> {
-    let client = HttpClient::new(config.api_key.clone());
+    let closed = if config.retry_closed_keepalive { ClosedKeepAlive::Retry } else { ClosedKeepAlive::Fail };
+    let client = HttpClient::new(config.api_key.clone(), closed);
     let planner = Planner::new(config.workload.clone(), config.seed);
     let length = preflight(&client, config, &planner).await?;
     let uri = match planner.endpoint() {

@@ -1,21 +1,26 @@
 //! End-to-end runs against a small in-test OpenAI-compatible server that streams a known number of
 //! tokens with known delays, rejects invalid parameters with 400 and can misbehave on purpose
-//! (reject extra fields, misreport usage, hang). Each test checks that the bench's numbers add up.
+//! (reject extra fields, misreport usage, hang, close kept-alive connections instead of answering).
+//! Each test checks that the bench's numbers add up.
 
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use corridor_bench::{run, BenchArgs, BenchError, BenchReport, Percentiles, WorkloadKind};
 use corridor_units::Tokens;
 use serde_json::{json, Value};
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 
 const MODEL: &str = "mock-model";
 /// What the mock streams per token.
@@ -36,6 +41,20 @@ struct Behaviour {
     reject_length_fields: bool,
     /// Hang (never send a byte of the stream) on server arrivals whose number is a positive multiple.
     hang_every: Option<u64>,
+    /// Which requests the server reads and then answers by closing the connection.
+    closing: Closing,
+}
+
+/// When the server closes a connection on a request instead of answering it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Closing {
+    Never,
+    /// When the request arrives on a kept-alive connection that has been idle at least this long
+    /// since its last response byte: a server whose idle timeout fires just as the next request
+    /// comes in. Zero closes every kept-alive connection when it is reused.
+    IdleFor(Duration),
+    /// Every request, the first on a new connection too: a server that dies on each request.
+    Always,
 }
 
 impl Default for Behaviour {
@@ -45,6 +64,7 @@ impl Default for Behaviour {
             usage: UsageMode::Honest,
             reject_length_fields: false,
             hang_every: None,
+            closing: Closing::Never,
         }
     }
 }
@@ -53,6 +73,100 @@ struct Mock {
     behaviour: Behaviour,
     arrivals: AtomicU64,
     bodies: Mutex<Vec<Value>>,
+    /// Requests the connection layer read and answered by closing, before any handler saw them.
+    closed: Arc<AtomicU64>,
+}
+
+/// A server connection that applies [`Closing`]: a request it closes on is read (so the close is a
+/// clean FIN, as from a server that timed the connection out) and dropped, and the server sees the
+/// end of the stream and closes without writing a byte.
+struct ClosingConn {
+    tcp: TcpStream,
+    closing: Closing,
+    /// When the last response byte went out; `None` until the first response.
+    last_write: Option<Instant>,
+    ended: bool,
+    closed: Arc<AtomicU64>,
+}
+
+impl ClosingConn {
+    fn closes_on_request(&self) -> bool {
+        match self.closing {
+            Closing::Never => false,
+            Closing::IdleFor(idle) => self.last_write.is_some_and(|at| at.elapsed() >= idle),
+            Closing::Always => true,
+        }
+    }
+}
+
+impl AsyncRead for ClosingConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if this.ended {
+            return Poll::Ready(Ok(()));
+        }
+        let before = buf.filled().len();
+        ready!(Pin::new(&mut this.tcp).poll_read(cx, buf))?;
+        // The client sends nothing while a response streams, so new bytes are the next request.
+        if buf.filled().len() > before && this.closes_on_request() {
+            buf.set_filled(before);
+            this.ended = true;
+            this.closed.fetch_add(1, Ordering::SeqCst);
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for ClosingConn {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        let written = ready!(Pin::new(&mut self.tcp).poll_write(cx, data))?;
+        if written > 0 {
+            self.last_write = Some(Instant::now());
+        }
+        Poll::Ready(Ok(written))
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_shutdown(cx)
+    }
+}
+
+struct ClosingListener {
+    tcp: TcpListener,
+    closing: Closing,
+    closed: Arc<AtomicU64>,
+}
+
+impl axum::serve::Listener for ClosingListener {
+    type Io = ClosingConn;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (ClosingConn, SocketAddr) {
+        loop {
+            let Ok((tcp, addr)) = self.tcp.accept().await else { continue };
+            // Without TCP_NODELAY, Nagle's algorithm and the client's delayed ACK hold small SSE
+            // writes for about 40 ms, and every token of a stream arrives in one lump at the end.
+            let _ = tcp.set_nodelay(true);
+            let conn = ClosingConn {
+                tcp,
+                closing: self.closing,
+                last_write: None,
+                ended: false,
+                closed: self.closed.clone(),
+            };
+            return (conn, addr);
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.tcp.local_addr()
+    }
 }
 
 fn openai_error(status: StatusCode, message: &str, param: &str) -> Response {
@@ -138,7 +252,13 @@ async fn handle(mock: Arc<Mock>, body: Value, chat: bool) -> Response {
 }
 
 async fn start(behaviour: Behaviour) -> (SocketAddr, Arc<Mock>) {
-    let mock = Arc::new(Mock { behaviour, arrivals: AtomicU64::new(0), bodies: Mutex::new(Vec::new()) });
+    let closing = behaviour.closing;
+    let mock = Arc::new(Mock {
+        behaviour,
+        arrivals: AtomicU64::new(0),
+        bodies: Mutex::new(Vec::new()),
+        closed: Arc::default(),
+    });
     let app = Router::new()
         .route(
             "/v1/completions",
@@ -149,13 +269,9 @@ async fn start(behaviour: Behaviour) -> (SocketAddr, Arc<Mock>) {
             post(|State(m): State<Arc<Mock>>, Json(b): Json<Value>| async move { handle(m, b, true).await }),
         )
         .with_state(mock.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    // Without TCP_NODELAY, Nagle's algorithm and the client's delayed ACK hold small SSE writes for
-    // about 40 ms, and every token of a stream arrives in one lump at the end.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
+    let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = tcp.local_addr().unwrap();
+    let listener = ClosingListener { tcp, closing, closed: mock.closed.clone() };
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     (addr, mock)
 }
@@ -448,4 +564,50 @@ async fn a_server_that_cannot_start_the_run_is_an_error() {
     let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let unreachable = run(args(free)).await;
     assert!(matches!(unreachable, Err(BenchError::Unreachable { .. })), "{unreachable:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_keepalive_connections_are_retried_and_counted_apart() {
+    let closing = Behaviour { closing: Closing::IdleFor(Duration::ZERO), ..Behaviour::default() };
+
+    // Without the retry, every request that reuses a connection fails.
+    let (addr, mock) = start(closing.clone()).await;
+    let report =
+        run(BenchArgs { concurrency: Some(3), no_keepalive_retry: true, ..args(addr) }).await.unwrap();
+    assert_adds_up(&report);
+    let closed = mock.closed.load(Ordering::SeqCst);
+    assert!(closed > 0, "the server closed no connection");
+    assert_eq!(report.requests_failed, closed);
+    assert_eq!(report.errors.get("closed_keepalive"), Some(&closed));
+    assert!(report.error_examples["closed_keepalive"].contains("closed before message completed"));
+    assert_eq!(report.retried_closed_keepalive, 0);
+
+    // With it, each is sent again on a new connection: no failures, and the retries are counted.
+    let (addr, mock) = start(closing).await;
+    let report = run(BenchArgs { concurrency: Some(3), ..args(addr) }).await.unwrap();
+    assert_adds_up(&report);
+    let closed = mock.closed.load(Ordering::SeqCst);
+    assert!(closed > 0, "the server closed no connection");
+    assert_eq!((report.requests_sent, report.requests_completed, report.requests_failed), (20, 20, 0));
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(report.retried_closed_keepalive, closed);
+    assert_eq!(report.requests.iter().filter(|r| r.retried).count() as u64, closed);
+    assert_eq!(report.output_tokens, Tokens(20 * 8));
+    assert_eq!(report.itl_ms.count, 20 * 7);
+    // Each request reached the handler exactly once: the closed attempts never did.
+    assert_eq!(run_bodies(&mock).len(), 20);
+    let table = corridor_bench::render_table(&report);
+    assert!(table.contains(&format!("retried after a closed keep-alive connection: {closed}")), "{table}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_connection_closed_without_an_answer_is_not_retried() {
+    let (addr, mock) = start(Behaviour { closing: Closing::Always, ..Behaviour::default() }).await;
+    let result = run(args(addr)).await;
+    assert!(
+        matches!(result, Err(BenchError::Preflight { ref kind, .. }) if kind == "transport"),
+        "{result:?}"
+    );
+    // The preflight went out once: a connection that never carried a response is not kept alive.
+    assert_eq!(mock.closed.load(Ordering::SeqCst), 1);
 }

@@ -69,6 +69,16 @@ pub struct ModelArgs {
     /// Token rows one engine step may process (the chunked-prefill budget).
     #[arg(long, default_value_t = 512)]
     max_batched_tokens: usize,
+    /// Inter-token latency, in ms, that running streams should keep while prompts prefill (0 = no
+    /// bound). Every stream waits for the whole step, so a step carrying a long prompt chunk is a
+    /// stall for all of them: while any stream decodes, a step takes only the prompt rows that a
+    /// cost model learned from measured step times predicts fit in this target (at least 16 rows,
+    /// so prompts always progress); with nothing decoding, a step takes all --max-batched-tokens.
+    /// The trade-off: a lower target smooths streaming (ITL p99) but spreads a long prompt over
+    /// more steps, so its time to first token grows; a higher one or 0 finishes prompts sooner
+    /// and lets them stall the streams.
+    #[arg(long, default_value_t = 50)]
+    itl_target_ms: u64,
     /// Longest sequence (prompt + output) in tokens. Default: the model's trained context.
     #[arg(long)]
     context_length: Option<usize>,
@@ -232,6 +242,7 @@ impl ModelArgs {
         let mut o = corridor_server::boot::BootOptions::new(path);
         o.max_running = self.max_running_requests;
         o.max_batched_tokens = self.max_batched_tokens;
+        o.itl_target = (self.itl_target_ms > 0).then(|| std::time::Duration::from_millis(self.itl_target_ms));
         o.context_len = self.context_length;
         o.kv_budget = corridor_units::Bytes::mib(self.kv_cache_mib);
         o.devices = corridor_server::boot::Devices::parse(&self.devices).map_err(anyhow::Error::msg)?;

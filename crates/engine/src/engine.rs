@@ -303,6 +303,8 @@ struct Core {
 
 impl Core {
     fn run(&mut self) {
+        // Readers see the configuration (the ITL target) before any step.
+        self.publish_stats();
         loop {
             // Block for work when idle; otherwise take whatever has arrived.
             if !self.sched.has_work() {
@@ -449,11 +451,19 @@ impl Core {
         let sampled: Vec<RequestId> = out.seqs.iter().filter(|s| s.samples).map(|s| s.id).collect();
         self.sample(&sampled);
         let secs = |a: std::time::Instant, b: std::time::Instant| b.duration_since(a).as_secs_f64();
-        self.stats.add_step(
-            secs(started, scheduled),
-            secs(scheduled, forwarded),
-            secs(forwarded, std::time::Instant::now()),
-        );
+        let finished = std::time::Instant::now();
+        // What each decode in the step waited for its token: the step-time
+        // model learns it, so the next mixed steps keep the ITL target.
+        self.sched.observe_step(out, finished.duration_since(started));
+        let budget = self.sched.step_budget();
+        let (cost, measured) = (budget.cost(), budget.measured());
+        // Published before the step is counted, so a reader that sees the
+        // step sees what it taught.
+        self.stats.publish(|s| {
+            s.step_cost = cost;
+            s.step_cost_measured = measured;
+        });
+        self.stats.add_step(secs(started, scheduled), secs(scheduled, forwarded), secs(forwarded, finished));
     }
 
     /// Sample one token for each id (in logit-row order) and apply it.
@@ -568,6 +578,7 @@ impl Core {
             s.prefix_lookup_tokens = pool.lookup_tokens;
             s.prefix_hit_tokens = pool.hit_tokens;
             s.preemptions = self.sched.preemptions;
+            s.itl_target = self.sched.step_budget().target();
         });
     }
 }

@@ -11,3 +11,4 @@ pub mod ranks;
 pub mod sampling;
 pub mod scheduler;
 pub mod stats;
+pub mod step_budget;

@@ -9,6 +9,12 @@
 //! last. A waiting request that does not fit blocks the ones behind it, so a
 //! long prompt is never starved by a stream of short ones.
 //!
+//! While decodes run, the rows prompts may take are bounded further by the
+//! step-budget rule ([`crate::step_budget`]): enough to keep the predicted
+//! step within the inter-token-latency target, never fewer than a floor. A
+//! decode always gets its row; a step with no decode gives prompts the whole
+//! budget.
+//!
 //! Pages are allocated before a step runs, never during it. When a running
 //! sequence needs a page and none is free, the most recently admitted other
 //! sequence is preempted: its pages are released (full ones stay in the prefix
@@ -21,8 +27,10 @@
 //! sampler or the client.
 
 use crate::pages::{page_hashes, PagePool};
+use crate::step_budget::{StepBudget, StepShape};
 use corridor_units::{Bytes, CardId, PageId};
 use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
 
 /// Identifies a request inside the engine.
 pub type RequestId = u64;
@@ -36,6 +44,10 @@ pub struct SchedulerConfig {
     pub max_batched_tokens: usize,
     /// Longest sequence (prompt + output) the model may hold.
     pub context_len: usize,
+    /// The inter-token latency running decodes should keep: it bounds the
+    /// prefill rows of a step that carries decodes (see [`crate::step_budget`]).
+    /// `None`: no bound, prompts take whatever rows the decodes leave.
+    pub itl_target: Option<Duration>,
 }
 
 #[derive(Debug)]
@@ -89,11 +101,22 @@ pub struct SchedulerOutput {
     /// Sequences that can never fit: even alone they need more pages than the
     /// pool holds. The engine ends them with `length`.
     pub out_of_capacity: Vec<RequestId>,
+    /// Rows given to running sequences decoding one token; the other rows are
+    /// prompt rows. What the step-time model learns from.
+    pub decode_rows: usize,
 }
 
 impl SchedulerOutput {
     pub fn is_empty(&self) -> bool {
         self.seqs.is_empty()
+    }
+
+    /// The step as the cost model sees it.
+    pub fn shape(&self) -> StepShape {
+        StepShape {
+            prefill_rows: self.tokens.len().saturating_sub(self.decode_rows),
+            decode_rows: self.decode_rows,
+        }
     }
 }
 
@@ -120,11 +143,31 @@ pub struct Scheduler {
     /// In admission order: the last one is the first to be preempted.
     running: Vec<Seq>,
     pub preemptions: u64,
+    budget: StepBudget,
 }
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig, pool: PagePool) -> Self {
-        Scheduler { config, pool, waiting: VecDeque::new(), running: Vec::new(), preemptions: 0 }
+        let budget = StepBudget::new(config.itl_target);
+        Scheduler::with_step_budget(config, pool, budget)
+    }
+
+    /// A scheduler whose prefill rows follow `budget` (its target replaces
+    /// `config.itl_target`): for a caller that knows its card's step costs.
+    pub fn with_step_budget(config: SchedulerConfig, pool: PagePool, budget: StepBudget) -> Self {
+        Scheduler { config, pool, waiting: VecDeque::new(), running: Vec::new(), preemptions: 0, budget }
+    }
+
+    /// The step-budget rule and the step-time model it has learned.
+    pub fn step_budget(&self) -> &StepBudget {
+        &self.budget
+    }
+
+    /// Record how long a step took, from forming it to handing out its
+    /// tokens (what each of its decodes waited), so the step-time model
+    /// follows the card.
+    pub fn observe_step(&mut self, out: &SchedulerOutput, took: Duration) {
+        self.budget.observe(out.shape(), took);
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -203,11 +246,17 @@ impl Scheduler {
         let mut out = SchedulerOutput::default();
         let mut budget = self.config.max_batched_tokens;
         let mut grants: Vec<(RequestId, usize)> = Vec::new();
+        // Rows prompts may take in this step: bounded while decodes run, so
+        // their inter-token latency holds.
+        let decodes = self.running.iter().filter(|s| s.pending() == 1).count();
+        let mut prefill = self.budget.prefill_rows(decodes, budget);
 
         // 1. Running sequences, oldest first; make room by preempting the newest.
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
-            let rows = self.running[i].pending().min(budget);
+            let pending = self.running[i].pending();
+            let decode = pending == 1;
+            let rows = if decode { pending.min(budget) } else { pending.min(budget).min(prefill) };
             if rows == 0 {
                 i += 1;
                 continue;
@@ -218,6 +267,11 @@ impl Scheduler {
                 self.running[i].pages.extend(pages);
                 grants.push((self.running[i].id, rows));
                 budget -= rows;
+                if decode {
+                    out.decode_rows += rows;
+                } else {
+                    prefill -= rows;
+                }
                 i += 1;
                 continue;
             }
@@ -241,7 +295,7 @@ impl Scheduler {
         }
 
         // 2. Admit waiting sequences first-come first-served.
-        while budget > 0 && self.running.len() < self.config.max_running {
+        while budget > 0 && prefill > 0 && self.running.len() < self.config.max_running {
             let Some(mut s) = self.waiting.pop_front() else { break };
             if s.pages.is_empty() {
                 // Reuse cached full pages of the prefix, but always leave the last
@@ -252,7 +306,7 @@ impl Scheduler {
                 s.registered = s.pages.len();
                 s.cached_tokens.get_or_insert(s.computed);
             }
-            let rows = s.pending().min(budget);
+            let rows = s.pending().min(budget).min(prefill);
             let need = self.pages_for(s.computed + rows).saturating_sub(s.pages.len());
             let Some(pages) = self.pool.allocate(need) else {
                 if self.running.is_empty() && s.pages.len() + need > self.pool.target() {
@@ -271,6 +325,7 @@ impl Scheduler {
             s.pages.extend(pages);
             grants.push((s.id, rows));
             budget -= rows;
+            prefill -= rows;
             self.running.push(s);
         }
 

@@ -2,6 +2,7 @@
 //! server's `/metrics` without locking the engine loop for long.
 
 use crate::pages::PoolCounts;
+use crate::step_budget::StepCost;
 use std::sync::Mutex;
 
 /// A snapshot of the engine's state and running totals.
@@ -30,6 +31,12 @@ pub struct EngineStats {
     pub schedule_seconds: f64,
     pub forward_seconds: f64,
     pub sample_seconds: f64,
+    /// The inter-token-latency target that bounds prompt rows beside
+    /// decodes (`None`: no bound), the step-time model it works from, and the
+    /// steps that model has measured (0: still the prior).
+    pub itl_target: Option<std::time::Duration>,
+    pub step_cost: StepCost,
+    pub step_cost_measured: u64,
 }
 
 /// The shared cell behind `EngineHandle::stats`.

@@ -26,13 +26,7 @@ fn executor(padded: bool) -> SingleRank<CpuBackend> {
 }
 
 fn empty_step() -> SchedulerOutput {
-    SchedulerOutput {
-        tokens: Vec::new(),
-        positions: Vec::new(),
-        seqs: Vec::new(),
-        preempted: Vec::new(),
-        out_of_capacity: Vec::new(),
-    }
+    SchedulerOutput::default()
 }
 
 /// `n` sequences: a prefill of `10 + i` tokens each, then `steps` decode steps.

@@ -22,6 +22,10 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn engine(pages: usize, budget: usize) -> EngineHandle {
+    engine_with(pages, budget, None)
+}
+
+fn engine_with(pages: usize, budget: usize, itl_target: Option<Duration>) -> EngineHandle {
     let ckpt = Checkpoint::open(&fixture("llama-f32")).unwrap();
     let backend = CpuBackend::new();
     let model = Model::load(&backend, &ckpt, |_| {}).unwrap();
@@ -29,7 +33,12 @@ fn engine(pages: usize, budget: usize) -> EngineHandle {
         backend,
         model,
         EngineConfig {
-            scheduler: SchedulerConfig { max_running: 8, max_batched_tokens: budget, context_len: 256 },
+            scheduler: SchedulerConfig {
+                max_running: 8,
+                max_batched_tokens: budget,
+                context_len: 256,
+                itl_target,
+            },
             page_size: Tokens(16),
         },
         PagePool::standalone(Pages(pages), Tokens(16)),
@@ -169,5 +178,38 @@ fn preemption_under_a_small_pool_still_completes_everything() {
     }
     assert!(e.stats().preemptions > 0, "the pool was meant to run out");
     wait_idle(&e);
+    e.shutdown();
+}
+
+#[test]
+fn a_bounded_itl_learns_every_step_and_keeps_the_answers() {
+    let r = reference();
+    // A target far below any CPU step: every mixed step gets only the floor
+    // of prompt rows. Answers do not change, and every step is measured.
+    let e = engine_with(64, 64, Some(Duration::from_micros(100)));
+    let want = ids(&r["greedy"]["ids"])[..12].to_vec();
+    let prompt = ids(&r["prompt_ids"]);
+    let threads: Vec<_> = (0..4)
+        .map(|i| {
+            let e = e.clone();
+            let p = prompt.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(3 * i));
+                collect(&e, greedy(p, 12)).0
+            })
+        })
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().unwrap(), want);
+    }
+    wait_idle(&e);
+    let s = e.stats();
+    assert!(s.steps > 0);
+    assert_eq!(s.step_cost_measured, s.steps, "every step that ran is a measurement");
+    assert_ne!(
+        s.step_cost,
+        corridor_engine::step_budget::StepCost::CONSERVATIVE,
+        "the model moved off its prior"
+    );
     e.shutdown();
 }

@@ -41,8 +41,7 @@ fn step(tokens: Vec<u32>, cached: usize, pages: &[PageId]) -> SchedulerOutput {
         positions: (cached as u32..(cached + rows) as u32).collect(),
         tokens,
         seqs: vec![ScheduledSeq { id: 1, row_start: 0, rows, cached, pages: pages.to_vec(), samples: true }],
-        preempted: Vec::new(),
-        out_of_capacity: Vec::new(),
+        ..SchedulerOutput::default()
     }
 }
 

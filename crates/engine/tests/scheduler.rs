@@ -3,7 +3,9 @@
 
 use corridor_engine::pages::{page_hashes, PagePool};
 use corridor_engine::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
+use corridor_engine::step_budget::{StepBudget, StepCost, StepShape};
 use corridor_units::{Pages, Tokens};
+use std::time::Duration;
 
 fn pool(n: usize) -> PagePool {
     PagePool::standalone(Pages(n), Tokens(4))
@@ -71,7 +73,12 @@ fn prefix_hits_chain_and_stop_at_first_miss() {
 
 fn sched(pages: usize, budget: usize, running: usize) -> Scheduler {
     Scheduler::new(
-        SchedulerConfig { max_running: running, max_batched_tokens: budget, context_len: 1024 },
+        SchedulerConfig {
+            max_running: running,
+            max_batched_tokens: budget,
+            context_len: 1024,
+            itl_target: None,
+        },
         PagePool::standalone(Pages(pages), Tokens(4)),
     )
 }
@@ -224,7 +231,8 @@ fn chunked(chunks: usize) -> Scheduler {
     let arena = Arc::new(KvArena::new(&dev, cfg, clock).unwrap());
     arena.commit_to(Pages(4 * chunks), Urgency::Blocking).unwrap();
     assert_eq!(arena.geometry().chunk_pages, 4);
-    let config = SchedulerConfig { max_running: 16, max_batched_tokens: 256, context_len: 1024 };
+    let config =
+        SchedulerConfig { max_running: 16, max_batched_tokens: 256, context_len: 1024, itl_target: None };
     Scheduler::new(config, PagePool::new(arena, Tokens(4)))
 }
 
@@ -309,4 +317,98 @@ fn a_failed_copy_moves_nothing() {
     assert_eq!(s.pool().counts().in_use, before.in_use);
     s.pool().check_invariants().unwrap();
     assert_eq!(pages_of(&mut s, 0), vec![0], "the page stayed where it was");
+}
+
+/// 5 ms a step, 0.1 ms a prompt row, 0.5 ms a decode row.
+const KNOWN: StepCost = StepCost {
+    fixed: Duration::from_millis(5),
+    per_prefill_row: Duration::from_micros(100),
+    per_decode_row: Duration::from_micros(500),
+};
+
+fn bounded(target: Option<Duration>, cost: StepCost) -> Scheduler {
+    let config =
+        SchedulerConfig { max_running: 16, max_batched_tokens: 512, context_len: 4096, itl_target: target };
+    Scheduler::with_step_budget(
+        config,
+        PagePool::standalone(Pages(2048), Tokens(4)),
+        StepBudget::with_prior(target, 16, cost),
+    )
+}
+
+/// Ten short prompts become ten running decodes, then a long prompt arrives:
+/// the rows it gets in the next step.
+fn long_prompt_beside_ten_decodes(s: &mut Scheduler) -> SchedulerOutput {
+    for id in 0..10 {
+        s.add(id, vec![1, 2, 3]);
+    }
+    let first = step(s, 9);
+    assert_eq!(first.decode_rows, 0, "prompts only");
+    assert!(first.seqs.iter().all(|q| q.samples));
+    s.add(100, (0..3000).map(|t| t % 50).collect());
+    step(s, 9)
+}
+
+#[test]
+fn the_step_budget_bounds_a_prompt_beside_running_decodes() {
+    let mut s = bounded(Some(Duration::from_millis(50)), KNOWN);
+    let out = long_prompt_beside_ten_decodes(&mut s);
+    assert_eq!(out.decode_rows, 10);
+    assert!(out.seqs[..10].iter().all(|q| q.rows == 1), "every decode keeps its row");
+    let long = out.seqs.iter().find(|q| q.id == 100).unwrap();
+    // 50 ms - 5 ms fixed - 10 × 0.5 ms = 40 ms of prompt rows at 0.1 ms.
+    assert_eq!(long.rows, 400);
+    assert_eq!(out.shape(), StepShape { prefill_rows: 400, decode_rows: 10 });
+    assert!(KNOWN.predict(out.shape()) <= Duration::from_millis(50));
+
+    // Without a target the prompt takes every row the decodes leave.
+    let mut open = bounded(None, KNOWN);
+    let out = long_prompt_beside_ten_decodes(&mut open);
+    assert_eq!(out.seqs.iter().find(|q| q.id == 100).unwrap().rows, 502);
+
+    // Once the decodes are gone, nobody waits on the step: the whole budget.
+    for id in 0..10 {
+        assert!(s.remove(id));
+    }
+    let alone = step(&mut s, 9);
+    assert_eq!((alone.seqs.len(), alone.seqs[0].rows, alone.decode_rows), (1, 512, 0));
+}
+
+#[test]
+fn a_prompt_still_progresses_by_the_floor_when_decodes_fill_the_target() {
+    // Ten decodes alone are predicted at 5 + 10 × 5 = 55 ms, over the target.
+    let slow = StepCost { per_decode_row: Duration::from_millis(5), ..KNOWN };
+    let mut s = bounded(Some(Duration::from_millis(50)), slow);
+    let out = long_prompt_beside_ten_decodes(&mut s);
+    assert_eq!(out.seqs.iter().find(|q| q.id == 100).unwrap().rows, 16);
+    // And it keeps progressing step after step.
+    let next = step(&mut s, 9);
+    let long = next.seqs.iter().find(|q| q.id == 100).unwrap();
+    assert_eq!((long.cached, long.rows), (16, 16));
+}
+
+#[test]
+fn measured_steps_move_the_bound() {
+    let mut s = bounded(Some(Duration::from_millis(50)), KNOWN);
+    let out = long_prompt_beside_ten_decodes(&mut s);
+    assert_eq!(out.seqs.iter().find(|q| q.id == 100).unwrap().rows, 400);
+    // The card turns out twice as slow per prompt row as believed; steps of
+    // several shapes are measured so.
+    let truth = StepCost { per_prefill_row: Duration::from_micros(200), ..KNOWN };
+    for i in 0..300usize {
+        let shape = StepShape { prefill_rows: (i * 37) % 400, decode_rows: 1 + i % 16 };
+        let measured = SchedulerOutput {
+            tokens: vec![0; shape.prefill_rows + shape.decode_rows],
+            decode_rows: shape.decode_rows,
+            ..SchedulerOutput::default()
+        };
+        s.observe_step(&measured, truth.predict(shape));
+    }
+    assert_eq!(s.step_budget().measured(), 300);
+    // 40 ms of room now holds about 200 rows of 0.2 ms (the prior's small
+    // weight pulls the fit by a few rows at most).
+    let next = step(&mut s, 9);
+    let long = next.seqs.iter().find(|q| q.id == 100).unwrap();
+    assert!((190..=205).contains(&long.rows), "{}", long.rows);
+    assert_eq!(next.decode_rows, 10);
 }

@@ -78,6 +78,10 @@ pub struct BootOptions {
     pub max_running: usize,
     /// Token rows per step (chunked-prefill budget).
     pub max_batched_tokens: usize,
+    /// The inter-token latency running decodes should keep: it bounds the
+    /// prompt rows a step carries beside them, at the cost of a longer time
+    /// to first token for long prompts (`None`: no bound).
+    pub itl_target: Option<std::time::Duration>,
     /// Longest sequence; `None` = the model's trained context.
     pub context_len: Option<usize>,
     /// On the CPU card: the most host memory the KV cache may take.
@@ -115,6 +119,7 @@ impl BootOptions {
             model,
             max_running: 32,
             max_batched_tokens: 512,
+            itl_target: Some(corridor_engine::step_budget::DEFAULT_ITL_TARGET),
             context_len: None,
             kv_budget: Bytes::mib(1024),
             page_size: 16,
@@ -313,9 +318,18 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
             max_running: opts.max_running,
             max_batched_tokens: opts.max_batched_tokens,
             context_len,
+            itl_target: opts.itl_target,
         },
         page_size: Tokens(opts.page_size),
     };
+    match opts.itl_target {
+        Some(t) => tracing::info!(
+            itl_target_ms = t.as_millis() as u64,
+            max_batched_tokens = opts.max_batched_tokens,
+            "while requests decode, a step takes only the prompt rows predicted to keep this inter-token latency"
+        ),
+        None => tracing::info!("no inter-token-latency bound: prompts take every row decodes leave"),
+    }
     let env = BootEnv {
         opts,
         ckpt: &ckpt,

@@ -69,6 +69,9 @@ async fn health_models_and_metrics() {
         stats = app.get("/v1/engine/stats").await.json();
     }
     assert_eq!(stats["steps"], 3, "{stats}");
+    // Every step taught the step-time model behind the default ITL bound.
+    assert_eq!(stats["step_cost"]["measured"], 3, "{stats}");
+    assert_eq!(stats["itl_target_ms"], 50.0, "{stats}");
     let text = app.get("/metrics").await.text();
     assert!(text.contains("# TYPE corridor_engine_steps_total counter"), "{text}");
     assert!(text.contains("corridor_engine_steps_total 3\n"), "{text}");
