@@ -42,6 +42,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -107,6 +109,10 @@ CHAT_MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Where does the river go?"},
 ]
+# The tiny mixture of experts: experts, experts per token, one expert's width.
+MOE_EXPERTS = 4
+MOE_TOP_K = 2
+MOE_INTERMEDIATE = 32
 GREEDY_STEPS = 16
 TOPK = 5
 # Chunked prefill splits the prompt into these chunk lengths (the last chunk takes the remainder).
@@ -345,6 +351,76 @@ def qwen3_config() -> Qwen3Config:
     )
 
 
+def qwen3_moe_config() -> Qwen3MoeConfig:
+    # Four experts of width 32, two per token, renormalized; layer 1 of 3 is dense through
+    # mlp_only_layers, so both FFN kinds run. head_dim 32 as in qwen3.
+    return Qwen3MoeConfig(
+        vocab_size=TOKENIZER_VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        moe_intermediate_size=MOE_INTERMEDIATE,
+        num_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_TOP_K,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        num_hidden_layers=3,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=32,
+        max_position_embeddings=MAX_POSITION,
+        rms_norm_eps=1e-6,
+        rope_parameters=default_rope(1_000_000.0),
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        attention_bias=False,
+        output_router_logits=False,
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=IM_END_ID,
+    )
+
+
+@torch.no_grad()
+def check_routing(model: PreTrainedModel, ids: list[int], name: str) -> None:
+    """Every sparse layer's routing must be robust and must use every expert.
+
+    The top-k choice is discontinuous: a token whose k-th and (k+1)-th router probabilities were
+    nearly equal could pick another expert under float32 rounding of a different summation order,
+    and the test would compare two different functions. Each expert must also serve some token and
+    miss some other, so a loader that swaps or drops an expert changes the outputs.
+    """
+    logits: list[torch.Tensor] = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(
+            lambda _m, inp, _out: logits.append(
+                torch.nn.functional.linear(inp[0].reshape(-1, inp[0].shape[-1]), _m.weight)
+            )
+        )
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+    ]
+    try:
+        logits_of(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    if not logits:
+        raise RuntimeError(f"{name}: no sparse layer ran")
+    k = model.config.num_experts_per_tok
+    for i, layer_logits in enumerate(logits):
+        probs = torch.softmax(layer_logits.to(torch.float32), dim=-1)
+        ranked = torch.sort(probs, dim=-1, descending=True).values
+        gap = float((ranked[:, k - 1] - ranked[:, k]).min())
+        if gap < 1e-3:
+            raise RuntimeError(f"{name}: sparse layer #{i} has a near tie in its top-{k} ({gap})")
+        chosen = torch.topk(probs, k, dim=-1).indices
+        used = torch.zeros(probs.shape[-1], dtype=torch.long)
+        for e in chosen.reshape(-1).tolist():
+            used[e] += 1
+        if bool((used == 0).any()) or bool((used == len(ids)).any()):
+            raise RuntimeError(f"{name}: sparse layer #{i} uses its experts {used.tolist()}")
+
+
 def mistral_config() -> MistralConfig:
     return MistralConfig(
         vocab_size=TOKENIZER_VOCAB,
@@ -365,6 +441,9 @@ def mistral_config() -> MistralConfig:
 
 def build_model(cls: type[PreTrainedModel], config: PretrainedConfig, seed: int) -> PreTrainedModel:
     config._attn_implementation = "eager"
+    if getattr(config, "num_experts", 0):
+        # The plain per-expert loop: the grouped kernel has no float64 path for the f64 check.
+        config._experts_implementation = "eager"
     model = cls(config).to(torch.float32)
     init_weights(model, seed)
     model.eval()
@@ -373,8 +452,11 @@ def build_model(cls: type[PreTrainedModel], config: PretrainedConfig, seed: int)
 
 def load_model(path: Path) -> PreTrainedModel:
     """Load a saved directory back in float32 (bf16 weights are widened exactly)."""
+    kwargs: dict[str, Any] = {}
+    if json.loads((path / "config.json").read_text()).get("num_experts"):
+        kwargs["experts_implementation"] = "eager"
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager"
+        str(path), dtype=torch.float32, attn_implementation="eager", **kwargs
     )
     model.eval()
     return model
@@ -438,6 +520,9 @@ def reference(model: PreTrainedModel, prompt: Prompt, chat: dict[str, Any]) -> d
     # The same forward in float64 measures how far float32 rounding alone moves the log-probs; it
     # is recorded so the tolerance used by the Rust tests is grounded in a number.
     model64 = copy.deepcopy(model).to(torch.float64)
+    if getattr(model64.config, "num_experts", 0):
+        # A copied config forgets its experts implementation; the grouped kernel has no float64.
+        model64.set_experts_implementation("eager")
     logprobs64 = torch.log_softmax(logits_of(model64, prompt_ids), dim=-1)
     f64_gap = float((logprobs.to(torch.float64) - logprobs64).abs().max())
 
@@ -932,7 +1017,14 @@ def sha256_tree(root: Path) -> dict[str, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="NAME",
+        help="write only this fixture (repeatable); the others stay as they are",
+    )
     args = parser.parse_args()
+    wanted = (lambda name: name in args.only) if args.only else (lambda name: True)
     out_root: Path = args.out
     out_root.mkdir(parents=True, exist_ok=True)
 
@@ -991,6 +1083,16 @@ def main() -> int:
             generation=plain_eos,
         ),
         HfFixture(
+            name="qwen3-moe",
+            model_class=Qwen3MoeForCausalLM,
+            config=qwen3_moe_config(),
+            # The first seed from 8 whose routing has no near tie and uses every expert (check_routing).
+            seed=33,
+            dtype=torch.float32,
+            generation=plain_eos,
+            with_batch=True,
+        ),
+        HfFixture(
             name="mistral",
             model_class=MistralForCausalLM,
             config=mistral_config(),
@@ -1000,24 +1102,46 @@ def main() -> int:
         ),
     ]
     for spec in hf_fixtures:
+        if not wanted(spec.name):
+            continue
         write_hf_fixture(out_root, spec, tok, [prompt, second])
         print(f"wrote {spec.name}")
 
+    if wanted("qwen3-moe"):
+        moe = load_model(out_root / "qwen3-moe")
+        # Every position the tests run: the prompt with its greedy continuation, and the second
+        # prompt of the batch record.
+        record = json.loads((out_root / "qwen3-moe" / "reference.json").read_text())
+        for ids in (prompt.ids + record["greedy"]["ids"], second.ids):
+            check_routing(moe, ids, "qwen3-moe")
+        # Renormalizing the top-k weights must change the outputs, or the fixture would not catch
+        # a loader that ignores norm_topk_prob.
+        plain_cfg = AutoConfig.from_pretrained(str(out_root / "qwen3-moe"))
+        plain_cfg.norm_topk_prob = False
+        plain_cfg._attn_implementation = "eager"
+        plain_cfg._experts_implementation = "eager"
+        plain = Qwen3MoeForCausalLM(plain_cfg)
+        plain.load_state_dict(moe.state_dict())
+        plain.eval()
+        assert_different_outputs(moe, plain, prompt.ids, "norm_topk_prob")
+
     # The llama3 scaling must actually change the outputs at these sizes, or the fixture would not
     # catch a loader that ignores rope_scaling.
-    scaled = load_model(out_root / "llama-f32")
-    unscaled_cfg = AutoConfig.from_pretrained(str(out_root / "llama-f32"))
-    unscaled_cfg.rope_parameters = default_rope(10000.0)
-    unscaled_cfg._attn_implementation = "eager"
-    unscaled = LlamaForCausalLM(unscaled_cfg)
-    unscaled.load_state_dict(scaled.state_dict())
-    unscaled.eval()
-    assert_different_outputs(scaled, unscaled, prompt.ids, "llama3 rope scaling")
+    if wanted("llama-f32"):
+        scaled = load_model(out_root / "llama-f32")
+        unscaled_cfg = AutoConfig.from_pretrained(str(out_root / "llama-f32"))
+        unscaled_cfg.rope_parameters = default_rope(10000.0)
+        unscaled_cfg._attn_implementation = "eager"
+        unscaled = LlamaForCausalLM(unscaled_cfg)
+        unscaled.load_state_dict(scaled.state_dict())
+        unscaled.eval()
+        assert_different_outputs(scaled, unscaled, prompt.ids, "llama3 rope scaling")
 
     # The Q/K bias of qwen2 must be non-zero (a loader that drops it must fail).
-    qwen2 = load_model(out_root / "qwen2-tied")
-    if float(qwen2.model.layers[0].self_attn.q_proj.bias.detach().abs().min()) == 0.0:
-        raise RuntimeError("qwen2 q bias has zeros")
+    if wanted("qwen2-tied"):
+        qwen2 = load_model(out_root / "qwen2-tied")
+        if float(qwen2.model.layers[0].self_attn.q_proj.bias.detach().abs().min()) == 0.0:
+            raise RuntimeError("qwen2 q bias has zeros")
 
     gguf_fixtures = [
         GgufFixture(
@@ -1057,6 +1181,8 @@ def main() -> int:
         ),
     ]
     for spec in gguf_fixtures:
+        if not wanted(spec.name):
+            continue
         write_gguf_fixture(out_root, spec, tok, prompt)
         print(f"wrote {spec.name}.gguf")
 

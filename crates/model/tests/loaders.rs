@@ -1136,3 +1136,48 @@ fn fixture_gguf_tensors_all_have_hugging_face_names() {
         }
     }
 }
+
+/// A `qwen3_moe` config: which layers are sparse follows `mlp_only_layers`
+/// and `decoder_sparse_step` as transformers reads them; absent keys take
+/// transformers' defaults; a top-k wider than the experts is refused.
+#[test]
+fn hf_qwen3_moe_config_marks_the_sparse_layers() {
+    let moe = |extra: &[(&str, Option<serde_json::Value>)]| {
+        let mut changes = vec![
+            ("architectures", Some(serde_json::json!(["Qwen3MoeForCausalLM"]))),
+            ("num_hidden_layers", Some(6.into())),
+            ("num_experts", Some(8.into())),
+            ("num_experts_per_tok", Some(2.into())),
+            ("moe_intermediate_size", Some(16.into())),
+        ];
+        changes.extend_from_slice(extra);
+        cfg(&edit(LLAMA_CONFIG, &changes))
+    };
+    let c =
+        moe(&[("mlp_only_layers", Some(serde_json::json!([0, 4]))), ("norm_topk_prob", Some(true.into()))])
+            .unwrap();
+    assert_eq!(c.arch, Arch::Qwen3Moe);
+    assert!(c.qk_norm);
+    let m = c.moe.clone().expect("a MoE config");
+    assert_eq!((m.num_experts, m.experts_per_token, m.expert_intermediate_size), (8, 2, 16));
+    assert!(m.norm_topk_prob);
+    assert_eq!(m.sparse_layers, vec![false, true, true, true, false, true]);
+
+    let c = moe(&[("num_experts", None), ("num_local_experts", Some(6.into()))]).unwrap();
+    assert_eq!(c.moe.unwrap().num_experts, 6, "transformers 5's spelling");
+
+    let c = moe(&[("decoder_sparse_step", Some(2.into()))]).unwrap();
+    let m = c.moe.expect("a MoE config");
+    assert_eq!(m.sparse_layers, vec![false, true, false, true, false, true]);
+    assert!(!m.norm_topk_prob, "transformers' default");
+
+    let err = moe(&[("num_experts_per_tok", Some(9.into()))]).unwrap_err();
+    assert!(err.to_string().contains("num_experts_per_tok"), "{err}");
+    let err = moe(&[("mlp_only_layers", Some("all".into()))]).unwrap_err();
+    assert!(err.to_string().contains("mlp_only_layers"), "{err}");
+
+    let by_type = edit(LLAMA_CONFIG, &[("architectures", None), ("model_type", Some("qwen3_moe".into()))]);
+    assert_eq!(cfg(&by_type).unwrap().arch, Arch::Qwen3Moe);
+    // A dense architecture has no MoE config, whatever keys it carries.
+    assert!(cfg(&edit(LLAMA_CONFIG, &[("num_experts", Some(8.into()))])).unwrap().moe.is_none());
+}
