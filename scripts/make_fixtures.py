@@ -665,6 +665,8 @@ GGUF_LAYER_NAMES = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
@@ -811,20 +813,7 @@ def write_gguf_fixture(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
 
-    tokens, merges = tokenizer_vocab_and_merges(tok)
-    token_types = [
-        gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens
-    ]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(ENDOFTEXT_ID)
-    writer.add_eos_token_id(IM_END_ID)
-    writer.add_pad_token_id(ENDOFTEXT_ID)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    add_gguf_tokenizer(writer, tok)
 
     state = {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
@@ -878,6 +867,101 @@ def write_gguf_fixture(
     gap = check_against_numpy(path, record)
     print(f"{spec.name}.gguf: numpy llama.cpp-style forward within {gap:.2e} of the reference")
     write_json(out_root / f"{spec.name}.reference.json", record)
+
+
+def write_moe_gguf_fixture(out_root: Path, name: str, seed: int, tok: Tokenizer, prompt: Prompt) -> None:
+    """A qwen3moe GGUF as llama.cpp's converter lays it out, with its transformers reference.
+
+    llama.cpp's qwen3moe has a router (`ffn_gate_inp`) and stacked experts (`ffn_{gate,up,down}_exps`,
+    numpy shape [experts, rows, cols]) on every layer and always renormalizes the top-k weights, so
+    the model here is sparse throughout with norm_topk_prob. Matrices are F16 (norms and the router
+    F32, as the converter keeps them); the model is rounded to those values before the reference.
+    """
+    path = out_root / f"{name}.gguf"
+    cfg = qwen3_moe_config()
+    cfg.mlp_only_layers = []
+    cfg.num_hidden_layers = 2
+    model = build_model(Qwen3MoeForCausalLM, cfg, seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" not in pname and not pname.endswith("mlp.gate.weight"):
+                p.copy_(p.to(torch.float16).to(torch.float32))
+
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    add_gguf_tokenizer(writer, tok)
+
+    state = {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}
+    tensors: dict[str, np.ndarray] = {}
+    inter = cfg.moe_intermediate_size
+    for hf, data in state.items():
+        if ".mlp.experts." in hf:
+            layer = hf.split(".")[2]
+            if hf.endswith("gate_up_proj"):  # [experts, 2 * inter, hidden]: gate rows, then up rows
+                tensors[f"blk.{layer}.ffn_gate_exps.weight"] = data[:, :inter, :]
+                tensors[f"blk.{layer}.ffn_up_exps.weight"] = data[:, inter:, :]
+            elif hf.endswith("down_proj"):  # [experts, hidden, inter]
+                tensors[f"blk.{layer}.ffn_down_exps.weight"] = data
+            else:
+                raise KeyError(hf)
+        elif hf.endswith(".mlp.gate.weight"):
+            tensors[f"blk.{hf.split('.')[2]}.ffn_gate_inp.weight"] = data
+        else:
+            tensors[gguf_name(hf)] = data
+    for tname in sorted(tensors):
+        data = np.ascontiguousarray(tensors[tname])
+        f32 = tname.endswith("norm.weight") or tname.endswith("ffn_gate_inp.weight")
+        writer.add_tensor(tname, data.astype(np.float32 if f32 else np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    # The file must hold exactly the model's (rounded) values.
+    reader = gguf.GGUFReader(str(path))
+    for t in reader.tensors:
+        want = tensors[t.name]
+        got = np.array(t.data).astype(np.float32).reshape(want.shape)
+        if not np.array_equal(got, want):
+            raise RuntimeError(f"{path}: {t.name} did not round-trip")
+    if {t.name for t in reader.tensors} != set(tensors):
+        raise RuntimeError(f"{path}: the tensor set did not round-trip")
+
+    record = reference(model, prompt, chat_record(tok))
+    check_routing(model, prompt.ids + record["greedy"]["ids"], name)
+    write_json(out_root / f"{name}.reference.json", record)
+
+
+def add_gguf_tokenizer(writer: gguf.GGUFWriter, tok: Tokenizer) -> None:
+    """The tiny tokenizer as GGUF metadata (gpt2-style BPE with ChatML)."""
+    tokens, merges = tokenizer_vocab_and_merges(tok)
+    token_types = [
+        gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens
+    ]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(ENDOFTEXT_ID)
+    writer.add_eos_token_id(IM_END_ID)
+    writer.add_pad_token_id(ENDOFTEXT_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
 
 
 def numpy_forward_llama_cpp(path: Path, ids: list[int]) -> np.ndarray:
@@ -1185,6 +1269,11 @@ def main() -> int:
             continue
         write_gguf_fixture(out_root, spec, tok, prompt)
         print(f"wrote {spec.name}.gguf")
+
+    if wanted("qwen3-moe-f16"):
+        # Seed 42: the first from 40 whose routing passes check_routing.
+        write_moe_gguf_fixture(out_root, "qwen3-moe-f16", 42, tok, prompt)
+        print("wrote qwen3-moe-f16.gguf")
 
     sums = sha256_tree(out_root)
     (out_root / "SHA256SUMS").write_text("".join(f"{h}  {p}\n" for p, h in sums.items()))

@@ -210,6 +210,7 @@ impl ModelConfig {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "qwen3moe" => Arch::Qwen3Moe,
             other => {
                 return Err(LoadError::UnknownArchitecture {
                     file: file.to_path_buf(),
@@ -250,12 +251,14 @@ impl ModelConfig {
             }
         }
         let rope_scaling = gguf_rope_scaling(&m, GgufRope { theta: rope_theta, head_dim })?;
+        let num_layers = m.req_usize("block_count")?;
+        let moe = if arch == Arch::Qwen3Moe { Some(gguf_moe(&m, num_layers)?) } else { None };
         let config = ModelConfig {
             arch,
             vocab_size,
             hidden_size,
             intermediate_size: m.req_usize("feed_forward_length")?,
-            num_layers: m.req_usize("block_count")?,
+            num_layers,
             num_heads,
             num_kv_heads: m.opt_usize("attention.head_count_kv")?.unwrap_or(num_heads),
             head_dim,
@@ -268,10 +271,11 @@ impl ModelConfig {
             max_position_embeddings: m.req_usize("context_length")?,
             tie_word_embeddings: !gguf.has_tensor("output.weight"),
             attention_bias: arch == Arch::Qwen2 || gguf.has_tensor("blk.0.attn_q.bias"),
-            qk_norm: arch == Arch::Qwen3 || gguf.has_tensor("blk.0.attn_q_norm.weight"),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe)
+                || gguf.has_tensor("blk.0.attn_q_norm.weight"),
             bos_token_id: gguf_token_id(gguf, "tokenizer.ggml.bos_token_id")?,
             eos_token_ids,
-            moe: None,
+            moe,
         };
         config.validate(file)?;
         Ok(config)
@@ -556,6 +560,23 @@ impl Meta<'_> {
     fn opt_str(&self, suffix: &str) -> Option<&str> {
         self.gguf.get(&self.key(suffix)).and_then(GgufValue::as_str)
     }
+}
+
+/// The sparse FFN of a `qwen3moe` GGUF. A layer is sparse where the file
+/// holds its router (`ffn_gate_inp`), which is how llama.cpp's converter
+/// writes the layers a config marks sparse. llama.cpp always renormalizes
+/// this architecture's top-k weights, and the converter writes no key for it,
+/// so the file is read that way.
+fn gguf_moe(m: &Meta<'_>, num_layers: usize) -> Result<MoeConfig, LoadError> {
+    Ok(MoeConfig {
+        num_experts: m.req_usize("expert_count")?,
+        experts_per_token: m.req_usize("expert_used_count")?,
+        expert_intermediate_size: m.req_usize("expert_feed_forward_length")?,
+        norm_topk_prob: true,
+        sparse_layers: (0..num_layers)
+            .map(|i| m.gguf.has_tensor(&format!("blk.{i}.ffn_gate_inp.weight")))
+            .collect(),
+    })
 }
 
 fn gguf_token_id(gguf: &GgufFile, key: &str) -> Result<Option<u32>, LoadError> {

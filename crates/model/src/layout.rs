@@ -176,7 +176,11 @@ impl LayoutSpec {
 /// price a rank's weights with).
 pub fn card_weight_dtype(ckpt: &crate::Checkpoint) -> DType {
     match ckpt.gguf() {
-        Some(_) => ckpt.tensor("model.layers.0.mlp.down_proj.weight").map(|t| t.dtype).unwrap_or(DType::BF16),
+        Some(_) => ckpt
+            .tensor("model.layers.0.mlp.down_proj.weight")
+            .or_else(|_| ckpt.tensor("model.layers.0.mlp.experts.0.down_proj.weight"))
+            .map(|t| t.dtype)
+            .unwrap_or(DType::BF16),
         None => DType::BF16,
     }
 }

@@ -265,3 +265,15 @@ fn the_cost_model_counts_every_expert() {
         + 4 * sparse * moe.num_experts as u64 * h;
     assert_eq!(shares, stored + repeated);
 }
+
+/// The qwen3moe GGUF (stacked experts read one expert at a time): tensor
+/// splits cut each expert's view, pipeline stages split the layers.
+#[test]
+fn qwen3_moe_gguf_layouts_match_the_single_rank() {
+    let cfg = Checkpoint::open(&fixtures().join("qwen3-moe-f16.gguf")).unwrap().config().clone();
+    let layouts = vec![
+        ("tp=2 heads 3:1", Layout::tensor_ratio(&cfg, &[3, 1], 1).unwrap()),
+        ("pp=2 layers 1,1", Layout::pipeline(&cfg, &[1, 1]).unwrap()),
+    ];
+    compare("qwen3-moe-f16.gguf", layouts);
+}

@@ -1181,3 +1181,55 @@ fn hf_qwen3_moe_config_marks_the_sparse_layers() {
     // A dense architecture has no MoE config, whatever keys it carries.
     assert!(cfg(&edit(LLAMA_CONFIG, &[("num_experts", Some(8.into()))])).unwrap().moe.is_none());
 }
+
+/// Expert names map to one expert of llama.cpp's stacked tensors, the router
+/// to `ffn_gate_inp`; malformed names map to nothing.
+#[test]
+fn expert_names_map_to_stacked_gguf_tensors() {
+    use corridor_model::checkpoint::hf_to_gguf_expert;
+    assert_eq!(
+        hf_to_gguf_expert("model.layers.3.mlp.experts.5.up_proj.weight"),
+        Some(("blk.3.ffn_up_exps.weight".to_string(), 5))
+    );
+    assert_eq!(
+        hf_to_gguf_expert("model.layers.0.mlp.experts.12.down_proj.weight"),
+        Some(("blk.0.ffn_down_exps.weight".to_string(), 12))
+    );
+    for bad in [
+        "model.layers.0.mlp.experts.01.up_proj.weight",
+        "model.layers.0.mlp.experts.x.up_proj.weight",
+        "model.layers.0.mlp.experts.1.up_proj.bias",
+        "model.layers.0.mlp.up_proj.weight",
+    ] {
+        assert_eq!(hf_to_gguf_expert(bad), None, "{bad}");
+    }
+    assert_eq!(
+        hf_to_gguf_name("model.layers.2.mlp.gate.weight").as_deref(),
+        Some("blk.2.ffn_gate_inp.weight")
+    );
+}
+
+/// The tiny qwen3moe GGUF: MoE shape from the `qwen3moe.expert_*` keys,
+/// every layer sparse (each holds a router), top-k renormalized as
+/// llama.cpp runs the architecture; an expert past the stack is missing.
+#[test]
+fn gguf_qwen3moe_config_and_expert_views() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/qwen3-moe-f16.gguf");
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let c = ckpt.config();
+    assert_eq!((c.arch, c.head_dim, c.num_layers), (Arch::Qwen3Moe, 32, 2));
+    assert!(c.qk_norm);
+    let m = c.moe.clone().unwrap();
+    assert_eq!((m.num_experts, m.experts_per_token, m.expert_intermediate_size), (4, 2, 32));
+    assert!(m.norm_topk_prob);
+    assert_eq!(m.sparse_layers, vec![true, true]);
+    let e1 = ckpt.tensor("model.layers.1.mlp.experts.1.gate_proj.weight").unwrap();
+    assert_eq!((e1.dtype, e1.shape.clone()), (DType::F16, vec![32, 64]));
+    let stacked = ckpt.gguf().unwrap().tensor("blk.1.ffn_gate_exps.weight").unwrap();
+    let per = stacked.data.len() / 4;
+    assert_eq!(e1.data.bytes(), &stacked.data.bytes()[per..2 * per], "expert 1 is the second block of rows");
+    assert!(ckpt.has_tensor("model.layers.1.mlp.experts.3.down_proj.weight"));
+    assert!(!ckpt.has_tensor("model.layers.1.mlp.experts.4.down_proj.weight"));
+    let err = ckpt.tensor("model.layers.1.mlp.experts.4.down_proj.weight").unwrap_err();
+    assert!(err.to_string().contains("4 experts"), "{err}");
+}
