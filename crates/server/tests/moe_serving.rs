@@ -1,14 +1,16 @@
-//! The tiny mixture-of-experts checkpoint (`qwen3-moe`) served through the
-//! normal server: the greedy completion of the reference prompt is the text
-//! of transformers' greedy tokens, on one rank and on uneven tensor and
-//! pipeline layouts (CPU threads).
+//! The tiny mixture-of-experts checkpoints served through the normal server:
+//! the greedy completion of the reference prompt is the text of
+//! transformers' greedy tokens, on one rank, on uneven tensor and pipeline
+//! layouts (CPU threads), and on sim cards of their own (where the `auto`
+//! split prices the experts with the layout cost model).
 
 mod http_common;
 
 use corridor_model::layout::{LayoutSpec, Split};
-use corridor_server::boot::{boot, BootOptions};
+use corridor_server::boot::{boot, BootOptions, Devices};
 use corridor_server::http::StateOptions;
 use corridor_server::tokenizer::Tokenizer;
+use corridor_units::Bytes;
 use http_common::{app_from, fixture};
 use serde_json::{json, Value};
 
@@ -17,15 +19,18 @@ use serde_json::{json, Value};
 /// sequence.
 fn reference() -> (String, usize, String, usize) {
     let dir = fixture("qwen3-moe");
-    let r: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    reference_of(&dir.join("reference.json"), &Tokenizer::from_hf_dir(&dir).unwrap())
+}
+
+/// As [`reference`], for the reference file at `path`.
+fn reference_of(path: &std::path::Path, tok: &Tokenizer) -> (String, usize, String, usize) {
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let ids = |v: &Value| -> Vec<u32> {
         v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
     };
     let greedy = ids(&r["greedy"]["ids"]);
     let margins: Vec<f64> =
         r["greedy"]["margins"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
-    let tok = Tokenizer::from_hf_dir(&dir).unwrap();
     let n = (0..greedy.len())
         .find(|&i| margins[i] < 1e-3 || tok.eos_ids().contains(&greedy[i]))
         .unwrap_or(greedy.len());
@@ -36,9 +41,13 @@ fn reference() -> (String, usize, String, usize) {
 
 fn complete(layout: Option<LayoutSpec>, prompt: &str, max_tokens: usize) -> (String, u64) {
     let mut opts = BootOptions::new(fixture("qwen3-moe"));
+    opts.layout = layout;
+    complete_with(opts, prompt, max_tokens)
+}
+
+fn complete_with(mut opts: BootOptions, prompt: &str, max_tokens: usize) -> (String, u64) {
     opts.max_running = 4;
     opts.max_batched_tokens = 64;
-    opts.layout = layout;
     let booted = boot(&opts, |_, _| {}).expect("boots");
     let app =
         app_from(&booted, StateOptions { served_model_name: Some("tiny".into()), ..Default::default() });
@@ -65,4 +74,33 @@ fn the_tiny_moe_serves_transformers_greedy_text() {
         let desc = format!("{l:?}");
         assert_eq!(complete(Some(l), &prompt, n).0, want, "{desc}");
     }
+}
+
+#[test]
+fn the_tiny_moe_on_sim_cards_serves_transformers_greedy_text() {
+    let (prompt, _, want, n) = reference();
+    for (cards, l) in [
+        (2, LayoutSpec { tp: 2, tp_split: Split::Auto, pp: 1, pp_split: Split::Even }),
+        (2, LayoutSpec { tp: 2, tp_split: Split::Ratio(vec![3, 1]), pp: 1, pp_split: Split::Even }),
+        (2, LayoutSpec { tp: 1, tp_split: Split::Even, pp: 2, pp_split: Split::Ratio(vec![1, 2]) }),
+    ] {
+        let desc = format!("{l:?}");
+        let mut opts = BootOptions::new(fixture("qwen3-moe"));
+        opts.devices = Devices::Sim(vec![Bytes::mib(160); cards]);
+        opts.floor_mib = Some("64".into());
+        opts.layout = Some(l);
+        assert_eq!(complete_with(opts, &prompt, n).0, want, "{desc}");
+    }
+}
+
+/// The qwen3moe GGUF (tokenizer from its metadata, experts from stacked
+/// tensors) serves its own reference's greedy text.
+#[test]
+fn the_tiny_moe_gguf_serves_transformers_greedy_text() {
+    let path = fixture("qwen3-moe-f16.gguf");
+    let tok = Tokenizer::from_gguf_path(&path).unwrap();
+    let (prompt, prompt_len, want, n) = reference_of(&fixture("qwen3-moe-f16.reference.json"), &tok);
+    let (text, prompt_tokens) = complete_with(BootOptions::new(path), &prompt, n);
+    assert_eq!(prompt_tokens, prompt_len as u64);
+    assert_eq!(text, want);
 }
