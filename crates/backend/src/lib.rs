@@ -355,8 +355,10 @@ pub trait Backend: Send + Sync + 'static {
     /// tokens' rows). `out_rows` bounds the rows of `out` in use.
     ///
     /// The default goes through the host with the ops above (read both,
-    /// combine, upload the result as a table, embed it back), so it is
-    /// correct anywhere; a backend overrides it with a direct kernel.
+    /// combine, upload the result as a table, embed it back), so it runs
+    /// anywhere, but slowly and, on a backend that stores uploaded matrices
+    /// narrower than f32 (CUDA keeps bf16), with the sum rounded to that
+    /// type; a backend overrides it with a direct kernel (the CPU does).
     fn add_rows_scaled(
         &self,
         out: &mut Self::Act,

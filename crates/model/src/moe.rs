@@ -8,8 +8,9 @@
 //! back, and the rows are grouped by expert, so each expert that any token
 //! chose runs once over exactly its rows and the weights of experts no token
 //! chose are never read. Under tensor parallelism every rank holds the whole
-//! router and a share of every expert's columns: all ranks route alike and
-//! their outputs are partial sums, like the dense MLP's.
+//! router and a share of every expert's columns: the all-reduce before the
+//! layer hands every rank the same hidden state, so all ranks route alike,
+//! and their outputs are partial sums, like the dense MLP's.
 
 use crate::config::MoeConfig;
 

@@ -277,3 +277,18 @@ fn qwen3_moe_gguf_layouts_match_the_single_rank() {
     ];
     compare("qwen3-moe-f16.gguf", layouts);
 }
+
+/// A tensor share so thin that it holds none of the experts' columns is
+/// refused at load with a message that says so, not run with an empty FFN.
+#[test]
+fn a_rank_without_expert_columns_is_refused() {
+    let ckpt = Checkpoint::open(&fixtures().join("qwen3-moe")).unwrap();
+    let cfg = ckpt.config();
+    // FFN 124 / 1 / 3 of 128: the middle rank's one column is no column of 32.
+    let layout = Layout::tensor(cfg, &[2, 1, 1], &[124, 1, 3], &[128, 128, 128]).unwrap();
+    assert!(layout.ranks[1].expert_ffn(cfg).is_empty());
+    let err = Model::load_slice(&CpuBackend::new(), &ckpt, &layout.ranks[1], |_| {}).err().expect("refused");
+    assert!(err.to_string().contains("experts' columns"), "{err}");
+    // Its neighbours hold columns and load.
+    assert!(Model::load_slice(&CpuBackend::new(), &ckpt, &layout.ranks[2], |_| {}).is_ok());
+}
