@@ -42,6 +42,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -107,6 +109,10 @@ CHAT_MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Where does the river go?"},
 ]
+# The tiny mixture of experts: experts, experts per token, one expert's width.
+MOE_EXPERTS = 4
+MOE_TOP_K = 2
+MOE_INTERMEDIATE = 32
 GREEDY_STEPS = 16
 TOPK = 5
 # Chunked prefill splits the prompt into these chunk lengths (the last chunk takes the remainder).
@@ -345,6 +351,76 @@ def qwen3_config() -> Qwen3Config:
     )
 
 
+def qwen3_moe_config() -> Qwen3MoeConfig:
+    # Four experts of width 32, two per token, renormalized; layer 1 of 3 is dense through
+    # mlp_only_layers, so both FFN kinds run. head_dim 32 as in qwen3.
+    return Qwen3MoeConfig(
+        vocab_size=TOKENIZER_VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        moe_intermediate_size=MOE_INTERMEDIATE,
+        num_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_TOP_K,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        num_hidden_layers=3,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=32,
+        max_position_embeddings=MAX_POSITION,
+        rms_norm_eps=1e-6,
+        rope_parameters=default_rope(1_000_000.0),
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        attention_bias=False,
+        output_router_logits=False,
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=IM_END_ID,
+    )
+
+
+@torch.no_grad()
+def check_routing(model: PreTrainedModel, ids: list[int], name: str) -> None:
+    """Every sparse layer's routing must be robust and must use every expert.
+
+    The top-k choice is discontinuous: a token whose k-th and (k+1)-th router probabilities were
+    nearly equal could pick another expert under float32 rounding of a different summation order,
+    and the test would compare two different functions. Each expert must also serve some token and
+    miss some other, so a loader that swaps or drops an expert changes the outputs.
+    """
+    logits: list[torch.Tensor] = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(
+            lambda _m, inp, _out: logits.append(
+                torch.nn.functional.linear(inp[0].reshape(-1, inp[0].shape[-1]), _m.weight)
+            )
+        )
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+    ]
+    try:
+        logits_of(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    if not logits:
+        raise RuntimeError(f"{name}: no sparse layer ran")
+    k = model.config.num_experts_per_tok
+    for i, layer_logits in enumerate(logits):
+        probs = torch.softmax(layer_logits.to(torch.float32), dim=-1)
+        ranked = torch.sort(probs, dim=-1, descending=True).values
+        gap = float((ranked[:, k - 1] - ranked[:, k]).min())
+        if gap < 1e-3:
+            raise RuntimeError(f"{name}: sparse layer #{i} has a near tie in its top-{k} ({gap})")
+        chosen = torch.topk(probs, k, dim=-1).indices
+        used = torch.zeros(probs.shape[-1], dtype=torch.long)
+        for e in chosen.reshape(-1).tolist():
+            used[e] += 1
+        if bool((used == 0).any()) or bool((used == len(ids)).any()):
+            raise RuntimeError(f"{name}: sparse layer #{i} uses its experts {used.tolist()}")
+
+
 def mistral_config() -> MistralConfig:
     return MistralConfig(
         vocab_size=TOKENIZER_VOCAB,
@@ -365,6 +441,9 @@ def mistral_config() -> MistralConfig:
 
 def build_model(cls: type[PreTrainedModel], config: PretrainedConfig, seed: int) -> PreTrainedModel:
     config._attn_implementation = "eager"
+    if getattr(config, "num_experts", 0):
+        # The plain per-expert loop: the grouped kernel has no float64 path for the f64 check.
+        config._experts_implementation = "eager"
     model = cls(config).to(torch.float32)
     init_weights(model, seed)
     model.eval()
@@ -373,8 +452,11 @@ def build_model(cls: type[PreTrainedModel], config: PretrainedConfig, seed: int)
 
 def load_model(path: Path) -> PreTrainedModel:
     """Load a saved directory back in float32 (bf16 weights are widened exactly)."""
+    kwargs: dict[str, Any] = {}
+    if json.loads((path / "config.json").read_text()).get("num_experts"):
+        kwargs["experts_implementation"] = "eager"
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager"
+        str(path), dtype=torch.float32, attn_implementation="eager", **kwargs
     )
     model.eval()
     return model
@@ -438,6 +520,9 @@ def reference(model: PreTrainedModel, prompt: Prompt, chat: dict[str, Any]) -> d
     # The same forward in float64 measures how far float32 rounding alone moves the log-probs; it
     # is recorded so the tolerance used by the Rust tests is grounded in a number.
     model64 = copy.deepcopy(model).to(torch.float64)
+    if getattr(model64.config, "num_experts", 0):
+        # A copied config forgets its experts implementation; the grouped kernel has no float64.
+        model64.set_experts_implementation("eager")
     logprobs64 = torch.log_softmax(logits_of(model64, prompt_ids), dim=-1)
     f64_gap = float((logprobs.to(torch.float64) - logprobs64).abs().max())
 
@@ -580,6 +665,8 @@ GGUF_LAYER_NAMES = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
@@ -726,20 +813,7 @@ def write_gguf_fixture(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
 
-    tokens, merges = tokenizer_vocab_and_merges(tok)
-    token_types = [
-        gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens
-    ]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(ENDOFTEXT_ID)
-    writer.add_eos_token_id(IM_END_ID)
-    writer.add_pad_token_id(ENDOFTEXT_ID)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    add_gguf_tokenizer(writer, tok)
 
     state = {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
@@ -793,6 +867,101 @@ def write_gguf_fixture(
     gap = check_against_numpy(path, record)
     print(f"{spec.name}.gguf: numpy llama.cpp-style forward within {gap:.2e} of the reference")
     write_json(out_root / f"{spec.name}.reference.json", record)
+
+
+def write_moe_gguf_fixture(out_root: Path, name: str, seed: int, tok: Tokenizer, prompt: Prompt) -> None:
+    """A qwen3moe GGUF as llama.cpp's converter lays it out, with its transformers reference.
+
+    llama.cpp's qwen3moe has a router (`ffn_gate_inp`) and stacked experts (`ffn_{gate,up,down}_exps`,
+    numpy shape [experts, rows, cols]) on every layer and always renormalizes the top-k weights, so
+    the model here is sparse throughout with norm_topk_prob. Matrices are F16 (norms and the router
+    F32, as the converter keeps them); the model is rounded to those values before the reference.
+    """
+    path = out_root / f"{name}.gguf"
+    cfg = qwen3_moe_config()
+    cfg.mlp_only_layers = []
+    cfg.num_hidden_layers = 2
+    model = build_model(Qwen3MoeForCausalLM, cfg, seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" not in pname and not pname.endswith("mlp.gate.weight"):
+                p.copy_(p.to(torch.float16).to(torch.float32))
+
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    add_gguf_tokenizer(writer, tok)
+
+    state = {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}
+    tensors: dict[str, np.ndarray] = {}
+    inter = cfg.moe_intermediate_size
+    for hf, data in state.items():
+        if ".mlp.experts." in hf:
+            layer = hf.split(".")[2]
+            if hf.endswith("gate_up_proj"):  # [experts, 2 * inter, hidden]: gate rows, then up rows
+                tensors[f"blk.{layer}.ffn_gate_exps.weight"] = data[:, :inter, :]
+                tensors[f"blk.{layer}.ffn_up_exps.weight"] = data[:, inter:, :]
+            elif hf.endswith("down_proj"):  # [experts, hidden, inter]
+                tensors[f"blk.{layer}.ffn_down_exps.weight"] = data
+            else:
+                raise KeyError(hf)
+        elif hf.endswith(".mlp.gate.weight"):
+            tensors[f"blk.{hf.split('.')[2]}.ffn_gate_inp.weight"] = data
+        else:
+            tensors[gguf_name(hf)] = data
+    for tname in sorted(tensors):
+        data = np.ascontiguousarray(tensors[tname])
+        f32 = tname.endswith("norm.weight") or tname.endswith("ffn_gate_inp.weight")
+        writer.add_tensor(tname, data.astype(np.float32 if f32 else np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    # The file must hold exactly the model's (rounded) values.
+    reader = gguf.GGUFReader(str(path))
+    for t in reader.tensors:
+        want = tensors[t.name]
+        got = np.array(t.data).astype(np.float32).reshape(want.shape)
+        if not np.array_equal(got, want):
+            raise RuntimeError(f"{path}: {t.name} did not round-trip")
+    if {t.name for t in reader.tensors} != set(tensors):
+        raise RuntimeError(f"{path}: the tensor set did not round-trip")
+
+    record = reference(model, prompt, chat_record(tok))
+    check_routing(model, prompt.ids + record["greedy"]["ids"], name)
+    write_json(out_root / f"{name}.reference.json", record)
+
+
+def add_gguf_tokenizer(writer: gguf.GGUFWriter, tok: Tokenizer) -> None:
+    """The tiny tokenizer as GGUF metadata (gpt2-style BPE with ChatML)."""
+    tokens, merges = tokenizer_vocab_and_merges(tok)
+    token_types = [
+        gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens
+    ]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(ENDOFTEXT_ID)
+    writer.add_eos_token_id(IM_END_ID)
+    writer.add_pad_token_id(ENDOFTEXT_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
 
 
 def numpy_forward_llama_cpp(path: Path, ids: list[int]) -> np.ndarray:
@@ -932,7 +1101,14 @@ def sha256_tree(root: Path) -> dict[str, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="NAME",
+        help="write only this fixture (repeatable); the others stay as they are",
+    )
     args = parser.parse_args()
+    wanted = (lambda name: name in args.only) if args.only else (lambda name: True)
     out_root: Path = args.out
     out_root.mkdir(parents=True, exist_ok=True)
 
@@ -991,6 +1167,16 @@ def main() -> int:
             generation=plain_eos,
         ),
         HfFixture(
+            name="qwen3-moe",
+            model_class=Qwen3MoeForCausalLM,
+            config=qwen3_moe_config(),
+            # The first seed from 8 whose routing has no near tie and uses every expert (check_routing).
+            seed=33,
+            dtype=torch.float32,
+            generation=plain_eos,
+            with_batch=True,
+        ),
+        HfFixture(
             name="mistral",
             model_class=MistralForCausalLM,
             config=mistral_config(),
@@ -1000,24 +1186,46 @@ def main() -> int:
         ),
     ]
     for spec in hf_fixtures:
+        if not wanted(spec.name):
+            continue
         write_hf_fixture(out_root, spec, tok, [prompt, second])
         print(f"wrote {spec.name}")
 
+    if wanted("qwen3-moe"):
+        moe = load_model(out_root / "qwen3-moe")
+        # Every position the tests run: the prompt with its greedy continuation, and the second
+        # prompt of the batch record.
+        record = json.loads((out_root / "qwen3-moe" / "reference.json").read_text())
+        for ids in (prompt.ids + record["greedy"]["ids"], second.ids):
+            check_routing(moe, ids, "qwen3-moe")
+        # Renormalizing the top-k weights must change the outputs, or the fixture would not catch
+        # a loader that ignores norm_topk_prob.
+        plain_cfg = AutoConfig.from_pretrained(str(out_root / "qwen3-moe"))
+        plain_cfg.norm_topk_prob = False
+        plain_cfg._attn_implementation = "eager"
+        plain_cfg._experts_implementation = "eager"
+        plain = Qwen3MoeForCausalLM(plain_cfg)
+        plain.load_state_dict(moe.state_dict())
+        plain.eval()
+        assert_different_outputs(moe, plain, prompt.ids, "norm_topk_prob")
+
     # The llama3 scaling must actually change the outputs at these sizes, or the fixture would not
     # catch a loader that ignores rope_scaling.
-    scaled = load_model(out_root / "llama-f32")
-    unscaled_cfg = AutoConfig.from_pretrained(str(out_root / "llama-f32"))
-    unscaled_cfg.rope_parameters = default_rope(10000.0)
-    unscaled_cfg._attn_implementation = "eager"
-    unscaled = LlamaForCausalLM(unscaled_cfg)
-    unscaled.load_state_dict(scaled.state_dict())
-    unscaled.eval()
-    assert_different_outputs(scaled, unscaled, prompt.ids, "llama3 rope scaling")
+    if wanted("llama-f32"):
+        scaled = load_model(out_root / "llama-f32")
+        unscaled_cfg = AutoConfig.from_pretrained(str(out_root / "llama-f32"))
+        unscaled_cfg.rope_parameters = default_rope(10000.0)
+        unscaled_cfg._attn_implementation = "eager"
+        unscaled = LlamaForCausalLM(unscaled_cfg)
+        unscaled.load_state_dict(scaled.state_dict())
+        unscaled.eval()
+        assert_different_outputs(scaled, unscaled, prompt.ids, "llama3 rope scaling")
 
     # The Q/K bias of qwen2 must be non-zero (a loader that drops it must fail).
-    qwen2 = load_model(out_root / "qwen2-tied")
-    if float(qwen2.model.layers[0].self_attn.q_proj.bias.detach().abs().min()) == 0.0:
-        raise RuntimeError("qwen2 q bias has zeros")
+    if wanted("qwen2-tied"):
+        qwen2 = load_model(out_root / "qwen2-tied")
+        if float(qwen2.model.layers[0].self_attn.q_proj.bias.detach().abs().min()) == 0.0:
+            raise RuntimeError("qwen2 q bias has zeros")
 
     gguf_fixtures = [
         GgufFixture(
@@ -1057,8 +1265,15 @@ def main() -> int:
         ),
     ]
     for spec in gguf_fixtures:
+        if not wanted(spec.name):
+            continue
         write_gguf_fixture(out_root, spec, tok, prompt)
         print(f"wrote {spec.name}.gguf")
+
+    if wanted("qwen3-moe-f16"):
+        # Seed 42: the first from 40 whose routing passes check_routing.
+        write_moe_gguf_fixture(out_root, "qwen3-moe-f16", 42, tok, prompt)
+        print("wrote qwen3-moe-f16.gguf")
 
     sums = sha256_tree(out_root)
     (out_root / "SHA256SUMS").write_text("".join(f"{h}  {p}\n" for p, h in sums.items()))

@@ -136,7 +136,9 @@ pub struct MatmulPart<'a, B: Backend + ?Sized> {
 /// trait's defaults, and what a fusing backend falls back to where its fused
 /// launch does not apply.
 pub mod unfused {
-    use super::{Backend, MatmulPart, RopeTable, SeqStep};
+    use super::{
+        Backend, BackendError, DType, HostTensor, MatmulPart, Result, RopeTable, SeqStep, TensorBytes,
+    };
 
     /// [`Backend::matmul_many`]: one `matmul` per part.
     pub fn matmul_many<B: Backend + ?Sized>(b: &B, x: &B::Act, parts: &mut [MatmulPart<'_, B>], rows: usize) {
@@ -160,6 +162,48 @@ pub mod unfused {
         b.matmul(x, gate, None, rows, gate_out);
         b.matmul(x, up, None, rows, up_out);
         b.silu_mul(gate_out, up_out, rows, out);
+    }
+
+    /// [`Backend::add_rows_scaled`] through the host: read both, combine,
+    /// upload the sum as a table and embed it back.
+    pub fn add_rows_scaled<B: Backend + ?Sized>(
+        b: &B,
+        out: &mut B::Act,
+        out_rows: usize,
+        y: &B::Act,
+        rows: &[usize],
+        scales: &[f32],
+    ) -> Result<()> {
+        if rows.len() != scales.len() || rows.iter().any(|&r| r >= out_rows) {
+            return Err(BackendError::Other(format!(
+                "add_rows_scaled: {} rows and {} scales into {out_rows} rows",
+                rows.len(),
+                scales.len()
+            )));
+        }
+        if out_rows == 0 {
+            return Ok(());
+        }
+        let (mut acc, mut add) = (Vec::new(), Vec::new());
+        b.read_rows(out, out_rows, &mut acc);
+        b.read_rows(y, rows.len(), &mut add);
+        let cols = acc.len() / out_rows;
+        for (i, (&r, &s)) in rows.iter().zip(scales).enumerate() {
+            for (a, v) in acc[r * cols..(r + 1) * cols].iter_mut().zip(&add[i * cols..(i + 1) * cols]) {
+                *a += s * v;
+            }
+        }
+        let bytes = acc.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let table = b.upload_weight(&HostTensor {
+            name: "scaled rows".into(),
+            dtype: DType::F32,
+            shape: vec![out_rows, cols],
+            data: TensorBytes::from_vec(bytes),
+        })?;
+        let ids: Vec<u32> = (0..out_rows as u32).collect();
+        b.embedding(&table, &ids, out)?;
+        // The table must outlive the copy out of it.
+        b.synchronize()
     }
 
     /// [`Backend::rope_write_kv`]: `rope` of q and of k, then `write_kv`.
@@ -306,6 +350,25 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Copy chosen rows: `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Act, rows: &[usize], out: &mut Self::Act);
+    /// Scatter scaled rows back: `out[rows[i]] += scales[i] * y[i]` for each
+    /// `i` (a mixture-of-experts layer adding one expert's outputs into its
+    /// tokens' rows). `out_rows` bounds the rows of `out` in use.
+    ///
+    /// The default goes through the host with the ops above (read both,
+    /// combine, upload the result as a table, embed it back), so it runs
+    /// anywhere, but slowly and, on a backend that stores uploaded matrices
+    /// narrower than f32 (CUDA keeps bf16), with the sum rounded to that
+    /// type; a backend overrides it with a direct kernel (the CPU does).
+    fn add_rows_scaled(
+        &self,
+        out: &mut Self::Act,
+        out_rows: usize,
+        y: &Self::Act,
+        rows: &[usize],
+        scales: &[f32],
+    ) -> Result<()> {
+        unfused::add_rows_scaled(self, out, out_rows, y, rows, scales)
+    }
     /// Store the step's new K and V rows into the paged cache.
     fn write_kv(&self, kv: &mut Self::Kv, k: &Self::Act, v: &Self::Act, seqs: &[SeqStep<'_>]);
     /// Causal attention of the step's queries over each sequence's cache

@@ -76,7 +76,22 @@ fn requests() -> Vec<GenerateRequest> {
 
 #[test]
 fn tp_and_pp_serve_what_one_rank_serves() {
-    for name in ["llama-f32", "qwen2-tied"] {
+    serve_like_one_rank(&["llama-f32", "qwen2-tied"], |cfg| {
+        vec![Layout::tensor_ratio(cfg, &[2, 1, 1], 1).unwrap(), Layout::pipeline(cfg, &[1, 0, 1]).unwrap()]
+    });
+}
+
+/// The mixture of experts (three layers, the middle one dense) under uneven
+/// TP=2 and PP=2: batched sequences share the step's expert groups.
+#[test]
+fn tp_and_pp_serve_the_moe_as_one_rank_does() {
+    serve_like_one_rank(&["qwen3-moe"], |cfg| {
+        vec![Layout::tensor_ratio(cfg, &[3, 1], 1).unwrap(), Layout::pipeline(cfg, &[1, 2]).unwrap()]
+    });
+}
+
+fn serve_like_one_rank(names: &[&str], layouts: impl Fn(&corridor_model::ModelConfig) -> Vec<Layout>) {
+    for &name in names {
         let ckpt = Checkpoint::open(&fixture(name)).unwrap();
         let backend = corridor_backend::cpu::CpuBackend::new();
         let single =
@@ -85,10 +100,7 @@ fn tp_and_pp_serve_what_one_rank_serves() {
         let e = engine(Box::new(single));
         let oracle = collect(&e, requests());
         e.shutdown();
-        let cfg = ckpt.config();
-        for layout in
-            [Layout::tensor_ratio(cfg, &[2, 1, 1], 1).unwrap(), Layout::pipeline(cfg, &[1, 0, 1]).unwrap()]
-        {
+        for layout in layouts(ckpt.config()) {
             let e = engine(
                 spawn_layout(
                     &ckpt,

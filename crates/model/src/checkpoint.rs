@@ -127,7 +127,12 @@ impl Checkpoint {
     pub fn has_tensor(&self, hf_name: &str) -> bool {
         match &self.source {
             Source::Hf(hf) => hf.has_tensor(hf_name),
-            Source::Gguf { file, .. } => hf_to_gguf_name(hf_name).is_some_and(|g| file.has_tensor(&g)),
+            Source::Gguf { file, .. } => match hf_to_gguf_expert(hf_name) {
+                Some((g, e)) => {
+                    file.tensor_info(&g).is_some_and(|t| t.shape().first().is_some_and(|&n| e < n))
+                }
+                None => hf_to_gguf_name(hf_name).is_some_and(|g| file.has_tensor(&g)),
+            },
         }
     }
 
@@ -138,6 +143,12 @@ impl Checkpoint {
             Source::Gguf { file, .. } => {
                 let missing =
                     |why: String| LoadError::MissingTensor { file: file.path().to_path_buf(), tensor: why };
+                if let Some((stacked, expert)) = hf_to_gguf_expert(hf_name) {
+                    if !file.has_tensor(&stacked) {
+                        return Err(missing(format!("{hf_name} (GGUF name {stacked})")));
+                    }
+                    return file.expert_as(&stacked, expert, hf_name);
+                }
                 let Some(gguf_name) = hf_to_gguf_name(hf_name) else {
                     return Err(missing(format!("{hf_name} (no GGUF equivalent)")));
                 };
@@ -182,9 +193,33 @@ pub fn hf_to_gguf_name(hf_name: &str) -> Option<String> {
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
+        // A mixture of experts' router.
+        "mlp.gate" => "ffn_gate_inp",
         "input_layernorm" => "attn_norm",
         "post_attention_layernorm" => "ffn_norm",
         _ => return None,
     };
     Some(format!("blk.{layer}.{gguf_module}.{kind}"))
+}
+
+/// The stacked llama.cpp tensor holding one expert of a Hugging Face expert
+/// name, and the expert's index in it:
+/// `model.layers.3.mlp.experts.5.up_proj.weight` → (`blk.3.ffn_up_exps.weight`, 5).
+pub fn hf_to_gguf_expert(hf_name: &str) -> Option<(String, usize)> {
+    let rest = hf_name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once(".mlp.experts.")?;
+    let (expert, proj) = rest.split_once('.')?;
+    let plain = |n: &str| {
+        !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && (n.len() == 1 || !n.starts_with('0'))
+    };
+    if !plain(layer) || !plain(expert) {
+        return None;
+    }
+    let stacked = match proj {
+        "gate_proj.weight" => "ffn_gate_exps",
+        "up_proj.weight" => "ffn_up_exps",
+        "down_proj.weight" => "ffn_down_exps",
+        _ => return None,
+    };
+    Some((format!("blk.{layer}.{stacked}.weight"), expert.parse().ok()?))
 }

@@ -17,6 +17,31 @@ pub enum Arch {
     Mistral,
     Qwen2,
     Qwen3,
+    /// Qwen3 attention with sparse mixture-of-experts FFNs (`moe` is set).
+    Qwen3Moe,
+}
+
+/// The sparse FFN of a mixture-of-experts model: a router picks
+/// `experts_per_token` of `num_experts` SwiGLU experts for every token, and
+/// their outputs are summed with the router's softmax weights.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// Top-k: experts each token is sent to.
+    pub experts_per_token: usize,
+    /// Intermediate width of one expert.
+    pub expert_intermediate_size: usize,
+    /// Renormalize the top-k softmax weights to sum to one.
+    pub norm_topk_prob: bool,
+    /// Whether each layer (by index) is sparse; the others run the dense
+    /// MLP of `intermediate_size`.
+    pub sparse_layers: Vec<bool>,
+}
+
+impl MoeConfig {
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.sparse_layers.get(layer).copied().unwrap_or(false)
+    }
 }
 
 /// RoPE frequency scaling.
@@ -63,6 +88,15 @@ pub struct ModelConfig {
     /// Token ids from the model config (tokenizer files may add more).
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// The sparse FFN of a mixture-of-experts model; `None` for dense ones.
+    pub moe: Option<MoeConfig>,
+}
+
+impl ModelConfig {
+    /// Whether layer `layer` runs the sparse (routed) FFN.
+    pub fn is_sparse_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
+    }
 }
 
 impl ModelConfig {
@@ -131,12 +165,14 @@ impl ModelConfig {
                 eos_token_ids.push(id);
             }
         }
+        let num_layers = j.req_usize("num_hidden_layers")?;
+        let moe = if arch == Arch::Qwen3Moe { Some(hf_moe(&j, num_layers)?) } else { None };
         let config = ModelConfig {
             arch,
             vocab_size: j.req_usize("vocab_size")?,
             hidden_size,
             intermediate_size: j.req_usize("intermediate_size")?,
-            num_layers: j.req_usize("num_hidden_layers")?,
+            num_layers,
             num_heads,
             num_kv_heads: j.opt_usize("num_key_value_heads")?.unwrap_or(num_heads),
             head_dim,
@@ -152,9 +188,10 @@ impl ModelConfig {
             // Qwen2 always has a bias on Q, K and V, and its config does not
             // say so; the others carry `attention_bias` (default false).
             attention_bias: arch == Arch::Qwen2 || j.opt_bool("attention_bias")?.unwrap_or(false),
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             bos_token_id: j.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids,
+            moe,
         };
         config.validate(file)?;
         Ok(config)
@@ -173,6 +210,7 @@ impl ModelConfig {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "qwen3moe" => Arch::Qwen3Moe,
             other => {
                 return Err(LoadError::UnknownArchitecture {
                     file: file.to_path_buf(),
@@ -213,12 +251,14 @@ impl ModelConfig {
             }
         }
         let rope_scaling = gguf_rope_scaling(&m, GgufRope { theta: rope_theta, head_dim })?;
+        let num_layers = m.req_usize("block_count")?;
+        let moe = if arch == Arch::Qwen3Moe { Some(gguf_moe(&m, num_layers)?) } else { None };
         let config = ModelConfig {
             arch,
             vocab_size,
             hidden_size,
             intermediate_size: m.req_usize("feed_forward_length")?,
-            num_layers: m.req_usize("block_count")?,
+            num_layers,
             num_heads,
             num_kv_heads: m.opt_usize("attention.head_count_kv")?.unwrap_or(num_heads),
             head_dim,
@@ -231,9 +271,11 @@ impl ModelConfig {
             max_position_embeddings: m.req_usize("context_length")?,
             tie_word_embeddings: !gguf.has_tensor("output.weight"),
             attention_bias: arch == Arch::Qwen2 || gguf.has_tensor("blk.0.attn_q.bias"),
-            qk_norm: arch == Arch::Qwen3 || gguf.has_tensor("blk.0.attn_q_norm.weight"),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe)
+                || gguf.has_tensor("blk.0.attn_q_norm.weight"),
             bos_token_id: gguf_token_id(gguf, "tokenizer.ggml.bos_token_id")?,
             eos_token_ids,
+            moe,
         };
         config.validate(file)?;
         Ok(config)
@@ -269,6 +311,22 @@ impl ModelConfig {
                 file,
                 format!("head_dim {} is odd; RoPE needs pairs", self.head_dim),
             ));
+        }
+        if let Some(m) = &self.moe {
+            if m.sparse_layers.iter().any(|&s| s) {
+                if m.num_experts == 0 || m.expert_intermediate_size == 0 {
+                    return Err(LoadError::config(file, "a sparse layer needs experts of non-zero width"));
+                }
+                if m.experts_per_token == 0 || m.experts_per_token > m.num_experts {
+                    return Err(LoadError::config(
+                        file,
+                        format!(
+                            "num_experts_per_tok {} must be between 1 and num_experts {}",
+                            m.experts_per_token, m.num_experts
+                        ),
+                    ));
+                }
+            }
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return Err(LoadError::config(
@@ -313,6 +371,7 @@ fn hf_arch(j: &Json<'_>) -> Result<Arch, LoadError> {
                 "MistralForCausalLM" => Ok(Arch::Mistral),
                 "Qwen2ForCausalLM" => Ok(Arch::Qwen2),
                 "Qwen3ForCausalLM" => Ok(Arch::Qwen3),
+                "Qwen3MoeForCausalLM" => Ok(Arch::Qwen3Moe),
                 other => Err(unknown(other)),
             };
         }
@@ -322,9 +381,43 @@ fn hf_arch(j: &Json<'_>) -> Result<Arch, LoadError> {
         Some("mistral") => Ok(Arch::Mistral),
         Some("qwen2") => Ok(Arch::Qwen2),
         Some("qwen3") => Ok(Arch::Qwen3),
+        Some("qwen3_moe") => Ok(Arch::Qwen3Moe),
         Some(other) => Err(unknown(other)),
         None => Err(LoadError::config(j.file, "neither `architectures` nor `model_type` is given")),
     }
+}
+
+/// The sparse FFN of a `qwen3_moe` config, with transformers' defaults for
+/// absent keys. A layer is sparse unless `mlp_only_layers` lists it, and then
+/// only every `decoder_sparse_step`-th one (layers `step-1, 2*step-1, ...`).
+fn hf_moe(j: &Json<'_>, num_layers: usize) -> Result<MoeConfig, LoadError> {
+    // Hub configs say `num_experts`; transformers 5 writes `num_local_experts`.
+    let num_experts = match j.opt_usize("num_experts")? {
+        Some(n) => n,
+        None => j.opt_usize("num_local_experts")?.unwrap_or(128),
+    };
+    let experts_per_token = j.opt_usize("num_experts_per_tok")?.unwrap_or(8);
+    let expert_intermediate_size = j.opt_usize("moe_intermediate_size")?.unwrap_or(768);
+    let norm_topk_prob = j.opt_bool("norm_topk_prob")?.unwrap_or(false);
+    let step = j.opt_usize("decoder_sparse_step")?.unwrap_or(1);
+    let mlp_only = match j.get("mlp_only_layers") {
+        None => Vec::new(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| {
+                v.as_u64()
+                    .map(|n| n as usize)
+                    .ok_or_else(|| j.bad("mlp_only_layers", "a list of layer indices", v))
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(v) => return Err(j.bad("mlp_only_layers", "a list of layer indices", v)),
+    };
+    if step == 0 {
+        return Err(LoadError::config(j.file, "decoder_sparse_step is 0"));
+    }
+    let sparse_layers =
+        (0..num_layers).map(|i| !mlp_only.contains(&i) && num_experts > 0 && (i + 1) % step == 0).collect();
+    Ok(MoeConfig { num_experts, experts_per_token, expert_intermediate_size, norm_topk_prob, sparse_layers })
 }
 
 /// The scaling scheme of a `rope_scaling` or `rope_parameters` object.
@@ -467,6 +560,23 @@ impl Meta<'_> {
     fn opt_str(&self, suffix: &str) -> Option<&str> {
         self.gguf.get(&self.key(suffix)).and_then(GgufValue::as_str)
     }
+}
+
+/// The sparse FFN of a `qwen3moe` GGUF. A layer is sparse where the file
+/// holds its router (`ffn_gate_inp`), which is how llama.cpp's converter
+/// writes the layers a config marks sparse. llama.cpp always renormalizes
+/// this architecture's top-k weights, and the converter writes no key for it,
+/// so the file is read that way.
+fn gguf_moe(m: &Meta<'_>, num_layers: usize) -> Result<MoeConfig, LoadError> {
+    Ok(MoeConfig {
+        num_experts: m.req_usize("expert_count")?,
+        experts_per_token: m.req_usize("expert_used_count")?,
+        expert_intermediate_size: m.req_usize("expert_feed_forward_length")?,
+        norm_topk_prob: true,
+        sparse_layers: (0..num_layers)
+            .map(|i| m.gguf.has_tensor(&format!("blk.{i}.ffn_gate_inp.weight")))
+            .collect(),
+    })
 }
 
 fn gguf_token_id(gguf: &GgufFile, key: &str) -> Result<Option<u32>, LoadError> {

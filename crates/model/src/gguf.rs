@@ -450,6 +450,36 @@ impl GgufFile {
     }
 }
 
+impl GgufFile {
+    /// Expert `expert` of a stacked expert tensor (llama.cpp's
+    /// `ffn_{gate,up,down}_exps`, `[experts, rows, cols]` outermost first),
+    /// as one `[rows, cols]` matrix named `label`: every expert's rows are
+    /// one contiguous run of whole rows, so this is a view, not a copy.
+    pub(crate) fn expert_as(&self, name: &str, expert: usize, label: &str) -> Result<HostTensor, LoadError> {
+        let whole = self.tensor_as(name, label)?;
+        let [experts, rows, cols] = whole.shape[..] else {
+            return Err(LoadError::corrupt(
+                &self.path,
+                format!("`{name}` should be [experts, rows, cols], found {:?}", whole.shape),
+            ));
+        };
+        if expert >= experts {
+            return Err(LoadError::MissingTensor {
+                file: self.path.clone(),
+                tensor: format!("{label} (`{name}` holds {experts} experts)"),
+            });
+        }
+        let per = whole.data.len() / experts;
+        let info = self.tensor_info(name).expect("tensor_as found it");
+        let start = info.range.clone().expect("tensor_as read it").start + expert * per;
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.map.clone();
+        let data = TensorBytes::new(owner, start..start + per).ok_or_else(|| {
+            LoadError::corrupt(&self.path, format!("tensor `{name}` lies outside the file"))
+        })?;
+        Ok(HostTensor { name: label.to_string(), dtype: whole.dtype, shape: vec![rows, cols], data })
+    }
+}
+
 /// Where the data section is, for placing tensors inside it.
 #[derive(Clone, Copy)]
 struct TensorLayout {

@@ -88,6 +88,17 @@ impl RankSlice {
     pub fn embeds(&self) -> bool {
         self.recv_from.is_none()
     }
+    /// The columns of every expert's FFN this rank holds: the same share of
+    /// `expert_intermediate_size` as `ffn` is of `intermediate_size`, so an
+    /// uneven tensor split cuts the experts by the same ratios as the dense
+    /// MLP, and every rank holds a part of every expert (routing needs no
+    /// exchange beyond the usual all-reduce). Empty for a dense model.
+    pub fn expert_ffn(&self, cfg: &ModelConfig) -> Range<usize> {
+        let Some(moe) = &cfg.moe else { return 0..0 };
+        let (total, width) = (cfg.intermediate_size, moe.expert_intermediate_size);
+        let at = |col: usize| if col >= total { width } else { col * width / total };
+        at(self.ffn.start)..at(self.ffn.end)
+    }
     pub fn emits_logits(&self) -> bool {
         self.send_to.is_none()
     }
@@ -165,7 +176,11 @@ impl LayoutSpec {
 /// price a rank's weights with).
 pub fn card_weight_dtype(ckpt: &crate::Checkpoint) -> DType {
     match ckpt.gguf() {
-        Some(_) => ckpt.tensor("model.layers.0.mlp.down_proj.weight").map(|t| t.dtype).unwrap_or(DType::BF16),
+        Some(_) => ckpt
+            .tensor("model.layers.0.mlp.down_proj.weight")
+            .or_else(|_| ckpt.tensor("model.layers.0.mlp.experts.0.down_proj.weight"))
+            .map(|t| t.dtype)
+            .unwrap_or(DType::BF16),
         None => DType::BF16,
     }
 }
@@ -442,14 +457,25 @@ impl CostModel {
         let w = |elems: usize| elems_bytes(self.weight_dtype, elems);
         let f32s = |elems: usize| (elems * 4) as u64;
         let (q, kv, f) = (s.heads.len() * hd, s.kv_heads.len() * hd, s.ffn.len());
-        let mut per_layer = w(q * h) + 2 * w(kv * h) + w(h * q) + 3 * w(f * h) + f32s(2 * h);
+        let mut attention = w(q * h) + 2 * w(kv * h) + w(h * q) + f32s(2 * h);
         if cfg.attention_bias {
-            per_layer += f32s(q + 2 * kv);
+            attention += f32s(q + 2 * kv);
         }
         if cfg.qk_norm {
-            per_layer += f32s(2 * hd);
+            attention += f32s(2 * hd);
         }
-        let mut total = per_layer * s.layers.len() as u64;
+        let dense = 3 * w(f * h);
+        // A sparse layer holds the whole router and its share of every expert:
+        // all of them, not only the few a token reads.
+        let sparse = cfg
+            .moe
+            .as_ref()
+            .map_or(0, |m| w(m.num_experts * h) + m.num_experts as u64 * 3 * w(s.expert_ffn(cfg).len() * h));
+        let mut total = s
+            .layers
+            .clone()
+            .map(|i| attention + if cfg.is_sparse_layer(i) { sparse } else { dense })
+            .sum::<u64>();
         if s.embeds() {
             total += w(cfg.vocab_size * h);
         }
@@ -467,7 +493,12 @@ impl CostModel {
     /// Activation workspace bytes of `slice` (f32 activations, allocated once).
     pub fn workspace(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
         let (q, kv, f) = (s.heads.len() * cfg.head_dim, s.kv_heads.len() * cfg.head_dim, s.ffn.len());
-        let per_row = 3 * cfg.hidden_size + 2 * q + 2 * kv + 3 * f;
+        let mut per_row = 3 * cfg.hidden_size + 2 * q + 2 * kv + 3 * f;
+        if let Some(m) = &cfg.moe {
+            // Router logits, the gathered rows of one expert, its three FFN
+            // buffers and its output.
+            per_row += m.num_experts + 2 * cfg.hidden_size + 3 * s.expert_ffn(cfg).len();
+        }
         let per_logit_row = 2 * cfg.hidden_size + s.vocab.len() + cfg.vocab_size;
         Bytes(4 * (self.max_rows * per_row + self.max_logit_rows * per_logit_row) as u64)
     }
@@ -889,6 +920,7 @@ mod tests {
             qk_norm: false,
             bos_token_id: None,
             eos_token_ids: vec![],
+            moe: None,
         }
     }
 

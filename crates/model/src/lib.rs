@@ -11,7 +11,8 @@ pub mod greedy;
 pub mod hf;
 pub mod layout;
 pub mod llama;
+mod moe;
 pub mod rope;
 
 pub use checkpoint::Checkpoint;
-pub use config::{Arch, ModelConfig, RopeScaling};
+pub use config::{Arch, ModelConfig, MoeConfig, RopeScaling};

@@ -8,7 +8,9 @@
 //!   `head_dim` is explicit (it need not be hidden / heads);
 //! - Llama 3.1: `rope_scaling` of type `llama3` (see `rope.rs`);
 //! - tied embeddings (small Qwen2, SmolLM2): the output projection is the
-//!   embedding table (`tie_word_embeddings`).
+//!   embedding table (`tie_word_embeddings`);
+//! - Qwen3-MoE: Qwen3 attention, and on the layers its config marks sparse a
+//!   routed mixture of SwiGLU experts in place of the MLP (see `moe.rs`).
 //!
 //! The forward pass is written once against [`Backend`] and reads top to
 //! bottom: embed → layers (norm → attention → residual → norm → MLP →
@@ -26,6 +28,7 @@ use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::error::LoadError;
 use crate::layout::RankSlice;
+use crate::moe::{Expert, Routes};
 use crate::rope::rope_table;
 use corridor_backend::collective::{Collective, CollectiveError, Solo};
 use corridor_backend::{
@@ -58,9 +61,23 @@ struct Layer<W> {
     qk_norm: Option<[W; 2]>,     // Qwen3: [head_dim] each
     o_proj: W,                   // [hidden, heads * head_dim]
     post_attention_layernorm: W, // [hidden]
-    gate_proj: W,                // [ffn, hidden]
-    up_proj: W,                  // [ffn, hidden]
-    down_proj: W,                // [hidden, ffn]
+    ffn: Ffn<W>,
+}
+
+/// A layer's feed-forward block.
+enum Ffn<W> {
+    /// The gated MLP, sliced to the rank's FFN columns.
+    Dense {
+        gate_proj: W, // [ffn, hidden]
+        up_proj: W,   // [ffn, hidden]
+        down_proj: W, // [hidden, ffn]
+    },
+    /// A mixture of experts: the whole router and every expert, each sliced
+    /// to the rank's expert columns.
+    Sparse {
+        router: W, // [num_experts, hidden]
+        experts: Vec<Expert<W>>,
+    },
 }
 
 /// The output projection of a rank that computes logits.
@@ -89,6 +106,9 @@ pub struct Model<B: Backend> {
     layers: Vec<Layer<B::Weight>>,
     norm: Option<B::Weight>,       // [hidden]; ranks that compute logits
     head: Option<Head<B::Weight>>, // ranks that compute logits
+    /// `[1, hidden]` of zeros for a model with sparse layers: embedding it
+    /// clears the buffer the experts' outputs are summed into.
+    zero_row: Option<B::Weight>,
 }
 
 /// Scratch activations for one forward pass, allocated once at the largest
@@ -111,6 +131,22 @@ pub struct Workspace<B: Backend> {
     logits: B::Act, // [max_logit_rows, vocab share]
     /// `[max_logit_rows, vocab share]` on the host, before the all-gather.
     host_logits: Vec<f32>,
+    /// Scratch of the sparse layers; `None` for a dense model.
+    moe: Option<MoeScratch<B>>,
+}
+
+/// Scratch of a mixture-of-experts layer.
+struct MoeScratch<B: Backend> {
+    router: B::Act, // [max_rows, num_experts]
+    x: B::Act,      // [max_rows, hidden]       the rows routed to one expert
+    gate: B::Act,   // [max_rows, expert ffn share]
+    up: B::Act,     // [max_rows, expert ffn share]
+    act: B::Act,    // [max_rows, expert ffn share]
+    y: B::Act,      // [max_rows, hidden]       one expert's output
+    host_router: Vec<f32>,
+    routes: Routes,
+    /// `max_rows` zeros: the ids that embed `zero_row` into every row.
+    zero_ids: Vec<u32>,
 }
 
 impl<B: Backend> Workspace<B> {
@@ -193,8 +229,18 @@ impl<B: Backend> Model<B> {
             },
             &mut |_| {},
         )?;
+        let zero_row = cfg.moe.as_ref().map(|_| HostTensor {
+            name: "moe zero row".into(),
+            dtype: DType::F32,
+            shape: vec![1, cfg.hidden_size],
+            data: TensorBytes::from_vec(vec![0u8; 4 * cfg.hidden_size]),
+        });
+        if zero_row.is_some() {
+            bytes.set(bytes.get() + backend.stored_bytes(DType::F32, 1, cfg.hidden_size));
+        }
         backend.reserve_weights(bytes.get())?;
         let parts = place_parts(ckpt, slice, &|t| Ok(backend.upload_weight(&t)?), &mut progress)?;
+        let zero_row = zero_row.map(|t| backend.upload_weight(&t)).transpose()?;
         Ok(Model {
             rope: rope_table(&cfg),
             config: cfg,
@@ -203,6 +249,7 @@ impl<B: Backend> Model<B> {
             layers: parts.layers,
             norm: parts.norm,
             head: parts.head,
+            zero_row,
         })
     }
 
@@ -243,6 +290,23 @@ impl<B: Backend> Model<B> {
             last_n: a(max_logit_rows, c.hidden_size)?,
             logits: a(max_logit_rows, s.vocab.len())?,
             host_logits: Vec::with_capacity(max_logit_rows * s.vocab.len()),
+            moe: match &c.moe {
+                Some(m) => {
+                    let ef = s.expert_ffn(c).len();
+                    Some(MoeScratch {
+                        router: a(max_rows, m.num_experts)?,
+                        x: a(max_rows, c.hidden_size)?,
+                        gate: a(max_rows, ef)?,
+                        up: a(max_rows, ef)?,
+                        act: a(max_rows, ef)?,
+                        y: a(max_rows, c.hidden_size)?,
+                        host_router: Vec::with_capacity(max_rows * m.num_experts),
+                        routes: Routes::new(m.num_experts),
+                        zero_ids: vec![0; max_rows],
+                    })
+                }
+                None => None,
+            },
         })
     }
 
@@ -338,8 +402,14 @@ impl<B: Backend> Model<B> {
         })?;
         // A decode step of a whole model on one card may be captured once per
         // shape and replayed: the ops read only what begin_step uploaded.
-        let key = (step.is_decode() && c.capturable() && self.head.is_some() && self.embed_tokens.is_some())
-            .then_some(GraphKey { rows, logit_rows: rows });
+        // A sparse layer reads its router logits back mid-step, which a
+        // captured replay could not repeat.
+        let key = (step.is_decode()
+            && c.capturable()
+            && self.head.is_some()
+            && self.embed_tokens.is_some()
+            && self.config.moe.is_none())
+        .then_some(GraphKey { rows, logit_rows: rows });
         let replayed = match key {
             Some(k) => b.graph_replay(k)?,
             None => false,
@@ -452,16 +522,13 @@ impl<B: Backend> Model<B> {
             c.all_reduce_sum(b, &mut ws.proj, rows)?;
             // MLP block: this rank's FFN columns; down_proj gives a partial sum.
             b.add_rms_norm(&mut ws.x, &ws.proj, &layer.post_attention_layernorm, eps, rows, &mut ws.h);
-            b.gate_up_silu(
-                &ws.h,
-                &layer.gate_proj,
-                &layer.up_proj,
-                rows,
-                &mut ws.gate,
-                &mut ws.up,
-                &mut ws.act,
-            );
-            b.matmul(&ws.act, &layer.down_proj, None, rows, &mut ws.proj);
+            match &layer.ffn {
+                Ffn::Dense { gate_proj, up_proj, down_proj } => {
+                    b.gate_up_silu(&ws.h, gate_proj, up_proj, rows, &mut ws.gate, &mut ws.up, &mut ws.act);
+                    b.matmul(&ws.act, down_proj, None, rows, &mut ws.proj);
+                }
+                Ffn::Sparse { router, experts } => self.sparse_ffn(b, router, experts, ws, rows)?,
+            }
             c.all_reduce_sum(b, &mut ws.proj, rows)?;
         }
         if !self.layers.is_empty() {
@@ -484,6 +551,38 @@ impl<B: Backend> Model<B> {
                 .ok_or_else(|| ModelError::Step("a tied head needs the embedding".into()))?,
         };
         b.matmul(&ws.last_n, head, None, n, &mut ws.logits);
+        Ok(())
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// A sparse FFN over `ws.h` into `ws.proj`: route every row, then run
+    /// each chosen expert once over the rows routed to it and add its
+    /// weighted output into those rows.
+    fn sparse_ffn(
+        &self,
+        b: &B,
+        router: &B::Weight,
+        experts: &[Expert<B::Weight>],
+        ws: &mut Workspace<B>,
+        rows: usize,
+    ) -> Result<(), ModelError> {
+        let (Some(moe), Some(zero), Some(m)) = (&self.config.moe, &self.zero_row, ws.moe.as_mut()) else {
+            return Err(ModelError::Step("a sparse layer in a model without expert scratch".into()));
+        };
+        b.matmul(&ws.h, router, None, rows, &mut m.router);
+        b.read_rows(&m.router, rows, &mut m.host_router);
+        b.check()?;
+        m.routes.route(moe, &m.host_router, rows);
+        b.embedding(zero, &m.zero_ids[..rows], &mut ws.proj)?;
+        for (e, idx, weights) in m.routes.chosen() {
+            let x = &experts[e];
+            let n = idx.len();
+            b.gather_rows(&ws.h, idx, &mut m.x);
+            b.gate_up_silu(&m.x, &x.gate_proj, &x.up_proj, n, &mut m.gate, &mut m.up, &mut m.act);
+            b.matmul(&m.act, &x.down_proj, None, n, &mut m.y);
+            b.add_rows_scaled(&mut ws.proj, rows, &m.y, idx, weights)?;
+        }
         Ok(())
     }
 }
@@ -543,6 +642,28 @@ fn place_parts<W>(
         } else {
             None
         };
+        let ffn = if cfg.is_sparse_layer(i) {
+            let moe = cfg.moe.as_ref().expect("a sparse layer has a MoE config");
+            let (width, share) = (moe.expert_intermediate_size, slice.expert_ffn(cfg));
+            let share_rows = [share.clone()];
+            let experts = (0..moe.num_experts)
+                .map(|e| {
+                    let x = |s: &str| format!("mlp.experts.{e}.{s}");
+                    Ok(Expert {
+                        gate_proj: rows(&x("gate_proj.weight"), &[width, hidden], &share_rows)?,
+                        up_proj: rows(&x("up_proj.weight"), &[width, hidden], &share_rows)?,
+                        down_proj: cols(&x("down_proj.weight"), &[hidden, width], share.clone())?,
+                    })
+                })
+                .collect::<Result<Vec<_>, ModelError>>()?;
+            Ffn::Sparse { router: load(&p("mlp.gate.weight"), &[moe.num_experts, hidden])?, experts }
+        } else {
+            Ffn::Dense {
+                gate_proj: rows("mlp.gate_proj.weight", &[cfg.intermediate_size, hidden], &ffn_rows)?,
+                up_proj: rows("mlp.up_proj.weight", &[cfg.intermediate_size, hidden], &ffn_rows)?,
+                down_proj: cols("mlp.down_proj.weight", &[hidden, cfg.intermediate_size], slice.ffn.clone())?,
+            }
+        };
         layers.push(Layer {
             input_layernorm: load(&p("input_layernorm.weight"), &[hidden])?,
             q_proj: rows("self_attn.q_proj.weight", &[q_out, hidden], &q_rows)?,
@@ -552,9 +673,7 @@ fn place_parts<W>(
             qk_norm,
             o_proj: cols("self_attn.o_proj.weight", &[hidden, q_out], q_rows[0].clone())?,
             post_attention_layernorm: load(&p("post_attention_layernorm.weight"), &[hidden])?,
-            gate_proj: rows("mlp.gate_proj.weight", &[cfg.intermediate_size, hidden], &ffn_rows)?,
-            up_proj: rows("mlp.up_proj.weight", &[cfg.intermediate_size, hidden], &ffn_rows)?,
-            down_proj: cols("mlp.down_proj.weight", &[hidden, cfg.intermediate_size], slice.ffn.clone())?,
+            ffn,
         });
         progress(1);
     }
@@ -593,6 +712,15 @@ fn check_slice(cfg: &ModelConfig, s: &RankSlice) -> Result<(), ModelError> {
             "{} query heads cannot share {} KV heads evenly",
             s.heads.len(),
             s.kv_heads.len()
+        ));
+    }
+    if cfg.moe.is_some()
+        && (0..cfg.num_layers).any(|i| cfg.is_sparse_layer(i))
+        && s.expert_ffn(cfg).is_empty()
+    {
+        return bad(format!(
+            "FFN columns {:?} leave this rank none of the experts' columns; give it a larger share",
+            s.ffn
         ));
     }
     let (g, lg) = (cfg.num_heads / cfg.num_kv_heads, s.heads.len() / s.kv_heads.len());

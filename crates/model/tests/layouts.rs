@@ -139,8 +139,7 @@ fn check(fixture: &str) {
     let cfg = Checkpoint::open(&path).unwrap().config().clone();
     // Whole quantization blocks for the GGUF file's FFN columns.
     let granule = if fixture.ends_with(".gguf") { 32 } else { 1 };
-    let (oracle_rows, oracle_greedy) = run(&path, &Layout::single(&cfg));
-    let layouts = [
+    let layouts = vec![
         ("tp=2 heads 3:1", Layout::tensor_ratio(&cfg, &[3, 1], granule).unwrap()),
         ("tp=3 heads 2:1:1", Layout::tensor_ratio(&cfg, &[2, 1, 1], granule).unwrap()),
         ("tp=3 heads 1:1:2", Layout::tensor_ratio(&cfg, &[1, 1, 2], granule).unwrap()),
@@ -149,6 +148,14 @@ fn check(fixture: &str) {
         ("pp=3 layers 1,0,1", Layout::pipeline(&cfg, &[1, 0, 1]).unwrap()),
         ("pp=3 layers 2,0,0", Layout::pipeline(&cfg, &[2, 0, 0]).unwrap()),
     ];
+    compare(fixture, layouts);
+}
+
+/// Every layout of `layouts` against the single rank, on `fixture`.
+fn compare(fixture: &str, layouts: Vec<(&str, Layout)>) {
+    let path = fixtures().join(fixture);
+    let cfg = Checkpoint::open(&path).unwrap().config().clone();
+    let (oracle_rows, oracle_greedy) = run(&path, &Layout::single(&cfg));
     for (name, layout) in layouts {
         let (rows, greedy) = run(&path, &layout);
         let mut worst = 0f32;
@@ -184,6 +191,34 @@ fn gguf_quantized_layouts_match_the_single_rank() {
     check("llama-q.gguf");
 }
 
+/// The mixture of experts (three layers, the middle one dense): uneven
+/// tensor splits cut every expert's columns by the ranks' ratios, pipeline
+/// stages split the sparse and dense layers between them.
+#[test]
+fn qwen3_moe_layouts_match_the_single_rank() {
+    let cfg = Checkpoint::open(&fixtures().join("qwen3-moe")).unwrap().config().clone();
+    let layouts = vec![
+        ("tp=2 heads 3:1", Layout::tensor_ratio(&cfg, &[3, 1], 1).unwrap()),
+        ("tp=2 heads 1:1", Layout::tensor_ratio(&cfg, &[1, 1], 1).unwrap()),
+        ("tp=3 heads 2:1:1", Layout::tensor_ratio(&cfg, &[2, 1, 1], 1).unwrap()),
+        ("pp=2 layers 1,2", Layout::pipeline(&cfg, &[1, 2]).unwrap()),
+        ("pp=2 layers 2,1", Layout::pipeline(&cfg, &[2, 1]).unwrap()),
+        ("pp=3 layers 1,1,1", Layout::pipeline(&cfg, &[1, 1, 1]).unwrap()),
+    ];
+    for (name, layout) in &layouts {
+        if layout.kind == LayoutKind::Tensor {
+            let cols: Vec<usize> = layout.ranks.iter().map(|r| r.expert_ffn(&cfg).len()).collect();
+            let ffn: Vec<usize> = layout.ranks.iter().map(|r| r.ffn.len()).collect();
+            assert_eq!(cols.iter().sum::<usize>(), 32, "{name}: every expert column is held once");
+            assert!(
+                cols.windows(2).zip(ffn.windows(2)).all(|(c, f)| c[0] * f[1] == c[1] * f[0]),
+                "{name}: {cols:?} by the ratios of {ffn:?}"
+            );
+        }
+    }
+    compare("qwen3-moe", layouts);
+}
+
 /// A slice whose query heads would read the wrong KV head is refused at load
 /// rather than producing plausible but wrong logits.
 #[test]
@@ -194,4 +229,69 @@ fn a_wrong_kv_mapping_is_refused() {
     layout.ranks[0].kv_heads = vec![0, 1, 1];
     let err = Model::load_slice(&CpuBackend::new(), &ckpt, &layout.ranks[0], |_| {}).err().expect("refused");
     assert!(err.to_string().contains("KV head"), "{err}");
+}
+
+/// The layout cost model prices a mixture of experts by every expert it
+/// holds (a card stores all of them, though a token reads only a few): in
+/// f32 the whole model's price is the checkpoint's tensor bytes exactly, and
+/// the shares of a tensor split add up to it plus what every rank repeats.
+#[test]
+fn the_cost_model_counts_every_expert() {
+    use corridor_backend::DType;
+    use corridor_model::layout::CostModel;
+    use corridor_units::{Bytes, Tokens};
+    let ckpt = Checkpoint::open(&fixtures().join("qwen3-moe")).unwrap();
+    let cfg = ckpt.config().clone();
+    let hf = ckpt.hf().expect("a safetensors directory");
+    let stored: u64 =
+        hf.tensor_names().iter().map(|n| ckpt.tensor(n).unwrap().data.bytes().len() as u64).sum();
+    let cost = CostModel {
+        weight_dtype: DType::F32,
+        kv_elem_bytes: 4,
+        page_size: Tokens(16),
+        max_rows: 16,
+        max_logit_rows: 16,
+        chunk_target: Bytes::mib(2),
+    };
+    let single = Layout::single(&cfg);
+    assert_eq!(cost.weights(&cfg, &single.ranks[0]).get(), stored);
+
+    let moe = cfg.moe.clone().unwrap();
+    let tp = Layout::tensor_ratio(&cfg, &[1, 1], 1).unwrap();
+    let shares: u64 = tp.ranks.iter().map(|r| cost.weights(&cfg, r).get()).sum();
+    let (h, layers) = (cfg.hidden_size as u64, cfg.num_layers as u64);
+    let sparse = (0..cfg.num_layers).filter(|&i| cfg.is_sparse_layer(i)).count() as u64;
+    // Repeated on the second rank: the norms (two per layer, and q/k norms),
+    // the embedding, the final norm, and each sparse layer's router.
+    let repeated = 4 * (2 * h * layers + 2 * cfg.head_dim as u64 * layers)
+        + 4 * (cfg.vocab_size as u64 * h + h)
+        + 4 * sparse * moe.num_experts as u64 * h;
+    assert_eq!(shares, stored + repeated);
+}
+
+/// The qwen3moe GGUF (stacked experts read one expert at a time): tensor
+/// splits cut each expert's view, pipeline stages split the layers.
+#[test]
+fn qwen3_moe_gguf_layouts_match_the_single_rank() {
+    let cfg = Checkpoint::open(&fixtures().join("qwen3-moe-f16.gguf")).unwrap().config().clone();
+    let layouts = vec![
+        ("tp=2 heads 3:1", Layout::tensor_ratio(&cfg, &[3, 1], 1).unwrap()),
+        ("pp=2 layers 1,1", Layout::pipeline(&cfg, &[1, 1]).unwrap()),
+    ];
+    compare("qwen3-moe-f16.gguf", layouts);
+}
+
+/// A tensor share so thin that it holds none of the experts' columns is
+/// refused at load with a message that says so, not run with an empty FFN.
+#[test]
+fn a_rank_without_expert_columns_is_refused() {
+    let ckpt = Checkpoint::open(&fixtures().join("qwen3-moe")).unwrap();
+    let cfg = ckpt.config();
+    // FFN 124 / 1 / 3 of 128: the middle rank's one column is no column of 32.
+    let layout = Layout::tensor(cfg, &[2, 1, 1], &[124, 1, 3], &[128, 128, 128]).unwrap();
+    assert!(layout.ranks[1].expert_ffn(cfg).is_empty());
+    let err = Model::load_slice(&CpuBackend::new(), &ckpt, &layout.ranks[1], |_| {}).err().expect("refused");
+    assert!(err.to_string().contains("experts' columns"), "{err}");
+    // Its neighbours hold columns and load.
+    assert!(Model::load_slice(&CpuBackend::new(), &ckpt, &layout.ranks[2], |_| {}).is_ok());
 }

@@ -1157,3 +1157,100 @@ fn fixture_gguf_tensors_all_have_hugging_face_names() {
         }
     }
 }
+
+/// A `qwen3_moe` config: which layers are sparse follows `mlp_only_layers`
+/// and `decoder_sparse_step` as transformers reads them; absent keys take
+/// transformers' defaults; a top-k wider than the experts is refused.
+#[test]
+fn hf_qwen3_moe_config_marks_the_sparse_layers() {
+    let moe = |extra: &[(&str, Option<serde_json::Value>)]| {
+        let mut changes = vec![
+            ("architectures", Some(serde_json::json!(["Qwen3MoeForCausalLM"]))),
+            ("num_hidden_layers", Some(6.into())),
+            ("num_experts", Some(8.into())),
+            ("num_experts_per_tok", Some(2.into())),
+            ("moe_intermediate_size", Some(16.into())),
+        ];
+        changes.extend_from_slice(extra);
+        cfg(&edit(LLAMA_CONFIG, &changes))
+    };
+    let c =
+        moe(&[("mlp_only_layers", Some(serde_json::json!([0, 4]))), ("norm_topk_prob", Some(true.into()))])
+            .unwrap();
+    assert_eq!(c.arch, Arch::Qwen3Moe);
+    assert!(c.qk_norm);
+    let m = c.moe.clone().expect("a MoE config");
+    assert_eq!((m.num_experts, m.experts_per_token, m.expert_intermediate_size), (8, 2, 16));
+    assert!(m.norm_topk_prob);
+    assert_eq!(m.sparse_layers, vec![false, true, true, true, false, true]);
+
+    let c = moe(&[("num_experts", None), ("num_local_experts", Some(6.into()))]).unwrap();
+    assert_eq!(c.moe.unwrap().num_experts, 6, "transformers 5's spelling");
+
+    let c = moe(&[("decoder_sparse_step", Some(2.into()))]).unwrap();
+    let m = c.moe.expect("a MoE config");
+    assert_eq!(m.sparse_layers, vec![false, true, false, true, false, true]);
+    assert!(!m.norm_topk_prob, "transformers' default");
+
+    let err = moe(&[("num_experts_per_tok", Some(9.into()))]).unwrap_err();
+    assert!(err.to_string().contains("num_experts_per_tok"), "{err}");
+    let err = moe(&[("mlp_only_layers", Some("all".into()))]).unwrap_err();
+    assert!(err.to_string().contains("mlp_only_layers"), "{err}");
+
+    let by_type = edit(LLAMA_CONFIG, &[("architectures", None), ("model_type", Some("qwen3_moe".into()))]);
+    assert_eq!(cfg(&by_type).unwrap().arch, Arch::Qwen3Moe);
+    // A dense architecture has no MoE config, whatever keys it carries.
+    assert!(cfg(&edit(LLAMA_CONFIG, &[("num_experts", Some(8.into()))])).unwrap().moe.is_none());
+}
+
+/// Expert names map to one expert of llama.cpp's stacked tensors, the router
+/// to `ffn_gate_inp`; malformed names map to nothing.
+#[test]
+fn expert_names_map_to_stacked_gguf_tensors() {
+    use corridor_model::checkpoint::hf_to_gguf_expert;
+    assert_eq!(
+        hf_to_gguf_expert("model.layers.3.mlp.experts.5.up_proj.weight"),
+        Some(("blk.3.ffn_up_exps.weight".to_string(), 5))
+    );
+    assert_eq!(
+        hf_to_gguf_expert("model.layers.0.mlp.experts.12.down_proj.weight"),
+        Some(("blk.0.ffn_down_exps.weight".to_string(), 12))
+    );
+    for bad in [
+        "model.layers.0.mlp.experts.01.up_proj.weight",
+        "model.layers.0.mlp.experts.x.up_proj.weight",
+        "model.layers.0.mlp.experts.1.up_proj.bias",
+        "model.layers.0.mlp.up_proj.weight",
+    ] {
+        assert_eq!(hf_to_gguf_expert(bad), None, "{bad}");
+    }
+    assert_eq!(
+        hf_to_gguf_name("model.layers.2.mlp.gate.weight").as_deref(),
+        Some("blk.2.ffn_gate_inp.weight")
+    );
+}
+
+/// The tiny qwen3moe GGUF: MoE shape from the `qwen3moe.expert_*` keys,
+/// every layer sparse (each holds a router), top-k renormalized as
+/// llama.cpp runs the architecture; an expert past the stack is missing.
+#[test]
+fn gguf_qwen3moe_config_and_expert_views() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/qwen3-moe-f16.gguf");
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let c = ckpt.config();
+    assert_eq!((c.arch, c.head_dim, c.num_layers), (Arch::Qwen3Moe, 32, 2));
+    assert!(c.qk_norm);
+    let m = c.moe.clone().unwrap();
+    assert_eq!((m.num_experts, m.experts_per_token, m.expert_intermediate_size), (4, 2, 32));
+    assert!(m.norm_topk_prob);
+    assert_eq!(m.sparse_layers, vec![true, true]);
+    let e1 = ckpt.tensor("model.layers.1.mlp.experts.1.gate_proj.weight").unwrap();
+    assert_eq!((e1.dtype, e1.shape.clone()), (DType::F16, vec![32, 64]));
+    let stacked = ckpt.gguf().unwrap().tensor("blk.1.ffn_gate_exps.weight").unwrap();
+    let per = stacked.data.len() / 4;
+    assert_eq!(e1.data.bytes(), &stacked.data.bytes()[per..2 * per], "expert 1 is the second block of rows");
+    assert!(ckpt.has_tensor("model.layers.1.mlp.experts.3.down_proj.weight"));
+    assert!(!ckpt.has_tensor("model.layers.1.mlp.experts.4.down_proj.weight"));
+    let err = ckpt.tensor("model.layers.1.mlp.experts.4.down_proj.weight").unwrap_err();
+    assert!(err.to_string().contains("4 experts"), "{err}");
+}

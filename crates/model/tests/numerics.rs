@@ -162,11 +162,22 @@ fn every_tiny_checkpoint_matches_transformers() {
 
 #[test]
 fn two_prompts_in_one_batch_match_their_solo_runs() {
-    let dir = fixtures().join("llama-f32");
+    batch_matches_solo_runs("llama-f32");
+}
+
+/// The experts of a sparse layer run over rows of both sequences at once
+/// (grouped by expert); each sequence must still get its own answer.
+#[test]
+fn two_prompts_in_one_batch_match_their_solo_runs_through_the_experts() {
+    batch_matches_solo_runs("qwen3-moe");
+}
+
+fn batch_matches_solo_runs(fixture: &str) {
+    let dir = fixtures().join(fixture);
     let r: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
     let run = Runner::open(&dir);
-    let batch = r["batch"].as_array().expect("llama-f32 reference has a batch");
+    let batch = r["batch"].as_array().unwrap_or_else(|| panic!("{fixture} reference has a batch"));
     let prompts: Vec<Vec<u32>> = batch.iter().map(|b| ids(&b["prompt_ids"])).collect();
     let total: usize = prompts.iter().map(|p| p.len()).sum();
     let mut ws = run.model.workspace(&run.backend, total, prompts.len()).unwrap();
@@ -191,6 +202,6 @@ fn two_prompts_in_one_batch_match_their_solo_runs() {
             b["last_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
         let got = log_softmax(&logits[i * v..(i + 1) * v]);
         let worst = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        assert!(worst < TOL, "batch row {i}: differs by {worst}");
+        assert!(worst < TOL, "{fixture} batch row {i}: differs by {worst}");
     }
 }

@@ -462,6 +462,29 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn add_rows_scaled(
+        &self,
+        out: &mut CpuAct,
+        out_rows: usize,
+        y: &CpuAct,
+        rows: &[usize],
+        scales: &[f32],
+    ) -> Result<()> {
+        if rows.len() != scales.len() || rows.iter().any(|&r| r >= out_rows.min(out.rows)) {
+            return Err(BackendError::Other(format!(
+                "add_rows_scaled: {} rows and {} scales into {out_rows} rows",
+                rows.len(),
+                scales.len()
+            )));
+        }
+        for (i, (&r, &s)) in rows.iter().zip(scales).enumerate() {
+            for (a, b) in out.row_mut(r).iter_mut().zip(y.row(i)) {
+                *a += s * b;
+            }
+        }
+        Ok(())
+    }
+
     fn write_kv(&self, kv: &mut CpuKv, k: &CpuAct, v: &CpuAct, seqs: &[SeqStep<'_>]) {
         let g = kv.geometry;
         let width = g.kv_heads * g.head_dim;
