@@ -515,9 +515,9 @@ impl Tokenizer {
     /// not text, as the tokenizer file flags them).
     pub fn is_special(&self, id: u32) -> bool {
         match &self.engine {
-            Engine::Hf(inner) => {
-                inner.id_to_token(id).is_some_and(|piece| inner.get_added_vocabulary().is_special_token(&piece))
-            }
+            Engine::Hf(inner) => inner
+                .id_to_token(id)
+                .is_some_and(|piece| inner.get_added_vocabulary().is_special_token(&piece)),
             Engine::Spm(spm) => spm.is_control(id),
         }
     }
