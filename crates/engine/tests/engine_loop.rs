@@ -26,6 +26,10 @@ fn engine(pages: usize, budget: usize) -> EngineHandle {
 }
 
 fn engine_with(pages: usize, budget: usize, itl_target: Option<Duration>) -> EngineHandle {
+    engine_of(pages, budget, itl_target, 256)
+}
+
+fn engine_of(pages: usize, budget: usize, itl_target: Option<Duration>, context_len: usize) -> EngineHandle {
     let ckpt = Checkpoint::open(&fixture("llama-f32")).unwrap();
     let backend = CpuBackend::new();
     let model = Model::load(&backend, &ckpt, |_| {}).unwrap();
@@ -36,7 +40,7 @@ fn engine_with(pages: usize, budget: usize, itl_target: Option<Duration>) -> Eng
             scheduler: SchedulerConfig {
                 max_running: 8,
                 max_batched_tokens: budget,
-                context_len: 256,
+                context_len,
                 itl_target,
             },
             page_size: Tokens(16),
@@ -144,8 +148,10 @@ fn shared_prefix_is_served_from_the_cache() {
 
 #[test]
 fn dropping_a_stream_aborts_and_frees_its_pages() {
-    let e = engine(64, 64);
-    let mut s = e.submit(greedy((3..40).collect(), 200)).unwrap();
+    // A request that could run for tens of thousands of tokens, so it is
+    // still running when the abort arrives however the threads are scheduled.
+    let e = engine_of(4096, 64, None, 65536);
+    let mut s = e.submit(greedy((3..40).collect(), 60000)).unwrap();
     // Wait for the first token so the request holds pages, then walk away.
     loop {
         if let Event::Token { .. } = s.next_blocking().unwrap() {

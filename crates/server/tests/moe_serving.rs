@@ -52,7 +52,8 @@ fn complete_with(mut opts: BootOptions, prompt: &str, max_tokens: usize) -> (Str
     let app =
         app_from(&booted, StateOptions { served_model_name: Some("tiny".into()), ..Default::default() });
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    // Greedy as transformers decodes: no penalty from the server defaults.
+    let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "repetition_penalty": 1.0});
     let r = rt.block_on(app.post("/v1/completions", &body));
     assert_eq!(r.status, axum::http::StatusCode::OK, "{}", r.text());
     let j = r.json();

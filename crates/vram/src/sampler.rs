@@ -4,8 +4,9 @@
 //! memory, independent of the serving loop. It keeps the running minimum per
 //! card and attributes every sample under the floor:
 //! - on entering the floor: an **intrusion** when, without what foreign
-//!   processes grew since the previous sample, the card would have held; a
-//!   **breach** otherwise (corridor's own allocation took it under);
+//!   processes grew since the previous sample, the card would have held, or
+//!   when nothing of corridor's grew (a process the driver does not list);
+//!   a **breach** otherwise (corridor's own allocation took it under);
 //! - while under: a **breach** if one of corridor's allocations landed
 //!   under the floor since the previous sample, or this process grew beyond
 //!   its books (corridor went deeper), else the episode's cause — a booked
@@ -188,8 +189,15 @@ impl Sampler {
                     None => {
                         // Entering: would the card have held without the
                         // foreign growth since the previous sample?
+                        // Ours only with evidence: our books, our
+                        // process or an allocation of ours grew. A drop
+                        // nobody listed (another container's process, or
+                        // one the driver lists late) is not a breach.
                         let grew = net_growth(&track.prev_foreign, &foreign);
-                        if free + grew >= floor {
+                        let ours_grew = books > track.prev_books
+                            || self_bytes > track.prev_self
+                            || landed > track.prev_landed;
+                        if free + grew >= floor || !ours_grew {
                             Cause::Intrusion
                         } else {
                             Cause::Breach
@@ -391,5 +399,29 @@ mod tests {
         let s = sampler.stats(CardId(0)).unwrap();
         assert_eq!((s.intrusions, s.breaches), (2, 0));
         drop(grant);
+    }
+
+    #[test]
+    fn a_drop_by_an_unlisted_process_is_an_intrusion() {
+        let clock = Arc::new(ManualClock::new());
+        let card = Arc::new(SimCard::new(SimCardSpec::new(CardId(0), Bytes::gib(8)), &[], clock.clone()));
+        let dev = Device::standalone(card.clone(), CardSettings::default());
+        let sampler = Sampler::new(vec![dev.clone()], clock.clone());
+        let _ours = dev.reserve(Bytes::mib(512), crate::Purpose::Weights).unwrap();
+        sampler.sample();
+        // Another container's process takes the card under its floor; the
+        // per-process list shows nothing new, and nothing of ours grew.
+        card.set_unlisted_foreign(9, Bytes::gib(7));
+        clock.advance(Duration::from_millis(100));
+        assert_eq!(sampler.sample()[0].under, Some(Cause::Intrusion));
+        card.set_unlisted_foreign(9, Bytes::ZERO);
+        clock.advance(Duration::from_millis(100));
+        assert_eq!(sampler.sample()[0].under, None);
+        // Ours, with nothing foreign growing, is still a breach.
+        let _more = card.raw_alloc(Bytes::gib(7)).unwrap();
+        clock.advance(Duration::from_millis(100));
+        assert_eq!(sampler.sample()[0].under, Some(Cause::Breach));
+        let s = sampler.stats(CardId(0)).unwrap();
+        assert_eq!((s.intrusions, s.breaches), (1, 1));
     }
 }

@@ -103,6 +103,9 @@ struct SimState {
     next_event: usize,
     /// How many of the next allocations or commits fail.
     fail_next: u32,
+    /// Foreign processes the per-process list does not show (another
+    /// container's, or ones the driver has not listed yet).
+    unlisted: Vec<u32>,
 }
 
 /// A simulated card. Share it as `Arc<SimCard>` (it is also the test's
@@ -136,6 +139,19 @@ impl SimCard {
     /// Let `pid` want `bytes` from now on (0 ends it). It takes what is free.
     pub fn set_foreign(&self, pid: u32, bytes: Bytes) {
         let mut st = self.lock();
+        Self::set_desire(&mut st, pid, bytes);
+        self.settle(&mut st);
+    }
+
+    /// Like [`SimCard::set_foreign`], for a process the per-process list
+    /// never shows (on a real card: another container's process, or one the
+    /// driver has not listed yet). Its memory is gone from the free column
+    /// all the same.
+    pub fn set_unlisted_foreign(&self, pid: u32, bytes: Bytes) {
+        let mut st = self.lock();
+        if !st.unlisted.contains(&pid) {
+            st.unlisted.push(pid);
+        }
         Self::set_desire(&mut st, pid, bytes);
         self.settle(&mut st);
     }
@@ -252,7 +268,12 @@ impl Card for SimCard {
         let mut st = self.lock();
         self.settle(&mut st);
         let mut list = vec![ProcessBytes { pid: self.self_pid(), bytes: self.spec.residue + st.ours }];
-        list.extend(st.foreign.iter().map(|(pid, bytes)| ProcessBytes { pid: *pid, bytes: *bytes }));
+        list.extend(
+            st.foreign
+                .iter()
+                .filter(|(pid, _)| !st.unlisted.contains(pid))
+                .map(|(pid, bytes)| ProcessBytes { pid: *pid, bytes: *bytes }),
+        );
         list
     }
     fn granularity(&self) -> Bytes {
