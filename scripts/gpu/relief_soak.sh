@@ -31,20 +31,12 @@ PERIOD_S=${PERIOD_S:-30}
 SECONDS=0
 header() { echo; echo "=== [${SECONDS}s] $*"; }
 
-server_pid=
-stop_server() {
-    [ -n "$server_pid" ] || return 0
-    kill -INT "$server_pid" 2>/dev/null
-    for _ in $(seq 60); do kill -0 "$server_pid" 2>/dev/null || break; sleep 1; done
-    kill -KILL "$server_pid" 2>/dev/null
-    wait "$server_pid" 2>/dev/null
-    server_pid=
-}
-trap stop_server EXIT
+# stop_server (SIGINT, then SIGKILL after 60 s) on exit; ensure_checkpoint.
+source scripts/gpu/server_lib.sh
 
 header "a. card and checkpoint"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
-python3 scripts/gpu/make_llama8b.py "$MODEL_DIR" --tokenizer-dir .gpu/llama3-tokenizer 2>&1 | tail -n 3
+ensure_checkpoint "$MODEL_DIR"
 
 header "b. corridor serve"
 mkdir -p "$out/flight"
