@@ -407,21 +407,28 @@ fn load_model<B: corridor_backend::Backend>(
 
 /// The KV arena over `parts` (each card with the bytes of one page on it;
 /// one card unless a layout spans several): an address reservation for as
-/// many pages as the smallest share could ever hold (or the scheduler could
-/// ever use), nothing committed yet.
+/// many pages as the smallest share could ever hold (on host compute, at
+/// most what the scheduler could ever use), nothing committed yet.
 fn new_arena(
     env: &BootEnv<'_>,
     parts: &[(Device, Bytes)],
     host_cap: Option<Bytes>,
 ) -> Result<Arc<KvArena>, BootError> {
     let opts = env.opts;
-    let useful = opts.max_running * env.context_len.div_ceil(opts.page_size);
     let mut max_pages = parts
         .iter()
         .map(|(dev, pb)| (dev.card().total().get() / pb.get().max(1)) as usize)
         .min()
-        .unwrap_or(0)
-        .min(useful);
+        .unwrap_or(0);
+    if !matches!(opts.devices, Devices::Cuda(_)) {
+        // Host compute (the CPU card, sim cards) keeps KV in host buffers as
+        // large as the id space, so the id space is held to what the
+        // scheduler could use at once. On a GPU the id space is address space
+        // only: KV fills the card, and what running requests do not use
+        // holds cached prefixes.
+        let useful = opts.max_running * env.context_len.div_ceil(opts.page_size);
+        max_pages = max_pages.min(useful);
+    }
     let widest = parts.iter().map(|(_, pb)| *pb).max().unwrap_or(Bytes::ZERO);
     if let Some(cap) = host_cap {
         // The host is shared with everything else: hold KV to its budget.
