@@ -1,8 +1,8 @@
 //! The engine's page pool: the card's KV arena plus a prefix cache.
 //!
 //! Page states live in the `vram` KV arena (free, in use with a holder count,
-//! cached, withheld; `free + cached + in_use + withheld == capacity`, and the
-//! row cap that never hands out an id above the committed watermark). This
+//! cached, withheld; `free + cached + in_use + withheld == capacity`, and no
+//! id of an uncommitted chunk is ever handed out). This
 //! module adds what the arena does not know: which full pages hold which
 //! tokens, so a later prompt with the same prefix can reuse them.
 //!
