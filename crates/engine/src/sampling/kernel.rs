@@ -179,6 +179,9 @@ impl DrawKernel for CpuDrawKernel {
         if spec.top_k.is_none() && spec.top_p >= 1.0 && min_p <= 0.0 {
             return draw_untruncated(row, max, inv_t, uniform);
         }
+        if spec.top_k.is_none() && min_p > 0.0 {
+            return draw_min_p(row, max, inv_t, spec.top_p, min_p, uniform);
+        }
 
         // Tokens of zero weight are never candidates.
         let mut cands: Vec<(u32, f64)> =
@@ -225,23 +228,61 @@ impl DrawKernel for CpuDrawKernel {
         if min_p > 0.0 {
             cands.retain(|c| c.1 >= min_p);
         }
+        draw_from(&cands, uniform)
+    }
+}
 
-        let total: f64 = cands.iter().map(|c| c.1).sum();
-        if cands.is_empty() || !(total.is_finite() && total > 0.0) {
-            return None;
-        }
-        let target = uniform * total;
-        let mut cum = 0.0;
-        for &(token, w) in &cands {
-            cum += w;
-            if cum > target {
-                return Some(token);
+/// The candidate set when `min_p` is set and `top_k` is not, without ranking
+/// the whole row: the tokens with `w_i ≥ min_p` are a prefix of the rank
+/// order, and so is the top-p cut, so the candidates are the shorter of the
+/// two, and only the few tokens at or above `min_p` are ranked. The top-p
+/// limit is the same sum over the whole row, in the same order, as the
+/// general path takes, so the draw is the same token, bit for bit.
+fn draw_min_p(row: &[f32], max: f32, inv_t: f32, top_p: f32, min_p: f64, uniform: f64) -> Option<TokenId> {
+    let mut total = 0.0f64;
+    let mut cands: Vec<(u32, f64)> = Vec::new();
+    for (i, &l) in row.iter().enumerate() {
+        let w = weight_of(l, max, inv_t) as f64;
+        if w > 0.0 {
+            total += w;
+            if w >= min_p {
+                cands.push((i as u32, w));
             }
         }
-        // Rounding left `target` at or past the last partial sum: the draw
-        // belongs to the last candidate.
-        cands.last().map(|c| c.0)
     }
+    if top_p < 1.0 {
+        let limit = top_p as f64 * total;
+        cands.sort_unstable_by(|a, b| rank_order(row, a.0, b.0));
+        let mut before = 0.0;
+        let cut = cands.iter().position(|c| {
+            let reached = before >= limit;
+            before += c.1;
+            reached
+        });
+        if let Some(n) = cut {
+            cands.truncate(n);
+        }
+    }
+    draw_from(&cands, uniform)
+}
+
+/// Draw from candidates by inverse CDF on `uniform`, in their order.
+fn draw_from(cands: &[(u32, f64)], uniform: f64) -> Option<TokenId> {
+    let total: f64 = cands.iter().map(|c| c.1).sum();
+    if cands.is_empty() || !(total.is_finite() && total > 0.0) {
+        return None;
+    }
+    let target = uniform * total;
+    let mut cum = 0.0;
+    for &(token, w) in cands {
+        cum += w;
+        if cum > target {
+            return Some(token);
+        }
+    }
+    // Rounding left `target` at or past the last partial sum: the draw
+    // belongs to the last candidate.
+    cands.last().map(|c| c.0)
 }
 
 #[cfg(test)]
@@ -320,5 +361,34 @@ mod tests {
                 assert!(got.is_some_and(|g| row[g as usize] > f32::NEG_INFINITY));
             }
         }
+    }
+
+    #[test]
+    fn min_p_without_top_k_draws_what_the_general_path_draws() {
+        // The general path is taken when top_k is set; top_k = vocab keeps
+        // every token, so both paths must choose the same token bit for bit.
+        let n = 5000;
+        let row: Vec<f32> = (0..n)
+            .map(|i| if i % 61 == 3 { f32::NEG_INFINITY } else { ((i * 7919) % 1000) as f32 / 120.0 - 3.0 })
+            .collect();
+        let mut checked = 0;
+        for temperature in [0.2f32, 0.7, 1.0, 1.8] {
+            for top_p in [0.3f32, 0.9, 0.999, 1.0] {
+                for min_p in [0.001f32, 0.05, 0.3, 1.0] {
+                    let fast = DrawSpec { temperature, top_k: None, top_p, min_p };
+                    let general = DrawSpec { top_k: Some(n as u32), ..fast };
+                    for k in 0..200 {
+                        let u = (k as f64 + 0.37) / 200.0;
+                        assert_eq!(
+                            CpuDrawKernel.draw(&row, &fast, u),
+                            CpuDrawKernel.draw(&row, &general, u),
+                            "{fast:?} at {u}"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 4 * 4 * 4 * 200);
     }
 }
