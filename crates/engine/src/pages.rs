@@ -307,11 +307,6 @@ impl PagePool {
         out
     }
 
-    /// Evict up to `n` cached pages (highest ids first); returns how many.
-    pub fn evict_cached(&mut self, n: usize) -> usize {
-        evict_top(&self.arena, &mut lock(&self.index), n)
-    }
-
     /// Empty up to `chunks` chunks of the arena so they can be released:
     /// the live pages (cached prefixes too) of the chunks with the fewest
     /// move to free pages of other chunks in use, their data copied by
@@ -376,14 +371,6 @@ impl PagePool {
     pub fn prefix_evictor(&self) -> Arc<dyn ReliefProvider> {
         Arc::new(PrefixEvictor { arena: self.arena.clone(), index: self.index.clone() })
     }
-}
-
-/// Evict up to `n` cached pages, highest ids first.
-fn evict_top(arena: &KvArena, idx: &mut PrefixIndex, n: usize) -> usize {
-    let mut victims: Vec<u32> = idx.released_at.keys().copied().collect();
-    victims.sort_unstable_by(|a, b| b.cmp(a));
-    victims.truncate(n);
-    evict_all(arena, idx, &victims)
 }
 
 fn evict_all(arena: &KvArena, idx: &mut PrefixIndex, victims: &[u32]) -> usize {

@@ -446,14 +446,6 @@ impl KvArena {
     pub fn stats(&self) -> ArenaStats {
         lock(&self.state).stats
     }
-    /// The highest page that is in use or cached.
-    pub fn highest_live(&self) -> Option<PageId> {
-        let st = lock(&self.state);
-        let cp = self.geometry.chunk_pages;
-        let slot = st.live.iter().rposition(|&n| n > 0)?;
-        (slot * cp..(slot + 1) * cp).rev().find(|&i| st.pages[i].is_live()).map(|i| PageId(i as u32))
-    }
-
     fn counts_of(&self, st: &ArenaState) -> ArenaCounts {
         let committed = st.committed * self.geometry.chunk_pages;
         ArenaCounts {
