@@ -388,6 +388,17 @@ pub trait Backend: Send + Sync + 'static {
     /// or a live page moved so its chunk can be released). A device backend
     /// may only queue the copy: [`Backend::synchronize`] waits for it.
     fn copy_page(&self, kv: &mut Self::Kv, from: PageId, to: PageId);
+    /// Copy one page of one layer's KV to the host as f32: the page's K,
+    /// `[page_size, kv_heads, head_dim]`, then its V, the same shape. What a
+    /// layout change re-shards between ranks. A backend without it refuses.
+    fn read_kv_page(&self, _kv: &Self::Kv, _page: PageId, _out: &mut Vec<f32>) -> Result<()> {
+        Err(BackendError::Other(format!("{} cannot read KV pages to the host", self.name())))
+    }
+    /// Overwrite one page of one layer's KV from the host, in the layout
+    /// [`Backend::read_kv_page`] gives.
+    fn write_kv_page(&self, _kv: &mut Self::Kv, _page: PageId, _data: &[f32]) -> Result<()> {
+        Err(BackendError::Other(format!("{} cannot write KV pages from the host", self.name())))
+    }
     /// Wait until every queued operation has finished (before memory they
     /// read is released) and report the first error any of them hit.
     fn synchronize(&self) -> Result<()> {

@@ -3,12 +3,14 @@
 //! group of tensor-parallel ranks or a pipeline of stages all drive the same
 //! loop.
 
+use crate::phase::{FlipVerdict, Phase};
 use crate::scheduler::SchedulerOutput;
 use corridor_backend::collective::{Collective, Solo};
 use corridor_backend::{Backend, SeqStep};
+use corridor_model::layout::Layout;
 use corridor_model::llama::{KvCache, Model, ModelError, StepInput, Workspace};
 use corridor_model::ModelConfig;
-use corridor_units::PageId;
+use corridor_units::{Bytes, PageId, Rank};
 
 /// Runs steps for the engine.
 pub trait Executor: Send + 'static {
@@ -25,6 +27,40 @@ pub trait Executor: Send + 'static {
     /// holds, and wait until the copies are done, so the sources can be
     /// released. Runs between steps.
     fn move_pages(&mut self, moves: &[(PageId, PageId)]) -> Result<(), ModelError>;
+    /// The layout that serves, in a group that holds two and can flip.
+    fn phase(&self) -> Option<Phase> {
+        None
+    }
+    /// Both layouts of a flipping group (tensor, then pipeline); empty
+    /// otherwise.
+    fn layouts(&self) -> Vec<Layout> {
+        Vec::new()
+    }
+    /// Re-shard the KV of `live` into the `to` layout and serve in it from
+    /// the next step, if every rank agrees; between steps only. An abandoned
+    /// flip leaves the serving layout as it was. `skew_digest` injects a
+    /// ballot disagreement on that rank (to exercise the abandon path).
+    fn flip(
+        &mut self,
+        _to: Phase,
+        _live: Vec<PageId>,
+        _skew_digest: Option<Rank>,
+    ) -> Result<FlipOutcome, ModelError> {
+        Err(ModelError::Step("this executor holds one layout; it cannot flip".into()))
+    }
+}
+
+/// How a flip ended, for the engine's records.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlipOutcome {
+    pub verdict: FlipVerdict,
+    /// Live pages carried.
+    pub pages: usize,
+    pub wave_layers: usize,
+    /// The most staging any rank reserved.
+    pub staging: Bytes,
+    /// The group's flip counter after this attempt.
+    pub epoch: u64,
 }
 
 /// Sizes the executor must be able to run.
@@ -117,6 +153,12 @@ impl<B: Backend> SingleRank<B> {
 
     pub fn model(&self) -> &Model<B> {
         &self.model
+    }
+
+    /// The backend and the KV cache, for work on the cache between steps
+    /// (a layout change re-sharding it).
+    pub fn kv_parts(&mut self) -> (&B, &mut KvCache<B>) {
+        (&self.backend, &mut self.kv)
     }
 }
 

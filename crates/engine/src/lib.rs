@@ -7,6 +7,7 @@
 pub mod engine;
 pub mod executor;
 pub mod pages;
+pub mod phase;
 pub mod ranks;
 pub mod sampling;
 pub mod scheduler;

@@ -17,17 +17,18 @@
 //! The ranks are generic over the backend: CPU ranks (on the host or on sim
 //! cards) join through the in-process group, GPU ranks through NCCL.
 
-use crate::executor::{Executor, ExecutorLimits, SingleRank};
+use crate::executor::{Executor, ExecutorLimits, FlipOutcome, SingleRank};
+use crate::phase::{self, AbandonReason, FlipOrder, FlipVerdict, Phase, RankFlip, RankState};
 use crate::scheduler::SchedulerOutput;
-use corridor_backend::collective::{CollectiveError, GroupShape, ThreadGroup};
+use corridor_backend::collective::{CollectiveError, GroupShape, ThreadGroup, ThreadRank};
 use corridor_backend::cpu::CpuBackend;
 use corridor_backend::Backend;
 use corridor_model::layout::{Layout, LayoutKind};
 use corridor_model::llama::{Model, ModelError};
 use corridor_model::{Checkpoint, ModelConfig};
-use corridor_units::{Bytes, PageId, Pages};
+use corridor_units::{Bytes, PageId, Pages, Rank};
 use corridor_vram::sizing::{solve, SizingInput};
-use corridor_vram::{ChunkGeometry, Device};
+use corridor_vram::{ChunkGeometry, Device, Purpose, ReserveRequest, Urgency};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -65,6 +66,12 @@ enum Job {
     WarmUp,
     /// Copy these pages' KV (every rank its own share of each page).
     MovePages(Arc<Vec<(PageId, PageId)>>),
+    /// Re-shard the live pages into the other layout and switch to it if
+    /// every rank agrees (see `phase`); `staging` is what each rank reserves.
+    Flip {
+        order: Arc<FlipOrder>,
+        staging: Arc<Vec<Bytes>>,
+    },
 }
 
 enum Reply {
@@ -72,6 +79,7 @@ enum Reply {
     Capacity(u64),
     WarmedUp(Vec<usize>),
     Moved,
+    Flipped(FlipVerdict),
 }
 
 /// Where a rank's KV lives when it has a card of its own: its share of the
@@ -89,7 +97,32 @@ pub struct KvShare {
 pub struct RankParts<B: Backend> {
     pub exec: SingleRank<B>,
     pub kv: Option<KvShare>,
+    /// In a group that flips: the rank's executor for the other layout and
+    /// its handle on the control collective.
+    pub flip: Option<FlipParts<B>>,
 }
+
+/// What a rank of a flipping group holds beside the layout that serves.
+pub struct FlipParts<B: Backend> {
+    pub other: SingleRank<B>,
+    pub control: ThreadRank,
+}
+
+/// The two layouts of a flipping group and where it stands.
+struct Flipping {
+    layouts: Arc<[Layout; 2]>,
+    /// The collectives of the two layouts (by [`Phase::index`]) and the
+    /// control group the flip protocol runs on.
+    groups: [ThreadGroup; 2],
+    control: ThreadGroup,
+    serving: Phase,
+    /// Flips attempted (committed or not): every rank counts the same.
+    epoch: u64,
+    page_size: usize,
+}
+
+/// The staging a rank may spend per flip: waves are cut so each fits.
+pub const FLIP_STAGING_CAP: Bytes = Bytes(64 << 20);
 
 /// A layout's ranks as threads of this process.
 pub struct MultiRank {
@@ -102,6 +135,7 @@ pub struct MultiRank {
     steps: u64,
     census_every: u64,
     threads: Vec<JoinHandle<()>>,
+    flipping: Option<Flipping>,
 }
 
 /// Load every rank's slice of `ckpt` and start the rank threads. Each rank
@@ -131,9 +165,92 @@ impl MultiRank {
             let backend = CpuBackend::new();
             let model = Model::load_slice(&backend, ckpt, slice, |_| {})?;
             let exec = SingleRank::new(backend, model, l)?.with_collective(Box::new(comm));
-            ranks.push(RankParts { exec, kv: None });
+            ranks.push(RankParts { exec, kv: None, flip: None });
         }
         Self::start(ckpt.config().clone(), layout, group, ranks, options)
+    }
+
+    /// CPU ranks holding both layouts of a flipping group (rank `i` of each
+    /// on the same thread), serving `serving` first.
+    pub fn spawn_flipping(
+        ckpt: &Checkpoint,
+        layouts: [Layout; 2],
+        serving: Phase,
+        options: LayoutOptions,
+    ) -> Result<MultiRank, ModelError> {
+        let world = layouts[0].ranks.len();
+        let groups =
+            layouts.clone().map(|l| ThreadGroup::new(world, group_shape(&l), options.collective_timeout));
+        let [(tp_group, tp_comms), (pp_group, pp_comms)] = groups;
+        let (control, controls) = ThreadGroup::new(world, GroupShape::Tensor, options.collective_timeout);
+        let l = options.limits;
+        let mut comms = [tp_comms, pp_comms].map(|c| c.into_iter());
+        let mut ranks = Vec::with_capacity(world);
+        for (i, ctl) in controls.into_iter().enumerate() {
+            let mut load = |phase: Phase| -> Result<SingleRank<CpuBackend>, ModelError> {
+                let backend = CpuBackend::new();
+                let model = Model::load_slice(&backend, ckpt, &layouts[phase.index()].ranks[i], |_| {})?;
+                let comm = comms[phase.index()].next().expect("one collective per rank");
+                Ok(SingleRank::new(backend, model, l)?.with_collective(Box::new(comm)))
+            };
+            let exec = load(serving)?;
+            let other = load(serving.other())?;
+            ranks.push(RankParts { exec, kv: None, flip: Some(FlipParts { other, control: ctl }) });
+        }
+        Self::start_flipping(
+            ckpt.config().clone(),
+            layouts,
+            [tp_group, pp_group],
+            control,
+            ranks,
+            serving,
+            options,
+        )
+    }
+
+    /// Start the rank threads of a flipping group over ranks made by the
+    /// caller: `ranks[i].exec` is rank `i` of `layouts[serving]`, its
+    /// `flip.other` rank `i` of the other layout; `groups` are the layouts'
+    /// collectives by [`Phase::index`].
+    pub fn start_flipping<B: Backend + Send + 'static>(
+        config: ModelConfig,
+        layouts: [Layout; 2],
+        groups: [ThreadGroup; 2],
+        control: ThreadGroup,
+        ranks: Vec<RankParts<B>>,
+        serving: Phase,
+        options: LayoutOptions,
+    ) -> Result<MultiRank, ModelError> {
+        if Phase::of(layouts[0].kind) != Some(Phase::Tensor)
+            || Phase::of(layouts[1].kind) != Some(Phase::Pipeline)
+        {
+            return Err(ModelError::Step(
+                "a flipping group holds a tensor layout and a pipeline layout".into(),
+            ));
+        }
+        if layouts[0].ranks.len() != layouts[1].ranks.len() || ranks.iter().any(|r| r.flip.is_none()) {
+            return Err(ModelError::Step("both layouts of a flipping group run on the same ranks".into()));
+        }
+        phase::transfers(&config, &layouts[0], &layouts[1]).map_err(ModelError::Step)?;
+        let layouts = Arc::new(layouts);
+        let serving_group = groups[serving.index()].clone();
+        let mut multi = Self::start_with(
+            config,
+            &layouts[serving.index()],
+            serving_group,
+            ranks,
+            options,
+            Some(layouts.clone()),
+        )?;
+        multi.flipping = Some(Flipping {
+            layouts,
+            groups,
+            control,
+            serving,
+            epoch: 0,
+            page_size: options.limits.page_size,
+        });
+        Ok(multi)
     }
 
     /// Start one thread per rank over ranks made by the caller (rank `i` of
@@ -144,6 +261,17 @@ impl MultiRank {
         group: ThreadGroup,
         ranks: Vec<RankParts<B>>,
         options: LayoutOptions,
+    ) -> Result<MultiRank, ModelError> {
+        Self::start_with(config, layout, group, ranks, options, None)
+    }
+
+    fn start_with<B: Backend + Send + 'static>(
+        config: ModelConfig,
+        layout: &Layout,
+        group: ThreadGroup,
+        ranks: Vec<RankParts<B>>,
+        options: LayoutOptions,
+        layouts: Option<Arc<[Layout; 2]>>,
     ) -> Result<MultiRank, ModelError> {
         let logits_rank = layout
             .ranks
@@ -157,11 +285,24 @@ impl MultiRank {
                 ffn = ?slice.ffn, vocab = ?slice.vocab, "rank loaded");
             let (tx, rx) = mpsc::channel();
             jobs.push(tx);
+            let flip = match (parts.flip, &layouts) {
+                (Some(f), Some(layouts)) => Some(RankFlipState {
+                    other: f.other,
+                    control: f.control,
+                    layouts: layouts.clone(),
+                    config: config.clone(),
+                    page_size: options.limits.page_size,
+                    serving: Phase::of(layout.kind).expect("a flipping layout is tensor or pipeline"),
+                    epoch: 0,
+                }),
+                _ => None,
+            };
             let rank = RankWorker {
                 index: slice.rank.0 as usize,
                 exec: parts.exec,
                 kv: parts.kv,
                 max_pages: options.limits.num_pages as u64,
+                flip,
             };
             let reply = reply_tx.clone();
             let t = std::thread::Builder::new()
@@ -179,6 +320,7 @@ impl MultiRank {
             steps: 0,
             census_every: options.census_every,
             threads,
+            flipping: None,
         })
     }
 
@@ -213,6 +355,9 @@ impl MultiRank {
             return Ok(out.into_iter().map(|r| r.expect("every rank answered")).collect());
         }
         self.group.reset();
+        if let Some(f) = &self.flipping {
+            f.groups.iter().chain(std::iter::once(&f.control)).for_each(ThreadGroup::reset);
+        }
         let is_echo = |e: &ModelError| matches!(e, ModelError::Collective(CollectiveError::Aborted { .. }));
         let first = errors.iter().position(|e| !is_echo(e)).unwrap_or(0);
         Err(errors.swap_remove(first))
@@ -232,6 +377,26 @@ impl MultiRank {
             "ranks disagree after a MIN reduction: {agreed:?}"
         );
         Ok(Pages(agreed.first().copied().unwrap_or(0) as usize))
+    }
+
+    /// Layers per wave so that no rank stages more than [`FLIP_STAGING_CAP`]
+    /// (at least one layer), and what each rank stages then.
+    fn plan_waves(&self, f: &Flipping, to: Phase, pages: usize) -> Result<(usize, Vec<Bytes>), ModelError> {
+        let (from_l, to_l) = (&f.layouts[to.other().index()], &f.layouts[to.index()]);
+        let plan = phase::transfers(&self.config, from_l, to_l).map_err(ModelError::Step)?;
+        let ranks: Vec<Rank> = to_l.ranks.iter().map(|s| s.rank).collect();
+        let staging = |w: usize| -> Vec<Bytes> {
+            ranks
+                .iter()
+                .map(|&r| phase::flip_staging(&self.config, to_l, &plan, r, pages, f.page_size, w))
+                .collect()
+        };
+        let layers = self.config.num_layers.max(1);
+        let mut wave = layers;
+        while wave > 1 && staging(wave).iter().any(|&b| b > FLIP_STAGING_CAP) {
+            wave = wave.div_ceil(2);
+        }
+        Ok((wave, staging(wave)))
     }
 }
 
@@ -264,6 +429,100 @@ impl Executor for MultiRank {
         let moves = Arc::new(moves.to_vec());
         self.broadcast(|| Job::MovePages(moves.clone())).map(|_| ())
     }
+
+    fn phase(&self) -> Option<Phase> {
+        self.flipping.as_ref().map(|f| f.serving)
+    }
+
+    fn layouts(&self) -> Vec<Layout> {
+        self.flipping.as_ref().map(|f| f.layouts.to_vec()).unwrap_or_default()
+    }
+
+    fn flip(
+        &mut self,
+        to: Phase,
+        live: Vec<PageId>,
+        skew_digest: Option<Rank>,
+    ) -> Result<FlipOutcome, ModelError> {
+        let Some(f) = self.flipping.take() else {
+            return Err(ModelError::Step("this group holds one layout; it cannot flip".into()));
+        };
+        let result = self.flip_with(&f, to, live, skew_digest);
+        self.flipping = Some(f);
+        let mut out = result?;
+        let f = self.flipping.as_mut().expect("restored above");
+        f.epoch += 1;
+        if matches!(out.verdict, FlipVerdict::Committed(_)) {
+            f.serving = to;
+            self.group = f.groups[to.index()].clone();
+            self.logits_rank = f.layouts[to.index()]
+                .ranks
+                .iter()
+                .position(|r| r.emits_logits())
+                .expect("a solved layout has a rank that computes logits");
+        }
+        out.epoch = f.epoch;
+        Ok(out)
+    }
+}
+
+impl MultiRank {
+    fn flip_with(
+        &mut self,
+        f: &Flipping,
+        to: Phase,
+        live: Vec<PageId>,
+        skew_digest: Option<Rank>,
+    ) -> Result<FlipOutcome, ModelError> {
+        if to == f.serving {
+            return Err(ModelError::Step(format!("the group already serves in {to}")));
+        }
+        let pages = live.len();
+        let (wave_layers, staging) = self.plan_waves(f, to, pages)?;
+        let order = Arc::new(FlipOrder { to, epoch: f.epoch, live, wave_layers, skew_digest });
+        let staging = Arc::new(staging);
+        let (replies, failed) =
+            match self.broadcast(|| Job::Flip { order: order.clone(), staging: staging.clone() }) {
+                Ok(r) => (r, None),
+                Err(e) => (Vec::new(), Some(e)),
+            };
+        let mut total = RankFlip::default();
+        let mut verdicts =
+            replies.into_iter().filter_map(|r| if let Reply::Flipped(v) = r { Some(v) } else { None });
+        let verdict = match failed {
+            Some(e) => FlipVerdict::Abandoned(AbandonReason::Failed(e.to_string())),
+            None => {
+                let mut first = None;
+                for v in verdicts.by_ref() {
+                    if let FlipVerdict::Committed(r) = &v {
+                        total.sent = total.sent + r.sent;
+                        total.local = total.local + r.local;
+                        total.waves = r.waves;
+                    }
+                    match &first {
+                        None => first = Some(v),
+                        Some(f) => debug_assert_eq!(
+                            std::mem::discriminant(f),
+                            std::mem::discriminant(&v),
+                            "ranks reached different verdicts"
+                        ),
+                    }
+                }
+                match first {
+                    Some(FlipVerdict::Committed(_)) => FlipVerdict::Committed(total),
+                    Some(v) => v,
+                    None => FlipVerdict::Abandoned(AbandonReason::Failed("no rank answered".into())),
+                }
+            }
+        };
+        Ok(FlipOutcome {
+            verdict,
+            pages,
+            wave_layers,
+            staging: staging.iter().copied().max().unwrap_or(Bytes::ZERO),
+            epoch: f.epoch,
+        })
+    }
 }
 
 impl Drop for MultiRank {
@@ -278,10 +537,24 @@ impl Drop for MultiRank {
 
 struct RankWorker<B: Backend> {
     index: usize,
+    /// The executor of the layout that serves.
     exec: SingleRank<B>,
     kv: Option<KvShare>,
     /// Pages this rank's KV cache can address.
     max_pages: u64,
+    flip: Option<RankFlipState<B>>,
+}
+
+/// A rank's side of a flipping group.
+struct RankFlipState<B: Backend> {
+    /// The executor of the layout that does not serve.
+    other: SingleRank<B>,
+    control: ThreadRank,
+    layouts: Arc<[Layout; 2]>,
+    config: ModelConfig,
+    page_size: usize,
+    serving: Phase,
+    epoch: u64,
 }
 
 impl<B: Backend> RankWorker<B> {
@@ -294,7 +567,8 @@ impl<B: Backend> RankWorker<B> {
                     let offer = want.min(self.max_pages).min(self.own_pages());
                     self.exec.collective().min_u64(offer).map(Reply::Capacity).map_err(ModelError::from)
                 }
-                Job::WarmUp => self.exec.warm_up().map(Reply::WarmedUp),
+                Job::WarmUp => self.warm_up().map(Reply::WarmedUp),
+                Job::Flip { order, staging } => self.flip(&order, staging[self.index]).map(Reply::Flipped),
                 Job::MovePages(moves) => self.exec.move_pages(&moves).map(|()| Reply::Moved),
             };
             if let Err(e) = &r {
@@ -305,6 +579,54 @@ impl<B: Backend> RankWorker<B> {
                 return;
             }
         }
+    }
+
+    /// Warm up the serving layout and, in a flipping group, the other one.
+    fn warm_up(&mut self) -> Result<Vec<usize>, ModelError> {
+        if let Some(f) = &mut self.flip {
+            f.other.warm_up()?;
+        }
+        self.exec.warm_up()
+    }
+
+    /// This rank's side of a flip: reserve the staging (without spending
+    /// relief: the engine is waiting on this flip), run the protocol, and
+    /// switch executors if every rank committed.
+    fn flip(&mut self, order: &FlipOrder, staging: Bytes) -> Result<FlipVerdict, ModelError> {
+        let Some(f) = &mut self.flip else {
+            return Err(ModelError::Step(format!("rank{} holds one layout", self.index)));
+        };
+        let reservation = match &self.kv {
+            Some(share) if staging > Bytes::ZERO => share
+                .device
+                .reserve_with(ReserveRequest {
+                    want: staging,
+                    purpose: Purpose::Staging,
+                    urgency: Urgency::Opportunistic,
+                })
+                .map_err(|e| tracing::warn!(rank = self.index, %staging, "flip staging refused: {e}"))
+                .ok(),
+            _ => None,
+        };
+        let funded = staging == Bytes::ZERO || self.kv.is_none() || reservation.is_some();
+        let state = RankState {
+            rank: Rank(self.index as u32),
+            cfg: &f.config,
+            layouts: &f.layouts,
+            page_size: f.page_size,
+            epoch: f.epoch,
+            armed: order.to != f.serving,
+            ready: funded,
+        };
+        let verdict = phase::run_flip(&state, order, &f.control, &mut self.exec, &mut f.other);
+        f.epoch += 1;
+        drop(reservation);
+        let verdict = verdict?;
+        if matches!(verdict, FlipVerdict::Committed(_)) {
+            std::mem::swap(&mut self.exec, &mut f.other);
+            f.serving = order.to;
+        }
+        Ok(verdict)
     }
 
     /// Pages this rank's card holds above its floor and margin, measured now

@@ -175,6 +175,31 @@ impl<B: Backend> KvCache<B> {
             backend.copy_page(l, from, to);
         }
     }
+    /// Layers this cache holds (the rank's own, in order).
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+    /// Copy page `page` of local layer `layer` to the host (see
+    /// `Backend::read_kv_page` for the layout).
+    pub fn read_page(
+        &self,
+        backend: &B,
+        layer: usize,
+        page: corridor_units::PageId,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        Ok(backend.read_kv_page(&self.layers[layer], page, out)?)
+    }
+    /// Overwrite page `page` of local layer `layer` from the host.
+    pub fn write_page(
+        &mut self,
+        backend: &B,
+        layer: usize,
+        page: corridor_units::PageId,
+        data: &[f32],
+    ) -> Result<(), ModelError> {
+        Ok(backend.write_kv_page(&mut self.layers[layer], page, data)?)
+    }
 }
 
 /// One batched step: the new tokens of every scheduled sequence.

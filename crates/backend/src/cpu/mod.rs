@@ -219,6 +219,17 @@ impl CpuKv {
     pub fn geometry(&self) -> KvGeometry {
         self.geometry
     }
+    /// Where `page` starts in `k` and `v`, and how many values it holds.
+    fn page_span(&self, page: PageId) -> Result<(usize, usize)> {
+        let g = &self.geometry;
+        if page.index() >= g.num_pages {
+            return Err(BackendError::Other(format!(
+                "{page} is outside a KV store of {} pages",
+                g.num_pages
+            )));
+        }
+        Ok((self.slot(page, 0), g.page_size * g.kv_heads * g.head_dim))
+    }
 }
 
 /// A raw pointer that may cross into rayon tasks writing disjoint regions.
@@ -559,6 +570,28 @@ impl Backend for CpuBackend {
         let (a, b) = (kv.slot(from, 0), kv.slot(to, 0));
         kv.k.copy_within(a..a + n, b);
         kv.v.copy_within(a..a + n, b);
+    }
+
+    fn read_kv_page(&self, kv: &CpuKv, page: PageId, out: &mut Vec<f32>) -> Result<()> {
+        let (a, n) = kv.page_span(page)?;
+        out.clear();
+        out.extend_from_slice(&kv.k[a..a + n]);
+        out.extend_from_slice(&kv.v[a..a + n]);
+        Ok(())
+    }
+
+    fn write_kv_page(&self, kv: &mut CpuKv, page: PageId, data: &[f32]) -> Result<()> {
+        let (a, n) = kv.page_span(page)?;
+        if data.len() != 2 * n {
+            return Err(BackendError::Other(format!(
+                "a KV page holds {} values, {} were given",
+                2 * n,
+                data.len()
+            )));
+        }
+        kv.k[a..a + n].copy_from_slice(&data[..n]);
+        kv.v[a..a + n].copy_from_slice(&data[n..]);
+        Ok(())
     }
 }
 
