@@ -124,6 +124,14 @@ pub struct ModelArgs {
     /// Layers per PP stage: `a,b,c`, `even`, or `auto` (solved on the cards like `--tp-ratio`).
     #[arg(long, default_value = "even")]
     pp_layers: String,
+    /// Hold a tensor-parallel and a pipeline-parallel layout of the model over the cards (one
+    /// rank per card; both layouts' weights resident, each KV page holding both layouts' shares)
+    /// and flip between them while serving, carrying the running requests: `off` (one layout,
+    /// `--tp`/`--pp`), `manual` (`POST /v1/admin/layout {"layout":"pp"}` flips), `auto` (the
+    /// policy flips to pipeline parallel for prefill bursts and back to tensor parallel to
+    /// decode). `--tp-ratio` and `--pp-layers` give the two splits. Sim cards only for now.
+    #[arg(long, default_value = "off", value_parser = ["off", "manual", "auto"])]
+    phase_flip: String,
     /// Scheduled foreign processes on sim cards: JSON lines such as
     /// `{"at_s": 5.0, "card": 0, "pid": 4242, "bytes": 2147483648}` (`"bytes": 0` = it exited).
     #[arg(long)]
@@ -251,7 +259,20 @@ impl ModelArgs {
         o.flight_dir = self.flight_dir.clone();
         o.sim_events = self.sim_events.clone();
         o.kernel_cache = Some(cache.join("kernels"));
-        if self.tp > 1 || self.pp > 1 {
+        o.phase_flip = self.phase_flip.parse().map_err(anyhow::Error::msg)?;
+        if o.phase_flip != corridor_engine::flips::FlipMode::Off {
+            o.flip_splits = Some(corridor_model::layout::LayoutSpec {
+                tp: 1,
+                tp_split: self.tp_ratio.parse().map_err(|e| anyhow::anyhow!("--tp-ratio: {e}"))?,
+                pp: 1,
+                pp_split: self.pp_layers.parse().map_err(|e| anyhow::anyhow!("--pp-layers: {e}"))?,
+            });
+            if self.tp > 1 || self.pp > 1 {
+                anyhow::bail!(
+                    "--phase-flip puts one rank on every card in both layouts: leave out --tp and --pp (their splits come from --tp-ratio and --pp-layers)"
+                );
+            }
+        } else if self.tp > 1 || self.pp > 1 {
             o.layout = Some(corridor_model::layout::LayoutSpec {
                 tp: self.tp,
                 tp_split: self.tp_ratio.parse().map_err(|e| anyhow::anyhow!("--tp-ratio: {e}"))?,

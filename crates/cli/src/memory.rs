@@ -72,6 +72,11 @@ fn flight(dir: &std::path::Path, json: bool) -> Result<()> {
             let name = match &m.kind {
                 MarkKind::Boot(p) => format!("{p:?}"),
                 MarkKind::Serving => "serving".to_string(),
+                MarkKind::Flip => match &m.flip {
+                    Some(f) if f.committed => format!("flip {}->{}", f.from, f.to),
+                    Some(f) => format!("flip {}->{} abandoned", f.from, f.to),
+                    None => "flip".to_string(),
+                },
             };
             let foreign: Bytes = m.processes.iter().filter(|p| p.pid != m.pid).map(|p| p.bytes).sum();
             println!(

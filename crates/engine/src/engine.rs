@@ -8,7 +8,9 @@
 //! that disconnects costs nothing after that.
 
 use crate::executor::{Executor, ExecutorLimits, SingleRank};
+use crate::flips::{FlipControl, FlipError, FlipMode, FlipObserver, FlipRecord, FlipTrigger};
 use crate::pages::PagePool;
+use crate::phase::Phase;
 use crate::sampling::{
     Constraint, CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams, TokenLogprob,
 };
@@ -17,7 +19,7 @@ use crate::stats::{EngineStats, StatsCell};
 use corridor_backend::Backend;
 use corridor_model::llama::Model;
 use corridor_model::ModelConfig;
-use corridor_units::{Bytes, CardId, Pages, Tokens};
+use corridor_units::{Bytes, CardId, Pages, Rank, Tokens};
 use corridor_vram::{ReliefProvider, Tier};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -101,6 +103,17 @@ enum Command {
         card: CardId,
         need: Bytes,
         reply: mpsc::Sender<Bytes>,
+    },
+    /// Flip the group to `to` between steps (see `flips`).
+    Flip {
+        to: Phase,
+        skew_digest: Option<Rank>,
+        reply: mpsc::Sender<Result<FlipRecord, FlipError>>,
+    },
+    /// How flips are decided from now on, and who hears of each.
+    FlipSetup {
+        mode: FlipMode,
+        observer: Option<FlipObserver>,
     },
     Shutdown,
 }
@@ -195,6 +208,20 @@ impl EngineHandle {
         Arc::new(KvRelief { commands: std::sync::Mutex::new(self.commands.clone()), engine_thread, timeout })
     }
 
+    /// Flip the group to `to` between steps and wait for how it ended (a
+    /// committed or abandoned flip is `Ok`; `Err` means none was tried).
+    /// `skew_digest` injects a ballot disagreement on that rank.
+    pub fn flip(&self, to: Phase, skew_digest: Option<Rank>) -> Result<FlipRecord, FlipError> {
+        let (reply, rx) = mpsc::channel();
+        self.commands.send(Command::Flip { to, skew_digest, reply }).map_err(|_| FlipError::Stopped)?;
+        rx.recv().map_err(|_| FlipError::Stopped)?
+    }
+
+    /// Decide flips by `mode` from now on; `observer` hears of every flip.
+    pub fn set_flips(&self, mode: FlipMode, observer: Option<FlipObserver>) {
+        let _ = self.commands.send(Command::FlipSetup { mode, observer });
+    }
+
     /// Sampler fallback counters (exported as Prometheus counters).
     pub fn sampler_stats(&self) -> &SamplerStats {
         &self.sampler_stats
@@ -264,6 +291,9 @@ pub fn spawn_with(
     });
     let (commands, rx) = mpsc::channel();
     let stats = Arc::new(StatsCell::default());
+    // Readers see the serving layout from the start.
+    let serving = exec.phase();
+    stats.publish(|s| s.flips.serving = serving);
     let sampler_stats = Arc::new(SamplerStats::default());
     let mut core = Core {
         exec,
@@ -274,6 +304,7 @@ pub fn spawn_with(
         logits: Vec::new(),
         sampler: CpuSampler::new(sampler_stats.clone()),
         shutting_down: false,
+        flips: FlipControl::default(),
     };
     let thread = std::thread::Builder::new()
         .name("corridor-engine".into())
@@ -299,6 +330,7 @@ struct Core {
     logits: Vec<f32>,
     sampler: CpuSampler,
     shutting_down: bool,
+    flips: FlipControl,
 }
 
 impl Core {
@@ -401,6 +433,13 @@ impl Core {
                 self.stats.note_give_back(done.moved, done.preempted.len());
                 // The asker may have timed out and gone; the work stands.
                 let _ = reply.send(done.bytes);
+            }
+            Command::Flip { to, skew_digest, reply } => {
+                let _ = reply.send(self.flip(to, FlipTrigger::Manual, skew_digest));
+            }
+            Command::FlipSetup { mode, observer } => {
+                self.flips.mode = mode;
+                self.flips.observers.extend(observer);
             }
             Command::Shutdown => {
                 self.shutting_down = true;
@@ -569,9 +608,20 @@ impl Core {
         (masks, failed)
     }
 
+    /// Flip between steps, carrying every live page and running request.
+    fn flip(&mut self, to: Phase, trigger: FlipTrigger, skew: Option<Rank>) -> Result<FlipRecord, FlipError> {
+        let live = self.sched.pool().arena().live_pages();
+        let requests = self.sched.num_running();
+        self.flips.flip(&mut *self.exec, to, live, requests, trigger, skew)
+    }
+
     fn publish_stats(&self) {
         let pool = self.sched.pool();
+        let mut flips = self.flips.stats.clone();
+        flips.serving = self.exec.phase();
+        flips.mode = self.flips.mode;
         self.stats.publish(|s| {
+            s.flips = flips;
             s.running = self.sched.num_running();
             s.waiting = self.sched.num_waiting();
             s.pages = pool.counts();

@@ -6,6 +6,7 @@
 
 pub mod engine;
 pub mod executor;
+pub mod flips;
 pub mod pages;
 pub mod phase;
 pub mod ranks;

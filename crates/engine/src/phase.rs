@@ -458,7 +458,7 @@ fn run_wave<B: Backend>(
                     for &h in &t.dst_heads {
                         place(&mut assembled, slot_of(pi, t.dst_layer), h, k, v);
                     }
-                    done.local = done.local + Bytes(2 * block as u64 * 4);
+                    done.local += Bytes(2 * block as u64 * 4);
                 } else {
                     let msg = &mut outbox[t.dst.0 as usize];
                     msg.extend_from_slice(k);
@@ -475,7 +475,7 @@ fn run_wave<B: Backend>(
         msg.push(f32::from_bits((sum >> 32) as u32));
         msg.push(f32::from_bits(sum as u32));
         ctl.send_host(Rank(dst as u32), msg)?;
-        done.sent = done.sent + Bytes(4 * (msg.len() as u64 - 2));
+        done.sent += Bytes(4 * (msg.len() as u64 - 2));
     }
     drop(outbox);
 

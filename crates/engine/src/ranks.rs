@@ -495,8 +495,8 @@ impl MultiRank {
                 let mut first = None;
                 for v in verdicts.by_ref() {
                     if let FlipVerdict::Committed(r) = &v {
-                        total.sent = total.sent + r.sent;
-                        total.local = total.local + r.local;
+                        total.sent += r.sent;
+                        total.local += r.local;
                         total.waves = r.waves;
                     }
                     match &first {

@@ -1,6 +1,7 @@
 //! Counters and gauges the engine publishes after every step, read by the
 //! server's `/metrics` without locking the engine loop for long.
 
+use crate::flips::FlipStats;
 use crate::pages::PoolCounts;
 use crate::step_budget::StepCost;
 use std::sync::Mutex;
@@ -37,6 +38,8 @@ pub struct EngineStats {
     pub itl_target: Option<std::time::Duration>,
     pub step_cost: StepCost,
     pub step_cost_measured: u64,
+    /// Phase flips of a group that holds two layouts.
+    pub flips: FlipStats,
 }
 
 /// The shared cell behind `EngineHandle::stats`.

@@ -6,14 +6,21 @@
 //! KV head and a stage that holds no layer. An abandoned flip (a forced
 //! ballot disagreement) leaves the serving layout exactly as it was.
 
+use corridor_backend::collective::{GroupShape, ThreadGroup};
+use corridor_backend::cpu::CpuBackend;
+use corridor_engine::executor::SingleRank;
 use corridor_engine::executor::{Executor, ExecutorLimits};
 use corridor_engine::phase::{AbandonReason, FlipVerdict, Phase};
-use corridor_engine::ranks::{LayoutOptions, MultiRank};
+use corridor_engine::ranks::{FlipParts, KvShare, LayoutOptions, MultiRank, RankParts};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::{Layout, LayoutSpec, Split};
+use corridor_model::llama::Model;
 use corridor_model::Checkpoint;
+use corridor_units::{Bytes, CardId};
 use corridor_units::{PageId, Rank};
+use corridor_vram::{CardSettings, ChunkGeometry, Device, SimCard, SimCardSpec, SystemClock};
 use std::path::Path;
+use std::sync::Arc;
 
 const LIMITS: ExecutorLimits =
     ExecutorLimits { max_rows: 128, max_logit_rows: 4, page_size: 4, num_pages: 32 };
@@ -161,4 +168,70 @@ fn flipping_to_the_serving_layout_is_refused() {
     assert!(g.flip(Phase::Tensor, PAGES.to_vec(), None).is_err());
     assert_eq!(g.phase(), Some(Phase::Tensor));
     assert_eq!(g.layouts().len(), 2);
+}
+
+/// Two even ranks whose rank 1 keeps its KV on `card` (rank 0 has none).
+fn group_on(card: Arc<SimCard>) -> MultiRank {
+    let ckpt = checkpoint();
+    let layouts = layouts(&ckpt, vec![1, 1], vec![1, 1]);
+    let options = LayoutOptions::new(LIMITS);
+    let timeout = options.collective_timeout;
+    let (tp_group, tp) = ThreadGroup::new(2, GroupShape::Tensor, timeout);
+    let (pp_group, pp) = ThreadGroup::new(2, GroupShape::Pipeline, timeout);
+    let (control, ctl) = ThreadGroup::new(2, GroupShape::Tensor, timeout);
+    let device = Device::standalone(card, CardSettings::default());
+    let geometry = ChunkGeometry::new(Bytes(8192), Bytes::mib(2), Bytes::mib(2)).unwrap();
+    let ranks = tp
+        .into_iter()
+        .zip(pp)
+        .zip(ctl)
+        .enumerate()
+        .map(|(i, ((t, p), c))| {
+            let load = |l: &Layout, comm| {
+                let backend = CpuBackend::new();
+                let model = Model::load_slice(&backend, &ckpt, &l.ranks[i], |_| {}).unwrap();
+                SingleRank::new(backend, model, LIMITS).unwrap().with_collective(comm)
+            };
+            let exec = load(&layouts[0], Box::new(t) as Box<_>);
+            let other = load(&layouts[1], Box::new(p) as Box<_>);
+            let kv = (i == 1).then(|| KvShare { device: device.clone(), geometry, margin: Bytes::ZERO });
+            RankParts { exec, kv, flip: Some(FlipParts { other, control: c }) }
+        })
+        .collect();
+    MultiRank::start_flipping(
+        ckpt.config().clone(),
+        layouts,
+        [tp_group, pp_group],
+        control,
+        ranks,
+        Phase::Tensor,
+        options,
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_flip_whose_staging_a_card_cannot_fund_is_abandoned_before_any_byte_moves() {
+    let card =
+        Arc::new(SimCard::new(SimCardSpec::new(CardId(1), Bytes::gib(4)), &[], Arc::new(SystemClock::new())));
+    let plain = generate(&mut group_on(card.clone()), |_, _| {});
+    // A foreign process holds the card under its 1 GiB floor: rank 1 cannot
+    // reserve its staging without landing under it.
+    card.set_foreign(4242, Bytes::gib(3) + Bytes::mib(512));
+    let mut verdicts = Vec::new();
+    let mut g = group_on(card.clone());
+    let under = generate(&mut g, |e, i| {
+        if i == 2 {
+            verdicts.push(e.flip(Phase::Pipeline, PAGES.to_vec(), None).unwrap());
+            assert_eq!(e.phase(), Some(Phase::Tensor));
+        }
+    });
+    assert_eq!(verdicts[0].verdict, FlipVerdict::Abandoned(AbandonReason::NotUnanimous("ready")));
+    assert!(verdicts[0].staging > Bytes::ZERO);
+    assert_eq!(card.our_bytes(), Bytes::ZERO, "nothing was reserved under the floor");
+    assert_eq!(plain, under, "serving went on in the layout it had, exactly");
+    // The foreign process leaves: the same flip is funded and commits.
+    card.set_foreign(4242, Bytes::ZERO);
+    let out = g.flip(Phase::Pipeline, PAGES.to_vec(), None).unwrap();
+    assert!(matches!(out.verdict, FlipVerdict::Committed(_)), "{out:?}");
 }

@@ -894,6 +894,89 @@ pub fn solve(
     evaluate(cfg, &layout, cards, cost)
 }
 
+/// One card of a flipping group: what both layouts place on it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FlippingCard {
+    pub card: CardRoom,
+    /// Weights and workspace of the card's tensor rank and pipeline stage.
+    pub weights: Bytes,
+    pub workspace: Bytes,
+    /// One KV page's bytes on this card: the tensor rank's share of the page
+    /// and the pipeline stage's, both held (the layout that does not serve
+    /// keeps its share so a flip can write it).
+    pub page_bytes: Bytes,
+    pub chunk: Option<ChunkGeometry>,
+    pub own_pages: Pages,
+    pub fits: bool,
+}
+
+/// Both layouts of a flipping group priced on the same cards.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FlippingPlan {
+    pub tensor: Plan,
+    pub pipeline: Plan,
+    pub cards: Vec<FlippingCard>,
+    /// Pages every card holds with both layouts resident.
+    pub group_pages: Pages,
+}
+
+/// Solve a flipping group: the tensor layout on the cards' rooms, the
+/// pipeline layout on what the tensor layout leaves (its weights and
+/// workspace taken out of every room), then every card priced with both
+/// resident and a KV page that holds both layouts' shares.
+pub fn solve_flipping(
+    cfg: &ModelConfig,
+    tp: &LayoutSpec,
+    pp: &LayoutSpec,
+    rooms: &[CardRoom],
+    cost: &CostModel,
+    granule: usize,
+) -> Result<FlippingPlan, LayoutError> {
+    let tensor = solve(cfg, tp, rooms, cost, granule)?;
+    let left: Vec<CardRoom> = rooms
+        .iter()
+        .zip(&tensor.ranks)
+        .map(|(r, p)| {
+            let taken = p.weights + p.workspace;
+            CardRoom {
+                free: r.free.saturating_sub(taken),
+                budget: r.budget.map(|b| b.saturating_sub(taken)),
+                ..*r
+            }
+        })
+        .collect();
+    let pipeline = solve(cfg, pp, &left, cost, granule)?;
+    let pairs: Vec<(&RankSlice, &RankSlice)> =
+        tensor.layout.ranks.iter().zip(&pipeline.layout.ranks).collect();
+    let shapes: Vec<(Bytes, Bytes)> = pairs
+        .iter()
+        .zip(rooms)
+        .map(|((t, p), room)| (cost.page_bytes(cfg, t) + cost.page_bytes(cfg, p), room.granularity))
+        .collect();
+    let geometry = ChunkGeometry::common(&shapes, cost.chunk_target)
+        .map_err(|e| LayoutError::NoFit { reason: format!("the KV chunks of both layouts: {e}") })?;
+    let mut cards = Vec::with_capacity(rooms.len());
+    for ((((t, p), room), shape), chunk) in pairs.iter().zip(rooms).zip(&shapes).zip(geometry) {
+        let weights = cost.weights(cfg, t) + cost.weights(cfg, p);
+        let workspace = cost.workspace(cfg, t) + cost.workspace(cfg, p);
+        let resident = weights + workspace;
+        let fits =
+            room.free >= resident + room.floor + room.margin && room.budget.is_none_or(|b| b >= resident);
+        let own = if fits { own_pages(&sizing_input(room, resident, chunk)) } else { Pages(0) };
+        cards.push(FlippingCard {
+            card: *room,
+            weights,
+            workspace,
+            page_bytes: shape.0,
+            chunk: Some(chunk),
+            own_pages: own,
+            fits,
+        });
+    }
+    let group_pages = cards.iter().map(|c| c.own_pages).min().unwrap_or(Pages(0));
+    Ok(FlippingPlan { tensor, pipeline, cards, group_pages })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -935,6 +1018,39 @@ mod tests {
             head_dim: 16,
             ..llama3_8b()
         }
+    }
+
+    #[test]
+    fn a_flipping_group_prices_both_layouts_on_every_card() {
+        let cfg = llama3_8b();
+        let cost = CostModel {
+            weight_dtype: DType::BF16,
+            kv_elem_bytes: 2,
+            page_size: Tokens(16),
+            max_rows: 512,
+            max_logit_rows: 32,
+            chunk_target: DEFAULT_CHUNK_TARGET,
+        };
+        let rooms = rig();
+        let tp = LayoutSpec { tp: 3, tp_split: Split::Auto, pp: 1, pp_split: Split::Even };
+        let pp = LayoutSpec { tp: 1, tp_split: Split::Even, pp: 3, pp_split: Split::Auto };
+        let plan = solve_flipping(&cfg, &tp, &pp, &rooms, &cost, 1).unwrap();
+        let alone = solve(&cfg, &tp, &rooms, &cost, 1).unwrap();
+        assert!(plan.cards.iter().all(|c| c.fits));
+        // Both layouts' weights are on the cards: the tensor layout's (its
+        // embeddings replicated) and the pipeline's (the model once more).
+        let weights: Bytes = plan.cards.iter().map(|c| c.weights).sum();
+        let tensor: Bytes = plan.tensor.ranks.iter().map(|r| r.weights).sum();
+        let pipeline: Bytes = plan.pipeline.ranks.iter().map(|r| r.weights).sum();
+        assert_eq!(weights, tensor + pipeline);
+        assert!(pipeline.get() > 15_000 << 20 && tensor > pipeline, "{tensor} {pipeline}");
+        // Every page holds both shares: across the cards, twice the model's KV per token.
+        let per_page: Bytes = plan.cards.iter().map(|c| c.page_bytes).sum();
+        let kv = Bytes(2 * 2 * (cfg.num_layers * cfg.num_kv_heads * cfg.head_dim) as u64 * 16);
+        assert_eq!(per_page, kv + kv);
+        // So the group holds fewer pages than the tensor layout alone, and more than none.
+        assert!(plan.group_pages.get() > 0 && plan.group_pages < alone.group_pages);
+        assert_eq!(plan.group_pages, plan.cards.iter().map(|c| c.own_pages).min().unwrap());
     }
 
     fn rig() -> Vec<CardRoom> {

@@ -14,6 +14,7 @@ use corridor_backend::cpu::CpuBackend;
 use corridor_engine::engine::spawn_with;
 use corridor_engine::engine::{spawn, EngineConfig, EngineHandle};
 use corridor_engine::executor::ExecutorLimits;
+use corridor_engine::flips::FlipMode;
 use corridor_engine::pages::PagePool;
 use corridor_engine::ranks::{spawn_layout, LayoutOptions};
 use corridor_engine::scheduler::SchedulerConfig;
@@ -111,6 +112,12 @@ pub struct BootOptions {
     pub layout: Option<LayoutSpec>,
     /// Where compiled GPU kernels are cached (`None`: compiled at every start).
     pub kernel_cache: Option<PathBuf>,
+    /// Hold a tensor and a pipeline layout over the cards and flip between
+    /// them (`Off`: one layout, `layout`).
+    pub phase_flip: FlipMode,
+    /// The two layouts of a flipping group (`tp_split` and `pp_split` of
+    /// this spec; one rank per card).
+    pub flip_splits: Option<LayoutSpec>,
 }
 
 impl BootOptions {
@@ -134,6 +141,8 @@ impl BootOptions {
             sample_interval: None,
             layout: None,
             kernel_cache: None,
+            phase_flip: FlipMode::Off,
+            flip_splits: None,
         }
     }
 }
@@ -341,6 +350,7 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
     };
     let parallel = opts.layout.as_ref().filter(|l| l.ranks() > 1);
     let (engine, resident) = match (&opts.devices, parallel) {
+        _ if opts.phase_flip != FlipMode::Off => boot_flipping(&env, config, &mut progress)?,
         (Devices::Cuda(_), None) => boot_cuda(&env, config, &mut progress)?,
         (Devices::Cuda(_), Some(spec)) => boot_cuda_layout(&env, config, spec, &mut progress)?,
         (Devices::Sim(_), Some(spec)) => layout::boot_sim_layout(&env, config, spec, &mut progress)?,
@@ -372,6 +382,70 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         governor,
         keep_alive: Arc::new(KeepAlive { monitor: Some(monitor), resident }),
     })
+}
+
+/// A flipping group: one rank per card holding a tensor slice and a
+/// pipeline stage. CPU ranks on sim cards; GPU ranks need device-side KV
+/// page copies between cards that the CUDA backend does not have yet.
+fn boot_flipping(
+    env: &BootEnv<'_>,
+    config: EngineConfig,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Started, BootError> {
+    let opts = env.opts;
+    let Devices::Sim(cards) = &opts.devices else {
+        return Err(BootError::Config(
+            "--phase-flip runs on sim cards (--devices sim:32GiB,20GiB,20GiB): CUDA ranks cannot yet copy KV pages \
+             between layouts"
+                .into(),
+        ));
+    };
+    let n = cards.len();
+    if n < 2 {
+        return Err(BootError::Config(format!("--phase-flip needs two cards or more; --devices names {n}")));
+    }
+    let splits = opts.flip_splits.clone().unwrap_or_default();
+    let tp = LayoutSpec {
+        tp: n,
+        tp_split: splits.tp_split.clone(),
+        pp: 1,
+        pp_split: corridor_model::layout::Split::Even,
+    };
+    let pp = LayoutSpec {
+        tp: 1,
+        tp_split: corridor_model::layout::Split::Even,
+        pp: n,
+        pp_split: splits.pp_split.clone(),
+    };
+    let started = layout::boot_sim_flipping(env, config, [&tp, &pp], progress)?;
+    let governor = env.governor.clone();
+    let observer: corridor_engine::flips::FlipObserver =
+        Arc::new(move |r| governor.record_flip(&flip_event(r)));
+    started.0.set_flips(opts.phase_flip, Some(observer));
+    tracing::info!(mode = %opts.phase_flip, "phase flips between tensor and pipeline parallel are on");
+    Ok(started)
+}
+
+/// A flip as the flight recorder keeps it.
+fn flip_event(r: &corridor_engine::flips::FlipRecord) -> corridor_vram::recorder::FlipEvent {
+    use corridor_engine::phase::FlipVerdict;
+    let (sent, local, reason) = match &r.verdict {
+        FlipVerdict::Committed(d) => (d.sent, d.local, None),
+        FlipVerdict::Abandoned(why) => (Bytes::ZERO, Bytes::ZERO, Some(why.to_string())),
+    };
+    corridor_vram::recorder::FlipEvent {
+        from: r.from.to_string(),
+        to: r.to.to_string(),
+        committed: r.committed(),
+        reason,
+        bytes_moved: sent,
+        bytes_local: local,
+        pages: r.pages as u64,
+        requests: r.requests as u64,
+        duration_us: r.duration.as_micros() as u64,
+        staging: r.staging,
+        epoch: r.epoch,
+    }
 }
 
 /// What every boot path shares.

@@ -43,6 +43,10 @@ pub enum ApiError {
     /// (fully) served.
     #[error("{message}")]
     Unavailable { message: String },
+    /// The request is well formed but the server's state refuses it now
+    /// (a flip to the layout that already serves).
+    #[error("{message}")]
+    Conflict { message: String, param: Option<String> },
     /// A fault of the server itself (never caused by the request's content).
     #[error("{message}")]
     Internal { message: String },
@@ -86,6 +90,7 @@ impl ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Conflict { .. } => StatusCode::CONFLICT,
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -104,6 +109,7 @@ impl ApiError {
             ApiError::RouteNotFound { .. } => ("invalid_request_error", None, Some("not_found")),
             ApiError::BodyTooLarge { .. } => ("invalid_request_error", None, Some("request_too_large")),
             ApiError::Unavailable { .. } => ("server_error", None, Some("service_unavailable")),
+            ApiError::Conflict { param, .. } => ("invalid_request_error", param.clone(), Some("conflict")),
             ApiError::Internal { .. } => ("server_error", None, None),
         };
         ErrorBody { error: ErrorObject { message: self.to_string(), kind, param, code } }

@@ -169,6 +169,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{*id}", get(get_model))
         .route("/v1/engine/stats", get(engine_stats))
         .route("/v1/memory", get(memory_report))
+        .route("/v1/admin/layout", get(crate::admin::get_layout).post(crate::admin::post_layout))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -289,6 +290,7 @@ async fn engine_stats(State(state): State<AppState>) -> Response {
         "kv_pages_moved": s.kv_pages_moved,
         "aborted": s.aborted,
         "finished": s.finished,
+        "layout": crate::admin::layout_json(&s.flips),
         "steps": s.steps,
         "step_seconds": {
             "schedule": s.schedule_seconds,
@@ -310,7 +312,11 @@ async fn engine_stats(State(state): State<AppState>) -> Response {
 
 /// `GET /v1/memory`: every card's memory, books and corridor record.
 async fn memory_report(State(state): State<AppState>) -> Response {
-    axum::Json(state.inner.governor.memory_report()).into_response()
+    let mut report = serde_json::to_value(state.inner.governor.memory_report()).unwrap_or_default();
+    if let Some(obj) = report.as_object_mut() {
+        obj.insert("layout".into(), crate::admin::layout_json(&state.inner.engine.stats().flips));
+    }
+    axum::Json(report).into_response()
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Response {

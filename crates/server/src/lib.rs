@@ -14,6 +14,7 @@ pub mod template;
 pub mod tokenizer;
 
 pub mod access;
+pub mod admin;
 pub mod api;
 pub mod defaults;
 pub mod error;

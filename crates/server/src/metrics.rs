@@ -142,6 +142,51 @@ pub struct Scrape<'a> {
 }
 
 /// Per-card memory: the corridor law's record and the books by purpose.
+/// Phase flips: committed by direction, abandoned by reason, the bytes they
+/// moved, their durations, and which layout serves.
+fn render_flips(out: &mut String, f: &corridor_engine::flips::FlipStats) {
+    let Some(serving) = f.serving else { return };
+    header(out, "corridor_layout_serving", "1 for the layout a flipping group serves in.", "gauge");
+    for p in [corridor_engine::phase::Phase::Tensor, corridor_engine::phase::Phase::Pipeline] {
+        let _ = writeln!(out, "corridor_layout_serving{{layout=\"{p}\"}} {}", (p == serving) as u8);
+    }
+    header(out, "corridor_phase_flips_total", "Committed phase flips, by the layout flipped to.", "counter");
+    let _ = writeln!(out, "corridor_phase_flips_total{{to=\"tp\"}} {}", f.to_tensor);
+    let _ = writeln!(out, "corridor_phase_flips_total{{to=\"pp\"}} {}", f.to_pipeline);
+    header(
+        out,
+        "corridor_phase_flip_abandons_total",
+        "Phase flips abandoned on every rank, by reason.",
+        "counter",
+    );
+    for reason in ["unfunded", "disagreement", "ballot", "check", "failure"] {
+        let n = f.abandoned.iter().find(|(l, _)| *l == reason).map_or(0, |(_, n)| *n);
+        let _ = writeln!(out, "corridor_phase_flip_abandons_total{{reason=\"{reason}\"}} {n}");
+    }
+    single(
+        out,
+        "corridor_phase_flip_bytes_total",
+        "KV bytes phase flips moved between ranks.",
+        "counter",
+        f.bytes_moved.get(),
+    );
+    single(
+        out,
+        "corridor_phase_flips_disabled",
+        "1 once phase flips turned themselves off after repeated abandons.",
+        "gauge",
+        f.disabled as u64,
+    );
+    let name = "corridor_phase_flip_duration_seconds";
+    header(out, name, "Committed phase flips' durations.", "histogram");
+    for (le, c) in crate::admin::buckets().iter().zip(f.duration_buckets) {
+        let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {c}");
+    }
+    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", f.committed());
+    let _ = writeln!(out, "{name}_sum {}", f.duration_sum.as_secs_f64());
+    let _ = writeln!(out, "{name}_count {}", f.committed());
+}
+
 fn render_memory(out: &mut String, m: &corridor_vram::MemoryReport) {
     type Field = fn(&corridor_vram::CardReport) -> u64;
     let gauges: [(&str, &str, &str, Field); 8] = [
@@ -287,6 +332,7 @@ pub fn render(s: &Scrape<'_>) -> String {
         "counter",
         e.kv_pages_moved,
     );
+    render_flips(&mut out, &e.flips);
     single(
         &mut out,
         "corridor_requests_aborted_total",

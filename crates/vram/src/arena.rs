@@ -446,6 +446,12 @@ impl KvArena {
     pub fn stats(&self) -> ArenaStats {
         lock(&self.state).stats
     }
+    /// Every page whose contents matter (in use or cached), lowest id first.
+    pub fn live_pages(&self) -> Vec<PageId> {
+        let st = lock(&self.state);
+        let live = |p: &PageState| matches!(p, PageState::InUse(_) | PageState::Cached);
+        st.pages.iter().enumerate().filter(|(_, p)| live(p)).map(|(i, _)| PageId(i as u32)).collect()
+    }
     fn counts_of(&self, st: &ArenaState) -> ArenaCounts {
         let committed = st.committed * self.geometry.chunk_pages;
         ArenaCounts {

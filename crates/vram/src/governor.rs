@@ -103,6 +103,17 @@ impl Governor {
         lock(&self.arenas).clone()
     }
 
+    /// Record a phase flip: a flip mark of every card, when a recorder is
+    /// attached (a failed write is logged, never fatal).
+    pub fn record_flip(&self, event: &crate::recorder::FlipEvent) {
+        let recorder = lock(&self.recorder).clone();
+        if let Some(r) = recorder {
+            if let Err(e) = r.flip_mark(event, &self.devices) {
+                tracing::warn!("flight recorder: {e}");
+            }
+        }
+    }
+
     /// Write serving marks through `recorder` at its pace from now on.
     pub fn attach_recorder(&self, recorder: Arc<FlightRecorder>) {
         *lock(&self.recorder) = Some(recorder);

@@ -54,6 +54,30 @@ impl BootPhase {
 pub enum MarkKind {
     Boot(BootPhase),
     Serving,
+    /// Taken when a group flipped between its layouts, or tried to: the
+    /// mark's `flip` says how it went.
+    Flip,
+}
+
+/// A phase flip as the recorder keeps it: which way, what it carried, how
+/// long it took, or why it was abandoned.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FlipEvent {
+    pub from: String,
+    pub to: String,
+    pub committed: bool,
+    /// Why it was abandoned (`None` when it committed).
+    pub reason: Option<String>,
+    /// KV bytes that crossed between ranks, and those copied within a rank.
+    pub bytes_moved: Bytes,
+    pub bytes_local: Bytes,
+    pub pages: u64,
+    /// Requests running when it happened (carried into the new layout).
+    pub requests: u64,
+    pub duration_us: u64,
+    /// The most staging one rank reserved.
+    pub staging: Bytes,
+    pub epoch: u64,
 }
 
 /// The id every process of one launch shares: `{launcher pid}-{wall ms}`.
@@ -94,6 +118,8 @@ pub struct Mark {
     /// Every process on the card, this one included.
     pub processes: Vec<ProcessBytes>,
     pub books: Books,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flip: Option<FlipEvent>,
 }
 
 impl Mark {
@@ -115,6 +141,7 @@ impl Mark {
             self_bytes: card.process_bytes(),
             processes: card.processes(),
             books: device.books(),
+            flip: None,
         }
     }
 
@@ -194,6 +221,11 @@ impl FlightRecorder {
         self.write(&self.serving, MarkKind::Serving, devices)
     }
 
+    /// Write a flip mark for every device (into the serving file).
+    pub fn flip_mark(&self, event: &FlipEvent, devices: &[Device]) -> Result<Vec<Mark>, RecorderError> {
+        self.write_with(&self.serving, MarkKind::Flip, devices, Some(event))
+    }
+
     /// Write a serving mark if the pace says one is due.
     pub fn serving_mark_if_due(&self, devices: &[Device]) -> Result<Option<Vec<Mark>>, RecorderError> {
         let due = lock(&self.last_serving)
@@ -210,8 +242,20 @@ impl FlightRecorder {
         kind: MarkKind,
         devices: &[Device],
     ) -> Result<Vec<Mark>, RecorderError> {
-        let marks: Vec<Mark> =
-            devices.iter().map(|d| Mark::capture(kind, d, &self.ident, self.clock.as_ref())).collect();
+        self.write_with(file, kind, devices, None)
+    }
+
+    fn write_with(
+        &self,
+        file: &Mutex<(PathBuf, File)>,
+        kind: MarkKind,
+        devices: &[Device],
+        flip: Option<&FlipEvent>,
+    ) -> Result<Vec<Mark>, RecorderError> {
+        let marks: Vec<Mark> = devices
+            .iter()
+            .map(|d| Mark { flip: flip.cloned(), ..Mark::capture(kind, d, &self.ident, self.clock.as_ref()) })
+            .collect();
         let mut text = String::new();
         for m in &marks {
             // Serializing a plain struct of numbers and strings cannot fail.

@@ -233,10 +233,117 @@ pub(super) fn boot_sim_layout(
     let mut ranks = Vec::with_capacity(total);
     for (((backend, model), comm), dev) in models.into_iter().zip(comms).zip(&devices) {
         let exec = SingleRank::new(backend, model, options.limits)?.with_collective(Box::new(comm));
-        ranks.push(RankParts { exec, kv: kv_share(&arena, dev) });
+        ranks.push(RankParts { exec, kv: kv_share(&arena, dev), flip: None });
     }
     let multi = MultiRank::start(cfg.clone(), &plan.layout, group, ranks, options)?;
     tracing::info!(ranks = total, layout = %plan.layout.describe(), "parallel layout running on sim cards");
+    finish(env, config, multi, arena, parts, resident)
+}
+
+/// A flipping group on sim cards (`--phase-flip`): every card runs one CPU
+/// rank that holds its tensor slice and its pipeline stage, both booked on
+/// the card, and a KV page whose share on each card covers both layouts.
+/// The group serves in tensor parallel first.
+pub(super) fn boot_sim_flipping(
+    env: &BootEnv<'_>,
+    config: EngineConfig,
+    specs: [&LayoutSpec; 2],
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Started, BootError> {
+    use corridor_backend::collective::ThreadGroup;
+    use corridor_backend::cpu::CpuBackend;
+    use corridor_engine::executor::SingleRank;
+    use corridor_engine::phase::Phase;
+    use corridor_engine::ranks::FlipParts;
+    use corridor_model::llama::Model;
+    use corridor_vram::Purpose;
+    debug_assert!(matches!(env.opts.devices, Devices::Sim(_)));
+    let devices = layout_devices(env, specs[0])?;
+    let cost = cost_model(env, layout::card_weight_dtype(env.ckpt), 4);
+    let cfg = env.ckpt.config();
+    let rooms: Vec<CardRoom> = devices.iter().map(card_room).collect();
+    let granule = layout::ffn_granule(cost.weight_dtype);
+    let plan = layout::solve_flipping(cfg, specs[0], specs[1], &rooms, &cost, granule)
+        .map_err(|e| BootError::Config(e.to_string()))?;
+    if let Some(c) = plan.cards.iter().find(|c| !c.fits) {
+        return Err(BootError::Memory(format!(
+            "{}: both layouts' weights ({}) and workspace ({}) do not fit above its floor and margin (room {}); \
+             a flipping group holds the model twice: add cards or use a smaller model",
+            c.card.card, c.weights, c.workspace, c.card.free
+        )));
+    }
+    let layouts = [plan.tensor.layout.clone(), plan.pipeline.layout.clone()];
+    tracing::info!(
+        tensor = %layouts[0].describe(),
+        pipeline = %layouts[1].describe(),
+        planned_pages = plan.group_pages.get(),
+        "flipping group solved on the cards: both layouts resident"
+    );
+    for c in &plan.cards {
+        tracing::info!(card = %c.card.card, weights = %c.weights, workspace = %c.workspace, page = %c.page_bytes,
+            pages = c.own_pages.get(), "both layouts on this card");
+    }
+    let total = devices.len();
+    let mut resident = Vec::new();
+    let mut loaded = Vec::with_capacity(total);
+    for (i, (c, dev)) in plan.cards.iter().zip(&devices).enumerate() {
+        resident.push(dev.reserve(c.weights, Purpose::Weights).map_err(|e| {
+            BootError::Memory(format!("{}: the weights of both layouts do not fit: {e}", dev.id()))
+        })?);
+        let mut pair = Vec::with_capacity(2);
+        for l in &layouts {
+            let backend = CpuBackend::new();
+            let model = Model::load_slice(&backend, env.ckpt, &l.ranks[i], |_| {})?;
+            pair.push((backend, model));
+        }
+        loaded.push(pair);
+        progress(i + 1, total);
+    }
+    (env.mark)(BootPhase::WeightsLoaded);
+    for (c, dev) in plan.cards.iter().zip(&devices) {
+        resident.push(
+            dev.reserve(c.workspace, Purpose::Workspace)
+                .map_err(|e| BootError::Memory(format!("{}: workspace does not fit: {e}", dev.id())))?,
+        );
+    }
+    (env.mark)(BootPhase::WorkspaceReady);
+    let parts: Vec<(Device, Bytes)> = plan
+        .cards
+        .iter()
+        .zip(&devices)
+        .map(|(c, d)| (d.clone(), c.page_bytes))
+        .filter(|(_, pb)| *pb > Bytes::ZERO)
+        .collect();
+    let arena = new_arena(env, &parts, None)?;
+    let options = LayoutOptions::new(limits(env, arena.capacity()));
+    let (tp_group, tp_comms) = ThreadGroup::new(total, GroupShape::Tensor, options.collective_timeout);
+    let (pp_group, pp_comms) = ThreadGroup::new(total, GroupShape::Pipeline, options.collective_timeout);
+    let (control, controls) = ThreadGroup::new(total, GroupShape::Tensor, options.collective_timeout);
+    let mut ranks = Vec::with_capacity(total);
+    for ((((pair, tp), pp), ctl), dev) in
+        loaded.into_iter().zip(tp_comms).zip(pp_comms).zip(controls).zip(&devices)
+    {
+        let mut pair = pair.into_iter();
+        let (tb, tm) = pair.next().expect("a tensor slice");
+        let (pb, pm) = pair.next().expect("a pipeline slice");
+        let exec = SingleRank::new(tb, tm, options.limits)?.with_collective(Box::new(tp));
+        let other = SingleRank::new(pb, pm, options.limits)?.with_collective(Box::new(pp));
+        ranks.push(RankParts {
+            exec,
+            kv: kv_share(&arena, dev),
+            flip: Some(FlipParts { other, control: ctl }),
+        });
+    }
+    let multi = MultiRank::start_flipping(
+        cfg.clone(),
+        layouts,
+        [tp_group, pp_group],
+        control,
+        ranks,
+        Phase::Tensor,
+        options,
+    )?;
+    tracing::info!(ranks = total, "flipping group running on sim cards, serving in tensor parallel");
     finish(env, config, multi, arena, parts, resident)
 }
 
@@ -292,7 +399,7 @@ pub(super) fn boot_cuda_layout(
             model.kv_cache_in(&backend, env.opts.page_size, &arena)?
         };
         let exec = SingleRank::from_parts(backend, model, ws, kv).with_collective(Box::new(comm));
-        ranks.push(RankParts { exec, kv: kv_share(&arena, dev) });
+        ranks.push(RankParts { exec, kv: kv_share(&arena, dev), flip: None });
     }
     let multi = MultiRank::start(cfg.clone(), &plan.layout, group, ranks, options)?;
     tracing::info!(ranks = devices.len(), layout = %plan.layout.describe(), "parallel layout running on GPUs over NCCL");
