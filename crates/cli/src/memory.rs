@@ -40,12 +40,41 @@ pub fn run(a: &MemoryArgs) -> Result<()> {
                 let report: MemoryReport = serde_json::from_str(&body)
                     .with_context(|| format!("{url}/v1/memory did not return a memory report"))?;
                 print!("{}", render_table(&report));
+                if let Some(line) = layout_line(&body) {
+                    println!("{line}");
+                }
             }
             Ok(())
         }
         (None, Some(dir)) => flight(dir, a.json),
         (None, None) => bail!("give --url URL (a running server) or --flight-dir DIR (recorded boots)"),
     }
+}
+
+/// The serving layout of a flipping group, from the report's `layout`
+/// object (`None` for a server that holds one layout).
+fn layout_line(body: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    let l = v.get("layout")?;
+    let serving = l.get("serving")?.as_str()?;
+    let f = l.get("flips")?;
+    let n = |k: &str| f.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+    let abandoned: u64 = f
+        .get("abandoned")
+        .and_then(|a| a.as_object())
+        .map_or(0, |a| a.values().filter_map(|x| x.as_u64()).sum());
+    let mode = l.get("phase_flip").and_then(|m| m.as_str()).unwrap_or("?");
+    let off = if f.get("disabled").and_then(|d| d.as_bool()).unwrap_or(false) {
+        ", turned off after abandons"
+    } else {
+        ""
+    };
+    Some(format!(
+        "layout: serving in {serving} (phase flips {mode}{off}: {} to pp, {} to tp, {abandoned} abandoned, {} moved)",
+        n("to_pp"),
+        n("to_tp"),
+        Bytes(n("bytes_moved"))
+    ))
 }
 
 fn mib(b: Bytes) -> String {
