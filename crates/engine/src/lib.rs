@@ -6,6 +6,7 @@
 
 pub mod engine;
 pub mod executor;
+pub mod flip_policy;
 pub mod pages;
 pub mod ranks;
 pub mod sampling;
