@@ -19,7 +19,7 @@
 
 use crate::executor::{Executor, ExecutorLimits, SingleRank};
 use crate::scheduler::SchedulerOutput;
-use corridor_backend::collective::{CollectiveError, GroupShape, ThreadGroup};
+use corridor_backend::collective::{CollectiveError, GroupShape, LinkModel, LinkStats, ThreadGroup};
 use corridor_backend::cpu::CpuBackend;
 use corridor_backend::Backend;
 use corridor_model::layout::{Layout, LayoutKind};
@@ -45,11 +45,14 @@ pub struct LayoutOptions {
     /// How long a rank waits for its peers inside one collective before the
     /// step fails (a safety net; a failing rank aborts its peers at once).
     pub collective_timeout: Duration,
+    /// What a transfer between the in-process ranks costs (`None`: nothing,
+    /// as between threads); see [`LinkModel`].
+    pub link: Option<LinkModel>,
 }
 
 impl LayoutOptions {
     pub fn new(limits: ExecutorLimits) -> LayoutOptions {
-        LayoutOptions { limits, census_every: 64, collective_timeout: COLLECTIVE_TIMEOUT }
+        LayoutOptions { limits, census_every: 64, collective_timeout: COLLECTIVE_TIMEOUT, link: None }
     }
 }
 
@@ -123,8 +126,12 @@ impl MultiRank {
         layout: &Layout,
         options: LayoutOptions,
     ) -> Result<MultiRank, ModelError> {
-        let (group, comms) =
-            ThreadGroup::new(layout.ranks.len(), group_shape(layout), options.collective_timeout);
+        let (group, comms) = ThreadGroup::with_link(
+            layout.ranks.len(),
+            group_shape(layout),
+            options.collective_timeout,
+            options.link,
+        );
         let l = options.limits;
         let mut ranks = Vec::with_capacity(layout.ranks.len());
         for (slice, comm) in layout.ranks.iter().zip(comms) {
@@ -180,6 +187,12 @@ impl MultiRank {
             census_every: options.census_every,
             threads,
         })
+    }
+
+    /// Each rank's modelled link time and bytes so far (see
+    /// [`LayoutOptions::link`]; zero without a link model).
+    pub fn link_stats(&self) -> Vec<LinkStats> {
+        self.group.link_stats()
     }
 
     /// Every rank runs each step shape once, in lockstep (see

@@ -111,6 +111,9 @@ pub struct BootOptions {
     pub layout: Option<LayoutSpec>,
     /// Where compiled GPU kernels are cached (`None`: compiled at every start).
     pub kernel_cache: Option<PathBuf>,
+    /// What a transfer between CPU ranks of a layout (on sim cards or the
+    /// host) costs; `None`: nothing, as between threads.
+    pub sim_link: Option<corridor_backend::collective::LinkModel>,
 }
 
 impl BootOptions {
@@ -134,6 +137,7 @@ impl BootOptions {
             sample_interval: None,
             layout: None,
             kernel_cache: None,
+            sim_link: None,
         }
     }
 }
@@ -560,7 +564,11 @@ fn boot_host(
                 page_size: opts.page_size,
                 num_pages: pool.capacity(),
             };
-            let exec = spawn_layout(ckpt, layout, LayoutOptions::new(limits))?;
+            let exec = spawn_layout(
+                ckpt,
+                layout,
+                LayoutOptions { link: opts.sim_link, ..LayoutOptions::new(limits) },
+            )?;
             tracing::info!(ranks = layout.ranks.len(), "parallel layout running on CPU threads");
             spawn_with(exec, config, pool)?
         }

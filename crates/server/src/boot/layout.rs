@@ -228,8 +228,10 @@ pub(super) fn boot_sim_layout(
     }
     (env.mark)(BootPhase::WorkspaceReady);
     let (arena, parts) = layout_arena(env, &plan, &devices, &cost)?;
-    let options = LayoutOptions::new(limits(env, arena.capacity()));
-    let (group, comms) = ThreadGroup::new(total, group_shape(spec), options.collective_timeout);
+    let options =
+        LayoutOptions { link: env.opts.sim_link, ..LayoutOptions::new(limits(env, arena.capacity())) };
+    let (group, comms) =
+        ThreadGroup::with_link(total, group_shape(spec), options.collective_timeout, options.link);
     let mut ranks = Vec::with_capacity(total);
     for (((backend, model), comm), dev) in models.into_iter().zip(comms).zip(&devices) {
         let exec = SingleRank::new(backend, model, options.limits)?.with_collective(Box::new(comm));
