@@ -7,6 +7,7 @@
 pub mod engine;
 pub mod executor;
 pub mod flip_policy;
+pub mod microbatch;
 pub mod pages;
 pub mod ranks;
 pub mod sampling;

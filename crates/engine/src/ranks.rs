@@ -36,6 +36,11 @@ use std::time::Duration;
 /// How long a rank waits for its peers inside one collective by default.
 pub const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// A pipeline cuts a step with more prompt rows than this into parts of
+/// about this many rows ([`crate::microbatch`]): a 512-row chunk makes six,
+/// two per stage of a 3-stage pipeline.
+pub const DEFAULT_MICROBATCH_ROWS: usize = 96;
+
 /// How a layout's ranks run.
 #[derive(Clone, Copy, Debug)]
 pub struct LayoutOptions {
@@ -48,11 +53,20 @@ pub struct LayoutOptions {
     /// What a transfer between the in-process ranks costs (`None`: nothing,
     /// as between threads); see [`LinkModel`].
     pub link: Option<LinkModel>,
+    /// In a pipeline, the rows per micro-batch of a step with more prompt
+    /// rows than this (0: every step runs whole). Ignored by TP.
+    pub microbatch_rows: usize,
 }
 
 impl LayoutOptions {
     pub fn new(limits: ExecutorLimits) -> LayoutOptions {
-        LayoutOptions { limits, census_every: 64, collective_timeout: COLLECTIVE_TIMEOUT, link: None }
+        LayoutOptions {
+            limits,
+            census_every: 64,
+            collective_timeout: COLLECTIVE_TIMEOUT,
+            link: None,
+            microbatch_rows: DEFAULT_MICROBATCH_ROWS,
+        }
     }
 }
 
@@ -169,6 +183,11 @@ impl MultiRank {
                 exec: parts.exec,
                 kv: parts.kv,
                 max_pages: options.limits.num_pages as u64,
+                microbatch_rows: if layout.kind == LayoutKind::Pipeline {
+                    options.microbatch_rows
+                } else {
+                    0
+                },
             };
             let reply = reply_tx.clone();
             let t = std::thread::Builder::new()
@@ -295,6 +314,8 @@ struct RankWorker<B: Backend> {
     kv: Option<KvShare>,
     /// Pages this rank's KV cache can address.
     max_pages: u64,
+    /// See [`LayoutOptions::microbatch_rows`] (0 outside a pipeline).
+    microbatch_rows: usize,
 }
 
 impl<B: Backend> RankWorker<B> {
@@ -341,7 +362,9 @@ impl<B: Backend> RankWorker<B> {
         census: bool,
         logits: &mut Vec<f32>,
     ) -> Result<Reply, ModelError> {
-        self.exec.execute(out, logit_rows, logits)?;
+        // Every rank cuts the step alike: the parts follow from the step.
+        let parts = crate::microbatch::microbatch_parts(out, self.microbatch_rows);
+        self.exec.execute_microbatched(out, logit_rows, logits, parts)?;
         if census {
             self.exec.collective().compare_census()?;
         }
