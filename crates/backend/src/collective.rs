@@ -21,14 +21,174 @@
 //! lock and every wait on it is bounded, so the comparison can never wedge even
 //! when the collectives themselves have; a divergence names the rank that is
 //! behind and by how many.
+//!
+//! The link: ranks that are threads exchange at memory speed, so a layout of
+//! sim cards would show none of what a PCIe link costs, and pipeline versus
+//! tensor parallelism could not show their trade-off. A [`LinkModel`] given
+//! to [`ThreadGroup::with_link`] makes every transfer pay a modelled time:
+//! a message is stamped with the instant it would have arrived, and the
+//! receiver waits for that instant, so the sender computes on while its
+//! message is in flight (as a DMA would let it), and messages on one link
+//! queue behind each other. The time paid is counted per rank
+//! ([`ThreadGroup::link_stats`]).
 
 use crate::cpu::CpuAct;
 use crate::Backend;
-use corridor_units::Rank;
+use corridor_units::{Bytes, Rank};
 use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+/// What a transfer between two ranks costs: a fixed latency per message plus
+/// its bytes over the link's bandwidth. The bytes are what the in-process
+/// group carries, host `f32` values (4 bytes each).
+///
+/// Text form `BANDWIDTH,LATENCY`, e.g. `16GB/s,5us`: the bandwidth is a
+/// number with `B/s`, decimal `KB/s`, `MB/s`, `GB/s`, `TB/s` (powers of
+/// 1000), binary `KiB/s`, `MiB/s`, `GiB/s` (powers of 1024) or bits `Mbit/s`,
+/// `Gbit/s`; the latency a number with `ns`, `us` (or `µs`), `ms` or `s`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkModel {
+    /// Bytes per second, finite and positive.
+    pub bandwidth: f64,
+    /// Paid by every message on top of its bytes.
+    pub latency: Duration,
+}
+
+impl LinkModel {
+    /// A link of `bandwidth` bytes per second and `latency` per message.
+    pub fn new(bandwidth: f64, latency: Duration) -> Result<LinkModel, LinkModelError> {
+        if !(bandwidth.is_finite() && bandwidth > 0.0) {
+            return Err(LinkModelError::Bandwidth(bandwidth.to_string()));
+        }
+        Ok(LinkModel { bandwidth, latency })
+    }
+
+    /// The wire time of `bytes`, without the latency.
+    pub fn wire(&self, bytes: Bytes) -> Duration {
+        Duration::from_secs_f64(bytes.get() as f64 / self.bandwidth)
+    }
+
+    /// One point-to-point message of `bytes`: latency + bytes / bandwidth.
+    pub fn send(&self, bytes: Bytes) -> Duration {
+        self.latency + self.wire(bytes)
+    }
+
+    /// A ring all-reduce of `bytes` over `world` ranks: each rank moves
+    /// 2(n-1)/n of the buffer in 2(n-1) steps.
+    pub fn all_reduce(&self, bytes: Bytes, world: usize) -> Duration {
+        let n = world.max(1) as f64;
+        let steps = 2 * world.saturating_sub(1) as u32;
+        Duration::from_secs_f64(2.0 * (n - 1.0) / n * bytes.get() as f64 / self.bandwidth)
+            + self.latency * steps
+    }
+
+    /// A ring all-gather whose gathered result is `bytes`: (n-1)/n of it
+    /// moves, in n-1 steps.
+    pub fn all_gather(&self, bytes: Bytes, world: usize) -> Duration {
+        let n = world.max(1) as f64;
+        let steps = world.saturating_sub(1) as u32;
+        Duration::from_secs_f64((n - 1.0) / n * bytes.get() as f64 / self.bandwidth) + self.latency * steps
+    }
+}
+
+/// Text that is not a link model.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LinkModelError {
+    #[error("link model '{0}': expected BANDWIDTH,LATENCY such as 16GB/s,5us")]
+    Shape(String),
+    #[error("link bandwidth '{0}': expected a positive number with B/s, KB/s, MB/s, GB/s, TB/s, KiB/s, MiB/s, GiB/s, Mbit/s or Gbit/s")]
+    Bandwidth(String),
+    #[error("link latency '{0}': expected a number with ns, us, ms or s")]
+    Latency(String),
+}
+
+/// Split `text` into its number and its unit.
+fn number_unit(text: &str) -> Option<(f64, &str)> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num.parse().ok()?;
+    v.is_finite().then_some((v, unit.trim()))
+}
+
+impl FromStr for LinkModel {
+    type Err = LinkModelError;
+    fn from_str(text: &str) -> Result<LinkModel, LinkModelError> {
+        let (bw, lat) = text.split_once(',').ok_or_else(|| LinkModelError::Shape(text.to_string()))?;
+        let bad_bw = || LinkModelError::Bandwidth(bw.trim().to_string());
+        let (v, unit) = number_unit(bw).ok_or_else(bad_bw)?;
+        let per = unit.strip_suffix("/s").ok_or_else(bad_bw)?;
+        let scale = match per {
+            "B" => 1.0,
+            "KB" => 1e3,
+            "MB" => 1e6,
+            "GB" => 1e9,
+            "TB" => 1e12,
+            "KiB" => 1024.0,
+            "MiB" => 1024.0 * 1024.0,
+            "GiB" => 1024.0 * 1024.0 * 1024.0,
+            "Mbit" => 1e6 / 8.0,
+            "Gbit" => 1e9 / 8.0,
+            _ => return Err(bad_bw()),
+        };
+        let bad_lat = || LinkModelError::Latency(lat.trim().to_string());
+        let (l, unit) = number_unit(lat).ok_or_else(bad_lat)?;
+        let secs = match unit {
+            "ns" => l * 1e-9,
+            "us" | "µs" => l * 1e-6,
+            "ms" => l * 1e-3,
+            "s" => l,
+            _ => return Err(bad_lat()),
+        };
+        let latency = Duration::try_from_secs_f64(secs).map_err(|_| bad_lat())?;
+        LinkModel::new(v * scale, latency).map_err(|_| bad_bw())
+    }
+}
+
+impl fmt::Display for LinkModel {
+    /// The text form, in GB/s and microseconds (parses back to the same link).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}GB/s,{}us", self.bandwidth / 1e9, self.latency.as_nanos() as f64 / 1e3)
+    }
+}
+
+/// The modelled link time a rank has paid and the bytes it moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkStats {
+    /// Modelled time of the transfers this rank started (sends) or took part
+    /// in (all-reduce, all-gather).
+    pub time: Duration,
+    /// Bytes this rank put on the link (for a collective, the buffer size).
+    pub bytes: Bytes,
+}
+
+#[derive(Debug, Default)]
+struct LinkCounter {
+    nanos: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl LinkCounter {
+    fn add(&self, time: Duration, bytes: Bytes) {
+        self.nanos.fetch_add(time.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes.get(), Ordering::Relaxed);
+    }
+    fn get(&self) -> LinkStats {
+        LinkStats {
+            time: Duration::from_nanos(self.nanos.load(Ordering::Relaxed)),
+            bytes: Bytes(self.bytes.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+/// Bytes of `values` host `f32`s.
+fn f32_bytes(values: usize) -> Bytes {
+    Bytes(values as u64 * std::mem::size_of::<f32>() as u64)
+}
 
 /// The kinds of collective the census counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -321,7 +481,14 @@ impl<B: Backend> Collective<B> for Solo {
 #[derive(Debug)]
 enum Contribution {
     Sum(Vec<f32>),
-    Cols { at: usize, rows: usize, data: Vec<f32> },
+    /// `len`: the values of this rank's block, also when `data` stays
+    /// behind (the gathering rank places its own block itself).
+    Cols {
+        at: usize,
+        rows: usize,
+        len: usize,
+        data: Vec<f32>,
+    },
     Min(u64),
     Unit,
 }
@@ -330,7 +497,11 @@ enum Contribution {
 #[derive(Debug)]
 enum Outcome {
     Sum(Vec<f32>),
-    Cols(Vec<(usize, usize, Vec<f32>)>),
+    /// Each rank's block as (at, rows, data), and the values of all blocks.
+    Cols {
+        blocks: Vec<(usize, usize, Vec<f32>)>,
+        values: usize,
+    },
     Min(u64),
     Unit,
 }
@@ -346,14 +517,28 @@ struct Round {
     result: Option<Arc<Outcome>>,
     /// Ranks that have not yet taken the last result; a new round waits for 0.
     readers_left: usize,
+    /// When the last result would have crossed the link (with a link model).
+    ready_at: Option<Instant>,
+}
+
+/// One point-to-point message in flight.
+#[derive(Debug)]
+struct Message {
+    /// When the link would have delivered it (`None`: no link model).
+    arrives: Option<Instant>,
+    values: Vec<f32>,
 }
 
 #[derive(Debug, Default)]
 struct State {
     aborted: Option<String>,
     round: Round,
-    /// Point-to-point messages, by (from, to), in send order.
-    mail: HashMap<(u32, u32), VecDeque<Vec<f32>>>,
+    /// Point-to-point messages, by (from, to), in send order, each with the
+    /// instant it arrives (with a link model; else it is there at once).
+    mail: HashMap<(u32, u32), VecDeque<Message>>,
+    /// With a link model: when each (from, to) link is free again, so
+    /// messages on one link queue behind each other.
+    link_free: HashMap<(u32, u32), Instant>,
 }
 
 /// How many past comparisons each rank's posts are kept for: a rank that
@@ -395,6 +580,9 @@ struct Shared {
     board: Mutex<Board>,
     board_cv: Condvar,
     epochs: Vec<AtomicU64>,
+    link: Option<LinkModel>,
+    /// Per rank; kept across [`ThreadGroup::reset`] (a benchmark's total).
+    link_stats: Vec<LinkCounter>,
 }
 
 impl Shared {
@@ -430,6 +618,18 @@ impl ThreadGroup {
     /// Barriers and MIN reductions always span every rank; `shape` says
     /// whether all-reduce and all-gather do.
     pub fn new(world: usize, shape: GroupShape, timeout: Duration) -> (ThreadGroup, Vec<ThreadRank>) {
+        ThreadGroup::with_link(world, shape, timeout, None)
+    }
+
+    /// [`ThreadGroup::new`] whose transfers pay `link` (none: they cost
+    /// nothing, as between threads): a send its latency plus its bytes over
+    /// the bandwidth, an all-reduce and an all-gather a ring's cost.
+    pub fn with_link(
+        world: usize,
+        shape: GroupShape,
+        timeout: Duration,
+        link: Option<LinkModel>,
+    ) -> (ThreadGroup, Vec<ThreadRank>) {
         let world = world.max(1);
         let shared = Arc::new(Shared {
             world,
@@ -444,6 +644,8 @@ impl ThreadGroup {
             board: Mutex::new(Board { posts: vec![VecDeque::new(); world] }),
             board_cv: Condvar::new(),
             epochs: (0..world).map(|_| AtomicU64::new(0)).collect(),
+            link,
+            link_stats: (0..world).map(|_| LinkCounter::default()).collect(),
         });
         let ranks = (0..world).map(|r| ThreadRank { rank: Rank(r as u32), shared: shared.clone() }).collect();
         (ThreadGroup { shared }, ranks)
@@ -451,6 +653,17 @@ impl ThreadGroup {
 
     pub fn world(&self) -> usize {
         self.shared.world
+    }
+
+    /// The link model the group's transfers pay, if any.
+    pub fn link(&self) -> Option<LinkModel> {
+        self.shared.link
+    }
+
+    /// Each rank's modelled link time and bytes so far (zero without a link
+    /// model).
+    pub fn link_stats(&self) -> Vec<LinkStats> {
+        self.shared.link_stats.iter().map(LinkCounter::get).collect()
     }
 
     /// Abort every wait in progress (e.g. the driver saw a rank fail).
@@ -468,6 +681,7 @@ impl ThreadGroup {
         st.aborted = None;
         st.round = Round { slots: (0..self.shared.world).map(|_| None).collect(), ..Round::default() };
         st.mail.clear();
+        st.link_free.clear();
         for c in &self.shared.counters {
             c.clear();
         }
@@ -537,8 +751,9 @@ impl ThreadRank {
         st.round.arrived += 1;
         let generation = st.round.generation;
         if st.round.arrived == sh.world {
-            let outcome = self.combine(op, &mut st)?;
+            let (outcome, cost) = self.combine(op, &mut st)?;
             let r = &mut st.round;
+            r.ready_at = cost.map(|c| Instant::now() + c);
             r.result = Some(Arc::new(outcome));
             r.readers_left = sh.world;
             r.arrived = 0;
@@ -548,16 +763,68 @@ impl ThreadRank {
         }
         let mut st = self.wait_until(op, st, started, |s| s.round.generation != generation)?;
         let result = st.round.result.clone().expect("a finished round has a result");
+        let ready_at = st.round.ready_at;
         st.round.readers_left -= 1;
         if st.round.readers_left == 0 {
             st.round.result = None;
             sh.cv.notify_all();
         }
+        drop(st);
+        if let Some(at) = ready_at {
+            // The exchange ends when the ring would have: every rank waits
+            // out the modelled time after the last one arrived.
+            sh.link_stats[self.rank.0 as usize]
+                .add(self.round_cost(op, &result), self.round_bytes(op, &result));
+            self.wait_link(op, at, started)?;
+        }
         Ok(result)
     }
 
-    /// Combine every slot of a full round (called by the last rank to arrive).
-    fn combine(&self, op: OpKind, st: &mut State) -> CollectiveResult<Outcome> {
+    /// Bytes a round's outcome moved over the link.
+    fn round_bytes(&self, op: OpKind, out: &Outcome) -> Bytes {
+        match (op, out) {
+            (OpKind::AllReduce, Outcome::Sum(v)) => f32_bytes(v.len()),
+            (OpKind::AllGather, Outcome::Cols { values, .. }) => f32_bytes(*values),
+            _ => Bytes::ZERO,
+        }
+    }
+
+    /// The modelled time of a round (zero without a link, or for a round
+    /// that carries no data over it: barriers and MINs are host messages).
+    fn round_cost(&self, op: OpKind, out: &Outcome) -> Duration {
+        let Some(link) = self.shared.link else { return Duration::ZERO };
+        let (bytes, world) = (self.round_bytes(op, out), self.shared.world);
+        match op {
+            OpKind::AllReduce => link.all_reduce(bytes, world),
+            OpKind::AllGather => link.all_gather(bytes, world),
+            _ => Duration::ZERO,
+        }
+    }
+
+    /// Sleep until `at`, the modelled end of a transfer, unless that runs
+    /// past the group's timeout (then fail as a wait for a peer would).
+    fn wait_link(&self, op: OpKind, at: Instant, started: Instant) -> CollectiveResult<()> {
+        let now = Instant::now();
+        if at <= now {
+            return Ok(());
+        }
+        let waited = now - started;
+        if waited + (at - now) > self.shared.timeout {
+            return Err(CollectiveError::Timeout { rank: self.rank, op, waited });
+        }
+        std::thread::sleep(at - now);
+        Ok(())
+    }
+
+    /// Combine every slot of a full round (called by the last rank to
+    /// arrive), with the round's modelled link time when there is a link.
+    fn combine(&self, op: OpKind, st: &mut State) -> CollectiveResult<(Outcome, Option<Duration>)> {
+        let out = self.combine_slots(op, st)?;
+        let cost = self.shared.link.map(|_| self.round_cost(op, &out));
+        Ok((out, cost))
+    }
+
+    fn combine_slots(&self, op: OpKind, st: &mut State) -> CollectiveResult<Outcome> {
         let slots: Vec<Contribution> =
             st.round.slots.iter_mut().map(|s| s.take().unwrap_or(Contribution::Unit)).collect();
         let fail = |st: &mut State, e: CollectiveError| {
@@ -587,15 +854,20 @@ impl ThreadRank {
                 }
                 Outcome::Sum(acc.unwrap_or_default())
             }
-            OpKind::AllGather => Outcome::Cols(
-                slots
+            OpKind::AllGather => {
+                let mut values = 0;
+                let blocks = slots
                     .into_iter()
                     .filter_map(|s| match s {
-                        Contribution::Cols { at, rows, data } => Some((at, rows, data)),
+                        Contribution::Cols { at, rows, len, data } => {
+                            values += len;
+                            Some((at, rows, data))
+                        }
                         _ => None,
                     })
-                    .collect(),
-            ),
+                    .collect();
+                Outcome::Cols { blocks, values }
+            }
             OpKind::Min => Outcome::Min(
                 slots
                     .iter()
@@ -652,11 +924,24 @@ impl ThreadRank {
         self.peer(OpKind::Send, to)?;
         let sh = &self.shared;
         sh.counters[self.rank.0 as usize].bump_p2p(OpKind::Send, to);
+        let key = (self.rank.0, to.0);
         let mut st = sh.lock();
         if let Some(e) = self.abort_error(OpKind::Send, &st) {
             return Err(e);
         }
-        st.mail.entry((self.rank.0, to.0)).or_default().push_back(values.to_vec());
+        // With a link the message arrives once the link has carried the
+        // messages before it and then this one's bytes and latency; the
+        // sender goes on at once, as it would after starting a DMA.
+        let arrives = sh.link.map(|link| {
+            let bytes = f32_bytes(values.len());
+            let now = Instant::now();
+            let start = st.link_free.get(&key).copied().filter(|&t| t > now).unwrap_or(now);
+            let on_wire = start + link.wire(bytes);
+            st.link_free.insert(key, on_wire);
+            sh.link_stats[self.rank.0 as usize].add(link.send(bytes), bytes);
+            on_wire + link.latency
+        });
+        st.mail.entry(key).or_default().push_back(Message { arrives, values: values.to_vec() });
         sh.cv.notify_all();
         Ok(())
     }
@@ -668,11 +953,12 @@ impl ThreadRank {
         let sh = &self.shared;
         sh.counters[self.rank.0 as usize].bump_p2p(OpKind::Recv, from);
         let key = (from.0, self.rank.0);
+        let started = Instant::now();
         let st = sh.lock();
-        let mut st = self.wait_until(OpKind::Recv, st, Instant::now(), |s| {
-            s.mail.get(&key).is_some_and(|q| !q.is_empty())
-        })?;
-        let msg = st.mail.get_mut(&key).and_then(|q| q.pop_front()).expect("waited for a message");
+        let mut st =
+            self.wait_until(OpKind::Recv, st, started, |s| s.mail.get(&key).is_some_and(|q| !q.is_empty()))?;
+        let Message { arrives, values: msg } =
+            st.mail.get_mut(&key).and_then(|q| q.pop_front()).expect("waited for a message");
         if msg.len() != out.len() {
             let e = CollectiveError::Length {
                 rank: self.rank,
@@ -684,6 +970,10 @@ impl ThreadRank {
             st.aborted = Some(e.to_string());
             sh.cv.notify_all();
             return Err(e);
+        }
+        drop(st);
+        if let Some(at) = arrives {
+            self.wait_link(OpKind::Recv, at, started)?;
         }
         out.copy_from_slice(&msg);
         Ok(())
@@ -744,10 +1034,10 @@ impl Group for ThreadRank {
         // the others' blocks travel through the round.
         let gathering = self.gathers_here();
         let data = if gathering { Vec::new() } else { mine.to_vec() };
-        let res = self.round(OpKind::AllGather, Contribution::Cols { at, rows, data })?;
+        let res = self.round(OpKind::AllGather, Contribution::Cols { at, rows, len: mine.len(), data })?;
         let Some(out) = out.filter(|_| gathering) else { return Ok(()) };
         place_cols(self.rank, mine, rows, at, out)?;
-        let Outcome::Cols(blocks) = &*res else { unreachable!("an all-gather round yields blocks") };
+        let Outcome::Cols { blocks, .. } = &*res else { unreachable!("an all-gather round yields blocks") };
         for (at, r, data) in blocks.iter().filter(|b| !b.2.is_empty()) {
             if *r != rows {
                 return Err(CollectiveError::Length {
@@ -1029,5 +1319,119 @@ mod tests {
             matches!(e, Err(CollectiveError::CensusSilent { ref missing, .. }) if missing == &vec![Rank(1)]),
             "{e:?}"
         );
+    }
+
+    fn link(text: &str) -> LinkModel {
+        text.parse().unwrap()
+    }
+
+    #[test]
+    fn link_model_parses_its_units() {
+        let l = link("16GB/s,5us");
+        assert_eq!((l.bandwidth, l.latency), (16e9, Duration::from_micros(5)));
+        let l = link(" 2GiB/s , 1.5ms ");
+        assert_eq!((l.bandwidth, l.latency), (2.0 * 1024.0 * 1024.0 * 1024.0, Duration::from_micros(1500)));
+        assert_eq!(link("8Gbit/s,0ns").bandwidth, 1e9);
+        assert_eq!(link("500MB/s,2s").latency, Duration::from_secs(2));
+        assert_eq!(link("1KiB/s,3µs").latency, Duration::from_micros(3));
+        for l in [link("16GB/s,5us"), link("12.5GB/s,2.5us"), link("100MB/s,1ms")] {
+            assert_eq!(l.to_string().parse::<LinkModel>(), Ok(l), "{l}");
+        }
+        for (bad, what) in [
+            ("16GB/s", "BANDWIDTH,LATENCY"),
+            ("16GB,5us", "link bandwidth '16GB'"),
+            ("16Gb/s,5us", "link bandwidth"),
+            ("0GB/s,5us", "link bandwidth"),
+            ("fastGB/s,5us", "link bandwidth"),
+            ("16GB/s,5", "link latency '5'"),
+            ("16GB/s,-5us", "link latency"),
+            ("16GB/s,5 weeks", "link latency"),
+        ] {
+            let e = bad.parse::<LinkModel>().unwrap_err().to_string();
+            assert!(e.contains(what), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn link_model_costs_follow_the_ring_formulas() {
+        let l = LinkModel::new(1e9, Duration::from_micros(10)).unwrap();
+        let mb = Bytes(1_000_000);
+        assert_eq!(l.send(mb), Duration::from_micros(1010));
+        // 4 ranks: 2·3/4 of 1 MB at 1 GB/s is 1.5 ms, plus 6 latencies.
+        assert_eq!(l.all_reduce(mb, 4), Duration::from_micros(1500 + 60));
+        // 3/4 of it in 3 steps.
+        assert_eq!(l.all_gather(mb, 4), Duration::from_micros(750 + 30));
+        assert_eq!(l.all_reduce(mb, 1), Duration::ZERO, "a group of one moves nothing");
+    }
+
+    #[test]
+    fn a_send_takes_at_least_its_modelled_time() {
+        // 1 MB per message at 1 GB/s plus 20 ms latency.
+        let l = link("1GB/s,20ms");
+        let (g, ranks) = ThreadGroup::with_link(2, GroupShape::Pipeline, Duration::from_secs(20), Some(l));
+        let msg = vec![1.0f32; 250_000];
+        let bytes = f32_bytes(msg.len());
+        assert_eq!(bytes, Bytes(1_000_000));
+        let mut got = vec![0.0f32; msg.len()];
+        let t0 = Instant::now();
+        ranks[0].send_host(Rank(1), &msg).unwrap();
+        ranks[1].recv_host(Rank(0), &mut got).unwrap();
+        assert!(t0.elapsed() >= l.send(bytes), "{:?} < {:?}", t0.elapsed(), l.send(bytes));
+        assert_eq!(got, msg);
+        // Two messages on one link queue: the second lands after both
+        // messages' bytes (the latencies overlap).
+        let t0 = Instant::now();
+        ranks[0].send_host(Rank(1), &msg).unwrap();
+        ranks[0].send_host(Rank(1), &msg).unwrap();
+        ranks[1].recv_host(Rank(0), &mut got).unwrap();
+        ranks[1].recv_host(Rank(0), &mut got).unwrap();
+        let want = l.latency + l.wire(bytes) * 2;
+        assert!(t0.elapsed() >= want, "{:?} < {want:?}", t0.elapsed());
+        let stats = g.link_stats();
+        assert_eq!(stats[0], LinkStats { time: l.send(bytes) * 3, bytes: Bytes(3_000_000) });
+        assert_eq!(stats[1], LinkStats::default(), "a receiver starts no transfer");
+        // Without a link nothing is paid or counted.
+        let (g, ranks) = ThreadGroup::new(2, GroupShape::Pipeline, Duration::from_secs(20));
+        ranks[0].send_host(Rank(1), &msg).unwrap();
+        ranks[1].recv_host(Rank(0), &mut got).unwrap();
+        assert_eq!(g.link_stats(), vec![LinkStats::default(); 2]);
+        assert_eq!(g.link(), None);
+    }
+
+    #[test]
+    fn collectives_take_at_least_their_ring_time() {
+        let l = link("1GB/s,5ms");
+        let (g, ranks) = ThreadGroup::with_link(3, GroupShape::Tensor, Duration::from_secs(20), Some(l));
+        let hs: Vec<_> = ranks
+            .into_iter()
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let mut v = vec![1.0f32; 300_000];
+                    let t0 = Instant::now();
+                    r.all_reduce_host(&mut v).unwrap();
+                    let reduce = t0.elapsed();
+                    assert!(v.iter().all(|&x| x == 3.0));
+                    let mine = vec![r.rank().0 as f32; 2 * 100_000];
+                    let mut full = vec![0.0f32; 2 * 300_000];
+                    let here = r.gathers_here();
+                    let t0 = Instant::now();
+                    r.gather_cols(&mine, 2, r.rank().0 as usize * 100_000, here.then_some(&mut full[..]))
+                        .unwrap();
+                    (reduce, t0.elapsed())
+                })
+            })
+            .collect();
+        // The reduced buffer is 300,000 values; the gathered rows 600,000.
+        let (reduced, gathered) = (Bytes(1_200_000), Bytes(2_400_000));
+        for h in hs {
+            let (reduce, gather) = h.join().unwrap();
+            assert!(reduce >= l.all_reduce(reduced, 3), "{reduce:?}");
+            assert!(gather >= l.all_gather(gathered, 3), "{gather:?}");
+        }
+        let want = LinkStats {
+            time: l.all_reduce(reduced, 3) + l.all_gather(gathered, 3),
+            bytes: reduced + gathered,
+        };
+        assert!(g.link_stats().iter().all(|s| *s == want), "{:?}", g.link_stats());
     }
 }

@@ -136,6 +136,14 @@ pub struct ModelArgs {
     /// `{"at_s": 5.0, "card": 0, "pid": 4242, "bytes": 2147483648}` (`"bytes": 0` = it exited).
     #[arg(long)]
     sim_events: Option<PathBuf>,
+    /// The link between sim cards of a layout: `BANDWIDTH,LATENCY`, e.g. `16GB/s,5us` (PCIe 4.0
+    /// x16-like). Every activation a rank sends pays latency + bytes / bandwidth (the bytes are the
+    /// f32 values CPU ranks exchange), an all-reduce or all-gather a ring's cost. Bandwidth in
+    /// B/s, KB/s, MB/s, GB/s (powers of 1000), KiB/s, MiB/s, GiB/s, Mbit/s or Gbit/s; latency in
+    /// ns, us, ms or s. Also applies to CPU ranks on `--devices cpu`. Default: free, as between
+    /// threads.
+    #[arg(long)]
+    sim_link: Option<corridor_backend::collective::LinkModel>,
 }
 
 #[derive(Args, Debug)]
@@ -258,6 +266,10 @@ impl ModelArgs {
         o.card_budget_mib = self.card_budget_mib.clone();
         o.flight_dir = self.flight_dir.clone();
         o.sim_events = self.sim_events.clone();
+        if self.sim_link.is_some() && matches!(o.devices, corridor_server::boot::Devices::Cuda(_)) {
+            anyhow::bail!("--sim-link models the link between sim cards and CPU ranks; GPUs use their own");
+        }
+        o.sim_link = self.sim_link;
         o.kernel_cache = Some(cache.join("kernels"));
         o.phase_flip = self.phase_flip.parse().map_err(anyhow::Error::msg)?;
         if o.phase_flip != corridor_engine::flips::FlipMode::Off {

@@ -4,6 +4,7 @@
 //! loop.
 
 use crate::phase::{FlipVerdict, Phase};
+use crate::microbatch::{logit_places, split_step};
 use crate::scheduler::SchedulerOutput;
 use corridor_backend::collective::{Collective, Solo};
 use corridor_backend::{Backend, SeqStep};
@@ -205,6 +206,54 @@ pub fn seq_steps(step: &SchedulerOutput) -> Vec<SeqStep<'_>> {
         .iter()
         .map(|s| SeqStep { row_start: s.row_start, rows: s.rows, cached: s.cached, pages: &s.pages })
         .collect()
+}
+
+impl<B: Backend> SingleRank<B> {
+    /// Run `step` cut into `parts` consecutive micro-batches
+    /// ([`split_step`]), one after another, and leave the logits of
+    /// `logit_rows` in `logits` in the order asked, as [`Executor::execute`]
+    /// would. In a pipeline every rank runs the same parts, so a stage
+    /// works on a part while the next stage works on the one before.
+    /// A rank that computes no logits leaves `logits` empty.
+    pub fn execute_microbatched(
+        &mut self,
+        step: &SchedulerOutput,
+        logit_rows: &[usize],
+        logits: &mut Vec<f32>,
+        parts: usize,
+    ) -> Result<(), ModelError> {
+        let split = split_step(step, logit_rows, parts);
+        if split.len() <= 1 {
+            return self.execute(step, logit_rows, logits);
+        }
+        let vocab = self.model.config().vocab_size;
+        let places = logit_places(step.tokens.len(), logit_rows, split.len());
+        let mut outs = Vec::with_capacity(split.len());
+        for (part, rows) in &split {
+            let mut part_logits = Vec::new();
+            self.execute(part, rows, &mut part_logits)?;
+            if !part_logits.is_empty() && part_logits.len() != rows.len() * vocab {
+                return Err(ModelError::Step(format!(
+                    "a micro-batch of {} logit rows returned {} values",
+                    rows.len(),
+                    part_logits.len()
+                )));
+            }
+            outs.push(part_logits);
+        }
+        logits.clear();
+        if outs.iter().all(|o| o.is_empty()) {
+            return Ok(());
+        }
+        logits.resize(logit_rows.len() * vocab, 0.0);
+        for (i, &(k, j)) in places.iter().enumerate() {
+            let Some(row) = outs[k].get(j * vocab..(j + 1) * vocab) else {
+                return Err(ModelError::Step(format!("micro-batch {k} returned no logits for row {j}")));
+            };
+            logits[i * vocab..(i + 1) * vocab].copy_from_slice(row);
+        }
+        Ok(())
+    }
 }
 
 impl<B: Backend> Executor for SingleRank<B> {

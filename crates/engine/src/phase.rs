@@ -86,7 +86,7 @@ impl fmt::Display for Phase {
 impl FromStr for Phase {
     type Err = String;
     fn from_str(s: &str) -> Result<Phase, String> {
-        match s.to_ascii_lowercase().as_str() {
+        match s.trim().to_ascii_lowercase().as_str() {
             "tp" | "tensor" => Ok(Phase::Tensor),
             "pp" | "pipeline" => Ok(Phase::Pipeline),
             _ => Err(format!("'{s}' is not a layout: use tp or pp")),

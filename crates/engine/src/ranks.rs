@@ -20,7 +20,7 @@
 use crate::executor::{Executor, ExecutorLimits, FlipOutcome, SingleRank};
 use crate::phase::{self, AbandonReason, FlipOrder, FlipVerdict, Phase, RankFlip, RankState};
 use crate::scheduler::SchedulerOutput;
-use corridor_backend::collective::{CollectiveError, GroupShape, ThreadGroup, ThreadRank};
+use corridor_backend::collective::{CollectiveError, GroupShape, LinkModel, LinkStats, ThreadGroup, ThreadRank};
 use corridor_backend::cpu::CpuBackend;
 use corridor_backend::Backend;
 use corridor_model::layout::{Layout, LayoutKind};
@@ -37,6 +37,11 @@ use std::time::Duration;
 /// How long a rank waits for its peers inside one collective by default.
 pub const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// A pipeline cuts a step with more prompt rows than this into parts of
+/// about this many rows ([`crate::microbatch`]): a 512-row chunk makes six,
+/// two per stage of a 3-stage pipeline.
+pub const DEFAULT_MICROBATCH_ROWS: usize = 96;
+
 /// How a layout's ranks run.
 #[derive(Clone, Copy, Debug)]
 pub struct LayoutOptions {
@@ -46,11 +51,23 @@ pub struct LayoutOptions {
     /// How long a rank waits for its peers inside one collective before the
     /// step fails (a safety net; a failing rank aborts its peers at once).
     pub collective_timeout: Duration,
+    /// What a transfer between the in-process ranks costs (`None`: nothing,
+    /// as between threads); see [`LinkModel`].
+    pub link: Option<LinkModel>,
+    /// In a pipeline, the rows per micro-batch of a step with more prompt
+    /// rows than this (0: every step runs whole). Ignored by TP.
+    pub microbatch_rows: usize,
 }
 
 impl LayoutOptions {
     pub fn new(limits: ExecutorLimits) -> LayoutOptions {
-        LayoutOptions { limits, census_every: 64, collective_timeout: COLLECTIVE_TIMEOUT }
+        LayoutOptions {
+            limits,
+            census_every: 64,
+            collective_timeout: COLLECTIVE_TIMEOUT,
+            link: None,
+            microbatch_rows: DEFAULT_MICROBATCH_ROWS,
+        }
     }
 }
 
@@ -157,8 +174,12 @@ impl MultiRank {
         layout: &Layout,
         options: LayoutOptions,
     ) -> Result<MultiRank, ModelError> {
-        let (group, comms) =
-            ThreadGroup::new(layout.ranks.len(), group_shape(layout), options.collective_timeout);
+        let (group, comms) = ThreadGroup::with_link(
+            layout.ranks.len(),
+            group_shape(layout),
+            options.collective_timeout,
+            options.link,
+        );
         let l = options.limits;
         let mut ranks = Vec::with_capacity(layout.ranks.len());
         for (slice, comm) in layout.ranks.iter().zip(comms) {
@@ -180,9 +201,9 @@ impl MultiRank {
     ) -> Result<MultiRank, ModelError> {
         let world = layouts[0].ranks.len();
         let groups =
-            layouts.clone().map(|l| ThreadGroup::new(world, group_shape(&l), options.collective_timeout));
+            layouts.clone().map(|l| ThreadGroup::with_link(world, group_shape(&l), options.collective_timeout, options.link));
         let [(tp_group, tp_comms), (pp_group, pp_comms)] = groups;
-        let (control, controls) = ThreadGroup::new(world, GroupShape::Tensor, options.collective_timeout);
+        let (control, controls) = ThreadGroup::with_link(world, GroupShape::Tensor, options.collective_timeout, options.link);
         let l = options.limits;
         let mut comms = [tp_comms, pp_comms].map(|c| c.into_iter());
         let mut ranks = Vec::with_capacity(world);
@@ -303,6 +324,8 @@ impl MultiRank {
                 kv: parts.kv,
                 max_pages: options.limits.num_pages as u64,
                 flip,
+                microbatch_rows: options.microbatch_rows,
+                pipeline: layout.kind == LayoutKind::Pipeline,
             };
             let reply = reply_tx.clone();
             let t = std::thread::Builder::new()
@@ -322,6 +345,12 @@ impl MultiRank {
             threads,
             flipping: None,
         })
+    }
+
+    /// Each rank's modelled link time and bytes so far (see
+    /// [`LayoutOptions::link`]; zero without a link model).
+    pub fn link_stats(&self) -> Vec<LinkStats> {
+        self.group.link_stats()
     }
 
     /// Every rank runs each step shape once, in lockstep (see
@@ -543,6 +572,12 @@ struct RankWorker<B: Backend> {
     /// Pages this rank's KV cache can address.
     max_pages: u64,
     flip: Option<RankFlipState<B>>,
+    /// See [`LayoutOptions::microbatch_rows`]; used while the serving layout
+    /// is a pipeline.
+    microbatch_rows: usize,
+    /// Whether the layout this rank started serving is a pipeline (a
+    /// flipping group's serving layout is `flip.serving`).
+    pipeline: bool,
 }
 
 /// A rank's side of a flipping group.
@@ -650,7 +685,10 @@ impl<B: Backend> RankWorker<B> {
         census: bool,
         logits: &mut Vec<f32>,
     ) -> Result<Reply, ModelError> {
-        self.exec.execute(out, logit_rows, logits)?;
+        // Every rank cuts the step alike: the parts follow from the step.
+        let pipeline = self.flip.as_ref().map_or(self.pipeline, |f| f.serving == Phase::Pipeline);
+        let parts = crate::microbatch::microbatch_parts(out, if pipeline { self.microbatch_rows } else { 0 });
+        self.exec.execute_microbatched(out, logit_rows, logits, parts)?;
         if census {
             self.exec.collective().compare_census()?;
         }

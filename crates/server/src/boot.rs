@@ -118,6 +118,9 @@ pub struct BootOptions {
     /// The two layouts of a flipping group (`tp_split` and `pp_split` of
     /// this spec; one rank per card).
     pub flip_splits: Option<LayoutSpec>,
+    /// What a transfer between CPU ranks of a layout (on sim cards or the
+    /// host) costs; `None`: nothing, as between threads.
+    pub sim_link: Option<corridor_backend::collective::LinkModel>,
 }
 
 impl BootOptions {
@@ -143,6 +146,7 @@ impl BootOptions {
             kernel_cache: None,
             phase_flip: FlipMode::Off,
             flip_splits: None,
+            sim_link: None,
         }
     }
 }
@@ -634,7 +638,11 @@ fn boot_host(
                 page_size: opts.page_size,
                 num_pages: pool.capacity(),
             };
-            let exec = spawn_layout(ckpt, layout, LayoutOptions::new(limits))?;
+            let exec = spawn_layout(
+                ckpt,
+                layout,
+                LayoutOptions { link: opts.sim_link, ..LayoutOptions::new(limits) },
+            )?;
             tracing::info!(ranks = layout.ranks.len(), "parallel layout running on CPU threads");
             spawn_with(exec, config, pool)?
         }

@@ -228,8 +228,10 @@ pub(super) fn boot_sim_layout(
     }
     (env.mark)(BootPhase::WorkspaceReady);
     let (arena, parts) = layout_arena(env, &plan, &devices, &cost)?;
-    let options = LayoutOptions::new(limits(env, arena.capacity()));
-    let (group, comms) = ThreadGroup::new(total, group_shape(spec), options.collective_timeout);
+    let options =
+        LayoutOptions { link: env.opts.sim_link, ..LayoutOptions::new(limits(env, arena.capacity())) };
+    let (group, comms) =
+        ThreadGroup::with_link(total, group_shape(spec), options.collective_timeout, options.link);
     let mut ranks = Vec::with_capacity(total);
     for (((backend, model), comm), dev) in models.into_iter().zip(comms).zip(&devices) {
         let exec = SingleRank::new(backend, model, options.limits)?.with_collective(Box::new(comm));
@@ -315,10 +317,13 @@ pub(super) fn boot_sim_flipping(
         .filter(|(_, pb)| *pb > Bytes::ZERO)
         .collect();
     let arena = new_arena(env, &parts, None)?;
-    let options = LayoutOptions::new(limits(env, arena.capacity()));
-    let (tp_group, tp_comms) = ThreadGroup::new(total, GroupShape::Tensor, options.collective_timeout);
-    let (pp_group, pp_comms) = ThreadGroup::new(total, GroupShape::Pipeline, options.collective_timeout);
-    let (control, controls) = ThreadGroup::new(total, GroupShape::Tensor, options.collective_timeout);
+    let options = LayoutOptions { link: env.opts.sim_link, ..LayoutOptions::new(limits(env, arena.capacity())) };
+    // The three groups share the cards' links: the flip's KV exchange pays
+    // the link model like a step's collectives do.
+    let group = |shape| ThreadGroup::with_link(total, shape, options.collective_timeout, options.link);
+    let (tp_group, tp_comms) = group(GroupShape::Tensor);
+    let (pp_group, pp_comms) = group(GroupShape::Pipeline);
+    let (control, controls) = group(GroupShape::Tensor);
     let mut ranks = Vec::with_capacity(total);
     for ((((pair, tp), pp), ctl), dev) in
         loaded.into_iter().zip(tp_comms).zip(pp_comms).zip(controls).zip(&devices)
