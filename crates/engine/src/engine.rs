@@ -8,7 +8,7 @@
 //! that disconnects costs nothing after that.
 
 use crate::executor::{Executor, ExecutorLimits, SingleRank};
-use crate::flips::{FlipControl, FlipError, FlipMode, FlipObserver, FlipRecord, FlipTrigger};
+use crate::flips::{FlipControl, FlipError, FlipMode, FlipRecord, FlipSettings, FlipTrigger};
 use crate::pages::PagePool;
 use crate::phase::Phase;
 use crate::sampling::{
@@ -111,10 +111,7 @@ enum Command {
         reply: mpsc::Sender<Result<FlipRecord, FlipError>>,
     },
     /// How flips are decided from now on, and who hears of each.
-    FlipSetup {
-        mode: FlipMode,
-        observer: Option<FlipObserver>,
-    },
+    FlipSetup(Box<FlipSettings>),
     Shutdown,
 }
 
@@ -217,9 +214,9 @@ impl EngineHandle {
         rx.recv().map_err(|_| FlipError::Stopped)?
     }
 
-    /// Decide flips by `mode` from now on; `observer` hears of every flip.
-    pub fn set_flips(&self, mode: FlipMode, observer: Option<FlipObserver>) {
-        let _ = self.commands.send(Command::FlipSetup { mode, observer });
+    /// Decide flips by `settings` from now on.
+    pub fn set_flips(&self, settings: FlipSettings) {
+        let _ = self.commands.send(Command::FlipSetup(Box::new(settings)));
     }
 
     /// Sampler fallback counters (exported as Prometheus counters).
@@ -359,6 +356,7 @@ impl Core {
             }
             if !out.is_empty() {
                 self.step(&out, started);
+                self.auto_flip();
             } else if self.sched.has_work() {
                 // Nothing fits now (the card is under pressure): wait for
                 // memory or a command instead of spinning.
@@ -437,10 +435,7 @@ impl Core {
             Command::Flip { to, skew_digest, reply } => {
                 let _ = reply.send(self.flip(to, FlipTrigger::Manual, skew_digest));
             }
-            Command::FlipSetup { mode, observer } => {
-                self.flips.mode = mode;
-                self.flips.observers.extend(observer);
-            }
+            Command::FlipSetup(settings) => self.flips.configure(*settings),
             Command::Shutdown => {
                 self.shutting_down = true;
                 let ids: Vec<RequestId> = self.live.keys().copied().collect();
@@ -478,6 +473,10 @@ impl Core {
         let scheduled = std::time::Instant::now();
         let ran = self.exec.execute(out, &logit_rows, &mut self.logits);
         let forwarded = std::time::Instant::now();
+        if let Some(phase) = self.exec.phase() {
+            let shape = out.shape();
+            self.flips.observe_step(phase, shape.prefill_rows, shape.decode_rows, forwarded - scheduled);
+        }
         if let Err(e) = ran {
             // A failed forward fails the requests in it, not the server.
             tracing::error!("forward pass failed: {e}");
@@ -606,6 +605,23 @@ impl Core {
             }
         }
         (masks, failed)
+    }
+
+    /// `--phase-flip auto`: ask the policy after each step and flip when it
+    /// says so (between steps, like a manual flip).
+    fn auto_flip(&mut self) {
+        if self.flips.mode != FlipMode::Auto || self.flips.disabled {
+            return;
+        }
+        let Some(phase) = self.exec.phase() else { return };
+        let decision = self.flips.decide(phase, self.sched.pending_prefill());
+        tracing::trace!(%decision, "flip policy");
+        if let Some(to) = decision.flip_to() {
+            tracing::info!(%to, reason = %decision.reason(), "the flip policy flips");
+            if let Err(e) = self.flip(to, FlipTrigger::Auto, None) {
+                tracing::warn!("the flip policy's flip was not tried: {e}");
+            }
+        }
     }
 
     /// Flip between steps, carrying every live page and running request.

@@ -3,8 +3,8 @@
 //! group of tensor-parallel ranks or a pipeline of stages all drive the same
 //! loop.
 
-use crate::phase::{FlipVerdict, Phase};
 use crate::microbatch::{logit_places, split_step};
+use crate::phase::{FlipVerdict, Phase};
 use crate::scheduler::SchedulerOutput;
 use corridor_backend::collective::{Collective, Solo};
 use corridor_backend::{Backend, SeqStep};

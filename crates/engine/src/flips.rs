@@ -9,8 +9,10 @@
 //! live set the flip carries, and the next step runs them in the new layout.
 
 use crate::executor::Executor;
+use crate::flip_policy::{decide, Decision, FlipCostMeter, PolicyInput, RateMeter};
 use crate::phase::{FlipVerdict, Phase};
-use corridor_units::{Bytes, PageId, Rank};
+use crate::ranks::Calibration;
+use corridor_units::{Bytes, PageId, Rank, Tokens};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -167,8 +169,24 @@ impl FlipStats {
 /// mark and a log line).
 pub type FlipObserver = Arc<dyn Fn(&FlipRecord) + Send + Sync>;
 
+/// How the engine decides flips (`EngineHandle::set_flips`).
+#[derive(Clone, Default)]
+pub struct FlipSettings {
+    pub mode: FlipMode,
+    /// The least time the group stays in a layout before `auto` flips it.
+    pub min_dwell: Duration,
+    /// Told about every flip.
+    pub observer: Option<FlipObserver>,
+    /// What the group measured of itself at boot (seeds the meters).
+    pub calibration: Option<Calibration>,
+}
+
+/// The least time in a layout before `auto` flips again, by default.
+pub const DEFAULT_MIN_DWELL: Duration = Duration::from_millis(500);
+/// The flip cost `auto` assumes before any flip is measured.
+pub const ESTIMATED_FLIP_COST: Duration = Duration::from_millis(50);
+
 /// The engine thread's flip state.
-#[derive(Default)]
 pub(crate) struct FlipControl {
     pub mode: FlipMode,
     abandons_in_a_row: u32,
@@ -176,9 +194,70 @@ pub(crate) struct FlipControl {
     pub last_flip: Option<Instant>,
     pub observers: Vec<FlipObserver>,
     pub stats: FlipStats,
+    min_dwell: Duration,
+    /// Prefill rates by [`Phase::index`], and the flips' costs.
+    rates: [RateMeter; 2],
+    costs: FlipCostMeter,
+    started: Instant,
+}
+
+impl Default for FlipControl {
+    fn default() -> Self {
+        FlipControl {
+            mode: FlipMode::Off,
+            abandons_in_a_row: 0,
+            disabled: false,
+            last_flip: None,
+            observers: Vec::new(),
+            stats: FlipStats::default(),
+            min_dwell: DEFAULT_MIN_DWELL,
+            rates: [RateMeter::new(), RateMeter::new()],
+            costs: FlipCostMeter::new(),
+            started: Instant::now(),
+        }
+    }
 }
 
 impl FlipControl {
+    /// Take `settings`: the mode, the dwell, an observer, and the boot's
+    /// measurements as the meters' first samples.
+    pub fn configure(&mut self, settings: FlipSettings) {
+        self.mode = settings.mode;
+        self.min_dwell = settings.min_dwell;
+        self.observers.extend(settings.observer);
+        if let Some(cal) = settings.calibration {
+            for phase in [Phase::Tensor, Phase::Pipeline] {
+                for t in &cal.steps[phase.index()] {
+                    self.rates[phase.index()].observe(Tokens(cal.rows), Tokens(0), *t);
+                }
+            }
+            for (to, t) in cal.flips {
+                self.costs.record(to, t);
+            }
+        }
+    }
+
+    /// Learn the serving layout's prefill rate from a step's forward pass.
+    pub fn observe_step(&mut self, phase: Phase, prefill_rows: usize, decode_rows: usize, forward: Duration) {
+        self.rates[phase.index()].observe(Tokens(prefill_rows), Tokens(decode_rows), forward);
+    }
+
+    /// What `auto` says now, from the same inputs every rank could see.
+    pub fn decide(&self, phase: Phase, pending_prefill: Tokens) -> Decision {
+        let since = self.last_flip.unwrap_or(self.started).elapsed();
+        decide(&PolicyInput {
+            phase,
+            pending_prefill,
+            tp_rate: self.rates[Phase::Tensor.index()].rate(),
+            pp_rate: self.rates[Phase::Pipeline.index()].rate(),
+            flip_cost: self.costs.round_trip().map(|rt| rt / 2),
+            estimated_cost: ESTIMATED_FLIP_COST,
+            since_last_flip: since,
+            min_dwell: self.min_dwell,
+            disabled: self.disabled,
+        })
+    }
+
     /// Flip `exec` to `to`, carrying `live` and `requests`; counts, logs and
     /// tells the observers how it ended.
     pub fn flip(
@@ -216,6 +295,7 @@ impl FlipControl {
         match &record.verdict {
             FlipVerdict::Committed(done) => {
                 self.abandons_in_a_row = 0;
+                self.costs.record(to, record.duration);
                 tracing::info!(
                     %from, %to, trigger = ?trigger, pages, requests,
                     moved = %done.sent, local = %done.local, waves = done.waves,

@@ -6,8 +6,8 @@
 
 pub mod engine;
 pub mod executor;
-pub mod flips;
 pub mod flip_policy;
+pub mod flips;
 pub mod microbatch;
 pub mod pages;
 pub mod phase;

@@ -20,7 +20,9 @@
 use crate::executor::{Executor, ExecutorLimits, FlipOutcome, SingleRank};
 use crate::phase::{self, AbandonReason, FlipOrder, FlipVerdict, Phase, RankFlip, RankState};
 use crate::scheduler::SchedulerOutput;
-use corridor_backend::collective::{CollectiveError, GroupShape, LinkModel, LinkStats, ThreadGroup, ThreadRank};
+use corridor_backend::collective::{
+    CollectiveError, GroupShape, LinkModel, LinkStats, ThreadGroup, ThreadRank,
+};
 use corridor_backend::cpu::CpuBackend;
 use corridor_backend::Backend;
 use corridor_model::layout::{Layout, LayoutKind};
@@ -200,10 +202,12 @@ impl MultiRank {
         options: LayoutOptions,
     ) -> Result<MultiRank, ModelError> {
         let world = layouts[0].ranks.len();
-        let groups =
-            layouts.clone().map(|l| ThreadGroup::with_link(world, group_shape(&l), options.collective_timeout, options.link));
+        let groups = layouts.clone().map(|l| {
+            ThreadGroup::with_link(world, group_shape(&l), options.collective_timeout, options.link)
+        });
         let [(tp_group, tp_comms), (pp_group, pp_comms)] = groups;
-        let (control, controls) = ThreadGroup::with_link(world, GroupShape::Tensor, options.collective_timeout, options.link);
+        let (control, controls) =
+            ThreadGroup::with_link(world, GroupShape::Tensor, options.collective_timeout, options.link);
         let l = options.limits;
         let mut comms = [tp_comms, pp_comms].map(|c| c.into_iter());
         let mut ranks = Vec::with_capacity(world);
@@ -495,7 +499,77 @@ impl Executor for MultiRank {
     }
 }
 
+/// What a flipping group measured of itself before serving: each layout's
+/// prefill steps and the flips between them.
+#[derive(Clone, Debug, Default)]
+pub struct Calibration {
+    /// Prompt rows of each timed step.
+    pub rows: usize,
+    /// Each timed step's duration, by [`Phase::index`].
+    pub steps: [Vec<Duration>; 2],
+    /// Flips made while calibrating: (to, duration).
+    pub flips: Vec<(Phase, Duration)>,
+}
+
 impl MultiRank {
+    /// Time `times` prefill steps of `rows` prompt rows in each layout and
+    /// the two flips between them, before any request is served: the rates
+    /// and costs `--phase-flip auto` starts from. The steps write one
+    /// throw-away sequence into the lowest pages (free before serving), so
+    /// they run what a real prefill runs, micro-batches and link included;
+    /// the group ends in the layout it started in.
+    pub fn calibrate(&mut self, rows: usize, times: usize) -> Result<Calibration, ModelError> {
+        let Some(start) = self.phase() else {
+            return Err(ModelError::Step("only a flipping group calibrates its flips".into()));
+        };
+        let page_size = self.flipping.as_ref().map_or(16, |f| f.page_size);
+        let pages: Vec<PageId> = (0..rows.div_ceil(page_size) as u32).map(PageId).collect();
+        let vocab = self.config.vocab_size as u32;
+        let step = SchedulerOutput {
+            tokens: (0..rows as u32).map(|t| (t * 7 + 3) % vocab).collect(),
+            positions: (0..rows as u32).collect(),
+            seqs: vec![crate::scheduler::ScheduledSeq {
+                id: u64::MAX,
+                row_start: 0,
+                rows,
+                cached: 0,
+                pages: pages.clone(),
+                samples: true,
+            }],
+            ..SchedulerOutput::default()
+        };
+        let mut cal = Calibration { rows, ..Calibration::default() };
+        let mut logits = Vec::new();
+        for phase in [start, start.other()] {
+            if self.phase() != Some(phase) {
+                let t = std::time::Instant::now();
+                let out = Executor::flip(self, phase, pages.clone(), None)?;
+                if !matches!(out.verdict, FlipVerdict::Committed(_)) {
+                    return Err(ModelError::Step(format!(
+                        "a calibration flip was abandoned: {:?}",
+                        out.verdict
+                    )));
+                }
+                cal.flips.push((phase, t.elapsed()));
+            }
+            // One untimed step first: the first run of a shape pays for
+            // first use.
+            self.execute(&step, &[rows - 1], &mut logits)?;
+            for _ in 0..times {
+                let t = std::time::Instant::now();
+                self.execute(&step, &[rows - 1], &mut logits)?;
+                cal.steps[phase.index()].push(t.elapsed());
+            }
+        }
+        let t = std::time::Instant::now();
+        let out = Executor::flip(self, start, pages, None)?;
+        if !matches!(out.verdict, FlipVerdict::Committed(_)) {
+            return Err(ModelError::Step(format!("a calibration flip was abandoned: {:?}", out.verdict)));
+        }
+        cal.flips.push((start, t.elapsed()));
+        Ok(cal)
+    }
+
     fn flip_with(
         &mut self,
         f: &Flipping,

@@ -28,7 +28,7 @@
 
 use crate::pages::{page_hashes, PagePool};
 use crate::step_budget::{StepBudget, StepShape};
-use corridor_units::{Bytes, CardId, PageId};
+use corridor_units::{Bytes, CardId, PageId, Tokens};
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
@@ -184,6 +184,14 @@ impl Scheduler {
     }
     pub fn num_running(&self) -> usize {
         self.running.len()
+    }
+    /// Prompt tokens not yet prefilled: every waiting sequence's tokens and
+    /// the rest of each running prompt (a running sequence that decodes
+    /// brings one row, which is not prefill).
+    pub fn pending_prefill(&self) -> Tokens {
+        let waiting: usize = self.waiting.iter().map(|s| s.tokens.len()).sum();
+        let running: usize = self.running.iter().map(Seq::pending).filter(|&p| p > 1).sum();
+        Tokens(waiting + running)
     }
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()

@@ -118,6 +118,8 @@ pub struct BootOptions {
     /// The two layouts of a flipping group (`tp_split` and `pp_split` of
     /// this spec; one rank per card).
     pub flip_splits: Option<LayoutSpec>,
+    /// The least time `--phase-flip auto` stays in a layout.
+    pub flip_dwell: std::time::Duration,
     /// What a transfer between CPU ranks of a layout (on sim cards or the
     /// host) costs; `None`: nothing, as between threads.
     pub sim_link: Option<corridor_backend::collective::LinkModel>,
@@ -146,6 +148,7 @@ impl BootOptions {
             kernel_cache: None,
             phase_flip: FlipMode::Off,
             flip_splits: None,
+            flip_dwell: corridor_engine::flips::DEFAULT_MIN_DWELL,
             sim_link: None,
         }
     }
@@ -421,11 +424,16 @@ fn boot_flipping(
         pp: n,
         pp_split: splits.pp_split.clone(),
     };
-    let started = layout::boot_sim_flipping(env, config, [&tp, &pp], progress)?;
+    let (started, calibration) = layout::boot_sim_flipping(env, config, [&tp, &pp], progress)?;
     let governor = env.governor.clone();
     let observer: corridor_engine::flips::FlipObserver =
         Arc::new(move |r| governor.record_flip(&flip_event(r)));
-    started.0.set_flips(opts.phase_flip, Some(observer));
+    started.0.set_flips(corridor_engine::flips::FlipSettings {
+        mode: opts.phase_flip,
+        min_dwell: opts.flip_dwell,
+        observer: Some(observer),
+        calibration,
+    });
     tracing::info!(mode = %opts.phase_flip, "phase flips between tensor and pipeline parallel are on");
     Ok(started)
 }

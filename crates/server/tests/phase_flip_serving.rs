@@ -42,8 +42,14 @@ fn prompt(i: u32) -> Vec<u32> {
 
 type Output = (Vec<u32>, Vec<f32>, FinishReason);
 
-fn generate(engine: &EngineHandle, i: u32) -> Output {
-    let req = GenerateRequest {
+/// `n` requests submitted at once (a burst of prompts), then read to the end.
+fn burst(engine: &EngineHandle, n: u32) -> Vec<Output> {
+    let streams: Vec<_> = (0..n).map(|i| engine.submit(request(i)).unwrap()).collect();
+    streams.into_iter().map(read).collect()
+}
+
+fn request(i: u32) -> GenerateRequest {
+    GenerateRequest {
         prompt: prompt(i),
         params: SamplingParams {
             temperature: 0.0,
@@ -54,8 +60,10 @@ fn generate(engine: &EngineHandle, i: u32) -> Output {
         max_new_tokens: Some(12 + (i as usize % 9)),
         eos_ids: vec![2],
         constraint: None,
-    };
-    let mut s = engine.submit(req).unwrap();
+    }
+}
+
+fn read(mut s: corridor_engine::engine::RequestStream) -> Output {
     let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
     loop {
         match s.next_blocking() {
@@ -67,6 +75,10 @@ fn generate(engine: &EngineHandle, i: u32) -> Output {
             None => panic!("stream ended without Done"),
         }
     }
+}
+
+fn generate(engine: &EngineHandle, i: u32) -> Output {
+    read(engine.submit(request(i)).unwrap())
 }
 
 /// `n` requests from 6 client threads.
@@ -234,4 +246,46 @@ fn ballot_disagreements_abandon_everywhere_and_three_in_a_row_turn_flips_off() {
     assert!(stats.disabled);
     assert_eq!(stats.abandoned, vec![("ballot", MAX_ABANDONS_IN_A_ROW as u64)]);
     engine.shutdown();
+}
+
+#[test]
+fn auto_flips_to_the_pipeline_for_a_prefill_burst_and_back_once_it_drains() {
+    // A slow link between the cards: tensor parallelism pays two
+    // all-reduces a layer, the pipeline one send a stage, so the boot's
+    // calibration finds the pipeline prefilling faster.
+    let mut opts = options();
+    opts.sim_link = Some("200MB/s,200us".parse().unwrap());
+    opts.max_batched_tokens = 256;
+    opts.phase_flip = FlipMode::Auto;
+    opts.flip_dwell = Duration::from_millis(50);
+    let booted = boot(&opts, |_, _| {}).unwrap();
+    let engine = &booted.engine;
+    let burst_plain = |e: &EngineHandle| burst(e, 24);
+    // A burst: 24 prompts of about 40 tokens arrive at once (the policy
+    // flips when the pending prefill exceeds its N), then the decodes run.
+    let burst = burst(engine, 24);
+    // Drained: the next step's decision flips back. Wait for it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while engine.stats().flips.serving != Some(Phase::Tensor) && std::time::Instant::now() < deadline {
+        let _ = generate(engine, 1);
+    }
+    let stats = engine.stats().flips;
+    eprintln!("auto: {} to pp, {} to tp; last {:?}", stats.to_pipeline, stats.to_tensor, stats.last);
+    assert!(stats.to_pipeline >= 1, "the burst flipped the group to PP: {stats:?}");
+    assert!(stats.to_tensor >= 1, "the drained group flipped back to TP: {stats:?}");
+    assert_eq!(stats.serving, Some(Phase::Tensor), "the group rests in TP");
+    assert!(stats.last.as_ref().is_some_and(|r| r.trigger == corridor_engine::flips::FlipTrigger::Auto));
+    engine.shutdown();
+    drop(booted);
+    // The same burst with the group held in TP gives the same tokens.
+    let mut held = options();
+    held.sim_link = opts.sim_link;
+    held.max_batched_tokens = 256;
+    let booted = boot(&held, |_, _| {}).unwrap();
+    let plain = burst_plain(&booted.engine);
+    for (i, (a, b)) in plain.iter().zip(&burst).enumerate() {
+        assert_eq!(b.2, FinishReason::Length);
+        assert_eq!(a.0, b.0, "request {i}: the same tokens with the policy flipping");
+    }
+    booted.engine.shutdown();
 }

@@ -125,10 +125,24 @@ fn layout_arena(
 fn finish(
     env: &BootEnv<'_>,
     config: EngineConfig,
+    multi: MultiRank,
+    arena: Arc<KvArena>,
+    parts: Vec<(Device, Bytes)>,
+    resident: Vec<corridor_vram::Allocation>,
+) -> Result<Started, BootError> {
+    finish_with(env, config, multi, arena, parts, resident, |_| Ok(()))
+}
+
+/// [`finish`], running `before_serving` on the ranks once KV is committed
+/// and before the engine takes them.
+fn finish_with(
+    env: &BootEnv<'_>,
+    config: EngineConfig,
     mut multi: MultiRank,
     arena: Arc<KvArena>,
     parts: Vec<(Device, Bytes)>,
     resident: Vec<corridor_vram::Allocation>,
+    before_serving: impl FnOnce(&mut MultiRank) -> Result<(), BootError>,
 ) -> Result<Started, BootError> {
     let captured = multi.warm_up()?;
     tracing::info!(graphs = ?captured, "layout warmed up");
@@ -154,6 +168,7 @@ fn finish(
     );
     env.governor.attach_arena(arena.clone());
     (env.mark)(BootPhase::KvSized);
+    before_serving(&mut multi)?;
     let pool = PagePool::new(arena, Tokens(env.opts.page_size));
     env.governor.register_provider(pool.prefix_evictor());
     let engine = spawn_with(Box::new(multi), config, pool)?;
@@ -251,7 +266,7 @@ pub(super) fn boot_sim_flipping(
     config: EngineConfig,
     specs: [&LayoutSpec; 2],
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<Started, BootError> {
+) -> Result<(Started, Option<corridor_engine::ranks::Calibration>), BootError> {
     use corridor_backend::collective::ThreadGroup;
     use corridor_backend::cpu::CpuBackend;
     use corridor_engine::executor::SingleRank;
@@ -317,7 +332,8 @@ pub(super) fn boot_sim_flipping(
         .filter(|(_, pb)| *pb > Bytes::ZERO)
         .collect();
     let arena = new_arena(env, &parts, None)?;
-    let options = LayoutOptions { link: env.opts.sim_link, ..LayoutOptions::new(limits(env, arena.capacity())) };
+    let options =
+        LayoutOptions { link: env.opts.sim_link, ..LayoutOptions::new(limits(env, arena.capacity())) };
     // The three groups share the cards' links: the flip's KV exchange pays
     // the link model like a step's collectives do.
     let group = |shape| ThreadGroup::with_link(total, shape, options.collective_timeout, options.link);
@@ -349,7 +365,38 @@ pub(super) fn boot_sim_flipping(
         options,
     )?;
     tracing::info!(ranks = total, "flipping group running on sim cards, serving in tensor parallel");
-    finish(env, config, multi, arena, parts, resident)
+    let rows =
+        env.opts.max_batched_tokens.min(env.context_len).min(arena.capacity().get() * env.opts.page_size);
+    let mut calibration = None;
+    let started = finish_with(env, config, multi, arena, parts, resident, |multi| {
+        let cal =
+            multi.calibrate(rows, 3).map_err(|e| BootError::Config(format!("calibrating the flip: {e}")))?;
+        log_calibration(&cal);
+        calibration = Some(cal);
+        Ok(())
+    })?;
+    Ok((started, calibration))
+}
+
+/// One line a person can act on: what each layout prefills and what a flip costs.
+fn log_calibration(cal: &corridor_engine::ranks::Calibration) {
+    use corridor_engine::phase::Phase;
+    let rate = |p: Phase| {
+        let t: std::time::Duration = cal.steps[p.index()].iter().sum();
+        let n = cal.steps[p.index()].len().max(1);
+        cal.rows as f64 * n as f64 / t.as_secs_f64().max(1e-9)
+    };
+    let (x, p) = (rate(Phase::Tensor), rate(Phase::Pipeline));
+    let flips: Vec<String> =
+        cal.flips.iter().map(|(to, t)| format!("to {to} {:.1} ms", t.as_secs_f64() * 1e3)).collect();
+    tracing::info!(
+        tp_prefill_tok_s = x.round(),
+        pp_prefill_tok_s = p.round(),
+        flips = %flips.join(", "),
+        rows = cal.rows,
+        "flip calibration: {}",
+        if p > x { "the pipeline prefills faster: auto flips to it for prefill bursts" } else { "the pipeline is not faster here: auto stays in tensor parallel" }
+    );
 }
 
 /// GPU ranks joined by NCCL: one CUDA backend per card, every device byte
