@@ -139,3 +139,23 @@ fn bad_or_unavailable_devices_are_one_line_errors() {
         assert!(err.contains("built without CUDA support") && err.contains("--features cuda"), "{err}");
     }
 }
+
+#[test]
+fn a_bad_sim_link_is_a_one_line_error_naming_the_flag() {
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_corridor"))
+            .args(["--log", "error", "serve", "--model"])
+            .arg(fixtures().join("llama-f32"))
+            .args(args)
+            .output()
+            .expect("the binary runs");
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (code, err) = run(&["--sim-link", "16GB,5us"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--sim-link") && err.contains("link bandwidth '16GB'"), "{err}");
+    let (code, err) = run(&["--sim-link", "16GB/s,5us", "--devices", "cuda:0"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.lines().any(|l| l.starts_with("error: ") && l.contains("--sim-link")), "{err}");
+}

@@ -148,3 +148,65 @@ fn micro_batches_give_the_logits_of_whole_steps() {
         }
     }
 }
+
+/// Through the engine loop: the scheduler's own steps (chunked prompts of
+/// 24 rows beside decodes), cut into parts of 5 rows, give the greedy tokens
+/// of one rank.
+#[test]
+fn a_micro_batched_pipeline_serves_what_one_rank_serves() {
+    use corridor_engine::engine::{spawn_with, EngineConfig, Event};
+    use corridor_engine::executor::SingleRank;
+    use corridor_engine::pages::PagePool;
+    use corridor_engine::sampling::SamplingParams;
+    use corridor_engine::scheduler::SchedulerConfig;
+    use corridor_model::llama::Model;
+    use corridor_units::{Pages, Tokens};
+    let l = ExecutorLimits { max_rows: 24, max_logit_rows: 4, page_size: 16, num_pages: 64 };
+    let serve = |exec: Box<dyn Executor>| {
+        let config = EngineConfig {
+            scheduler: SchedulerConfig {
+                max_running: 4,
+                max_batched_tokens: 24,
+                context_len: 256,
+                itl_target: None,
+            },
+            page_size: Tokens(16),
+        };
+        let e = spawn_with(exec, config, PagePool::standalone(Pages(64), Tokens(16))).unwrap();
+        let prompts: Vec<Vec<u32>> = vec![(1..40).collect(), vec![5, 9, 200, 31], (100..150).rev().collect()];
+        let mut streams: Vec<_> = prompts
+            .into_iter()
+            .map(|prompt| {
+                e.submit(corridor_engine::engine::GenerateRequest {
+                    prompt,
+                    params: SamplingParams { temperature: 0.0, ignore_eos: true, ..Default::default() },
+                    max_new_tokens: Some(8),
+                    eos_ids: vec![],
+                    constraint: None,
+                })
+                .unwrap()
+            })
+            .collect();
+        let out: Vec<Vec<u32>> = streams
+            .iter_mut()
+            .map(|s| {
+                let mut toks = Vec::new();
+                while let Event::Token { token, .. } = s.next_blocking().expect("engine alive") {
+                    toks.push(token);
+                }
+                toks
+            })
+            .collect();
+        e.shutdown();
+        out
+    };
+    let ckpt = open("llama-bf16-sharded");
+    let backend = corridor_backend::cpu::CpuBackend::new();
+    let single = SingleRank::new(backend.clone(), Model::load(&backend, &ckpt, |_| {}).unwrap(), l).unwrap();
+    let oracle = serve(Box::new(single));
+    assert!(oracle.iter().all(|t| t.len() == 8), "{oracle:?}");
+    let layout = Layout::pipeline(ckpt.config(), &[1, 1, 1]).unwrap();
+    let options = LayoutOptions { microbatch_rows: 5, census_every: 2, ..LayoutOptions::new(l) };
+    let got = serve(Box::new(MultiRank::spawn(&ckpt, &layout, options).unwrap()));
+    assert_eq!(got, oracle);
+}

@@ -64,6 +64,29 @@ fn layouts_on_sim_cards_answer_as_one_rank_does() {
 }
 
 #[test]
+fn the_sim_link_is_paid_by_layouts_on_sim_cards_and_on_the_host() {
+    // 20 ms a message: 24 greedy tokens through PP=2 send at least 24 times
+    // from stage 0 to stage 1 (one send a step), so the answer takes at least
+    // 480 ms, where the tiny model alone answers in milliseconds.
+    let link: corridor_backend::collective::LinkModel = "16GB/s,20ms".parse().unwrap();
+    let one = boot(&tiny_opts(Devices::Cpu, None), |_, _| {}).expect("boots");
+    let oracle = greedy(&one);
+    one.engine.shutdown();
+    let pp2 = LayoutSpec { tp: 1, tp_split: Split::Even, pp: 2, pp_split: Split::Ratio(vec![1, 1]) };
+    for devices in [Devices::Sim(vec![Bytes::mib(160); 2]), Devices::Cpu] {
+        let desc = format!("{devices:?}");
+        let mut opts = tiny_opts(devices, Some(pp2.clone()));
+        opts.sim_link = Some(link);
+        let booted = boot(&opts, |_, _| {}).expect(&desc);
+        let t0 = std::time::Instant::now();
+        assert_eq!(greedy(&booted), oracle, "{desc}: the link changes the time, not the text");
+        let took = t0.elapsed();
+        assert!(took >= link.latency * 24, "{desc}: {took:?} for at least 24 sends of 20 ms");
+        booted.engine.shutdown();
+    }
+}
+
+#[test]
 fn a_layout_needs_one_card_per_rank() {
     let l = LayoutSpec { tp: 3, tp_split: Split::Even, pp: 1, pp_split: Split::Even };
     let err = boot(&tiny_opts(Devices::Sim(vec![Bytes::mib(160); 2]), Some(l)), |_, _| {}).err().unwrap();
