@@ -7,6 +7,7 @@ mod memory;
 mod plan;
 mod pull;
 mod resolve;
+mod tuning;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
@@ -128,6 +129,8 @@ pub struct ModelArgs {
     /// `{"at_s": 5.0, "card": 0, "pid": 4242, "bytes": 2147483648}` (`"bytes": 0` = it exited).
     #[arg(long)]
     sim_events: Option<PathBuf>,
+    #[command(flatten)]
+    cuda: tuning::CudaFlags,
 }
 
 #[derive(Args, Debug)]
@@ -251,6 +254,7 @@ impl ModelArgs {
         o.flight_dir = self.flight_dir.clone();
         o.sim_events = self.sim_events.clone();
         o.kernel_cache = Some(cache.join("kernels"));
+        o.cuda_tuning = self.cuda.tuning();
         if self.tp > 1 || self.pp > 1 {
             o.layout = Some(corridor_model::layout::LayoutSpec {
                 tp: self.tp,
@@ -285,6 +289,7 @@ fn boot_with_progress(opts: &corridor_server::boot::BootOptions) -> Result<corri
 }
 
 fn main() {
+    tuning::nccl_environment();
     let cli = Cli::parse();
     logging::init(&cli.log, cli.log_format);
     if let Err(e) = run(cli) {

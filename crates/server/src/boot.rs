@@ -111,6 +111,8 @@ pub struct BootOptions {
     pub layout: Option<LayoutSpec>,
     /// Where compiled GPU kernels are cached (`None`: compiled at every start).
     pub kernel_cache: Option<PathBuf>,
+    /// The CUDA backend's launch and profiling switches (parsed by the command line).
+    pub cuda_tuning: corridor_backend::CudaTuning,
 }
 
 impl BootOptions {
@@ -134,6 +136,7 @@ impl BootOptions {
             sample_interval: None,
             layout: None,
             kernel_cache: None,
+            cuda_tuning: corridor_backend::CudaTuning::default(),
         }
     }
 }
@@ -624,7 +627,7 @@ fn cuda_backend(
     dev: &Device,
     ordinal: u32,
 ) -> Result<corridor_backend::cuda::CudaBackend, BootError> {
-    use corridor_backend::cuda::{CudaBackend, CudaBackendConfig, Tuning};
+    use corridor_backend::cuda::{CudaBackend, CudaBackendConfig};
     use corridor_backend::Backend;
     let opts = env.opts;
     let bcfg = CudaBackendConfig {
@@ -634,7 +637,7 @@ fn cuda_backend(
         max_pages_per_seq: env.context_len.div_ceil(opts.page_size),
         attn_partials: CudaBackendConfig::default().attn_partials,
         kernel_cache_dir: opts.kernel_cache.clone(),
-        tuning: Tuning::from_env(),
+        tuning: opts.cuda_tuning,
     };
     let tuning = bcfg.tuning;
     let backend = CudaBackend::on_device(bcfg, dev.clone()).map_err(|e| BootError::Config(e.to_string()))?;

@@ -51,7 +51,7 @@ mod profile;
 pub mod vram_alloc;
 
 use crate::kv_units::KvAddressing;
-use crate::{BackendError, GraphKey, Result, RopeTable};
+use crate::{BackendError, CudaTuning, GraphKey, Result, RopeTable};
 use attention::{PrefillPath, SeqMaps};
 use corridor_units::Bytes;
 use cudarc::driver::{result as cu, sys};
@@ -85,43 +85,8 @@ pub struct CudaBackendConfig {
     pub attn_partials: usize,
     /// Where compiled kernels are cached (`$CORRIDOR_CACHE_DIR/kernels`); `None` compiles every time.
     pub kernel_cache_dir: Option<PathBuf>,
-    /// How decode steps are launched.
-    pub tuning: Tuning,
-}
-
-/// How decode steps are launched. Everything is on by default; each switch
-/// exists so one binary can measure a step with and without it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Tuning {
-    /// Programmatic dependent launch (sm_90 and later; ignored below): each
-    /// kernel may start while the one ahead of it finishes, and waits for it
-    /// on the device (`CORRIDOR_PDL=0` turns it off).
-    pub pdl: bool,
-    /// One launch for a layer's q/k/v GEMVs, for gate/up and SiLU, and for
-    /// RoPE and the KV store, where the shapes allow (`CORRIDOR_FUSE=0`).
-    pub fuse: bool,
-    /// Decode attention with a token per lane for steps of `ATT_LANES_MIN_ROWS`
-    /// rows and more (`CORRIDOR_ATTN_LANES=0` keeps the warp-per-token kernel).
-    pub lane_attention: bool,
-}
-
-impl Default for Tuning {
-    fn default() -> Self {
-        Tuning { pdl: true, fuse: true, lane_attention: true }
-    }
-}
-
-impl Tuning {
-    /// The defaults with the environment's overrides.
-    pub fn from_env() -> Tuning {
-        let d = Tuning::default();
-        let flag = |name: &str, default: bool| std::env::var(name).map(|v| v != "0").unwrap_or(default);
-        Tuning {
-            pdl: flag("CORRIDOR_PDL", d.pdl),
-            fuse: flag("CORRIDOR_FUSE", d.fuse),
-            lane_attention: flag("CORRIDOR_ATTN_LANES", d.lane_attention),
-        }
-    }
+    /// How steps are launched and whether ops are profiled (parsed at the edge: `crate::tuning`).
+    pub tuning: CudaTuning,
 }
 
 impl Default for CudaBackendConfig {
@@ -133,7 +98,7 @@ impl Default for CudaBackendConfig {
             max_pages_per_seq: 4096,
             attn_partials: 1 << 16,
             kernel_cache_dir: None,
-            tuning: Tuning::from_env(),
+            tuning: CudaTuning::default(),
         }
     }
 }
@@ -216,10 +181,10 @@ pub struct CudaBackend {
     sm_count: usize,
     arch: String,
     config: CudaBackendConfig,
-    /// Kernels are launched with programmatic dependent launch (`Tuning::pdl` on sm_90+).
+    /// Kernels are launched with programmatic dependent launch (`CudaTuning::pdl` on sm_90+).
     pdl: bool,
     state: Mutex<State>,
-    /// Per-op timing when `CORRIDOR_CUDA_PROFILE=N` is set (a report every N steps).
+    /// Per-op timing when `CudaTuning::profile_every` is set (a report every N steps).
     profile: Option<Mutex<OpProfile>>,
 }
 
@@ -322,12 +287,9 @@ impl CudaBackend {
             sm_count,
             arch,
             pdl: config.tuning.pdl && major >= 9,
+            profile: config.tuning.profile_every.map(|every| Mutex::new(OpProfile::new(every))),
             config,
             state: Mutex::new(state),
-            profile: std::env::var("CORRIDOR_CUDA_PROFILE")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .map(|every: u64| Mutex::new(OpProfile::new(every))),
         })
     }
 
@@ -355,7 +317,7 @@ impl CudaBackend {
     }
 
     /// Run `f` with the context bound and the state locked, recording its
-    /// error; under `CORRIDOR_CUDA_PROFILE` also wait for it and count its time.
+    /// error; when profiling (`CudaTuning::profile_every`) also wait for it and count its time.
     /// The name is only formatted when profiling.
     fn op(&self, name: impl std::fmt::Display, f: impl FnOnce(&mut State) -> Result<()>) {
         let mut st = self.lock();

@@ -1,5 +1,5 @@
 //! Profiling: where a step's device time goes, op by op
-//! (`CORRIDOR_CUDA_PROFILE=N` logs a table every N steps).
+//! (`CudaTuning::profile_every`: a table logged every N steps).
 
 use super::device::cuda_err;
 use super::CudaBackend;
