@@ -125,12 +125,12 @@ pub struct ModelArgs {
     /// Layers per PP stage: `a,b,c`, `even`, or `auto` (solved on the cards like `--tp-ratio`).
     #[arg(long, default_value = "even")]
     pp_layers: String,
+    #[command(flatten)]
+    cuda: tuning::CudaFlags,
     /// Scheduled foreign processes on sim cards: JSON lines such as
     /// `{"at_s": 5.0, "card": 0, "pid": 4242, "bytes": 2147483648}` (`"bytes": 0` = it exited).
     #[arg(long)]
     sim_events: Option<PathBuf>,
-    #[command(flatten)]
-    cuda: tuning::CudaFlags,
 }
 
 #[derive(Args, Debug)]

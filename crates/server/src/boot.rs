@@ -109,10 +109,10 @@ pub struct BootOptions {
     /// A parallel layout (`None`: the whole model as one rank). On the CPU
     /// the ranks are threads sharing the host card.
     pub layout: Option<LayoutSpec>,
-    /// Where compiled GPU kernels are cached (`None`: compiled at every start).
-    pub kernel_cache: Option<PathBuf>,
     /// The CUDA backend's launch and profiling switches (parsed by the command line).
     pub cuda_tuning: corridor_backend::CudaTuning,
+    /// Where compiled GPU kernels are cached (`None`: compiled at every start).
+    pub kernel_cache: Option<PathBuf>,
 }
 
 impl BootOptions {
@@ -135,8 +135,8 @@ impl BootOptions {
             serving_mark_interval: None,
             sample_interval: None,
             layout: None,
-            kernel_cache: None,
             cuda_tuning: corridor_backend::CudaTuning::default(),
+            kernel_cache: None,
         }
     }
 }
