@@ -51,6 +51,8 @@ enum Command {
 /// Model and engine sizing shared by `serve` and `generate`.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
+    #[command(flatten)]
+    cuda: tuning::CudaFlags,
     /// The model: a Hugging Face directory (config.json, safetensors, tokenizer.json) or a .gguf
     /// file; or a name: `org/name` (a Hugging Face repository), `org/name:Q4_K_M` (one GGUF file of
     /// a repository, by its quantization tag), `ollama:NAME[:TAG]` or `NAME:TAG` (ollama's local
@@ -125,8 +127,6 @@ pub struct ModelArgs {
     /// Layers per PP stage: `a,b,c`, `even`, or `auto` (solved on the cards like `--tp-ratio`).
     #[arg(long, default_value = "even")]
     pp_layers: String,
-    #[command(flatten)]
-    cuda: tuning::CudaFlags,
     /// Scheduled foreign processes on sim cards: JSON lines such as
     /// `{"at_s": 5.0, "card": 0, "pid": 4242, "bytes": 2147483648}` (`"bytes": 0` = it exited).
     #[arg(long)]
@@ -243,6 +243,7 @@ impl ModelArgs {
             None => pull::ensure_default_model(cache, false)?,
         };
         let mut o = corridor_server::boot::BootOptions::new(path);
+        o.cuda_tuning = self.cuda.tuning();
         o.max_running = self.max_running_requests;
         o.max_batched_tokens = self.max_batched_tokens;
         o.itl_target = (self.itl_target_ms > 0).then(|| std::time::Duration::from_millis(self.itl_target_ms));
@@ -254,7 +255,6 @@ impl ModelArgs {
         o.flight_dir = self.flight_dir.clone();
         o.sim_events = self.sim_events.clone();
         o.kernel_cache = Some(cache.join("kernels"));
-        o.cuda_tuning = self.cuda.tuning();
         if self.tp > 1 || self.pp > 1 {
             o.layout = Some(corridor_model::layout::LayoutSpec {
                 tp: self.tp,

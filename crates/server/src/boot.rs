@@ -89,6 +89,8 @@ pub struct BootOptions {
     /// Tokens per KV page.
     pub page_size: usize,
     pub devices: Devices,
+    /// The CUDA backend's launch and profiling switches (parsed by the command line).
+    pub cuda_tuning: corridor_backend::CudaTuning,
     /// `--floor-mib` as given (`N` or `N,N,...`); `None` = 1024 per card.
     pub floor_mib: Option<String>,
     /// `--card-budget-mib` as given; `None` = no budget.
@@ -109,8 +111,6 @@ pub struct BootOptions {
     /// A parallel layout (`None`: the whole model as one rank). On the CPU
     /// the ranks are threads sharing the host card.
     pub layout: Option<LayoutSpec>,
-    /// The CUDA backend's launch and profiling switches (parsed by the command line).
-    pub cuda_tuning: corridor_backend::CudaTuning,
     /// Where compiled GPU kernels are cached (`None`: compiled at every start).
     pub kernel_cache: Option<PathBuf>,
 }
@@ -126,6 +126,7 @@ impl BootOptions {
             kv_budget: Bytes::mib(1024),
             page_size: 16,
             devices: Devices::Cpu,
+            cuda_tuning: corridor_backend::CudaTuning::default(),
             floor_mib: None,
             card_budget_mib: None,
             flight_dir: None,
@@ -135,7 +136,6 @@ impl BootOptions {
             serving_mark_interval: None,
             sample_interval: None,
             layout: None,
-            cuda_tuning: corridor_backend::CudaTuning::default(),
             kernel_cache: None,
         }
     }
