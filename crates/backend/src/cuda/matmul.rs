@@ -1,12 +1,17 @@
 //! Matmuls: the weights they read and the kernels that compute them.
 //!
-//! A weight lives in the weight arena (or an allocation of its own) as bf16
-//! or its ggml block format. Decode rows (up to `GEMV_MAX_ROWS`) go through
-//! the GEMV kernels of kernels/gemv.cu, which read every weight byte once:
-//! the per-row kernel for every storage type, the tensor-core kernel for
-//! 3..8 rows, and the fused launches (q/k/v in one, gate/up with SiLU).
-//! Prefill rows go through cuBLASLt (`gemm.rs`), quantized weights widened
-//! to bf16 a tile at a time. `takes_gemv` and `takes_gemv_tc` pick the path.
+//! A weight lives in the weight arena (or an allocation of its own): bf16
+//! for matrices (f16/f32 checkpoints converted at upload), the ggml block
+//! formats as they are, f32 for vectors. Decode rows (up to `GEMV_MAX_ROWS`)
+//! go through GEMV kernels (kernels/gemv.cu) that read every weight byte
+//! once per step: a per-row kernel (16-byte loads, split-K across the warps
+//! of a block, one instantiation per power-of-two row count, for bf16 and
+//! each ggml block format), its fused launches (q/k/v in one, gate/up with
+//! SiLU), and a tensor-core kernel for 3..8 rows that splits the f32
+//! activations into two bf16 parts and so stays exact. cuBLASLt (bf16 ×
+//! bf16 → f32, `gemm.rs`) takes prefill rows, and 3..8 rows on large bf16
+//! matrices where it measured faster (`takes_gemv`); quantized weights are
+//! widened to bf16 a tile of rows at a time for it.
 
 use super::device::{Args, DeviceBuffer, LaunchDims, Purpose};
 use super::gemm::GemmShape;

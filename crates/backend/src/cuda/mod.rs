@@ -3,22 +3,10 @@
 //! - Activations are f32 device matrices (`CudaAct`), as the trait promises.
 //! - Weights: matrices in bf16 (f16/f32 checkpoints converted at upload), the
 //!   ggml block formats uploaded as they are; vectors (norms, biases) in f32.
-//! - Matmuls: decode rows (up to `GEMV_MAX_ROWS`) go through GEMV kernels
-//!   that read every weight byte once per step: a per-row kernel (16-byte
-//!   loads, split-K across the warps of a block, one instantiation per
-//!   power-of-two row count, for bf16 and each ggml block format) and a
-//!   tensor-core kernel for 3..8 rows that splits the f32 activations into
-//!   two bf16 parts and so stays exact. cuBLASLt (bf16 × bf16 → f32) takes
-//!   prefill rows, and 3..8 rows on large bf16 matrices where it measured
-//!   faster (`takes_gemv`); quantized weights are widened to bf16 a tile of
-//!   rows at a time for it.
-//! - KV: bf16, per layer `[pages, page_size, kv_heads, head_dim]` for K and V.
-//!   Attention is causal per row and grouped-query. Sequences that bring at
-//!   least `TILED_MIN_ROWS` rows to a step (prefill, also after a cached
-//!   prefix) go through a tiled tensor-core kernel (64 query rows per block,
-//!   K/V streamed through shared memory, online softmax); every other row
-//!   (decode, short chunks, and everything inside a graph capture) through a
-//!   split-K kernel over the context (flash-decoding) with a combine pass.
+//! - Matmuls: GEMV kernels for decode rows, cuBLASLt for prefill (`matmul.rs`).
+//! - KV: bf16 pages, per layer, in buffers of their own or the card's KV
+//!   arena; tiled attention for prefill, split-K for everything else
+//!   (`attention.rs`).
 //! - Step metadata (token ids, positions, page tables, row maps) lives in
 //!   device buffers sized at construction; each op compares its host
 //!   arguments with what was last uploaded and copies only what changed, so
@@ -34,7 +22,11 @@
 //! - `graphs.rs`: graph capture and replay;
 //! - `profile.rs`: the per-op device-time profile;
 //! - `backend.rs`: the `Backend` impl that ties them;
-//! - this file: the configuration, the device state every op shares, and construction.
+//! - this file: the configuration, the device state every op shares, and construction;
+//! - beside them: `device.rs` (context, stream, buffers, launches), `vram_alloc.rs` (every
+//!   device byte through the card's chokepoint), `preflight.rs` (the libraries, found and
+//!   checked), `nccl.rs` (the collective for GPU ranks), `check.rs` (the self-check against
+//!   the CPU backend and the micro-benchmarks).
 
 mod attention;
 mod backend;
