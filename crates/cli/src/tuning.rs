@@ -67,9 +67,14 @@ impl CudaFlags {
 /// outside any card's books. Called first thing in `main`, before any thread
 /// exists, as changing the environment is only sound then.
 pub fn nccl_environment() {
-    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-        std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    for (name, value) in nccl_defaults(|name| std::env::var_os(name).is_some()) {
+        std::env::set_var(name, value);
     }
+}
+
+/// The NCCL variables to set, given which are set already (`is_set`).
+fn nccl_defaults(is_set: impl Fn(&str) -> bool) -> Vec<(&'static str, &'static str)> {
+    [("NCCL_NVLS_ENABLE", "0")].into_iter().filter(|(name, _)| !is_set(name)).collect()
 }
 
 #[cfg(test)]
@@ -102,6 +107,12 @@ mod tests {
         assert_eq!(parse(&["--cuda-profile", "100"]), CudaTuning { profile_every: Some(100), ..d });
         assert_eq!(parse(&["--nccl-graphs", "off"]), CudaTuning { nccl_graphs: false, ..d });
         assert_eq!(parse(&["--cuda-fuse", "1"]), d);
+    }
+
+    #[test]
+    fn nvlink_sharp_is_off_unless_the_environment_says_otherwise() {
+        assert_eq!(nccl_defaults(|_| false), vec![("NCCL_NVLS_ENABLE", "0")]);
+        assert!(nccl_defaults(|name| name == "NCCL_NVLS_ENABLE").is_empty());
     }
 
     #[test]
