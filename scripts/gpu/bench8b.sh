@@ -2,13 +2,13 @@
 # The H200 benchmark of the CUDA backend on a Llama-3-8B-shaped model (random bf16 weights), in one
 # run on the GPU machine. Everything it needs is built here and carried in .gpu/:
 #   .gpu/corridor              the server and bench client (cargo build --release, CUDA enabled)
-#   .gpu/corridor-gpu-e2e      the GPU check binary (scripts/gpu/e2e), for its `logits` mode
+#   .gpu/corridor-gpu-check    the GPU check binary (crates/gpu-check), for its `logits` mode
 #   .gpu/llama3-tokenizer/     tokenizer.json + tokenizer_config.json of Llama 3
 # Run from anywhere:   OUT=/some/dir scripts/gpu/bench8b.sh
 #
 # Steps (each logs to $OUT, default /tmp, under a "=== [elapsed] step" header):
 #   a. nvidia-smi; the checkpoint in /tmp/llama8b (make_llama8b.py; kept if already there)
-#   b. logits of 16 fixed tokens: transformers fp32 vs corridor-gpu-e2e        -> logits.log
+#   b. logits of 16 fixed tokens: transformers fp32 vs corridor-gpu-check      -> logits.log
 #   c. corridor serve on cuda:0 (max 128 running, 8192 batched tokens, context 8192) -> serve.log
 #   d. decode: 512 in / 256 out at concurrency 1 8 32 128                      -> decode_B.json
 #   e. prefill: 2048 and 8192 prompt tokens, 1 out, one at a time               -> prefill_P.json
@@ -38,7 +38,7 @@ mkdir -p "$out"
 exec > >(tee "$out/bench8b.log") 2>&1
 
 BIN=${CORRIDOR_BIN:-.gpu/corridor}
-E2E=${CORRIDOR_E2E:-.gpu/corridor-gpu-e2e}
+E2E=${CORRIDOR_E2E:-.gpu/corridor-gpu-check}
 TOKENIZER_DIR=${TOKENIZER_DIR:-.gpu/llama3-tokenizer}
 MODEL_DIR=${MODEL_DIR:-/tmp/llama8b}
 DEVICES=${DEVICES:-cuda:0}
@@ -119,7 +119,7 @@ du -sh "$MODEL_DIR" 2>/dev/null
 if [ "${SKIP_LOGITS:-0}" = 1 ]; then
     header "b. logits"; skip logits "SKIP_LOGITS=1"
 elif time_for logits 200; then
-    header "b. logits: transformers fp32 vs corridor-gpu-e2e over $IDS" | tee "$out/logits.log"
+    header "b. logits: transformers fp32 vs corridor-gpu-check over $IDS" | tee "$out/logits.log"
     ref=/tmp/ref.f32 got=/tmp/got.f32
     # The reference depends only on the checkpoint and the ids: reuse it when both are unchanged.
     stamp="$IDS $(stat -c %Y "$MODEL_DIR/config.json" 2>/dev/null)"
@@ -145,7 +145,7 @@ elif time_for logits 200; then
             *) fail logits "the logit files could not be compared" ;;
         esac
     else
-        echo "RESULT NOT RUN: reference present: $([ -s "$ref" ] && echo yes || echo no), corridor logits present: $([ -s "$got" ] && echo yes || echo no) (corridor-gpu-e2e status $e2e_rc)" | tee -a "$out/logits.log"
+        echo "RESULT NOT RUN: reference present: $([ -s "$ref" ] && echo yes || echo no), corridor logits present: $([ -s "$got" ] && echo yes || echo no) (corridor-gpu-check status $e2e_rc)" | tee -a "$out/logits.log"
         fail logits "a logit file is missing"
     fi
 fi

@@ -9,9 +9,9 @@ export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRAR
 export CORRIDOR_CACHE_DIR=${CORRIDOR_CACHE_DIR:-/tmp/corridor-cache}
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 ./.gpu/cuda_check --bench "$@"
-# End-to-end: the tiny checkpoints through the real forward pass (scripts/gpu/e2e,
-# built with: cd scripts/gpu/e2e && CARGO_TARGET_DIR=../../../target cargo build --release
-# and copied to .gpu/corridor-gpu-e2e).
-if [ -x ./.gpu/corridor-gpu-e2e ]; then
-    ./.gpu/corridor-gpu-e2e tests/fixtures/tiny
+# End-to-end: the tiny checkpoints through the real forward pass (crates/gpu-check,
+# built with: cargo build --release -p corridor-gpu-check --features cuda
+# and copied to .gpu/: cp target/release/corridor-gpu-check .gpu/).
+if [ -x ./.gpu/corridor-gpu-check ]; then
+    ./.gpu/corridor-gpu-check tests/fixtures/tiny
 fi

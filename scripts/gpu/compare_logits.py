@@ -5,7 +5,7 @@ Usage:
     python3 scripts/gpu/compare_logits.py REF.f32 GOT.f32 --vocab 128256 [--tol 0.03]
 
 Both files are raw little-endian float32, row-major [positions, vocab] with no header (what
-`hf_logits.py` and `corridor-gpu-e2e logits` write). For every position it prints
+`hf_logits.py` and `corridor-gpu-check logits` write). For every position it prints
 
     max|diff|     the largest absolute difference between the two rows
     max|ref|      the largest absolute reference logit

@@ -34,7 +34,7 @@ if [ "${SKIP_CHECKS:-0}" != 1 ]; then
     ./.gpu/cuda_check > "$out/checks.log" 2>&1
     grep -E "^FAIL|failures|comparisons" "$out/checks.log"
     header "tiny checkpoints GPU vs CPU"
-    ./.gpu/corridor-gpu-e2e tests/fixtures/tiny > "$out/e2e.log" 2>&1
+    ./.gpu/corridor-gpu-check tests/fixtures/tiny > "$out/e2e.log" 2>&1
     tail -n 3 "$out/e2e.log"
 fi
 source scripts/gpu/server_lib.sh

@@ -10,7 +10,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRAR
 export CORRIDOR_CACHE_DIR=${CORRIDOR_CACHE_DIR:-/tmp/corridor-cache}
 {
     echo "== kernels vs CPU"; ./.gpu/cuda_check 2>&1 | tail -n 60
-    echo "== tiny checkpoints GPU vs CPU"; ./.gpu/corridor-gpu-e2e tests/fixtures/tiny 2>&1
+    echo "== tiny checkpoints GPU vs CPU"; ./.gpu/corridor-gpu-check tests/fixtures/tiny 2>&1
     echo "== corridor serve on the GPU vs the CPU"
     OUT=$res python3 scripts/gpu/serve_check.py ./.gpu/corridor tests/fixtures/tiny/llama-f32 tests/fixtures/tiny/qwen3 \
         tests/fixtures/tiny/llama-q.gguf tests/fixtures/tiny/qwen2-f16.gguf tests/fixtures/tiny/mistral 2>&1

@@ -33,7 +33,7 @@ PROMPTS = [
     "My favourite colour is",
 ]
 # A near tie: the CPU's top-2 log-probability gap under this, where bf16 may pick either. The
-# same bound corridor-gpu-e2e (scripts/gpu/e2e) uses on these checkpoints: twice 2e-2 of the largest
+# same bound corridor-gpu-check (crates/gpu-check) uses on these checkpoints: twice 2e-2 of the largest
 # logit, which is about 5 on each of them, since the device keeps weights and KV in bf16 and each
 # of the two logits may move by that much. (It was 0.05, under the measured logit error itself:
 # 0.07 on qwen3 and mistral, so a flip at a gap of 0.06 failed the check while the logits agreed.)

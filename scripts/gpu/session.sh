@@ -4,7 +4,7 @@
 #   scripts/gpu/session.sh checks   # card + chokepoint check, kernel checks, tiny checkpoints GPU vs CPU
 #   scripts/gpu/session.sh paris    # SmolLM2 "Paris" on the GPU, by the model and through `corridor serve`;
 #                                   # first call: `cp .gpu-a/part /tmp/smol_a` (carry .gpu-a), second: this
-#                                   # (carry .gpu-b and .gpu-c = corridor + corridor-gpu-e2e)
+#                                   # (carry .gpu-b and .gpu-c = corridor + corridor-gpu-check)
 #   scripts/gpu/session.sh serve    # kernel checks, tiny checkpoints, then `corridor serve` on the GPU vs the
 #                                   # CPU (scripts/gpu/serve_check.py) while the 8B checkpoint is written
 #   scripts/gpu/bench8b.sh          # then, on the same warm machine: the Llama-3-8B-shaped benchmark
@@ -19,14 +19,14 @@ case "${1:-checks}" in
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
     echo "== card and chokepoint"; scripts/gpu/card_check.sh 2>&1 | tee "$out/card_check.log"
     echo "== kernels vs CPU"; ./.gpu/cuda_check 2>&1 | tail -n 40 | tee "$out/cuda_check.log"
-    echo "== tiny checkpoints GPU vs CPU"; ./.gpu/corridor-gpu-e2e tests/fixtures/tiny 2>&1 | tee "$out/e2e.log"
+    echo "== tiny checkpoints GPU vs CPU"; ./.gpu/corridor-gpu-check tests/fixtures/tiny 2>&1 | tee "$out/e2e.log"
     ;;
   serve)
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
     python3 scripts/gpu/make_llama8b.py /tmp/llama8b --tokenizer-dir .gpu/llama3-tokenizer > "$out/make_llama8b.log" 2>&1 &
     maker=$!
     echo "== kernels vs CPU"; ./.gpu/cuda_check 2>&1 | tail -n 40 | tee "$out/cuda_check.log"
-    echo "== tiny checkpoints GPU vs CPU"; ./.gpu/corridor-gpu-e2e tests/fixtures/tiny 2>&1 | tee "$out/e2e.log"
+    echo "== tiny checkpoints GPU vs CPU"; ./.gpu/corridor-gpu-check tests/fixtures/tiny 2>&1 | tee "$out/e2e.log"
     echo "== corridor serve on the GPU vs the CPU"
     python3 scripts/gpu/serve_check.py ./.gpu/corridor tests/fixtures/tiny/llama-f32 tests/fixtures/tiny/qwen3 \
         tests/fixtures/tiny/llama-q.gguf tests/fixtures/tiny/qwen2-f16.gguf tests/fixtures/tiny/mistral 2>&1 \
@@ -39,7 +39,7 @@ case "${1:-checks}" in
     [ -f /tmp/smollm2.gguf ] || cat /tmp/smol_a .gpu-b/part > /tmp/smollm2.gguf
     bin=.gpu-c; [ -x "$bin/corridor" ] || bin=.gpu
     sha256sum /tmp/smollm2.gguf | tee "$out/paris.log"
-    "./$bin/corridor-gpu-e2e" /tmp/smollm2.gguf 2>&1 | tee -a "$out/paris.log"
+    "./$bin/corridor-gpu-check" /tmp/smollm2.gguf 2>&1 | tee -a "$out/paris.log"
     # The same question through `corridor serve --devices cuda:0` and the chat API.
     "./$bin/corridor" serve --model /tmp/smollm2.gguf --devices cuda:0 --port 8500 > "$out/paris_serve.log" 2>&1 &
     pid=$!

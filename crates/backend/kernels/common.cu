@@ -8,7 +8,7 @@ typedef unsigned short bf16_t;
 typedef unsigned int u32;
 typedef unsigned char u8;
 
-// Storage codes shared with the host (crates/backend/src/cuda/mod.rs, `dtype_code`).
+// Storage codes shared with the host (crates/backend/src/cuda/kernels.rs, `dtype_code`).
 #define DT_F32 0
 #define DT_BF16 1
 #define DT_Q8_0 2
@@ -32,7 +32,7 @@ __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 // the layer's K (or V) base pointer, not page ids: the host translates ids
 // once per step, so the same kernels address a per-layer buffer and a page of
 // the card's KV arena (whose chunks may leave a gap after their last page).
-// Must match KV_UNIT_BYTES in crates/backend/src/cuda/mod.rs.
+// Must match KV_UNIT_BYTES in crates/backend/src/kv_units.rs.
 #define KV_UNIT_SHIFT 7 // 256 bytes = 128 bf16 elements
 __device__ __forceinline__ long long kv_page_elems(u32 unit) { return (long long)unit << KV_UNIT_SHIFT; }
 

@@ -410,6 +410,37 @@ fn place_cols(rank: Rank, mine: &[f32], rows: usize, at: usize, out: &mut [f32])
     Ok(())
 }
 
+/// Logits as whole rows on the rank that samples: this rank computed the
+/// vocabulary columns `cols` (of `total`) of `rows` rows, and `read` copies
+/// that block from the device into a host buffer. When the gather involves
+/// no other rank and this rank holds every column, `read` fills `out`
+/// directly (at a large batch the rows are tens of megabytes, so the copy
+/// through `scratch` would cost milliseconds); otherwise the block goes
+/// through `scratch` and [`Group::gather_cols`], and `out` is `[rows, total]`
+/// on the rank that gathers and left as it was on the others. Here, not in
+/// the model, because which of the two applies depends on the group.
+pub fn gather_logits<G: Group + ?Sized, E: From<CollectiveError>>(
+    group: &G,
+    rows: usize,
+    cols: std::ops::Range<usize>,
+    total: usize,
+    scratch: &mut Vec<f32>,
+    out: &mut Vec<f32>,
+    read: impl FnOnce(&mut Vec<f32>) -> Result<(), E>,
+) -> Result<(), E> {
+    if group.world() == 1 && cols == (0..total) {
+        return read(out);
+    }
+    read(scratch)?;
+    if group.gathers_here() {
+        out.resize(rows * total, 0.0);
+        group.gather_cols(scratch, rows, cols.start, Some(out))?;
+    } else {
+        group.gather_cols(scratch, rows, cols.start, None)?;
+    }
+    Ok(())
+}
+
 /// The group of one: every exchange is the identity, so the single-rank path
 /// runs the same model code as a layout.
 #[derive(Debug, Default)]

@@ -15,8 +15,10 @@ pub mod cpu;
 pub mod cuda;
 pub mod dtype;
 pub mod kv_units;
+pub mod tuning;
 
 pub use dtype::{DType, HostTensor, TensorBytes, QK, QK_K};
+pub use tuning::CudaTuning;
 
 use corridor_units::PageId;
 use corridor_vram::KvArena;

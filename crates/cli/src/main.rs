@@ -7,6 +7,7 @@ mod memory;
 mod plan;
 mod pull;
 mod resolve;
+mod tuning;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
@@ -50,6 +51,8 @@ enum Command {
 /// Model and engine sizing shared by `serve` and `generate`.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
+    #[command(flatten)]
+    cuda: tuning::CudaFlags,
     /// The model: a Hugging Face directory (config.json, safetensors, tokenizer.json) or a .gguf
     /// file; or a name: `org/name` (a Hugging Face repository), `org/name:Q4_K_M` (one GGUF file of
     /// a repository, by its quantization tag), `ollama:NAME[:TAG]` or `NAME:TAG` (ollama's local
@@ -256,6 +259,7 @@ impl ModelArgs {
             None => pull::ensure_default_model(cache, false)?,
         };
         let mut o = corridor_server::boot::BootOptions::new(path);
+        o.cuda_tuning = self.cuda.tuning();
         o.max_running = self.max_running_requests;
         o.max_batched_tokens = self.max_batched_tokens;
         o.itl_target = (self.itl_target_ms > 0).then(|| std::time::Duration::from_millis(self.itl_target_ms));
@@ -318,6 +322,7 @@ fn boot_with_progress(opts: &corridor_server::boot::BootOptions) -> Result<corri
 }
 
 fn main() {
+    tuning::nccl_environment();
     let cli = Cli::parse();
     logging::init(&cli.log, cli.log_format);
     if let Err(e) = run(cli) {

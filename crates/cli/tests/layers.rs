@@ -13,6 +13,8 @@ const LAYERS: &[(&str, u32)] = &[
     ("corridor-model", 3),
     ("corridor-engine", 4),
     ("corridor-bench", 4),
+    // The GPU check: a binary over model and backend, beside the engine.
+    ("corridor-gpu-check", 4),
     ("corridor-server", 5),
     ("corridor-cli", 6),
 ];

@@ -30,7 +30,7 @@ use crate::error::LoadError;
 use crate::layout::RankSlice;
 use crate::moe::{Expert, Routes};
 use crate::rope::rope_table;
-use corridor_backend::collective::{Collective, CollectiveError, Solo};
+use corridor_backend::collective::{gather_logits, Collective, CollectiveError, Solo};
 use corridor_backend::{
     ActShape, Backend, BackendError, DType, GraphKey, HostTensor, KvGeometry, MatmulPart, RopeTable, SeqStep,
     StepPlan, TensorBytes,
@@ -469,23 +469,12 @@ impl<B: Backend> Model<B> {
             b.check()?;
             return Ok(());
         }
-        if c.world() == 1 && s.vocab == (0..cfg.vocab_size) {
-            // The whole vocabulary is here: the rows come straight into
-            // `logits` (at a large batch they are tens of megabytes).
-            b.read_rows(&ws.logits, n, logits);
-            b.check()?;
-            return Ok(());
-        }
-        b.read_rows(&ws.logits, n, &mut ws.host_logits);
-        b.check()?;
         // Only the rank whose logits are sampled holds the whole rows.
-        if c.gathers_here() {
-            logits.resize(n * cfg.vocab_size, 0.0);
-            c.gather_cols(&ws.host_logits, n, s.vocab.start, Some(logits))?;
-        } else {
-            c.gather_cols(&ws.host_logits, n, s.vocab.start, None)?;
-        }
-        Ok(())
+        let device_logits = &ws.logits;
+        gather_logits(c, n, s.vocab.clone(), cfg.vocab_size, &mut ws.host_logits, logits, |host| {
+            b.read_rows(device_logits, n, host);
+            b.check().map_err(ModelError::from)
+        })
     }
 
     /// The device work of a step: embed (or receive), every layer, and the

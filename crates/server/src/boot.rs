@@ -90,6 +90,8 @@ pub struct BootOptions {
     /// Tokens per KV page.
     pub page_size: usize,
     pub devices: Devices,
+    /// The CUDA backend's launch and profiling switches (parsed by the command line).
+    pub cuda_tuning: corridor_backend::CudaTuning,
     /// `--floor-mib` as given (`N` or `N,N,...`); `None` = 1024 per card.
     pub floor_mib: Option<String>,
     /// `--card-budget-mib` as given; `None` = no budget.
@@ -136,6 +138,7 @@ impl BootOptions {
             kv_budget: Bytes::mib(1024),
             page_size: 16,
             devices: Devices::Cpu,
+            cuda_tuning: corridor_backend::CudaTuning::default(),
             floor_mib: None,
             card_budget_mib: None,
             flight_dir: None,
@@ -714,7 +717,7 @@ fn cuda_backend(
     dev: &Device,
     ordinal: u32,
 ) -> Result<corridor_backend::cuda::CudaBackend, BootError> {
-    use corridor_backend::cuda::{CudaBackend, CudaBackendConfig, Tuning};
+    use corridor_backend::cuda::{CudaBackend, CudaBackendConfig};
     use corridor_backend::Backend;
     let opts = env.opts;
     let bcfg = CudaBackendConfig {
@@ -724,7 +727,7 @@ fn cuda_backend(
         max_pages_per_seq: env.context_len.div_ceil(opts.page_size),
         attn_partials: CudaBackendConfig::default().attn_partials,
         kernel_cache_dir: opts.kernel_cache.clone(),
-        tuning: Tuning::from_env(),
+        tuning: opts.cuda_tuning,
     };
     let tuning = bcfg.tuning;
     let backend = CudaBackend::on_device(bcfg, dev.clone()).map_err(|e| BootError::Config(e.to_string()))?;

@@ -72,7 +72,7 @@ pub struct NcclRank {
     comm: sys::ncclComm_t,
     comms: Arc<Comms>,
     /// Whether decode steps with NCCL calls may be captured as graphs
-    /// (`CORRIDOR_NCCL_GRAPHS=0` turns it off, to rule graphs out).
+    /// (`CudaTuning::nccl_graphs`: off rules graphs out).
     graphs: bool,
 }
 
@@ -94,17 +94,17 @@ pub fn nccl_version() -> Result<String> {
 
 /// Make the group of ranks on `ordinals` (rank `i` drives `ordinals[i]`):
 /// the in-process group for the host side and one NCCL communicator per
-/// card. NVLink SHARP (multicast) stays off unless the environment says
-/// otherwise: it allocates multicast objects outside any book.
+/// card; `graphs` (`CudaTuning::nccl_graphs`) lets decode steps with NCCL
+/// calls be captured. NCCL reads its own switches from the environment; the
+/// `corridor` command turns NVLink SHARP (multicast, `NCCL_NVLS_ENABLE`) off
+/// unless it is set, as it allocates multicast objects outside any book.
 pub fn nccl_group(
     ordinals: &[usize],
     shape: GroupShape,
     timeout: Duration,
+    graphs: bool,
 ) -> Result<(ThreadGroup, Vec<NcclRank>)> {
     let version = nccl_version()?;
-    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-        std::env::set_var("NCCL_NVLS_ENABLE", "0");
-    }
     let devs: Vec<i32> = ordinals.iter().map(|&o| o as i32).collect();
     let mut raw: Vec<sys::ncclComm_t> = vec![std::ptr::null_mut(); devs.len()];
     // SAFETY: `raw` has room for one communicator per device of `devs`.
@@ -113,7 +113,6 @@ pub fn nccl_group(
     tracing::info!(nccl = %version, gpus = ?ordinals, "NCCL communicators ready");
     let comms = Arc::new(Comms { comms: raw.clone(), aborted: AtomicBool::new(false) });
     let (group, hosts) = ThreadGroup::new(ordinals.len(), shape, timeout);
-    let graphs = std::env::var("CORRIDOR_NCCL_GRAPHS").map_or(true, |v| v != "0");
     let ranks = hosts
         .into_iter()
         .zip(raw)

@@ -419,8 +419,9 @@ pub(super) fn boot_cuda_layout(
     }
     (env.mark)(BootPhase::ContextReady);
     let ordinals: Vec<usize> = env.ordinals.iter().map(|&o| o as usize).collect();
-    let (group, comms) = nccl_group(&ordinals, group_shape(spec), COLLECTIVE_TIMEOUT)
-        .map_err(|e| BootError::Config(format!("NCCL: {e}")))?;
+    let (group, comms) =
+        nccl_group(&ordinals, group_shape(spec), COLLECTIVE_TIMEOUT, env.opts.cuda_tuning.nccl_graphs)
+            .map_err(|e| BootError::Config(format!("NCCL: {e}")))?;
     let cost = cost_model(env, layout::card_weight_dtype(env.ckpt), 2);
     let plan = solve_on_cards(env, spec, &devices, &cost)?;
     let cfg = env.ckpt.config();

@@ -1,0 +1,508 @@
+//! Attention and paged KV: the KV stores (buffers of their own or layers of
+//! the card's KV arena), the step's per-row and per-sequence maps that the
+//! kernels read page tables through, the KV writes (alone or fused with
+//! RoPE), and the attention kernels of kernels/attention.cu.
+//!
+//! KV is bf16, per layer `[pages, page_size, kv_heads, head_dim]` for K and
+//! V. Attention is causal per row and grouped-query. Sequences that bring at
+//! least `TILED_MIN_ROWS` rows to a step go through the tiled tensor-core
+//! kernel (64 query rows per block, K/V streamed through shared memory,
+//! online softmax); every other row (decode, short chunks, and everything
+//! inside a graph capture) through the split-K kernel over the context
+//! (flash-decoding) with a combine pass.
+
+use super::device::{cuda_err, Args, DeviceBuffer, Kernel, LaunchDims, Purpose};
+use super::graphs::drop_graphs;
+use super::{CudaAct, CudaBackend, State};
+use crate::kv_units::KvAddressing;
+use crate::{BackendError, KvGeometry, Result, RopeStyle, RopeTable, SeqStep};
+use corridor_units::PageId;
+use corridor_vram::KvArena;
+use cudarc::driver::result as cu;
+use std::sync::Arc;
+
+/// A sequence with at least this many rows in a step is attended by the tiled
+/// prefill kernel; below it the tile's tensor-core work is mostly padding.
+pub const TILED_MIN_ROWS: usize = 16;
+
+/// Query rows per block of the tiled prefill kernel (kernels/attention.cu FA_BM).
+pub(super) const TILE_ROWS: usize = 64;
+
+/// Threads per block of the tiled prefill kernel (FA_WARPS warps).
+pub(super) const TILE_THREADS: u32 = 128;
+
+/// Fewest tokens in one split of the split-K attention; each row's split
+/// length is its context over the splits, at least this (kernels/attention.cu
+/// `split_len`). 16 tokens is one batch of loads for each of a block's warps.
+pub(super) const ATT_MIN_SPLIT: usize = 16;
+
+/// Steps with at least this many rows take the token-per-lane decode
+/// attention (`attn_lanes_*`), whose splits hold at least a 32-token tile for
+/// each of a block's four warps.
+pub(super) const ATT_LANES_MIN_ROWS: usize = 8;
+pub(super) const ATT_LANES_SPLIT: usize = 128;
+
+/// Largest head dimension the attention kernel holds in registers.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Which kernel attends the rows of sequences that are prefilled in a step.
+/// `Tiled` is what the backend uses; `SplitK` exists so the self-check and the
+/// benchmark can run the general kernel on the same inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum PrefillPath {
+    Tiled,
+    SplitK,
+}
+
+/// What holds a KV store's bytes alive.
+pub(super) enum KvMem {
+    /// Two buffers of its own (K and V), page after page.
+    Own { _k: DeviceBuffer, _v: DeviceBuffer },
+    /// Pages of the card's KV arena, every layer's K and V in each page.
+    Arena(#[allow(dead_code)] Arc<KvArena>),
+}
+
+/// One layer's paged K and V in bf16: each page holds `[page_size, kv_heads,
+/// head_dim]` of K at `k + offset(page)` and of V at `v + offset(page)`.
+pub struct CudaKv {
+    pub(super) geometry: KvGeometry,
+    pub(super) _mem: KvMem,
+    pub(super) k: u64,
+    pub(super) v: u64,
+    pub(super) addr: KvAddressing,
+}
+
+impl CudaKv {
+    pub fn geometry(&self) -> KvGeometry {
+        self.geometry
+    }
+    /// Bytes of K (or V) one page holds for this layer.
+    pub(super) fn page_bytes(&self) -> usize {
+        let g = self.geometry;
+        g.page_size * g.kv_heads * g.head_dim * 2
+    }
+}
+
+/// The step's per-row and per-sequence maps, built on the host.
+#[derive(Default, PartialEq)]
+pub(super) struct SeqMaps {
+    pub(super) row_pos: Vec<u32>,
+    pub(super) row_seq: Vec<u32>,
+    pub(super) seq_pt_off: Vec<u32>,
+    pub(super) page_table: Vec<u32>,
+    /// Rows the maps cover (one past the last row of any sequence).
+    pub(super) rows: usize,
+    /// Longest context of any row.
+    pub(super) max_ctx: usize,
+    /// (first row, rows) of every tile of the tiled prefill kernel.
+    pub(super) tiles: Vec<u32>,
+    /// `row_seq` with the tiled rows masked out: what the split-K kernel attends beside the tiles.
+    pub(super) rest_seq: Vec<u32>,
+    /// Longest context of any row in `rest_seq`; 0 when there is none.
+    pub(super) rest_max_ctx: usize,
+}
+
+/// The operands of one attention call, shared by its kernels.
+pub(super) struct AttnLaunch<'a> {
+    pub(super) q: &'a CudaAct,
+    pub(super) kv: &'a CudaKv,
+    pub(super) heads: usize,
+    /// Device pointer of the output activation.
+    pub(super) out: u64,
+}
+
+/// Head sizes the attention kernels hold in registers.
+pub(super) fn check_kv_geometry(g: &KvGeometry) -> Result<()> {
+    if g.head_dim > MAX_HEAD_DIM || g.head_dim == 0 || g.kv_heads == 0 || g.page_size == 0 {
+        return Err(BackendError::Other(format!(
+            "head_dim {} (at most {MAX_HEAD_DIM}), kv_heads {}, page size {}",
+            g.head_dim, g.kv_heads, g.page_size
+        )));
+    }
+    Ok(())
+}
+
+impl CudaBackend {
+    pub(super) fn sync_seqs(&self, st: &mut State, seqs: &[SeqStep<'_>]) -> Result<()> {
+        let mut m = std::mem::take(&mut st.maps_scratch);
+        m.rows = seqs.iter().map(|s| s.row_start + s.rows).max().unwrap_or(0).max(st.step_rows);
+        m.row_pos.clear();
+        m.row_pos.resize(m.rows, 0);
+        m.row_seq.clear();
+        m.row_seq.resize(m.rows, u32::MAX);
+        m.seq_pt_off.clear();
+        m.page_table.clear();
+        m.max_ctx = 0;
+        m.tiles.clear();
+        m.rest_seq.clear();
+        m.rest_seq.resize(m.rows, u32::MAX);
+        m.rest_max_ctx = 0;
+        for (si, s) in seqs.iter().enumerate() {
+            m.seq_pt_off.push(m.page_table.len() as u32);
+            if s.pages.len() > self.config.max_pages_per_seq {
+                st.maps_scratch = m;
+                return Err(BackendError::Other(format!(
+                    "a sequence has {} pages, the backend was sized for {}",
+                    s.pages.len(),
+                    self.config.max_pages_per_seq
+                )));
+            }
+            m.page_table.extend(s.pages.iter().map(|&p| st.kv_addr.unit(p) as u32));
+            for i in 0..s.rows {
+                m.row_pos[s.row_start + i] = (s.cached + i) as u32;
+                m.row_seq[s.row_start + i] = si as u32;
+            }
+            m.max_ctx = m.max_ctx.max(s.context_len());
+            if s.rows >= TILED_MIN_ROWS {
+                for t0 in (0..s.rows).step_by(TILE_ROWS) {
+                    m.tiles.push((s.row_start + t0) as u32);
+                    m.tiles.push(TILE_ROWS.min(s.rows - t0) as u32);
+                }
+            } else if s.rows > 0 {
+                m.rest_seq[s.row_start..s.row_start + s.rows].fill(si as u32);
+                m.rest_max_ctx = m.rest_max_ctx.max(s.context_len());
+            }
+        }
+        if m == st.maps && st.row_pos.valid {
+            st.maps_scratch = m;
+            return Ok(());
+        }
+        let cap = st.capturing.is_some();
+        let r = (|| {
+            self.sync_meta(&mut st.row_pos, &m.row_pos, "rows", cap)?;
+            self.sync_meta(&mut st.row_seq, &m.row_seq, "rows", cap)?;
+            self.sync_meta(&mut st.seq_pt_off, &m.seq_pt_off, "sequences", cap)?;
+            self.sync_meta(&mut st.page_table, &m.page_table, "page-table entries", cap)?;
+            self.sync_meta(&mut st.tiles, &m.tiles, "prefill tiles", cap)?;
+            self.sync_meta(&mut st.rest_seq, &m.rest_seq, "rows", cap)
+        })();
+        st.maps_scratch = std::mem::replace(&mut st.maps, m);
+        r
+    }
+
+    /// A new KV store: page tables translate through its addressing from now
+    /// on, and captured steps (which point at the old store) are dropped.
+    pub(super) fn adopt_kv_addressing(&self, addr: KvAddressing) -> Result<()> {
+        self.synchronize()?;
+        let mut st = self.lock();
+        drop_graphs(&mut st);
+        st.kv_addr = addr;
+        Ok(())
+    }
+
+    /// Split-K attention (flash-decoding) for the rows whose sequence index in
+    /// `row_seq` is not u32::MAX, over contexts of at most `max_ctx` tokens.
+    pub(super) fn attn_split(
+        &self,
+        st: &State,
+        a: &AttnLaunch<'_>,
+        row_seq: u64,
+        max_ctx: usize,
+    ) -> Result<()> {
+        let g = a.kv.geometry;
+        let rows = st.maps.rows;
+        // Query heads per block: the largest of 8, 4, 2, 1 that divides the
+        // GQA group, so a block reads each K/V row once for all of them.
+        let group = a.heads / g.kv_heads;
+        let per_block = [8usize, 4, 2, 1].into_iter().find(|p| group.is_multiple_of(*p)).unwrap_or(1);
+        let g_idx = per_block.trailing_zeros() as usize;
+        let exact = match g.head_dim {
+            64 => Some(0),
+            128 => Some(1),
+            256 => Some(2),
+            _ => None,
+        };
+        let lanes = self.config.tuning.lane_attention && rows >= ATT_LANES_MIN_ROWS && exact.is_some();
+        let min_split = if lanes { ATT_LANES_SPLIT } else { ATT_MIN_SPLIT };
+        let nsplit = self.splits(rows, a.heads, per_block, max_ctx, min_split);
+        let scale = 1.0 / (g.head_dim as f32).sqrt();
+        let args = Args::new()
+            .ptr(a.q.ptr())
+            .ptr(a.kv.k)
+            .ptr(a.kv.v)
+            .ptr(st.row_pos.dev.ptr())
+            .ptr(row_seq)
+            .ptr(st.seq_pt_off.dev.ptr())
+            .ptr(st.page_table.dev.ptr())
+            .ptr(a.out)
+            .ptr(st.part_o.ptr())
+            .ptr(st.part_ml.ptr())
+            .i32(a.heads as i32)
+            .i32(g.kv_heads as i32)
+            .i32(g.head_dim as i32)
+            .i32(g.page_size as i32)
+            .f32(scale)
+            .i32(min_split as i32)
+            .i32(nsplit as i32);
+        let dims =
+            LaunchDims { grid: (nsplit as u32, (a.heads / per_block) as u32, rows as u32), block: 128 };
+        let kernel = match exact {
+            Some(d) if lanes => self.k.attn_lanes[d][g_idx],
+            Some(d) => self.k.attn_partial_exact[d][g_idx],
+            None => self.k.attn_partial[g_idx],
+        };
+        unsafe { self.launch(kernel, dims, args)? };
+        if nsplit > 1 {
+            let args = Args::new()
+                .ptr(st.part_o.ptr())
+                .ptr(st.part_ml.ptr())
+                .ptr(st.row_pos.dev.ptr())
+                .ptr(row_seq)
+                .ptr(a.out)
+                .i32(a.heads as i32)
+                .i32(g.head_dim as i32)
+                .i32(nsplit as i32)
+                .i32(min_split as i32);
+            let dims = LaunchDims { grid: (a.heads as u32, rows as u32, 1), block: 128 };
+            unsafe { self.launch(self.k.attn_combine, dims, args)? };
+        }
+        Ok(())
+    }
+
+    /// The tiled prefill kernel over every tile of `st.maps.tiles`.
+    pub(super) fn attn_tiled(&self, st: &State, a: &AttnLaunch<'_>, kernel: Kernel) -> Result<()> {
+        let g = a.kv.geometry;
+        let ntiles = st.maps.tiles.len() / 2;
+        let scale_log2 = std::f32::consts::LOG2_E / (g.head_dim as f32).sqrt();
+        let args = Args::new()
+            .ptr(a.q.ptr())
+            .ptr(a.kv.k)
+            .ptr(a.kv.v)
+            .ptr(st.row_pos.dev.ptr())
+            .ptr(st.row_seq.dev.ptr())
+            .ptr(st.seq_pt_off.dev.ptr())
+            .ptr(st.page_table.dev.ptr())
+            .ptr(st.tiles.dev.ptr())
+            .ptr(a.out)
+            .i32(a.heads as i32)
+            .i32(g.kv_heads as i32)
+            .i32(g.page_size as i32)
+            .f32(scale_log2)
+            .i32(ntiles as i32);
+        let dims = LaunchDims { grid: (ntiles as u32, a.heads as u32, 1), block: TILE_THREADS };
+        unsafe { self.launch(kernel, dims, args) }
+    }
+
+    /// How many context splits attention uses for `rows × heads` queries over at most `max_ctx` tokens.
+    pub(super) fn splits(
+        &self,
+        rows: usize,
+        heads: usize,
+        per_block: usize,
+        max_ctx: usize,
+        min_split: usize,
+    ) -> usize {
+        let base = (rows * heads).max(1);
+        let want_blocks = self.sm_count * 8;
+        let by_occupancy = want_blocks.div_ceil((base / per_block).max(1));
+        let by_length = max_ctx.div_ceil(min_split).max(1);
+        let by_scratch = (self.config.attn_partials / base).max(1);
+        // 256: kernels/attention.cu ATT_MAX_SPLITS.
+        by_occupancy.min(by_length).min(by_scratch).clamp(1, 256)
+    }
+
+    pub(super) fn new_kv(&self, g: KvGeometry) -> Result<CudaKv> {
+        self.ctx.bind()?;
+        check_kv_geometry(&g)?;
+        // Pages start on whole KV units; a page whose bytes are not a multiple
+        // of the unit is padded.
+        let addr = KvAddressing::contiguous((g.page_size * g.kv_heads * g.head_dim * 2) as u64, g.num_pages);
+        addr.check(g.num_pages).map_err(BackendError::Other)?;
+        let bytes = addr.span(g.num_pages).max(2) as usize;
+        let k = self.alloc_buf(bytes, Purpose::Kv)?;
+        let v = self.alloc_buf(bytes, Purpose::Kv)?;
+        for b in [&k, &v] {
+            // SAFETY: fresh buffers of `bytes` bytes.
+            unsafe { cu::memset_d8_async(b.ptr(), 0, bytes, self.stream.0) }
+                .map_err(|e| cuda_err("cuMemsetD8Async", e))?;
+        }
+        self.adopt_kv_addressing(addr)?;
+        let (kp, vp) = (k.ptr(), v.ptr());
+        Ok(CudaKv { geometry: g, _mem: KvMem::Own { _k: k, _v: v }, k: kp, v: vp, addr })
+    }
+
+    pub(super) fn kv_of_arena(
+        &self,
+        arena: &Arc<KvArena>,
+        g: KvGeometry,
+        layers: usize,
+    ) -> Result<Option<Vec<CudaKv>>> {
+        check_kv_geometry(&g)?;
+        // This card's share of the arena (the whole of it unless it spans cards).
+        let part = self.alloc.card().and_then(|c| arena.part_on(c)).ok_or_else(|| {
+            BackendError::Other(format!(
+                "the KV arena spans {:?}; this backend's memory is not booked on any of them",
+                arena.cards()
+            ))
+        })?;
+        let geo = part.geometry;
+        let layer_bytes = (g.page_size * g.kv_heads * g.head_dim * 2) as u64;
+        if layers == 0 || geo.page_bytes.get() != 2 * layers as u64 * layer_bytes {
+            return Err(BackendError::Other(format!(
+                "a KV arena page of {} does not hold K and V of {layers} layers of {layer_bytes} bytes",
+                geo.page_bytes
+            )));
+        }
+        let addr = KvAddressing::of_arena(&geo).map_err(BackendError::Other)?;
+        addr.check(arena.capacity().get()).map_err(BackendError::Other)?;
+        let base = part.base_address;
+        self.adopt_kv_addressing(addr)?;
+        // Page-major: page p holds, for layer l, K at 2l and V at 2l+1 (in layer-sized slots).
+        Ok(Some(
+            (0..layers as u64)
+                .map(|l| CudaKv {
+                    geometry: KvGeometry { num_pages: arena.capacity().get(), ..g },
+                    _mem: KvMem::Arena(arena.clone()),
+                    k: base + 2 * l * layer_bytes,
+                    v: base + (2 * l + 1) * layer_bytes,
+                    addr,
+                })
+                .collect(),
+        ))
+    }
+
+    pub(super) fn enqueue_write_kv(&self, kv: &mut CudaKv, k: &CudaAct, v: &CudaAct, seqs: &[SeqStep<'_>]) {
+        self.op("write_kv", |st| {
+            st.kv_addr = kv.addr;
+            self.sync_seqs(st, seqs)?;
+            let g = kv.geometry;
+            let a = Args::new()
+                .ptr(k.ptr())
+                .ptr(v.ptr())
+                .ptr(kv.k)
+                .ptr(kv.v)
+                .ptr(st.row_pos.dev.ptr())
+                .ptr(st.row_seq.dev.ptr())
+                .ptr(st.seq_pt_off.dev.ptr())
+                .ptr(st.page_table.dev.ptr())
+                .i32(g.page_size as i32)
+                .i32((g.kv_heads * g.head_dim) as i32);
+            unsafe {
+                self.launch(self.k.write_kv, LaunchDims { grid: (st.maps.rows as u32, 1, 1), block: 256 }, a)
+            }
+        })
+    }
+
+    // The signature of `Backend::rope_write_kv`, which this implements.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn enqueue_rope_write_kv(
+        &self,
+        q: &mut CudaAct,
+        k: &mut CudaAct,
+        v: &CudaAct,
+        table: &RopeTable,
+        head_dim: usize,
+        positions: &[u32],
+        kv: &mut CudaKv,
+        seqs: &[SeqStep<'_>],
+    ) {
+        if !self.config.tuning.fuse {
+            return crate::unfused::rope_write_kv(self, q, k, v, table, head_dim, positions, kv, seqs);
+        }
+        self.op("rope_write_kv", |st| {
+            self.sync_rope(st, table)?;
+            let cap = st.capturing.is_some();
+            self.sync_meta(&mut st.positions, positions, "positions", cap)?;
+            st.kv_addr = kv.addr;
+            self.sync_seqs(st, seqs)?;
+            let g = kv.geometry;
+            let width = g.kv_heads * g.head_dim;
+            if k.cols != width || v.cols != width {
+                return Err(BackendError::Other(format!(
+                    "rope_write_kv: k has {} and v {} columns, the cache {width}",
+                    k.cols, v.cols
+                )));
+            }
+            if head_dim == 0 || !q.cols.is_multiple_of(head_dim) || head_dim != g.head_dim {
+                return Err(BackendError::Other(format!(
+                    "rope_write_kv: q has {} columns, heads of {head_dim}, the cache's {}",
+                    q.cols, g.head_dim
+                )));
+            }
+            let heads = q.cols / head_dim;
+            let half = table.rot_dim / 2;
+            let interleaved = i32::from(table.style == RopeStyle::Interleaved);
+            let a = Args::new()
+                .ptr(q.ptr())
+                .ptr(k.ptr())
+                .ptr(v.ptr())
+                .ptr(kv.k)
+                .ptr(kv.v)
+                .ptr(st.inv_freq.ptr())
+                .ptr(st.positions.dev.ptr())
+                .i32(positions.len() as i32)
+                .i32(st.maps.rows as i32)
+                .ptr(st.row_pos.dev.ptr())
+                .ptr(st.row_seq.dev.ptr())
+                .ptr(st.seq_pt_off.dev.ptr())
+                .ptr(st.page_table.dev.ptr())
+                .i32(g.page_size as i32)
+                .i32(heads as i32)
+                .i32(g.kv_heads as i32)
+                .i32(head_dim as i32)
+                .i32(half as i32)
+                .i32(interleaved);
+            // A block per (row, head): q heads, then the KV heads' k, then their v.
+            let rows = st.maps.rows.max(positions.len());
+            let dims = LaunchDims {
+                grid: (rows as u32, (heads + 2 * g.kv_heads) as u32, 1),
+                block: half.next_power_of_two().clamp(32, 256) as u32,
+            };
+            unsafe { self.launch(self.k.rope_write_kv, dims, a) }
+        })
+    }
+
+    pub(super) fn enqueue_attention(
+        &self,
+        q: &CudaAct,
+        kv: &CudaKv,
+        heads: usize,
+        seqs: &[SeqStep<'_>],
+        out: &mut CudaAct,
+    ) {
+        self.op("attention", |st| {
+            st.kv_addr = kv.addr;
+            self.sync_seqs(st, seqs)?;
+            let g = kv.geometry;
+            if !heads.is_multiple_of(g.kv_heads) {
+                return Err(BackendError::Other(format!("{heads} heads over {} KV heads", g.kv_heads)));
+            }
+            let a = AttnLaunch { q, kv, heads, out: out.ptr() };
+            let tiled = match g.head_dim {
+                64 => Some(self.k.attn_prefill_hd64),
+                128 => Some(self.k.attn_prefill_hd128),
+                _ => None,
+            };
+            // A captured step must stay valid for any rows and contexts, which
+            // only the split-K kernel's fixed grid allows; it also splits for
+            // the longest context the backend was sized for.
+            if st.capturing.is_some() {
+                let max_ctx = self.config.max_pages_per_seq * g.page_size;
+                return self.attn_split(st, &a, st.row_seq.dev.ptr(), max_ctx);
+            }
+            match tiled {
+                Some(kernel) if st.prefill == PrefillPath::Tiled && !st.maps.tiles.is_empty() => {
+                    self.attn_tiled(st, &a, kernel)?;
+                    if st.maps.rest_max_ctx > 0 {
+                        self.attn_split(st, &a, st.rest_seq.dev.ptr(), st.maps.rest_max_ctx)?;
+                    }
+                    Ok(())
+                }
+                _ => self.attn_split(st, &a, st.row_seq.dev.ptr(), st.maps.max_ctx),
+            }
+        })
+    }
+
+    pub(super) fn enqueue_copy_page(&self, kv: &mut CudaKv, from: PageId, to: PageId) {
+        self.op("copy_page", |_| {
+            let n = kv.page_bytes();
+            let (src, dst) = (kv.addr.offset(from), kv.addr.offset(to));
+            for base in [kv.k, kv.v] {
+                // SAFETY: both pages lie inside the store (page ids come from the pool of this geometry).
+                unsafe { cu::memcpy_dtod_async(base + dst, base + src, n, self.stream.0) }
+                    .map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))?;
+            }
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,180 @@
+//! The kernel table: the CUDA sources compiled into one module (through
+//! the NVRTC/CUBIN cache of `nvrtc.rs`), every kernel the backend launches
+//! looked up once by name, and the small launch-shape helpers shared by the
+//! ops. What a kernel does is in `crates/backend/kernels/*.cu`; which kernel
+//! an op picks is in the module of its concern (`matmul.rs`, `attention.rs`).
+
+use super::device::{cuda_err, Kernel, LaunchDims};
+use super::nvrtc;
+use crate::dtype::DType;
+use crate::{BackendError, Result};
+use cudarc::driver::{result as cu, sys};
+use std::path::Path;
+
+pub(super) struct Kernels {
+    pub(super) embedding: Kernel,
+    pub(super) rms_norm: Kernel,
+    pub(super) add_rms_norm: Kernel,
+    pub(super) head_rms_norm: Kernel,
+    pub(super) rope: Kernel,
+    pub(super) silu_mul: Kernel,
+    pub(super) add_assign: Kernel,
+    pub(super) add_bias: Kernel,
+    pub(super) gather_rows: Kernel,
+    pub(super) f32_to_bf16_rows: Kernel,
+    pub(super) dequant_rows: Kernel,
+    pub(super) write_kv: Kernel,
+    pub(super) rope_write_kv: Kernel,
+    /// Indexed by log2 of the row-count instantiation (1, 2, 4, 8 rows).
+    pub(super) gemv_bf16: [Kernel; 4],
+    /// gate/up/SiLU for 1 and 2 rows.
+    pub(super) gemv_bf16_glu: [Kernel; 2],
+    pub(super) gemv_q8_0: [Kernel; 4],
+    pub(super) gemv_q4_0: [Kernel; 4],
+    pub(super) gemv_q4_1: [Kernel; 4],
+    /// The `gemv_bq_body` kernels, one set per entry of `BLOCK_GEMVS`.
+    pub(super) gemv_blocks: [[Kernel; 4]; 9],
+    pub(super) gemv_bf16_tc: Kernel,
+    pub(super) gemv_any: Kernel,
+    /// Indexed by log2 of the query heads one block serves (1, 2, 4, 8).
+    pub(super) attn_partial: [Kernel; 4],
+    /// The same for head_dim 64, 128 and 256 exactly (vector loads, tokens in flight).
+    pub(super) attn_partial_exact: [[Kernel; 4]; 3],
+    /// The token-per-lane kernels, same indexing as `attn_partial_exact`.
+    pub(super) attn_lanes: [[Kernel; 4]; 3],
+    pub(super) attn_combine: Kernel,
+    pub(super) attn_prefill_hd64: Kernel,
+    pub(super) attn_prefill_hd128: Kernel,
+}
+
+/// Compile the kernel sources for `arch` (or read them from the cache in
+/// `cache_dir`), load the module and look up every kernel of the table.
+pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodule, Kernels)> {
+    let source: String = nvrtc::SOURCES.concat();
+    let compiled = nvrtc::compile_cubin(&source, arch, cache_dir)?;
+    // SAFETY: a CUBIN image NVRTC produced for this device's architecture.
+    let module = unsafe { cu::module::load_data(compiled.cubin.as_ptr() as *const _) }
+        .map_err(|e| cuda_err("cuModuleLoadData", e))?;
+    let f = |name: &str| -> Result<Kernel> {
+        let c = std::ffi::CString::new(name).expect("kernel names have no NUL");
+        // SAFETY: the module is loaded; the name is one of ours.
+        unsafe { cu::module::get_function(module, c) }
+            .map(Kernel)
+            .map_err(|e| cuda_err("cuModuleGetFunction", e))
+    };
+    // `{prefix}_g{G}_d{D}` for G = 1, 2, 4, 8 and D = 2, 4, 8 (head_dim 64, 128, 256).
+    let by_width = |prefix: &str| -> Result<[[Kernel; 4]; 3]> {
+        let g = |d: usize| -> Result<[Kernel; 4]> {
+            Ok([
+                f(&format!("{prefix}_g1_d{d}"))?,
+                f(&format!("{prefix}_g2_d{d}"))?,
+                f(&format!("{prefix}_g4_d{d}"))?,
+                f(&format!("{prefix}_g8_d{d}"))?,
+            ])
+        };
+        Ok([g(2)?, g(4)?, g(8)?])
+    };
+    let k = Kernels {
+        embedding: f("embedding")?,
+        rms_norm: f("rms_norm")?,
+        add_rms_norm: f("add_rms_norm")?,
+        head_rms_norm: f("head_rms_norm")?,
+        rope: f("rope")?,
+        silu_mul: f("silu_mul")?,
+        add_assign: f("add_assign")?,
+        add_bias: f("add_bias")?,
+        gather_rows: f("gather_rows")?,
+        f32_to_bf16_rows: f("f32_to_bf16_rows")?,
+        dequant_rows: f("dequant_rows")?,
+        write_kv: f("write_kv")?,
+        rope_write_kv: f("rope_write_kv")?,
+        gemv_bf16: [f("gemv_bf16_r1")?, f("gemv_bf16_r2")?, f("gemv_bf16_r4")?, f("gemv_bf16_r8")?],
+        gemv_bf16_glu: [f("gemv_bf16_glu_r1")?, f("gemv_bf16_glu_r2")?],
+        gemv_q8_0: [f("gemv_q8_0_r1")?, f("gemv_q8_0_r2")?, f("gemv_q8_0_r4")?, f("gemv_q8_0_r8")?],
+        gemv_q4_0: [f("gemv_q4_0_r1")?, f("gemv_q4_0_r2")?, f("gemv_q4_0_r4")?, f("gemv_q4_0_r8")?],
+        gemv_q4_1: [f("gemv_q4_1_r1")?, f("gemv_q4_1_r2")?, f("gemv_q4_1_r4")?, f("gemv_q4_1_r8")?],
+        gemv_blocks: {
+            let set = |stem: &str| -> Result<[Kernel; 4]> {
+                Ok([
+                    f(&format!("gemv_{stem}_r1"))?,
+                    f(&format!("gemv_{stem}_r2"))?,
+                    f(&format!("gemv_{stem}_r4"))?,
+                    f(&format!("gemv_{stem}_r8"))?,
+                ])
+            };
+            let mut sets = Vec::with_capacity(BLOCK_GEMVS.len());
+            for (_, stem) in BLOCK_GEMVS {
+                sets.push(set(stem)?);
+            }
+            sets.try_into().map_err(|_| BackendError::Other("block GEMV kernel table".into()))?
+        },
+        gemv_bf16_tc: f("gemv_bf16_tc")?,
+        gemv_any: f("gemv_any")?,
+        attn_partial: [
+            f("attn_partial_g1")?,
+            f("attn_partial_g2")?,
+            f("attn_partial_g4")?,
+            f("attn_partial_g8")?,
+        ],
+        attn_partial_exact: by_width("attn_partial")?,
+        attn_lanes: by_width("attn_lanes")?,
+        attn_combine: f("attn_combine")?,
+        attn_prefill_hd64: f("attn_prefill_hd64")?,
+        attn_prefill_hd128: f("attn_prefill_hd128")?,
+    };
+    Ok((module, k))
+}
+
+pub(super) fn dtype_code(d: DType) -> i32 {
+    match d {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+        DType::Q8_0 => 2,
+        DType::Q4_0 => 3,
+        DType::Q4_1 => 4,
+        DType::Q5_0 => 5,
+        DType::Q5_1 => 6,
+        DType::IQ4_NL => 7,
+        DType::Q2_K => 8,
+        DType::Q3_K => 9,
+        DType::Q4_K => 10,
+        DType::Q5_K => 11,
+        DType::Q6_K => 12,
+        DType::IQ4_XS => 13,
+        DType::F16 => -1, // converted at upload, never on the device
+    }
+}
+
+/// The block formats with a `gemv_bq_body` kernel set (kernels/gemv.cu), in
+/// the order of `Kernels::gemv_blocks`, with their kernel name stems.
+pub(super) const BLOCK_GEMVS: [(DType, &str); 9] = [
+    (DType::Q5_0, "q5_0"),
+    (DType::Q5_1, "q5_1"),
+    (DType::IQ4_NL, "iq4_nl"),
+    (DType::Q2_K, "q2_k"),
+    (DType::Q3_K, "q3_k"),
+    (DType::Q4_K, "q4_k"),
+    (DType::Q5_K, "q5_k"),
+    (DType::Q6_K, "q6_k"),
+    (DType::IQ4_XS, "iq4_xs"),
+];
+
+pub(super) fn block_gemv_index(d: DType) -> Option<usize> {
+    BLOCK_GEMVS.iter().position(|(t, _)| *t == d)
+}
+
+/// One block per row with a thread per float4 of the row (kernels/elementwise.cu
+/// `norm_row`), so a one-row norm has all of its loads in flight at once.
+pub(super) fn norm_dims(rows: usize, cols: usize) -> LaunchDims {
+    let threads = cols.div_ceil(4).next_multiple_of(32).clamp(32, 1024);
+    LaunchDims { grid: (rows as u32, 1, 1), block: threads as u32 }
+}
+
+pub(super) fn dims1(n: usize, block: u32) -> LaunchDims {
+    LaunchDims { grid: ((n as u32).clamp(1, 65535 * 16), 1, 1), block }
+}
+
+pub(super) fn grid_for(n: usize, block: u32) -> LaunchDims {
+    let blocks = n.div_ceil(block as usize).clamp(1, 65535 * 8);
+    dims1(blocks, block)
+}

@@ -1,0 +1,408 @@
+//! Matmuls: the weights they read and the kernels that compute them.
+//!
+//! A weight lives in the weight arena (or an allocation of its own): bf16
+//! for matrices (f16/f32 checkpoints converted at upload), the ggml block
+//! formats as they are, f32 for vectors. Decode rows (up to `GEMV_MAX_ROWS`)
+//! go through GEMV kernels (kernels/gemv.cu) that read every weight byte
+//! once per step: a per-row kernel (16-byte loads, split-K across the warps
+//! of a block, one instantiation per power-of-two row count, for bf16 and
+//! each ggml block format), its fused launches (q/k/v in one, gate/up with
+//! SiLU), and a tensor-core kernel for 3..8 rows that splits the f32
+//! activations into two bf16 parts and so stays exact. cuBLASLt (bf16 ×
+//! bf16 → f32, `gemm.rs`) takes prefill rows, and 3..8 rows on large bf16
+//! matrices where it measured faster (`takes_gemv`); quantized weights are
+//! widened to bf16 a tile of rows at a time for it.
+
+use super::device::{Args, DeviceBuffer, LaunchDims, Purpose};
+use super::gemm::GemmShape;
+use super::kernels::{block_gemv_index, dtype_code, grid_for};
+use super::{CudaAct, CudaBackend, State};
+use crate::dtype::DType;
+use crate::{BackendError, MatmulPart, Result};
+use std::sync::Arc;
+
+/// Rows up to which matmuls use the GEMV kernels (kernels/gemv.cu GEMV_MAX_ROWS).
+pub const GEMV_MAX_ROWS: usize = 8;
+
+/// Warps per GEMV block (kernels/gemv.cu GEMV_WARPS).
+pub(super) const GEMV_WARPS: u32 = 4;
+
+/// Weight rows per block of the bf16 GEMV (GEMV_NW) and of the block-format GEMV (GEMVQ_NW).
+pub(super) const GEMV_NW: usize = 4;
+pub(super) const GEMVQ_NW: usize = 2;
+
+/// Output columns per block of the gate/up/SiLU GEMV (GLU_NW).
+pub(super) const GLU_NW: usize = 4;
+
+/// Warps per block of the tensor-core GEMV (GEMVT_WARPS).
+pub(super) const GEMV_TC_WARPS: u32 = 8;
+
+/// Weight rows below which the tensor-core GEMV leaves 3 and 4 input rows to the per-row kernel.
+pub(super) const GEMV_TC_MIN_N: usize = 2048;
+
+/// Bytes of the bf16 tile a quantized weight is widened into for prefill.
+pub(super) const DEQUANT_TILE: usize = 32 << 20;
+/// Alignment of weights inside the weight arena (cuBLASLt wants 16, the
+/// vector loads 16; 256 keeps every tensor on its own cache lines).
+pub(super) const ARENA_ALIGN: u64 = 256;
+
+/// Where a weight's bytes live: its own allocation or a slice of the arena.
+pub(super) enum WeightMem {
+    Own(DeviceBuffer),
+    Arena { _arena: Arc<DeviceBuffer>, ptr: u64 },
+}
+
+/// A weight on the device: `[rows, cols]` in `dtype` (BF16, F32 for vectors, or a ggml block type).
+pub struct CudaWeight {
+    pub(super) mem: WeightMem,
+    pub(super) dtype: DType,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    pub(super) row_bytes: usize,
+}
+
+impl CudaWeight {
+    pub(super) fn ptr(&self) -> u64 {
+        match &self.mem {
+            WeightMem::Own(b) => b.ptr(),
+            WeightMem::Arena { ptr, .. } => *ptr,
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+}
+
+/// A bump allocator over one device allocation for all weights.
+pub(super) struct Arena {
+    pub(super) buf: Arc<DeviceBuffer>,
+    pub(super) used: u64,
+}
+
+impl CudaBackend {
+    pub(super) fn place_weight(&self, bytes: &[u8]) -> Result<WeightMem> {
+        let mut st = self.lock();
+        let len = bytes.len() as u64;
+        let mem = match &mut st.arena {
+            Some(a) if a.used.div_ceil(ARENA_ALIGN) * ARENA_ALIGN + len <= a.buf.bytes().0 => {
+                let off = a.used.div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
+                a.used = off + len;
+                WeightMem::Arena { _arena: a.buf.clone(), ptr: a.buf.ptr() + off }
+            }
+            _ => WeightMem::Own(self.alloc_buf(bytes.len(), Purpose::Weights)?),
+        };
+        let ptr = match &mem {
+            WeightMem::Own(b) => b.ptr(),
+            WeightMem::Arena { ptr, .. } => *ptr,
+        };
+        self.upload(ptr, bytes)?;
+        self.synchronize()?;
+        Ok(mem)
+    }
+
+    /// `out = x · wᵀ` without bias, for `rows` rows.
+    pub(super) fn matmul_inner(
+        &self,
+        st: &mut State,
+        x: &CudaAct,
+        w: &CudaWeight,
+        rows: usize,
+        out: &CudaAct,
+    ) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        if self.takes_gemv(w, rows) {
+            return self.gemv(x, w, rows, out);
+        }
+        self.matmul_lt(st, x, w, rows, out)
+    }
+
+    /// Whether `rows` rows against `w` go through a GEMV kernel (f32
+    /// activations, exact) rather than cuBLASLt (activations rounded to bf16).
+    ///
+    /// Picked per shape from measurements on the H200 (graph replays, weights
+    /// larger than L2; scripts/gpu/PERF.md has the table): the per-row GEMV
+    /// wins at 1 and 2 rows on every Llama-3-8B shape (83-104% of the copy
+    /// bandwidth on the large ones). From 3 rows on, cuBLASLt's tensor cores
+    /// lead on large matrices (MLP, lm_head: 80-97% against 60-86% for the
+    /// tensor-core GEMV), while on the attention projections the tensor-core
+    /// GEMV is as fast and stays exact. Block-format weights always take a
+    /// GEMV: cuBLASLt would first widen them to bf16.
+    pub(super) fn takes_gemv(&self, w: &CudaWeight, rows: usize) -> bool {
+        const LARGE_WEIGHT: usize = 64 << 20;
+        let large_bf16 = w.dtype == DType::BF16 && w.rows * w.cols * 2 >= LARGE_WEIGHT;
+        match rows {
+            0..=2 => true,
+            3..=GEMV_MAX_ROWS => !large_bf16,
+            _ => false,
+        }
+    }
+
+    /// Whether the tensor-core GEMV takes `rows` rows against `w` (bf16, k a
+    /// multiple of 32). At 1 and 2 rows the per-row kernel is faster; at 3 and
+    /// 4 rows it still is on narrow matrices (1024 rows: the tensor-core
+    /// kernel's 16-row blocks are too few to fill the card).
+    pub(super) fn takes_gemv_tc(&self, w: &CudaWeight, rows: usize) -> bool {
+        let shape_ok = w.dtype == DType::BF16 && w.cols.is_multiple_of(32);
+        shape_ok && (3..=GEMV_MAX_ROWS).contains(&rows) && (rows > 4 || w.rows >= GEMV_TC_MIN_N)
+    }
+
+    /// The tensor-core GEMV (kernels/gemv.cu `gemv_bf16_tc`): 16 weight rows per block.
+    pub(super) fn gemv_tc(&self, x: &CudaAct, w: &CudaWeight, rows: usize, out: &CudaAct) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
+        let dims = LaunchDims { grid: (n.div_ceil(16) as u32, 1, 1), block: 32 * GEMV_TC_WARPS };
+        let a =
+            Args::new().ptr(w.ptr()).ptr(x.ptr()).ptr(out.ptr()).i32(n as i32).i32(k as i32).i32(rows as i32);
+        unsafe { self.launch(self.k.gemv_bf16_tc, dims, a) }
+    }
+
+    /// Decode rows (at most `GEMV_MAX_ROWS`): the GEMV kernels read each weight byte once.
+    pub(super) fn gemv(&self, x: &CudaAct, w: &CudaWeight, rows: usize, out: &CudaAct) -> Result<()> {
+        if self.takes_gemv_tc(w, rows) {
+            return self.gemv_tc(x, w, rows, out);
+        }
+        self.gemv_simt(x, w, rows, out)
+    }
+
+    /// The per-row GEMV kernels: f32 FMAs, for every storage type.
+    pub(super) fn gemv_simt(&self, x: &CudaAct, w: &CudaWeight, rows: usize, out: &CudaAct) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
+        // The instantiation for the smallest power of two >= rows (1, 2, 4, 8).
+        // bf16 with 16-byte loads: rows of whole 8-element chunks (the arena keeps 256-byte alignment).
+        if w.dtype == DType::BF16 && k % 8 == 0 {
+            return self.gemv_bf16_parts(x, &[(w, 0, out.ptr())], rows);
+        }
+        let inst = rows.next_power_of_two().trailing_zeros() as usize;
+        let block_format = match w.dtype {
+            DType::Q8_0 => Some(self.k.gemv_q8_0[inst]),
+            DType::Q4_0 => Some(self.k.gemv_q4_0[inst]),
+            DType::Q4_1 => Some(self.k.gemv_q4_1[inst]),
+            d => match block_gemv_index(d) {
+                // One warp per weight row (gemv_bq_body).
+                Some(i) => {
+                    let kernel = self.k.gemv_blocks[i][inst];
+                    let dims = LaunchDims {
+                        grid: (n.div_ceil(GEMV_WARPS as usize) as u32, 1, 1),
+                        block: 32 * GEMV_WARPS,
+                    };
+                    let a = Args::new().ptr(w.ptr()).i64(w.row_bytes as i64).ptr(x.ptr()).ptr(out.ptr());
+                    let a = a.i32(n as i32).i32(k as i32).i32(rows as i32);
+                    return unsafe { self.launch(kernel, dims, a) };
+                }
+                None => None,
+            },
+        };
+        match block_format {
+            Some(kernel) => {
+                let dims = LaunchDims { grid: (n.div_ceil(GEMVQ_NW) as u32, 1, 1), block: 32 * GEMV_WARPS };
+                let a = Args::new().ptr(w.ptr()).i64(w.row_bytes as i64).ptr(x.ptr()).ptr(out.ptr());
+                let a = a.i32(n as i32).i32(k as i32).i32(rows as i32);
+                unsafe { self.launch(kernel, dims, a) }
+            }
+            None => self.gemv_general(x, w, rows, out),
+        }
+    }
+
+    /// Up to three bf16 matrices of one input in one launch of the per-row
+    /// kernel (`gemv_bf16_r*`): each part is (weight, bias pointer or 0,
+    /// output pointer). The weights share `x`'s width, a multiple of 8.
+    pub(super) fn gemv_bf16_parts(
+        &self,
+        x: &CudaAct,
+        parts: &[(&CudaWeight, u64, u64)],
+        rows: usize,
+    ) -> Result<()> {
+        debug_assert!((1..=3).contains(&parts.len()) && (1..=GEMV_MAX_ROWS).contains(&rows));
+        let inst = rows.next_power_of_two().trailing_zeros() as usize;
+        let (mut w, mut o, mut b, mut n) = ([0u64; 3], [0u64; 3], [0u64; 3], [0usize; 3]);
+        for (i, (wt, bias, out)) in parts.iter().enumerate() {
+            (w[i], b[i], o[i], n[i]) = (wt.ptr(), *bias, *out, wt.rows);
+        }
+        let blocks: usize = n.iter().map(|n| n.div_ceil(GEMV_NW)).sum();
+        let dims = LaunchDims { grid: (blocks as u32, 1, 1), block: 32 * GEMV_WARPS };
+        let mut a = Args::new();
+        for p in w.iter().chain(&o).chain(&b) {
+            a = a.ptr(*p);
+        }
+        for n in n {
+            a = a.i32(n as i32);
+        }
+        let a = a.ptr(x.ptr()).i32(x.cols as i32).i32(rows as i32);
+        unsafe { self.launch(self.k.gemv_bf16[inst], dims, a) }
+    }
+
+    /// Whether `rows` rows against bf16 `w` take the per-row kernel, the one
+    /// the fused launches extend (1 and 2 rows, 16-byte rows).
+    pub(super) fn fusable_gemv(&self, x: &CudaAct, w: &CudaWeight, rows: usize) -> bool {
+        self.config.tuning.fuse
+            && (1..=2).contains(&rows)
+            && w.dtype == DType::BF16
+            && w.cols == x.cols
+            && w.cols.is_multiple_of(8)
+            && self.takes_gemv(w, rows)
+            && !self.takes_gemv_tc(w, rows)
+    }
+
+    /// The per-element GEMV for any storage type and width (f32 weights, bf16
+    /// rows that are not whole 16-byte chunks).
+    pub(super) fn gemv_general(&self, x: &CudaAct, w: &CudaWeight, rows: usize, out: &CudaAct) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
+        let warps_per_block = 4usize;
+        let dims = LaunchDims {
+            grid: (n.div_ceil(warps_per_block) as u32, 1, 1),
+            block: 32 * warps_per_block as u32,
+        };
+        let a = Args::new()
+            .ptr(w.ptr())
+            .i32(dtype_code(w.dtype))
+            .i64(w.row_bytes as i64)
+            .ptr(x.ptr())
+            .ptr(out.ptr())
+            .i32(n as i32)
+            .i32(k as i32)
+            .i32(rows as i32);
+        unsafe { self.launch(self.k.gemv_any, dims, a) }
+    }
+
+    /// Prefill rows: a bf16 copy of the input rows, then cuBLASLt (quantized
+    /// weights widened to bf16 a tile of rows at a time).
+    pub(super) fn matmul_lt(
+        &self,
+        st: &mut State,
+        x: &CudaAct,
+        w: &CudaWeight,
+        rows: usize,
+        out: &CudaAct,
+    ) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
+        let xbf = st.xbf.as_ref().filter(|b| b.bytes().0 as usize >= rows * k * 2).ok_or_else(|| {
+            BackendError::Other(format!(
+                "matmul of {rows}x{k}: scratch not sized (allocate activations first)"
+            ))
+        })?;
+        let xbf_ptr = xbf.ptr();
+        let total = rows * k;
+        let a = Args::new().ptr(x.ptr()).ptr(xbf_ptr).i64(total as i64);
+        unsafe { self.launch(self.k.f32_to_bf16_rows, grid_for(total, 256), a)? };
+        if w.dtype == DType::BF16 {
+            let s = GemmShape { m: rows, n, k, ldc: n };
+            return st.gemm.matmul(self.stream, s, xbf_ptr, w.ptr(), out.ptr());
+        }
+        let tile = st
+            .tile
+            .as_ref()
+            .ok_or_else(|| BackendError::Other("dequantization tile not allocated".into()))?;
+        let (tile_ptr, tile_rows) = (tile.ptr(), (tile.bytes().0 as usize / (k * 2)).max(1));
+        let mut j0 = 0;
+        while j0 < n {
+            let nb = tile_rows.min(n - j0);
+            let a = Args::new()
+                .ptr(w.ptr())
+                .i32(dtype_code(w.dtype))
+                .i64(w.row_bytes as i64)
+                .ptr(tile_ptr)
+                .i32(j0 as i32)
+                .i32(k as i32);
+            unsafe {
+                self.launch(self.k.dequant_rows, LaunchDims { grid: (nb as u32, 1, 1), block: 256 }, a)?
+            };
+            let s = GemmShape { m: rows, n: nb, k, ldc: n };
+            st.gemm.matmul(self.stream, s, xbf_ptr, tile_ptr, out.ptr() + (j0 * 4) as u64)?;
+            j0 += nb;
+        }
+        Ok(())
+    }
+
+    pub(super) fn vector_ptr(&self, w: &CudaWeight, what: &str) -> Result<u64> {
+        if w.dtype != DType::F32 || w.rows != 1 {
+            return Err(BackendError::Other(format!(
+                "{what}: expected an f32 vector weight, got {} {}x{}",
+                w.dtype, w.rows, w.cols
+            )));
+        }
+        Ok(w.ptr())
+    }
+
+    pub(super) fn enqueue_matmul(
+        &self,
+        x: &CudaAct,
+        w: &CudaWeight,
+        bias: Option<&CudaWeight>,
+        rows: usize,
+        out: &mut CudaAct,
+    ) {
+        self.op(format_args!("matmul {}x{} {}", w.rows, w.cols, w.dtype), |st| {
+            if x.cols != w.cols || out.cols != w.rows {
+                return Err(BackendError::Other(format!(
+                    "matmul: x has {} columns, weight is {}x{}, out has {} columns",
+                    x.cols, w.rows, w.cols, out.cols
+                )));
+            }
+            self.matmul_inner(st, x, w, rows, out)?;
+            if let Some(b) = bias {
+                let bp = self.vector_ptr(b, "bias")?;
+                let n = rows * out.cols;
+                let a = Args::new().ptr(out.ptr()).ptr(bp).i32(out.cols as i32).i64(n as i64);
+                unsafe { self.launch(self.k.add_bias, grid_for(n, 256), a)? };
+            }
+            Ok(())
+        })
+    }
+
+    pub(super) fn enqueue_matmul_many(&self, x: &CudaAct, parts: &mut [MatmulPart<'_, Self>], rows: usize) {
+        let fused = parts.len() <= 3
+            && parts.iter().all(|p| p.out.cols == p.w.rows && self.fusable_gemv(x, p.w, rows))
+            && parts
+                .iter()
+                .all(|p| p.bias.is_none_or(|b| b.dtype == DType::F32 && b.rows * b.cols == p.w.rows));
+        if !fused {
+            return crate::unfused::matmul_many(self, x, parts, rows);
+        }
+        self.op("matmul_many (q/k/v)", |_| {
+            let mut v = Vec::with_capacity(3);
+            for p in parts.iter() {
+                let bias = match p.bias {
+                    Some(b) => self.vector_ptr(b, "bias")?,
+                    None => 0,
+                };
+                v.push((p.w, bias, p.out.ptr()));
+            }
+            self.gemv_bf16_parts(x, &v, rows)
+        })
+    }
+
+    // The signature of `Backend::gate_up_silu`, which this implements.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn enqueue_gate_up_silu(
+        &self,
+        x: &CudaAct,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        rows: usize,
+        gate_out: &mut CudaAct,
+        up_out: &mut CudaAct,
+        out: &mut CudaAct,
+    ) {
+        let fused = self.fusable_gemv(x, gate, rows)
+            && self.fusable_gemv(x, up, rows)
+            && gate.rows == up.rows
+            && out.cols == gate.rows;
+        if !fused {
+            return crate::unfused::gate_up_silu(self, x, gate, up, rows, gate_out, up_out, out);
+        }
+        self.op("gate_up_silu", |_| {
+            let n = gate.rows;
+            let dims = LaunchDims { grid: (n.div_ceil(GLU_NW) as u32, 1, 1), block: 32 * GEMV_WARPS };
+            let a = Args::new()
+                .ptr(gate.ptr())
+                .ptr(up.ptr())
+                .ptr(x.ptr())
+                .ptr(out.ptr())
+                .i32(n as i32)
+                .i32(x.cols as i32)
+                .i32(rows as i32);
+            unsafe { self.launch(self.k.gemv_bf16_glu[rows - 1], dims, a) }
+        })
+    }
+}

@@ -1,0 +1,39 @@
+//! The CUDA backend's tuning and profiling switches, as one value.
+//!
+//! Every switch is on by default (profiling off) and exists so one binary can
+//! measure a step with and without it. The backend never reads the
+//! environment: the `corridor` command parses these from its flags (each
+//! with an environment spelling for A/B scripts, README.md "What a GPU
+//! needs") and hands the value down through `BootOptions`. The type is
+//! defined without the `cuda` feature so the layers above can carry it in
+//! every build.
+
+/// How the CUDA backend launches a step, and whether it profiles ops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaTuning {
+    /// Programmatic dependent launch (sm_90 and later; ignored below): each
+    /// kernel may start while the one ahead of it finishes, and waits for it
+    /// on the device (`--cuda-pdl off`, `CORRIDOR_PDL=0`).
+    pub pdl: bool,
+    /// One launch for a layer's q/k/v GEMVs, for gate/up and SiLU, and for
+    /// RoPE and the KV store, where the shapes allow (`--cuda-fuse off`,
+    /// `CORRIDOR_FUSE=0`).
+    pub fuse: bool,
+    /// Decode attention with a token per lane for steps of 8 rows and more
+    /// (`--cuda-attn-lanes off`, `CORRIDOR_ATTN_LANES=0`, keeps the
+    /// warp-per-token kernel).
+    pub lane_attention: bool,
+    /// Per-op device time, a table logged every this many steps; steps then
+    /// run without graphs and every op is waited for (`--cuda-profile N`,
+    /// `CORRIDOR_CUDA_PROFILE=N`; `None`: off).
+    pub profile_every: Option<u64>,
+    /// Decode steps with NCCL calls may be captured as graphs
+    /// (`--nccl-graphs off`, `CORRIDOR_NCCL_GRAPHS=0`, rules graphs out).
+    pub nccl_graphs: bool,
+}
+
+impl Default for CudaTuning {
+    fn default() -> Self {
+        CudaTuning { pdl: true, fuse: true, lane_attention: true, profile_every: None, nccl_graphs: true }
+    }
+}

@@ -1,0 +1,123 @@
+//! The CUDA backend's tuning and profiling switches, parsed here and nowhere
+//! else: each is a flag of `serve` and `generate` with an environment
+//! spelling (`CORRIDOR_PDL=0`, ...) that A/B scripts set, and the result is
+//! one `CudaTuning` value handed down in `BootOptions`. No crate below this
+//! one reads the environment (crates/cli/tests/environment.rs checks it).
+
+use clap::{Args, ValueEnum};
+use corridor_backend::CudaTuning;
+
+/// Where `--help` lists the switches.
+const H: &str = "CUDA tuning (for measurements; the defaults are the fast path)";
+
+/// A switch as flags and environment spell it: `on`/`off`, `1`/`0`, `true`/`false`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Switch {
+    #[value(alias = "1", alias = "true")]
+    On,
+    #[value(alias = "0", alias = "false")]
+    Off,
+}
+
+impl Switch {
+    fn on(self) -> bool {
+        self == Switch::On
+    }
+}
+
+/// How the CUDA backend launches steps; every switch exists to measure a step with and without it.
+#[derive(Args, Debug, Clone)]
+pub struct CudaFlags {
+    /// Programmatic dependent launch on sm_90 and later: each kernel may start while the one ahead
+    /// of it finishes and waits for it on the device.
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_PDL", value_name = "on|off")]
+    cuda_pdl: Switch,
+    /// One launch for a layer's q/k/v GEMVs, for gate/up and SiLU, and for RoPE and the KV store,
+    /// where the shapes allow.
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_FUSE", value_name = "on|off")]
+    cuda_fuse: Switch,
+    /// Decode attention with a token per lane for steps of 8 rows and more (off: the warp-per-token
+    /// kernel).
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_ATTN_LANES", value_name = "on|off")]
+    cuda_attn_lanes: Switch,
+    /// Log each op's device time every N steps; steps then run without graphs and every op is
+    /// waited for, so the server is slower while it profiles.
+    #[arg(long, help_heading = H, env = "CORRIDOR_CUDA_PROFILE", value_name = "N")]
+    cuda_profile: Option<u64>,
+    /// Let decode steps with NCCL calls (`--tp`/`--pp` over GPUs) be captured as CUDA graphs (off:
+    /// those steps run op by op, to rule graphs out).
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_NCCL_GRAPHS", value_name = "on|off")]
+    nccl_graphs: Switch,
+}
+
+impl CudaFlags {
+    pub fn tuning(&self) -> CudaTuning {
+        CudaTuning {
+            pdl: self.cuda_pdl.on(),
+            fuse: self.cuda_fuse.on(),
+            lane_attention: self.cuda_attn_lanes.on(),
+            profile_every: self.cuda_profile,
+            nccl_graphs: self.nccl_graphs.on(),
+        }
+    }
+}
+
+/// NCCL reads its own switches from the environment. NVLink SHARP (multicast)
+/// stays off unless `NCCL_NVLS_ENABLE` is set: it allocates multicast objects
+/// outside any card's books. Called first thing in `main`, before any thread
+/// exists, as changing the environment is only sound then.
+pub fn nccl_environment() {
+    for (name, value) in nccl_defaults(|name| std::env::var_os(name).is_some()) {
+        std::env::set_var(name, value);
+    }
+}
+
+/// The NCCL variables to set, given which are set already (`is_set`).
+fn nccl_defaults(is_set: impl Fn(&str) -> bool) -> Vec<(&'static str, &'static str)> {
+    [("NCCL_NVLS_ENABLE", "0")].into_iter().filter(|(name, _)| !is_set(name)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        cuda: CudaFlags,
+    }
+
+    fn parse(args: &[&str]) -> CudaTuning {
+        Cmd::try_parse_from(std::iter::once("corridor").chain(args.iter().copied())).unwrap().cuda.tuning()
+    }
+
+    #[test]
+    fn defaults_are_the_backends_defaults() {
+        // Holds while none of the switches' variables is set, as in CI.
+        assert_eq!(parse(&[]), CudaTuning::default());
+    }
+
+    #[test]
+    fn each_flag_reaches_its_field() {
+        let d = CudaTuning::default();
+        assert_eq!(parse(&["--cuda-pdl", "off"]), CudaTuning { pdl: false, ..d });
+        assert_eq!(parse(&["--cuda-fuse", "0"]), CudaTuning { fuse: false, ..d });
+        assert_eq!(parse(&["--cuda-attn-lanes", "false"]), CudaTuning { lane_attention: false, ..d });
+        assert_eq!(parse(&["--cuda-profile", "100"]), CudaTuning { profile_every: Some(100), ..d });
+        assert_eq!(parse(&["--nccl-graphs", "off"]), CudaTuning { nccl_graphs: false, ..d });
+        assert_eq!(parse(&["--cuda-fuse", "1"]), d);
+    }
+
+    #[test]
+    fn nvlink_sharp_is_off_unless_the_environment_says_otherwise() {
+        assert_eq!(nccl_defaults(|_| false), vec![("NCCL_NVLS_ENABLE", "0")]);
+        assert!(nccl_defaults(|name| name == "NCCL_NVLS_ENABLE").is_empty());
+    }
+
+    #[test]
+    fn a_misspelt_switch_is_an_error() {
+        let e = Cmd::try_parse_from(["corridor", "--cuda-pdl", "maybe"]).err().expect("rejected");
+        assert!(e.to_string().contains("--cuda-pdl"), "{e}");
+    }
+}
