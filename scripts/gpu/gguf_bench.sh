@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GGUF files people download, on the H200: corridor against llama.cpp on the same files of the
 # same random Llama-3-8B-shaped weights, in one plan of two or three calls on one warm machine.
-# Carried in .gpu/: corridor (release, CUDA), corridor-gpu-e2e (scripts/gpu/e2e, release),
+# Carried in .gpu/: corridor (release, CUDA), corridor-gpu-check (crates/gpu-check, release, --features cuda),
 # llama3-tokenizer/, llama.cpp.tar.gz (vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist,
 # without models/, docs/ and the other backends).
 #
@@ -37,8 +37,8 @@ prep() {
             && cmake --build "$BUILD" -j 14 --target llama-batched-bench llama-quantize ) > "$out/llama_build.log" 2>&1 &
         build_pid=$!
     fi
-    header "tiny K-quant files: CUDA against the CPU (corridor-gpu-e2e)"
-    timeout 120 .gpu/corridor-gpu-e2e tests/fixtures/tiny/kquant 2>&1 | tee "$out/kquant_gpu.log"
+    header "tiny K-quant files: CUDA against the CPU (corridor-gpu-check)"
+    timeout 120 .gpu/corridor-gpu-check tests/fixtures/tiny/kquant 2>&1 | tee "$out/kquant_gpu.log"
     header "checkpoint"
     python3 scripts/gpu/make_llama8b.py "$MODEL_DIR" --tokenizer-dir .gpu/llama3-tokenizer 2>&1 | tail -n 3
     header "convert to an f16 GGUF"
