@@ -44,6 +44,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -261,6 +263,12 @@ def check_tokenizer_dir(out_dir: Path, tok: Tokenizer) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def zero_centered_norm(model: PreTrainedModel, name: str) -> bool:
+    """Whether parameter `name` is a norm weight applied as `1 + weight` (Qwen3.5's RMSNorm); the
+    gated norm inside its linear-attention layers multiplies by the weight itself."""
+    return model.config.model_type == "qwen3_5_text" and "norm" in name and "linear_attn.norm" not in name
+
+
 def init_weights(model: PreTrainedModel, seed: int) -> None:
     """Overwrite every parameter from a seeded generator, in sorted name order (deterministic)."""
     gen = torch.Generator().manual_seed(seed)
@@ -269,7 +277,10 @@ def init_weights(model: PreTrainedModel, seed: int) -> None:
         for name in sorted(params):
             p = params[name]
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if "norm" in name:
+            if zero_centered_norm(model, name):
+                # The effective scale 1 + weight is then distributed as every other norm's.
+                p.copy_(NORM_MEAN - 1.0 + NORM_STD * noise)
+            elif "norm" in name:
                 p.copy_(NORM_MEAN + NORM_STD * noise)
             elif name.endswith(".bias"):
                 p.copy_(BIAS_STD * noise)
@@ -419,6 +430,39 @@ def check_routing(model: PreTrainedModel, ids: list[int], name: str) -> None:
             used[e] += 1
         if bool((used == 0).any()) or bool((used == len(ids)).any()):
             raise RuntimeError(f"{name}: sparse layer #{i} uses its experts {used.tolist()}")
+
+
+def qwen3_5_config() -> Qwen3_5TextConfig:
+    # The hybrid: layer_types from full_attention_interval 4 give three gated delta-net layers and
+    # one full-attention layer. Full attention: head_dim 32 with a quarter of it rotated (partial
+    # rotary 0.25, as Qwen3.5 ships), q_proj doubled for the output gate. Linear attention: 2 key
+    # heads of 16 shared by 4 value heads of 16 (grouped as in the 27B), a 4-tap causal conv.
+    return Qwen3_5TextConfig(
+        vocab_size=TOKENIZER_VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=4,
+        full_attention_interval=4,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=MAX_POSITION,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        tie_word_embeddings=False,
+        attention_bias=False,
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=IM_END_ID,
+    )
 
 
 def mistral_config() -> MistralConfig:
@@ -1172,6 +1216,15 @@ def main() -> int:
             config=qwen3_moe_config(),
             # The first seed from 8 whose routing has no near tie and uses every expert (check_routing).
             seed=33,
+            dtype=torch.float32,
+            generation=plain_eos,
+            with_batch=True,
+        ),
+        HfFixture(
+            name="qwen3_5",
+            model_class=Qwen3_5ForCausalLM,
+            config=qwen3_5_config(),
+            seed=8,
             dtype=torch.float32,
             generation=plain_eos,
             with_batch=True,

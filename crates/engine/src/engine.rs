@@ -15,7 +15,7 @@ use crate::sampling::{
 use crate::scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::stats::{EngineStats, StatsCell};
 use corridor_backend::Backend;
-use corridor_model::llama::Model;
+use corridor_model::Model;
 use corridor_model::ModelConfig;
 use corridor_units::{Bytes, CardId, Pages, Tokens};
 use corridor_vram::{ReliefProvider, Tier};
@@ -262,12 +262,21 @@ pub fn spawn_with(
         num_pages: pool.capacity(),
         page_size: config.page_size.get(),
     });
+    let mut sched = Scheduler::new(sc, pool);
+    if let Some(slots) = exec.state_slots() {
+        tracing::info!(
+            slots,
+            "the model carries recurrent state: each running request holds a state slot, prefix caching is off, \
+             and a preempted request is recomputed from its prompt"
+        );
+        sched = sched.with_state_slots(slots);
+    }
     let (commands, rx) = mpsc::channel();
     let stats = Arc::new(StatsCell::default());
     let sampler_stats = Arc::new(SamplerStats::default());
     let mut core = Core {
         exec,
-        sched: Scheduler::new(sc, pool),
+        sched,
         live: HashMap::new(),
         rx,
         stats: stats.clone(),

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use corridor_backend::{DType, RopeStyle};
+use corridor_backend::{DType, DeltaGeometry, RopeStyle};
 use serde_json::Value;
 
 use crate::error::LoadError;
@@ -19,6 +19,37 @@ pub enum Arch {
     Qwen3,
     /// Qwen3 attention with sparse mixture-of-experts FFNs (`moe` is set).
     Qwen3Moe,
+    /// Qwen3.5: gated delta-net layers beside gated full-attention layers
+    /// (`hybrid` is set).
+    Qwen35,
+}
+
+/// What a layer of a hybrid model mixes tokens with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Softmax attention over the paged KV cache.
+    Full,
+    /// A gated delta-net: linear attention over a fixed-size state.
+    Linear,
+}
+
+/// The parts of a hybrid (Qwen3.5) model that the other architectures lack.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HybridConfig {
+    /// One per layer, from `layer_types` (or `full_attention_interval`).
+    pub layer_types: Vec<LayerKind>,
+    /// The heads and convolution of the linear-attention layers.
+    pub delta: DeltaGeometry,
+    /// Dimensions of each full-attention head that RoPE rotates (the first
+    /// ones; `partial_rotary_factor * head_dim`).
+    pub rotary_dim: usize,
+}
+
+impl HybridConfig {
+    /// Layers of each kind.
+    pub fn count(&self, kind: LayerKind) -> usize {
+        self.layer_types.iter().filter(|&&k| k == kind).count()
+    }
 }
 
 /// The sparse FFN of a mixture-of-experts model: a router picks
@@ -90,6 +121,8 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// The sparse FFN of a mixture-of-experts model; `None` for dense ones.
     pub moe: Option<MoeConfig>,
+    /// The linear-attention layers of a hybrid model; `None` for the others.
+    pub hybrid: Option<HybridConfig>,
 }
 
 impl ModelConfig {
@@ -167,6 +200,16 @@ impl ModelConfig {
         }
         let num_layers = j.req_usize("num_hidden_layers")?;
         let moe = if arch == Arch::Qwen3Moe { Some(hf_moe(&j, num_layers)?) } else { None };
+        let hybrid = if arch == Arch::Qwen35 {
+            let factor = match (j.opt_f64("partial_rotary_factor")?, rope_parameters) {
+                (Some(f), _) => Some(f),
+                (None, Some(obj)) => Json { obj, file }.opt_f64("partial_rotary_factor")?,
+                (None, None) => None,
+            };
+            Some(hf_hybrid(&j, num_layers, head_dim, factor)?)
+        } else {
+            None
+        };
         let config = ModelConfig {
             arch,
             vocab_size: j.req_usize("vocab_size")?,
@@ -188,10 +231,11 @@ impl ModelConfig {
             // Qwen2 always has a bias on Q, K and V, and its config does not
             // say so; the others carry `attention_bias` (default false).
             attention_bias: arch == Arch::Qwen2 || j.opt_bool("attention_bias")?.unwrap_or(false),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen35),
             bos_token_id: j.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids,
             moe,
+            hybrid,
         };
         config.validate(file)?;
         Ok(config)
@@ -276,6 +320,7 @@ impl ModelConfig {
             bos_token_id: gguf_token_id(gguf, "tokenizer.ggml.bos_token_id")?,
             eos_token_ids,
             moe,
+            hybrid: None,
         };
         config.validate(file)?;
         Ok(config)
@@ -328,6 +373,33 @@ impl ModelConfig {
                 }
             }
         }
+        if let Some(h) = &self.hybrid {
+            let d = &h.delta;
+            if h.layer_types.len() != self.num_layers {
+                return Err(LoadError::config(
+                    file,
+                    format!("{} layer types for {} layers", h.layer_types.len(), self.num_layers),
+                ));
+            }
+            if [d.k_heads, d.v_heads, d.k_dim, d.v_dim, d.conv_kernel].contains(&0) {
+                return Err(LoadError::config(file, format!("a linear-attention size is 0: {d:?}")));
+            }
+            if !d.v_heads.is_multiple_of(d.k_heads) {
+                return Err(LoadError::config(
+                    file,
+                    format!(
+                        "linear_num_value_heads {} is not a multiple of linear_num_key_heads {}",
+                        d.v_heads, d.k_heads
+                    ),
+                ));
+            }
+            if h.rotary_dim == 0 || !h.rotary_dim.is_multiple_of(2) || h.rotary_dim > self.head_dim {
+                return Err(LoadError::config(
+                    file,
+                    format!("{} rotated dimensions of a head of {}", h.rotary_dim, self.head_dim),
+                ));
+            }
+        }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return Err(LoadError::config(
                 file,
@@ -372,6 +444,7 @@ fn hf_arch(j: &Json<'_>) -> Result<Arch, LoadError> {
                 "Qwen2ForCausalLM" => Ok(Arch::Qwen2),
                 "Qwen3ForCausalLM" => Ok(Arch::Qwen3),
                 "Qwen3MoeForCausalLM" => Ok(Arch::Qwen3Moe),
+                "Qwen3_5ForCausalLM" => Ok(Arch::Qwen35),
                 other => Err(unknown(other)),
             };
         }
@@ -382,6 +455,7 @@ fn hf_arch(j: &Json<'_>) -> Result<Arch, LoadError> {
         Some("qwen2") => Ok(Arch::Qwen2),
         Some("qwen3") => Ok(Arch::Qwen3),
         Some("qwen3_moe") => Ok(Arch::Qwen3Moe),
+        Some("qwen3_5_text") => Ok(Arch::Qwen35),
         Some(other) => Err(unknown(other)),
         None => Err(LoadError::config(j.file, "neither `architectures` nor `model_type` is given")),
     }
@@ -418,6 +492,55 @@ fn hf_moe(j: &Json<'_>, num_layers: usize) -> Result<MoeConfig, LoadError> {
     let sparse_layers =
         (0..num_layers).map(|i| !mlp_only.contains(&i) && num_experts > 0 && (i + 1) % step == 0).collect();
     Ok(MoeConfig { num_experts, experts_per_token, expert_intermediate_size, norm_topk_prob, sparse_layers })
+}
+
+/// The linear-attention side of a `qwen3_5_text` config, with transformers'
+/// defaults for absent keys: `layer_types`, or else every
+/// `full_attention_interval`-th layer (default 4) full and the rest linear;
+/// a quarter of each attention head rotated unless `partial_rotary_factor`
+/// says otherwise.
+fn hf_hybrid(
+    j: &Json<'_>,
+    num_layers: usize,
+    head_dim: usize,
+    partial_rotary_factor: Option<f64>,
+) -> Result<HybridConfig, LoadError> {
+    let layer_types = match j.get("layer_types") {
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| match v.as_str() {
+                Some("full_attention") => Ok(LayerKind::Full),
+                Some("linear_attention") => Ok(LayerKind::Linear),
+                _ => Err(j.bad("layer_types", "\"full_attention\" or \"linear_attention\" per layer", v)),
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(v) => return Err(j.bad("layer_types", "a list of layer types", v)),
+        None => {
+            let every = j.opt_usize("full_attention_interval")?.unwrap_or(4);
+            if every == 0 {
+                return Err(LoadError::config(j.file, "full_attention_interval is 0"));
+            }
+            (0..num_layers)
+                .map(|i| if (i + 1) % every == 0 { LayerKind::Full } else { LayerKind::Linear })
+                .collect()
+        }
+    };
+    let factor = partial_rotary_factor.unwrap_or(0.25);
+    if !(factor > 0.0 && factor <= 1.0) {
+        return Err(LoadError::config(j.file, format!("partial_rotary_factor {factor} is not in (0, 1]")));
+    }
+    Ok(HybridConfig {
+        layer_types,
+        delta: DeltaGeometry {
+            k_heads: j.opt_usize("linear_num_key_heads")?.unwrap_or(16),
+            v_heads: j.opt_usize("linear_num_value_heads")?.unwrap_or(32),
+            k_dim: j.opt_usize("linear_key_head_dim")?.unwrap_or(128),
+            v_dim: j.opt_usize("linear_value_head_dim")?.unwrap_or(128),
+            conv_kernel: j.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+        },
+        // transformers truncates: int(head_dim * factor).
+        rotary_dim: (head_dim as f64 * factor) as usize,
+    })
 }
 
 /// The scaling scheme of a `rope_scaling` or `rope_parameters` object.

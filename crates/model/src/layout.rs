@@ -445,7 +445,7 @@ pub struct CostModel {
 /// 2 MiB, so a card rests within a few MiB of its floor).
 pub const DEFAULT_CHUNK_TARGET: Bytes = Bytes::mib(2);
 
-fn elems_bytes(dtype: DType, elems: usize) -> u64 {
+pub(crate) fn elems_bytes(dtype: DType, elems: usize) -> u64 {
     // Rounding up to whole blocks only matters for shapes that are not block multiples.
     (elems.div_ceil(dtype.block_elems()) * dtype.block_bytes()) as u64
 }
@@ -453,6 +453,9 @@ fn elems_bytes(dtype: DType, elems: usize) -> u64 {
 impl CostModel {
     /// Weight bytes of `slice` (norms and biases priced as f32).
     pub fn weights(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
+        if let Some(h) = &cfg.hybrid {
+            return crate::qwen3_5::cost::weights(self, cfg, h);
+        }
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let w = |elems: usize| elems_bytes(self.weight_dtype, elems);
         let f32s = |elems: usize| (elems * 4) as u64;
@@ -492,6 +495,9 @@ impl CostModel {
 
     /// Activation workspace bytes of `slice` (f32 activations, allocated once).
     pub fn workspace(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
+        if let Some(h) = &cfg.hybrid {
+            return crate::qwen3_5::cost::workspace(self, cfg, h);
+        }
         let (q, kv, f) = (s.heads.len() * cfg.head_dim, s.kv_heads.len() * cfg.head_dim, s.ffn.len());
         let mut per_row = 3 * cfg.hidden_size + 2 * q + 2 * kv + 3 * f;
         if let Some(m) = &cfg.moe {
@@ -505,6 +511,9 @@ impl CostModel {
 
     /// KV bytes one token takes on this rank (K and V, every local layer).
     pub fn kv_per_token(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
+        if let Some(h) = &cfg.hybrid {
+            return crate::qwen3_5::cost::kv_per_token(self, cfg, h);
+        }
         Bytes(2 * s.layers.len() as u64 * s.kv_heads.len() as u64 * cfg.head_dim as u64 * self.kv_elem_bytes)
     }
 
@@ -921,6 +930,7 @@ mod tests {
             bos_token_id: None,
             eos_token_ids: vec![],
             moe: None,
+            hybrid: None,
         }
     }
 

@@ -20,8 +20,8 @@ use corridor_backend::collective::{Collective, GroupShape, ThreadGroup};
 use corridor_backend::cpu::{CpuBackend, DecodeActivations};
 use corridor_backend::SeqStep;
 use corridor_model::layout::{Layout, LayoutKind};
-use corridor_model::llama::{Model, StepInput};
 use corridor_model::Checkpoint;
+use corridor_model::{Model, StepInput};
 use corridor_units::PageId;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -78,6 +78,7 @@ fn run(path: &Path, layout: &Layout) -> (Vec<Vec<f32>>, Vec<u32>) {
                     positions: &positions,
                     seqs: &seqs,
                     logit_rows: &logit_rows,
+                    state_slots: &[],
                 };
                 model
                     .forward_ranked(

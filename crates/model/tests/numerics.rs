@@ -15,9 +15,9 @@
 use corridor_backend::cpu::{CpuBackend, DecodeActivations};
 use corridor_backend::SeqStep;
 use corridor_model::greedy::greedy;
-use corridor_model::llama::{Model, StepInput};
 use corridor_model::Checkpoint;
-use corridor_units::PageId;
+use corridor_model::{Model, StepInput};
+use corridor_units::{PageId, StateSlot};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -66,6 +66,8 @@ impl Runner {
         // Odd page ids, highest first: a bug that assumes contiguous pages shows.
         let pages: Vec<PageId> =
             (0..pages_needed).map(|i| PageId((2 * (pages_needed - i) - 1) as u32)).collect();
+        // The last state slot: a bug that assumes slot 0 shows.
+        let slot = [StateSlot(n as u32 - 1)];
         let mut out = Vec::new();
         let mut logits = Vec::new();
         let mut done = 0;
@@ -79,6 +81,7 @@ impl Runner {
                 positions: &positions,
                 seqs: &seqs,
                 logit_rows: &logit_rows,
+                state_slots: &slot,
             };
             self.model.forward(&self.backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
             for r in 0..rows {
@@ -172,6 +175,13 @@ fn two_prompts_in_one_batch_match_their_solo_runs_through_the_experts() {
     batch_matches_solo_runs("qwen3-moe");
 }
 
+/// Two sequences of the hybrid in one step, each through its own state slot
+/// of every linear-attention layer.
+#[test]
+fn two_prompts_in_one_batch_match_their_solo_runs_through_the_recurrent_state() {
+    batch_matches_solo_runs("qwen3_5");
+}
+
 fn batch_matches_solo_runs(fixture: &str) {
     let dir = fixtures().join(fixture);
     let r: Value =
@@ -194,7 +204,14 @@ fn batch_matches_solo_runs(fixture: &str) {
         logit_rows.push(tokens.len() - 1);
     }
     let mut logits = Vec::new();
-    let step = StepInput { tokens: &tokens, positions: &positions, seqs: &seqs, logit_rows: &logit_rows };
+    let slots: Vec<StateSlot> = (0..seqs.len() as u32).map(StateSlot).collect();
+    let step = StepInput {
+        tokens: &tokens,
+        positions: &positions,
+        seqs: &seqs,
+        logit_rows: &logit_rows,
+        state_slots: &slots,
+    };
     run.model.forward(&run.backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
     let v = run.vocab();
     for (i, b) in batch.iter().enumerate() {

@@ -18,7 +18,7 @@ use corridor_engine::pages::PagePool;
 use corridor_engine::ranks::{spawn_layout, LayoutOptions};
 use corridor_engine::scheduler::SchedulerConfig;
 use corridor_model::layout::{Layout, LayoutSpec};
-use corridor_model::llama::Model;
+use corridor_model::Model;
 use corridor_model::{Checkpoint, ModelConfig};
 use corridor_units::{Bytes, CardId, Pages, Tokens};
 use corridor_vram::recorder::{BootId, BootPhase, FlightRecorder, MarkIdentity};
@@ -171,7 +171,7 @@ pub enum BootError {
     #[error(transparent)]
     Load(#[from] corridor_model::error::LoadError),
     #[error(transparent)]
-    Model(#[from] corridor_model::llama::ModelError),
+    Model(#[from] corridor_model::ModelError),
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
     #[error(transparent)]

@@ -200,7 +200,7 @@ pub(super) fn boot_sim_layout(
     use corridor_backend::collective::ThreadGroup;
     use corridor_backend::cpu::CpuBackend;
     use corridor_engine::executor::SingleRank;
-    use corridor_model::llama::Model;
+    use corridor_model::Model;
     use corridor_vram::Purpose;
     debug_assert!(matches!(env.opts.devices, Devices::Sim(_)));
     let devices = layout_devices(env, spec)?;
@@ -252,7 +252,7 @@ pub(super) fn boot_cuda_layout(
     use corridor_backend::cuda::nccl::nccl_group;
     use corridor_engine::executor::SingleRank;
     use corridor_engine::ranks::COLLECTIVE_TIMEOUT;
-    use corridor_model::llama::Model;
+    use corridor_model::Model;
     let devices = layout_devices(env, spec)?;
     let mut backends = Vec::with_capacity(devices.len());
     for (dev, &ordinal) in devices.iter().zip(env.ordinals) {

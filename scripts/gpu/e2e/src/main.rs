@@ -72,7 +72,7 @@ fn all_logits<B: Backend>(b: &B, ckpt: &Checkpoint, ids: &[u32]) -> Vec<f32> {
     let positions: Vec<u32> = (0..n as u32).collect();
     let seqs = [SeqStep { row_start: 0, rows: n, cached: 0, pages: &pages }];
     let rows: Vec<usize> = (0..n).collect();
-    let step = StepInput { tokens: ids, positions: &positions, seqs: &seqs, logit_rows: &rows };
+    let step = StepInput { tokens: ids, positions: &positions, seqs: &seqs, logit_rows: &rows, state_slots: &[] };
     let mut logits = Vec::new();
     model.forward(b, &mut ws, &mut kv, &step, &mut logits).expect("forward");
     logits

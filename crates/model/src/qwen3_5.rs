@@ -1,0 +1,665 @@
+//! Qwen3.5 (`qwen3_5_text`, `Qwen3_5ForCausalLM`): a hybrid decoder whose
+//! layers mix tokens in one of two ways, as the config's `layer_types` say.
+//!
+//! - Full attention (every fourth layer in the released models): grouped-query
+//!   attention over the paged KV cache, as in Qwen3, with three differences:
+//!   `q_proj` yields a query and an output gate per head (`[q_h, gate_h]`,
+//!   split into two matrices at load), the attention output is multiplied by
+//!   `sigmoid(gate)` before `o_proj`, and RoPE turns only the first
+//!   `rotary_dim` dimensions of each head (`partial_rotary_factor`).
+//! - Gated delta-net (linear attention): q, k and v from one projection pass
+//!   through a short depthwise causal convolution and SiLU; q and k are
+//!   L2-normalized; per value head a `[k_dim, v_dim]` state decays by
+//!   `exp(g)` and is corrected towards v with strength `beta` at every token
+//!   (the gated delta rule); its read-out is RMS-normalized, gated by
+//!   `silu(z)` and projected out.
+//!
+//! Every RMSNorm of the residual stream and the q/k norms scale by
+//! `1 + weight` (the weights are stored centred on zero); the weights are
+//! widened to f32 and shifted once at load, so the common norm kernels apply.
+//! The delta-net's own norm scales by its weight as stored.
+//!
+//! A linear-attention layer keeps no KV: each running sequence holds a
+//! fixed-size state (the convolution's last inputs and the delta rule's
+//! matrices) in a slot of the workspace, one slot per sequence that may run
+//! at once; a step names each sequence's slot (`StepInput::state_slots`),
+//! and a sequence with nothing cached starts from a zero state. So the state
+//! cannot be rebuilt from KV pages: a sequence that is preempted recomputes
+//! from its prompt, and prefix caching (which would skip rows whose state is
+//! nowhere) must be off.
+//!
+//! The whole model runs on one rank; tensor and pipeline layouts of the
+//! hybrid are refused at load.
+
+use crate::checkpoint::Checkpoint;
+use crate::config::{HybridConfig, LayerKind, ModelConfig};
+use crate::error::LoadError;
+use crate::layout::{CostModel, RankSlice};
+use crate::llama::{check_shape, select, KvCache, ModelError, StepInput, Workspace};
+use corridor_backend::collective::{Collective, Solo};
+use corridor_backend::{
+    ActShape, Backend, DType, DeltaRule, HostTensor, KvGeometry, MatmulPart, RopeStyle, RopeTable, StepPlan,
+    TensorBytes,
+};
+use corridor_units::Bytes;
+use std::ops::Range;
+
+/// One decoder layer's weights.
+struct Layer<W> {
+    input_layernorm: W, // [hidden], 1 + stored
+    mixer: Mixer<W>,
+    post_attention_layernorm: W, // [hidden], 1 + stored
+    gate_proj: W,                // [ffn, hidden]
+    up_proj: W,                  // [ffn, hidden]
+    down_proj: W,                // [hidden, ffn]
+}
+
+/// How a layer mixes tokens.
+enum Mixer<W> {
+    Attention {
+        q_proj: W, // [heads * head_dim, hidden]: the query rows of q_proj
+        gate: W,   // [heads * head_dim, hidden]: the gate rows of q_proj
+        k_proj: W, // [kv * head_dim, hidden]
+        v_proj: W, // [kv * head_dim, hidden]
+        q_norm: W, // [head_dim], 1 + stored
+        k_norm: W, // [head_dim], 1 + stored
+        o_proj: W, // [hidden, heads * head_dim]
+        kv: usize, // which layer of the KV cache
+    },
+    Delta {
+        in_proj_qkv: W, // [conv_channels, hidden]
+        in_proj_z: W,   // [value_width, hidden]
+        in_proj_b: W,   // [v_heads, hidden]
+        in_proj_a: W,   // [v_heads, hidden]
+        conv: W,        // [conv_channels, conv_kernel]
+        a_log: W,       // [v_heads]
+        dt_bias: W,     // [v_heads]
+        norm: W,        // [v_dim]
+        out_proj: W,    // [hidden, value_width]
+        state: usize,   // which linear layer's state
+    },
+}
+
+/// The output projection.
+enum Head<W> {
+    Tied,
+    Own(W),
+}
+
+/// A loaded Qwen3.5 model on one backend.
+pub struct Model<B: Backend> {
+    config: ModelConfig,
+    hybrid: HybridConfig,
+    slice: RankSlice,
+    rope: RopeTable,
+    embed_tokens: B::Weight,
+    layers: Vec<Layer<B::Weight>>,
+    norm: B::Weight,
+    head: Head<B::Weight>,
+}
+
+/// The hybrid's scratch beyond the common [`Workspace`], and the recurrent
+/// state of every slot.
+pub struct Scratch<B: Backend> {
+    gate: B::Act, // [max_rows, heads * head_dim]
+    qkv: B::Act,  // [max_rows, conv_channels]
+    z: B::Act,    // [max_rows, value_width]
+    a: B::Act,    // [max_rows, v_heads]
+    b: B::Act,    // [max_rows, v_heads]
+    core: B::Act, // [max_rows, value_width]
+    /// Per linear layer: `[slots, conv_state_elems]`.
+    conv: Vec<B::Act>,
+    /// Per linear layer: `[slots, recurrent_state_elems]`.
+    recurrent: Vec<B::Act>,
+    slots: usize,
+}
+
+impl<B: Backend> Scratch<B> {
+    /// State slots this workspace holds.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+}
+
+/// The hybrid part of a config, or an error naming what is missing.
+fn hybrid_of(cfg: &ModelConfig) -> Result<&HybridConfig, ModelError> {
+    cfg.hybrid.as_ref().ok_or_else(|| ModelError::Step("a qwen3_5 model without its hybrid config".into()))
+}
+
+impl<B: Backend> Model<B> {
+    /// Load every weight of `ckpt` onto `backend`, checking shapes; `progress`
+    /// ticks once for the embedding, once per layer and once for the head.
+    pub fn load(backend: &B, ckpt: &Checkpoint, mut progress: impl FnMut(usize)) -> Result<Self, ModelError> {
+        let cfg = ckpt.config().clone();
+        let hybrid = hybrid_of(&cfg)?.clone();
+        let bytes = std::cell::Cell::new(0u64);
+        place(
+            ckpt,
+            &|t| {
+                let (rows, cols) = t.rows_cols();
+                bytes.set(bytes.get() + backend.stored_bytes(t.dtype, rows, cols));
+                Ok(())
+            },
+            &mut |_| {},
+        )?;
+        backend.reserve_weights(bytes.get())?;
+        let parts = place(ckpt, &|t| Ok(backend.upload_weight(&t)?), &mut progress)?;
+        Ok(Model {
+            rope: rope_table(&cfg, &hybrid),
+            slice: RankSlice::full(&cfg),
+            config: cfg,
+            hybrid,
+            embed_tokens: parts.embed_tokens,
+            layers: parts.layers,
+            norm: parts.norm,
+            head: parts.head,
+        })
+    }
+
+    /// Load one rank's slice: only the whole model on one rank.
+    pub fn load_slice(
+        backend: &B,
+        ckpt: &Checkpoint,
+        slice: &RankSlice,
+        progress: impl FnMut(usize),
+    ) -> Result<Self, ModelError> {
+        if *slice != RankSlice::full(ckpt.config()) {
+            return Err(ModelError::Step(format!(
+                "{}: the qwen3_5 hybrid runs whole on one rank; tensor and pipeline layouts of it are not supported",
+                slice.rank
+            )));
+        }
+        Self::load(backend, ckpt, progress)
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn slice(&self) -> &RankSlice {
+        &self.slice
+    }
+
+    /// Scratch for steps of up to `max_rows` tokens and `max_logit_rows`
+    /// logit rows, with one state slot per logit row: every running sequence
+    /// samples each step, so the running limit bounds both.
+    pub fn workspace(
+        &self,
+        backend: &B,
+        max_rows: usize,
+        max_logit_rows: usize,
+    ) -> Result<Workspace<B>, ModelError> {
+        let c = &self.config;
+        let d = self.hybrid.delta;
+        let a = |rows: usize, cols: usize| backend.alloc_act(ActShape { rows, cols });
+        let (q_out, kv_out, ffn) =
+            (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
+        let linear = self.hybrid.count(LayerKind::Linear);
+        let slots = max_logit_rows;
+        let scratch = Scratch {
+            gate: a(max_rows, q_out)?,
+            qkv: a(max_rows, d.conv_channels())?,
+            z: a(max_rows, d.value_width())?,
+            a: a(max_rows, d.v_heads)?,
+            b: a(max_rows, d.v_heads)?,
+            core: a(max_rows, d.value_width())?,
+            conv: (0..linear).map(|_| a(slots, d.conv_state_elems())).collect::<Result<_, _>>()?,
+            recurrent: (0..linear).map(|_| a(slots, d.recurrent_state_elems())).collect::<Result<_, _>>()?,
+            slots,
+        };
+        Ok(Workspace {
+            max_rows,
+            max_logit_rows,
+            x: a(max_rows, c.hidden_size)?,
+            h: a(max_rows, c.hidden_size)?,
+            q: a(max_rows, q_out)?,
+            k: a(max_rows, kv_out)?,
+            v: a(max_rows, kv_out)?,
+            attn: a(max_rows, q_out)?,
+            proj: a(max_rows, c.hidden_size)?,
+            gate: a(max_rows, ffn)?,
+            up: a(max_rows, ffn)?,
+            act: a(max_rows, ffn)?,
+            last: a(max_logit_rows, c.hidden_size)?,
+            last_n: a(max_logit_rows, c.hidden_size)?,
+            logits: a(max_logit_rows, c.vocab_size)?,
+            host_logits: Vec::new(),
+            moe: None,
+            hybrid: Some(scratch),
+        })
+    }
+
+    /// Layers that hold KV (the full-attention ones).
+    fn kv_layers(&self) -> usize {
+        self.hybrid.count(LayerKind::Full)
+    }
+
+    pub fn kv_geometry(&self, page_size: usize, num_pages: usize) -> KvGeometry {
+        KvGeometry {
+            page_size,
+            num_pages,
+            kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+        }
+    }
+
+    /// A paged KV cache for the full-attention layers.
+    pub fn kv_cache(
+        &self,
+        backend: &B,
+        page_size: usize,
+        num_pages: usize,
+    ) -> Result<KvCache<B>, ModelError> {
+        let geometry = self.kv_geometry(page_size, num_pages);
+        let layers = (0..self.kv_layers()).map(|_| backend.alloc_kv(geometry)).collect::<Result<_, _>>()?;
+        Ok(KvCache { geometry, layers })
+    }
+
+    /// The KV cache in the pages of a card's KV arena (see
+    /// `llama::Model::kv_cache_in`).
+    pub fn kv_cache_in(
+        &self,
+        backend: &B,
+        page_size: usize,
+        arena: &std::sync::Arc<corridor_vram::KvArena>,
+    ) -> Result<KvCache<B>, ModelError> {
+        let geometry = self.kv_geometry(page_size, arena.capacity().get());
+        match backend.kv_in_arena(arena, geometry, self.kv_layers())? {
+            Some(layers) => Ok(KvCache { geometry, layers }),
+            None => self.kv_cache(backend, page_size, geometry.num_pages),
+        }
+    }
+
+    /// Bytes of KV one token occupies (the full-attention layers only).
+    pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
+        2 * self.kv_layers() * self.config.num_kv_heads * self.config.head_dim * elem_bytes
+    }
+
+    /// Bytes of recurrent state one sequence holds (f32).
+    pub fn state_bytes_per_seq(&self) -> Bytes {
+        state_bytes_per_seq(&self.hybrid)
+    }
+
+    /// Run one step. Only the whole model on one rank: `c` must be [`Solo`].
+    pub fn forward_ranked(
+        &self,
+        b: &B,
+        c: &dyn Collective<B>,
+        ws: &mut Workspace<B>,
+        kv: &mut KvCache<B>,
+        step: &StepInput<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        if c.world() != 1 {
+            return Err(ModelError::Step("the qwen3_5 hybrid runs on one rank only".into()));
+        }
+        let rows = step.tokens.len();
+        if step.positions.len() != rows || rows > ws.max_rows || step.logit_rows.len() > ws.max_logit_rows {
+            return Err(ModelError::Step(format!(
+                "a step of {rows} rows ({} positions, {} logit rows) for a workspace of {} rows and {} logit rows",
+                step.positions.len(),
+                step.logit_rows.len(),
+                ws.max_rows,
+                ws.max_logit_rows
+            )));
+        }
+        if step.state_slots.len() != step.seqs.len() {
+            return Err(ModelError::Step(format!(
+                "{} state slots for {} sequences: every sequence of a hybrid model needs one",
+                step.state_slots.len(),
+                step.seqs.len()
+            )));
+        }
+        if kv.layers.len() != self.kv_layers() {
+            return Err(ModelError::Step(format!(
+                "a KV cache of {} layers for {} full-attention layers",
+                kv.layers.len(),
+                self.kv_layers()
+            )));
+        }
+        b.begin_step(&StepPlan {
+            tokens: step.tokens,
+            positions: step.positions,
+            seqs: step.seqs,
+            logit_rows: step.logit_rows,
+        })?;
+        self.run_ops(b, ws, kv, step)?;
+        logits.clear();
+        let n = step.logit_rows.len();
+        if n > 0 {
+            b.read_rows(&ws.logits, n, logits);
+        }
+        b.check()?;
+        Ok(())
+    }
+
+    /// Run one step with the whole model on this rank.
+    pub fn forward(
+        &self,
+        b: &B,
+        ws: &mut Workspace<B>,
+        kv: &mut KvCache<B>,
+        step: &StepInput<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        self.forward_ranked(b, &Solo::new(), ws, kv, step, logits)
+    }
+
+    fn run_ops(
+        &self,
+        b: &B,
+        ws: &mut Workspace<B>,
+        kv: &mut KvCache<B>,
+        step: &StepInput<'_>,
+    ) -> Result<(), ModelError> {
+        let cfg = &self.config;
+        let d = self.hybrid.delta;
+        let rows = step.tokens.len();
+        let eps = cfg.rms_norm_eps;
+        let Some(sc) = ws.hybrid.as_mut() else {
+            return Err(ModelError::Step("a hybrid model needs a workspace made by it".into()));
+        };
+        if let Some(s) = step.state_slots.iter().find(|s| s.index() >= sc.slots) {
+            return Err(ModelError::Step(format!("{s} is outside the workspace's {} state slots", sc.slots)));
+        }
+        b.embedding(&self.embed_tokens, step.tokens, &mut ws.x)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i == 0 {
+                b.rms_norm(&ws.x, &layer.input_layernorm, eps, rows, &mut ws.h);
+            } else {
+                b.add_rms_norm(&mut ws.x, &ws.proj, &layer.input_layernorm, eps, rows, &mut ws.h);
+            }
+            match &layer.mixer {
+                Mixer::Attention { q_proj, gate, k_proj, v_proj, q_norm, k_norm, o_proj, kv: kv_index } => {
+                    b.matmul_many(
+                        &ws.h,
+                        &mut [
+                            MatmulPart { w: q_proj, bias: None, out: &mut ws.q },
+                            MatmulPart { w: gate, bias: None, out: &mut sc.gate },
+                            MatmulPart { w: k_proj, bias: None, out: &mut ws.k },
+                            MatmulPart { w: v_proj, bias: None, out: &mut ws.v },
+                        ],
+                        rows,
+                    );
+                    b.head_rms_norm(&mut ws.q, q_norm, eps, cfg.head_dim, rows);
+                    b.head_rms_norm(&mut ws.k, k_norm, eps, cfg.head_dim, rows);
+                    let kv_layer = &mut kv.layers[*kv_index];
+                    b.rope_write_kv(
+                        &mut ws.q,
+                        &mut ws.k,
+                        &ws.v,
+                        &self.rope,
+                        cfg.head_dim,
+                        step.positions,
+                        kv_layer,
+                        step.seqs,
+                    );
+                    b.attention(&ws.q, kv_layer, cfg.num_heads, step.seqs, &mut ws.attn);
+                    b.sigmoid_mul(&mut ws.attn, &sc.gate, rows)?;
+                    b.matmul(&ws.attn, o_proj, None, rows, &mut ws.proj);
+                }
+                Mixer::Delta {
+                    in_proj_qkv,
+                    in_proj_z,
+                    in_proj_b,
+                    in_proj_a,
+                    conv,
+                    a_log,
+                    dt_bias,
+                    norm,
+                    out_proj,
+                    state,
+                } => {
+                    b.matmul_many(
+                        &ws.h,
+                        &mut [
+                            MatmulPart { w: in_proj_qkv, bias: None, out: &mut sc.qkv },
+                            MatmulPart { w: in_proj_z, bias: None, out: &mut sc.z },
+                            MatmulPart { w: in_proj_b, bias: None, out: &mut sc.b },
+                            MatmulPart { w: in_proj_a, bias: None, out: &mut sc.a },
+                        ],
+                        rows,
+                    );
+                    b.causal_conv_silu(&mut sc.qkv, conv, &mut sc.conv[*state], step.seqs, step.state_slots)?;
+                    b.gated_delta_rule(DeltaRule {
+                        qkv: &sc.qkv,
+                        a: &sc.a,
+                        b: &sc.b,
+                        a_log,
+                        dt_bias,
+                        geometry: d,
+                        state: &mut sc.recurrent[*state],
+                        seqs: step.seqs,
+                        slots: step.state_slots,
+                        out: &mut sc.core,
+                    })?;
+                    b.gated_rms_norm(&mut sc.core, &sc.z, norm, eps, d.v_dim, rows)?;
+                    b.matmul(&sc.core, out_proj, None, rows, &mut ws.proj);
+                }
+            }
+            b.add_rms_norm(&mut ws.x, &ws.proj, &layer.post_attention_layernorm, eps, rows, &mut ws.h);
+            b.gate_up_silu(
+                &ws.h,
+                &layer.gate_proj,
+                &layer.up_proj,
+                rows,
+                &mut ws.gate,
+                &mut ws.up,
+                &mut ws.act,
+            );
+            b.matmul(&ws.act, &layer.down_proj, None, rows, &mut ws.proj);
+        }
+        if !self.layers.is_empty() {
+            b.add_assign(&mut ws.x, &ws.proj, rows);
+        }
+        let n = step.logit_rows.len();
+        if n == 0 {
+            return Ok(());
+        }
+        b.gather_rows(&ws.x, step.logit_rows, &mut ws.last);
+        b.rms_norm(&ws.last, &self.norm, eps, n, &mut ws.last_n);
+        let head = match &self.head {
+            Head::Own(w) => w,
+            Head::Tied => &self.embed_tokens,
+        };
+        b.matmul(&ws.last_n, head, None, n, &mut ws.logits);
+        Ok(())
+    }
+}
+
+/// RoPE over the first `rotary_dim` dimensions of each head, with
+/// frequencies spaced over those dimensions alone (as transformers computes
+/// them for a partial rotary factor).
+fn rope_table(cfg: &ModelConfig, h: &HybridConfig) -> RopeTable {
+    let dim = h.rotary_dim;
+    let inv_freq = (0..dim / 2)
+        .map(|i| (1.0 / (cfg.rope_theta as f64).powf((2 * i) as f64 / dim as f64)) as f32)
+        .collect();
+    RopeTable { style: RopeStyle::Half, rot_dim: dim, inv_freq }
+}
+
+/// A model's weights, placed by `place`'s upload function.
+struct Parts<W> {
+    embed_tokens: W,
+    layers: Vec<Layer<W>>,
+    norm: W,
+    head: Head<W>,
+}
+
+/// A float vector as f32 values, whatever it is stored as.
+fn f32_values(t: &HostTensor) -> Result<Vec<f32>, ModelError> {
+    if t.dtype.is_quantized() {
+        return Err(ModelError::Load(LoadError::UnsupportedDType {
+            file: std::path::PathBuf::new(),
+            tensor: t.name.clone(),
+            dtype: format!("{} (a norm vector must be a float type)", t.dtype),
+        }));
+    }
+    let mut out = vec![0f32; t.elems()];
+    corridor_backend::cpu::quant::dequantize_row(t.dtype, t.data.bytes(), &mut out);
+    Ok(out)
+}
+
+/// An f32 tensor of `values` shaped `shape`.
+fn f32_tensor(name: &str, shape: Vec<usize>, values: &[f32]) -> HostTensor {
+    HostTensor {
+        name: name.into(),
+        dtype: DType::F32,
+        shape,
+        data: TensorBytes::from_vec(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+    }
+}
+
+/// Read every tensor of `ckpt`, checking shapes, and hand each (reshaped or
+/// shifted where the kernels want it so) to `up`.
+fn place<W>(
+    ckpt: &Checkpoint,
+    up: &dyn Fn(HostTensor) -> Result<W, ModelError>,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Parts<W>, ModelError> {
+    let cfg = ckpt.config();
+    let h = hybrid_of(cfg)?;
+    let d = h.delta;
+    let (hidden, hd, ffn) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+    let (q_out, kv_out) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+    let read = |name: &str, shape: &[usize]| -> Result<HostTensor, ModelError> {
+        let t = ckpt.tensor(name)?;
+        check_shape(ckpt, &t, shape)?;
+        Ok(t)
+    };
+    let load = |name: &str, shape: &[usize]| up(read(name, shape)?);
+    // A zero-centred norm: the kernels scale by the weight, so hand them 1 + w.
+    let shifted = |name: &str, n: usize| -> Result<W, ModelError> {
+        let t = read(name, &[n])?;
+        let values: Vec<f32> = f32_values(&t)?.iter().map(|w| 1.0 + w).collect();
+        up(f32_tensor(name, vec![n], &values))
+    };
+    let embed_tokens = load("model.embed_tokens.weight", &[cfg.vocab_size, hidden])?;
+    progress(1);
+    let (mut kv, mut state) = (0, 0);
+    let mut layers = Vec::with_capacity(cfg.num_layers);
+    for (i, kind) in h.layer_types.iter().enumerate() {
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        let mixer = match kind {
+            LayerKind::Full => {
+                // q_proj interleaves per head: head j's query rows, then its gate rows.
+                let q_rows: Vec<Range<usize>> =
+                    (0..cfg.num_heads).map(|j| 2 * j * hd..(2 * j + 1) * hd).collect();
+                let g_rows: Vec<Range<usize>> =
+                    (0..cfg.num_heads).map(|j| (2 * j + 1) * hd..(2 * j + 2) * hd).collect();
+                let q = read(&p("self_attn.q_proj.weight"), &[2 * q_out, hidden])?;
+                let m = Mixer::Attention {
+                    q_proj: up(select(q.clone(), &q_rows, None)?)?,
+                    gate: up(select(q, &g_rows, None)?)?,
+                    k_proj: load(&p("self_attn.k_proj.weight"), &[kv_out, hidden])?,
+                    v_proj: load(&p("self_attn.v_proj.weight"), &[kv_out, hidden])?,
+                    q_norm: shifted(&p("self_attn.q_norm.weight"), hd)?,
+                    k_norm: shifted(&p("self_attn.k_norm.weight"), hd)?,
+                    o_proj: load(&p("self_attn.o_proj.weight"), &[hidden, q_out])?,
+                    kv,
+                };
+                kv += 1;
+                m
+            }
+            LayerKind::Linear => {
+                let channels = d.conv_channels();
+                let conv = read(&p("linear_attn.conv1d.weight"), &[channels, 1, d.conv_kernel])?;
+                let conv = HostTensor { shape: vec![channels, d.conv_kernel], ..conv };
+                let m = Mixer::Delta {
+                    in_proj_qkv: load(&p("linear_attn.in_proj_qkv.weight"), &[channels, hidden])?,
+                    in_proj_z: load(&p("linear_attn.in_proj_z.weight"), &[d.value_width(), hidden])?,
+                    in_proj_b: load(&p("linear_attn.in_proj_b.weight"), &[d.v_heads, hidden])?,
+                    in_proj_a: load(&p("linear_attn.in_proj_a.weight"), &[d.v_heads, hidden])?,
+                    conv: up(conv)?,
+                    a_log: load(&p("linear_attn.A_log"), &[d.v_heads])?,
+                    dt_bias: load(&p("linear_attn.dt_bias"), &[d.v_heads])?,
+                    norm: load(&p("linear_attn.norm.weight"), &[d.v_dim])?,
+                    out_proj: load(&p("linear_attn.out_proj.weight"), &[hidden, d.value_width()])?,
+                    state,
+                };
+                state += 1;
+                m
+            }
+        };
+        layers.push(Layer {
+            input_layernorm: shifted(&p("input_layernorm.weight"), hidden)?,
+            mixer,
+            post_attention_layernorm: shifted(&p("post_attention_layernorm.weight"), hidden)?,
+            gate_proj: load(&p("mlp.gate_proj.weight"), &[ffn, hidden])?,
+            up_proj: load(&p("mlp.up_proj.weight"), &[ffn, hidden])?,
+            down_proj: load(&p("mlp.down_proj.weight"), &[hidden, ffn])?,
+        });
+        progress(1);
+    }
+    let norm = shifted("model.norm.weight", hidden)?;
+    let head = if ckpt.has_tensor("lm_head.weight") {
+        Head::Own(load("lm_head.weight", &[cfg.vocab_size, hidden])?)
+    } else {
+        Head::Tied
+    };
+    progress(1);
+    Ok(Parts { embed_tokens, layers, norm, head })
+}
+
+/// Bytes of recurrent state one sequence holds across every linear layer
+/// (f32: the convolution's window and the delta rule's matrices).
+pub fn state_bytes_per_seq(h: &HybridConfig) -> Bytes {
+    let per_layer = h.delta.conv_state_elems() + h.delta.recurrent_state_elems();
+    Bytes((4 * per_layer * h.count(LayerKind::Linear)) as u64)
+}
+
+/// The hybrid's prices for the layout cost model: weight bytes, workspace
+/// bytes (the state slots included) and KV bytes per token, for the whole
+/// model (the only slice it runs as).
+pub mod cost {
+    use super::*;
+
+    /// Weight bytes of the whole model (norms, gates' vectors and the
+    /// convolution priced as f32).
+    pub fn weights(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig) -> Bytes {
+        let w = |elems: usize| crate::layout::elems_bytes(m.weight_dtype, elems);
+        let f32s = |elems: usize| (elems * 4) as u64;
+        let (hid, hd, d) = (cfg.hidden_size, cfg.head_dim, h.delta);
+        let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        let full = w(2 * q * hid) + 2 * w(kv * hid) + w(hid * q) + f32s(2 * hd);
+        let linear = w(d.conv_channels() * hid)
+            + w(d.value_width() * hid)
+            + 2 * w(d.v_heads * hid)
+            + f32s(d.conv_channels() * d.conv_kernel + 2 * d.v_heads + d.v_dim)
+            + w(hid * d.value_width());
+        let per_layer = |kind: &LayerKind| {
+            f32s(2 * hid)
+                + 3 * w(cfg.intermediate_size * hid)
+                + match kind {
+                    LayerKind::Full => full,
+                    LayerKind::Linear => linear,
+                }
+        };
+        let layers: u64 = h.layer_types.iter().map(per_layer).sum();
+        let head = if cfg.tie_word_embeddings { 0 } else { w(cfg.vocab_size * hid) };
+        Bytes(layers + w(cfg.vocab_size * hid) + f32s(hid) + head)
+    }
+
+    /// Workspace bytes: the activations of the largest step and one state
+    /// slot per logit row.
+    pub fn workspace(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig) -> Bytes {
+        let (q, kv, d) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, h.delta);
+        let per_row = 3 * cfg.hidden_size
+            + 3 * q
+            + 2 * kv
+            + 3 * cfg.intermediate_size
+            + d.conv_channels()
+            + 2 * d.value_width()
+            + 2 * d.v_heads;
+        let per_logit_row = 2 * cfg.hidden_size + 2 * cfg.vocab_size;
+        let acts = Bytes(4 * (m.max_rows * per_row + m.max_logit_rows * per_logit_row) as u64);
+        acts + Bytes(state_bytes_per_seq(h).get() * m.max_logit_rows as u64)
+    }
+
+    /// KV bytes one token takes: K and V of the full-attention layers.
+    pub fn kv_per_token(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig) -> Bytes {
+        Bytes(
+            2 * h.count(LayerKind::Full) as u64 * (cfg.num_kv_heads * cfg.head_dim) as u64 * m.kv_elem_bytes,
+        )
+    }
+}
