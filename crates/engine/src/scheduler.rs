@@ -348,6 +348,7 @@ impl Scheduler {
                     break;
                 };
                 s.slot = Some(slot);
+                s.cached_tokens.get_or_insert(0);
             } else if s.pages.is_empty() {
                 // Reuse cached full pages of the prefix, but always leave the last
                 // token to compute: its logits give the first new token.
