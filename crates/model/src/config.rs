@@ -130,6 +130,11 @@ impl ModelConfig {
     pub fn is_sparse_layer(&self, layer: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
     }
+
+    /// Layers that hold KV: every layer, or a hybrid's full-attention ones.
+    pub fn kv_layers(&self) -> usize {
+        self.hybrid.as_ref().map_or(self.num_layers, |h| h.count(LayerKind::Full))
+    }
 }
 
 impl ModelConfig {

@@ -640,26 +640,30 @@ pub mod cost {
         Bytes(layers + w(cfg.vocab_size * hid) + f32s(hid) + head)
     }
 
-    /// Workspace bytes: the activations of the largest step and one state
-    /// slot per logit row.
+    /// Workspace bytes (see [`super::workspace_bytes`]).
     pub fn workspace(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig) -> Bytes {
-        let (q, kv, d) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, h.delta);
-        let per_row = 3 * cfg.hidden_size
-            + 3 * q
-            + 2 * kv
-            + 3 * cfg.intermediate_size
-            + d.conv_channels()
-            + 2 * d.value_width()
-            + 2 * d.v_heads;
-        let per_logit_row = 2 * cfg.hidden_size + 2 * cfg.vocab_size;
-        let acts = Bytes(4 * (m.max_rows * per_row + m.max_logit_rows * per_logit_row) as u64);
-        acts + Bytes(state_bytes_per_seq(h).get() * m.max_logit_rows as u64)
+        workspace_bytes(cfg, h, m.max_rows, m.max_logit_rows)
     }
 
     /// KV bytes one token takes: K and V of the full-attention layers.
     pub fn kv_per_token(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig) -> Bytes {
-        Bytes(
-            2 * h.count(LayerKind::Full) as u64 * (cfg.num_kv_heads * cfg.head_dim) as u64 * m.kv_elem_bytes,
-        )
+        Bytes(cfg.kv_layers() as u64 * 2 * (cfg.num_kv_heads * cfg.head_dim) as u64 * m.kv_elem_bytes)
     }
+}
+
+/// Workspace bytes for steps of `max_rows` rows and `max_logit_rows` logit
+/// rows: the activations of the largest step, and the recurrent state of one
+/// slot per logit row (allocated with the workspace, once).
+pub fn workspace_bytes(cfg: &ModelConfig, h: &HybridConfig, max_rows: usize, max_logit_rows: usize) -> Bytes {
+    let (q, kv, d) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, h.delta);
+    let per_row = 3 * cfg.hidden_size
+        + 3 * q
+        + 2 * kv
+        + 3 * cfg.intermediate_size
+        + d.conv_channels()
+        + 2 * d.value_width()
+        + 2 * d.v_heads;
+    let per_logit_row = 2 * cfg.hidden_size + cfg.vocab_size;
+    let acts = Bytes(4 * (max_rows * per_row + max_logit_rows * per_logit_row) as u64);
+    acts + Bytes(state_bytes_per_seq(h).get() * max_logit_rows as u64)
 }

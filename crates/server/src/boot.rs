@@ -245,6 +245,9 @@ fn open_cuda_cards(_selection: &CudaSelection) -> Result<Cards, BootError> {
 /// Bytes of the activation workspace the CPU backend allocates for steps of
 /// `rows` token rows and `logit_rows` sampled rows (see `llama::Workspace`).
 fn workspace_bytes(c: &ModelConfig, rows: usize, logit_rows: usize) -> Bytes {
+    if let Some(h) = &c.hybrid {
+        return corridor_model::qwen3_5::workspace_bytes(c, h, rows, logit_rows);
+    }
     let q = c.num_heads * c.head_dim;
     let kv = c.num_kv_heads * c.head_dim;
     let per_row = 3 * c.hidden_size + 2 * q + 2 * kv + 3 * c.intermediate_size;
@@ -530,7 +533,7 @@ fn boot_host(
     // layer, on every rank that holds a share of it.
     let kv_token_bytes: usize = match &layout {
         Some(l) => l.ranks.iter().map(|r| 2 * r.layers.len() * r.kv_heads.len() * cfg.head_dim * 4).sum(),
-        None => 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
+        None => 2 * cfg.kv_layers() * cfg.num_kv_heads * cfg.head_dim * 4,
     };
     let page_bytes = Bytes((kv_token_bytes * opts.page_size) as u64);
     // The host's KV buffer spans the arena's whole id space and is made
@@ -600,7 +603,7 @@ fn boot_cuda(
     (env.mark)(BootPhase::WorkspaceReady);
     // KV in bf16; one page holds `page_size` tokens of every layer.
     let page_bytes =
-        Bytes((2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * opts.page_size) as u64);
+        Bytes((2 * cfg.kv_layers() * cfg.num_kv_heads * cfg.head_dim * 2 * opts.page_size) as u64);
     let arena = new_arena(env, &[(dev.clone(), page_bytes)], None)?;
     let kv = model.kv_cache_in(&backend, opts.page_size, &arena)?;
     let mut exec = SingleRank::from_parts(backend, model, ws, kv);
