@@ -511,8 +511,8 @@ impl CostModel {
 
     /// KV bytes one token takes on this rank (K and V, every local layer).
     pub fn kv_per_token(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
-        if let Some(h) = &cfg.hybrid {
-            return crate::qwen3_5::cost::kv_per_token(self, cfg, h);
+        if cfg.hybrid.is_some() {
+            return crate::qwen3_5::cost::kv_per_token(self, cfg);
         }
         Bytes(2 * s.layers.len() as u64 * s.kv_heads.len() as u64 * cfg.head_dim as u64 * self.kv_elem_bytes)
     }

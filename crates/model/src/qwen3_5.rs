@@ -646,7 +646,7 @@ pub mod cost {
     }
 
     /// KV bytes one token takes: K and V of the full-attention layers.
-    pub fn kv_per_token(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig) -> Bytes {
+    pub fn kv_per_token(m: &CostModel, cfg: &ModelConfig) -> Bytes {
         Bytes(cfg.kv_layers() as u64 * 2 * (cfg.num_kv_heads * cfg.head_dim) as u64 * m.kv_elem_bytes)
     }
 }
@@ -666,4 +666,57 @@ pub fn workspace_bytes(cfg: &ModelConfig, h: &HybridConfig, max_rows: usize, max
     let per_logit_row = 2 * cfg.hidden_size + cfg.vocab_size;
     let acts = Bytes(4 * (max_rows * per_row + max_logit_rows * per_logit_row) as u64);
     acts + Bytes(state_bytes_per_seq(h).get() * max_logit_rows as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use corridor_units::Tokens;
+
+    fn fixture() -> Checkpoint {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/qwen3_5");
+        Checkpoint::open(&dir).unwrap()
+    }
+
+    fn cost() -> CostModel {
+        CostModel {
+            weight_dtype: DType::F32,
+            kv_elem_bytes: 4,
+            page_size: Tokens(16),
+            max_rows: 8,
+            max_logit_rows: 4,
+            chunk_target: crate::layout::DEFAULT_CHUNK_TARGET,
+        }
+    }
+
+    /// The cost model prices every tensor of the (f32) checkpoint: what it
+    /// says is the file less its header.
+    #[test]
+    fn weight_price_is_the_checkpoint_less_its_header() {
+        let ckpt = fixture();
+        let cfg = ckpt.config();
+        let priced = cost().weights(cfg, &RankSlice::full(cfg)).get();
+        let file = ckpt.file_bytes();
+        assert!(priced <= file && file - priced < 16 * 1024, "priced {priced} of a {file}-byte file");
+    }
+
+    /// KV is held by the full-attention layers only; the state by the linear
+    /// ones, per sequence, whatever its length.
+    #[test]
+    fn kv_and_state_are_priced_by_their_layers() {
+        let ckpt = fixture();
+        let cfg = ckpt.config();
+        let h = cfg.hybrid.as_ref().unwrap();
+        assert_eq!((h.count(LayerKind::Full), h.count(LayerKind::Linear)), (1, 3));
+        let kv = cost().kv_per_token(cfg, &RankSlice::full(cfg)).get();
+        assert_eq!(kv, (2 * cfg.num_kv_heads * cfg.head_dim * 4) as u64);
+        let d = h.delta;
+        let per_layer = 4 * (3 * d.conv_channels() + d.v_heads * d.k_dim * d.v_dim) as u64;
+        assert_eq!(state_bytes_per_seq(h).get(), 3 * per_layer);
+        let backend = corridor_backend::cpu::CpuBackend::new();
+        let model = Model::load(&backend, &ckpt, |_| {}).unwrap();
+        assert_eq!(model.kv_bytes_per_token(4) as u64, kv);
+        let ws = workspace_bytes(cfg, h, 8, 4).get();
+        assert!(ws > 4 * 3 * per_layer, "the workspace price holds four slots");
+    }
 }
