@@ -160,7 +160,7 @@ impl ModelConfig {
         generation: Option<&str>,
         file: &Path,
     ) -> Result<ModelConfig, LoadError> {
-        let json = parse_object(config, file)?;
+        let json = text_model_config(parse_object(config, file)?, file)?;
         let j = Json { obj: &json, file };
         let arch = hf_arch(&j)?;
         let hidden_size = j.req_usize("hidden_size")?;
@@ -432,6 +432,37 @@ fn parse_object(text: &str, file: &Path) -> Result<serde_json::Map<String, Value
         Ok(_) => Err(LoadError::config(file, "expected a JSON object")),
         Err(e) => Err(LoadError::config(file, format!("invalid JSON: {e}"))),
     }
+}
+
+/// Multimodal wrappers whose language model corridor runs: the released
+/// Qwen3.5 checkpoints are `Qwen3_5ForConditionalGeneration`, a vision tower
+/// beside a `qwen3_5_text` model whose config is `text_config` and whose
+/// tensors are `model.language_model.*`.
+const TEXT_WRAPPERS: [&str; 1] = ["Qwen3_5ForConditionalGeneration"];
+
+/// The config of the text model: a wrapper's `text_config`, with any key of
+/// the wrapper it lacks (such as `tie_word_embeddings`), or the config as it is.
+fn text_model_config(
+    mut json: serde_json::Map<String, Value>,
+    file: &Path,
+) -> Result<serde_json::Map<String, Value>, LoadError> {
+    let first =
+        json.get("architectures").and_then(Value::as_array).and_then(|a| a.first()).and_then(Value::as_str);
+    let wrapped = first.is_some_and(|a| TEXT_WRAPPERS.contains(&a))
+        || (first.is_none() && json.get("model_type").and_then(Value::as_str) == Some("qwen3_5"));
+    if !wrapped {
+        return Ok(json);
+    }
+    let Some(Value::Object(mut text)) = json.remove("text_config") else {
+        return Err(LoadError::config(file, "a multimodal config without a `text_config` object"));
+    };
+    for (key, value) in json {
+        if !matches!(key.as_str(), "architectures" | "model_type" | "vision_config") {
+            text.entry(key).or_insert(value);
+        }
+    }
+    text.entry("model_type".to_string()).or_insert(Value::String("qwen3_5_text".into()));
+    Ok(text)
 }
 
 /// The architecture, from `architectures[0]` or else `model_type`.

@@ -534,12 +534,18 @@ fn place<W>(
         let values: Vec<f32> = f32_values(&t)?.iter().map(|w| 1.0 + w).collect();
         up(f32_tensor(name, vec![n], &values))
     };
-    let embed_tokens = load("model.embed_tokens.weight", &[cfg.vocab_size, hidden])?;
+    // The language model of a multimodal checkpoint is `model.language_model.*`.
+    let root = if ckpt.has_tensor("model.language_model.embed_tokens.weight") {
+        "model.language_model"
+    } else {
+        "model"
+    };
+    let embed_tokens = load(&format!("{root}.embed_tokens.weight"), &[cfg.vocab_size, hidden])?;
     progress(1);
     let (mut kv, mut state) = (0, 0);
     let mut layers = Vec::with_capacity(cfg.num_layers);
     for (i, kind) in h.layer_types.iter().enumerate() {
-        let p = |s: &str| format!("model.layers.{i}.{s}");
+        let p = |s: &str| format!("{root}.layers.{i}.{s}");
         let mixer = match kind {
             LayerKind::Full => {
                 // q_proj interleaves per head: head j's query rows, then its gate rows.
@@ -591,7 +597,7 @@ fn place<W>(
         });
         progress(1);
     }
-    let norm = shifted("model.norm.weight", hidden)?;
+    let norm = shifted(&format!("{root}.norm.weight"), hidden)?;
     let head = if ckpt.has_tensor("lm_head.weight") {
         Head::Own(load("lm_head.weight", &[cfg.vocab_size, hidden])?)
     } else {
