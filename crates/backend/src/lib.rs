@@ -85,6 +85,22 @@ pub struct DeltaGeometry {
     pub v_dim: usize,
     /// Taps of the depthwise causal convolution over q, k and v.
     pub conv_kernel: usize,
+    /// How the value heads are ordered against the key heads they read.
+    pub v_order: VHeadOrder,
+}
+
+/// The order of a gated delta-net's value heads, which decides the key head
+/// each reads. Every tensor indexed by value head (v's rows and channels, z,
+/// a, b, the decay and bias vectors, the output projection's columns) follows
+/// the same order, so only this mapping depends on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VHeadOrder {
+    /// Hugging Face: the value heads of key head 0, then of key head 1, ...
+    /// (value head `h` reads key head `h / (v_heads / k_heads)`).
+    Grouped,
+    /// llama.cpp's GGUF files: one value head of every key head, then the
+    /// next of each (value head `h` reads key head `h % k_heads`).
+    Tiled,
 }
 
 impl DeltaGeometry {
@@ -104,6 +120,13 @@ impl DeltaGeometry {
     pub fn conv_state_elems(&self) -> usize {
         self.conv_kernel.saturating_sub(1) * self.conv_channels()
     }
+    /// The key head value head `h` reads.
+    pub fn key_head_of(&self, h: usize) -> usize {
+        match self.v_order {
+            VHeadOrder::Grouped => h / (self.v_heads / self.k_heads).max(1),
+            VHeadOrder::Tiled => h % self.k_heads.max(1),
+        }
+    }
     /// f32 elements of one sequence's recurrent state.
     pub fn recurrent_state_elems(&self) -> usize {
         self.v_heads * self.k_dim * self.v_dim
@@ -118,8 +141,8 @@ pub struct DeltaRule<'a, B: Backend + ?Sized> {
     pub a: &'a B::Act,
     /// `[rows, v_heads]`: the write strength's input (`in_proj_b`).
     pub b: &'a B::Act,
-    /// `[v_heads]`: log of the decay rate per head.
-    pub a_log: &'a B::Weight,
+    /// `[v_heads]`: each head's decay rate (`exp(A_log)`, positive).
+    pub decay: &'a B::Weight,
     /// `[v_heads]`: the bias added to `a` before the softplus.
     pub dt_bias: &'a B::Weight,
     pub geometry: DeltaGeometry,
@@ -461,7 +484,7 @@ pub trait Backend: Send + Sync + 'static {
     /// the state after its last row in the slot. Per value head, with q and
     /// k L2-normalized and q scaled by `1/sqrt(k_dim)`:
     /// `S = exp(g) S; S += k (beta (v - Sᵀk))ᵀ; out = Sᵀq`, where
-    /// `g = -exp(a_log) softplus(a + dt_bias)` and `beta = sigmoid(b)`.
+    /// `g = -decay softplus(a + dt_bias)` and `beta = sigmoid(b)`.
     fn gated_delta_rule(&self, _p: DeltaRule<'_, Self>) -> Result<()> {
         Err(unsupported(self, "gated_delta_rule"))
     }

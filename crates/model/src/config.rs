@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use corridor_backend::{DType, DeltaGeometry, RopeStyle};
+use corridor_backend::{DType, DeltaGeometry, RopeStyle, VHeadOrder};
 use serde_json::Value;
 
 use crate::error::LoadError;
@@ -260,6 +260,7 @@ impl ModelConfig {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "qwen3moe" => Arch::Qwen3Moe,
+            "qwen35" => Arch::Qwen35,
             other => {
                 return Err(LoadError::UnknownArchitecture {
                     file: file.to_path_buf(),
@@ -302,6 +303,7 @@ impl ModelConfig {
         let rope_scaling = gguf_rope_scaling(&m, GgufRope { theta: rope_theta, head_dim })?;
         let num_layers = m.req_usize("block_count")?;
         let moe = if arch == Arch::Qwen3Moe { Some(gguf_moe(&m, num_layers)?) } else { None };
+        let hybrid = if arch == Arch::Qwen35 { Some(gguf_hybrid(&m, num_layers, head_dim)?) } else { None };
         let config = ModelConfig {
             arch,
             vocab_size,
@@ -320,12 +322,12 @@ impl ModelConfig {
             max_position_embeddings: m.req_usize("context_length")?,
             tie_word_embeddings: !gguf.has_tensor("output.weight"),
             attention_bias: arch == Arch::Qwen2 || gguf.has_tensor("blk.0.attn_q.bias"),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe)
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen35)
                 || gguf.has_tensor("blk.0.attn_q_norm.weight"),
             bos_token_id: gguf_token_id(gguf, "tokenizer.ggml.bos_token_id")?,
             eos_token_ids,
             moe,
-            hybrid: None,
+            hybrid,
         };
         config.validate(file)?;
         Ok(config)
@@ -573,6 +575,7 @@ fn hf_hybrid(
             k_dim: j.opt_usize("linear_key_head_dim")?.unwrap_or(128),
             v_dim: j.opt_usize("linear_value_head_dim")?.unwrap_or(128),
             conv_kernel: j.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+            v_order: VHeadOrder::Grouped,
         },
         // transformers truncates: int(head_dim * factor).
         rotary_dim: (head_dim as f64 * factor) as usize,
@@ -735,6 +738,41 @@ fn gguf_moe(m: &Meta<'_>, num_layers: usize) -> Result<MoeConfig, LoadError> {
         sparse_layers: (0..num_layers)
             .map(|i| m.gguf.has_tensor(&format!("blk.{i}.ffn_gate_inp.weight")))
             .collect(),
+    })
+}
+
+/// The linear-attention side of a `qwen35` GGUF, in llama.cpp's keys: the
+/// key heads are `ssm.group_count` of `ssm.state_size`, the value heads
+/// `ssm.time_step_rank` sharing `ssm.inner_size`; every
+/// `full_attention_interval`-th layer is full attention; RoPE turns
+/// `rope.dimension_count` dimensions of a head. llama.cpp's converter stores
+/// the value heads tiled (see [`VHeadOrder`]).
+fn gguf_hybrid(m: &Meta<'_>, num_layers: usize, head_dim: usize) -> Result<HybridConfig, LoadError> {
+    let v_heads = m.req_usize("ssm.time_step_rank")?;
+    let inner = m.req_usize("ssm.inner_size")?;
+    if v_heads == 0 || !inner.is_multiple_of(v_heads) {
+        return Err(LoadError::config(
+            m.gguf.path(),
+            format!("ssm.inner_size {inner} is not whole heads of ssm.time_step_rank {v_heads}"),
+        ));
+    }
+    let every = m.opt_usize("full_attention_interval")?.unwrap_or(4);
+    if every == 0 {
+        return Err(LoadError::config(m.gguf.path(), "full_attention_interval is 0"));
+    }
+    Ok(HybridConfig {
+        layer_types: (0..num_layers)
+            .map(|i| if (i + 1) % every == 0 { LayerKind::Full } else { LayerKind::Linear })
+            .collect(),
+        delta: DeltaGeometry {
+            k_heads: m.req_usize("ssm.group_count")?,
+            v_heads,
+            k_dim: m.req_usize("ssm.state_size")?,
+            v_dim: inner / v_heads,
+            conv_kernel: m.req_usize("ssm.conv_kernel")?,
+            v_order: VHeadOrder::Tiled,
+        },
+        rotary_dim: m.opt_usize("rope.dimension_count")?.unwrap_or(head_dim / 4),
     })
 }
 

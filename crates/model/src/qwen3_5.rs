@@ -72,7 +72,7 @@ enum Mixer<W> {
         in_proj_b: W,   // [v_heads, hidden]
         in_proj_a: W,   // [v_heads, hidden]
         conv: W,        // [conv_channels, conv_kernel]
-        a_log: W,       // [v_heads]
+        decay: W,       // [v_heads]: exp(A_log)
         dt_bias: W,     // [v_heads]
         norm: W,        // [v_dim]
         out_proj: W,    // [hidden, value_width]
@@ -404,7 +404,7 @@ impl<B: Backend> Model<B> {
                     in_proj_b,
                     in_proj_a,
                     conv,
-                    a_log,
+                    decay,
                     dt_bias,
                     norm,
                     out_proj,
@@ -425,7 +425,7 @@ impl<B: Backend> Model<B> {
                         qkv: &sc.qkv,
                         a: &sc.a,
                         b: &sc.b,
-                        a_log,
+                        decay,
                         dt_bias,
                         geometry: d,
                         state: &mut sc.recurrent[*state],
@@ -510,8 +510,105 @@ fn f32_tensor(name: &str, shape: Vec<usize>, values: &[f32]) -> HostTensor {
     }
 }
 
+/// Where a checkpoint keeps the model's tensors, and in which conventions.
+enum Source<'a> {
+    /// Hugging Face names under `root` (`model`, or `model.language_model`
+    /// in a multimodal checkpoint), norms stored centred on zero, `A_log`.
+    Hf { root: &'static str },
+    /// llama.cpp's `qwen35` names: norms stored as `1 + weight` already, the
+    /// decay as `ssm_a = -exp(A_log)`, the convolution squeezed to
+    /// `[channels, taps]`, value heads tiled (the config says so).
+    Gguf(&'a crate::gguf::GgufFile),
+}
+
+impl Source<'_> {
+    fn of(ckpt: &Checkpoint) -> Source<'_> {
+        match ckpt.gguf() {
+            Some(g) => Source::Gguf(g),
+            // The language model of a multimodal checkpoint is `model.language_model.*`.
+            None if ckpt.has_tensor("model.language_model.embed_tokens.weight") => {
+                Source::Hf { root: "model.language_model" }
+            }
+            None => Source::Hf { root: "model" },
+        }
+    }
+
+    /// The Hugging Face name of a tensor: of layer `layer`, or of the model.
+    fn hf_name(&self, layer: Option<usize>, part: &str) -> String {
+        let root = match self {
+            Source::Hf { root } => root,
+            Source::Gguf(_) => "model",
+        };
+        match layer {
+            Some(i) => format!("{root}.layers.{i}.{part}"),
+            None if part == "lm_head.weight" => part.to_string(),
+            None => format!("{root}.{part}"),
+        }
+    }
+
+    /// The tensor, named by its Hugging Face name whatever the file calls it.
+    fn read(&self, ckpt: &Checkpoint, layer: Option<usize>, part: &str) -> Result<HostTensor, ModelError> {
+        let label = self.hf_name(layer, part);
+        match self {
+            Source::Hf { .. } => Ok(ckpt.tensor(&label)?),
+            Source::Gguf(g) => {
+                let name = gguf_name(layer, part).ok_or_else(|| {
+                    ModelError::Load(LoadError::MissingTensor {
+                        file: g.path().to_path_buf(),
+                        tensor: format!("{label} (no qwen35 GGUF name)"),
+                    })
+                })?;
+                Ok(g.tensor_as(&name, &label)?)
+            }
+        }
+    }
+
+    fn has(&self, ckpt: &Checkpoint, layer: Option<usize>, part: &str) -> bool {
+        match self {
+            Source::Hf { .. } => ckpt.has_tensor(&self.hf_name(layer, part)),
+            Source::Gguf(g) => gguf_name(layer, part).is_some_and(|n| g.has_tensor(&n)),
+        }
+    }
+}
+
+/// llama.cpp's `qwen35` name of a tensor given by its Hugging Face part name.
+fn gguf_name(layer: Option<usize>, part: &str) -> Option<String> {
+    let Some(i) = layer else {
+        return match part {
+            "embed_tokens.weight" => Some("token_embd.weight".into()),
+            "norm.weight" => Some("output_norm.weight".into()),
+            "lm_head.weight" => Some("output.weight".into()),
+            _ => None,
+        };
+    };
+    let name = match part {
+        "input_layernorm.weight" => "attn_norm.weight",
+        "post_attention_layernorm.weight" => "post_attention_norm.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" => "attn_k_norm.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        "linear_attn.in_proj_qkv.weight" => "attn_qkv.weight",
+        "linear_attn.in_proj_z.weight" => "attn_gate.weight",
+        "linear_attn.in_proj_b.weight" => "ssm_beta.weight",
+        "linear_attn.in_proj_a.weight" => "ssm_alpha.weight",
+        "linear_attn.conv1d.weight" => "ssm_conv1d.weight",
+        "linear_attn.A_log" => "ssm_a",
+        "linear_attn.dt_bias" => "ssm_dt.bias",
+        "linear_attn.norm.weight" => "ssm_norm.weight",
+        "linear_attn.out_proj.weight" => "ssm_out.weight",
+        _ => return None,
+    };
+    Some(format!("blk.{i}.{name}"))
+}
+
 /// Read every tensor of `ckpt`, checking shapes, and hand each (reshaped or
-/// shifted where the kernels want it so) to `up`.
+/// converted where the kernels want it so) to `up`.
 fn place<W>(
     ckpt: &Checkpoint,
     up: &dyn Fn(HostTensor) -> Result<W, ModelError>,
@@ -522,30 +619,36 @@ fn place<W>(
     let d = h.delta;
     let (hidden, hd, ffn) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
     let (q_out, kv_out) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
-    let read = |name: &str, shape: &[usize]| -> Result<HostTensor, ModelError> {
-        let t = ckpt.tensor(name)?;
+    let src = Source::of(ckpt);
+    let gguf = matches!(src, Source::Gguf(_));
+    let read = |layer: Option<usize>, part: &str, shape: &[usize]| -> Result<HostTensor, ModelError> {
+        let t = src.read(ckpt, layer, part)?;
         check_shape(ckpt, &t, shape)?;
         Ok(t)
     };
-    let load = |name: &str, shape: &[usize]| up(read(name, shape)?);
-    // A zero-centred norm: the kernels scale by the weight, so hand them 1 + w.
-    let shifted = |name: &str, n: usize| -> Result<W, ModelError> {
-        let t = read(name, &[n])?;
-        let values: Vec<f32> = f32_values(&t)?.iter().map(|w| 1.0 + w).collect();
-        up(f32_tensor(name, vec![n], &values))
+    let load = |layer: Option<usize>, part: &str, shape: &[usize]| up(read(layer, part, shape)?);
+    // A vector computed from the stored one, as f32.
+    let mapped =
+        |layer: Option<usize>, part: &str, n: usize, f: &dyn Fn(f32) -> f32| -> Result<W, ModelError> {
+            let t = read(layer, part, &[n])?;
+            let values: Vec<f32> = f32_values(&t)?.into_iter().map(f).collect();
+            up(f32_tensor(&t.name, vec![n], &values))
+        };
+    // A zero-centred norm: the kernels scale by the weight, so hand them
+    // 1 + w (a GGUF file stores it so already).
+    let norm = |layer: Option<usize>, part: &str, n: usize| -> Result<W, ModelError> {
+        if gguf {
+            load(layer, part, &[n])
+        } else {
+            mapped(layer, part, n, &|w| 1.0 + w)
+        }
     };
-    // The language model of a multimodal checkpoint is `model.language_model.*`.
-    let root = if ckpt.has_tensor("model.language_model.embed_tokens.weight") {
-        "model.language_model"
-    } else {
-        "model"
-    };
-    let embed_tokens = load(&format!("{root}.embed_tokens.weight"), &[cfg.vocab_size, hidden])?;
+    let embed_tokens = load(None, "embed_tokens.weight", &[cfg.vocab_size, hidden])?;
     progress(1);
     let (mut kv, mut state) = (0, 0);
     let mut layers = Vec::with_capacity(cfg.num_layers);
     for (i, kind) in h.layer_types.iter().enumerate() {
-        let p = |s: &str| format!("{root}.layers.{i}.{s}");
+        let l = Some(i);
         let mixer = match kind {
             LayerKind::Full => {
                 // q_proj interleaves per head: head j's query rows, then its gate rows.
@@ -553,15 +656,15 @@ fn place<W>(
                     (0..cfg.num_heads).map(|j| 2 * j * hd..(2 * j + 1) * hd).collect();
                 let g_rows: Vec<Range<usize>> =
                     (0..cfg.num_heads).map(|j| (2 * j + 1) * hd..(2 * j + 2) * hd).collect();
-                let q = read(&p("self_attn.q_proj.weight"), &[2 * q_out, hidden])?;
+                let q = read(l, "self_attn.q_proj.weight", &[2 * q_out, hidden])?;
                 let m = Mixer::Attention {
                     q_proj: up(select(q.clone(), &q_rows, None)?)?,
                     gate: up(select(q, &g_rows, None)?)?,
-                    k_proj: load(&p("self_attn.k_proj.weight"), &[kv_out, hidden])?,
-                    v_proj: load(&p("self_attn.v_proj.weight"), &[kv_out, hidden])?,
-                    q_norm: shifted(&p("self_attn.q_norm.weight"), hd)?,
-                    k_norm: shifted(&p("self_attn.k_norm.weight"), hd)?,
-                    o_proj: load(&p("self_attn.o_proj.weight"), &[hidden, q_out])?,
+                    k_proj: load(l, "self_attn.k_proj.weight", &[kv_out, hidden])?,
+                    v_proj: load(l, "self_attn.v_proj.weight", &[kv_out, hidden])?,
+                    q_norm: norm(l, "self_attn.q_norm.weight", hd)?,
+                    k_norm: norm(l, "self_attn.k_norm.weight", hd)?,
+                    o_proj: load(l, "self_attn.o_proj.weight", &[hidden, q_out])?,
                     kv,
                 };
                 kv += 1;
@@ -569,18 +672,32 @@ fn place<W>(
             }
             LayerKind::Linear => {
                 let channels = d.conv_channels();
-                let conv = read(&p("linear_attn.conv1d.weight"), &[channels, 1, d.conv_kernel])?;
+                let conv = src.read(ckpt, l, "linear_attn.conv1d.weight")?;
+                // [channels, 1, taps] as trained, [channels, taps] once squeezed.
+                let want: &[usize] = if conv.shape.len() == 3 {
+                    &[channels, 1, d.conv_kernel]
+                } else {
+                    &[channels, d.conv_kernel]
+                };
+                check_shape(ckpt, &conv, want)?;
                 let conv = HostTensor { shape: vec![channels, d.conv_kernel], ..conv };
+                // The kernels take the decay rate exp(A_log); a GGUF file
+                // stores its negation.
+                let decay = if gguf {
+                    mapped(l, "linear_attn.A_log", d.v_heads, &|a| -a)?
+                } else {
+                    mapped(l, "linear_attn.A_log", d.v_heads, &f32::exp)?
+                };
                 let m = Mixer::Delta {
-                    in_proj_qkv: load(&p("linear_attn.in_proj_qkv.weight"), &[channels, hidden])?,
-                    in_proj_z: load(&p("linear_attn.in_proj_z.weight"), &[d.value_width(), hidden])?,
-                    in_proj_b: load(&p("linear_attn.in_proj_b.weight"), &[d.v_heads, hidden])?,
-                    in_proj_a: load(&p("linear_attn.in_proj_a.weight"), &[d.v_heads, hidden])?,
+                    in_proj_qkv: load(l, "linear_attn.in_proj_qkv.weight", &[channels, hidden])?,
+                    in_proj_z: load(l, "linear_attn.in_proj_z.weight", &[d.value_width(), hidden])?,
+                    in_proj_b: load(l, "linear_attn.in_proj_b.weight", &[d.v_heads, hidden])?,
+                    in_proj_a: load(l, "linear_attn.in_proj_a.weight", &[d.v_heads, hidden])?,
                     conv: up(conv)?,
-                    a_log: load(&p("linear_attn.A_log"), &[d.v_heads])?,
-                    dt_bias: load(&p("linear_attn.dt_bias"), &[d.v_heads])?,
-                    norm: load(&p("linear_attn.norm.weight"), &[d.v_dim])?,
-                    out_proj: load(&p("linear_attn.out_proj.weight"), &[hidden, d.value_width()])?,
+                    decay,
+                    dt_bias: load(l, "linear_attn.dt_bias", &[d.v_heads])?,
+                    norm: load(l, "linear_attn.norm.weight", &[d.v_dim])?,
+                    out_proj: load(l, "linear_attn.out_proj.weight", &[hidden, d.value_width()])?,
                     state,
                 };
                 state += 1;
@@ -588,23 +705,24 @@ fn place<W>(
             }
         };
         layers.push(Layer {
-            input_layernorm: shifted(&p("input_layernorm.weight"), hidden)?,
+            input_layernorm: norm(l, "input_layernorm.weight", hidden)?,
             mixer,
-            post_attention_layernorm: shifted(&p("post_attention_layernorm.weight"), hidden)?,
-            gate_proj: load(&p("mlp.gate_proj.weight"), &[ffn, hidden])?,
-            up_proj: load(&p("mlp.up_proj.weight"), &[ffn, hidden])?,
-            down_proj: load(&p("mlp.down_proj.weight"), &[hidden, ffn])?,
+            post_attention_layernorm: norm(l, "post_attention_layernorm.weight", hidden)?,
+            gate_proj: load(l, "mlp.gate_proj.weight", &[ffn, hidden])?,
+            up_proj: load(l, "mlp.up_proj.weight", &[ffn, hidden])?,
+            down_proj: load(l, "mlp.down_proj.weight", &[hidden, ffn])?,
         });
         progress(1);
     }
-    let norm = shifted(&format!("{root}.norm.weight"), hidden)?;
-    let head = if ckpt.has_tensor("lm_head.weight") {
-        Head::Own(load("lm_head.weight", &[cfg.vocab_size, hidden])?)
+    let norm_w = norm(None, "norm.weight", hidden)?;
+    // A present lm_head always wins, as in transformers' loading.
+    let head = if src.has(ckpt, None, "lm_head.weight") {
+        Head::Own(load(None, "lm_head.weight", &[cfg.vocab_size, hidden])?)
     } else {
         Head::Tied
     };
     progress(1);
-    Ok(Parts { embed_tokens, layers, norm, head })
+    Ok(Parts { embed_tokens, layers, norm: norm_w, head })
 }
 
 /// Bytes of recurrent state one sequence holds across every linear layer

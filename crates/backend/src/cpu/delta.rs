@@ -120,7 +120,7 @@ pub(super) struct Delta<'a> {
     pub qkv: &'a CpuAct,
     pub a: &'a CpuAct,
     pub b: &'a CpuAct,
-    pub a_log: &'a CpuWeight,
+    pub decay: &'a CpuWeight,
     pub dt_bias: &'a CpuWeight,
     pub g: DeltaGeometry,
     pub state: &'a mut CpuAct,
@@ -146,15 +146,14 @@ pub(super) fn gated_delta_rule(p: Delta<'_>) -> Result<()> {
         )));
     }
     check_slots("gated_delta_rule", p.seqs, p.slots, p.state, g.recurrent_state_elems())?;
-    let (a_log, dt_bias) = (p.a_log.vector(), p.dt_bias.vector());
-    if a_log.len() != vh || dt_bias.len() != vh {
+    let (decay, dt_bias) = (p.decay.vector(), p.dt_bias.vector());
+    if decay.len() != vh || dt_bias.len() != vh {
         return Err(BackendError::Other(format!(
-            "gated_delta_rule: {} A_log and {} dt_bias values for {vh} heads",
-            a_log.len(),
+            "gated_delta_rule: {} decay and {} dt_bias values for {vh} heads",
+            decay.len(),
             dt_bias.len()
         )));
     }
-    let group = vh / g.k_heads;
     let scale = 1.0 / (dk as f32).sqrt();
     let (qkv, a, b) = (p.qkv, p.a, p.b);
     let out_cols = p.out.cols;
@@ -165,7 +164,7 @@ pub(super) fn gated_delta_rule(p: Delta<'_>) -> Result<()> {
     work.par_iter().for_each(|&(si, h)| {
         let (optr, sptr) = (optr, sptr);
         let s = &seqs[si];
-        let kh = h / group;
+        let kh = g.key_head_of(h);
         // SAFETY: one task per (sequence, value head): it alone touches this
         // head's matrix in the sequence's slot and this head's output columns.
         let st = unsafe {
@@ -188,12 +187,12 @@ pub(super) fn gated_delta_rule(p: Delta<'_>) -> Result<()> {
             q.iter_mut().for_each(|x| *x *= qn * scale);
             k.iter_mut().for_each(|x| *x *= kn);
             let beta = sigmoid(b.row(r)[h]);
-            let decay = (-a_log[h].exp() * softplus(a.row(r)[h] + dt_bias[h])).exp();
+            let keep = (-decay[h] * softplus(a.row(r)[h] + dt_bias[h])).exp();
             // S is [dk, dv] row-major: decay it, read what it holds for k.
             mem.fill(0.0);
             for (i, srow) in st.chunks_mut(dv).enumerate() {
                 for (m, sv) in mem.iter_mut().zip(srow.iter_mut()) {
-                    *sv *= decay;
+                    *sv *= keep;
                     *m += *sv * k[i];
                 }
             }

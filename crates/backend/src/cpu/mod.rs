@@ -507,7 +507,7 @@ impl Backend for CpuBackend {
             qkv: p.qkv,
             a: p.a,
             b: p.b,
-            a_log: p.a_log,
+            decay: p.decay,
             dt_bias: p.dt_bias,
             g: p.geometry,
             state: p.state,
