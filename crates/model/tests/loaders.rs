@@ -1341,3 +1341,24 @@ fn hf_qwen3_5_config_reads_the_hybrid_layout() {
     let err = cfg(r#"{"architectures": ["Qwen3_5ForConditionalGeneration"]}"#).unwrap_err();
     assert!(err.to_string().contains("text_config"), "{err}");
 }
+
+/// llama.cpp's `qwen35` metadata: the delta-net's heads from the `ssm.*`
+/// keys, value heads tiled, layer types from the interval, the rotated share
+/// from `rope.dimension_count`; the same shapes as the Hugging Face config.
+#[test]
+fn gguf_qwen35_config_matches_its_hugging_face_twin() {
+    use corridor_backend::VHeadOrder;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+    let g = Checkpoint::open(&dir.join("qwen3_5-f16.gguf")).unwrap().config().clone();
+    let hf = Checkpoint::open(&dir.join("qwen3_5")).unwrap().config().clone();
+    assert_eq!(g.arch, Arch::Qwen35);
+    let (gh, hh) = (g.hybrid.clone().unwrap(), hf.hybrid.clone().unwrap());
+    assert_eq!(gh.delta.v_order, VHeadOrder::Tiled);
+    assert_eq!(hh.delta.v_order, VHeadOrder::Grouped);
+    assert_eq!(gh.delta, corridor_backend::DeltaGeometry { v_order: VHeadOrder::Tiled, ..hh.delta });
+    assert_eq!((gh.layer_types, gh.rotary_dim), (hh.layer_types, hh.rotary_dim));
+    assert_eq!(
+        (g.head_dim, g.num_heads, g.num_kv_heads, g.qk_norm, g.tie_word_embeddings, g.rope_style),
+        (hf.head_dim, hf.num_heads, hf.num_kv_heads, hf.qk_norm, hf.tie_word_embeddings, hf.rope_style)
+    );
+}

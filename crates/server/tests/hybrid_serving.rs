@@ -18,9 +18,12 @@ use serde_json::{json, Value};
 /// the first near tie or end of sequence, with the token count.
 fn reference() -> (String, usize, String, usize) {
     let dir = fixture("qwen3_5");
-    let tok = Tokenizer::from_hf_dir(&dir).unwrap();
-    let r: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    reference_of(&dir.join("reference.json"), &Tokenizer::from_hf_dir(&dir).unwrap())
+}
+
+/// As [`reference`], for the reference file at `path`.
+fn reference_of(path: &std::path::Path, tok: &Tokenizer) -> (String, usize, String, usize) {
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let ids = |v: &Value| -> Vec<u32> {
         v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
     };
@@ -79,6 +82,19 @@ fn the_tiny_hybrid_on_a_sim_card_serves_transformers_greedy_text() {
     opts.devices = Devices::Sim(vec![Bytes::mib(160)]);
     opts.floor_mib = Some("64".into());
     for (text, _) in complete(opts, &prompt, n, 2) {
+        assert_eq!(text, want);
+    }
+}
+
+/// llama.cpp's qwen35 GGUF (tokenizer from its metadata, value heads tiled)
+/// serves its own reference's greedy text.
+#[test]
+fn the_tiny_hybrid_gguf_serves_transformers_greedy_text() {
+    let path = fixture("qwen3_5-f16.gguf");
+    let tok = Tokenizer::from_gguf_path(&path).unwrap();
+    let (prompt, prompt_len, want, n) = reference_of(&fixture("qwen3_5-f16.reference.json"), &tok);
+    for (text, prompt_tokens) in complete(BootOptions::new(path), &prompt, n, 2) {
+        assert_eq!(prompt_tokens, prompt_len as u64);
         assert_eq!(text, want);
     }
 }
