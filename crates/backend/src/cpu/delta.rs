@@ -239,3 +239,153 @@ pub(super) fn gated_rms_norm(
     });
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::CpuBackend;
+    use crate::{ActShape, Backend, DeltaGeometry, DeltaRule, HostTensor, SeqStep, TensorBytes, VHeadOrder};
+    use corridor_units::{PageId, StateSlot};
+
+    const G: DeltaGeometry = DeltaGeometry {
+        k_heads: 2,
+        v_heads: 4,
+        k_dim: 3,
+        v_dim: 2,
+        conv_kernel: 3,
+        v_order: VHeadOrder::Grouped,
+    };
+
+    /// Deterministic values in [-1, 1).
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x % 2000) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn weight(b: &CpuBackend, rows: usize, cols: usize, v: &[f32]) -> super::CpuWeight {
+        let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let t = HostTensor {
+            name: "w".into(),
+            dtype: crate::DType::F32,
+            shape: vec![rows, cols],
+            data: TensorBytes::from_vec(bytes),
+        };
+        b.upload_weight(&t).unwrap()
+    }
+
+    fn act(b: &CpuBackend, rows: usize, cols: usize, v: &[f32]) -> super::CpuAct {
+        let mut a = b.alloc_act(ActShape { rows, cols }).unwrap();
+        a.live_mut(rows).copy_from_slice(&v[..rows * cols]);
+        a
+    }
+
+    /// The layer's state path (conv, then the delta rule) over `rows` rows of
+    /// one sequence starting at `cached`, from and into `slot`.
+    struct Layer {
+        b: CpuBackend,
+        conv_w: super::CpuWeight,
+        decay: super::CpuWeight,
+        dt: super::CpuWeight,
+        conv: super::CpuAct,
+        rec: super::CpuAct,
+    }
+
+    impl Layer {
+        fn new() -> Layer {
+            let b = CpuBackend::new();
+            let c = G.conv_channels();
+            Layer {
+                conv_w: weight(&b, c, G.conv_kernel, &values(c * G.conv_kernel, 1)),
+                decay: weight(&b, 1, G.v_heads, &[0.5, 1.0, 2.0, 0.1]),
+                dt: weight(&b, 1, G.v_heads, &values(G.v_heads, 2)),
+                conv: b.alloc_act(ActShape { rows: 2, cols: G.conv_state_elems() }).unwrap(),
+                rec: b.alloc_act(ActShape { rows: 2, cols: G.recurrent_state_elems() }).unwrap(),
+                b,
+            }
+        }
+
+        /// Outputs of rows `from..to` of a fixed input sequence.
+        fn run(&mut self, from: usize, to: usize, slot: u32) -> Vec<f32> {
+            let (c, n) = (G.conv_channels(), to - from);
+            let all_x = values(16 * c, 3);
+            let all_ab = values(16 * 2 * G.v_heads, 4);
+            let mut x = act(&self.b, n, c, &all_x[from * c..]);
+            let a = act(&self.b, n, G.v_heads, &all_ab[from * G.v_heads..]);
+            let bb = act(&self.b, n, G.v_heads, &all_ab[(16 + from) * G.v_heads..]);
+            let mut out = self.b.alloc_act(ActShape { rows: n, cols: G.value_width() }).unwrap();
+            let pages = [PageId(0)];
+            let seqs = [SeqStep { row_start: 0, rows: n, cached: from, pages: &pages }];
+            let slots = [StateSlot(slot)];
+            self.b.causal_conv_silu(&mut x, &self.conv_w, &mut self.conv, &seqs, &slots).unwrap();
+            self.b
+                .gated_delta_rule(DeltaRule {
+                    qkv: &x,
+                    a: &a,
+                    b: &bb,
+                    decay: &self.decay,
+                    dt_bias: &self.dt,
+                    geometry: G,
+                    state: &mut self.rec,
+                    seqs: &seqs,
+                    slots: &slots,
+                    out: &mut out,
+                })
+                .unwrap();
+            out.live(n).to_vec()
+        }
+    }
+
+    /// Rows fed in two steps through the slot's state give what one step gives.
+    #[test]
+    fn the_state_carries_a_sequence_across_steps() {
+        let mut one = Layer::new();
+        let whole = one.run(0, 7, 1);
+        let mut two = Layer::new();
+        let mut split = two.run(0, 3, 1);
+        split.extend(two.run(3, 7, 1));
+        assert_eq!(whole.len(), split.len());
+        for (a, b) in whole.iter().zip(&split) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+        assert!(whole.iter().any(|v| v.abs() > 1e-3), "the outputs are not all zero");
+        assert_eq!(one.rec.row(1), two.rec.row(1), "the same state is left in the slot");
+        assert_eq!(one.conv.row(1), two.conv.row(1));
+    }
+
+    /// A sequence with nothing cached starts from zeros, whatever its slot
+    /// held before (a slot is reused by the next request without clearing).
+    #[test]
+    fn a_new_sequence_ignores_what_its_slot_held() {
+        let mut fresh = Layer::new();
+        let want = fresh.run(0, 4, 0);
+        let mut reused = Layer::new();
+        reused.run(0, 6, 0);
+        assert_eq!(reused.run(0, 4, 0), want);
+    }
+
+    #[test]
+    fn shared_or_missing_slots_are_refused() {
+        let mut l = Layer::new();
+        let c = G.conv_channels();
+        let mut x = act(&l.b, 2, c, &values(2 * c, 5));
+        let pages = [PageId(0)];
+        let seqs = [
+            SeqStep { row_start: 0, rows: 1, cached: 0, pages: &pages },
+            SeqStep { row_start: 1, rows: 1, cached: 0, pages: &pages },
+        ];
+        let shared =
+            l.b.causal_conv_silu(&mut x, &l.conv_w, &mut l.conv, &seqs, &[StateSlot(1), StateSlot(1)]);
+        assert!(shared.unwrap_err().to_string().contains("two sequences"));
+        let outside =
+            l.b.causal_conv_silu(&mut x, &l.conv_w, &mut l.conv, &seqs, &[StateSlot(0), StateSlot(2)]);
+        assert!(outside.unwrap_err().to_string().contains("outside"));
+        let short = l.b.causal_conv_silu(&mut x, &l.conv_w, &mut l.conv, &seqs, &[StateSlot(0)]);
+        assert!(short.unwrap_err().to_string().contains("1 slots for 2 sequences"));
+    }
+}
