@@ -509,6 +509,12 @@ impl CostModel {
         Bytes(4 * (self.max_rows * per_row + self.max_logit_rows * per_logit_row) as u64)
     }
 
+    /// Recurrent-state bytes of `slice`: one slot per logit row (a request
+    /// that may run) of a hybrid model's linear layers; zero for the others.
+    pub fn state(&self, cfg: &ModelConfig, _s: &RankSlice) -> Bytes {
+        cfg.hybrid.as_ref().map_or(Bytes::ZERO, |h| crate::qwen3_5::state_bytes(h, self.max_logit_rows))
+    }
+
     /// KV bytes one token takes on this rank (K and V, every local layer).
     pub fn kv_per_token(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
         if cfg.hybrid.is_some() {
@@ -546,11 +552,13 @@ pub struct RankPlan {
     pub card: CardRoom,
     pub weights: Bytes,
     pub workspace: Bytes,
+    /// Recurrent-state slots (a hybrid model's; zero for the others).
+    pub state: Bytes,
     pub kv_per_token: Bytes,
     /// Pages this card alone could hold (the `vram` sizing rule).
     pub own_pages: Pages,
     pub chunk: Option<ChunkGeometry>,
-    /// Weights and workspace fit under floor, margin and budget.
+    /// Weights, workspace and state fit under floor, margin and budget.
     pub fits: bool,
 }
 
@@ -588,7 +596,7 @@ impl Plan {
     /// Free memory left on rank `i`'s card once everything is resident.
     pub fn rest(&self, i: usize) -> Bytes {
         let r = &self.ranks[i];
-        r.card.free.saturating_sub(r.weights + r.workspace + self.kv_committed(i))
+        r.card.free.saturating_sub(r.weights + r.workspace + r.state + self.kv_committed(i))
     }
 }
 
@@ -656,8 +664,8 @@ fn price(
     let mut ranks = Vec::with_capacity(cards.len());
     let geometry = group_geometry(cfg, layout, cards, cost);
     for ((s, card), chunk) in layout.ranks.iter().zip(cards).zip(geometry) {
-        let (weights, workspace) = (cost.weights(cfg, s), cost.workspace(cfg, s));
-        let resident = weights + workspace;
+        let (weights, workspace, state) = (cost.weights(cfg, s), cost.workspace(cfg, s), cost.state(cfg, s));
+        let resident = weights + workspace + state;
         let fits =
             card.free >= resident + card.floor + card.margin && card.budget.is_none_or(|b| b >= resident);
         // A stage without layers holds no KV: it never bounds the group.
@@ -679,6 +687,7 @@ fn price(
             card: *card,
             weights,
             workspace,
+            state,
             kv_per_token: cost.kv_per_token(cfg, s),
             own_pages: own,
             chunk,

@@ -775,9 +775,8 @@ pub mod cost {
     }
 }
 
-/// Workspace bytes for steps of `max_rows` rows and `max_logit_rows` logit
-/// rows: the activations of the largest step, and the recurrent state of one
-/// slot per logit row (allocated with the workspace, once).
+/// Activation workspace bytes for steps of `max_rows` rows and
+/// `max_logit_rows` logit rows (the state slots are [`state_bytes`]).
 pub fn workspace_bytes(cfg: &ModelConfig, h: &HybridConfig, max_rows: usize, max_logit_rows: usize) -> Bytes {
     let (q, kv, d) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, h.delta);
     let per_row = 3 * cfg.hidden_size
@@ -788,8 +787,12 @@ pub fn workspace_bytes(cfg: &ModelConfig, h: &HybridConfig, max_rows: usize, max
         + 2 * d.value_width()
         + 2 * d.v_heads;
     let per_logit_row = 2 * cfg.hidden_size + cfg.vocab_size;
-    let acts = Bytes(4 * (max_rows * per_row + max_logit_rows * per_logit_row) as u64);
-    acts + Bytes(state_bytes_per_seq(h).get() * max_logit_rows as u64)
+    Bytes(4 * (max_rows * per_row + max_logit_rows * per_logit_row) as u64)
+}
+
+/// Bytes of `slots` state slots, allocated once with the workspace.
+pub fn state_bytes(h: &HybridConfig, slots: usize) -> Bytes {
+    Bytes(state_bytes_per_seq(h).get() * slots as u64)
 }
 
 #[cfg(test)]
@@ -840,7 +843,6 @@ mod tests {
         let backend = corridor_backend::cpu::CpuBackend::new();
         let model = Model::load(&backend, &ckpt, |_| {}).unwrap();
         assert_eq!(model.kv_bytes_per_token(4) as u64, kv);
-        let ws = workspace_bytes(cfg, h, 8, 4).get();
-        assert!(ws > 4 * 3 * per_layer, "the workspace price holds four slots");
+        assert_eq!(cost().state(cfg, &RankSlice::full(cfg)).get(), 4 * 3 * per_layer, "a slot per logit row");
     }
 }

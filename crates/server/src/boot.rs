@@ -527,6 +527,18 @@ fn boot_host(
         dev.reserve(ws, Purpose::Workspace)
             .map_err(|e| BootError::Memory(format!("workspace does not fit: {e}")))?,
     );
+    // A hybrid model's state slots, one per request that may run, are
+    // allocated with the workspace; booked as what they are.
+    let state = cfg
+        .hybrid
+        .as_ref()
+        .map_or(Bytes::ZERO, |h| corridor_model::qwen3_5::state_bytes(h, opts.max_running));
+    if state > Bytes::ZERO {
+        resident.push(
+            dev.reserve(state, Purpose::State)
+                .map_err(|e| BootError::Memory(format!("recurrent state does not fit: {e}")))?,
+        );
+    }
     (env.mark)(BootPhase::WorkspaceReady);
 
     // KV: the CPU keeps it in f32; one page holds `page_size` tokens of every
@@ -546,7 +558,7 @@ fn boot_host(
             .driver_free()
             .saturating_sub(dev.settings().floor)
             .saturating_sub(DEFAULT_MARGIN)
-            .saturating_sub(ws);
+            .saturating_sub(ws + state);
         opts.kv_budget.min(room)
     });
     let arena = new_arena(env, &[(dev.clone(), page_bytes)], host_cap)?;

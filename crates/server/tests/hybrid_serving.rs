@@ -112,8 +112,8 @@ fn a_layout_of_the_hybrid_is_refused_with_a_reason() {
     }
 }
 
-/// The recurrent state of every slot is booked with the workspace before KV
-/// is sized, so the card's books count KV and state both.
+/// The recurrent state of every slot is booked, as state, before KV is
+/// sized, so the card's books (and /v1/memory) count KV and state both.
 #[test]
 fn the_state_slots_are_booked_on_the_card() {
     let mut opts = BootOptions::new(fixture("qwen3_5"));
@@ -134,8 +134,7 @@ fn the_state_slots_are_booked_on_the_card() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let v = rt.block_on(app.get("/v1/memory")).json();
     let books = &v["cards"][0]["books"];
-    let workspace = books["workspace"].as_u64().unwrap();
-    assert!(workspace >= (6 * per_seq) as u64, "workspace {workspace} holds 6 slots of {per_seq}: {books}");
+    assert_eq!(books["state"].as_u64().unwrap(), (6 * per_seq) as u64, "6 slots of {per_seq}: {books}");
     assert!(books["kv_committed"].as_u64().unwrap() > 0, "{books}");
     booted.engine.shutdown();
 }
