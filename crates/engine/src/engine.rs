@@ -263,7 +263,15 @@ pub fn spawn_with(
         page_size: config.page_size.get(),
     });
     let mut sched = Scheduler::new(sc, pool);
-    if let Some(slots) = exec.state_slots() {
+    if exec.config().hybrid.is_some() {
+        // One slot per request that may run: every executor's workspace is
+        // sized for `max_running` logit rows, and holds that many slots.
+        let slots = sc.max_running;
+        if let Some(held) = exec.state_slots().filter(|&held| held < slots) {
+            return Err(EngineError::Startup(format!(
+                "the model holds {held} recurrent-state slots for {slots} running requests"
+            )));
+        }
         tracing::info!(
             slots,
             "the model carries recurrent state: each running request holds a state slot, prefix caching is off, \

@@ -26,7 +26,8 @@ pub trait Executor: Send + 'static {
     /// released. Runs between steps.
     fn move_pages(&mut self, moves: &[(PageId, PageId)]) -> Result<(), ModelError>;
     /// Recurrent-state slots the model holds, one per sequence that may run
-    /// at once; `None` for a model without recurrent state.
+    /// at once; `None` for a model without recurrent state, or an executor
+    /// that does not say (the engine then trusts its running limit).
     fn state_slots(&self) -> Option<usize> {
         None
     }

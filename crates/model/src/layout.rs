@@ -454,7 +454,7 @@ impl CostModel {
     /// Weight bytes of `slice` (norms and biases priced as f32).
     pub fn weights(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
         if let Some(h) = &cfg.hybrid {
-            return crate::qwen3_5::cost::weights(self, cfg, h);
+            return crate::qwen3_5::cost::weights(self, cfg, h, s);
         }
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let w = |elems: usize| elems_bytes(self.weight_dtype, elems);
@@ -511,14 +511,14 @@ impl CostModel {
 
     /// Recurrent-state bytes of `slice`: one slot per logit row (a request
     /// that may run) of a hybrid model's linear layers; zero for the others.
-    pub fn state(&self, cfg: &ModelConfig, _s: &RankSlice) -> Bytes {
-        cfg.hybrid.as_ref().map_or(Bytes::ZERO, |h| crate::qwen3_5::state_bytes(h, self.max_logit_rows))
+    pub fn state(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
+        cfg.hybrid.as_ref().map_or(Bytes::ZERO, |h| crate::qwen3_5::cost::state(self, h, s))
     }
 
     /// KV bytes one token takes on this rank (K and V, every local layer).
     pub fn kv_per_token(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
-        if cfg.hybrid.is_some() {
-            return crate::qwen3_5::cost::kv_per_token(self, cfg);
+        if let Some(h) = &cfg.hybrid {
+            return crate::qwen3_5::cost::kv_per_token(self, cfg, h, s);
         }
         Bytes(2 * s.layers.len() as u64 * s.kv_heads.len() as u64 * cfg.head_dim as u64 * self.kv_elem_bytes)
     }

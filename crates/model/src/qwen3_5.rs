@@ -28,8 +28,9 @@
 //! from its prompt, and prefix caching (which would skip rows whose state is
 //! nowhere) must be off.
 //!
-//! The whole model runs on one rank; tensor and pipeline layouts of the
-//! hybrid are refused at load.
+//! A model may be one stage of a pipeline (a range of layers; the first
+//! stage embeds, the last computes logits, each holds the state and KV of
+//! its own layers); tensor layouts of the hybrid are refused at load.
 
 use crate::checkpoint::Checkpoint;
 use crate::config::{HybridConfig, LayerKind, ModelConfig};
@@ -92,10 +93,10 @@ pub struct Model<B: Backend> {
     hybrid: HybridConfig,
     slice: RankSlice,
     rope: RopeTable,
-    embed_tokens: B::Weight,
-    layers: Vec<Layer<B::Weight>>,
-    norm: B::Weight,
-    head: Head<B::Weight>,
+    embed_tokens: Option<B::Weight>, // the first stage
+    layers: Vec<Layer<B::Weight>>,   // the slice's layers
+    norm: Option<B::Weight>,         // the last stage
+    head: Option<Head<B::Weight>>,   // the last stage
 }
 
 /// The hybrid's scratch beyond the common [`Workspace`], and the recurrent
@@ -129,12 +130,36 @@ fn hybrid_of(cfg: &ModelConfig) -> Result<&HybridConfig, ModelError> {
 impl<B: Backend> Model<B> {
     /// Load every weight of `ckpt` onto `backend`, checking shapes; `progress`
     /// ticks once for the embedding, once per layer and once for the head.
-    pub fn load(backend: &B, ckpt: &Checkpoint, mut progress: impl FnMut(usize)) -> Result<Self, ModelError> {
+    pub fn load(backend: &B, ckpt: &Checkpoint, progress: impl FnMut(usize)) -> Result<Self, ModelError> {
+        Self::load_slice(backend, ckpt, &RankSlice::full(ckpt.config()), progress)
+    }
+
+    /// Load one rank's slice: the whole model, or one pipeline stage (a
+    /// range of layers with every head); a tensor slice is refused.
+    pub fn load_slice(
+        backend: &B,
+        ckpt: &Checkpoint,
+        slice: &RankSlice,
+        mut progress: impl FnMut(usize),
+    ) -> Result<Self, ModelError> {
         let cfg = ckpt.config().clone();
         let hybrid = hybrid_of(&cfg)?.clone();
+        let whole = RankSlice::full(&cfg);
+        let tensor = slice.heads != whole.heads
+            || slice.kv_heads != whole.kv_heads
+            || slice.ffn != whole.ffn
+            || slice.vocab != whole.vocab;
+        if tensor || slice.layers.end > cfg.num_layers {
+            return Err(ModelError::Step(format!(
+                "{}: the qwen3_5 hybrid runs on one rank or as pipeline stages of whole layers; \
+                 tensor layouts of it are not supported (slice {slice:?})",
+                slice.rank
+            )));
+        }
         let bytes = std::cell::Cell::new(0u64);
         place(
             ckpt,
+            slice,
             &|t| {
                 let (rows, cols) = t.rows_cols();
                 bytes.set(bytes.get() + backend.stored_bytes(t.dtype, rows, cols));
@@ -143,10 +168,10 @@ impl<B: Backend> Model<B> {
             &mut |_| {},
         )?;
         backend.reserve_weights(bytes.get())?;
-        let parts = place(ckpt, &|t| Ok(backend.upload_weight(&t)?), &mut progress)?;
+        let parts = place(ckpt, slice, &|t| Ok(backend.upload_weight(&t)?), &mut progress)?;
         Ok(Model {
             rope: rope_table(&cfg, &hybrid),
-            slice: RankSlice::full(&cfg),
+            slice: slice.clone(),
             config: cfg,
             hybrid,
             embed_tokens: parts.embed_tokens,
@@ -154,22 +179,6 @@ impl<B: Backend> Model<B> {
             norm: parts.norm,
             head: parts.head,
         })
-    }
-
-    /// Load one rank's slice: only the whole model on one rank.
-    pub fn load_slice(
-        backend: &B,
-        ckpt: &Checkpoint,
-        slice: &RankSlice,
-        progress: impl FnMut(usize),
-    ) -> Result<Self, ModelError> {
-        if *slice != RankSlice::full(ckpt.config()) {
-            return Err(ModelError::Step(format!(
-                "{}: the qwen3_5 hybrid runs whole on one rank; tensor and pipeline layouts of it are not supported",
-                slice.rank
-            )));
-        }
-        Self::load(backend, ckpt, progress)
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -194,7 +203,7 @@ impl<B: Backend> Model<B> {
         let a = |rows: usize, cols: usize| backend.alloc_act(ActShape { rows, cols });
         let (q_out, kv_out, ffn) =
             (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
-        let linear = self.hybrid.count(LayerKind::Linear);
+        let linear = self.local(LayerKind::Linear);
         let slots = max_logit_rows;
         let scratch = Scratch {
             gate: a(max_rows, q_out)?,
@@ -229,9 +238,14 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    /// Layers that hold KV (the full-attention ones).
+    /// This rank's layers of one kind.
+    fn local(&self, kind: LayerKind) -> usize {
+        self.hybrid.layer_types[self.slice.layers.clone()].iter().filter(|&&k| k == kind).count()
+    }
+
+    /// This rank's layers that hold KV (the full-attention ones).
     fn kv_layers(&self) -> usize {
-        self.hybrid.count(LayerKind::Full)
+        self.local(LayerKind::Full)
     }
 
     pub fn kv_geometry(&self, page_size: usize, num_pages: usize) -> KvGeometry {
@@ -277,10 +291,12 @@ impl<B: Backend> Model<B> {
 
     /// Bytes of recurrent state one sequence holds (f32).
     pub fn state_bytes_per_seq(&self) -> Bytes {
-        state_bytes_per_seq(&self.hybrid)
+        state_bytes_in(&self.hybrid, self.slice.layers.clone())
     }
 
-    /// Run one step. Only the whole model on one rank: `c` must be [`Solo`].
+    /// Run this rank's part of one step: the whole model, or one pipeline
+    /// stage (the first embeds, each hands its output to the next, the last
+    /// leaves `[logit_rows, vocab]` in `logits`; the others leave it empty).
     pub fn forward_ranked(
         &self,
         b: &B,
@@ -290,9 +306,6 @@ impl<B: Backend> Model<B> {
         step: &StepInput<'_>,
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
-        if c.world() != 1 {
-            return Err(ModelError::Step("the qwen3_5 hybrid runs on one rank only".into()));
-        }
         let rows = step.tokens.len();
         if step.positions.len() != rows || rows > ws.max_rows || step.logit_rows.len() > ws.max_logit_rows {
             return Err(ModelError::Step(format!(
@@ -323,13 +336,37 @@ impl<B: Backend> Model<B> {
             seqs: step.seqs,
             logit_rows: step.logit_rows,
         })?;
-        self.run_ops(b, ws, kv, step)?;
+        self.run_ops(b, c, ws, kv, step)?;
         logits.clear();
-        let n = step.logit_rows.len();
-        if n > 0 {
-            b.read_rows(&ws.logits, n, logits);
+        if self.head.is_none() {
+            let to = self
+                .slice
+                .send_to
+                .ok_or_else(|| ModelError::Step("a rank without a head must send its output".into()))?;
+            c.send(b, to, &ws.x, rows)?;
+            b.check()?;
+            return Ok(());
         }
+        let n = step.logit_rows.len();
+        if n == 0 {
+            b.check()?;
+            return Ok(());
+        }
+        if c.world() == 1 {
+            b.read_rows(&ws.logits, n, logits);
+            b.check()?;
+            return Ok(());
+        }
+        // A pipeline's last stage holds the whole vocabulary; the gather
+        // hands its rows to whichever rank samples.
+        b.read_rows(&ws.logits, n, &mut ws.host_logits);
         b.check()?;
+        if c.gathers_here() {
+            logits.resize(n * self.config.vocab_size, 0.0);
+            c.gather_cols(&ws.host_logits, n, 0, Some(logits))?;
+        } else {
+            c.gather_cols(&ws.host_logits, n, 0, None)?;
+        }
         Ok(())
     }
 
@@ -348,6 +385,7 @@ impl<B: Backend> Model<B> {
     fn run_ops(
         &self,
         b: &B,
+        c: &dyn Collective<B>,
         ws: &mut Workspace<B>,
         kv: &mut KvCache<B>,
         step: &StepInput<'_>,
@@ -362,7 +400,14 @@ impl<B: Backend> Model<B> {
         if let Some(s) = step.state_slots.iter().find(|s| s.index() >= sc.slots) {
             return Err(ModelError::Step(format!("{s} is outside the workspace's {} state slots", sc.slots)));
         }
-        b.embedding(&self.embed_tokens, step.tokens, &mut ws.x)?;
+        // A later stage receives even when it holds the table (for a tied head).
+        match (self.slice.recv_from, &self.embed_tokens) {
+            (Some(from), _) => c.recv(b, from, &mut ws.x, rows)?,
+            (None, Some(table)) => b.embedding(table, step.tokens, &mut ws.x)?,
+            (None, None) => {
+                return Err(ModelError::Step("a rank that does not embed must receive its input".into()))
+            }
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             if i == 0 {
                 b.rms_norm(&ws.x, &layer.input_layernorm, eps, rows, &mut ws.h);
@@ -457,10 +502,16 @@ impl<B: Backend> Model<B> {
             return Ok(());
         }
         b.gather_rows(&ws.x, step.logit_rows, &mut ws.last);
-        b.rms_norm(&ws.last, &self.norm, eps, n, &mut ws.last_n);
-        let head = match &self.head {
+        let (Some(norm), Some(head)) = (&self.norm, &self.head) else {
+            return Ok(());
+        };
+        b.rms_norm(&ws.last, norm, eps, n, &mut ws.last_n);
+        let head = match head {
             Head::Own(w) => w,
-            Head::Tied => &self.embed_tokens,
+            Head::Tied => self
+                .embed_tokens
+                .as_ref()
+                .ok_or_else(|| ModelError::Step("a tied head needs the embedding".into()))?,
         };
         b.matmul(&ws.last_n, head, None, n, &mut ws.logits);
         Ok(())
@@ -480,10 +531,10 @@ fn rope_table(cfg: &ModelConfig, h: &HybridConfig) -> RopeTable {
 
 /// A model's weights, placed by `place`'s upload function.
 struct Parts<W> {
-    embed_tokens: W,
+    embed_tokens: Option<W>,
     layers: Vec<Layer<W>>,
-    norm: W,
-    head: Head<W>,
+    norm: Option<W>,
+    head: Option<Head<W>>,
 }
 
 /// A float vector as f32 values, whatever it is stored as.
@@ -607,10 +658,11 @@ fn gguf_name(layer: Option<usize>, part: &str) -> Option<String> {
     Some(format!("blk.{i}.{name}"))
 }
 
-/// Read every tensor of `ckpt`, checking shapes, and hand each (reshaped or
+/// Read every tensor of `slice`, checking shapes, and hand each (reshaped or
 /// converted where the kernels want it so) to `up`.
 fn place<W>(
     ckpt: &Checkpoint,
+    slice: &RankSlice,
     up: &dyn Fn(HostTensor) -> Result<W, ModelError>,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Parts<W>, ModelError> {
@@ -643,11 +695,18 @@ fn place<W>(
             mapped(layer, part, n, &|w| 1.0 + w)
         }
     };
-    let embed_tokens = load(None, "embed_tokens.weight", &[cfg.vocab_size, hidden])?;
+    // A tied head on the last stage reads the embedding table too.
+    let tied = !src.has(ckpt, None, "lm_head.weight");
+    let embed_tokens = if slice.embeds() || (tied && slice.emits_logits()) {
+        Some(load(None, "embed_tokens.weight", &[cfg.vocab_size, hidden])?)
+    } else {
+        None
+    };
     progress(1);
     let (mut kv, mut state) = (0, 0);
-    let mut layers = Vec::with_capacity(cfg.num_layers);
-    for (i, kind) in h.layer_types.iter().enumerate() {
+    let mut layers = Vec::with_capacity(slice.layers.len());
+    for i in slice.layers.clone() {
+        let kind = &h.layer_types[i];
         let l = Some(i);
         let mixer = match kind {
             LayerKind::Full => {
@@ -714,12 +773,16 @@ fn place<W>(
         });
         progress(1);
     }
-    let norm_w = norm(None, "norm.weight", hidden)?;
-    // A present lm_head always wins, as in transformers' loading.
-    let head = if src.has(ckpt, None, "lm_head.weight") {
-        Head::Own(load(None, "lm_head.weight", &[cfg.vocab_size, hidden])?)
+    let (norm_w, head) = if slice.emits_logits() {
+        // A present lm_head always wins, as in transformers' loading.
+        let head = if tied {
+            Head::Tied
+        } else {
+            Head::Own(load(None, "lm_head.weight", &[cfg.vocab_size, hidden])?)
+        };
+        (Some(norm(None, "norm.weight", hidden)?), Some(head))
     } else {
-        Head::Tied
+        (None, None)
     };
     progress(1);
     Ok(Parts { embed_tokens, layers, norm: norm_w, head })
@@ -728,19 +791,29 @@ fn place<W>(
 /// Bytes of recurrent state one sequence holds across every linear layer
 /// (f32: the convolution's window and the delta rule's matrices).
 pub fn state_bytes_per_seq(h: &HybridConfig) -> Bytes {
-    let per_layer = h.delta.conv_state_elems() + h.delta.recurrent_state_elems();
-    Bytes((4 * per_layer * h.count(LayerKind::Linear)) as u64)
+    state_bytes_in(h, 0..h.layer_types.len())
 }
 
-/// The hybrid's prices for the layout cost model: weight bytes, workspace
-/// bytes (the state slots included) and KV bytes per token, for the whole
-/// model (the only slice it runs as).
+/// As [`state_bytes_per_seq`], for the linear layers among `layers`.
+fn state_bytes_in(h: &HybridConfig, layers: Range<usize>) -> Bytes {
+    let per_layer = h.delta.conv_state_elems() + h.delta.recurrent_state_elems();
+    let linear = h.layer_types[layers].iter().filter(|&&k| k == LayerKind::Linear).count();
+    Bytes((4 * per_layer * linear) as u64)
+}
+
+/// Layers of `kind` among `layers`.
+fn count_in(h: &HybridConfig, layers: Range<usize>, kind: LayerKind) -> usize {
+    h.layer_types[layers].iter().filter(|&&k| k == kind).count()
+}
+
+/// The hybrid's prices for the layout cost model: weight, workspace, state
+/// and KV bytes of a slice (the whole model or a pipeline stage).
 pub mod cost {
     use super::*;
 
-    /// Weight bytes of the whole model (norms, gates' vectors and the
-    /// convolution priced as f32).
-    pub fn weights(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig) -> Bytes {
+    /// Weight bytes of `s` (norms, gates' vectors and the convolution priced
+    /// as f32).
+    pub fn weights(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig, s: &RankSlice) -> Bytes {
         let w = |elems: usize| crate::layout::elems_bytes(m.weight_dtype, elems);
         let f32s = |elems: usize| (elems * 4) as u64;
         let (hid, hd, d) = (cfg.hidden_size, cfg.head_dim, h.delta);
@@ -759,9 +832,20 @@ pub mod cost {
                     LayerKind::Linear => linear,
                 }
         };
-        let layers: u64 = h.layer_types.iter().map(per_layer).sum();
-        let head = if cfg.tie_word_embeddings { 0 } else { w(cfg.vocab_size * hid) };
-        Bytes(layers + w(cfg.vocab_size * hid) + f32s(hid) + head)
+        let mut total: u64 = h.layer_types[s.layers.clone()].iter().map(per_layer).sum();
+        let tied = cfg.tie_word_embeddings;
+        if s.embeds() || (tied && s.emits_logits()) {
+            total += w(cfg.vocab_size * hid);
+        }
+        if s.emits_logits() {
+            total += f32s(hid) + if tied { 0 } else { w(cfg.vocab_size * hid) };
+        }
+        Bytes(total)
+    }
+
+    /// State bytes of `s`: one slot per logit row of its linear layers.
+    pub fn state(m: &CostModel, h: &HybridConfig, s: &RankSlice) -> Bytes {
+        Bytes(state_bytes_in(h, s.layers.clone()).get() * m.max_logit_rows as u64)
     }
 
     /// Workspace bytes (see [`super::workspace_bytes`]).
@@ -769,9 +853,10 @@ pub mod cost {
         workspace_bytes(cfg, h, m.max_rows, m.max_logit_rows)
     }
 
-    /// KV bytes one token takes: K and V of the full-attention layers.
-    pub fn kv_per_token(m: &CostModel, cfg: &ModelConfig) -> Bytes {
-        Bytes(cfg.kv_layers() as u64 * 2 * (cfg.num_kv_heads * cfg.head_dim) as u64 * m.kv_elem_bytes)
+    /// KV bytes one token takes on `s`: K and V of its full-attention layers.
+    pub fn kv_per_token(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig, s: &RankSlice) -> Bytes {
+        let full = count_in(h, s.layers.clone(), LayerKind::Full) as u64;
+        Bytes(full * 2 * (cfg.num_kv_heads * cfg.head_dim) as u64 * m.kv_elem_bytes)
     }
 }
 
@@ -825,6 +910,26 @@ mod tests {
         let priced = cost().weights(cfg, &RankSlice::full(cfg)).get();
         let file = ckpt.file_bytes();
         assert!(priced <= file && file - priced < 16 * 1024, "priced {priced} of a {file}-byte file");
+    }
+
+    /// Pipeline stages price what they hold: their weights, KV and state
+    /// add up to the whole model's.
+    #[test]
+    fn pipeline_stages_add_up_to_the_whole() {
+        let ckpt = fixture();
+        let cfg = ckpt.config();
+        let whole = RankSlice::full(cfg);
+        let m = cost();
+        for split in [[3, 1], [1, 3], [4, 0]] {
+            let l = crate::layout::Layout::pipeline(cfg, &split).unwrap();
+            let sum = |f: &dyn Fn(&RankSlice) -> Bytes| l.ranks.iter().map(|s| f(s).get()).sum::<u64>();
+            assert_eq!(sum(&|s| m.weights(cfg, s)), m.weights(cfg, &whole).get(), "{split:?}");
+            assert_eq!(sum(&|s| m.kv_per_token(cfg, s)), m.kv_per_token(cfg, &whole).get(), "{split:?}");
+            assert_eq!(sum(&|s| m.state(cfg, s)), m.state(cfg, &whole).get(), "{split:?}");
+        }
+        let l = crate::layout::Layout::pipeline(cfg, &[3, 1]).unwrap();
+        assert_eq!(m.kv_per_token(cfg, &l.ranks[0]).get(), 0, "three linear layers hold no KV");
+        assert_eq!(m.state(cfg, &l.ranks[1]).get(), 0, "the full-attention layer holds no state");
     }
 
     /// KV is held by the full-attention layers only; the state by the linear

@@ -22,7 +22,7 @@ use corridor_backend::SeqStep;
 use corridor_model::layout::{Layout, LayoutKind};
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::PageId;
+use corridor_units::{PageId, StateSlot};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -78,7 +78,8 @@ fn run(path: &Path, layout: &Layout) -> (Vec<Vec<f32>>, Vec<u32>) {
                     positions: &positions,
                     seqs: &seqs,
                     logit_rows: &logit_rows,
-                    state_slots: &[],
+                    // One sequence, in its state slot (a model without state ignores it).
+                    state_slots: &[StateSlot(0)],
                 };
                 model
                     .forward_ranked(
@@ -170,6 +171,31 @@ fn compare(fixture: &str, layouts: Vec<(&str, Layout)>) {
         assert!(worst < TOL, "{fixture} {name}: logits differ by {worst}");
         assert_eq!(greedy, oracle_greedy, "{fixture} {name}: greedy continuation differs");
     }
+}
+
+/// The hybrid as pipeline stages: each stage holds the KV of its
+/// full-attention layers and the state of its linear ones (stages of linear
+/// layers only, of the full one only, and one holding no layer); the last
+/// stage computes logits from the received hidden state.
+#[test]
+fn qwen3_5_pipeline_layouts_match_the_single_rank() {
+    let cfg = Checkpoint::open(&fixtures().join("qwen3_5")).unwrap().config().clone();
+    let layouts = vec![
+        ("pp=2 layers 3,1", Layout::pipeline(&cfg, &[3, 1]).unwrap()),
+        ("pp=2 layers 1,3", Layout::pipeline(&cfg, &[1, 3]).unwrap()),
+        ("pp=3 layers 2,0,2", Layout::pipeline(&cfg, &[2, 0, 2]).unwrap()),
+    ];
+    compare("qwen3_5", layouts);
+    compare("qwen3_5-f16.gguf", vec![("pp=2 layers 2,2", Layout::pipeline(&cfg, &[2, 2]).unwrap())]);
+}
+
+/// A tensor layout of the hybrid is refused with a reason, not run wrongly.
+#[test]
+fn qwen3_5_tensor_layouts_are_refused() {
+    let ckpt = Checkpoint::open(&fixtures().join("qwen3_5")).unwrap();
+    let layout = Layout::tensor_ratio(ckpt.config(), &[1, 1], 1).unwrap();
+    let err = Model::load_slice(&CpuBackend::new(), &ckpt, &layout.ranks[0], |_| {}).err().expect("refused");
+    assert!(err.to_string().contains("tensor layouts"), "{err}");
 }
 
 #[test]

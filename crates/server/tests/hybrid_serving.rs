@@ -1,8 +1,8 @@
 //! The tiny qwen3_5 hybrid served through the normal server: the greedy
 //! completion of the reference prompt is the text of transformers' greedy
 //! tokens on the CPU and on a sim card, with concurrent requests each
-//! getting that text; a tensor or pipeline layout of it is refused at boot
-//! with a reason.
+//! getting that text, also as pipeline stages; a tensor layout of it is
+//! refused at boot with a reason.
 
 mod http_common;
 
@@ -99,17 +99,35 @@ fn the_tiny_hybrid_gguf_serves_transformers_greedy_text() {
     }
 }
 
+/// Pipeline stages of the hybrid (CPU threads, and sim cards of their own)
+/// serve the same text; each stage holds its layers' KV and state.
 #[test]
-fn a_layout_of_the_hybrid_is_refused_with_a_reason() {
-    for l in [
-        LayoutSpec { tp: 2, tp_split: Split::Even, pp: 1, pp_split: Split::Even },
-        LayoutSpec { tp: 1, tp_split: Split::Even, pp: 2, pp_split: Split::Even },
-    ] {
+fn the_tiny_hybrid_as_pipeline_stages_serves_transformers_greedy_text() {
+    let (prompt, _, want, n) = reference();
+    for split in [vec![3, 1], vec![1, 3]] {
+        let l = LayoutSpec { tp: 1, tp_split: Split::Even, pp: 2, pp_split: Split::Ratio(split) };
         let mut opts = BootOptions::new(fixture("qwen3_5"));
         opts.layout = Some(l.clone());
-        let err = boot(&opts, |_, _| {}).err().unwrap_or_else(|| panic!("{l:?} booted"));
-        assert!(err.to_string().contains("one rank"), "{l:?}: {err}");
+        for (text, _) in complete(opts, &prompt, n, 2) {
+            assert_eq!(text, want, "{l:?}");
+        }
     }
+    let mut opts = BootOptions::new(fixture("qwen3_5"));
+    opts.devices = Devices::Sim(vec![Bytes::mib(160); 2]);
+    opts.floor_mib = Some("64".into());
+    opts.layout =
+        Some(LayoutSpec { tp: 1, tp_split: Split::Even, pp: 2, pp_split: Split::Ratio(vec![2, 2]) });
+    for (text, _) in complete(opts, &prompt, n, 2) {
+        assert_eq!(text, want, "pp=2 on sim cards");
+    }
+}
+
+#[test]
+fn a_tensor_layout_of_the_hybrid_is_refused_with_a_reason() {
+    let mut opts = BootOptions::new(fixture("qwen3_5"));
+    opts.layout = Some(LayoutSpec { tp: 2, tp_split: Split::Even, pp: 1, pp_split: Split::Even });
+    let err = boot(&opts, |_, _| {}).err().expect("a tensor layout of the hybrid boots");
+    assert!(err.to_string().contains("tensor layouts"), "{err}");
 }
 
 /// The recurrent state of every slot is booked, as state, before KV is

@@ -222,7 +222,7 @@ pub(super) fn boot_sim_layout(
     (env.mark)(BootPhase::WeightsLoaded);
     for (slice, dev) in plan.layout.ranks.iter().zip(&devices) {
         resident.push(
-            dev.reserve(cost.workspace(cfg, slice), Purpose::Workspace)
+            dev.reserve(cost.workspace(cfg, slice) + cost.state(cfg, slice), Purpose::Workspace)
                 .map_err(|e| BootError::Memory(format!("{}: workspace does not fit: {e}", dev.id())))?,
         );
     }
