@@ -496,7 +496,7 @@ impl CostModel {
     /// Activation workspace bytes of `slice` (f32 activations, allocated once).
     pub fn workspace(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
         if let Some(h) = &cfg.hybrid {
-            return crate::qwen3_5::cost::workspace(self, cfg, h);
+            return crate::qwen3_5::cost::workspace(self, cfg, h, s);
         }
         let (q, kv, f) = (s.heads.len() * cfg.head_dim, s.kv_heads.len() * cfg.head_dim, s.ffn.len());
         let mut per_row = 3 * cfg.hidden_size + 2 * q + 2 * kv + 3 * f;
@@ -512,7 +512,7 @@ impl CostModel {
     /// Recurrent-state bytes of `slice`: one slot per logit row (a request
     /// that may run) of a hybrid model's linear layers; zero for the others.
     pub fn state(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
-        cfg.hybrid.as_ref().map_or(Bytes::ZERO, |h| crate::qwen3_5::cost::state(self, h, s))
+        cfg.hybrid.as_ref().map_or(Bytes::ZERO, |h| crate::qwen3_5::cost::state(self, cfg, h, s))
     }
 
     /// KV bytes one token takes on this rank (K and V, every local layer).

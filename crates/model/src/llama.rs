@@ -711,7 +711,7 @@ fn place_parts<W>(
 }
 
 /// Refuse a slice that does not fit the model (a bug in whoever built it).
-fn check_slice(cfg: &ModelConfig, s: &RankSlice) -> Result<(), ModelError> {
+pub(crate) fn check_slice(cfg: &ModelConfig, s: &RankSlice) -> Result<(), ModelError> {
     let bad = |what: String| Err(ModelError::Step(format!("{}: {what}", s.rank)));
     if s.layers.end > cfg.num_layers
         || s.heads.end > cfg.num_heads
@@ -757,7 +757,7 @@ fn col_bytes(dtype: DType, cols: &Range<usize>) -> Range<usize> {
 }
 
 /// Merge ranges that follow each other, so whole tensors stay whole.
-fn coalesce(ranges: impl Iterator<Item = Range<usize>>) -> Vec<Range<usize>> {
+pub(crate) fn coalesce(ranges: impl Iterator<Item = Range<usize>>) -> Vec<Range<usize>> {
     let mut out: Vec<Range<usize>> = Vec::new();
     for r in ranges {
         match out.last_mut() {
@@ -770,7 +770,7 @@ fn coalesce(ranges: impl Iterator<Item = Range<usize>>) -> Vec<Range<usize>> {
 
 /// Elements `blocks` (concatenated) of a float vector stored as `[n]` or
 /// `[1, n]` (norms and biases). The whole vector comes back as it is.
-fn select_elems(t: HostTensor, blocks: &[Range<usize>]) -> Result<HostTensor, ModelError> {
+pub(crate) fn select_elems(t: HostTensor, blocks: &[Range<usize>]) -> Result<HostTensor, ModelError> {
     let n = t.elems();
     if blocks.len() == 1 && blocks[0] == (0..n) {
         return Ok(t);

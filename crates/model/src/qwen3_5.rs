@@ -28,9 +28,14 @@
 //! from its prompt, and prefix caching (which would skip rows whose state is
 //! nowhere) must be off.
 //!
-//! A model may be one stage of a pipeline (a range of layers; the first
-//! stage embeds, the last computes logits, each holds the state and KV of
-//! its own layers); tensor layouts of the hybrid are refused at load.
+//! A model holds one rank's [`RankSlice`]: the whole model, a pipeline stage
+//! (a range of layers; the first stage embeds, the last computes logits) or
+//! a tensor share. A tensor share holds its query and KV heads of the
+//! full-attention layers (as in `llama.rs`), the key heads of the delta-net
+//! layers in the same proportion with the value heads that read them (so
+//! its state is only theirs), its FFN columns and vocabulary rows; `o_proj`,
+//! `out_proj` and `down_proj` give partial sums that one all-reduce
+//! completes. Each rank holds the KV and state of its own layers and heads.
 
 use crate::checkpoint::Checkpoint;
 use crate::config::{HybridConfig, LayerKind, ModelConfig};
@@ -39,8 +44,8 @@ use crate::layout::{CostModel, RankSlice};
 use crate::llama::{check_shape, select, KvCache, ModelError, StepInput, Workspace};
 use corridor_backend::collective::{Collective, Solo};
 use corridor_backend::{
-    ActShape, Backend, DType, DeltaRule, HostTensor, KvGeometry, MatmulPart, RopeStyle, RopeTable, StepPlan,
-    TensorBytes,
+    ActShape, Backend, DType, DeltaGeometry, DeltaRule, HostTensor, KvGeometry, MatmulPart, RopeStyle,
+    RopeTable, StepPlan, TensorBytes, VHeadOrder,
 };
 use corridor_units::Bytes;
 use std::ops::Range;
@@ -93,6 +98,8 @@ pub struct Model<B: Backend> {
     hybrid: HybridConfig,
     slice: RankSlice,
     rope: RopeTable,
+    /// This rank's share of the delta-net heads.
+    share: Share,
     embed_tokens: Option<B::Weight>, // the first stage
     layers: Vec<Layer<B::Weight>>,   // the slice's layers
     norm: Option<B::Weight>,         // the last stage
@@ -122,6 +129,49 @@ impl<B: Backend> Scratch<B> {
     }
 }
 
+/// The delta-net heads one rank holds: the key heads in the same share of
+/// `k_heads` as its query heads are of `num_heads`, and every value head that
+/// reads them, in the file's order (so a tiled file's local heads are tiled
+/// too).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Share {
+    pub k_heads: Range<usize>,
+    pub v_heads: Vec<usize>,
+    /// The local geometry: these heads only.
+    pub delta: DeltaGeometry,
+}
+
+impl Share {
+    pub(crate) fn of(cfg: &ModelConfig, h: &HybridConfig, s: &RankSlice) -> Share {
+        let d = h.delta;
+        let (nk, per) = (d.k_heads, d.v_heads / d.k_heads.max(1));
+        let at = |head: usize| if head >= cfg.num_heads { nk } else { head * nk / cfg.num_heads };
+        let k_heads = at(s.heads.start)..at(s.heads.end);
+        let v_heads = match d.v_order {
+            VHeadOrder::Grouped => k_heads.clone().flat_map(|k| k * per..(k + 1) * per).collect(),
+            VHeadOrder::Tiled => (0..per).flat_map(|t| k_heads.clone().map(move |k| t * nk + k)).collect(),
+        };
+        let delta = DeltaGeometry { k_heads: k_heads.len(), v_heads: k_heads.len() * per, ..d };
+        Share { k_heads, v_heads, delta }
+    }
+
+    /// Rows of the q, k and v channels (of `in_proj_qkv` and the conv).
+    fn channels(&self, whole: &DeltaGeometry) -> Vec<Range<usize>> {
+        let (dk, dv, key) = (whole.k_dim, whole.v_dim, whole.key_width());
+        let (q, k) = (
+            self.k_heads.start * dk..self.k_heads.end * dk,
+            key + self.k_heads.start * dk..key + self.k_heads.end * dk,
+        );
+        let v = self.v_heads.iter().map(|&v| 2 * key + v * dv..2 * key + (v + 1) * dv);
+        crate::llama::coalesce(std::iter::once(q).chain(std::iter::once(k)).chain(v))
+    }
+
+    /// Blocks of `width` per value head (rows of z, columns of out_proj).
+    fn per_v_head(&self, width: usize) -> Vec<Range<usize>> {
+        crate::llama::coalesce(self.v_heads.iter().map(|&v| v * width..(v + 1) * width))
+    }
+}
+
 /// The hybrid part of a config, or an error naming what is missing.
 fn hybrid_of(cfg: &ModelConfig) -> Result<&HybridConfig, ModelError> {
     cfg.hybrid.as_ref().ok_or_else(|| ModelError::Step("a qwen3_5 model without its hybrid config".into()))
@@ -144,16 +194,12 @@ impl<B: Backend> Model<B> {
     ) -> Result<Self, ModelError> {
         let cfg = ckpt.config().clone();
         let hybrid = hybrid_of(&cfg)?.clone();
-        let whole = RankSlice::full(&cfg);
-        let tensor = slice.heads != whole.heads
-            || slice.kv_heads != whole.kv_heads
-            || slice.ffn != whole.ffn
-            || slice.vocab != whole.vocab;
-        if tensor || slice.layers.end > cfg.num_layers {
+        crate::llama::check_slice(&cfg, slice)?;
+        let share = Share::of(&cfg, &hybrid, slice);
+        if share.delta.k_heads == 0 && hybrid.layer_types[slice.layers.clone()].contains(&LayerKind::Linear) {
             return Err(ModelError::Step(format!(
-                "{}: the qwen3_5 hybrid runs on one rank or as pipeline stages of whole layers; \
-                 tensor layouts of it are not supported (slice {slice:?})",
-                slice.rank
+                "{}: query heads {:?} leave this rank none of the {} delta-net key heads; give it a larger share",
+                slice.rank, slice.heads, hybrid.delta.k_heads
             )));
         }
         let bytes = std::cell::Cell::new(0u64);
@@ -171,6 +217,7 @@ impl<B: Backend> Model<B> {
         let parts = place(ckpt, slice, &|t| Ok(backend.upload_weight(&t)?), &mut progress)?;
         Ok(Model {
             rope: rope_table(&cfg, &hybrid),
+            share,
             slice: slice.clone(),
             config: cfg,
             hybrid,
@@ -198,11 +245,10 @@ impl<B: Backend> Model<B> {
         max_rows: usize,
         max_logit_rows: usize,
     ) -> Result<Workspace<B>, ModelError> {
-        let c = &self.config;
-        let d = self.hybrid.delta;
+        let (c, s) = (&self.config, &self.slice);
+        let d = self.share.delta;
         let a = |rows: usize, cols: usize| backend.alloc_act(ActShape { rows, cols });
-        let (q_out, kv_out, ffn) =
-            (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
+        let (q_out, kv_out, ffn) = (s.heads.len() * c.head_dim, s.kv_heads.len() * c.head_dim, s.ffn.len());
         let linear = self.local(LayerKind::Linear);
         let slots = max_logit_rows;
         let scratch = Scratch {
@@ -231,8 +277,8 @@ impl<B: Backend> Model<B> {
             act: a(max_rows, ffn)?,
             last: a(max_logit_rows, c.hidden_size)?,
             last_n: a(max_logit_rows, c.hidden_size)?,
-            logits: a(max_logit_rows, c.vocab_size)?,
-            host_logits: Vec::new(),
+            logits: a(max_logit_rows, s.vocab.len())?,
+            host_logits: Vec::with_capacity(max_logit_rows * s.vocab.len()),
             moe: None,
             hybrid: Some(scratch),
         })
@@ -252,7 +298,7 @@ impl<B: Backend> Model<B> {
         KvGeometry {
             page_size,
             num_pages,
-            kv_heads: self.config.num_kv_heads,
+            kv_heads: self.slice.kv_heads.len(),
             head_dim: self.config.head_dim,
         }
     }
@@ -286,12 +332,12 @@ impl<B: Backend> Model<B> {
 
     /// Bytes of KV one token occupies (the full-attention layers only).
     pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
-        2 * self.kv_layers() * self.config.num_kv_heads * self.config.head_dim * elem_bytes
+        2 * self.kv_layers() * self.slice.kv_heads.len() * self.config.head_dim * elem_bytes
     }
 
     /// Bytes of recurrent state one sequence holds (f32).
     pub fn state_bytes_per_seq(&self) -> Bytes {
-        state_bytes_in(&self.hybrid, self.slice.layers.clone())
+        state_bytes_in(&self.hybrid, &self.share.delta, self.slice.layers.clone())
     }
 
     /// Run this rank's part of one step: the whole model, or one pipeline
@@ -352,20 +398,21 @@ impl<B: Backend> Model<B> {
             b.check()?;
             return Ok(());
         }
-        if c.world() == 1 {
+        if c.world() == 1 && self.slice.vocab == (0..self.config.vocab_size) {
             b.read_rows(&ws.logits, n, logits);
             b.check()?;
             return Ok(());
         }
-        // A pipeline's last stage holds the whole vocabulary; the gather
-        // hands its rows to whichever rank samples.
+        // Each rank's vocabulary rows; only the rank that samples holds the
+        // whole rows after the gather.
         b.read_rows(&ws.logits, n, &mut ws.host_logits);
         b.check()?;
+        let start = self.slice.vocab.start;
         if c.gathers_here() {
             logits.resize(n * self.config.vocab_size, 0.0);
-            c.gather_cols(&ws.host_logits, n, 0, Some(logits))?;
+            c.gather_cols(&ws.host_logits, n, start, Some(logits))?;
         } else {
-            c.gather_cols(&ws.host_logits, n, 0, None)?;
+            c.gather_cols(&ws.host_logits, n, start, None)?;
         }
         Ok(())
     }
@@ -391,7 +438,8 @@ impl<B: Backend> Model<B> {
         step: &StepInput<'_>,
     ) -> Result<(), ModelError> {
         let cfg = &self.config;
-        let d = self.hybrid.delta;
+        let d = self.share.delta;
+        let heads = self.slice.heads.len();
         let rows = step.tokens.len();
         let eps = cfg.rms_norm_eps;
         let Some(sc) = ws.hybrid.as_mut() else {
@@ -439,9 +487,10 @@ impl<B: Backend> Model<B> {
                         kv_layer,
                         step.seqs,
                     );
-                    b.attention(&ws.q, kv_layer, cfg.num_heads, step.seqs, &mut ws.attn);
+                    b.attention(&ws.q, kv_layer, heads, step.seqs, &mut ws.attn);
                     b.sigmoid_mul(&mut ws.attn, &sc.gate, rows)?;
                     b.matmul(&ws.attn, o_proj, None, rows, &mut ws.proj);
+                    c.all_reduce_sum(b, &mut ws.proj, rows)?;
                 }
                 Mixer::Delta {
                     in_proj_qkv,
@@ -480,6 +529,7 @@ impl<B: Backend> Model<B> {
                     })?;
                     b.gated_rms_norm(&mut sc.core, &sc.z, norm, eps, d.v_dim, rows)?;
                     b.matmul(&sc.core, out_proj, None, rows, &mut ws.proj);
+                    c.all_reduce_sum(b, &mut ws.proj, rows)?;
                 }
             }
             b.add_rms_norm(&mut ws.x, &ws.proj, &layer.post_attention_layernorm, eps, rows, &mut ws.h);
@@ -493,6 +543,7 @@ impl<B: Backend> Model<B> {
                 &mut ws.act,
             );
             b.matmul(&ws.act, &layer.down_proj, None, rows, &mut ws.proj);
+            c.all_reduce_sum(b, &mut ws.proj, rows)?;
         }
         if !self.layers.is_empty() {
             b.add_assign(&mut ws.x, &ws.proj, rows);
@@ -658,8 +709,64 @@ fn gguf_name(layer: Option<usize>, part: &str) -> Option<String> {
     Some(format!("blk.{i}.{name}"))
 }
 
-/// Read every tensor of `slice`, checking shapes, and hand each (reshaped or
-/// converted where the kernels want it so) to `up`.
+/// Columns `blocks` (concatenated) of a matrix: bytes copied where the
+/// blocks are whole storage blocks, else widened to f32 (exactly the values
+/// the kernels would dequantize). The whole matrix comes back as it is.
+fn select_cols(t: HostTensor, blocks: &[Range<usize>]) -> Result<HostTensor, ModelError> {
+    let (rows, ncols) = t.rows_cols();
+    if blocks.len() == 1 && blocks[0] == (0..ncols) {
+        return Ok(t);
+    }
+    if blocks.len() == 1 {
+        return select(t, std::slice::from_ref(&(0..rows)), Some(blocks[0].clone()));
+    }
+    let bad = |reason: String| {
+        ModelError::Backend(corridor_backend::BackendError::BadTensor { name: t.name.clone(), reason })
+    };
+    if blocks.iter().any(|b| b.end > ncols || b.start > b.end) {
+        return Err(bad(format!("columns {blocks:?} outside {:?}", t.shape)));
+    }
+    let (be, bb) = (t.dtype.block_elems(), t.dtype.block_bytes());
+    let row_bytes = t
+        .dtype
+        .bytes_for(ncols)
+        .ok_or_else(|| bad(format!("{ncols} columns are not whole {} blocks", t.dtype)))?;
+    let width: usize = blocks.iter().map(|b| b.len()).sum();
+    let data = t.data.bytes();
+    let aligned = blocks.iter().all(|b| b.start.is_multiple_of(be) && b.end.is_multiple_of(be));
+    let mut bytes = Vec::new();
+    let dtype = if aligned {
+        for r in 0..rows {
+            let row = &data[r * row_bytes..(r + 1) * row_bytes];
+            for b in blocks {
+                bytes.extend_from_slice(&row[b.start / be * bb..b.end / be * bb]);
+            }
+        }
+        t.dtype
+    } else {
+        let mut row = vec![0f32; ncols];
+        for r in 0..rows {
+            corridor_backend::cpu::quant::dequantize_row(
+                t.dtype,
+                &data[r * row_bytes..(r + 1) * row_bytes],
+                &mut row,
+            );
+            for b in blocks {
+                bytes.extend(row[b.clone()].iter().flat_map(|v| v.to_le_bytes()));
+            }
+        }
+        DType::F32
+    };
+    Ok(HostTensor {
+        name: t.name.clone(),
+        dtype,
+        shape: vec![rows, width],
+        data: TensorBytes::from_vec(bytes),
+    })
+}
+
+/// Read every tensor of `slice`, checking shapes, cut it to the slice and
+/// hand it (reshaped or converted where the kernels want it so) to `up`.
 fn place<W>(
     ckpt: &Checkpoint,
     slice: &RankSlice,
@@ -669,6 +776,7 @@ fn place<W>(
     let cfg = ckpt.config();
     let h = hybrid_of(cfg)?;
     let d = h.delta;
+    let share = Share::of(cfg, h, slice);
     let (hidden, hd, ffn) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
     let (q_out, kv_out) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
     let src = Source::of(ckpt);
@@ -679,84 +787,94 @@ fn place<W>(
         Ok(t)
     };
     let load = |layer: Option<usize>, part: &str, shape: &[usize]| up(read(layer, part, shape)?);
-    // A vector computed from the stored one, as f32.
-    let mapped =
-        |layer: Option<usize>, part: &str, n: usize, f: &dyn Fn(f32) -> f32| -> Result<W, ModelError> {
-            let t = read(layer, part, &[n])?;
-            let values: Vec<f32> = f32_values(&t)?.into_iter().map(f).collect();
-            up(f32_tensor(&t.name, vec![n], &values))
-        };
+    let rows = |layer: Option<usize>, part: &str, shape: &[usize], blocks: &[Range<usize>]| {
+        up(select(read(layer, part, shape)?, blocks, None)?)
+    };
+    let cols = |layer: Option<usize>, part: &str, shape: &[usize], blocks: &[Range<usize>]| {
+        up(select_cols(read(layer, part, shape)?, blocks)?)
+    };
+    // A vector's chosen elements, computed from the stored ones, as f32.
+    let mapped = |layer: Option<usize>, part: &str, n: usize, pick: &[usize], f: &dyn Fn(f32) -> f32| {
+        let t = read(layer, part, &[n])?;
+        let all = f32_values(&t)?;
+        let values: Vec<f32> = pick.iter().map(|&i| f(all[i])).collect();
+        up(f32_tensor(&t.name, vec![values.len()], &values))
+    };
+    let every = |n: usize| (0..n).collect::<Vec<_>>();
     // A zero-centred norm: the kernels scale by the weight, so hand them
     // 1 + w (a GGUF file stores it so already).
     let norm = |layer: Option<usize>, part: &str, n: usize| -> Result<W, ModelError> {
         if gguf {
             load(layer, part, &[n])
         } else {
-            mapped(layer, part, n, &|w| 1.0 + w)
+            mapped(layer, part, n, &every(n), &|w| 1.0 + w)
         }
     };
-    // A tied head on the last stage reads the embedding table too.
+    // A present lm_head always wins, as in transformers' loading; a tied head
+    // over the whole vocabulary is the embedding table itself.
     let tied = !src.has(ckpt, None, "lm_head.weight");
-    let embed_tokens = if slice.embeds() || (tied && slice.emits_logits()) {
+    let whole_vocab = slice.vocab == (0..cfg.vocab_size);
+    let embed_tokens = if slice.embeds() || (tied && whole_vocab && slice.emits_logits()) {
         Some(load(None, "embed_tokens.weight", &[cfg.vocab_size, hidden])?)
     } else {
         None
     };
     progress(1);
+    let q_heads: Vec<Range<usize>> = slice.heads.clone().map(|j| 2 * j * hd..(2 * j + 1) * hd).collect();
+    let g_heads: Vec<Range<usize>> =
+        slice.heads.clone().map(|j| (2 * j + 1) * hd..(2 * j + 2) * hd).collect();
+    let kv_rows = crate::llama::coalesce(slice.kv_heads.iter().map(|&k| k * hd..(k + 1) * hd));
+    let o_range = slice.heads.start * hd..slice.heads.end * hd;
+    let o_cols = std::slice::from_ref(&o_range);
+    let (channels, z_rows, heads_v) = (share.channels(&d), share.per_v_head(d.v_dim), share.per_v_head(1));
+    let ffn_rows = [slice.ffn.clone()];
     let (mut kv, mut state) = (0, 0);
     let mut layers = Vec::with_capacity(slice.layers.len());
     for i in slice.layers.clone() {
-        let kind = &h.layer_types[i];
         let l = Some(i);
-        let mixer = match kind {
+        let mixer = match h.layer_types[i] {
             LayerKind::Full => {
                 // q_proj interleaves per head: head j's query rows, then its gate rows.
-                let q_rows: Vec<Range<usize>> =
-                    (0..cfg.num_heads).map(|j| 2 * j * hd..(2 * j + 1) * hd).collect();
-                let g_rows: Vec<Range<usize>> =
-                    (0..cfg.num_heads).map(|j| (2 * j + 1) * hd..(2 * j + 2) * hd).collect();
                 let q = read(l, "self_attn.q_proj.weight", &[2 * q_out, hidden])?;
                 let m = Mixer::Attention {
-                    q_proj: up(select(q.clone(), &q_rows, None)?)?,
-                    gate: up(select(q, &g_rows, None)?)?,
-                    k_proj: load(l, "self_attn.k_proj.weight", &[kv_out, hidden])?,
-                    v_proj: load(l, "self_attn.v_proj.weight", &[kv_out, hidden])?,
+                    q_proj: up(select(q.clone(), &q_heads, None)?)?,
+                    gate: up(select(q, &g_heads, None)?)?,
+                    k_proj: rows(l, "self_attn.k_proj.weight", &[kv_out, hidden], &kv_rows)?,
+                    v_proj: rows(l, "self_attn.v_proj.weight", &[kv_out, hidden], &kv_rows)?,
                     q_norm: norm(l, "self_attn.q_norm.weight", hd)?,
                     k_norm: norm(l, "self_attn.k_norm.weight", hd)?,
-                    o_proj: load(l, "self_attn.o_proj.weight", &[hidden, q_out])?,
+                    o_proj: cols(l, "self_attn.o_proj.weight", &[hidden, q_out], o_cols)?,
                     kv,
                 };
                 kv += 1;
                 m
             }
             LayerKind::Linear => {
-                let channels = d.conv_channels();
+                let all = d.conv_channels();
                 let conv = src.read(ckpt, l, "linear_attn.conv1d.weight")?;
                 // [channels, 1, taps] as trained, [channels, taps] once squeezed.
-                let want: &[usize] = if conv.shape.len() == 3 {
-                    &[channels, 1, d.conv_kernel]
-                } else {
-                    &[channels, d.conv_kernel]
-                };
+                let want: &[usize] =
+                    if conv.shape.len() == 3 { &[all, 1, d.conv_kernel] } else { &[all, d.conv_kernel] };
                 check_shape(ckpt, &conv, want)?;
-                let conv = HostTensor { shape: vec![channels, d.conv_kernel], ..conv };
+                let conv = HostTensor { shape: vec![all, d.conv_kernel], ..conv };
+                let v = &share.v_heads;
                 // The kernels take the decay rate exp(A_log); a GGUF file
                 // stores its negation.
                 let decay = if gguf {
-                    mapped(l, "linear_attn.A_log", d.v_heads, &|a| -a)?
+                    mapped(l, "linear_attn.A_log", d.v_heads, v, &|a| -a)?
                 } else {
-                    mapped(l, "linear_attn.A_log", d.v_heads, &f32::exp)?
+                    mapped(l, "linear_attn.A_log", d.v_heads, v, &f32::exp)?
                 };
                 let m = Mixer::Delta {
-                    in_proj_qkv: load(l, "linear_attn.in_proj_qkv.weight", &[channels, hidden])?,
-                    in_proj_z: load(l, "linear_attn.in_proj_z.weight", &[d.value_width(), hidden])?,
-                    in_proj_b: load(l, "linear_attn.in_proj_b.weight", &[d.v_heads, hidden])?,
-                    in_proj_a: load(l, "linear_attn.in_proj_a.weight", &[d.v_heads, hidden])?,
-                    conv: up(conv)?,
+                    in_proj_qkv: rows(l, "linear_attn.in_proj_qkv.weight", &[all, hidden], &channels)?,
+                    in_proj_z: rows(l, "linear_attn.in_proj_z.weight", &[d.value_width(), hidden], &z_rows)?,
+                    in_proj_b: rows(l, "linear_attn.in_proj_b.weight", &[d.v_heads, hidden], &heads_v)?,
+                    in_proj_a: rows(l, "linear_attn.in_proj_a.weight", &[d.v_heads, hidden], &heads_v)?,
+                    conv: up(select(conv, &channels, None)?)?,
                     decay,
-                    dt_bias: load(l, "linear_attn.dt_bias", &[d.v_heads])?,
+                    dt_bias: mapped(l, "linear_attn.dt_bias", d.v_heads, v, &|x| x)?,
                     norm: load(l, "linear_attn.norm.weight", &[d.v_dim])?,
-                    out_proj: load(l, "linear_attn.out_proj.weight", &[hidden, d.value_width()])?,
+                    out_proj: cols(l, "linear_attn.out_proj.weight", &[hidden, d.value_width()], &z_rows)?,
                     state,
                 };
                 state += 1;
@@ -767,18 +885,20 @@ fn place<W>(
             input_layernorm: norm(l, "input_layernorm.weight", hidden)?,
             mixer,
             post_attention_layernorm: norm(l, "post_attention_layernorm.weight", hidden)?,
-            gate_proj: load(l, "mlp.gate_proj.weight", &[ffn, hidden])?,
-            up_proj: load(l, "mlp.up_proj.weight", &[ffn, hidden])?,
-            down_proj: load(l, "mlp.down_proj.weight", &[hidden, ffn])?,
+            gate_proj: rows(l, "mlp.gate_proj.weight", &[ffn, hidden], &ffn_rows)?,
+            up_proj: rows(l, "mlp.up_proj.weight", &[ffn, hidden], &ffn_rows)?,
+            down_proj: cols(l, "mlp.down_proj.weight", &[hidden, ffn], &ffn_rows)?,
         });
         progress(1);
     }
     let (norm_w, head) = if slice.emits_logits() {
-        // A present lm_head always wins, as in transformers' loading.
-        let head = if tied {
-            Head::Tied
-        } else {
-            Head::Own(load(None, "lm_head.weight", &[cfg.vocab_size, hidden])?)
+        let vocab_rows = [slice.vocab.clone()];
+        let head = match (tied, whole_vocab) {
+            (true, true) => Head::Tied,
+            (true, false) => {
+                Head::Own(rows(None, "embed_tokens.weight", &[cfg.vocab_size, hidden], &vocab_rows)?)
+            }
+            (false, _) => Head::Own(rows(None, "lm_head.weight", &[cfg.vocab_size, hidden], &vocab_rows)?),
         };
         (Some(norm(None, "norm.weight", hidden)?), Some(head))
     } else {
@@ -791,14 +911,13 @@ fn place<W>(
 /// Bytes of recurrent state one sequence holds across every linear layer
 /// (f32: the convolution's window and the delta rule's matrices).
 pub fn state_bytes_per_seq(h: &HybridConfig) -> Bytes {
-    state_bytes_in(h, 0..h.layer_types.len())
+    state_bytes_in(h, &h.delta, 0..h.layer_types.len())
 }
 
-/// As [`state_bytes_per_seq`], for the linear layers among `layers`.
-fn state_bytes_in(h: &HybridConfig, layers: Range<usize>) -> Bytes {
-    let per_layer = h.delta.conv_state_elems() + h.delta.recurrent_state_elems();
-    let linear = h.layer_types[layers].iter().filter(|&&k| k == LayerKind::Linear).count();
-    Bytes((4 * per_layer * linear) as u64)
+/// As [`state_bytes_per_seq`], for heads `d` of the linear layers among `layers`.
+fn state_bytes_in(h: &HybridConfig, d: &DeltaGeometry, layers: Range<usize>) -> Bytes {
+    let per_layer = d.conv_state_elems() + d.recurrent_state_elems();
+    Bytes((4 * per_layer * count_in(h, layers, LayerKind::Linear)) as u64)
 }
 
 /// Layers of `kind` among `layers`.
@@ -807,7 +926,8 @@ fn count_in(h: &HybridConfig, layers: Range<usize>, kind: LayerKind) -> usize {
 }
 
 /// The hybrid's prices for the layout cost model: weight, workspace, state
-/// and KV bytes of a slice (the whole model or a pipeline stage).
+/// and KV bytes of a slice (the whole model, a pipeline stage or a tensor
+/// share).
 pub mod cost {
     use super::*;
 
@@ -816,8 +936,8 @@ pub mod cost {
     pub fn weights(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig, s: &RankSlice) -> Bytes {
         let w = |elems: usize| crate::layout::elems_bytes(m.weight_dtype, elems);
         let f32s = |elems: usize| (elems * 4) as u64;
-        let (hid, hd, d) = (cfg.hidden_size, cfg.head_dim, h.delta);
-        let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        let (hid, hd, d) = (cfg.hidden_size, cfg.head_dim, Share::of(cfg, h, s).delta);
+        let (q, kv) = (s.heads.len() * hd, s.kv_heads.len() * hd);
         let full = w(2 * q * hid) + 2 * w(kv * hid) + w(hid * q) + f32s(2 * hd);
         let linear = w(d.conv_channels() * hid)
             + w(d.value_width() * hid)
@@ -826,37 +946,48 @@ pub mod cost {
             + w(hid * d.value_width());
         let per_layer = |kind: &LayerKind| {
             f32s(2 * hid)
-                + 3 * w(cfg.intermediate_size * hid)
+                + 3 * w(s.ffn.len() * hid)
                 + match kind {
                     LayerKind::Full => full,
                     LayerKind::Linear => linear,
                 }
         };
         let mut total: u64 = h.layer_types[s.layers.clone()].iter().map(per_layer).sum();
-        let tied = cfg.tie_word_embeddings;
-        if s.embeds() || (tied && s.emits_logits()) {
+        let shared = cfg.tie_word_embeddings && s.vocab.len() == cfg.vocab_size;
+        if s.embeds() || (shared && s.emits_logits()) {
             total += w(cfg.vocab_size * hid);
         }
         if s.emits_logits() {
-            total += f32s(hid) + if tied { 0 } else { w(cfg.vocab_size * hid) };
+            total += f32s(hid) + if shared { 0 } else { w(s.vocab.len() * hid) };
         }
         Bytes(total)
     }
 
-    /// State bytes of `s`: one slot per logit row of its linear layers.
-    pub fn state(m: &CostModel, h: &HybridConfig, s: &RankSlice) -> Bytes {
-        Bytes(state_bytes_in(h, s.layers.clone()).get() * m.max_logit_rows as u64)
+    /// State bytes of `s`: one slot per logit row, its heads of its linear layers.
+    pub fn state(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig, s: &RankSlice) -> Bytes {
+        let d = Share::of(cfg, h, s).delta;
+        Bytes(state_bytes_in(h, &d, s.layers.clone()).get() * m.max_logit_rows as u64)
     }
 
-    /// Workspace bytes (see [`super::workspace_bytes`]).
-    pub fn workspace(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig) -> Bytes {
-        workspace_bytes(cfg, h, m.max_rows, m.max_logit_rows)
+    /// Workspace bytes of `s` (see [`super::workspace_bytes`]).
+    pub fn workspace(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig, s: &RankSlice) -> Bytes {
+        let d = Share::of(cfg, h, s).delta;
+        let (q, kv) = (s.heads.len() * cfg.head_dim, s.kv_heads.len() * cfg.head_dim);
+        let per_row = 3 * cfg.hidden_size
+            + 3 * q
+            + 2 * kv
+            + 3 * s.ffn.len()
+            + d.conv_channels()
+            + 2 * d.value_width()
+            + 2 * d.v_heads;
+        let per_logit_row = 2 * cfg.hidden_size + s.vocab.len() + cfg.vocab_size;
+        Bytes(4 * (m.max_rows * per_row + m.max_logit_rows * per_logit_row) as u64)
     }
 
     /// KV bytes one token takes on `s`: K and V of its full-attention layers.
     pub fn kv_per_token(m: &CostModel, cfg: &ModelConfig, h: &HybridConfig, s: &RankSlice) -> Bytes {
         let full = count_in(h, s.layers.clone(), LayerKind::Full) as u64;
-        Bytes(full * 2 * (cfg.num_kv_heads * cfg.head_dim) as u64 * m.kv_elem_bytes)
+        Bytes(full * 2 * (s.kv_heads.len() * cfg.head_dim) as u64 * m.kv_elem_bytes)
     }
 }
 

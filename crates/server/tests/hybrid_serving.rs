@@ -1,7 +1,8 @@
 //! The tiny qwen3_5 hybrid served through the normal server: the greedy
 //! completion of the reference prompt is the text of transformers' greedy
 //! tokens on the CPU and on a sim card, with concurrent requests each
-//! getting that text, also as pipeline stages; a tensor layout of it is
+//! getting that text, also as uneven tensor shares and pipeline stages (CPU
+//! threads and sim cards); a share that would hold no delta-net head is
 //! refused at boot with a reason.
 
 mod http_common;
@@ -99,35 +100,39 @@ fn the_tiny_hybrid_gguf_serves_transformers_greedy_text() {
     }
 }
 
-/// Pipeline stages of the hybrid (CPU threads, and sim cards of their own)
-/// serve the same text; each stage holds its layers' KV and state.
+/// Uneven tensor shares and pipeline stages of the hybrid (CPU threads, and
+/// sim cards of their own) serve the same text; each rank holds the KV and
+/// state of its own layers and heads.
 #[test]
-fn the_tiny_hybrid_as_pipeline_stages_serves_transformers_greedy_text() {
+fn the_tiny_hybrid_as_a_layout_serves_transformers_greedy_text() {
     let (prompt, _, want, n) = reference();
-    for split in [vec![3, 1], vec![1, 3]] {
-        let l = LayoutSpec { tp: 1, tp_split: Split::Even, pp: 2, pp_split: Split::Ratio(split) };
+    let tp = |r: Vec<usize>| LayoutSpec { tp: 2, tp_split: Split::Ratio(r), pp: 1, pp_split: Split::Even };
+    let pp = |r: Vec<usize>| LayoutSpec { tp: 1, tp_split: Split::Even, pp: 2, pp_split: Split::Ratio(r) };
+    for l in [tp(vec![3, 1]), pp(vec![3, 1]), pp(vec![1, 3])] {
         let mut opts = BootOptions::new(fixture("qwen3_5"));
         opts.layout = Some(l.clone());
         for (text, _) in complete(opts, &prompt, n, 2) {
             assert_eq!(text, want, "{l:?}");
         }
     }
-    let mut opts = BootOptions::new(fixture("qwen3_5"));
-    opts.devices = Devices::Sim(vec![Bytes::mib(160); 2]);
-    opts.floor_mib = Some("64".into());
-    opts.layout =
-        Some(LayoutSpec { tp: 1, tp_split: Split::Even, pp: 2, pp_split: Split::Ratio(vec![2, 2]) });
-    for (text, _) in complete(opts, &prompt, n, 2) {
-        assert_eq!(text, want, "pp=2 on sim cards");
+    for l in [tp(vec![3, 1]), pp(vec![2, 2])] {
+        let mut opts = BootOptions::new(fixture("qwen3_5"));
+        opts.devices = Devices::Sim(vec![Bytes::mib(160); 2]);
+        opts.floor_mib = Some("64".into());
+        opts.layout = Some(l.clone());
+        for (text, _) in complete(opts, &prompt, n, 2) {
+            assert_eq!(text, want, "{l:?} on sim cards");
+        }
     }
 }
 
 #[test]
-fn a_tensor_layout_of_the_hybrid_is_refused_with_a_reason() {
+fn a_share_without_a_delta_net_head_is_refused_with_a_reason() {
     let mut opts = BootOptions::new(fixture("qwen3_5"));
-    opts.layout = Some(LayoutSpec { tp: 2, tp_split: Split::Even, pp: 1, pp_split: Split::Even });
-    let err = boot(&opts, |_, _| {}).err().expect("a tensor layout of the hybrid boots");
-    assert!(err.to_string().contains("tensor layouts"), "{err}");
+    opts.layout =
+        Some(LayoutSpec { tp: 3, tp_split: Split::Ratio(vec![2, 1, 1]), pp: 1, pp_split: Split::Even });
+    let err = boot(&opts, |_, _| {}).err().expect("a share without a key head boots");
+    assert!(err.to_string().contains("delta-net key heads"), "{err}");
 }
 
 /// The recurrent state of every slot is booked, as state, before KV is
