@@ -1361,6 +1361,16 @@ def main() -> int:
             with_batch=True,
         ),
         HfFixture(
+            # Model #8's config in bf16 with other weights: the zero-centred norms, A_log and
+            # dt_bias are rounded too, and widened exactly on load.
+            name="qwen3_5-bf16",
+            model_class=Qwen3_5ForCausalLM,
+            config=qwen3_5_config(),
+            seed=9,
+            dtype=torch.bfloat16,
+            generation=plain_eos,
+        ),
+        HfFixture(
             name="mistral",
             model_class=MistralForCausalLM,
             config=mistral_config(),
