@@ -784,14 +784,9 @@ fn balance(
         Share::Ffn => RankSlice { ffn: 0..units, ..base.ranks[i].clone() },
         Share::Vocab => RankSlice { vocab: 0..units, ..base.ranks[i].clone() },
     };
-    let fixed: Vec<Bytes> =
-        (0..n).map(|i| cost.weights(cfg, &with(i, 0)) + cost.workspace(cfg, &with(i, 0))).collect();
-    let per_block: Vec<u64> = (0..n)
-        .map(|i| {
-            (cost.weights(cfg, &with(i, granule)) + cost.workspace(cfg, &with(i, granule))).get()
-                - fixed[i].get()
-        })
-        .collect();
+    let resident = |s: &RankSlice| cost.weights(cfg, s) + cost.workspace(cfg, s) + cost.state(cfg, s);
+    let fixed: Vec<Bytes> = (0..n).map(|i| resident(&with(i, 0))).collect();
+    let per_block: Vec<u64> = (0..n).map(|i| resident(&with(i, granule)).get() - fixed[i].get()).collect();
     let geometry = group_geometry(cfg, base, cards, cost);
     let room = |i: usize| {
         let c = &cards[i];
