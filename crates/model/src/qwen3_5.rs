@@ -1,5 +1,7 @@
-//! Qwen3.5 (`qwen3_5_text`, `Qwen3_5ForCausalLM`): a hybrid decoder whose
-//! layers mix tokens in one of two ways, as the config's `layer_types` say.
+//! Qwen3.5 (`qwen3_5_text`: `Qwen3_5ForCausalLM`, the language model of the
+//! released `Qwen3_5ForConditionalGeneration` checkpoints, and llama.cpp's
+//! `qwen35` GGUF): a hybrid decoder whose layers mix tokens in one of two
+//! ways, as the config's `layer_types` say.
 //!
 //! - Full attention (every fourth layer in the released models): grouped-query
 //!   attention over the paged KV cache, as in Qwen3, with three differences:
@@ -16,8 +18,9 @@
 //!
 //! Every RMSNorm of the residual stream and the q/k norms scale by
 //! `1 + weight` (the weights are stored centred on zero); the weights are
-//! widened to f32 and shifted once at load, so the common norm kernels apply.
-//! The delta-net's own norm scales by its weight as stored.
+//! widened to f32 and shifted once at load (a GGUF file stores them shifted
+//! already), so the common norm kernels apply. The delta-net's own norm
+//! scales by its weight as stored.
 //!
 //! A linear-attention layer keeps no KV: each running sequence holds a
 //! fixed-size state (the convolution's last inputs and the delta rule's
@@ -50,7 +53,8 @@ use corridor_backend::{
 use corridor_units::Bytes;
 use std::ops::Range;
 
-/// One decoder layer's weights.
+/// One decoder layer's weights (shapes of the whole model; a tensor share
+/// holds its rows or columns of each).
 struct Layer<W> {
     input_layernorm: W, // [hidden], 1 + stored
     mixer: Mixer<W>,
