@@ -44,6 +44,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -261,6 +263,12 @@ def check_tokenizer_dir(out_dir: Path, tok: Tokenizer) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def zero_centered_norm(model: PreTrainedModel, name: str) -> bool:
+    """Whether parameter `name` is a norm weight applied as `1 + weight` (Qwen3.5's RMSNorm); the
+    gated norm inside its linear-attention layers multiplies by the weight itself."""
+    return model.config.model_type == "qwen3_5_text" and "norm" in name and "linear_attn.norm" not in name
+
+
 def init_weights(model: PreTrainedModel, seed: int) -> None:
     """Overwrite every parameter from a seeded generator, in sorted name order (deterministic)."""
     gen = torch.Generator().manual_seed(seed)
@@ -269,7 +277,10 @@ def init_weights(model: PreTrainedModel, seed: int) -> None:
         for name in sorted(params):
             p = params[name]
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if "norm" in name:
+            if zero_centered_norm(model, name):
+                # The effective scale 1 + weight is then distributed as every other norm's.
+                p.copy_(NORM_MEAN - 1.0 + NORM_STD * noise)
+            elif "norm" in name:
                 p.copy_(NORM_MEAN + NORM_STD * noise)
             elif name.endswith(".bias"):
                 p.copy_(BIAS_STD * noise)
@@ -419,6 +430,39 @@ def check_routing(model: PreTrainedModel, ids: list[int], name: str) -> None:
             used[e] += 1
         if bool((used == 0).any()) or bool((used == len(ids)).any()):
             raise RuntimeError(f"{name}: sparse layer #{i} uses its experts {used.tolist()}")
+
+
+def qwen3_5_config() -> Qwen3_5TextConfig:
+    # The hybrid: layer_types from full_attention_interval 4 give three gated delta-net layers and
+    # one full-attention layer. Full attention: head_dim 32 with a quarter of it rotated (partial
+    # rotary 0.25, as Qwen3.5 ships), q_proj doubled for the output gate. Linear attention: 2 key
+    # heads of 16 shared by 4 value heads of 16 (grouped as in the 27B), a 4-tap causal conv.
+    return Qwen3_5TextConfig(
+        vocab_size=TOKENIZER_VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=4,
+        full_attention_interval=4,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=MAX_POSITION,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        tie_word_embeddings=False,
+        attention_bias=False,
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=IM_END_ID,
+    )
 
 
 def mistral_config() -> MistralConfig:
@@ -946,6 +990,137 @@ def write_moe_gguf_fixture(out_root: Path, name: str, seed: int, tok: Tokenizer,
     write_json(out_root / f"{name}.reference.json", record)
 
 
+# Hugging Face part names of a qwen3_5 layer and their llama.cpp `qwen35` names.
+QWEN35_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+}
+
+
+def tiled_v_heads(x: np.ndarray, axis: int, k_heads: int, v_per_k: int, head: int) -> np.ndarray:
+    """Value heads along `axis` from grouped order (every value head of key head 0, then of key head
+    1, ...) to tiled order (one of each key head's, then the next of each), as llama.cpp's converter
+    stores them for ggml's broadcast."""
+    shape = list(x.shape)
+    split = shape[:axis] + [k_heads, v_per_k, head] + shape[axis + 1 :]
+    return np.ascontiguousarray(np.swapaxes(x.reshape(split), axis, axis + 1).reshape(shape))
+
+
+def qwen35_gguf_tensors(model: PreTrainedModel, cfg: Qwen3_5TextConfig) -> dict[str, np.ndarray]:
+    """The model's tensors as llama.cpp's converter writes a `qwen35` GGUF: norms other than the
+    delta-net's stored as 1 + weight, A_log as ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, the
+    convolution squeezed to [channels, taps], and value heads tiled in every tensor indexed by them."""
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
+    qk = 2 * nk * dk
+    out: dict[str, np.ndarray] = {}
+    for hf, t in model.state_dict().items():
+        data = t.detach().to(torch.float32).numpy()
+        if hf == "model.embed_tokens.weight":
+            out["token_embd.weight"] = data
+            continue
+        if hf == "model.norm.weight":
+            out["output_norm.weight"] = data + np.float32(1.0)
+            continue
+        if hf == "lm_head.weight":
+            out["output.weight"] = data
+            continue
+        _, _, layer, part = hf.split(".", 3)
+        name = f"blk.{layer}.{QWEN35_LAYER_NAMES[part]}"
+        if part.endswith("norm.weight") and part != "linear_attn.norm.weight":
+            data = data + np.float32(1.0)
+        elif part == "linear_attn.A_log":
+            data = -np.exp(data)
+        elif part == "linear_attn.conv1d.weight":
+            data = data.reshape(data.shape[0], data.shape[2])
+        if part in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
+            data = np.concatenate([data[:qk], tiled_v_heads(data[qk:], 0, nk, r, dv)])
+        elif part == "linear_attn.in_proj_z.weight":
+            data = tiled_v_heads(data, 0, nk, r, dv)
+        elif part in ("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight"):
+            data = tiled_v_heads(data, 0, nk, r, 1)
+        elif part in ("linear_attn.A_log", "linear_attn.dt_bias"):
+            data = tiled_v_heads(data.reshape(-1, 1), 0, nk, r, 1).reshape(-1)
+        elif part == "linear_attn.out_proj.weight":
+            data = tiled_v_heads(data, 1, nk, r, dv)
+        out[name] = np.ascontiguousarray(data)
+    return out
+
+
+def write_qwen35_gguf_fixture(out_root: Path, name: str, seed: int, tok: Tokenizer, prompt: Prompt) -> None:
+    """The tiny hybrid as a llama.cpp `qwen35` GGUF (see qwen35_gguf_tensors), with its transformers
+    reference. Matrices are F16; vectors and the convolution F32, as the converter keeps them. The
+    model is rounded to those values before the reference."""
+    path = out_root / f"{name}.gguf"
+    cfg = qwen3_5_config()
+    model = build_model(Qwen3_5ForCausalLM, cfg, seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.ndim == 2:
+                p.copy_(p.to(torch.float16).to(torch.float32))
+    tensors = qwen35_gguf_tensors(model, cfg)
+
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+    writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(cfg.linear_key_head_dim)
+    writer.add_ssm_group_count(cfg.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    writer.add_full_attention_interval(4)
+    add_gguf_tokenizer(writer, tok)
+    for tname in sorted(tensors):
+        data = tensors[tname]
+        f16 = data.ndim == 2 and not tname.endswith("ssm_conv1d.weight")
+        writer.add_tensor(tname, data.astype(np.float16 if f16 else np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    reader = gguf.GGUFReader(str(path))
+    for t in reader.tensors:
+        want = tensors[t.name]
+        got = np.array(t.data).astype(np.float32).reshape(want.shape)
+        if not np.array_equal(got, want):
+            raise RuntimeError(f"{path}: {t.name} did not round-trip")
+    if {t.name for t in reader.tensors} != set(tensors):
+        raise RuntimeError(f"{path}: the tensor set did not round-trip")
+    if cfg.layer_types != ["linear_attention"] * 3 + ["full_attention"]:
+        raise RuntimeError(f"{path}: full_attention_interval 4 does not give {cfg.layer_types}")
+    write_json(out_root / f"{name}.reference.json", reference(model, prompt, chat_record(tok)))
+
+
 def add_gguf_tokenizer(writer: gguf.GGUFWriter, tok: Tokenizer) -> None:
     """The tiny tokenizer as GGUF metadata (gpt2-style BPE with ChatML)."""
     tokens, merges = tokenizer_vocab_and_merges(tok)
@@ -1177,6 +1352,25 @@ def main() -> int:
             with_batch=True,
         ),
         HfFixture(
+            name="qwen3_5",
+            model_class=Qwen3_5ForCausalLM,
+            config=qwen3_5_config(),
+            seed=8,
+            dtype=torch.float32,
+            generation=plain_eos,
+            with_batch=True,
+        ),
+        HfFixture(
+            # Model #8's config in bf16 with other weights: the zero-centred norms, A_log and
+            # dt_bias are rounded too, and widened exactly on load.
+            name="qwen3_5-bf16",
+            model_class=Qwen3_5ForCausalLM,
+            config=qwen3_5_config(),
+            seed=9,
+            dtype=torch.bfloat16,
+            generation=plain_eos,
+        ),
+        HfFixture(
             name="mistral",
             model_class=MistralForCausalLM,
             config=mistral_config(),
@@ -1274,6 +1468,10 @@ def main() -> int:
         # Seed 42: the first from 40 whose routing passes check_routing.
         write_moe_gguf_fixture(out_root, "qwen3-moe-f16", 42, tok, prompt)
         print("wrote qwen3-moe-f16.gguf")
+
+    if wanted("qwen3_5-f16"):
+        write_qwen35_gguf_fixture(out_root, "qwen3_5-f16", 8, tok, prompt)
+        print("wrote qwen3_5-f16.gguf")
 
     sums = sha256_tree(out_root)
     (out_root / "SHA256SUMS").write_text("".join(f"{h}  {p}\n" for p, h in sums.items()))

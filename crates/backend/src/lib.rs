@@ -20,7 +20,7 @@ pub mod tuning;
 pub use dtype::{DType, HostTensor, TensorBytes, QK, QK_K};
 pub use tuning::CudaTuning;
 
-use corridor_units::PageId;
+use corridor_units::{PageId, StateSlot};
 use corridor_vram::KvArena;
 use std::sync::Arc;
 
@@ -71,6 +71,90 @@ pub struct KvGeometry {
     pub num_pages: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+}
+
+/// The heads of a gated delta-net layer (linear attention with the gated
+/// delta rule, as in Qwen3.5) and the fixed-size state each sequence carries
+/// through it: the last `conv_kernel - 1` inputs of its short causal
+/// convolution and one `[k_dim, v_dim]` matrix per value head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaGeometry {
+    pub k_heads: usize,
+    /// Value heads; a multiple of `k_heads` (each key head serves
+    /// `v_heads / k_heads` consecutive value heads).
+    pub v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    /// Taps of the depthwise causal convolution over q, k and v.
+    pub conv_kernel: usize,
+    /// How the value heads are ordered against the key heads they read.
+    pub v_order: VHeadOrder,
+}
+
+/// The order of a gated delta-net's value heads, which decides the key head
+/// each reads. Every tensor indexed by value head (v's rows and channels, z,
+/// a, b, the decay and bias vectors, the output projection's columns) follows
+/// the same order, so only this mapping depends on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VHeadOrder {
+    /// Hugging Face: the value heads of key head 0, then of key head 1, ...
+    /// (value head `h` reads key head `h / (v_heads / k_heads)`).
+    Grouped,
+    /// llama.cpp's GGUF files: one value head of every key head, then the
+    /// next of each (value head `h` reads key head `h % k_heads`).
+    Tiled,
+}
+
+impl DeltaGeometry {
+    /// Columns of the queries (and of the keys): `k_heads * k_dim`.
+    pub fn key_width(&self) -> usize {
+        self.k_heads * self.k_dim
+    }
+    /// Columns of the values and of the layer's output: `v_heads * v_dim`.
+    pub fn value_width(&self) -> usize {
+        self.v_heads * self.v_dim
+    }
+    /// Channels the convolution runs over: q, k and v side by side.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_width() + self.value_width()
+    }
+    /// f32 elements of one sequence's convolution state.
+    pub fn conv_state_elems(&self) -> usize {
+        self.conv_kernel.saturating_sub(1) * self.conv_channels()
+    }
+    /// The key head value head `h` reads.
+    pub fn key_head_of(&self, h: usize) -> usize {
+        match self.v_order {
+            VHeadOrder::Grouped => h / (self.v_heads / self.k_heads).max(1),
+            VHeadOrder::Tiled => h % self.k_heads.max(1),
+        }
+    }
+    /// f32 elements of one sequence's recurrent state.
+    pub fn recurrent_state_elems(&self) -> usize {
+        self.v_heads * self.k_dim * self.v_dim
+    }
+}
+
+/// The arguments of [`Backend::gated_delta_rule`].
+pub struct DeltaRule<'a, B: Backend + ?Sized> {
+    /// `[rows, conv_channels]`: q, k and v after the convolution.
+    pub qkv: &'a B::Act,
+    /// `[rows, v_heads]`: the decay's input (`in_proj_a`).
+    pub a: &'a B::Act,
+    /// `[rows, v_heads]`: the write strength's input (`in_proj_b`).
+    pub b: &'a B::Act,
+    /// `[v_heads]`: each head's decay rate (`exp(A_log)`, positive).
+    pub decay: &'a B::Weight,
+    /// `[v_heads]`: the bias added to `a` before the softplus.
+    pub dt_bias: &'a B::Weight,
+    pub geometry: DeltaGeometry,
+    /// `[slots, recurrent_state_elems]`.
+    pub state: &'a mut B::Act,
+    pub seqs: &'a [SeqStep<'a>],
+    /// Each sequence's state slot, parallel to `seqs`.
+    pub slots: &'a [StateSlot],
+    /// `[rows, value_width]`.
+    pub out: &'a mut B::Act,
 }
 
 /// One sequence's share of a batched step.
@@ -227,6 +311,11 @@ pub mod unfused {
     }
 }
 
+/// The error of an op a backend does not implement.
+fn unsupported<B: Backend + ?Sized>(b: &B, op: &str) -> BackendError {
+    BackendError::Other(format!("{op} is not implemented on the {} backend", b.name()))
+}
+
 /// The operations a forward pass is written against.
 ///
 /// Buffers are row-major f32 matrices from the model's point of view; a
@@ -370,6 +459,49 @@ pub trait Backend: Send + Sync + 'static {
         scales: &[f32],
     ) -> Result<()> {
         unfused::add_rows_scaled(self, out, out_rows, y, rows, scales)
+    }
+    /// `x[r][i] *= sigmoid(gate[r][i])` over the first `rows` rows (the
+    /// gated output of Qwen3.5's full attention).
+    fn sigmoid_mul(&self, _x: &mut Self::Act, _gate: &Self::Act, _rows: usize) -> Result<()> {
+        Err(unsupported(self, "sigmoid_mul"))
+    }
+    /// The depthwise causal convolution of a gated delta-net layer, then
+    /// SiLU, in place over each sequence's rows of `x` (`[rows, channels]`).
+    /// `weight` is `[channels, taps]`; `state` (`[slots, (taps - 1) *
+    /// channels]`) holds each sequence's previous `taps - 1` inputs, oldest
+    /// first, and is left holding its last ones. A sequence with nothing
+    /// cached starts from zeros, whatever its slot held.
+    fn causal_conv_silu(
+        &self,
+        _x: &mut Self::Act,
+        _weight: &Self::Weight,
+        _state: &mut Self::Act,
+        _seqs: &[SeqStep<'_>],
+        _slots: &[StateSlot],
+    ) -> Result<()> {
+        Err(unsupported(self, "causal_conv_silu"))
+    }
+    /// The gated delta rule over each sequence's rows, token by token from
+    /// its slot's state (zeros for a sequence with nothing cached), leaving
+    /// the state after its last row in the slot. Per value head, with q and
+    /// k L2-normalized and q scaled by `1/sqrt(k_dim)`:
+    /// `S = exp(g) S; S += k (beta (v - Sᵀk))ᵀ; out = Sᵀq`, where
+    /// `g = -decay softplus(a + dt_bias)` and `beta = sigmoid(b)`.
+    fn gated_delta_rule(&self, _p: DeltaRule<'_, Self>) -> Result<()> {
+        Err(unsupported(self, "gated_delta_rule"))
+    }
+    /// RMS-normalize every `head_dim`-wide head of the first `rows` rows of
+    /// `x` in place with the shared `weight`, then multiply by `silu(z)`.
+    fn gated_rms_norm(
+        &self,
+        _x: &mut Self::Act,
+        _z: &Self::Act,
+        _weight: &Self::Weight,
+        _eps: f32,
+        _head_dim: usize,
+        _rows: usize,
+    ) -> Result<()> {
+        Err(unsupported(self, "gated_rms_norm"))
     }
     /// Store the step's new K and V rows into the paged cache.
     fn write_kv(&self, kv: &mut Self::Kv, k: &Self::Act, v: &Self::Act, seqs: &[SeqStep<'_>]);

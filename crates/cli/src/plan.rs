@@ -133,6 +133,7 @@ fn print_ledger(plan: &Plan) {
         let mut l = CardLedger::new(r.card.card, r.card.free, Bytes::ZERO, Bytes::ZERO);
         l.post(PostKind::Weights, r.weights, modeled("the rank's slice of the checkpoint"))
             .post(PostKind::Workspace, r.workspace, modeled("max batched tokens x slice widths"))
+            .post(PostKind::State, r.state, modeled("max running requests x recurrent state per request"))
             .post(PostKind::Kv, plan.kv_committed(i), modeled("group pages in whole chunks"))
             .post(
                 PostKind::Floor,

@@ -76,6 +76,7 @@ fn chunks() -> Vec<(SchedulerOutput, Vec<usize>)> {
                     cached,
                     pages: pages.clone(),
                     samples: last,
+                    state_slot: None,
                 }],
                 ..SchedulerOutput::default()
             };

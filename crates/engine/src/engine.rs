@@ -17,7 +17,7 @@ use crate::sampling::{
 use crate::scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::stats::{EngineStats, StatsCell};
 use corridor_backend::Backend;
-use corridor_model::llama::Model;
+use corridor_model::Model;
 use corridor_model::ModelConfig;
 use corridor_units::{Bytes, CardId, Pages, Rank, Tokens};
 use corridor_vram::{ReliefProvider, Tier};
@@ -286,6 +286,23 @@ pub fn spawn_with(
         num_pages: pool.capacity(),
         page_size: config.page_size.get(),
     });
+    let mut sched = Scheduler::new(sc, pool);
+    if exec.config().hybrid.is_some() {
+        // One slot per request that may run: every executor's workspace is
+        // sized for `max_running` logit rows, and holds that many slots.
+        let slots = sc.max_running;
+        if let Some(held) = exec.state_slots().filter(|&held| held < slots) {
+            return Err(EngineError::Startup(format!(
+                "the model holds {held} recurrent-state slots for {slots} running requests"
+            )));
+        }
+        tracing::info!(
+            slots,
+            "the model carries recurrent state: each running request holds a state slot, prefix caching is off, \
+             and a preempted request is recomputed from its prompt"
+        );
+        sched = sched.with_state_slots(slots);
+    }
     let (commands, rx) = mpsc::channel();
     let stats = Arc::new(StatsCell::default());
     // Readers see the serving layout from the start.
@@ -294,7 +311,7 @@ pub fn spawn_with(
     let sampler_stats = Arc::new(SamplerStats::default());
     let mut core = Core {
         exec,
-        sched: Scheduler::new(sc, pool),
+        sched,
         live: HashMap::new(),
         rx,
         stats: stats.clone(),

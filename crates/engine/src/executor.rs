@@ -9,9 +9,9 @@ use crate::scheduler::SchedulerOutput;
 use corridor_backend::collective::{Collective, Solo};
 use corridor_backend::{Backend, SeqStep};
 use corridor_model::layout::Layout;
-use corridor_model::llama::{KvCache, Model, ModelError, StepInput, Workspace};
 use corridor_model::ModelConfig;
-use corridor_units::{Bytes, PageId, Rank};
+use corridor_model::{KvCache, Model, ModelError, StepInput, Workspace};
+use corridor_units::{Bytes, PageId, Rank, StateSlot};
 
 /// Runs steps for the engine.
 pub trait Executor: Send + 'static {
@@ -48,6 +48,12 @@ pub trait Executor: Send + 'static {
         _skew_digest: Option<Rank>,
     ) -> Result<FlipOutcome, ModelError> {
         Err(ModelError::Step("this executor holds one layout; it cannot flip".into()))
+    }
+    /// Recurrent-state slots the model holds, one per sequence that may run
+    /// at once; `None` for a model without recurrent state, or an executor
+    /// that does not say (the engine then trusts its running limit).
+    fn state_slots(&self) -> Option<usize> {
+        None
     }
 }
 
@@ -87,6 +93,8 @@ pub struct SingleRank<B: Backend> {
     /// backend replays captured steps), at most this many rows.
     pad_limit: Option<usize>,
     padded: PaddedStep,
+    /// Each step's state slots, parallel to its sequences.
+    slots: Vec<StateSlot>,
 }
 
 /// A decode step padded with rows that belong to no sequence.
@@ -137,6 +145,7 @@ impl<B: Backend> SingleRank<B> {
             comm: Box::new(Solo::new()),
             pad_limit,
             padded: PaddedStep::default(),
+            slots: Vec::new(),
         }
     }
 
@@ -174,8 +183,13 @@ impl<B: Backend> SingleRank<B> {
             let tokens = vec![0u32; rows];
             let positions = vec![0u32; rows];
             let logit_rows: Vec<usize> = (0..rows.min(me.ws.max_logit_rows())).collect();
-            let input =
-                StepInput { tokens: &tokens, positions: &positions, seqs: &[], logit_rows: &logit_rows };
+            let input = StepInput {
+                tokens: &tokens,
+                positions: &positions,
+                seqs: &[],
+                logit_rows: &logit_rows,
+                state_slots: &[],
+            };
             me.model.forward_ranked(&me.backend, &*me.comm, &mut me.ws, &mut me.kv, &input, &mut logits)
         };
         // Prefill-sized steps first (cuBLASLt picks kernels by shape).
@@ -269,7 +283,22 @@ impl<B: Backend> Executor for SingleRank<B> {
     ) -> Result<(), ModelError> {
         let seqs = seq_steps(step);
         let rows = step.tokens.len();
-        let input = StepInput { tokens: &step.tokens, positions: &step.positions, seqs: &seqs, logit_rows };
+        self.slots.clear();
+        if self.model.has_state() {
+            for s in &step.seqs {
+                let slot = s.state_slot.ok_or_else(|| {
+                    ModelError::Step(format!("request {} has no state slot; the model needs one", s.id))
+                })?;
+                self.slots.push(slot);
+            }
+        }
+        let input = StepInput {
+            tokens: &step.tokens,
+            positions: &step.positions,
+            seqs: &seqs,
+            logit_rows,
+            state_slots: &self.slots,
+        };
         let target = match self.pad_limit {
             Some(limit) if input.is_decode() && rows > 0 => decode_bucket(rows).min(limit).max(rows),
             _ => rows,
@@ -294,8 +323,13 @@ impl<B: Backend> Executor for SingleRank<B> {
         p.logit_rows.clear();
         p.logit_rows.extend_from_slice(logit_rows);
         p.logit_rows.extend(rows..target);
-        let input =
-            StepInput { tokens: &p.tokens, positions: &p.positions, seqs: &seqs, logit_rows: &p.logit_rows };
+        let input = StepInput {
+            tokens: &p.tokens,
+            positions: &p.positions,
+            seqs: &seqs,
+            logit_rows: &p.logit_rows,
+            state_slots: &self.slots,
+        };
         self.model.forward_ranked(&self.backend, &*self.comm, &mut self.ws, &mut self.kv, &input, logits)?;
         // The padding rows' logits are dropped.
         logits.truncate(logit_rows.len() * self.model.config().vocab_size);
@@ -307,5 +341,9 @@ impl<B: Backend> Executor for SingleRank<B> {
             self.kv.copy_page(&self.backend, from, to);
         }
         Ok(self.backend.synchronize()?)
+    }
+
+    fn state_slots(&self) -> Option<usize> {
+        self.model.has_state().then(|| self.ws.max_logit_rows())
     }
 }

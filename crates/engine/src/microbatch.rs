@@ -71,6 +71,7 @@ pub fn split_step(
                         cached: s.cached + (start - s.row_start),
                         pages: s.pages.clone(),
                         samples: s.samples && end == s.row_start + s.rows,
+                        state_slot: s.state_slot,
                     }
                 })
                 .collect();
@@ -122,6 +123,7 @@ mod tests {
             cached,
             pages: vec![PageId(id as u32 * 10), PageId(id as u32 * 10 + 1)],
             samples,
+            state_slot: None,
         }
     }
 

@@ -34,8 +34,8 @@ use crate::executor::SingleRank;
 use corridor_backend::collective::{Group, ThreadRank};
 use corridor_backend::Backend;
 use corridor_model::layout::{Layout, LayoutKind};
-use corridor_model::llama::ModelError;
 use corridor_model::ModelConfig;
+use corridor_model::ModelError;
 use corridor_units::{Bytes, PageId, Rank};
 use std::fmt;
 use std::ops::Range;
@@ -552,6 +552,7 @@ mod tests {
             bos_token_id: None,
             eos_token_ids: vec![],
             moe: None,
+            hybrid: None,
         }
     }
 

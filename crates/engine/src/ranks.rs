@@ -26,8 +26,8 @@ use corridor_backend::collective::{
 use corridor_backend::cpu::CpuBackend;
 use corridor_backend::Backend;
 use corridor_model::layout::{Layout, LayoutKind};
-use corridor_model::llama::{Model, ModelError};
 use corridor_model::{Checkpoint, ModelConfig};
+use corridor_model::{Model, ModelError};
 use corridor_units::{Bytes, PageId, Pages, Rank};
 use corridor_vram::sizing::{solve, SizingInput};
 use corridor_vram::{ChunkGeometry, Device, Purpose, ReserveRequest, Urgency};
@@ -255,6 +255,14 @@ impl MultiRank {
         }
         if layouts[0].ranks.len() != layouts[1].ranks.len() || ranks.iter().any(|r| r.flip.is_none()) {
             return Err(ModelError::Step("both layouts of a flipping group run on the same ranks".into()));
+        }
+        if config.hybrid.is_some() {
+            // A flip carries KV pages; the linear-attention layers' recurrent
+            // state is sharded differently in the two layouts and is not
+            // re-sharded yet.
+            return Err(ModelError::Step(
+                "phase flips do not carry recurrent state yet: serve a hybrid model in one layout".into(),
+            ));
         }
         phase::transfers(&config, &layouts[0], &layouts[1]).map_err(ModelError::Step)?;
         let layouts = Arc::new(layouts);
@@ -535,6 +543,7 @@ impl MultiRank {
                 cached: 0,
                 pages: pages.clone(),
                 samples: true,
+                state_slot: None,
             }],
             ..SchedulerOutput::default()
         };

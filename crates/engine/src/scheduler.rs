@@ -23,12 +23,19 @@
 //! the rows it is given. When the card needs memory back, [`Scheduler::give_back`]
 //! moves live pages out of sparse chunks before it ever preempts.
 //!
-//! The scheduler knows tokens and pages only: not the model, the backend, the
-//! sampler or the client.
+//! A model with recurrent state (a hybrid's linear-attention layers) also
+//! needs a state slot per running sequence ([`Scheduler::with_state_slots`]):
+//! a sequence is admitted only with a free slot, and gives it back when it
+//! ends or is preempted. Its state lives nowhere but in the slot, so prefix
+//! caching is off for such a model (cached pages would skip the rows that
+//! build the state) and a preempted sequence recomputes from its prompt.
+//!
+//! The scheduler knows tokens, pages and slots only: not the model, the
+//! backend, the sampler or the client.
 
 use crate::pages::{page_hashes, PagePool};
 use crate::step_budget::{StepBudget, StepShape};
-use corridor_units::{Bytes, CardId, PageId, Tokens};
+use corridor_units::{Bytes, CardId, PageId, StateSlot, Tokens};
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
@@ -63,6 +70,8 @@ struct Seq {
     registered: usize,
     /// Prompt tokens served from the prefix cache at first admission.
     cached_tokens: Option<usize>,
+    /// The recurrent-state slot, held while running (models with state).
+    slot: Option<StateSlot>,
 }
 
 impl Seq {
@@ -86,6 +95,8 @@ pub struct ScheduledSeq {
     /// The step reaches the end of the known tokens, so its last row's logits
     /// give the next token.
     pub samples: bool,
+    /// The sequence's recurrent-state slot (a model with state; else `None`).
+    pub state_slot: Option<StateSlot>,
 }
 
 /// What the next step runs.
@@ -144,6 +155,8 @@ pub struct Scheduler {
     running: Vec<Seq>,
     pub preemptions: u64,
     budget: StepBudget,
+    /// Free state slots of a model with recurrent state; `None`: no state.
+    slots: Option<Vec<StateSlot>>,
 }
 
 impl Scheduler {
@@ -155,7 +168,37 @@ impl Scheduler {
     /// A scheduler whose prefill rows follow `budget` (its target replaces
     /// `config.itl_target`): for a caller that knows its card's step costs.
     pub fn with_step_budget(config: SchedulerConfig, pool: PagePool, budget: StepBudget) -> Self {
-        Scheduler { config, pool, waiting: VecDeque::new(), running: Vec::new(), preemptions: 0, budget }
+        Scheduler {
+            config,
+            pool,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            preemptions: 0,
+            budget,
+            slots: None,
+        }
+    }
+
+    /// Give every running sequence one of `n` recurrent-state slots (a model
+    /// whose layers carry state), and turn prefix caching off: the state of
+    /// a cached prefix is nowhere to be found.
+    pub fn with_state_slots(mut self, n: usize) -> Self {
+        // Lowest first: popped from the end.
+        self.slots = Some((0..n as u32).rev().map(StateSlot).collect());
+        self
+    }
+
+    /// Free state slots (`None` for a model without state).
+    pub fn free_state_slots(&self) -> Option<usize> {
+        self.slots.as_ref().map(Vec::len)
+    }
+
+    /// Release what a sequence holds: its pages and its state slot.
+    fn release(&mut self, s: &mut Seq) {
+        self.pool.release(&s.pages);
+        if let (Some(free), Some(slot)) = (self.slots.as_mut(), s.slot.take()) {
+            free.push(slot);
+        }
     }
 
     /// The step-budget rule and the step-time model it has learned.
@@ -208,6 +251,7 @@ impl Scheduler {
             pages: Vec::new(),
             registered: 0,
             cached_tokens: None,
+            slot: None,
         });
     }
 
@@ -215,13 +259,13 @@ impl Scheduler {
     /// it was known.
     pub fn remove(&mut self, id: RequestId) -> bool {
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
-            let s = self.running.remove(i);
-            self.pool.release(&s.pages);
+            let mut s = self.running.remove(i);
+            self.release(&mut s);
             return true;
         }
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-            let s = self.waiting.remove(i).expect("index from position");
-            self.pool.release(&s.pages);
+            let mut s = self.waiting.remove(i).expect("index from position");
+            self.release(&mut s);
             return true;
         }
         false
@@ -290,10 +334,10 @@ impl Scheduler {
                 self.preempt(victim);
                 continue;
             }
-            let victim = self.running.remove(i);
+            let mut victim = self.running.remove(i);
             if self.running.is_empty() && victim.pages.len() + need > self.pool.target() {
                 // Alone, and more than the pool ever holds: it can never fit.
-                self.pool.release(&victim.pages);
+                self.release(&mut victim);
                 out.out_of_capacity.push(victim.id);
             } else {
                 // Older sequences keep their pages; this one waits for memory.
@@ -305,7 +349,15 @@ impl Scheduler {
         // 2. Admit waiting sequences first-come first-served.
         while budget > 0 && prefill > 0 && self.running.len() < self.config.max_running {
             let Some(mut s) = self.waiting.pop_front() else { break };
-            if s.pages.is_empty() {
+            if let Some(free) = self.slots.as_mut() {
+                // A model with state: a slot first, and no prefix cache.
+                let Some(slot) = free.pop() else {
+                    self.waiting.push_front(s);
+                    break;
+                };
+                s.slot = Some(slot);
+                s.cached_tokens.get_or_insert(0);
+            } else if s.pages.is_empty() {
                 // Reuse cached full pages of the prefix, but always leave the last
                 // token to compute: its logits give the first new token.
                 let max_pages = (s.tokens.len() - 1) / self.pool.page_size();
@@ -318,12 +370,13 @@ impl Scheduler {
             let need = self.pages_for(s.computed + rows).saturating_sub(s.pages.len());
             let Some(pages) = self.pool.allocate(need) else {
                 if self.running.is_empty() && s.pages.len() + need > self.pool.target() {
-                    self.pool.release(&s.pages);
+                    self.release(&mut s);
                     out.out_of_capacity.push(s.id);
                     continue;
                 }
-                // Not now: give the prefix pages back (they stay cached) and wait.
-                self.pool.release(&s.pages);
+                // Not now: give the prefix pages (they stay cached) and any
+                // state slot back, and wait.
+                self.release(&mut s);
                 s.pages.clear();
                 s.computed = 0;
                 s.registered = 0;
@@ -350,6 +403,7 @@ impl Scheduler {
                 cached: s.computed,
                 pages: s.pages.clone(),
                 samples: s.computed + rows == s.tokens.len(),
+                state_slot: s.slot,
             });
         }
         out
@@ -450,7 +504,9 @@ impl Scheduler {
 
     fn preempt(&mut self, mut s: Seq) {
         self.preemptions += 1;
-        self.pool.release(&s.pages);
+        // A model with state recomputes from the prompt: the slot is reused
+        // by whoever runs next, and a fresh one starts from zeros.
+        self.release(&mut s);
         s.pages.clear();
         s.computed = 0;
         s.registered = 0;
@@ -465,7 +521,7 @@ impl Scheduler {
             let Some(s) = self.running.iter_mut().find(|s| s.id == item.id) else { continue };
             s.computed = item.cached + item.rows;
             let full = s.computed / ps;
-            if full > s.registered {
+            if full > s.registered && self.slots.is_none() {
                 let hashes = page_hashes(&s.tokens[..full * ps], ps);
                 for p in s.registered..full {
                     self.pool.register(s.pages[p], hashes[p], &s.tokens[p * ps..(p + 1) * ps]);

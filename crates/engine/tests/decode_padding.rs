@@ -6,8 +6,8 @@
 use corridor_backend::cpu::CpuBackend;
 use corridor_engine::executor::{decode_bucket, Executor, SingleRank};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
-use corridor_model::llama::Model;
 use corridor_model::Checkpoint;
+use corridor_model::Model;
 use corridor_units::PageId;
 use std::path::Path;
 
@@ -49,6 +49,7 @@ fn run(exec: &mut SingleRank<CpuBackend>, n: usize, steps: usize) -> Vec<Vec<f32
             cached: 0,
             pages: pages(i),
             samples: true,
+            state_slot: None,
         });
         logit_rows.push(row_start + len - 1);
     }
@@ -66,6 +67,7 @@ fn run(exec: &mut SingleRank<CpuBackend>, n: usize, steps: usize) -> Vec<Vec<f32
                 cached: *len,
                 pages: pages(i),
                 samples: true,
+                state_slot: None,
             });
             *len += 1;
         }

@@ -10,8 +10,8 @@ use corridor_engine::engine::{
 use corridor_engine::pages::PagePool;
 use corridor_engine::sampling::SamplingParams;
 use corridor_engine::scheduler::SchedulerConfig;
-use corridor_model::llama::Model;
 use corridor_model::Checkpoint;
+use corridor_model::Model;
 use corridor_units::{Pages, Tokens};
 use serde_json::Value;
 use std::path::{Path, PathBuf};

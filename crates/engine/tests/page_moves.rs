@@ -8,8 +8,8 @@ use corridor_engine::executor::{Executor, ExecutorLimits, SingleRank};
 use corridor_engine::ranks::{spawn_layout, LayoutOptions};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::{Layout, LayoutSpec, Split};
-use corridor_model::llama::Model;
 use corridor_model::Checkpoint;
+use corridor_model::Model;
 use corridor_units::PageId;
 use std::path::Path;
 
@@ -40,7 +40,15 @@ fn step(tokens: Vec<u32>, cached: usize, pages: &[PageId]) -> SchedulerOutput {
     SchedulerOutput {
         positions: (cached as u32..(cached + rows) as u32).collect(),
         tokens,
-        seqs: vec![ScheduledSeq { id: 1, row_start: 0, rows, cached, pages: pages.to_vec(), samples: true }],
+        seqs: vec![ScheduledSeq {
+            id: 1,
+            row_start: 0,
+            rows,
+            cached,
+            pages: pages.to_vec(),
+            samples: true,
+            state_slot: None,
+        }],
         ..SchedulerOutput::default()
     }
 }

@@ -14,8 +14,8 @@ use corridor_engine::phase::{AbandonReason, FlipVerdict, Phase};
 use corridor_engine::ranks::{FlipParts, KvShare, LayoutOptions, MultiRank, RankParts};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::{Layout, LayoutSpec, Split};
-use corridor_model::llama::Model;
 use corridor_model::Checkpoint;
+use corridor_model::Model;
 use corridor_units::{Bytes, CardId};
 use corridor_units::{PageId, Rank};
 use corridor_vram::{CardSettings, ChunkGeometry, Device, SimCard, SimCardSpec, SystemClock};
@@ -48,7 +48,15 @@ fn step(tokens: Vec<u32>, cached: usize, pages: &[PageId]) -> SchedulerOutput {
     SchedulerOutput {
         positions: (cached as u32..(cached + rows) as u32).collect(),
         tokens,
-        seqs: vec![ScheduledSeq { id: 1, row_start: 0, rows, cached, pages: pages.to_vec(), samples: true }],
+        seqs: vec![ScheduledSeq {
+            id: 1,
+            row_start: 0,
+            rows,
+            cached,
+            pages: pages.to_vec(),
+            samples: true,
+            state_slot: None,
+        }],
         ..SchedulerOutput::default()
     }
 }

@@ -39,6 +39,7 @@ fn prompt_step() -> SchedulerOutput {
             cached: 0,
             pages: (0..3).map(PageId).collect(),
             samples: true,
+            state_slot: None,
         }],
         ..SchedulerOutput::default()
     }
@@ -74,7 +75,7 @@ fn a_pipeline_pays_its_link_and_computes_the_same() {
 fn seq(id: u64, row_start: usize, rows: usize, cached: usize, samples: bool) -> ScheduledSeq {
     // Four pages of 16 tokens per sequence, disjoint.
     let pages = (0..4).map(|p| PageId(id as u32 * 4 + p)).collect();
-    ScheduledSeq { id, row_start, rows, cached, pages, samples }
+    ScheduledSeq { id, row_start, rows, cached, pages, samples, state_slot: None }
 }
 
 /// Steps as the scheduler would form them, with the rows whose logits are
@@ -159,7 +160,7 @@ fn a_micro_batched_pipeline_serves_what_one_rank_serves() {
     use corridor_engine::pages::PagePool;
     use corridor_engine::sampling::SamplingParams;
     use corridor_engine::scheduler::SchedulerConfig;
-    use corridor_model::llama::Model;
+    use corridor_model::Model;
     use corridor_units::{Pages, Tokens};
     let l = ExecutorLimits { max_rows: 24, max_logit_rows: 4, page_size: 16, num_pages: 64 };
     let serve = |exec: Box<dyn Executor>| {

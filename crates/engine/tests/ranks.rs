@@ -10,8 +10,8 @@ use corridor_engine::ranks::{spawn_layout, LayoutOptions, MultiRank};
 use corridor_engine::sampling::SamplingParams;
 use corridor_engine::scheduler::SchedulerConfig;
 use corridor_model::layout::Layout;
-use corridor_model::llama::Model;
 use corridor_model::Checkpoint;
+use corridor_model::Model;
 use corridor_units::{Pages, Tokens};
 use std::path::{Path, PathBuf};
 

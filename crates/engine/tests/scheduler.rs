@@ -412,3 +412,70 @@ fn measured_steps_move_the_bound() {
     assert!((190..=205).contains(&long.rows), "{}", long.rows);
     assert_eq!(next.decode_rows, 10);
 }
+
+/// A model with recurrent state: every running sequence holds its own slot,
+/// admission waits for a free one, and ending or preempting a sequence gives
+/// its slot back.
+#[test]
+fn state_slots_bound_admission_and_return_on_end_and_preemption() {
+    let mut s = sched(64, 64, 4).with_state_slots(2);
+    for id in 1..=3 {
+        s.add(id, (0..6).map(|t| t + 10 * id as u32).collect());
+    }
+    let out = step(&mut s, 1);
+    let slots: Vec<_> = out.seqs.iter().map(|q| q.state_slot.expect("a slot")).collect();
+    assert_eq!(out.seqs.len(), 2, "two slots, two running, though four may run");
+    assert_ne!(slots[0], slots[1]);
+    assert_eq!((s.num_running(), s.num_waiting(), s.free_state_slots()), (2, 1, Some(0)));
+    // A sequence keeps its slot from step to step.
+    let again = step(&mut s, 1);
+    assert_eq!(again.seqs.iter().map(|q| q.state_slot.unwrap()).collect::<Vec<_>>(), slots);
+    // Ending the first frees its slot for the waiting one.
+    s.remove(1);
+    assert_eq!(s.free_state_slots(), Some(1));
+    let out = step(&mut s, 1);
+    let third = out.seqs.iter().find(|q| q.id == 3).expect("admitted once a slot is free");
+    assert_eq!(third.state_slot, Some(slots[0]));
+    assert_eq!(third.cached, 0);
+    s.remove(2);
+    s.remove(3);
+    assert_eq!(s.free_state_slots(), Some(2));
+}
+
+#[test]
+fn state_slots_are_given_back_by_preemption() {
+    // 6 pages of 4 tokens: two growing sequences run the pool out.
+    let mut s = sched(6, 64, 4).with_state_slots(2);
+    s.add(1, (0..8).collect());
+    s.add(2, (100..108).collect());
+    step(&mut s, 1);
+    let mut preempted = false;
+    for _ in 0..12 {
+        let out = step(&mut s, 1);
+        if !out.preempted.is_empty() {
+            preempted = true;
+            // The victim is back in the queue without its slot.
+            assert_eq!(s.free_state_slots(), Some(2 - s.num_running()));
+        }
+        for q in &out.seqs {
+            assert!(q.state_slot.is_some());
+        }
+    }
+    assert!(preempted, "the pool was meant to run out");
+}
+
+/// The state of a cached prefix is nowhere, so a model with state never
+/// reuses one: the second prompt is computed from its first token.
+#[test]
+fn a_model_with_state_reuses_no_prefix() {
+    let mut s = sched(64, 64, 4).with_state_slots(4);
+    let prompt: Vec<u32> = (0..18).collect();
+    s.add(1, prompt.clone());
+    step(&mut s, 50);
+    s.remove(1);
+    s.add(2, prompt);
+    let out = step(&mut s, 50);
+    assert_eq!(s.cached_tokens(2), Some(0));
+    assert_eq!((out.seqs[0].cached, out.seqs[0].rows), (0, 18));
+    assert_eq!(s.pool().counts().cached, 0, "no page was offered to the prefix cache");
+}

@@ -13,8 +13,8 @@
 use corridor_backend::cpu::CpuBackend;
 use corridor_backend::{Backend, SeqStep};
 use corridor_model::greedy::greedy;
-use corridor_model::llama::{Model, StepInput};
 use corridor_model::Checkpoint;
+use corridor_model::{Model, StepInput};
 use corridor_units::PageId;
 use std::path::Path;
 
@@ -142,7 +142,8 @@ pub fn all_logits<B: Backend>(b: &B, ckpt: &Checkpoint, ids: &[u32]) -> Vec<f32>
     let positions: Vec<u32> = (0..n as u32).collect();
     let seqs = [SeqStep { row_start: 0, rows: n, cached: 0, pages: &pages }];
     let rows: Vec<usize> = (0..n).collect();
-    let step = StepInput { tokens: ids, positions: &positions, seqs: &seqs, logit_rows: &rows };
+    let step =
+        StepInput { tokens: ids, positions: &positions, seqs: &seqs, logit_rows: &rows, state_slots: &[] };
     let mut logits = Vec::new();
     model.forward(b, &mut ws, &mut kv, &step, &mut logits).expect("forward");
     logits

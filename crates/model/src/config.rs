@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use corridor_backend::{DType, RopeStyle};
+use corridor_backend::{DType, DeltaGeometry, RopeStyle, VHeadOrder};
 use serde_json::Value;
 
 use crate::error::LoadError;
@@ -19,6 +19,37 @@ pub enum Arch {
     Qwen3,
     /// Qwen3 attention with sparse mixture-of-experts FFNs (`moe` is set).
     Qwen3Moe,
+    /// Qwen3.5: gated delta-net layers beside gated full-attention layers
+    /// (`hybrid` is set).
+    Qwen35,
+}
+
+/// What a layer of a hybrid model mixes tokens with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Softmax attention over the paged KV cache.
+    Full,
+    /// A gated delta-net: linear attention over a fixed-size state.
+    Linear,
+}
+
+/// The parts of a hybrid (Qwen3.5) model that the other architectures lack.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HybridConfig {
+    /// One per layer, from `layer_types` (or `full_attention_interval`).
+    pub layer_types: Vec<LayerKind>,
+    /// The heads and convolution of the linear-attention layers.
+    pub delta: DeltaGeometry,
+    /// Dimensions of each full-attention head that RoPE rotates (the first
+    /// ones; `partial_rotary_factor * head_dim`).
+    pub rotary_dim: usize,
+}
+
+impl HybridConfig {
+    /// Layers of each kind.
+    pub fn count(&self, kind: LayerKind) -> usize {
+        self.layer_types.iter().filter(|&&k| k == kind).count()
+    }
 }
 
 /// The sparse FFN of a mixture-of-experts model: a router picks
@@ -90,12 +121,19 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// The sparse FFN of a mixture-of-experts model; `None` for dense ones.
     pub moe: Option<MoeConfig>,
+    /// The linear-attention layers of a hybrid model; `None` for the others.
+    pub hybrid: Option<HybridConfig>,
 }
 
 impl ModelConfig {
     /// Whether layer `layer` runs the sparse (routed) FFN.
     pub fn is_sparse_layer(&self, layer: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
+    }
+
+    /// Layers that hold KV: every layer, or a hybrid's full-attention ones.
+    pub fn kv_layers(&self) -> usize {
+        self.hybrid.as_ref().map_or(self.num_layers, |h| h.count(LayerKind::Full))
     }
 }
 
@@ -122,7 +160,7 @@ impl ModelConfig {
         generation: Option<&str>,
         file: &Path,
     ) -> Result<ModelConfig, LoadError> {
-        let json = parse_object(config, file)?;
+        let json = text_model_config(parse_object(config, file)?, file)?;
         let j = Json { obj: &json, file };
         let arch = hf_arch(&j)?;
         let hidden_size = j.req_usize("hidden_size")?;
@@ -167,6 +205,16 @@ impl ModelConfig {
         }
         let num_layers = j.req_usize("num_hidden_layers")?;
         let moe = if arch == Arch::Qwen3Moe { Some(hf_moe(&j, num_layers)?) } else { None };
+        let hybrid = if arch == Arch::Qwen35 {
+            let factor = match (j.opt_f64("partial_rotary_factor")?, rope_parameters) {
+                (Some(f), _) => Some(f),
+                (None, Some(obj)) => Json { obj, file }.opt_f64("partial_rotary_factor")?,
+                (None, None) => None,
+            };
+            Some(hf_hybrid(&j, num_layers, head_dim, factor)?)
+        } else {
+            None
+        };
         let config = ModelConfig {
             arch,
             vocab_size: j.req_usize("vocab_size")?,
@@ -188,10 +236,11 @@ impl ModelConfig {
             // Qwen2 always has a bias on Q, K and V, and its config does not
             // say so; the others carry `attention_bias` (default false).
             attention_bias: arch == Arch::Qwen2 || j.opt_bool("attention_bias")?.unwrap_or(false),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen35),
             bos_token_id: j.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids,
             moe,
+            hybrid,
         };
         config.validate(file)?;
         Ok(config)
@@ -211,6 +260,7 @@ impl ModelConfig {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "qwen3moe" => Arch::Qwen3Moe,
+            "qwen35" => Arch::Qwen35,
             other => {
                 return Err(LoadError::UnknownArchitecture {
                     file: file.to_path_buf(),
@@ -253,6 +303,7 @@ impl ModelConfig {
         let rope_scaling = gguf_rope_scaling(&m, GgufRope { theta: rope_theta, head_dim })?;
         let num_layers = m.req_usize("block_count")?;
         let moe = if arch == Arch::Qwen3Moe { Some(gguf_moe(&m, num_layers)?) } else { None };
+        let hybrid = if arch == Arch::Qwen35 { Some(gguf_hybrid(&m, num_layers, head_dim)?) } else { None };
         let config = ModelConfig {
             arch,
             vocab_size,
@@ -271,11 +322,12 @@ impl ModelConfig {
             max_position_embeddings: m.req_usize("context_length")?,
             tie_word_embeddings: !gguf.has_tensor("output.weight"),
             attention_bias: arch == Arch::Qwen2 || gguf.has_tensor("blk.0.attn_q.bias"),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe)
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen35)
                 || gguf.has_tensor("blk.0.attn_q_norm.weight"),
             bos_token_id: gguf_token_id(gguf, "tokenizer.ggml.bos_token_id")?,
             eos_token_ids,
             moe,
+            hybrid,
         };
         config.validate(file)?;
         Ok(config)
@@ -328,6 +380,33 @@ impl ModelConfig {
                 }
             }
         }
+        if let Some(h) = &self.hybrid {
+            let d = &h.delta;
+            if h.layer_types.len() != self.num_layers {
+                return Err(LoadError::config(
+                    file,
+                    format!("{} layer types for {} layers", h.layer_types.len(), self.num_layers),
+                ));
+            }
+            if [d.k_heads, d.v_heads, d.k_dim, d.v_dim, d.conv_kernel].contains(&0) {
+                return Err(LoadError::config(file, format!("a linear-attention size is 0: {d:?}")));
+            }
+            if !d.v_heads.is_multiple_of(d.k_heads) {
+                return Err(LoadError::config(
+                    file,
+                    format!(
+                        "linear_num_value_heads {} is not a multiple of linear_num_key_heads {}",
+                        d.v_heads, d.k_heads
+                    ),
+                ));
+            }
+            if h.rotary_dim == 0 || !h.rotary_dim.is_multiple_of(2) || h.rotary_dim > self.head_dim {
+                return Err(LoadError::config(
+                    file,
+                    format!("{} rotated dimensions of a head of {}", h.rotary_dim, self.head_dim),
+                ));
+            }
+        }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return Err(LoadError::config(
                 file,
@@ -357,6 +436,37 @@ fn parse_object(text: &str, file: &Path) -> Result<serde_json::Map<String, Value
     }
 }
 
+/// Multimodal wrappers whose language model corridor runs: the released
+/// Qwen3.5 checkpoints are `Qwen3_5ForConditionalGeneration`, a vision tower
+/// beside a `qwen3_5_text` model whose config is `text_config` and whose
+/// tensors are `model.language_model.*`.
+const TEXT_WRAPPERS: [&str; 1] = ["Qwen3_5ForConditionalGeneration"];
+
+/// The config of the text model: a wrapper's `text_config`, with any key of
+/// the wrapper it lacks (such as `tie_word_embeddings`), or the config as it is.
+fn text_model_config(
+    mut json: serde_json::Map<String, Value>,
+    file: &Path,
+) -> Result<serde_json::Map<String, Value>, LoadError> {
+    let first =
+        json.get("architectures").and_then(Value::as_array).and_then(|a| a.first()).and_then(Value::as_str);
+    let wrapped = first.is_some_and(|a| TEXT_WRAPPERS.contains(&a))
+        || (first.is_none() && json.get("model_type").and_then(Value::as_str) == Some("qwen3_5"));
+    if !wrapped {
+        return Ok(json);
+    }
+    let Some(Value::Object(mut text)) = json.remove("text_config") else {
+        return Err(LoadError::config(file, "a multimodal config without a `text_config` object"));
+    };
+    for (key, value) in json {
+        if !matches!(key.as_str(), "architectures" | "model_type" | "vision_config") {
+            text.entry(key).or_insert(value);
+        }
+    }
+    text.entry("model_type".to_string()).or_insert(Value::String("qwen3_5_text".into()));
+    Ok(text)
+}
+
 /// The architecture, from `architectures[0]` or else `model_type`.
 fn hf_arch(j: &Json<'_>) -> Result<Arch, LoadError> {
     let unknown =
@@ -372,6 +482,7 @@ fn hf_arch(j: &Json<'_>) -> Result<Arch, LoadError> {
                 "Qwen2ForCausalLM" => Ok(Arch::Qwen2),
                 "Qwen3ForCausalLM" => Ok(Arch::Qwen3),
                 "Qwen3MoeForCausalLM" => Ok(Arch::Qwen3Moe),
+                "Qwen3_5ForCausalLM" => Ok(Arch::Qwen35),
                 other => Err(unknown(other)),
             };
         }
@@ -382,6 +493,7 @@ fn hf_arch(j: &Json<'_>) -> Result<Arch, LoadError> {
         Some("qwen2") => Ok(Arch::Qwen2),
         Some("qwen3") => Ok(Arch::Qwen3),
         Some("qwen3_moe") => Ok(Arch::Qwen3Moe),
+        Some("qwen3_5_text") => Ok(Arch::Qwen35),
         Some(other) => Err(unknown(other)),
         None => Err(LoadError::config(j.file, "neither `architectures` nor `model_type` is given")),
     }
@@ -418,6 +530,56 @@ fn hf_moe(j: &Json<'_>, num_layers: usize) -> Result<MoeConfig, LoadError> {
     let sparse_layers =
         (0..num_layers).map(|i| !mlp_only.contains(&i) && num_experts > 0 && (i + 1) % step == 0).collect();
     Ok(MoeConfig { num_experts, experts_per_token, expert_intermediate_size, norm_topk_prob, sparse_layers })
+}
+
+/// The linear-attention side of a `qwen3_5_text` config, with transformers'
+/// defaults for absent keys: `layer_types`, or else every
+/// `full_attention_interval`-th layer (default 4) full and the rest linear;
+/// a quarter of each attention head rotated unless `partial_rotary_factor`
+/// says otherwise.
+fn hf_hybrid(
+    j: &Json<'_>,
+    num_layers: usize,
+    head_dim: usize,
+    partial_rotary_factor: Option<f64>,
+) -> Result<HybridConfig, LoadError> {
+    let layer_types = match j.get("layer_types") {
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| match v.as_str() {
+                Some("full_attention") => Ok(LayerKind::Full),
+                Some("linear_attention") => Ok(LayerKind::Linear),
+                _ => Err(j.bad("layer_types", "\"full_attention\" or \"linear_attention\" per layer", v)),
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(v) => return Err(j.bad("layer_types", "a list of layer types", v)),
+        None => {
+            let every = j.opt_usize("full_attention_interval")?.unwrap_or(4);
+            if every == 0 {
+                return Err(LoadError::config(j.file, "full_attention_interval is 0"));
+            }
+            (0..num_layers)
+                .map(|i| if (i + 1) % every == 0 { LayerKind::Full } else { LayerKind::Linear })
+                .collect()
+        }
+    };
+    let factor = partial_rotary_factor.unwrap_or(0.25);
+    if !(factor > 0.0 && factor <= 1.0) {
+        return Err(LoadError::config(j.file, format!("partial_rotary_factor {factor} is not in (0, 1]")));
+    }
+    Ok(HybridConfig {
+        layer_types,
+        delta: DeltaGeometry {
+            k_heads: j.opt_usize("linear_num_key_heads")?.unwrap_or(16),
+            v_heads: j.opt_usize("linear_num_value_heads")?.unwrap_or(32),
+            k_dim: j.opt_usize("linear_key_head_dim")?.unwrap_or(128),
+            v_dim: j.opt_usize("linear_value_head_dim")?.unwrap_or(128),
+            conv_kernel: j.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+            v_order: VHeadOrder::Grouped,
+        },
+        // transformers truncates: int(head_dim * factor).
+        rotary_dim: (head_dim as f64 * factor) as usize,
+    })
 }
 
 /// The scaling scheme of a `rope_scaling` or `rope_parameters` object.
@@ -576,6 +738,41 @@ fn gguf_moe(m: &Meta<'_>, num_layers: usize) -> Result<MoeConfig, LoadError> {
         sparse_layers: (0..num_layers)
             .map(|i| m.gguf.has_tensor(&format!("blk.{i}.ffn_gate_inp.weight")))
             .collect(),
+    })
+}
+
+/// The linear-attention side of a `qwen35` GGUF, in llama.cpp's keys: the
+/// key heads are `ssm.group_count` of `ssm.state_size`, the value heads
+/// `ssm.time_step_rank` sharing `ssm.inner_size`; every
+/// `full_attention_interval`-th layer is full attention; RoPE turns
+/// `rope.dimension_count` dimensions of a head. llama.cpp's converter stores
+/// the value heads tiled (see [`VHeadOrder`]).
+fn gguf_hybrid(m: &Meta<'_>, num_layers: usize, head_dim: usize) -> Result<HybridConfig, LoadError> {
+    let v_heads = m.req_usize("ssm.time_step_rank")?;
+    let inner = m.req_usize("ssm.inner_size")?;
+    if v_heads == 0 || !inner.is_multiple_of(v_heads) {
+        return Err(LoadError::config(
+            m.gguf.path(),
+            format!("ssm.inner_size {inner} is not whole heads of ssm.time_step_rank {v_heads}"),
+        ));
+    }
+    let every = m.opt_usize("full_attention_interval")?.unwrap_or(4);
+    if every == 0 {
+        return Err(LoadError::config(m.gguf.path(), "full_attention_interval is 0"));
+    }
+    Ok(HybridConfig {
+        layer_types: (0..num_layers)
+            .map(|i| if (i + 1) % every == 0 { LayerKind::Full } else { LayerKind::Linear })
+            .collect(),
+        delta: DeltaGeometry {
+            k_heads: m.req_usize("ssm.group_count")?,
+            v_heads,
+            k_dim: m.req_usize("ssm.state_size")?,
+            v_dim: inner / v_heads,
+            conv_kernel: m.req_usize("ssm.conv_kernel")?,
+            v_order: VHeadOrder::Tiled,
+        },
+        rotary_dim: m.opt_usize("rope.dimension_count")?.unwrap_or(head_dim / 4),
     })
 }
 

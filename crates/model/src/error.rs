@@ -25,7 +25,8 @@ pub enum LoadError {
     /// The model's architecture is not one corridor runs.
     #[error(
         "{}: unknown architecture `{arch}` (supported: LlamaForCausalLM, MistralForCausalLM, \
-         Qwen2ForCausalLM, Qwen3ForCausalLM; GGUF: llama, qwen2, qwen3)",
+         Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, \
+         Qwen3_5ForConditionalGeneration; GGUF: llama, qwen2, qwen3, qwen3moe, qwen35)",
         file.display()
     )]
     UnknownArchitecture { file: PathBuf, arch: String },

@@ -3,9 +3,10 @@
 //! (CPU against transformers, GPU against CPU, the SmolLM2 "Paris" check);
 //! serving goes through the engine's scheduler instead.
 
-use crate::llama::{Model, ModelError, StepInput};
+use crate::llama::{ModelError, StepInput};
+use crate::Model;
 use corridor_backend::{Backend, SeqStep};
-use corridor_units::PageId;
+use corridor_units::{PageId, StateSlot};
 
 /// Tokens per KV page on this path.
 pub const PAGE_SIZE: usize = 16;
@@ -45,6 +46,7 @@ pub fn greedy<B: Backend>(
             positions: &positions,
             seqs: &seqs,
             logit_rows: &[rows - 1],
+            state_slots: &[StateSlot(0)],
         };
         model.forward(backend, &mut ws, &mut kv, &step, &mut logits)?;
         backend.check()?;

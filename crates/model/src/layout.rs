@@ -445,7 +445,7 @@ pub struct CostModel {
 /// 2 MiB, so a card rests within a few MiB of its floor).
 pub const DEFAULT_CHUNK_TARGET: Bytes = Bytes::mib(2);
 
-fn elems_bytes(dtype: DType, elems: usize) -> u64 {
+pub(crate) fn elems_bytes(dtype: DType, elems: usize) -> u64 {
     // Rounding up to whole blocks only matters for shapes that are not block multiples.
     (elems.div_ceil(dtype.block_elems()) * dtype.block_bytes()) as u64
 }
@@ -453,6 +453,9 @@ fn elems_bytes(dtype: DType, elems: usize) -> u64 {
 impl CostModel {
     /// Weight bytes of `slice` (norms and biases priced as f32).
     pub fn weights(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
+        if let Some(h) = &cfg.hybrid {
+            return crate::qwen3_5::cost::weights(self, cfg, h, s);
+        }
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let w = |elems: usize| elems_bytes(self.weight_dtype, elems);
         let f32s = |elems: usize| (elems * 4) as u64;
@@ -492,6 +495,9 @@ impl CostModel {
 
     /// Activation workspace bytes of `slice` (f32 activations, allocated once).
     pub fn workspace(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
+        if let Some(h) = &cfg.hybrid {
+            return crate::qwen3_5::cost::workspace(self, cfg, h, s);
+        }
         let (q, kv, f) = (s.heads.len() * cfg.head_dim, s.kv_heads.len() * cfg.head_dim, s.ffn.len());
         let mut per_row = 3 * cfg.hidden_size + 2 * q + 2 * kv + 3 * f;
         if let Some(m) = &cfg.moe {
@@ -503,8 +509,17 @@ impl CostModel {
         Bytes(4 * (self.max_rows * per_row + self.max_logit_rows * per_logit_row) as u64)
     }
 
+    /// Recurrent-state bytes of `slice`: one slot per logit row (a request
+    /// that may run) of a hybrid model's linear layers; zero for the others.
+    pub fn state(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
+        cfg.hybrid.as_ref().map_or(Bytes::ZERO, |h| crate::qwen3_5::cost::state(self, cfg, h, s))
+    }
+
     /// KV bytes one token takes on this rank (K and V, every local layer).
     pub fn kv_per_token(&self, cfg: &ModelConfig, s: &RankSlice) -> Bytes {
+        if let Some(h) = &cfg.hybrid {
+            return crate::qwen3_5::cost::kv_per_token(self, cfg, h, s);
+        }
         Bytes(2 * s.layers.len() as u64 * s.kv_heads.len() as u64 * cfg.head_dim as u64 * self.kv_elem_bytes)
     }
 
@@ -537,11 +552,13 @@ pub struct RankPlan {
     pub card: CardRoom,
     pub weights: Bytes,
     pub workspace: Bytes,
+    /// Recurrent-state slots (a hybrid model's; zero for the others).
+    pub state: Bytes,
     pub kv_per_token: Bytes,
     /// Pages this card alone could hold (the `vram` sizing rule).
     pub own_pages: Pages,
     pub chunk: Option<ChunkGeometry>,
-    /// Weights and workspace fit under floor, margin and budget.
+    /// Weights, workspace and state fit under floor, margin and budget.
     pub fits: bool,
 }
 
@@ -579,7 +596,7 @@ impl Plan {
     /// Free memory left on rank `i`'s card once everything is resident.
     pub fn rest(&self, i: usize) -> Bytes {
         let r = &self.ranks[i];
-        r.card.free.saturating_sub(r.weights + r.workspace + self.kv_committed(i))
+        r.card.free.saturating_sub(r.weights + r.workspace + r.state + self.kv_committed(i))
     }
 }
 
@@ -647,8 +664,8 @@ fn price(
     let mut ranks = Vec::with_capacity(cards.len());
     let geometry = group_geometry(cfg, layout, cards, cost);
     for ((s, card), chunk) in layout.ranks.iter().zip(cards).zip(geometry) {
-        let (weights, workspace) = (cost.weights(cfg, s), cost.workspace(cfg, s));
-        let resident = weights + workspace;
+        let (weights, workspace, state) = (cost.weights(cfg, s), cost.workspace(cfg, s), cost.state(cfg, s));
+        let resident = weights + workspace + state;
         let fits =
             card.free >= resident + card.floor + card.margin && card.budget.is_none_or(|b| b >= resident);
         // A stage without layers holds no KV: it never bounds the group.
@@ -670,6 +687,7 @@ fn price(
             card: *card,
             weights,
             workspace,
+            state,
             kv_per_token: cost.kv_per_token(cfg, s),
             own_pages: own,
             chunk,
@@ -766,14 +784,9 @@ fn balance(
         Share::Ffn => RankSlice { ffn: 0..units, ..base.ranks[i].clone() },
         Share::Vocab => RankSlice { vocab: 0..units, ..base.ranks[i].clone() },
     };
-    let fixed: Vec<Bytes> =
-        (0..n).map(|i| cost.weights(cfg, &with(i, 0)) + cost.workspace(cfg, &with(i, 0))).collect();
-    let per_block: Vec<u64> = (0..n)
-        .map(|i| {
-            (cost.weights(cfg, &with(i, granule)) + cost.workspace(cfg, &with(i, granule))).get()
-                - fixed[i].get()
-        })
-        .collect();
+    let resident = |s: &RankSlice| cost.weights(cfg, s) + cost.workspace(cfg, s) + cost.state(cfg, s);
+    let fixed: Vec<Bytes> = (0..n).map(|i| resident(&with(i, 0))).collect();
+    let per_block: Vec<u64> = (0..n).map(|i| resident(&with(i, granule)).get() - fixed[i].get()).collect();
     let geometry = group_geometry(cfg, base, cards, cost);
     let room = |i: usize| {
         let c = &cards[i];
@@ -1004,6 +1017,7 @@ mod tests {
             bos_token_id: None,
             eos_token_ids: vec![],
             moe: None,
+            hybrid: None,
         }
     }
 

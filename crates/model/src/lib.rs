@@ -11,8 +11,12 @@ pub mod greedy;
 pub mod hf;
 pub mod layout;
 pub mod llama;
+mod models;
 mod moe;
+pub mod qwen3_5;
 pub mod rope;
 
 pub use checkpoint::Checkpoint;
-pub use config::{Arch, ModelConfig, MoeConfig, RopeScaling};
+pub use config::{Arch, HybridConfig, LayerKind, ModelConfig, MoeConfig, RopeScaling};
+pub use llama::{KvCache, ModelError, StepInput, Workspace};
+pub use models::Model;

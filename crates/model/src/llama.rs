@@ -35,6 +35,7 @@ use corridor_backend::{
     ActShape, Backend, BackendError, DType, GraphKey, HostTensor, KvGeometry, MatmulPart, RopeTable, SeqStep,
     StepPlan, TensorBytes,
 };
+use corridor_units::StateSlot;
 use std::ops::Range;
 
 /// Errors from building or running a model.
@@ -114,29 +115,31 @@ pub struct Model<B: Backend> {
 /// Scratch activations for one forward pass, allocated once at the largest
 /// step the scheduler may form, so a forward pass allocates nothing.
 pub struct Workspace<B: Backend> {
-    max_rows: usize,
-    max_logit_rows: usize,
-    x: B::Act,      // [max_rows, hidden]     the residual stream
-    h: B::Act,      // [max_rows, hidden]     normalized input of a block
-    q: B::Act,      // [max_rows, heads * head_dim]
-    k: B::Act,      // [max_rows, kv_heads * head_dim]
-    v: B::Act,      // [max_rows, kv_heads * head_dim]
-    attn: B::Act,   // [max_rows, heads * head_dim]
-    proj: B::Act,   // [max_rows, hidden]     output of o_proj / down_proj
-    gate: B::Act,   // [max_rows, intermediate]
-    up: B::Act,     // [max_rows, intermediate]
-    act: B::Act,    // [max_rows, intermediate] silu(gate) * up
-    last: B::Act,   // [max_logit_rows, hidden]
-    last_n: B::Act, // [max_logit_rows, hidden]
-    logits: B::Act, // [max_logit_rows, vocab share]
+    pub(crate) max_rows: usize,
+    pub(crate) max_logit_rows: usize,
+    pub(crate) x: B::Act,      // [max_rows, hidden]     the residual stream
+    pub(crate) h: B::Act,      // [max_rows, hidden]     normalized input of a block
+    pub(crate) q: B::Act,      // [max_rows, heads * head_dim]
+    pub(crate) k: B::Act,      // [max_rows, kv_heads * head_dim]
+    pub(crate) v: B::Act,      // [max_rows, kv_heads * head_dim]
+    pub(crate) attn: B::Act,   // [max_rows, heads * head_dim]
+    pub(crate) proj: B::Act,   // [max_rows, hidden]     output of o_proj / down_proj
+    pub(crate) gate: B::Act,   // [max_rows, intermediate]
+    pub(crate) up: B::Act,     // [max_rows, intermediate]
+    pub(crate) act: B::Act,    // [max_rows, intermediate] silu(gate) * up
+    pub(crate) last: B::Act,   // [max_logit_rows, hidden]
+    pub(crate) last_n: B::Act, // [max_logit_rows, hidden]
+    pub(crate) logits: B::Act, // [max_logit_rows, vocab share]
     /// `[max_logit_rows, vocab share]` on the host, before the all-gather.
-    host_logits: Vec<f32>,
+    pub(crate) host_logits: Vec<f32>,
     /// Scratch of the sparse layers; `None` for a dense model.
-    moe: Option<MoeScratch<B>>,
+    pub(crate) moe: Option<MoeScratch<B>>,
+    /// Scratch and recurrent state of a hybrid model; `None` for the others.
+    pub(crate) hybrid: Option<crate::qwen3_5::Scratch<B>>,
 }
 
 /// Scratch of a mixture-of-experts layer.
-struct MoeScratch<B: Backend> {
+pub(crate) struct MoeScratch<B: Backend> {
     router: B::Act, // [max_rows, num_experts]
     x: B::Act,      // [max_rows, hidden]       the rows routed to one expert
     gate: B::Act,   // [max_rows, expert ffn share]
@@ -162,8 +165,8 @@ impl<B: Backend> Workspace<B> {
 
 /// The paged KV cache of every layer.
 pub struct KvCache<B: Backend> {
-    geometry: KvGeometry,
-    layers: Vec<B::Kv>,
+    pub(crate) geometry: KvGeometry,
+    pub(crate) layers: Vec<B::Kv>,
 }
 
 impl<B: Backend> KvCache<B> {
@@ -212,6 +215,9 @@ pub struct StepInput<'a> {
     pub seqs: &'a [SeqStep<'a>],
     /// Rows whose logits are wanted (usually each sequence's last row).
     pub logit_rows: &'a [usize],
+    /// Each sequence's recurrent-state slot, parallel to `seqs` (a hybrid
+    /// model's linear-attention layers); empty for a model without state.
+    pub state_slots: &'a [StateSlot],
 }
 
 impl StepInput<'_> {
@@ -240,6 +246,12 @@ impl<B: Backend> Model<B> {
         mut progress: impl FnMut(usize),
     ) -> Result<Self, ModelError> {
         let cfg = ckpt.config().clone();
+        if cfg.hybrid.is_some() {
+            return Err(ModelError::Step(format!(
+                "{:?} is a hybrid architecture: load it as corridor_model::Model",
+                cfg.arch
+            )));
+        }
         check_slice(&cfg, slice)?;
         // A first pass over the (memory-mapped) tensors counts the bytes the
         // backend will place, so a device backend can put them in one allocation.
@@ -332,6 +344,7 @@ impl<B: Backend> Model<B> {
                 }
                 None => None,
             },
+            hybrid: None,
         })
     }
 
@@ -712,7 +725,7 @@ fn place_parts<W>(
 }
 
 /// Refuse a slice that does not fit the model (a bug in whoever built it).
-fn check_slice(cfg: &ModelConfig, s: &RankSlice) -> Result<(), ModelError> {
+pub(crate) fn check_slice(cfg: &ModelConfig, s: &RankSlice) -> Result<(), ModelError> {
     let bad = |what: String| Err(ModelError::Step(format!("{}: {what}", s.rank)));
     if s.layers.end > cfg.num_layers
         || s.heads.end > cfg.num_heads
@@ -758,7 +771,7 @@ fn col_bytes(dtype: DType, cols: &Range<usize>) -> Range<usize> {
 }
 
 /// Merge ranges that follow each other, so whole tensors stay whole.
-fn coalesce(ranges: impl Iterator<Item = Range<usize>>) -> Vec<Range<usize>> {
+pub(crate) fn coalesce(ranges: impl Iterator<Item = Range<usize>>) -> Vec<Range<usize>> {
     let mut out: Vec<Range<usize>> = Vec::new();
     for r in ranges {
         match out.last_mut() {
@@ -771,7 +784,7 @@ fn coalesce(ranges: impl Iterator<Item = Range<usize>>) -> Vec<Range<usize>> {
 
 /// Elements `blocks` (concatenated) of a float vector stored as `[n]` or
 /// `[1, n]` (norms and biases). The whole vector comes back as it is.
-fn select_elems(t: HostTensor, blocks: &[Range<usize>]) -> Result<HostTensor, ModelError> {
+pub(crate) fn select_elems(t: HostTensor, blocks: &[Range<usize>]) -> Result<HostTensor, ModelError> {
     let n = t.elems();
     if blocks.len() == 1 && blocks[0] == (0..n) {
         return Ok(t);
@@ -796,7 +809,7 @@ fn select_elems(t: HostTensor, blocks: &[Range<usize>]) -> Result<HostTensor, Mo
 /// A quantized matrix cut inside a block is widened to f32 (exactly the
 /// values the kernels would dequantize), since a partial block cannot be
 /// stored.
-fn select(
+pub(crate) fn select(
     t: HostTensor,
     blocks: &[Range<usize>],
     cols: Option<Range<usize>>,
@@ -844,7 +857,7 @@ fn select(
     Ok(HostTensor { name: t.name.clone(), dtype: DType::F32, shape, data: TensorBytes::from_vec(bytes) })
 }
 
-fn check_shape(ckpt: &Checkpoint, t: &HostTensor, want: &[usize]) -> Result<(), LoadError> {
+pub(crate) fn check_shape(ckpt: &Checkpoint, t: &HostTensor, want: &[usize]) -> Result<(), LoadError> {
     // A vector may be stored as [n] or [1, n]; compare element layouts.
     let same = t.shape == want
         || (want.len() == 1 && t.shape.len() == 2 && t.shape[0] == 1 && t.shape[1] == want[0]);

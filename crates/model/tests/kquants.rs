@@ -23,8 +23,8 @@
 use corridor_backend::cpu::quant::dequantize_row;
 use corridor_backend::cpu::{CpuBackend, DecodeActivations};
 use corridor_backend::{DType, SeqStep};
-use corridor_model::llama::{Model, StepInput};
 use corridor_model::Checkpoint;
+use corridor_model::{Model, StepInput};
 use corridor_units::PageId;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -73,6 +73,7 @@ fn logprobs(path: &Path, decode: DecodeActivations, chunk: usize) -> Vec<Vec<f32
             positions: &positions,
             seqs: &seqs,
             logit_rows: &logit_rows,
+            state_slots: &[],
         };
         model.forward(&backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
         for r in 0..rows {

@@ -20,9 +20,9 @@ use corridor_backend::collective::{Collective, GroupShape, ThreadGroup};
 use corridor_backend::cpu::{CpuBackend, DecodeActivations};
 use corridor_backend::SeqStep;
 use corridor_model::layout::{Layout, LayoutKind};
-use corridor_model::llama::{Model, StepInput};
 use corridor_model::Checkpoint;
-use corridor_units::PageId;
+use corridor_model::{Model, StepInput};
+use corridor_units::{PageId, StateSlot};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -78,6 +78,8 @@ fn run(path: &Path, layout: &Layout) -> (Vec<Vec<f32>>, Vec<u32>) {
                     positions: &positions,
                     seqs: &seqs,
                     logit_rows: &logit_rows,
+                    // One sequence, in its state slot (a model without state ignores it).
+                    state_slots: &[StateSlot(0)],
                 };
                 model
                     .forward_ranked(
@@ -169,6 +171,40 @@ fn compare(fixture: &str, layouts: Vec<(&str, Layout)>) {
         assert!(worst < TOL, "{fixture} {name}: logits differ by {worst}");
         assert_eq!(greedy, oracle_greedy, "{fixture} {name}: greedy continuation differs");
     }
+}
+
+/// The hybrid split by layers and by heads. Pipeline stages hold the KV of
+/// their full-attention layers and the state of their linear ones (stages
+/// of linear layers only, of the full one only, and one holding no layer).
+/// Tensor shares hold uneven query and KV heads, the delta-net key heads in
+/// proportion with the value heads that read them (grouped in the
+/// safetensors file, tiled in the GGUF one), FFN columns and vocabulary rows.
+#[test]
+fn qwen3_5_layouts_match_the_single_rank() {
+    let cfg = Checkpoint::open(&fixtures().join("qwen3_5")).unwrap().config().clone();
+    let layouts = || {
+        vec![
+            ("tp=2 heads 3:1", Layout::tensor_ratio(&cfg, &[3, 1], 1).unwrap()),
+            ("tp=2 heads 1:1", Layout::tensor_ratio(&cfg, &[1, 1], 1).unwrap()),
+            ("pp=2 layers 3,1", Layout::pipeline(&cfg, &[3, 1]).unwrap()),
+            ("pp=2 layers 1,3", Layout::pipeline(&cfg, &[1, 3]).unwrap()),
+            ("pp=3 layers 2,0,2", Layout::pipeline(&cfg, &[2, 0, 2]).unwrap()),
+        ]
+    };
+    compare("qwen3_5", layouts());
+    compare("qwen3_5-f16.gguf", layouts());
+}
+
+/// A tensor share that would hold none of the delta-net's key heads is
+/// refused with a reason, not run wrongly.
+#[test]
+fn qwen3_5_shares_without_a_key_head_are_refused() {
+    let ckpt = Checkpoint::open(&fixtures().join("qwen3_5")).unwrap();
+    // Heads 2:1:1 of 4 give the middle rank a quarter of 2 key heads: none.
+    let layout = Layout::tensor_ratio(ckpt.config(), &[2, 1, 1], 1).unwrap();
+    let err = Model::load_slice(&CpuBackend::new(), &ckpt, &layout.ranks[1], |_| {}).err().expect("refused");
+    assert!(err.to_string().contains("none of the 2 delta-net key heads"), "{err}");
+    assert!(Model::load_slice(&CpuBackend::new(), &ckpt, &layout.ranks[0], |_| {}).is_ok());
 }
 
 #[test]

@@ -1254,3 +1254,111 @@ fn gguf_qwen3moe_config_and_expert_views() {
     let err = ckpt.tensor("model.layers.1.mlp.experts.4.down_proj.weight").unwrap_err();
     assert!(err.to_string().contains("4 experts"), "{err}");
 }
+
+/// A `qwen3_5_text` config: layer types listed or from the interval, the
+/// linear-attention heads with transformers' defaults, the rotated share of a
+/// head; shapes no forward pass can run are refused naming the key.
+#[test]
+fn hf_qwen3_5_config_reads_the_hybrid_layout() {
+    let hybrid = |extra: &[(&str, Option<serde_json::Value>)]| {
+        let mut changes = vec![
+            ("architectures", Some(serde_json::json!(["Qwen3_5ForCausalLM"]))),
+            ("num_hidden_layers", Some(8.into())),
+            ("head_dim", Some(32.into())),
+            ("linear_num_key_heads", Some(2.into())),
+            ("linear_num_value_heads", Some(4.into())),
+            ("linear_key_head_dim", Some(16.into())),
+            ("linear_value_head_dim", Some(8.into())),
+        ];
+        changes.extend_from_slice(extra);
+        cfg(&edit(LLAMA_CONFIG, &changes))
+    };
+    use corridor_model::LayerKind::{Full, Linear};
+    let c = hybrid(&[]).unwrap();
+    assert_eq!(c.arch, Arch::Qwen35);
+    assert!(c.qk_norm && c.moe.is_none());
+    let h = c.hybrid.clone().expect("a hybrid config");
+    assert_eq!(h.layer_types, [Linear, Linear, Linear, Full, Linear, Linear, Linear, Full]);
+    assert_eq!(c.kv_layers(), 2);
+    assert_eq!(
+        (h.delta.k_heads, h.delta.v_heads, h.delta.k_dim, h.delta.v_dim, h.delta.conv_kernel),
+        (2, 4, 16, 8, 4)
+    );
+    assert_eq!(h.rotary_dim, 8, "a quarter of the head by default");
+
+    let c =
+        hybrid(&[("full_attention_interval", Some(2.into())), ("partial_rotary_factor", Some(0.5.into()))])
+            .unwrap();
+    let h = c.hybrid.unwrap();
+    assert_eq!(h.count(Full), 4);
+    assert_eq!(h.rotary_dim, 16);
+    let c = hybrid(&[
+        ("rope_theta", None),
+        ("rope_scaling", None),
+        (
+        "rope_parameters",
+        Some(serde_json::json!({"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 1.0, "mrope_section": [11, 11, 10]})),
+    ),
+    ])
+    .unwrap();
+    assert_eq!((c.hybrid.unwrap().rotary_dim, c.rope_theta), (32, 1e7));
+    let listed = serde_json::json!([
+        "full_attention",
+        "linear_attention",
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+        "linear_attention",
+        "linear_attention"
+    ]);
+    let h = hybrid(&[("layer_types", Some(listed))]).unwrap().hybrid.unwrap();
+    assert_eq!(h.layer_types[..2], [Full, Linear]);
+
+    let err = hybrid(&[("layer_types", Some(serde_json::json!(["full_attention", "mamba"])))]).unwrap_err();
+    assert!(err.to_string().contains("layer_types"), "{err}");
+    let err = hybrid(&[("layer_types", Some(serde_json::json!(["full_attention"])))]).unwrap_err();
+    assert!(err.to_string().contains("1 layer types for 8 layers"), "{err}");
+    let err = hybrid(&[("linear_num_value_heads", Some(3.into()))]).unwrap_err();
+    assert!(err.to_string().contains("linear_num_value_heads"), "{err}");
+    let err = hybrid(&[("partial_rotary_factor", Some(0.0.into()))]).unwrap_err();
+    assert!(err.to_string().contains("partial_rotary_factor"), "{err}");
+
+    // The released checkpoints: a multimodal wrapper around the text config.
+    let text: serde_json::Value = serde_json::from_str(&edit(
+        LLAMA_CONFIG,
+        &[
+            ("architectures", None),
+            ("model_type", Some("qwen3_5_text".into())),
+            ("num_hidden_layers", Some(4.into())),
+            ("head_dim", Some(32.into())),
+        ],
+    ))
+    .unwrap();
+    let wrapped = serde_json::json!({"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text, "vision_config": {}});
+    let c = cfg(&wrapped.to_string()).unwrap();
+    assert_eq!((c.arch, c.num_layers, c.kv_layers()), (Arch::Qwen35, 4, 1));
+    let err = cfg(r#"{"architectures": ["Qwen3_5ForConditionalGeneration"]}"#).unwrap_err();
+    assert!(err.to_string().contains("text_config"), "{err}");
+}
+
+/// llama.cpp's `qwen35` metadata: the delta-net's heads from the `ssm.*`
+/// keys, value heads tiled, layer types from the interval, the rotated share
+/// from `rope.dimension_count`; the same shapes as the Hugging Face config.
+#[test]
+fn gguf_qwen35_config_matches_its_hugging_face_twin() {
+    use corridor_backend::VHeadOrder;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+    let g = Checkpoint::open(&dir.join("qwen3_5-f16.gguf")).unwrap().config().clone();
+    let hf = Checkpoint::open(&dir.join("qwen3_5")).unwrap().config().clone();
+    assert_eq!(g.arch, Arch::Qwen35);
+    let (gh, hh) = (g.hybrid.clone().unwrap(), hf.hybrid.clone().unwrap());
+    assert_eq!(gh.delta.v_order, VHeadOrder::Tiled);
+    assert_eq!(hh.delta.v_order, VHeadOrder::Grouped);
+    assert_eq!(gh.delta, corridor_backend::DeltaGeometry { v_order: VHeadOrder::Tiled, ..hh.delta });
+    assert_eq!((gh.layer_types, gh.rotary_dim), (hh.layer_types, hh.rotary_dim));
+    assert_eq!(
+        (g.head_dim, g.num_heads, g.num_kv_heads, g.qk_norm, g.tie_word_embeddings, g.rope_style),
+        (hf.head_dim, hf.num_heads, hf.num_kv_heads, hf.qk_norm, hf.tie_word_embeddings, hf.rope_style)
+    );
+}

@@ -15,9 +15,9 @@
 use corridor_backend::cpu::{CpuBackend, DecodeActivations};
 use corridor_backend::SeqStep;
 use corridor_model::greedy::greedy;
-use corridor_model::llama::{Model, StepInput};
 use corridor_model::Checkpoint;
-use corridor_units::PageId;
+use corridor_model::{Model, StepInput};
+use corridor_units::{PageId, StateSlot};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -66,6 +66,8 @@ impl Runner {
         // Odd page ids, highest first: a bug that assumes contiguous pages shows.
         let pages: Vec<PageId> =
             (0..pages_needed).map(|i| PageId((2 * (pages_needed - i) - 1) as u32)).collect();
+        // The last state slot: a bug that assumes slot 0 shows.
+        let slot = [StateSlot(n as u32 - 1)];
         let mut out = Vec::new();
         let mut logits = Vec::new();
         let mut done = 0;
@@ -79,6 +81,7 @@ impl Runner {
                 positions: &positions,
                 seqs: &seqs,
                 logit_rows: &logit_rows,
+                state_slots: &slot,
             };
             self.model.forward(&self.backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
             for r in 0..rows {
@@ -160,6 +163,50 @@ fn every_tiny_checkpoint_matches_transformers() {
     }
 }
 
+/// The released Qwen3.5 checkpoints wrap the language model in a multimodal
+/// one: `Qwen3_5ForConditionalGeneration` with the text model's config under
+/// `text_config` and its tensors under `model.language_model.`. The tiny
+/// hybrid rewritten that way (no vision tower) is the same model.
+#[test]
+fn the_hybrid_wrapped_as_a_multimodal_checkpoint_is_the_same_model() {
+    let src = fixtures().join("qwen3_5");
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let text: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let wrapped = serde_json::json!({
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": false,
+        "text_config": text,
+        "vision_config": {"depth": 1, "hidden_size": 16},
+    });
+    std::fs::write(dir.path().join("config.json"), wrapped.to_string()).unwrap();
+    // safetensors: an 8-byte header length, a JSON header naming each
+    // tensor's bytes, then the bytes; only the names change.
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let renamed: serde_json::Map<String, Value> = header
+        .into_iter()
+        .map(|(k, v)| match k.strip_prefix("model.") {
+            Some(rest) => (format!("model.language_model.{rest}"), v),
+            None => (k, v),
+        })
+        .collect();
+    let mut head = serde_json::to_vec(&Value::Object(renamed)).unwrap();
+    head.resize(head.len().div_ceil(8) * 8, b' ');
+    let mut out = (head.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&head);
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(dir.path().join("model.safetensors"), out).unwrap();
+    let run = Runner::open(dir.path());
+    assert_eq!(run.model.config(), Runner::open(&src).model.config());
+    check(dir.path(), &src.join("reference.json"));
+}
+
 #[test]
 fn two_prompts_in_one_batch_match_their_solo_runs() {
     batch_matches_solo_runs("llama-f32");
@@ -170,6 +217,13 @@ fn two_prompts_in_one_batch_match_their_solo_runs() {
 #[test]
 fn two_prompts_in_one_batch_match_their_solo_runs_through_the_experts() {
     batch_matches_solo_runs("qwen3-moe");
+}
+
+/// Two sequences of the hybrid in one step, each through its own state slot
+/// of every linear-attention layer.
+#[test]
+fn two_prompts_in_one_batch_match_their_solo_runs_through_the_recurrent_state() {
+    batch_matches_solo_runs("qwen3_5");
 }
 
 fn batch_matches_solo_runs(fixture: &str) {
@@ -194,7 +248,14 @@ fn batch_matches_solo_runs(fixture: &str) {
         logit_rows.push(tokens.len() - 1);
     }
     let mut logits = Vec::new();
-    let step = StepInput { tokens: &tokens, positions: &positions, seqs: &seqs, logit_rows: &logit_rows };
+    let slots: Vec<StateSlot> = (0..seqs.len() as u32).map(StateSlot).collect();
+    let step = StepInput {
+        tokens: &tokens,
+        positions: &positions,
+        seqs: &seqs,
+        logit_rows: &logit_rows,
+        state_slots: &slots,
+    };
     run.model.forward(&run.backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
     let v = run.vocab();
     for (i, b) in batch.iter().enumerate() {

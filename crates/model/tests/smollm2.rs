@@ -10,8 +10,8 @@
 
 use corridor_backend::cpu::CpuBackend;
 use corridor_model::greedy::greedy;
-use corridor_model::llama::Model;
 use corridor_model::Checkpoint;
+use corridor_model::Model;
 use corridor_units::PageId;
 use std::path::PathBuf;
 

@@ -19,7 +19,7 @@ use corridor_engine::pages::PagePool;
 use corridor_engine::ranks::{spawn_layout, LayoutOptions};
 use corridor_engine::scheduler::SchedulerConfig;
 use corridor_model::layout::{Layout, LayoutSpec};
-use corridor_model::llama::Model;
+use corridor_model::Model;
 use corridor_model::{Checkpoint, ModelConfig};
 use corridor_units::{Bytes, CardId, Pages, Tokens};
 use corridor_vram::recorder::{BootId, BootPhase, FlightRecorder, MarkIdentity};
@@ -190,7 +190,7 @@ pub enum BootError {
     #[error(transparent)]
     Load(#[from] corridor_model::error::LoadError),
     #[error(transparent)]
-    Model(#[from] corridor_model::llama::ModelError),
+    Model(#[from] corridor_model::ModelError),
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
     #[error(transparent)]
@@ -264,6 +264,9 @@ fn open_cuda_cards(_selection: &CudaSelection) -> Result<Cards, BootError> {
 /// Bytes of the activation workspace the CPU backend allocates for steps of
 /// `rows` token rows and `logit_rows` sampled rows (see `llama::Workspace`).
 fn workspace_bytes(c: &ModelConfig, rows: usize, logit_rows: usize) -> Bytes {
+    if let Some(h) = &c.hybrid {
+        return corridor_model::qwen3_5::workspace_bytes(c, h, rows, logit_rows);
+    }
     let q = c.num_heads * c.head_dim;
     let kv = c.num_kv_heads * c.head_dim;
     let per_row = 3 * c.hidden_size + 2 * q + 2 * kv + 3 * c.intermediate_size;
@@ -613,13 +616,25 @@ fn boot_host(
         dev.reserve(ws, Purpose::Workspace)
             .map_err(|e| BootError::Memory(format!("workspace does not fit: {e}")))?,
     );
+    // A hybrid model's state slots, one per request that may run, are
+    // allocated with the workspace; booked as what they are.
+    let state = cfg
+        .hybrid
+        .as_ref()
+        .map_or(Bytes::ZERO, |h| corridor_model::qwen3_5::state_bytes(h, opts.max_running));
+    if state > Bytes::ZERO {
+        resident.push(
+            dev.reserve(state, Purpose::State)
+                .map_err(|e| BootError::Memory(format!("recurrent state does not fit: {e}")))?,
+        );
+    }
     (env.mark)(BootPhase::WorkspaceReady);
 
     // KV: the CPU keeps it in f32; one page holds `page_size` tokens of every
     // layer, on every rank that holds a share of it.
     let kv_token_bytes: usize = match &layout {
         Some(l) => l.ranks.iter().map(|r| 2 * r.layers.len() * r.kv_heads.len() * cfg.head_dim * 4).sum(),
-        None => 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
+        None => 2 * cfg.kv_layers() * cfg.num_kv_heads * cfg.head_dim * 4,
     };
     let page_bytes = Bytes((kv_token_bytes * opts.page_size) as u64);
     // The host's KV buffer spans the arena's whole id space and is made
@@ -632,7 +647,7 @@ fn boot_host(
             .driver_free()
             .saturating_sub(dev.settings().floor)
             .saturating_sub(DEFAULT_MARGIN)
-            .saturating_sub(ws);
+            .saturating_sub(ws + state);
         opts.kv_budget.min(room)
     });
     let arena = new_arena(env, &[(dev.clone(), page_bytes)], host_cap)?;
@@ -693,7 +708,7 @@ fn boot_cuda(
     (env.mark)(BootPhase::WorkspaceReady);
     // KV in bf16; one page holds `page_size` tokens of every layer.
     let page_bytes =
-        Bytes((2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * opts.page_size) as u64);
+        Bytes((2 * cfg.kv_layers() * cfg.num_kv_heads * cfg.head_dim * 2 * opts.page_size) as u64);
     let arena = new_arena(env, &[(dev.clone(), page_bytes)], None)?;
     let kv = model.kv_cache_in(&backend, opts.page_size, &arena)?;
     let mut exec = SingleRank::from_parts(backend, model, ws, kv);

@@ -233,6 +233,7 @@ fn render_memory(out: &mut String, m: &corridor_vram::MemoryReport) {
             ("weights", b.weights),
             ("workspace", b.workspace),
             ("graphs", b.graphs),
+            ("state", b.state),
             ("kv_committed", b.kv_committed),
             ("staging", b.staging),
             ("other", b.other),

@@ -20,7 +20,15 @@ fn fixture(name: &str) -> std::path::PathBuf {
 
 #[test]
 fn an_intruder_is_answered_without_a_breach_and_kv_grows_back() {
-    intrusion(&[1300], None);
+    intrusion("llama-f32", &[1300], None);
+}
+
+/// The hybrid, whose running requests also hold recurrent-state slots (booked
+/// at boot, counted in the rest above the floor): KV is released and regrown
+/// the same way, every request still completes.
+#[test]
+fn an_intruder_is_answered_without_a_breach_on_the_hybrid() {
+    intrusion("qwen3_5", &[1300], None);
 }
 
 /// The same on a TP=2 layout over two sim cards, the intruder on the second:
@@ -31,12 +39,13 @@ fn an_intruder_on_one_card_of_a_layout_shrinks_the_group_without_a_breach() {
     // Card1 holds a quarter of the KV (one of four heads), so it is smaller,
     // to rest about as far above its floor as the single card does.
     intrusion(
+        "llama-f32",
         &[1300, 1260],
         Some(LayoutSpec { tp: 2, tp_split: Split::Ratio(vec![3, 1]), pp: 1, pp_split: Split::Even }),
     );
 }
 
-fn intrusion(sizes_mib: &[u64], layout: Option<LayoutSpec>) {
+fn intrusion(model: &str, sizes_mib: &[u64], layout: Option<LayoutSpec>) {
     let cards = sizes_mib.len();
     let target = cards - 1;
     let dir = tempfile::tempdir().unwrap();
@@ -54,7 +63,7 @@ fn intrusion(sizes_mib: &[u64], layout: Option<LayoutSpec>) {
         ),
     )
     .unwrap();
-    let mut opts = BootOptions::new(fixture("llama-f32"));
+    let mut opts = BootOptions::new(fixture(model));
     opts.devices = Devices::Sim(sizes_mib.iter().map(|&m| Bytes::mib(m)).collect());
     opts.layout = layout;
     opts.max_running = 64;

@@ -177,6 +177,23 @@ impl fmt::Display for PageId {
     }
 }
 
+/// The index of one sequence's recurrent-state slot (the fixed-size state a
+/// linear-attention layer carries in place of a growing KV cache).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct StateSlot(pub u32);
+
+impl StateSlot {
+    pub const fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+impl fmt::Display for StateSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "state#{}", self.0)
+    }
+}
+
 /// A card (one device: a GPU, a simulated card, or the host) as corridor numbers it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]

@@ -13,6 +13,9 @@ pub enum Purpose {
     Workspace,
     /// Captured graph pools.
     Graphs,
+    /// Recurrent state of a hybrid model's linear-attention layers: one
+    /// fixed-size slot per request that may run, sized once with the KV.
+    State,
     /// Committed KV pages (booked by the KV arena's commits).
     Kv,
     /// Temporary buffers of a layout change or a transfer.
@@ -21,10 +24,11 @@ pub enum Purpose {
 }
 
 impl Purpose {
-    pub const ALL: [Purpose; 6] = [
+    pub const ALL: [Purpose; 7] = [
         Purpose::Weights,
         Purpose::Workspace,
         Purpose::Graphs,
+        Purpose::State,
         Purpose::Kv,
         Purpose::Staging,
         Purpose::Other,
@@ -35,6 +39,7 @@ impl Purpose {
             Purpose::Weights => "weights",
             Purpose::Workspace => "workspace",
             Purpose::Graphs => "graphs",
+            Purpose::State => "state",
             Purpose::Kv => "kv",
             Purpose::Staging => "staging",
             Purpose::Other => "other",
@@ -54,6 +59,9 @@ pub struct Books {
     pub weights: Bytes,
     pub workspace: Bytes,
     pub graphs: Bytes,
+    /// Recurrent-state slots (a hybrid model's; zero for the others).
+    #[serde(default)]
+    pub state: Bytes,
     /// Physical memory committed under the KV reservation.
     pub kv_committed: Bytes,
     pub staging: Bytes,
@@ -65,7 +73,13 @@ pub struct Books {
 impl Books {
     /// Physical bytes we hold (address reservations excluded).
     pub fn total(&self) -> Bytes {
-        self.weights + self.workspace + self.graphs + self.kv_committed + self.staging + self.other
+        self.weights
+            + self.workspace
+            + self.graphs
+            + self.state
+            + self.kv_committed
+            + self.staging
+            + self.other
     }
 
     pub fn get(&self, purpose: Purpose) -> Bytes {
@@ -73,6 +87,7 @@ impl Books {
             Purpose::Weights => self.weights,
             Purpose::Workspace => self.workspace,
             Purpose::Graphs => self.graphs,
+            Purpose::State => self.state,
             Purpose::Kv => self.kv_committed,
             Purpose::Staging => self.staging,
             Purpose::Other => self.other,
@@ -84,6 +99,7 @@ impl Books {
             Purpose::Weights => &mut self.weights,
             Purpose::Workspace => &mut self.workspace,
             Purpose::Graphs => &mut self.graphs,
+            Purpose::State => &mut self.state,
             Purpose::Kv => &mut self.kv_committed,
             Purpose::Staging => &mut self.staging,
             Purpose::Other => &mut self.other,
@@ -100,9 +116,11 @@ mod tests {
         let mut b = Books::default();
         *b.slot(Purpose::Weights) += Bytes::mib(10);
         *b.slot(Purpose::Kv) += Bytes::mib(4);
+        *b.slot(Purpose::State) += Bytes::mib(2);
         b.kv_reserved = Bytes::gib(100);
-        assert_eq!(b.total(), Bytes::mib(14));
+        assert_eq!(b.total(), Bytes::mib(16));
+        assert_eq!(b.get(Purpose::State), Bytes::mib(2));
         assert_eq!(b.get(Purpose::Kv), Bytes::mib(4));
-        assert_eq!(Purpose::ALL.len(), 6);
+        assert_eq!(Purpose::ALL.len(), 7);
     }
 }

@@ -36,6 +36,8 @@ pub enum PostKind {
     Weights,
     Workspace,
     Graphs,
+    /// Recurrent-state slots of a hybrid model.
+    State,
     /// What the driver charges us beyond our books (context, library workspaces).
     Residue,
     Kv,
@@ -51,6 +53,7 @@ impl PostKind {
             PostKind::Weights => "weights",
             PostKind::Workspace => "workspace",
             PostKind::Graphs => "graphs",
+            PostKind::State => "state",
             PostKind::Residue => "residue",
             PostKind::Kv => "kv",
             PostKind::Other => "other",
@@ -65,6 +68,7 @@ impl PostKind {
             PostKind::Weights => signed(b.weights),
             PostKind::Workspace => signed(b.workspace),
             PostKind::Graphs => signed(b.graphs),
+            PostKind::State => signed(b.state),
             PostKind::Kv => signed(b.kv_committed),
             PostKind::Other => signed(b.staging + b.other),
             PostKind::Residue => signed(mark.self_bytes) - signed(b.total()),

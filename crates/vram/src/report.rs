@@ -119,9 +119,10 @@ Columns (sizes in MiB; per card, read at one instant):
   foreign    memory other processes hold (the host: everything used but not by corridor)
   residue    what corridor's process holds beyond its books: runtime, code, libraries
              (negative means the books claim memory the process does not hold)
-  weights, workspace, graphs, kv, other
+  weights, workspace, graphs, state, kv, other
              corridor's books by purpose: model weights, the activation workspace, captured
-             CUDA graphs, KV pages committed, staging and other buffers
+             CUDA graphs, a hybrid model's recurrent-state slots, KV pages committed, staging
+             and other buffers
   kv resv    KV address space reserved (addresses only: not memory, not in the books)
   drift      total - (carve-out + foreign + residue + books + free), the carve-out being
              what the driver keeps for itself: memory nobody accounts for; near 0 when the
@@ -154,6 +155,7 @@ pub fn render_table(report: &MemoryReport) -> String {
         "weights",
         "workspace",
         "graphs",
+        "state",
         "kv",
         "kv resv",
         "other",
@@ -176,6 +178,7 @@ pub fn render_table(report: &MemoryReport) -> String {
             mib(b.weights),
             mib(b.workspace),
             mib(b.graphs),
+            mib(b.state),
             mib(b.kv_committed),
             mib(b.kv_reserved),
             mib(b.staging + b.other),

@@ -7,11 +7,13 @@
 //! is split over output columns with rayon, so every thread streams a disjoint
 //! slice of the weights.
 
+mod delta;
 pub mod quant;
 
 use crate::dtype::{DType, HostTensor, TensorBytes};
-use crate::{ActShape, Backend, BackendError, KvGeometry, Result, RopeStyle, RopeTable, SeqStep};
+use crate::{ActShape, Backend, BackendError, DeltaRule, KvGeometry, Result, RopeStyle, RopeTable, SeqStep};
 use corridor_units::PageId;
+use corridor_units::StateSlot;
 use rayon::prelude::*;
 use std::cell::RefCell;
 
@@ -494,6 +496,48 @@ impl Backend for CpuBackend {
             }
         }
         Ok(())
+    }
+
+    fn sigmoid_mul(&self, x: &mut CpuAct, gate: &CpuAct, rows: usize) -> Result<()> {
+        delta::sigmoid_mul(x, gate, rows)
+    }
+
+    fn causal_conv_silu(
+        &self,
+        x: &mut CpuAct,
+        weight: &CpuWeight,
+        state: &mut CpuAct,
+        seqs: &[SeqStep<'_>],
+        slots: &[StateSlot],
+    ) -> Result<()> {
+        delta::causal_conv_silu(x, weight, state, seqs, slots)
+    }
+
+    fn gated_delta_rule(&self, p: DeltaRule<'_, Self>) -> Result<()> {
+        delta::gated_delta_rule(delta::Delta {
+            qkv: p.qkv,
+            a: p.a,
+            b: p.b,
+            decay: p.decay,
+            dt_bias: p.dt_bias,
+            g: p.geometry,
+            state: p.state,
+            seqs: p.seqs,
+            slots: p.slots,
+            out: p.out,
+        })
+    }
+
+    fn gated_rms_norm(
+        &self,
+        x: &mut CpuAct,
+        z: &CpuAct,
+        weight: &CpuWeight,
+        eps: f32,
+        head_dim: usize,
+        rows: usize,
+    ) -> Result<()> {
+        delta::gated_rms_norm(x, z, weight, eps, head_dim, rows)
     }
 
     fn write_kv(&self, kv: &mut CpuKv, k: &CpuAct, v: &CpuAct, seqs: &[SeqStep<'_>]) {

@@ -215,7 +215,7 @@ pub(super) fn boot_sim_layout(
     use corridor_backend::collective::ThreadGroup;
     use corridor_backend::cpu::CpuBackend;
     use corridor_engine::executor::SingleRank;
-    use corridor_model::llama::Model;
+    use corridor_model::Model;
     use corridor_vram::Purpose;
     debug_assert!(matches!(env.opts.devices, Devices::Sim(_)));
     let devices = layout_devices(env, spec)?;
@@ -237,7 +237,7 @@ pub(super) fn boot_sim_layout(
     (env.mark)(BootPhase::WeightsLoaded);
     for (slice, dev) in plan.layout.ranks.iter().zip(&devices) {
         resident.push(
-            dev.reserve(cost.workspace(cfg, slice), Purpose::Workspace)
+            dev.reserve(cost.workspace(cfg, slice) + cost.state(cfg, slice), Purpose::Workspace)
                 .map_err(|e| BootError::Memory(format!("{}: workspace does not fit: {e}", dev.id())))?,
         );
     }
@@ -272,7 +272,7 @@ pub(super) fn boot_sim_flipping(
     use corridor_engine::executor::SingleRank;
     use corridor_engine::phase::Phase;
     use corridor_engine::ranks::FlipParts;
-    use corridor_model::llama::Model;
+    use corridor_model::Model;
     use corridor_vram::Purpose;
     debug_assert!(matches!(env.opts.devices, Devices::Sim(_)));
     let devices = layout_devices(env, specs[0])?;
@@ -411,7 +411,7 @@ pub(super) fn boot_cuda_layout(
     use corridor_backend::cuda::nccl::nccl_group;
     use corridor_engine::executor::SingleRank;
     use corridor_engine::ranks::COLLECTIVE_TIMEOUT;
-    use corridor_model::llama::Model;
+    use corridor_model::Model;
     let devices = layout_devices(env, spec)?;
     let mut backends = Vec::with_capacity(devices.len());
     for (dev, &ordinal) in devices.iter().zip(env.ordinals) {

@@ -1,0 +1,154 @@
+//! One model type over every architecture: [`Model`] holds a loaded model of
+//! whichever architecture the checkpoint's config names, and forwards each
+//! call to it. The workspace, the KV cache and the step are shared types
+//! (`llama::Workspace` carries the hybrid's extra scratch), so callers see one
+//! set of types whatever runs.
+
+use crate::checkpoint::Checkpoint;
+use crate::config::{Arch, ModelConfig};
+use crate::layout::RankSlice;
+use crate::llama::{self, KvCache, ModelError, StepInput, Workspace};
+use crate::qwen3_5;
+use corridor_backend::collective::Collective;
+use corridor_backend::{Backend, KvGeometry};
+use corridor_units::Bytes;
+
+/// A loaded model (one rank's slice of it) of any supported architecture.
+pub enum Model<B: Backend> {
+    /// Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE.
+    Llama(llama::Model<B>),
+    /// Qwen3.5: gated delta-net and full-attention layers.
+    Qwen35(qwen3_5::Model<B>),
+}
+
+/// Which implementation runs an architecture: one entry per architecture.
+fn family(arch: Arch) -> Family {
+    match arch {
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => Family::Llama,
+        Arch::Qwen35 => Family::Qwen35,
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Family {
+    Llama,
+    Qwen35,
+}
+
+/// Forward one call to whichever architecture is loaded.
+macro_rules! each {
+    ($self:expr, $m:ident => $e:expr) => {
+        match $self {
+            Model::Llama($m) => $e,
+            Model::Qwen35($m) => $e,
+        }
+    };
+}
+
+impl<B: Backend> Model<B> {
+    /// Load the whole of `ckpt` onto `backend` (see `llama::Model::load`).
+    pub fn load(backend: &B, ckpt: &Checkpoint, progress: impl FnMut(usize)) -> Result<Self, ModelError> {
+        Ok(match family(ckpt.config().arch) {
+            Family::Llama => Model::Llama(llama::Model::load(backend, ckpt, progress)?),
+            Family::Qwen35 => Model::Qwen35(qwen3_5::Model::load(backend, ckpt, progress)?),
+        })
+    }
+
+    /// Load one rank's slice of `ckpt` (see `llama::Model::load_slice`).
+    pub fn load_slice(
+        backend: &B,
+        ckpt: &Checkpoint,
+        slice: &RankSlice,
+        progress: impl FnMut(usize),
+    ) -> Result<Self, ModelError> {
+        Ok(match family(ckpt.config().arch) {
+            Family::Llama => Model::Llama(llama::Model::load_slice(backend, ckpt, slice, progress)?),
+            Family::Qwen35 => Model::Qwen35(qwen3_5::Model::load_slice(backend, ckpt, slice, progress)?),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        each!(self, m => m.config())
+    }
+
+    /// The part of the model this rank holds.
+    pub fn slice(&self) -> &RankSlice {
+        each!(self, m => m.slice())
+    }
+
+    /// Whether the model carries per-sequence recurrent state: then every
+    /// sequence of a step needs a state slot, a preempted sequence must
+    /// recompute from its prompt, and prefix caching cannot apply.
+    pub fn has_state(&self) -> bool {
+        matches!(self, Model::Qwen35(_))
+    }
+
+    /// Bytes of recurrent state one sequence holds (zero without state).
+    pub fn state_bytes_per_seq(&self) -> Bytes {
+        match self {
+            Model::Llama(_) => Bytes(0),
+            Model::Qwen35(m) => m.state_bytes_per_seq(),
+        }
+    }
+
+    /// Scratch for steps of up to `max_rows` token rows and `max_logit_rows`
+    /// logit rows (and, for a model with state, that many state slots).
+    pub fn workspace(
+        &self,
+        backend: &B,
+        max_rows: usize,
+        max_logit_rows: usize,
+    ) -> Result<Workspace<B>, ModelError> {
+        each!(self, m => m.workspace(backend, max_rows, max_logit_rows))
+    }
+
+    pub fn kv_cache(
+        &self,
+        backend: &B,
+        page_size: usize,
+        num_pages: usize,
+    ) -> Result<KvCache<B>, ModelError> {
+        each!(self, m => m.kv_cache(backend, page_size, num_pages))
+    }
+
+    pub fn kv_cache_in(
+        &self,
+        backend: &B,
+        page_size: usize,
+        arena: &std::sync::Arc<corridor_vram::KvArena>,
+    ) -> Result<KvCache<B>, ModelError> {
+        each!(self, m => m.kv_cache_in(backend, page_size, arena))
+    }
+
+    pub fn kv_geometry(&self, page_size: usize, num_pages: usize) -> KvGeometry {
+        each!(self, m => m.kv_geometry(page_size, num_pages))
+    }
+
+    /// Bytes of KV one token occupies across this rank's layers.
+    pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
+        each!(self, m => m.kv_bytes_per_token(elem_bytes))
+    }
+
+    pub fn forward(
+        &self,
+        b: &B,
+        ws: &mut Workspace<B>,
+        kv: &mut KvCache<B>,
+        step: &StepInput<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        each!(self, m => m.forward(b, ws, kv, step, logits))
+    }
+
+    pub fn forward_ranked(
+        &self,
+        b: &B,
+        c: &dyn Collective<B>,
+        ws: &mut Workspace<B>,
+        kv: &mut KvCache<B>,
+        step: &StepInput<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        each!(self, m => m.forward_ranked(b, c, ws, kv, step, logits))
+    }
+}
