@@ -55,6 +55,11 @@ pub struct PlanArgs {
     /// Bytes per KV element on the cards (2 for bf16).
     #[arg(long, default_value_t = 2)]
     pub kv_elem_bytes: u64,
+    /// Plan a flipping group (`serve --phase-flip`): a tensor layout and a pipeline layout over all
+    /// the cards, both resident, each KV page holding both layouts' shares. `--tp-ratio` and
+    /// `--pp-layers` give the splits; `--tp` and `--pp` are not used.
+    #[arg(long)]
+    pub phase_flip: bool,
 }
 
 /// Parse `sim:32GiB,20GiB,20GiB` into card sizes.
@@ -96,6 +101,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         max_logit_rows: args.max_running_requests,
         chunk_target: layout::DEFAULT_CHUNK_TARGET,
     };
+    if args.phase_flip {
+        return plan_flipping(args, &cfg, &cards, &cost, granule);
+    }
     let spec = LayoutSpec {
         tp: args.tp,
         tp_split: args.tp_ratio.parse()?,
@@ -151,4 +159,54 @@ fn print_ledger(plan: &Plan) {
             plan.rest(i).saturating_sub(r.card.floor + r.card.margin)
         );
     }
+}
+
+/// `--phase-flip`: both layouts on the cards and what each card holds of them.
+fn plan_flipping(
+    args: &PlanArgs,
+    cfg: &corridor_model::ModelConfig,
+    cards: &[CardRoom],
+    cost: &CostModel,
+    granule: usize,
+) -> Result<()> {
+    let n = cards.len();
+    if n < 2 {
+        bail!("--phase-flip needs two cards or more; --devices names {n}");
+    }
+    let tp = LayoutSpec { tp: n, tp_split: args.tp_ratio.parse()?, pp: 1, pp_split: Split::Even };
+    let pp = LayoutSpec { tp: 1, tp_split: Split::Even, pp: n, pp_split: args.pp_layers.parse()? };
+    let plan = layout::solve_flipping(cfg, &tp, &pp, cards, cost, granule)?;
+    println!("flipping group: both layouts resident, one rank per card");
+    println!("  tensor layout:   {}", plan.tensor.layout.describe());
+    println!("  pipeline layout: {}", plan.pipeline.layout.describe());
+    for (i, c) in plan.cards.iter().enumerate() {
+        let (t, p) = (&plan.tensor.ranks[i], &plan.pipeline.ranks[i]);
+        let kv = c.chunk.map_or(Bytes::ZERO, |g| {
+            Bytes(plan.group_pages.get().div_ceil(g.chunk_pages) as u64 * g.chunk_bytes.get())
+        });
+        let rest = c.card.free.saturating_sub(c.weights + c.workspace + kv + c.card.floor + c.card.margin);
+        println!(
+            "{} ({}): weights {} (tensor {} + pipeline {}), workspace {}, KV page {} (tensor {} + pipeline {}), \
+             KV {kv}, fits {}, own capacity {} pages, rests {rest} above floor + margin",
+            t.rank,
+            c.card.card,
+            c.weights,
+            t.weights,
+            p.weights,
+            c.workspace,
+            c.page_bytes,
+            cost.page_bytes(cfg, &plan.tensor.layout.ranks[i]),
+            cost.page_bytes(cfg, &plan.pipeline.layout.ranks[i]),
+            c.fits,
+            c.own_pages.get(),
+        );
+    }
+    println!(
+        "group token capacity: {} ({} pages of {}); the tensor layout alone would hold {}",
+        plan.group_pages.get() * args.page_size,
+        plan.group_pages.get(),
+        args.page_size,
+        plan.tensor.tokens().get()
+    );
+    Ok(())
 }

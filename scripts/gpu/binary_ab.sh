@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Same-run A/B of two corridor binaries on one GPU (the Llama-3-8B-shaped checkpoint of
+# make_llama8b.py): each serves in turn and bench8b.sh measures decode at DECODE_BATCHES and
+# prefill at PREFILL_LENS; the tiny checkpoints go through the GPU check of the new build first.
+#   OUT=/tmp/ab A=.gpu/corridor-before B=.gpu/corridor scripts/gpu/binary_ab.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-/tmp/ab}
+mkdir -p "$out"
+A=${A:-.gpu/corridor-before}
+B=${B:-.gpu/corridor}
+export DECODE_BATCHES=${DECODE_BATCHES:-1 32} PREFILL_LENS=${PREFILL_LENS:-2048}
+echo "=== tiny checkpoints, GPU against CPU (new build)"
+timeout 120 .gpu/corridor-gpu-check tests/fixtures/tiny 2>&1 | tail -n 14
+for side in A B; do
+    bin=${!side}
+    echo "=== $side: $bin"
+    CORRIDOR_BIN=$bin OUT="$out/$side" SKIP_LOGITS=1 SKIP_LATENCY=1 DEADLINE_S=${SIDE_DEADLINE_S:-210} \
+        scripts/gpu/bench8b.sh > "$out/$side.log" 2>&1
+    echo "status $?"
+    for f in "$out/$side"/decode_*.json "$out/$side"/prefill_*.json; do
+        [ -s "$f" ] && python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split("/")[-1], "out tok/s %.1f" % d["output_tokens_per_s"], "in tok/s %.1f" % d["input_tokens_per_s"], "itl p50 %.2f ms" % d["itl_ms"]["p50"], "ttft p50 %.1f ms" % d["ttft_ms"]["p50"])' "$f"
+    done
+done
