@@ -7,6 +7,9 @@
 # alternating decode, burst, decode, burst, decode. Reports per mode: wall time, output tokens/s,
 # TTFT and ITL p50/p99 of each phase kind, and the flips the server made (from /v1/memory).
 # Usage: scripts/bench_phase_flip.sh [LINK] [OUT_DIR]   (LINK default 16GB/s,5us)
+# What matters is the link's time against the compute's: a CPU rank computes hundreds of times
+# slower than a GPU, so a PCIe link between CPU ranks costs next to nothing; a link slowed by the
+# same factor (e.g. 25MB/s,500us) gives CPU ranks the trade-off PCIe gives GPUs.
 # Needs a built corridor (CORRIDOR_BIN, default target/debug/corridor: the dev profile is optimized)
 # and the default model (corridor pull).
 set -euo pipefail
@@ -32,17 +35,19 @@ serve() { # mode
         curl -sf -X POST $url/v1/admin/layout -H 'content-type: application/json' -d '{"layout":"pp"}' > /dev/null
     fi
 }
-phase() { # mode name args...
-    local mode=$1 name=$2; shift 2
-    $bin bench --base-url $url --model m --no-progress --seed 1 --json "$out/$mode.$name.json" "$@" > "$out/$mode.$name.txt"
+phase() { # mode name seed args... (each phase its own prompts, the same in every mode)
+    local mode=$1 name=$2 seed=$3; shift 3
+    $bin bench --base-url $url --model m --no-progress --seed "$seed" --json "$out/$mode.$name.json" "$@" > "$out/$mode.$name.txt"
 }
 for mode in auto tp pp; do
     serve $mode
     start=$(date +%s.%N)
+    seed=0
     for p in decode1 burst1 decode2 burst2 decode3; do
+        seed=$((seed + 1))
         case $p in
-            decode*) phase $mode $p --input-tokens 32 --output-tokens "$DECODE_OUT" --concurrency 8 --num-requests 8 ;;
-            burst*) phase $mode $p --input-tokens "$BURST_TOKENS" --output-tokens 4 --concurrency "$BURST_N" --num-requests "$BURST_N" ;;
+            decode*) phase $mode $p $seed --input-tokens 32 --output-tokens "$DECODE_OUT" --concurrency 8 --num-requests 8 ;;
+            burst*) phase $mode $p $seed --input-tokens "$BURST_TOKENS" --output-tokens 4 --concurrency "$BURST_N" --num-requests "$BURST_N" ;;
         esac
     done
     end=$(date +%s.%N)
