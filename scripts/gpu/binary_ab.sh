@@ -18,7 +18,8 @@ for side in A B; do
     CORRIDOR_BIN=$bin OUT="$out/$side" SKIP_LOGITS=1 SKIP_LATENCY=1 DEADLINE_S=${SIDE_DEADLINE_S:-210} \
         scripts/gpu/bench8b.sh > "$out/$side.log" 2>&1
     echo "status $?"
-    for f in "$out/$side"/decode_*.json "$out/$side"/prefill_*.json; do
+    for f in "$out/$side"/decode_[0-9]*.json "$out/$side"/prefill_[0-9]*.json; do
+        case $f in *stats*) continue ;; esac
         [ -s "$f" ] && python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split("/")[-1], "out tok/s %.1f" % d["output_tokens_per_s"], "in tok/s %.1f" % d["input_tokens_per_s"], "itl p50 %.2f ms" % d["itl_ms"]["p50"], "ttft p50 %.1f ms" % d["ttft_ms"]["p50"])' "$f"
     done
 done
