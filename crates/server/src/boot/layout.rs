@@ -443,7 +443,9 @@ pub(super) fn boot_cuda_layout(
     }
     (env.mark)(BootPhase::WorkspaceReady);
     let (arena, parts) = layout_arena(env, &plan, &devices, &cost)?;
-    let options = LayoutOptions::new(limits(env, arena.capacity()));
+    // Micro-batched pipeline steps have run on CPU ranks only; GPU stages
+    // keep whole steps until they have been measured on two cards.
+    let options = LayoutOptions { microbatch_rows: 0, ..LayoutOptions::new(limits(env, arena.capacity())) };
     let mut ranks = Vec::with_capacity(with_ws.len());
     for (((backend, model, ws), comm), dev) in with_ws.into_iter().zip(comms).zip(&devices) {
         let kv = if model.slice().layers.is_empty() {
