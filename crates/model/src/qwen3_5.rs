@@ -45,7 +45,7 @@ use crate::config::{HybridConfig, LayerKind, ModelConfig};
 use crate::error::LoadError;
 use crate::layout::{CostModel, RankSlice};
 use crate::llama::{check_shape, select, KvCache, ModelError, StepInput, Workspace};
-use corridor_backend::collective::{Collective, Solo};
+use corridor_backend::collective::{gather_logits, Collective, Solo};
 use corridor_backend::{
     ActShape, Backend, DType, DeltaGeometry, DeltaRule, HostTensor, KvGeometry, MatmulPart, RopeStyle,
     RopeTable, StepPlan, TensorBytes, VHeadOrder,
@@ -402,23 +402,22 @@ impl<B: Backend> Model<B> {
             b.check()?;
             return Ok(());
         }
-        if c.world() == 1 && self.slice.vocab == (0..self.config.vocab_size) {
-            b.read_rows(&ws.logits, n, logits);
-            b.check()?;
-            return Ok(());
-        }
         // Each rank's vocabulary rows; only the rank that samples holds the
-        // whole rows after the gather.
-        b.read_rows(&ws.logits, n, &mut ws.host_logits);
-        b.check()?;
-        let start = self.slice.vocab.start;
-        if c.gathers_here() {
-            logits.resize(n * self.config.vocab_size, 0.0);
-            c.gather_cols(&ws.host_logits, n, start, Some(logits))?;
-        } else {
-            c.gather_cols(&ws.host_logits, n, start, None)?;
-        }
-        Ok(())
+        // whole rows after the gather (the collective knows when no gather
+        // is needed).
+        let device_logits = &ws.logits;
+        gather_logits(
+            c,
+            n,
+            self.slice.vocab.clone(),
+            self.config.vocab_size,
+            &mut ws.host_logits,
+            logits,
+            |host| {
+                b.read_rows(device_logits, n, host);
+                b.check().map_err(ModelError::from)
+            },
+        )
     }
 
     /// Run one step with the whole model on this rank.
