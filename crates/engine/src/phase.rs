@@ -139,7 +139,10 @@ impl fmt::Display for AbandonReason {
 }
 
 impl AbandonReason {
-    /// A short label for metrics.
+    /// Every [`label`](AbandonReason::label), for exporters that list each.
+    pub const LABELS: [&'static str; 5] = ["unfunded", "disagreement", "ballot", "check", "failure"];
+
+    /// A short label for metrics (one of [`AbandonReason::LABELS`]).
     pub fn label(&self) -> &'static str {
         match self {
             AbandonReason::NotUnanimous("ready") => "unfunded",
@@ -623,6 +626,19 @@ mod tests {
         assert_eq!(fingerprint(&c, &a, 16), fingerprint(&c, &a, 16));
         assert_ne!(fingerprint(&c, &a, 16), fingerprint(&c, &b, 16));
         assert_ne!(fingerprint(&c, &a, 16), fingerprint(&c, &a, 32));
+    }
+
+    #[test]
+    fn every_abandon_label_is_listed() {
+        for why in [
+            AbandonReason::NotUnanimous("ready"),
+            AbandonReason::NotUnanimous("epoch"),
+            AbandonReason::Ballot,
+            AbandonReason::Check,
+            AbandonReason::Failed("x".into()),
+        ] {
+            assert!(AbandonReason::LABELS.contains(&why.label()), "{why:?}");
+        }
     }
 
     #[test]

@@ -265,6 +265,7 @@ impl MultiRank {
             ));
         }
         phase::transfers(&config, &layouts[0], &layouts[1]).map_err(ModelError::Step)?;
+        layouts.iter().try_for_each(|l| logits_rank(l).map(|_| ()))?;
         let layouts = Arc::new(layouts);
         let serving_group = groups[serving.index()].clone();
         let mut multi = Self::start_with(
@@ -306,11 +307,7 @@ impl MultiRank {
         options: LayoutOptions,
         layouts: Option<Arc<[Layout; 2]>>,
     ) -> Result<MultiRank, ModelError> {
-        let logits_rank = layout
-            .ranks
-            .iter()
-            .position(|r| r.emits_logits())
-            .ok_or_else(|| ModelError::Step("no rank of the layout computes logits".into()))?;
+        let logits_rank = logits_rank(layout)?;
         let (reply_tx, replies) = mpsc::channel();
         let (mut jobs, mut threads) = (Vec::with_capacity(ranks.len()), Vec::with_capacity(ranks.len()));
         for (slice, parts) in layout.ranks.iter().zip(ranks) {
@@ -496,11 +493,8 @@ impl Executor for MultiRank {
         if matches!(out.verdict, FlipVerdict::Committed(_)) {
             f.serving = to;
             self.group = f.groups[to.index()].clone();
-            self.logits_rank = f.layouts[to.index()]
-                .ranks
-                .iter()
-                .position(|r| r.emits_logits())
-                .expect("a solved layout has a rank that computes logits");
+            // Both layouts were checked when the group started.
+            self.logits_rank = logits_rank(&f.layouts[to.index()])?;
         }
         out.epoch = f.epoch;
         Ok(out)
@@ -549,17 +543,17 @@ impl MultiRank {
         };
         let mut cal = Calibration { rows, ..Calibration::default() };
         let mut logits = Vec::new();
+        let timed_flip = |me: &mut MultiRank, to: Phase| -> Result<(Phase, Duration), ModelError> {
+            let t = std::time::Instant::now();
+            let out = Executor::flip(me, to, pages.clone(), None)?;
+            match out.verdict {
+                FlipVerdict::Committed(_) => Ok((to, t.elapsed())),
+                v => Err(ModelError::Step(format!("a calibration flip was abandoned: {v:?}"))),
+            }
+        };
         for phase in [start, start.other()] {
             if self.phase() != Some(phase) {
-                let t = std::time::Instant::now();
-                let out = Executor::flip(self, phase, pages.clone(), None)?;
-                if !matches!(out.verdict, FlipVerdict::Committed(_)) {
-                    return Err(ModelError::Step(format!(
-                        "a calibration flip was abandoned: {:?}",
-                        out.verdict
-                    )));
-                }
-                cal.flips.push((phase, t.elapsed()));
+                cal.flips.push(timed_flip(self, phase)?);
             }
             // One untimed step first: the first run of a shape pays for
             // first use.
@@ -570,12 +564,7 @@ impl MultiRank {
                 cal.steps[phase.index()].push(t.elapsed());
             }
         }
-        let t = std::time::Instant::now();
-        let out = Executor::flip(self, start, pages, None)?;
-        if !matches!(out.verdict, FlipVerdict::Committed(_)) {
-            return Err(ModelError::Step(format!("a calibration flip was abandoned: {:?}", out.verdict)));
-        }
-        cal.flips.push((start, t.elapsed()));
+        cal.flips.push(timed_flip(self, start)?);
         Ok(cal)
     }
 
@@ -778,6 +767,16 @@ impl<B: Backend> RankWorker<B> {
         let sampled = self.exec.model().slice().emits_logits() && self.exec.collective().gathers_here();
         Ok(Reply::Logits(sampled.then(|| std::mem::take(logits))))
     }
+}
+
+/// The rank whose logits the engine samples: a pipeline's last stage, a
+/// tensor layout's first rank (where the gather lands).
+fn logits_rank(layout: &Layout) -> Result<usize, ModelError> {
+    layout
+        .ranks
+        .iter()
+        .position(|r| r.emits_logits())
+        .ok_or_else(|| ModelError::Step("no rank of the layout computes logits".into()))
 }
 
 fn group_shape(layout: &Layout) -> GroupShape {

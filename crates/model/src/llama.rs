@@ -178,10 +178,6 @@ impl<B: Backend> KvCache<B> {
             backend.copy_page(l, from, to);
         }
     }
-    /// Layers this cache holds (the rank's own, in order).
-    pub fn num_layers(&self) -> usize {
-        self.layers.len()
-    }
     /// Copy page `page` of local layer `layer` to the host (see
     /// `Backend::read_kv_page` for the layout).
     pub fn read_page(

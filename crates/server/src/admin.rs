@@ -12,7 +12,7 @@ use crate::http::AppState;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use corridor_engine::flips::{FlipError, FlipRecord, FlipStats, FLIP_BUCKETS};
+use corridor_engine::flips::{FlipError, FlipRecord, FlipStats};
 use corridor_engine::phase::{FlipVerdict, Phase};
 use serde_json::{json, Value};
 
@@ -57,11 +57,6 @@ pub fn record_json(r: &FlipRecord) -> Value {
         "duration_ms": r.duration.as_secs_f64() * 1e3,
         "epoch": r.epoch,
     })
-}
-
-/// The flip-duration histogram's bucket bounds, for `/metrics`.
-pub fn buckets() -> &'static [f64] {
-    &FLIP_BUCKETS
 }
 
 /// `GET /v1/admin/layout`.

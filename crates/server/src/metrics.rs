@@ -159,7 +159,7 @@ fn render_flips(out: &mut String, f: &corridor_engine::flips::FlipStats) {
         "Phase flips abandoned on every rank, by reason.",
         "counter",
     );
-    for reason in ["unfunded", "disagreement", "ballot", "check", "failure"] {
+    for reason in corridor_engine::phase::AbandonReason::LABELS {
         let n = f.abandoned.iter().find(|(l, _)| *l == reason).map_or(0, |(_, n)| *n);
         let _ = writeln!(out, "corridor_phase_flip_abandons_total{{reason=\"{reason}\"}} {n}");
     }
@@ -179,7 +179,7 @@ fn render_flips(out: &mut String, f: &corridor_engine::flips::FlipStats) {
     );
     let name = "corridor_phase_flip_duration_seconds";
     header(out, name, "Committed phase flips' durations.", "histogram");
-    for (le, c) in crate::admin::buckets().iter().zip(f.duration_buckets) {
+    for (le, c) in corridor_engine::flips::FLIP_BUCKETS.iter().zip(f.duration_buckets) {
         let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {c}");
     }
     let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", f.committed());
