@@ -46,6 +46,13 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// Two f32 as one bf16 pair, `lo` in the low half (round to nearest even).
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 __device__ __forceinline__ float f16_to_f32(unsigned short h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -181,6 +188,22 @@ __device__ __forceinline__ float load_elem(const u8* row, int dtype, int j) {
     }
     default: return bq_weight(dtype, row, j);
     }
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16 bytes global -> shared, asynchronously; `bytes` = 0 writes zeros instead.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 // Programmatic dependent launch (sm_90 and later). The host may launch a

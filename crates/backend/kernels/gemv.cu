@@ -491,9 +491,11 @@ GEMV_Q(q4_1, DT_Q4_1, 4, 2)
 GEMV_Q(q4_1, DT_Q4_1, 8, 2)
 
 // Q5_0, Q5_1, IQ4_NL, the K-quants and IQ4_XS for decode rows: one warp per
-// weight row, each lane a 32-weight stretch at a time (a K-quant sub-block:
-// its scale bytes are read once per stretch, the quants of one super-block by
-// eight neighbouring lanes), decoded by bq_weight and dotted with every row.
+// weight row, each lane two 32-weight groups at a time (a K-quant sub-block;
+// blocks.cu `deq32` decodes its scales once and its quants a word at a
+// time), dotted with every input row. Neighbouring lanes take neighbouring
+// groups, so a warp's loads cover one contiguous stretch of the row, and both
+// groups' loads are issued before either is used.
 template <int DT, int R>
 __device__ __forceinline__ void gemv_bq_body(const u8* __restrict__ w, long long row_bytes, const float* __restrict__ x,
                                              float* __restrict__ out, int n, int k, int rows) {
@@ -505,21 +507,29 @@ __device__ __forceinline__ void gemv_bq_body(const u8* __restrict__ w, long long
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.f;
-    for (int c = lane; c < (k >> 5); c += 32) {
-        float wv[32];
+    int groups = k >> 5;
+    for (int c0 = lane; c0 < groups; c0 += 64) {
+        float wv[2][32];
+        int cs[2] = {c0, c0 + 32};
+        bool second = c0 + 32 < groups;
+        deq32<DT>(row, 32 * c0, wv[0]);
+        deq32<DT>(row, 32 * (second ? c0 + 32 : c0), wv[1]);
 #pragma unroll
-        for (int l = 0; l < 32; l++) wv[l] = bq_weight(DT, row, c * 32 + l);
+        for (int u = 0; u < 2; u++) {
+            if (u == 1 && !second) break;
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-            if (r < rows) {
-                const float4* xr = (const float4*)(x + (long long)r * k + c * 32);
-                float s = 0.f;
+            for (int r = 0; r < R; r++) {
+                if (r < rows) {
+                    const float4* xr = (const float4*)(x + (long long)r * k + cs[u] * 32);
+                    float s = 0.f;
 #pragma unroll
-                for (int q = 0; q < 8; q++) {
-                    float4 a = __ldg(xr + q);
-                    s += wv[4 * q] * a.x + wv[4 * q + 1] * a.y + wv[4 * q + 2] * a.z + wv[4 * q + 3] * a.w;
+                    for (int q = 0; q < 8; q++) {
+                        float4 a = __ldg(xr + q);
+                        s += wv[u][4 * q] * a.x + wv[u][4 * q + 1] * a.y + wv[u][4 * q + 2] * a.z +
+                             wv[u][4 * q + 3] * a.w;
+                    }
+                    acc[r] += s;
                 }
-                acc[r] += s;
             }
         }
     }

@@ -13,6 +13,7 @@
 //!   ten times that, while a wrong index or a missing term is an O(1) error.
 
 use super::device::{cuda_err, Purpose, Stream};
+use super::matmul::GEMV_MAX_ROWS;
 use super::{CudaAct, CudaBackend, CudaKv, CudaWeight, PrefillPath};
 use crate::cpu::{CpuAct, CpuBackend};
 use crate::dtype::{DType, HostTensor, TensorBytes};
@@ -219,8 +220,10 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
         let (wg, wc) = (be.upload_weight(&t)?, cpu.upload_weight(&t)?);
         let bias = float_tensor("b", DType::F32, 1, n, &rng.vec(n, 0.5));
         let (bg, bc) = (be.upload_weight(&bias)?, cpu.upload_weight(&bias)?);
-        // 1, 2, 3 (4-row kernel), 5 (8-row kernel), 8: every GEMV instantiation.
-        for &rows in &[1usize, 2, 3, 5, 8, 9, 40] {
+        // 1, 2, 3 (4-row kernel), 5 (8-row kernel), 8: every GEMV instantiation;
+        // block formats also every mmq instantiation (16, 32, 64, 128 rows) and past it.
+        let many: &[usize] = if dtype.is_quantized() { &[17, 64, 97, 128, 129] } else { &[] };
+        for &rows in [1usize, 2, 3, 5, 8, 9, 40].iter().chain(many) {
             let x = pair(be, &cpu, rows, k, Some(&rng.vec(rows * k, 1.0)))?;
             let mut out = pair(be, &cpu, rows, n, None)?;
             let with_bias = rows == 3 || rows == 40;
@@ -228,7 +231,7 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
             cpu.matmul(&x.c, &wc, with_bias.then_some(&bc), rows, &mut out.c);
             let (a, b) = read_both(be, &cpu, &out, rows)?;
             // f16 weights become bf16 on the device; where cuBLASLt takes the rows the input is bf16 too.
-            let tol = if dtype == DType::F16 || dtype == DType::F32 || !be.takes_gemv(&wg, rows) {
+            let tol = if dtype == DType::F16 || dtype == DType::F32 || be.rounds_input(&wg, rows) {
                 BF16
             } else {
                 EXACT
@@ -857,34 +860,47 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
             ));
         }
     }
-    // Block formats: bytes are the quantized bytes read.
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-        for &(n, k) in &[(4096usize, 4096usize), (14336, 4096)] {
+    // Block formats: bytes are the quantized bytes read. At each row count, what
+    // `matmul` picks, and beside it the alternatives: the per-row GEMV (up to
+    // 8 rows), the mmq kernel (3..128 rows) and widening + cuBLASLt.
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+        for &(n, k) in &[(4096usize, 4096usize), (14336, 4096), (4096, 14336)] {
             let t = quant_tensor(&mut rng, dtype, n, k);
             let bytes = t.data.len() as f64;
             let ws = weight_copies(be, &t)?;
-            let x = be.alloc_act(ActShape { rows: 8, cols: k })?;
-            put_gpu(be, &x, &rng.vec(8 * k, 1.0))?;
-            let mut out = be.alloc_act(ActShape { rows: 8, cols: n })?;
-            for rows in [1usize, 8] {
-                graph_id += 1;
-                let all = graph_time_ms(be, graph_id, 20, || {
-                    for w in &ws {
-                        be.matmul(&x, w, None, rows, &mut out);
-                    }
-                })? / ws.len() as f32;
-                let gbs = bytes / (all as f64 * 1e-3) / 1e9;
-                // The general per-element kernel on the same weights, for comparison.
-                graph_id += 1;
-                let any = graph_time_ms(be, graph_id, 5, || {
-                    for w in &ws {
-                        be.op("bench", |_| be.gemv_general(&x, w, rows, &out));
-                    }
-                })? / ws.len() as f32;
-                lines.push(format!(
-                    "gemv {dtype} {n}x{k} rows {rows}: graph {all:.4} ms, {gbs:.0} GB/s = {:.0}% of {copy_gbs:.0} | general kernel {any:.4} ms",
-                    gbs / copy_gbs * 100.0
-                ));
+            let x = be.alloc_act(ActShape { rows: 128, cols: k })?;
+            put_gpu(be, &x, &rng.vec(128 * k, 1.0))?;
+            let mut out = be.alloc_act(ActShape { rows: 128, cols: n })?;
+            for rows in [1usize, 2, 4, 8, 16, 32, 64, 128] {
+                let mut time = |f: &mut dyn FnMut(&CudaWeight, &mut CudaAct)| -> Result<f32> {
+                    graph_id += 1;
+                    Ok(graph_time_ms(be, graph_id, 10, || {
+                        for w in &ws {
+                            f(w, &mut out);
+                        }
+                    })? / ws.len() as f32)
+                };
+                let picked = time(&mut |w, out| be.matmul(&x, w, None, rows, out))?;
+                let pct = |ms: f32| bytes / (ms as f64 * 1e-3) / 1e9 / copy_gbs * 100.0;
+                let tflops = |ms: f32| 2.0 * (rows * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
+                let mut line = format!(
+                    "quant {dtype} {n}x{k} rows {rows}: matmul {picked:.4} ms = {:.0}% of bandwidth, {:.1} TFLOP/s",
+                    pct(picked),
+                    tflops(picked)
+                );
+                if rows <= GEMV_MAX_ROWS {
+                    let g = time(&mut |w, out| be.op("bench", |_| be.gemv_simt(&x, w, rows, out)))?;
+                    line += &format!(" | gemv {g:.4} ms {:.0}%", pct(g));
+                }
+                {
+                    let m = time(&mut |w, out| be.op("bench", |st| be.mmq(st, &x, w, rows, out)))?;
+                    line += &format!(" | mmq {m:.4} ms {:.0}% {:.1} TFLOP/s", pct(m), tflops(m));
+                }
+                if rows >= 16 {
+                    let lt = time(&mut |w, out| be.op("bench", |st| be.matmul_lt(st, &x, w, rows, out)))?;
+                    line += &format!(" | widen+cuBLASLt {lt:.4} ms {:.0}%", pct(lt));
+                }
+                lines.push(line);
             }
         }
     }

@@ -23,6 +23,8 @@ pub(super) struct Kernels {
     pub(super) gather_rows: Kernel,
     pub(super) f32_to_bf16_rows: Kernel,
     pub(super) dequant_rows: Kernel,
+    /// The 32-weight-group widening copy of the block formats (blocks.cu).
+    pub(super) dequant_rows32: Kernel,
     pub(super) write_kv: Kernel,
     pub(super) rope_write_kv: Kernel,
     /// Indexed by log2 of the row-count instantiation (1, 2, 4, 8 rows).
@@ -36,6 +38,11 @@ pub(super) struct Kernels {
     pub(super) gemv_blocks: [[Kernel; 4]; 9],
     pub(super) gemv_bf16_tc: Kernel,
     pub(super) gemv_any: Kernel,
+    /// The tensor-core matmuls of block formats (mmq.cu), one set per entry of
+    /// `MMQ_FORMATS`, indexed by the input-row instantiation (8, 16, 32, 64, 128).
+    pub(super) mmq: [[Kernel; 5]; 12],
+    /// Adds the K slices' partial sums of an mmq launch.
+    pub(super) mmq_reduce: Kernel,
     /// Indexed by log2 of the query heads one block serves (1, 2, 4, 8).
     pub(super) attn_partial: [Kernel; 4],
     /// The same for head_dim 64, 128 and 256 exactly (vector loads, tokens in flight).
@@ -86,6 +93,7 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         gather_rows: f("gather_rows")?,
         f32_to_bf16_rows: f("f32_to_bf16_rows")?,
         dequant_rows: f("dequant_rows")?,
+        dequant_rows32: f("dequant_rows32")?,
         write_kv: f("write_kv")?,
         rope_write_kv: f("rope_write_kv")?,
         gemv_bf16: [f("gemv_bf16_r1")?, f("gemv_bf16_r2")?, f("gemv_bf16_r4")?, f("gemv_bf16_r8")?],
@@ -110,6 +118,20 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         },
         gemv_bf16_tc: f("gemv_bf16_tc")?,
         gemv_any: f("gemv_any")?,
+        mmq: {
+            let mut sets = Vec::with_capacity(MMQ_FORMATS.len());
+            for (_, stem) in MMQ_FORMATS {
+                sets.push([
+                    f(&format!("mmq_{stem}_n1"))?,
+                    f(&format!("mmq_{stem}_n2"))?,
+                    f(&format!("mmq_{stem}_n4"))?,
+                    f(&format!("mmq_{stem}_n8"))?,
+                    f(&format!("mmq_{stem}_n16"))?,
+                ]);
+            }
+            sets.try_into().map_err(|_| BackendError::Other("mmq kernel table".into()))?
+        },
+        mmq_reduce: f("mmq_reduce")?,
         attn_partial: [
             f("attn_partial_g1")?,
             f("attn_partial_g2")?,
@@ -161,6 +183,27 @@ pub(super) const BLOCK_GEMVS: [(DType, &str); 9] = [
 
 pub(super) fn block_gemv_index(d: DType) -> Option<usize> {
     BLOCK_GEMVS.iter().position(|(t, _)| *t == d)
+}
+
+/// Every block format, with the name stem of its `mmq_*` kernels (kernels/mmq.cu),
+/// in the order of `Kernels::mmq`.
+pub(super) const MMQ_FORMATS: [(DType, &str); 12] = [
+    (DType::Q8_0, "q8_0"),
+    (DType::Q4_0, "q4_0"),
+    (DType::Q4_1, "q4_1"),
+    (DType::Q5_0, "q5_0"),
+    (DType::Q5_1, "q5_1"),
+    (DType::IQ4_NL, "iq4_nl"),
+    (DType::Q2_K, "q2_k"),
+    (DType::Q3_K, "q3_k"),
+    (DType::Q4_K, "q4_k"),
+    (DType::Q5_K, "q5_k"),
+    (DType::Q6_K, "q6_k"),
+    (DType::IQ4_XS, "iq4_xs"),
+];
+
+pub(super) fn mmq_index(d: DType) -> Option<usize> {
+    MMQ_FORMATS.iter().position(|(t, _)| *t == d)
 }
 
 /// One block per row with a thread per float4 of the row (kernels/elementwise.cu

@@ -10,12 +10,15 @@
 //! SiLU), and a tensor-core kernel for 3..8 rows that splits the f32
 //! activations into two bf16 parts and so stays exact. cuBLASLt (bf16 ×
 //! bf16 → f32, `gemm.rs`) takes prefill rows, and 3..8 rows on large bf16
-//! matrices where it measured faster (`takes_gemv`); quantized weights are
-//! widened to bf16 a tile of rows at a time for it.
+//! matrices where it measured faster (`takes_gemv`). Block-format weights at
+//! 3..=`MMQ_MAX_ROWS` rows take the tensor-core kernels of kernels/mmq.cu,
+//! which decode the blocks in shared memory and never widen the matrix; past
+//! that, quantized weights are widened to bf16 a tile of rows at a time for
+//! cuBLASLt.
 
 use super::device::{Args, DeviceBuffer, LaunchDims, Purpose};
 use super::gemm::GemmShape;
-use super::kernels::{block_gemv_index, dtype_code, grid_for};
+use super::kernels::{block_gemv_index, dtype_code, grid_for, mmq_index};
 use super::{CudaAct, CudaBackend, State};
 use crate::dtype::DType;
 use crate::{BackendError, MatmulPart, Result};
@@ -39,6 +42,40 @@ pub(super) const GEMV_TC_WARPS: u32 = 8;
 
 /// Weight rows below which the tensor-core GEMV leaves 3 and 4 input rows to the per-row kernel.
 pub(super) const GEMV_TC_MIN_N: usize = 2048;
+
+/// Input rows up to which block-format weights take the tensor-core kernels
+/// of kernels/mmq.cu (its MMQ_MAX_ROWS), from `MMQ_MIN_ROWS` on.
+pub const MMQ_MAX_ROWS: usize = 128;
+pub const MMQ_MIN_ROWS: usize = 3;
+/// Rows up to which `matmul` picks the mmq kernels: past 32 rows widening the
+/// matrix to bf16 for cuBLASLt measured faster on the H200 (PERF.md).
+pub const MMQ_TAKES_ROWS: usize = 32;
+
+/// Weight rows per block of the mmq kernels (MMQ_BN) and threads per block.
+pub(super) const MMQ_BN: usize = 64;
+pub(super) const MMQ_THREADS: u32 = 128;
+
+/// Blocks per SM the mmq launch aims for (enough loads in flight to stream the weights).
+const MMQ_BLOCKS_PER_SM: usize = 8;
+
+/// How the mmq launch splits K: (slices, weights per slice). Whole 256-weight
+/// super-blocks per slice, enough slices for `MMQ_BLOCKS_PER_SM` blocks per
+/// SM, and no more than the partial sums (`slices × rows × n` f32) that fit
+/// in `part_bytes` of scratch; one slice when K is not whole super-blocks.
+pub(super) fn mmq_split(n: usize, k: usize, rows: usize, sms: usize, part_bytes: usize) -> (usize, usize) {
+    let blocks = n.div_ceil(MMQ_BN);
+    if !k.is_multiple_of(256) || k < 512 {
+        return (1, k);
+    }
+    let supers = k / 256;
+    let fit = part_bytes / (rows * n * 4).max(1);
+    let want = (MMQ_BLOCKS_PER_SM * sms).div_ceil(blocks).min(supers).min(fit);
+    if want < 2 {
+        return (1, k);
+    }
+    let per = supers.div_ceil(want);
+    (supers.div_ceil(per), per * 256)
+}
 
 /// Bytes of the bf16 tile a quantized weight is widened into for prefill.
 pub(super) const DEQUANT_TILE: usize = 32 << 20;
@@ -112,6 +149,9 @@ impl CudaBackend {
         if rows == 0 {
             return Ok(());
         }
+        if self.takes_mmq(w, rows) {
+            return self.mmq(st, x, w, rows, out);
+        }
         if self.takes_gemv(w, rows) {
             return self.gemv(x, w, rows, out);
         }
@@ -137,6 +177,74 @@ impl CudaBackend {
             3..=GEMV_MAX_ROWS => !large_bf16,
             _ => false,
         }
+    }
+
+    /// Whether `rows` rows against `w` take the tensor-core kernels of block
+    /// formats (kernels/mmq.cu): every block format with rows of whole
+    /// 32-weight groups, from 3 rows (where the per-row GEMVs' f32 FMAs become
+    /// their limit) to `MMQ_MAX_ROWS`. The input is rounded to bf16 there.
+    pub(super) fn takes_mmq(&self, w: &CudaWeight, rows: usize) -> bool {
+        // The 32-weight formats with a per-row GEMV of their own keep it at 1
+        // and 2 rows, where it measured faster; every other block format takes
+        // mmq from one row (scripts/gpu/PERF.md, "Quantized matmuls").
+        let own_gemv = matches!(w.dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1);
+        let first = if own_gemv { MMQ_MIN_ROWS } else { 1 };
+        mmq_index(w.dtype).is_some() && w.cols.is_multiple_of(32) && (first..=MMQ_TAKES_ROWS).contains(&rows)
+    }
+
+    /// Whether the result of `rows` rows against `w` is computed from the
+    /// input rounded to bf16 (cuBLASLt or the mmq kernels) rather than in f32.
+    pub fn rounds_input(&self, w: &CudaWeight, rows: usize) -> bool {
+        self.takes_mmq(w, rows) || !self.takes_gemv(w, rows)
+    }
+
+    /// The tensor-core matmul of a block-format weight (kernels/mmq.cu): the
+    /// input rows rounded to bf16 in the scratch, then one launch of the
+    /// instantiation for the smallest of 8, 16, 32, 64, 128 rows that holds
+    /// them, K split into slices when the weight rows alone would leave the
+    /// card with too few blocks (the slices' partial sums go to the
+    /// dequantization tile and `mmq_reduce` adds them).
+    pub(super) fn mmq(
+        &self,
+        st: &mut State,
+        x: &CudaAct,
+        w: &CudaWeight,
+        rows: usize,
+        out: &CudaAct,
+    ) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
+        let set = mmq_index(w.dtype)
+            .ok_or_else(|| BackendError::Other(format!("mmq: {} is not a block format", w.dtype)))?;
+        let xbf = self.bf16_input(st, x, rows)?;
+        let inst = rows.div_ceil(8).next_power_of_two().trailing_zeros() as usize;
+        let part = st.tile.as_ref().map(|t| (t.ptr(), t.bytes().0 as usize)).unwrap_or((0, 0));
+        let (slices, kslice) = mmq_split(n, k, rows, self.sm_count, part.1);
+        let dims = LaunchDims { grid: (n.div_ceil(MMQ_BN) as u32, slices as u32, 1), block: MMQ_THREADS };
+        let dst = if slices > 1 { part.0 } else { out.ptr() };
+        let a = Args::new().ptr(w.ptr()).i64(w.row_bytes as i64).ptr(xbf).ptr(dst);
+        let a = a.i32(n as i32).i32(k as i32).i32(rows as i32).i32(kslice as i32);
+        unsafe { self.launch(self.k.mmq[set][inst], dims, a)? };
+        if slices > 1 {
+            let len = rows * n;
+            let a = Args::new().ptr(part.0).ptr(out.ptr()).i32(slices as i32).i64(len as i64);
+            unsafe { self.launch(self.k.mmq_reduce, grid_for(len, 256), a)? };
+        }
+        Ok(())
+    }
+
+    /// `rows` rows of `x` rounded to bf16 into the scratch (`[rows, x.cols]`); its pointer.
+    fn bf16_input(&self, st: &mut State, x: &CudaAct, rows: usize) -> Result<u64> {
+        let k = x.cols;
+        let xbf = st.xbf.as_ref().filter(|b| b.bytes().0 as usize >= rows * k * 2).ok_or_else(|| {
+            BackendError::Other(format!(
+                "matmul of {rows}x{k}: scratch not sized (allocate activations first)"
+            ))
+        })?;
+        let xbf_ptr = xbf.ptr();
+        let total = rows * k;
+        let a = Args::new().ptr(x.ptr()).ptr(xbf_ptr).i64(total as i64);
+        unsafe { self.launch(self.k.f32_to_bf16_rows, grid_for(total, 256), a)? };
+        Ok(xbf_ptr)
     }
 
     /// Whether the tensor-core GEMV takes `rows` rows against `w` (bf16, k a
@@ -276,15 +384,7 @@ impl CudaBackend {
         out: &CudaAct,
     ) -> Result<()> {
         let (n, k) = (w.rows, w.cols);
-        let xbf = st.xbf.as_ref().filter(|b| b.bytes().0 as usize >= rows * k * 2).ok_or_else(|| {
-            BackendError::Other(format!(
-                "matmul of {rows}x{k}: scratch not sized (allocate activations first)"
-            ))
-        })?;
-        let xbf_ptr = xbf.ptr();
-        let total = rows * k;
-        let a = Args::new().ptr(x.ptr()).ptr(xbf_ptr).i64(total as i64);
-        unsafe { self.launch(self.k.f32_to_bf16_rows, grid_for(total, 256), a)? };
+        let xbf_ptr = self.bf16_input(st, x, rows)?;
         if w.dtype == DType::BF16 {
             let s = GemmShape { m: rows, n, k, ldc: n };
             return st.gemm.matmul(self.stream, s, xbf_ptr, w.ptr(), out.ptr());
@@ -294,6 +394,12 @@ impl CudaBackend {
             .as_ref()
             .ok_or_else(|| BackendError::Other("dequantization tile not allocated".into()))?;
         let (tile_ptr, tile_rows) = (tile.ptr(), (tile.bytes().0 as usize / (k * 2)).max(1));
+        // Block formats with whole 32-weight groups widen a group per thread (blocks.cu).
+        let (widen, block) = if w.dtype.is_quantized() && k.is_multiple_of(32) {
+            (self.k.dequant_rows32, 128)
+        } else {
+            (self.k.dequant_rows, 256)
+        };
         let mut j0 = 0;
         while j0 < n {
             let nb = tile_rows.min(n - j0);
@@ -304,9 +410,7 @@ impl CudaBackend {
                 .ptr(tile_ptr)
                 .i32(j0 as i32)
                 .i32(k as i32);
-            unsafe {
-                self.launch(self.k.dequant_rows, LaunchDims { grid: (nb as u32, 1, 1), block: 256 }, a)?
-            };
+            unsafe { self.launch(widen, LaunchDims { grid: (nb as u32, 1, 1), block }, a)? };
             let s = GemmShape { m: rows, n: nb, k, ldc: n };
             st.gemm.matmul(self.stream, s, xbf_ptr, tile_ptr, out.ptr() + (j0 * 4) as u64)?;
             j0 += nb;

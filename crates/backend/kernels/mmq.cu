@@ -1,0 +1,172 @@
+// Block-format weights on the tensor cores, for a few to MMQ_MAX_ROWS input
+// rows: out[r][j] = x[r] . w[j], the weights kept quantized in memory and
+// every weight byte read once per launch, however many rows share it.
+//
+// Layout: a block of MMQ_WARPS warps owns MMQ_BN weight rows, 16 per warp
+// (the M of mma.m16n8k16), and one slice of K (blockIdx.y); every input row
+// is an N column (8 per mma, NT tiles). The block walks its slice in chunks
+// of 256 weights (one K-quant super-block, or 8 blocks of the 32-weight
+// formats): the raw bytes of the next chunk of all its rows are copied to
+// shared memory with cp.async while the threads decode the current one
+// (`deq8`: 8 consecutive weights of rows g and g + 8) straight into mma
+// fragments, so the copy engine keeps the loads in flight and every weight
+// is decoded exactly once. The input rows come as bf16 from global memory
+// through L1, which the block's warps share. Splitting K over the grid's y
+// (`kslice`) gives a card enough blocks even for a 1024-row projection; each
+// slice then writes its partial sums to `part[y]` and `mmq_reduce` adds the
+// slices in a fixed order, so the result does not depend on the scheduling.
+//
+// K order inside a 32-weight group: thread (g, t) holds weights 32q + 8t ..
+// + 7 of its rows and the same 8 k of its input row (one 16-byte load), and
+// uses elements 0..3 for the first k-step of the group and 4..7 for the
+// second: the fragment's logical k (2t, 2t+1, 2t+8, 2t+9) maps to physical k
+// 32q + 8t + 4s + (0..3), the same for A and B, so the product is the plain
+// dot product (as in gemv.cu `gemv_tc_body`).
+//
+// The activations come as bf16 (the host rounds them, as for cuBLASLt); the
+// products accumulate in f32.
+
+#define MMQ_BN 64
+#define MMQ_WARPS 4
+#define MMQ_MAX_ROWS 128
+
+// Bytes of 256 weights of each format, and the shared-memory slot a row's
+// chunk takes: its bytes from the 16-byte boundary at or below their start
+// (blocks of 34, 18 or 210 bytes are not 16-byte aligned) to the one above
+// their end.
+template <int DT>
+struct MmqFmt {
+    static const int b256 = DT == DT_Q8_0 ? 272 : DT == DT_Q4_0 ? 144 : DT == DT_Q4_1 ? 160 : DT == DT_Q5_0 ? 176
+                          : DT == DT_Q5_1 ? 192 : DT == DT_IQ4_NL ? 144 : DT == DT_Q2_K ? 84 : DT == DT_Q3_K ? 110
+                          : DT == DT_Q4_K ? 144 : DT == DT_Q5_K ? 176 : DT == DT_Q6_K ? 210 : 136;
+    static const int slot = (b256 + 15) / 16 * 16 + 16;
+};
+
+// Copy chunk `kc` (a multiple of 256, `kw` weights) of the block's rows to `dst`
+// ([MMQ_BN][slot]); bytes past a row's end are zero-filled, never read.
+template <int DT>
+__device__ __forceinline__ void mmq_stage(u8* dst, const u8* __restrict__ w, long long row_bytes, int n, int j0,
+                                          int kc, int kw) {
+    const int slot = MmqFmt<DT>::slot, pieces = slot / 16;
+    long long off = (long long)(kc / 256) * MmqFmt<DT>::b256;
+    int bytes = (kw * MmqFmt<DT>::b256 + 255) / 256;
+    for (int p = threadIdx.x; p < MMQ_BN * pieces; p += MMQ_WARPS * 32) {
+        int r = p / pieces, i = p - r * pieces;
+        const u8* row = w + (long long)imin(j0 + r, n - 1) * row_bytes;
+        const u8* start = row + off;
+        const u8* base = (const u8*)((unsigned long long)start & ~15ull);
+        const u8* src = base + 16 * i;
+        long long left = (row + off + bytes) - src;
+        int take = left >= 16 ? 16 : (left > 0 ? (int)left : 0);
+        cp_async16(smem_u32(dst + r * slot + 16 * i), take > 0 ? src : start, take);
+    }
+}
+
+// NT: tiles of 8 input rows the launch covers (rows <= 8 NT).
+template <int DT, int NT>
+__device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row_bytes, const bf16_t* __restrict__ xb,
+                                         float* __restrict__ out, int n, int k, int rows, int kslice) {
+    const int slot = MmqFmt<DT>::slot;
+    __shared__ __align__(16) u8 raw[2][MMQ_BN * MmqFmt<DT>::slot];
+    pdl_enter();
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    int g = lane >> 2, t = lane & 3;
+    int jb0 = blockIdx.x * MMQ_BN;
+    int k0 = blockIdx.y * kslice, k1 = imin(k, k0 + kslice);
+    // This thread's two rows in the slot layout.
+    int ra = 16 * wid + g, rb = ra + 8;
+    const u8* wa = w + (long long)imin(jb0 + ra, n - 1) * row_bytes;
+    const u8* wb = w + (long long)imin(jb0 + rb, n - 1) * row_bytes;
+    const bf16_t* xt = xb + 8 * t;
+    float c[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; i++) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
+    mmq_stage<DT>(raw[0], w, row_bytes, n, jb0, k0, imin(256, k1 - k0));
+    cp_async_commit();
+    int buf = 0;
+    for (int kc = k0; kc < k1; kc += 256, buf ^= 1) {
+        int kw = imin(256, k1 - kc);
+        if (kc + 256 < k1) mmq_stage<DT>(raw[buf ^ 1], w, row_bytes, n, jb0, kc + 256, imin(256, k1 - kc - 256));
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        // Where each row's chunk starts past its 16-byte boundary (it moves
+        // from chunk to chunk when 256 weights are not whole 16 bytes: Q6_K).
+        long long off = (long long)(kc / 256) * MmqFmt<DT>::b256;
+        const u8* sa = raw[buf] + ra * slot + (int)((unsigned long long)(wa + off) & 15ull);
+        const u8* sb = raw[buf] + rb * slot + (int)((unsigned long long)(wb + off) & 15ull);
+        // Unrolled so that each group's sub-block index is a constant and
+        // the K-quants' scale unpacking folds to a few shifts.
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            if (q >= (kw >> 5)) break;
+            float va[8], vb[8];
+            deq8<DT>(sa, 32 * q + 8 * t, va);
+            deq8<DT>(sb, 32 * q + 8 * t, vb);
+            u32 a0 = pack_bf16x2(va[0], va[1]), a1 = pack_bf16x2(va[2], va[3]);
+            u32 a2 = pack_bf16x2(va[4], va[5]), a3 = pack_bf16x2(va[6], va[7]);
+            u32 b0 = pack_bf16x2(vb[0], vb[1]), b1 = pack_bf16x2(vb[2], vb[3]);
+            u32 b2 = pack_bf16x2(vb[4], vb[5]), b3 = pack_bf16x2(vb[6], vb[7]);
+            int kk = kc + 32 * q;
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                if (8 * i < rows) {
+                    int xr = 8 * i + g;
+                    uint4 xv = make_uint4(0u, 0u, 0u, 0u);
+                    if (xr < rows) xv = __ldg((const uint4*)(xt + (long long)xr * k + kk));
+                    mma_bf16_m16n8k16(c[i], a0, b0, a1, b1, xv.x, xv.y);
+                    mma_bf16_m16n8k16(c[i], a2, b2, a3, b3, xv.z, xv.w);
+                }
+            }
+        }
+        __syncthreads(); // every warp is done with raw[buf] before it is refilled
+    }
+    // c0, c1: weight row g, input rows 2t, 2t + 1 of the tile; c2, c3: weight row g + 8.
+    float* o = out + (long long)blockIdx.y * rows * n;
+    int ja = jb0 + ra, jb = jb0 + rb;
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        int xr = 8 * i + 2 * t;
+        if (ja < n) {
+            if (xr < rows) o[(long long)xr * n + ja] = c[i][0];
+            if (xr + 1 < rows) o[(long long)(xr + 1) * n + ja] = c[i][1];
+        }
+        if (jb < n) {
+            if (xr < rows) o[(long long)xr * n + jb] = c[i][2];
+            if (xr + 1 < rows) o[(long long)(xr + 1) * n + jb] = c[i][3];
+        }
+    }
+}
+
+#define MMQ(NAME, DT, NT)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MMQ_WARPS * 32)                                                   \
+        mmq_##NAME##_n##NT(const u8* __restrict__ w, long long row_bytes, const bf16_t* __restrict__ xb,          \
+                           float* __restrict__ out, int n, int k, int rows, int kslice) {                         \
+        mmq_body<DT, NT>(w, row_bytes, xb, out, n, k, rows, kslice);                                              \
+    }
+// Instantiations for up to 8, 16, 32, 64 and 128 input rows.
+#define MMQ_ALL(NAME, DT) MMQ(NAME, DT, 1) MMQ(NAME, DT, 2) MMQ(NAME, DT, 4) MMQ(NAME, DT, 8) MMQ(NAME, DT, 16)
+MMQ_ALL(q8_0, DT_Q8_0)
+MMQ_ALL(q4_0, DT_Q4_0)
+MMQ_ALL(q4_1, DT_Q4_1)
+MMQ_ALL(q5_0, DT_Q5_0)
+MMQ_ALL(q5_1, DT_Q5_1)
+MMQ_ALL(iq4_nl, DT_IQ4_NL)
+MMQ_ALL(q2_k, DT_Q2_K)
+MMQ_ALL(q3_k, DT_Q3_K)
+MMQ_ALL(q4_k, DT_Q4_K)
+MMQ_ALL(q5_k, DT_Q5_K)
+MMQ_ALL(q6_k, DT_Q6_K)
+MMQ_ALL(iq4_xs, DT_IQ4_XS)
+
+// out[i] = the sum over the `slices` K slices of part[s][i], in slice order.
+extern "C" __global__ void mmq_reduce(const float* __restrict__ part, float* __restrict__ out, int slices,
+                                      long long len) {
+    pdl_enter();
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < len;
+         i += (long long)gridDim.x * blockDim.x) {
+        float s = 0.f;
+        for (int y = 0; y < slices; y++) s += part[y * len + i];
+        out[i] = s;
+    }
+}
