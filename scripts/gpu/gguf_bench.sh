@@ -28,13 +28,18 @@ MODEL_DIR=/tmp/llama8b
 BATCHES=${BATCHES:-1 32 128}
 
 prep() {
-    header "untar llama.cpp and build it in the background (CUDA, sm_90)"
-    if [ ! -x "$BUILD/bin/llama-batched-bench" ]; then
+    # LCPP_CUDA=0 builds only the CPU quantizer (a minute), for a plan that reuses llama.cpp's
+    # decode numbers of an earlier run on the same files; the default builds llama-batched-bench
+    # with CUDA too (several minutes, in the background).
+    header "untar llama.cpp and build it in the background (CUDA ${LCPP_CUDA:-1}, sm_90)"
+    if [ ! -x "$BUILD/bin/llama-quantize" ]; then
         mkdir -p /tmp && tar xzf .gpu/llama.cpp.tar.gz -C /tmp
-        ( cmake -S "$LCP" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+        local cuda=ON targets="llama-batched-bench llama-quantize"
+        [ "${LCPP_CUDA:-1}" = 0 ] && cuda=OFF targets=llama-quantize
+        ( cmake -S "$LCP" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=$cuda \
               -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
               -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
-            && cmake --build "$BUILD" -j 14 --target llama-batched-bench llama-quantize ) > "$out/llama_build.log" 2>&1 &
+            && cmake --build "$BUILD" -j 14 --target $targets ) > "$out/llama_build.log" 2>&1 &
         build_pid=$!
     fi
     header "tiny K-quant files: CUDA against the CPU (corridor-gpu-check)"
@@ -51,7 +56,7 @@ prep() {
         header "waiting for the llama.cpp build"
         wait "$build_pid"; echo "build status $?"; tail -n 3 "$out/llama_build.log"
     fi
-    for q in Q8_0 Q4_0 Q4_K_M; do
+    for q in ${QUANTS:-Q8_0 Q4_0 Q4_K_M}; do
         [ -s "/tmp/gguf/llama8b-$q.gguf" ] && continue
         pure=--pure; [ "$q" = Q4_K_M ] && pure=
         header "quantize $q $pure"
@@ -64,10 +69,14 @@ prep() {
 bench_file() {
     local q=$1 f=/tmp/gguf/llama8b-$1.gguf
     [ -s "$f" ] || { echo "missing $f"; return; }
-    header "$q: llama-batched-bench (512 prompt, 256 generated, batches ${BATCHES// /,})"
-    timeout 240 "$BUILD/bin/llama-batched-bench" -m "$f" -npp 512 -ntg 256 -npl "${BATCHES// /,}" \
-        -c 131072 -fa on -ngl 999 > "$out/lcpp_$q.log" 2>&1
-    echo "status $?"; grep -E "^\|" "$out/lcpp_$q.log" | tail -n 6
+    if [ -x "$BUILD/bin/llama-batched-bench" ]; then
+        header "$q: llama-batched-bench (512 prompt, 256 generated, batches ${BATCHES// /,})"
+        timeout 240 "$BUILD/bin/llama-batched-bench" -m "$f" -npp 512 -ntg 256 -npl "${BATCHES// /,}" \
+            -c 131072 -fa on -ngl 999 > "$out/lcpp_$q.log" 2>&1
+        echo "status $?"; grep -E "^\|" "$out/lcpp_$q.log" | tail -n 6
+    else
+        header "$q: llama-batched-bench not built (LCPP_CUDA=0): llama.cpp not run"
+    fi
     header "$q: corridor serve + corridor bench"
     mkdir -p "$out/corridor_$q"
     OUT="$out/corridor_$q" MODEL_DIR="$f" SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 SKIP_LATENCY=1 \
