@@ -25,6 +25,7 @@
 #   SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_SERVE=1 SKIP_DECODE=1 SKIP_PREFILL=1 SKIP_LATENCY=1
 #                          skip steps (SKIP_SERVE skips c-g)
 #   DECODE_BATCHES PREFILL_LENS LATENCY_CONC   the sweep lists ("1 8 32 128", "2048 8192", "1 16 64")
+#   SERVE_ARGS             extra `corridor serve` flags (e.g. "--device-sampling off" for an A/B)
 #   DEADLINE_S BENCH_TIMEOUT_S                 run and per-bench limits in seconds (540, 180)
 #   MODEL_DIR TOKENIZER_DIR CORRIDOR_BIN CORRIDOR_E2E DEVICES PORT CONTEXT_LENGTH HF_DEVICE
 set -uo pipefail
@@ -159,7 +160,7 @@ elif time_for serve 90; then
     mkdir -p "$out/flight"
     "$BIN" serve --model "$MODEL_DIR" --devices "$DEVICES" \
         --max-running-requests 128 --max-batched-tokens 8192 --context-length "$CONTEXT" \
-        --host 127.0.0.1 --port "$PORT" --flight-dir "$out/flight" > "$out/serve.log" 2>&1 &
+        --host 127.0.0.1 --port "$PORT" --flight-dir "$out/flight" ${SERVE_ARGS:-} > "$out/serve.log" 2>&1 &
     server_pid=$!
     echo "server pid $server_pid; waiting for GET /health (up to 300 s)"
     up=0
