@@ -1,7 +1,7 @@
 //! The `Backend` impl that ties the concerns together: each trait method is
 //! either an op of its own here (embedding, norms, RoPE, element-wise ops,
 //! reads to the host, step metadata, weights and workspaces) or hands over to
-//! the module of its concern (`matmul.rs`, `attention.rs`, `graphs.rs`).
+//! the module of its concern (`matmul.rs`, `attention.rs`, `delta.rs`, `graphs.rs`).
 
 use super::device::{cuda_err, Args, LaunchDims, Purpose};
 use super::graphs::drop_graphs;
@@ -10,10 +10,10 @@ use super::matmul::{Arena, CudaWeight, ARENA_ALIGN, DEQUANT_TILE};
 use super::{CudaAct, CudaBackend, CudaKv};
 use crate::dtype::{DType, HostTensor};
 use crate::{
-    ActShape, Backend, BackendError, GraphKey, KvGeometry, MatmulPart, Result, RopeStyle, RopeTable, SeqStep,
-    StepPlan,
+    ActShape, Backend, BackendError, DeltaRule, GraphKey, KvGeometry, MatmulPart, Result, RopeStyle,
+    RopeTable, SeqStep, StepPlan,
 };
-use corridor_units::PageId;
+use corridor_units::{PageId, StateSlot};
 use corridor_vram::KvArena;
 use cudarc::driver::result as cu;
 use half::{bf16, f16};
@@ -289,6 +289,37 @@ impl Backend for CudaBackend {
                 self.launch(self.k.gather_rows, LaunchDims { grid: (rows.len() as u32, 1, 1), block: 256 }, a)
             }
         })
+    }
+
+    fn sigmoid_mul(&self, x: &mut CudaAct, gate: &CudaAct, rows: usize) -> Result<()> {
+        self.enqueue_sigmoid_mul(x, gate, rows)
+    }
+
+    fn causal_conv_silu(
+        &self,
+        x: &mut CudaAct,
+        weight: &CudaWeight,
+        state: &mut CudaAct,
+        seqs: &[SeqStep<'_>],
+        slots: &[StateSlot],
+    ) -> Result<()> {
+        self.enqueue_causal_conv_silu(x, weight, state, seqs, slots)
+    }
+
+    fn gated_delta_rule(&self, p: DeltaRule<'_, Self>) -> Result<()> {
+        self.enqueue_gated_delta_rule(p)
+    }
+
+    fn gated_rms_norm(
+        &self,
+        x: &mut CudaAct,
+        z: &CudaAct,
+        weight: &CudaWeight,
+        eps: f32,
+        head_dim: usize,
+        rows: usize,
+    ) -> Result<()> {
+        self.enqueue_gated_rms_norm(x, z, weight, eps, head_dim, rows)
     }
 
     fn write_kv(&self, kv: &mut CudaKv, k: &CudaAct, v: &CudaAct, seqs: &[SeqStep<'_>]) {
