@@ -36,6 +36,18 @@ const CONV_CHUNK: usize = 8;
 /// Warps of a convolution block at most (kernels/delta.cu CONV_MAX_WARPS).
 const CONV_MAX_WARPS: usize = 8;
 
+/// What a delta-net op runs its sequences over: checked and uploaded by `sync_delta_seqs`.
+struct SeqSlots<'a, 'b> {
+    op: &'static str,
+    seqs: &'a [SeqStep<'b>],
+    slots: &'a [StateSlot],
+    /// The state buffer, `[slots, width]`.
+    state: &'a CudaAct,
+    width: usize,
+    /// Rows of the activations the sequences' rows index.
+    x_rows: usize,
+}
+
 fn bad(op: &str, why: String) -> BackendError {
     BackendError::Other(format!("{op}: {why}"))
 }
@@ -62,16 +74,8 @@ impl CudaBackend {
 
     /// Check the slots against the state buffer (as the CPU does) and
     /// upload each sequence's (first row, rows, cached, slot).
-    fn sync_delta_seqs(
-        &self,
-        st: &mut State,
-        op: &str,
-        seqs: &[SeqStep<'_>],
-        slots: &[StateSlot],
-        state: &CudaAct,
-        width: usize,
-        x_rows: usize,
-    ) -> Result<()> {
+    fn sync_delta_seqs(&self, st: &mut State, u: SeqSlots<'_, '_>) -> Result<()> {
+        let SeqSlots { op, seqs, slots, state, width, x_rows } = u;
         if slots.len() != seqs.len() {
             return Err(bad(op, format!("{} slots for {} sequences", slots.len(), seqs.len())));
         }
@@ -137,7 +141,8 @@ impl CudaBackend {
             return Err(bad(op, format!("a {} kernel; the convolution reads bf16 or f32", weight.dtype)));
         }
         self.delta_op(op, |st| {
-            self.sync_delta_seqs(st, op, seqs, slots, state, (taps - 1) * channels, x.rows)?;
+            let width = (taps - 1) * channels;
+            self.sync_delta_seqs(st, SeqSlots { op, seqs, slots, state, width, x_rows: x.rows })?;
             let most = seqs.iter().map(|s| s.rows).max().unwrap_or(0);
             let warps = most.div_ceil(CONV_CHUNK).clamp(1, CONV_MAX_WARPS);
             let wdt = super::kernels::dtype_code(weight.dtype);
@@ -191,7 +196,9 @@ impl CudaBackend {
         }
         let (state, out) = (p.state, p.out);
         self.delta_op(op, |st| {
-            self.sync_delta_seqs(st, op, p.seqs, p.slots, state, g.recurrent_state_elems(), rows)?;
+            let width = g.recurrent_state_elems();
+            let (seqs, slots) = (p.seqs, p.slots);
+            self.sync_delta_seqs(st, SeqSlots { op, seqs, slots, state, width, x_rows: rows })?;
             // Warps of 32 state rows each, enough for k_dim.
             let warps = dk.div_ceil(32).next_power_of_two();
             let kernel = self.k.gated_delta_rule[warps.trailing_zeros() as usize];
