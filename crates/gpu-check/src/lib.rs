@@ -7,15 +7,20 @@
 //! CPU top-1/top-2 logit gap is under the bf16 error bound, where either
 //! choice is correct.
 //!
+//! Each prompt is also fed whole and in uneven chunks with every position's
+//! logits read, on both backends, and each position compared with the CPU's
+//! whole prompt: a chunk must continue from the KV (and, in the hybrid, the
+//! recurrent state) the chunk before left.
+//!
 //! The binary (`src/main.rs`, feature `cuda`) runs this with the CUDA backend
 //! on the GPU machine; without a GPU the comparison is tested CPU against CPU.
 
-use corridor_backend::cpu::CpuBackend;
+use corridor_backend::cpu::{CpuBackend, DecodeActivations};
 use corridor_backend::{Backend, SeqStep};
 use corridor_model::greedy::greedy;
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::PageId;
+use corridor_units::{PageId, StateSlot};
 use std::path::Path;
 
 /// Largest logit error, as a fraction of the largest logit, that bf16 weights and KV explain.
@@ -84,7 +89,7 @@ pub fn compare(got: &Run, want: &Run) -> Verdict {
 /// Every checkpoint in `dir` (directories and .gguf files) on `b` and on the
 /// CPU, one PASS/FAIL line each; returns (checkpoints compared, failures).
 pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
-    let cpu = CpuBackend::new();
+    let cpu = reference_cpu();
     let mut entries: Vec<_> =
         std::fs::read_dir(dir).expect("fixtures dir").flatten().map(|e| e.path()).collect();
     entries.sort();
@@ -104,12 +109,6 @@ pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
         let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 11) % 300).collect();
         let got = match try_generate(b, &ckpt, &prompt, 12) {
             Ok(run) => run,
-            // The hybrid's delta-net has CPU kernels only: a backend without
-            // them refuses, and that is not a wrong answer.
-            Err(e) if ckpt.config().hybrid.is_some() => {
-                println!("skip {}: {e}", p.display());
-                continue;
-            }
             Err(e) => {
                 println!("FAIL {}: {e}", p.display());
                 failures += 1;
@@ -126,17 +125,115 @@ pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
         }
         checked += 1;
         failures += usize::from(!v.ok);
+        let name = p.file_name().unwrap().to_string_lossy();
         println!(
-            "{} {}: logits max error {:.2e} of {:.2e}; greedy gpu {:?} cpu {:?}",
+            "{} {name}: logits max error {:.2e} of {:.2e}; greedy gpu {:?} cpu {:?}",
             if v.ok { "PASS" } else { "FAIL" },
-            p.file_name().unwrap().to_string_lossy(),
             v.err,
             v.scale,
             got.tokens,
             want.tokens
         );
+        // Every position, the prompt fed whole and in chunks.
+        let reference = match chunked_logits(&cpu, &ckpt, &prompt, &[prompt.len()]) {
+            Ok(l) => l,
+            Err(e) => {
+                println!("FAIL {name}: every position on the CPU: {e}");
+                failures += 1;
+                continue;
+            }
+        };
+        for chunks in [&[prompt.len()][..], &CHUNKS[..]] {
+            let ok = match chunked_logits(b, &ckpt, &prompt, chunks) {
+                Ok(l) => {
+                    let (err, scale) = position_error(&l, &reference);
+                    let ok = err <= TOL * scale;
+                    println!(
+                        "{} {name}: every position, prompt in chunks of {chunks:?}: max error {err:.2e} of {scale:.2e}",
+                        if ok { "PASS" } else { "FAIL" }
+                    );
+                    ok
+                }
+                Err(e) => {
+                    println!("FAIL {name}: every position, prompt in chunks of {chunks:?}: {e}");
+                    false
+                }
+            };
+            failures += usize::from(!ok);
+        }
     }
     (checked, failures)
+}
+
+/// The uneven chunks the 21-token check prompt is fed in: a chunk shorter
+/// than the convolution window, a single row, and longer ones.
+pub const CHUNKS: [usize; 5] = [2, 1, 7, 5, 6];
+
+/// The largest difference between two `[positions, vocab]` logit arrays,
+/// and the largest reference logit (the tolerance is relative to it); an
+/// infinite error when their lengths differ.
+pub fn position_error(got: &[f32], want: &[f32]) -> (f32, f32) {
+    let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+    if got.len() != want.len() {
+        return (f32::INFINITY, scale);
+    }
+    let err = got.iter().zip(want).fold(0f32, |a, (x, y)| {
+        let e = (x - y).abs();
+        if e.is_nan() {
+            f32::INFINITY
+        } else {
+            a.max(e)
+        }
+    });
+    (err, scale)
+}
+
+/// The logits of every position of `prompt`, fed as consecutive chunks of
+/// the given sizes (which must add up to its length) through one sequence's
+/// KV and state slot: `[prompt.len(), vocab]`.
+pub fn chunked_logits<B: Backend>(
+    b: &B,
+    ckpt: &Checkpoint,
+    prompt: &[u32],
+    chunks: &[usize],
+) -> Result<Vec<f32>, String> {
+    if chunks.iter().sum::<usize>() != prompt.len() || chunks.contains(&0) {
+        return Err(format!("chunks {chunks:?} do not cover {} tokens", prompt.len()));
+    }
+    let model = Model::load(b, ckpt, |_| {}).map_err(|e| e.to_string())?;
+    let most = chunks.iter().copied().max().unwrap_or(1);
+    let mut ws = model.workspace(b, most, most).map_err(|e| e.to_string())?;
+    // A scrambled page table: the pages of the prompt in reverse.
+    let pages: Vec<PageId> = (0..prompt.len().div_ceil(16) as u32).rev().map(PageId).collect();
+    let mut kv = model.kv_cache(b, 16, pages.len()).map_err(|e| e.to_string())?;
+    let mut all = Vec::new();
+    let mut logits = Vec::new();
+    let mut cached = 0;
+    for &n in chunks {
+        let positions: Vec<u32> = (cached as u32..(cached + n) as u32).collect();
+        let seqs = [SeqStep { row_start: 0, rows: n, cached, pages: &pages }];
+        let rows: Vec<usize> = (0..n).collect();
+        let step = StepInput {
+            tokens: &prompt[cached..cached + n],
+            positions: &positions,
+            seqs: &seqs,
+            logit_rows: &rows,
+            state_slots: &[StateSlot(0)],
+        };
+        model.forward(b, &mut ws, &mut kv, &step, &mut logits).map_err(|e| e.to_string())?;
+        b.check().map_err(|e| e.to_string())?;
+        all.extend_from_slice(&logits);
+        cached += n;
+    }
+    Ok(all)
+}
+
+/// The CPU backend the checks compare against: f32 activations in every
+/// matmul (as the GPU's GEMVs keep them), so a prompt fed in chunks of a few
+/// rows computes what it computes fed whole (the CPU's default rounds the
+/// activations of block-format matmuls of a few rows to 8 bits).
+pub fn reference_cpu() -> CpuBackend {
+    CpuBackend::with_decode_activations(DecodeActivations::F32)
 }
 
 /// SmolLM2-135M-Instruct answers the ChatML "capital of France" prompt with
@@ -157,19 +254,7 @@ pub fn paris<B: Backend>(b: &B, path: &Path) -> bool {
 
 /// The logits of every position of one prefill of `ids`.
 pub fn all_logits<B: Backend>(b: &B, ckpt: &Checkpoint, ids: &[u32]) -> Vec<f32> {
-    let model = Model::load(b, ckpt, |_| {}).expect("load");
-    let n = ids.len();
-    let mut ws = model.workspace(b, n, n).expect("workspace");
-    let pages: Vec<PageId> = (0..n.div_ceil(16) as u32).rev().map(PageId).collect();
-    let mut kv = model.kv_cache(b, 16, pages.len()).expect("kv");
-    let positions: Vec<u32> = (0..n as u32).collect();
-    let seqs = [SeqStep { row_start: 0, rows: n, cached: 0, pages: &pages }];
-    let rows: Vec<usize> = (0..n).collect();
-    let step =
-        StepInput { tokens: ids, positions: &positions, seqs: &seqs, logit_rows: &rows, state_slots: &[] };
-    let mut logits = Vec::new();
-    model.forward(b, &mut ws, &mut kv, &step, &mut logits).expect("forward");
-    logits
+    chunked_logits(b, ckpt, ids, &[ids.len()]).expect("one prefill of every position")
 }
 
 #[cfg(test)]
@@ -196,10 +281,35 @@ mod tests {
         assert!(!compare(&run(&[10.0, 2.0, -3.0], &[1, 5, 7, 8], &[]), &tied).ok);
     }
 
+    /// Chunks continue from what the chunk before left: on the CPU, the
+    /// hybrid's positions fed in chunks are its positions fed whole, and a
+    /// chunk that forgot the state (its own prompt) would not be.
+    #[test]
+    fn chunked_prompts_give_every_position_the_whole_prompt_gives() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+        let cpu = CpuBackend::new();
+        let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 11) % 300).collect();
+        for name in ["qwen3_5", "llama-f32"] {
+            let ckpt = Checkpoint::open(&dir.join(name)).expect("fixture opens");
+            let whole = chunked_logits(&cpu, &ckpt, &prompt, &[21]).unwrap();
+            let split = chunked_logits(&cpu, &ckpt, &prompt, &CHUNKS).unwrap();
+            let (err, scale) = position_error(&split, &whole);
+            assert!(err <= 1e-3 * scale, "{name}: {err} of {scale}");
+            // The last chunk alone, as a prompt of its own, is not its continuation.
+            let alone = chunked_logits(&cpu, &ckpt, &prompt[15..], &[6]).unwrap();
+            let vocab = whole.len() / 21;
+            let (err, scale) = position_error(&alone, &whole[15 * vocab..]);
+            assert!(err > TOL * scale, "{name}: a chunk without its history matched ({err} of {scale})");
+        }
+        assert!(
+            chunked_logits(&cpu, &Checkpoint::open(&dir.join("llama-f32")).unwrap(), &prompt, &[20]).is_err()
+        );
+    }
+
     #[test]
     fn the_cpu_passes_against_itself_on_every_tiny_checkpoint() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
-        let (checked, failures) = check_fixtures(&CpuBackend::new(), &dir);
+        let (checked, failures) = check_fixtures(&reference_cpu(), &dir);
         assert!(checked >= 5, "only {checked} checkpoints found in {}", dir.display());
         assert_eq!(failures, 0);
     }
