@@ -339,6 +339,12 @@ pub trait Backend: Send + Sync + 'static {
     fn weight_shape(&self, w: &Self::Weight) -> (usize, usize);
     /// Allocate an activation buffer of `rows × cols`, zeroed.
     fn alloc_act(&self, shape: ActShape) -> Result<Self::Act>;
+    /// Allocate a buffer of per-sequence recurrent state, `[slots, elems]`,
+    /// zeroed: an activation buffer that a device backend books as state
+    /// rather than workspace. The default is `alloc_act`.
+    fn alloc_state(&self, shape: ActShape) -> Result<Self::Act> {
+        self.alloc_act(shape)
+    }
     /// Allocate one layer's KV storage.
     fn alloc_kv(&self, geometry: KvGeometry) -> Result<Self::Kv>;
     /// KV storage of `layers` layers inside the pages of a card's KV arena

@@ -252,6 +252,7 @@ impl<B: Backend> Model<B> {
         let (c, s) = (&self.config, &self.slice);
         let d = self.share.delta;
         let a = |rows: usize, cols: usize| backend.alloc_act(ActShape { rows, cols });
+        let state = |rows: usize, cols: usize| backend.alloc_state(ActShape { rows, cols });
         let (q_out, kv_out, ffn) = (s.heads.len() * c.head_dim, s.kv_heads.len() * c.head_dim, s.ffn.len());
         let linear = self.local(LayerKind::Linear);
         let slots = max_logit_rows;
@@ -262,8 +263,10 @@ impl<B: Backend> Model<B> {
             a: a(max_rows, d.v_heads)?,
             b: a(max_rows, d.v_heads)?,
             core: a(max_rows, d.value_width())?,
-            conv: (0..linear).map(|_| a(slots, d.conv_state_elems())).collect::<Result<_, _>>()?,
-            recurrent: (0..linear).map(|_| a(slots, d.recurrent_state_elems())).collect::<Result<_, _>>()?,
+            conv: (0..linear).map(|_| state(slots, d.conv_state_elems())).collect::<Result<_, _>>()?,
+            recurrent: (0..linear)
+                .map(|_| state(slots, d.recurrent_state_elems()))
+                .collect::<Result<_, _>>()?,
             slots,
         };
         Ok(Workspace {

@@ -134,6 +134,19 @@ impl Backend for CudaBackend {
         Ok(CudaAct { buf, rows: shape.rows, cols: shape.cols })
     }
 
+    fn alloc_state(&self, shape: ActShape) -> Result<CudaAct> {
+        // Only the delta-net ops read state buffers, so none of the matmul
+        // scratch or row metadata grows with them, and no capture is stale.
+        self.ctx.bind()?;
+        let bytes = (shape.rows * shape.cols).max(1) * 4;
+        let buf = self.alloc_buf(bytes, Purpose::State)?;
+        // SAFETY: a fresh buffer of `bytes` bytes.
+        unsafe { cu::memset_d8_async(buf.ptr(), 0, bytes, self.stream.0) }
+            .map_err(|e| cuda_err("cuMemsetD8Async", e))?;
+        self.synchronize()?;
+        Ok(CudaAct { buf, rows: shape.rows, cols: shape.cols })
+    }
+
     fn alloc_kv(&self, g: KvGeometry) -> Result<CudaKv> {
         self.new_kv(g)
     }
