@@ -8,9 +8,13 @@
 //
 // Per-sequence metadata comes from one u32 array of DELTA_SEQ_FIELDS entries
 // per sequence (first row, rows, tokens cached before the step, state slot),
-// indexed by the launch's sequence coordinate.
+// indexed by the launch's sequence coordinate. A decode step's array is
+// padded to its rows with entries whose slot is DELTA_NO_SLOT, which launch
+// blocks that do nothing: a captured step launches one per row it may be
+// replayed with, whatever number of sequences the replay brings.
 
 #define DELTA_SEQ_FIELDS 4
+#define DELTA_NO_SLOT 0xffffffffu
 // transformers' (and FLA's) epsilon of the q/k L2 norm; cpu/delta.rs L2_EPS.
 #define DELTA_L2_EPS 1e-6f
 
@@ -68,9 +72,10 @@ __device__ __forceinline__ void conv_body(float* __restrict__ x, const u8* __res
     __shared__ float tail[CONV_MAX_WARPS + 1][KEEP][32];
     __shared__ float init[KEEP][32];
     pdl_enter();
+    const u32* sq = seqs + DELTA_SEQ_FIELDS * blockIdx.y;
+    if (sq[3] == DELTA_NO_SLOT) return;
     const int cx = threadIdx.x & 31, ty = threadIdx.x >> 5, ny = blockDim.x >> 5;
     const int c = blockIdx.x * 32 + cx;
-    const u32* sq = seqs + DELTA_SEQ_FIELDS * blockIdx.y;
     const int row0 = (int)sq[0], n = (int)sq[1], cached = (int)sq[2];
     const long long slot = sq[3];
     const bool live = c < channels;
@@ -169,9 +174,10 @@ __device__ __forceinline__ void delta_body(const float* __restrict__ qkv, const 
     __shared__ float norms[2][NW];
     __shared__ float red[NW][32], red2[NW][32];
     pdl_enter();
+    const u32* sq = seqs + DELTA_SEQ_FIELDS * blockIdx.z;
+    if (sq[3] == DELTA_NO_SLOT) return;
     const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5, tid = threadIdx.x;
     const int h = blockIdx.y;
-    const u32* sq = seqs + DELTA_SEQ_FIELDS * blockIdx.z;
     const int row0 = (int)sq[0], n = (int)sq[1], cached = (int)sq[2];
     const long long slot = sq[3];
     const int j = blockIdx.x * 32 + lane;

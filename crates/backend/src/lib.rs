@@ -199,6 +199,9 @@ pub struct StepPlan<'a> {
     pub seqs: &'a [SeqStep<'a>],
     /// Rows whose logits are wanted.
     pub logit_rows: &'a [usize],
+    /// Each sequence's recurrent-state slot, parallel to `seqs` (a hybrid
+    /// model's linear-attention layers); empty for a model without state.
+    pub state_slots: &'a [StateSlot],
 }
 
 /// Names a captured replay of a whole forward pass: steps with the same key

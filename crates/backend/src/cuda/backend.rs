@@ -408,7 +408,14 @@ impl Backend for CudaBackend {
             self.sync_meta(&mut st.positions, plan.positions, "positions", cap)?;
             let idx: Vec<u32> = plan.logit_rows.iter().map(|&r| r as u32).collect();
             self.sync_meta(&mut st.gather, &idx, "logit rows", cap)?;
-            self.sync_seqs(&mut st, plan.seqs)
+            self.sync_seqs(&mut st, plan.seqs)?;
+            // A plan with a slot per sequence (a hybrid model's, or one with
+            // no sequences, which a capture may be made from) gets the
+            // delta-net ops' sequence table too.
+            if plan.state_slots.len() == plan.seqs.len() {
+                self.upload_delta_table(&mut st, plan.seqs, plan.state_slots)?;
+            }
+            Ok(())
         })();
         r
     }

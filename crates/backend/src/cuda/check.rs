@@ -676,6 +676,7 @@ pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
             positions: &positions,
             seqs: &seqs,
             logit_rows: &[0, 1],
+            state_slots: &[],
         })?;
         // The decode layer's fused launches (q/k/v in one GEMV, RoPE with the
         // KV store) inside the capture, against the CPU's separate ops.
@@ -712,6 +713,142 @@ pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
             BF16,
         );
     }
+    Ok(())
+}
+
+/// The delta-net ops of a hybrid decode step (convolution, delta rule, gated
+/// norm) captured once for a padded step of 4 rows and replayed with other
+/// sequences in other slots (fewer, more, reordered, a new one in a used
+/// slot), against the CPU running the ops each time.
+pub fn delta_graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(1234);
+    let g = DeltaGeometry {
+        k_heads: 4,
+        v_heads: 12,
+        k_dim: 128,
+        v_dim: 128,
+        conv_kernel: 4,
+        v_order: VHeadOrder::Grouped,
+    };
+    let w = delta_weights(&mut rng, g);
+    let nw = float_tensor("n", DType::F32, 1, g.v_dim, &rng.vec(g.v_dim, 1.0));
+    let (nwg, nwc) = (be.upload_weight(&nw)?, cpu.upload_weight(&nw)?);
+    let slots = 6;
+    let mut lg = DeltaLayer::new(be, g, slots, [&w[0], &w[1], &w[2]])?;
+    let mut lc = DeltaLayer::new(&cpu, g, slots, [&w[0], &w[1], &w[2]])?;
+    let up_g = |a: &mut CudaAct, d: &[f32]| put_gpu(be, a, d);
+    let up_c = |a: &mut CpuAct, d: &[f32]| {
+        put_cpu(a, d);
+        Ok(())
+    };
+    let pages = [PageId(0)];
+    // Histories of 5, 9 and 2 tokens in slots 0, 2 and 5, uncaptured.
+    {
+        let seqs = [
+            SeqStep { row_start: 0, rows: 5, cached: 0, pages: &pages },
+            SeqStep { row_start: 5, rows: 9, cached: 0, pages: &pages },
+            SeqStep { row_start: 14, rows: 2, cached: 0, pages: &pages },
+        ];
+        let st = [StateSlot(0), StateSlot(2), StateSlot(5)];
+        let (qkv, a, b) =
+            (rng.vec(16 * g.conv_channels(), 1.0), rng.vec(16 * 12, 2.0), rng.vec(16 * 12, 2.0));
+        let inp = DeltaInputs { qkv: &qkv, a: &a, b: &b, seqs: &seqs, slots: &st };
+        lg.step(be, g, &inp, &up_g)?;
+        lc.step(&cpu, g, &inp, &up_c)?;
+    }
+    let rows = 4;
+    let key = GraphKey { rows, logit_rows: rows };
+    let act = |cols: usize| pair(be, &cpu, rows, cols, None);
+    let (mut x, mut a, mut b, mut z, mut out) = (
+        act(g.conv_channels())?,
+        act(g.v_heads)?,
+        act(g.v_heads)?,
+        act(g.value_width())?,
+        act(g.value_width())?,
+    );
+    // (slot, cached) per sequence, one row each.
+    let rounds: [&[(u32, usize)]; 4] =
+        [&[(2, 9), (5, 2)], &[(0, 5), (2, 10), (5, 3)], &[(5, 4), (0, 6)], &[(2, 0), (0, 7)]];
+    for (round, seqs_of) in rounds.iter().enumerate() {
+        let seqs: Vec<SeqStep> = seqs_of
+            .iter()
+            .enumerate()
+            .map(|(i, &(_, cached))| SeqStep { row_start: i, rows: 1, cached, pages: &pages })
+            .collect();
+        let st: Vec<StateSlot> = seqs_of.iter().map(|&(s, _)| StateSlot(s)).collect();
+        for (p, vals) in [
+            (&mut x, rng.vec(rows * g.conv_channels(), 1.0)),
+            (&mut a, rng.vec(rows * g.v_heads, 2.0)),
+            (&mut b, rng.vec(rows * g.v_heads, 2.0)),
+            (&mut z, rng.vec(rows * g.value_width(), 2.0)),
+        ] {
+            put_gpu(be, &p.g, &vals)?;
+            put_cpu(&mut p.c, &vals);
+        }
+        let positions: Vec<u32> = (0..rows as u32).collect();
+        be.begin_step(&StepPlan {
+            tokens: &[0; 4],
+            positions: &positions,
+            seqs: &seqs,
+            logit_rows: &[0, 1, 2, 3],
+            state_slots: &st,
+        })?;
+        let replayed = be.graph_replay(key)?;
+        if !replayed {
+            let capturing = be.graph_capture_begin(key)?;
+            let ran = (|| {
+                be.causal_conv_silu(&mut x.g, &lg.conv_w, &mut lg.conv, &seqs, &st)?;
+                be.gated_delta_rule(DeltaRule {
+                    qkv: &x.g,
+                    a: &a.g,
+                    b: &b.g,
+                    decay: &lg.decay,
+                    dt_bias: &lg.dt_bias,
+                    geometry: g,
+                    state: &mut lg.rec,
+                    seqs: &seqs,
+                    slots: &st,
+                    out: &mut out.g,
+                })?;
+                be.gated_rms_norm(&mut out.g, &z.g, &nwg, 1e-6, g.v_dim, rows)
+            })();
+            if capturing {
+                be.graph_capture_end(key)?;
+            }
+            ran?;
+        }
+        cpu.causal_conv_silu(&mut x.c, &lc.conv_w, &mut lc.conv, &seqs, &st)?;
+        cpu.gated_delta_rule(DeltaRule {
+            qkv: &x.c,
+            a: &a.c,
+            b: &b.c,
+            decay: &lc.decay,
+            dt_bias: &lc.dt_bias,
+            geometry: g,
+            state: &mut lc.rec,
+            seqs: &seqs,
+            slots: &st,
+            out: &mut out.c,
+        })?;
+        cpu.gated_rms_norm(&mut out.c, &z.c, &nwc, 1e-6, g.v_dim, rows)?;
+        let (o_g, o_c) = read_both(be, &cpu, &out, seqs.len())?;
+        let shape: Vec<String> = seqs_of.iter().map(|&(s, c)| format!("slot {s} after {c}")).collect();
+        rep.compare(
+            &format!(
+                "delta-net graph round {round} ({}, {})",
+                if replayed { "replayed" } else { "captured" },
+                shape.join(", ")
+            ),
+            &o_g,
+            &o_c,
+            SCAN,
+        );
+    }
+    let (cg, rg) = lg.states(be, slots)?;
+    let (cc, rc) = lc.states(&cpu, slots)?;
+    rep.compare("delta-net graph: convolution states left", &cg, &cc, EXACT);
+    rep.compare("delta-net graph: recurrent states left", &rg, &rc, SCAN);
     Ok(())
 }
 

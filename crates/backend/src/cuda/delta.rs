@@ -11,10 +11,12 @@
 //! for every (sequence, value head, 32 value columns), the state held in
 //! registers: the recurrent update for decode and an exact scan for prefill.
 //!
-//! These ops read the step's state slots, which are not part of the
-//! [`crate::StepPlan`] that `begin_step` uploads, so a captured step replayed
-//! with other slots would update the wrong states: under a graph capture they
-//! refuse, and the hybrid model runs its steps uncaptured.
+//! Each launch reads its sequences (first row, rows, cached, slot) from one
+//! device table that `begin_step` uploads from the [`crate::StepPlan`]'s
+//! sequences and state slots, so a decode step can be captured as a graph
+//! and replayed with other sequences in other slots. A decode step's table
+//! is padded to the step's rows with entries of no slot, which the kernels
+//! skip, so the grid a capture records covers every replay of its shape.
 
 use super::device::{Args, LaunchDims};
 use super::kernels::grid_for;
@@ -30,6 +32,9 @@ pub const CONV_TAPS: std::ops::RangeInclusive<usize> = 2..=6;
 /// Largest key head dimension of the delta-rule kernel: 32 state rows per
 /// thread, at most 8 warps (`gated_delta_rule_w{1,2,4,8}`).
 pub const MAX_DELTA_K_DIM: usize = 256;
+
+/// The slot of a table entry that stands for no sequence (kernels/delta.cu DELTA_NO_SLOT).
+const NO_SLOT: u32 = u32::MAX;
 
 /// Rows of one thread's chunk in the convolution kernel (kernels/delta.cu CONV_CHUNK).
 const CONV_CHUNK: usize = 8;
@@ -53,19 +58,10 @@ fn bad(op: &str, why: String) -> BackendError {
 }
 
 impl CudaBackend {
-    /// Run a delta-net op with the context bound and the state locked,
-    /// refusing inside a graph capture (see the module doc).
+    /// Run a delta-net op with the context bound and the state locked.
     fn delta_op(&self, name: &'static str, f: impl FnOnce(&mut State) -> Result<()>) -> Result<()> {
         let mut st = self.lock();
         self.ctx.bind()?;
-        if st.capturing.is_some() {
-            return Err(bad(
-                name,
-                "the step's state slots are not uploaded by begin_step, so a captured replay could not \
-                 follow them: run hybrid steps uncaptured"
-                    .into(),
-            ));
-        }
         match &self.profile {
             Some(p) => self.profiled(p, name, || f(&mut st)),
             None => f(&mut st),
@@ -74,7 +70,7 @@ impl CudaBackend {
 
     /// Check the slots against the state buffer (as the CPU does) and
     /// upload each sequence's (first row, rows, cached, slot).
-    fn sync_delta_seqs(&self, st: &mut State, u: SeqSlots<'_, '_>) -> Result<()> {
+    fn sync_delta_seqs(&self, st: &mut State, u: SeqSlots<'_, '_>) -> Result<usize> {
         let SeqSlots { op, seqs, slots, state, width, x_rows } = u;
         if slots.len() != seqs.len() {
             return Err(bad(op, format!("{} slots for {} sequences", slots.len(), seqs.len())));
@@ -82,7 +78,6 @@ impl CudaBackend {
         if state.cols != width {
             return Err(bad(op, format!("a state row of {} columns, the layer needs {width}", state.cols)));
         }
-        let mut data = Vec::with_capacity(seqs.len() * 4);
         for (i, (s, slot)) in seqs.iter().zip(slots).enumerate() {
             if slot.index() >= state.rows {
                 return Err(bad(op, format!("{slot} is outside the {} slots", state.rows)));
@@ -96,10 +91,36 @@ impl CudaBackend {
                     format!("rows {}..{} of an activation of {x_rows}", s.row_start, s.row_start + s.rows),
                 ));
             }
+        }
+        self.upload_delta_table(st, seqs, slots)
+    }
+
+    /// The sequence table of a step, as `begin_step` uploads it for a plan
+    /// with state slots: one entry per sequence, then (for a decode step)
+    /// entries of no slot up to the step's rows. Returns the entries.
+    pub(super) fn upload_delta_table(
+        &self,
+        st: &mut State,
+        seqs: &[SeqStep<'_>],
+        slots: &[StateSlot],
+    ) -> Result<usize> {
+        if slots.len() != seqs.len() {
+            return Err(bad("state slots", format!("{} slots for {} sequences", slots.len(), seqs.len())));
+        }
+        let decode = seqs.iter().all(|s| s.rows <= 1);
+        let entries =
+            if decode { seqs.len().max(st.step_rows.min(st.delta_seqs.cap / 4)) } else { seqs.len() };
+        let mut data = Vec::with_capacity(entries * 4);
+        for (s, slot) in seqs.iter().zip(slots) {
             data.extend([s.row_start as u32, s.rows as u32, s.cached as u32, slot.0]);
         }
+        data.resize(entries * 4, 0);
+        for e in data[seqs.len() * 4..].chunks_mut(4) {
+            e[3] = NO_SLOT;
+        }
         let cap = st.capturing.is_some();
-        self.sync_meta(&mut st.delta_seqs, &data, "delta-net sequences", cap)
+        self.sync_meta(&mut st.delta_seqs, &data, "delta-net sequences", cap)?;
+        Ok(entries)
     }
 
     pub(super) fn enqueue_sigmoid_mul(&self, x: &mut CudaAct, gate: &CudaAct, rows: usize) -> Result<()> {
@@ -142,7 +163,8 @@ impl CudaBackend {
         }
         self.delta_op(op, |st| {
             let width = (taps - 1) * channels;
-            self.sync_delta_seqs(st, SeqSlots { op, seqs, slots, state, width, x_rows: x.rows })?;
+            let entries =
+                self.sync_delta_seqs(st, SeqSlots { op, seqs, slots, state, width, x_rows: x.rows })?;
             let most = seqs.iter().map(|s| s.rows).max().unwrap_or(0);
             let warps = most.div_ceil(CONV_CHUNK).clamp(1, CONV_MAX_WARPS);
             let wdt = super::kernels::dtype_code(weight.dtype);
@@ -154,7 +176,7 @@ impl CudaBackend {
                 .ptr(st.delta_seqs.dev.ptr())
                 .i32(channels as i32);
             let dims = LaunchDims {
-                grid: (channels.div_ceil(32) as u32, seqs.len() as u32, 1),
+                grid: (channels.div_ceil(32) as u32, entries as u32, 1),
                 block: (32 * warps) as u32,
             };
             let kernel = self.k.causal_conv_silu[taps - CONV_TAPS.start()];
@@ -198,7 +220,8 @@ impl CudaBackend {
         self.delta_op(op, |st| {
             let width = g.recurrent_state_elems();
             let (seqs, slots) = (p.seqs, p.slots);
-            self.sync_delta_seqs(st, SeqSlots { op, seqs, slots, state, width, x_rows: rows })?;
+            let entries =
+                self.sync_delta_seqs(st, SeqSlots { op, seqs, slots, state, width, x_rows: rows })?;
             // Warps of 32 state rows each, enough for k_dim.
             let warps = dk.div_ceil(32).next_power_of_two();
             let kernel = self.k.gated_delta_rule[warps.trailing_zeros() as usize];
@@ -220,7 +243,7 @@ impl CudaBackend {
                 .i32(i32::from(g.v_order == VHeadOrder::Tiled))
                 .f32(1.0 / (dk as f32).sqrt());
             let dims = LaunchDims {
-                grid: (dv.div_ceil(32) as u32, vh as u32, p.seqs.len() as u32),
+                grid: (dv.div_ceil(32) as u32, vh as u32, entries as u32),
                 block: (32 * warps) as u32,
             };
             unsafe { self.launch(kernel, dims, a) }
