@@ -158,11 +158,13 @@ CONV_KERNEL(6)
 // owns column tile*32 + j of the head's [k_dim, v_dim] state and warp w its
 // rows w*32 .. w*32+31, so the 32 x 32*NW slice of the state lives in
 // registers for the whole sequence, read from the slot once and written back
-// once. Per token: the key head's q and k go to shared memory with their
-// squared norms, then Sᵀk (a column sum: per thread over its rows, across
-// warps through shared memory), the correction, the rank-one update and Sᵀq.
-// Three barriers per token; the next token's inputs are loaded while the
-// current one is computed. k_dim up to 32*NW; any v_dim.
+// once. Per token: Sᵀk (a column sum: per thread over its rows, across warps
+// through shared memory), the correction towards v, the rank-one update and
+// Sᵀq, with two barriers. Everything about the next token that does not
+// depend on the state (its loads, q and k with their squared norms into the
+// other half of a double buffer, its gate and decay) is done between them,
+// off the path from one token's state to the next. k_dim up to 32*NW; any
+// v_dim.
 template <int NW>
 __device__ __forceinline__ void delta_body(const float* __restrict__ qkv, const float* __restrict__ a,
                                            const float* __restrict__ b, const float* __restrict__ decay,
@@ -170,8 +172,9 @@ __device__ __forceinline__ void delta_body(const float* __restrict__ qkv, const 
                                            const u32* __restrict__ seqs, float* __restrict__ out, int qkv_cols,
                                            int out_cols, int v_heads, int k_heads, int dk, int dv, int tiled,
                                            float scale) {
-    __shared__ float qs[32 * NW], ks[32 * NW];
-    __shared__ float norms[2][NW];
+    __shared__ float qs[2][32 * NW], ks[2][32 * NW];
+    // [buffer][q, k][warp]: each warp's share of the squared norms.
+    __shared__ float norms[2][2][NW];
     __shared__ float red[NW][32], red2[NW][32];
     pdl_enter();
     const u32* sq = seqs + DELTA_SEQ_FIELDS * blockIdx.z;
@@ -192,60 +195,62 @@ __device__ __forceinline__ void delta_body(const float* __restrict__ qkv, const 
         s[r] = (cached > 0 && jl && i < dk) ? S[(long long)i * dv + j] : 0.f;
     }
     const float dec = decay[h], dtb = dt_bias[h];
-    // The inputs of token t, loaded one token ahead.
-    float qv = 0.f, kv = 0.f, vj = 0.f, av = 0.f, bv = 0.f;
-    auto load = [&](int t) {
+    // Token t's inputs: q and k (raw) with their squared norms into buffer
+    // `p`, and this thread's v, gate and decay into registers.
+    float v_n = 0.f, beta_n = 0.f, keep_n = 0.f;
+    auto stage = [&](int t, int p) {
         long long r = row0 + t;
         const float* row = qkv + r * qkv_cols;
-        qv = tid < dk ? row[kh * dk + tid] : 0.f;
-        kv = tid < dk ? row[key + kh * dk + tid] : 0.f;
-        vj = jl ? row[2 * key + h * dv + j] : 0.f;
-        av = a[r * v_heads + h];
-        bv = b[r * v_heads + h];
-    };
-    if (n > 0) load(0);
-    for (int t = 0; t < n; t++) {
-        const float v_t = vj, a_t = av, b_t = bv;
+        float qv = tid < dk ? row[kh * dk + tid] : 0.f;
+        float kv = tid < dk ? row[key + kh * dk + tid] : 0.f;
+        v_n = jl ? row[2 * key + h * dv + j] : 0.f;
+        float av = a[r * v_heads + h], bv = b[r * v_heads + h];
         float q2 = warp_sum(qv * qv), k2 = warp_sum(kv * kv);
-        qs[tid] = qv;
-        ks[tid] = kv;
+        qs[p][tid] = qv;
+        ks[p][tid] = kv;
         if (lane == 0) {
-            norms[0][wp] = q2;
-            norms[1][wp] = k2;
+            norms[p][0][wp] = q2;
+            norms[p][1][wp] = k2;
         }
-        if (t + 1 < n) load(t + 1);
-        __syncthreads();
+        beta_n = delta_sigmoid(bv);
+        keep_n = expf(-dec * delta_softplus(av + dtb));
+    };
+    if (n > 0) stage(0, 0);
+    __syncthreads();
+    for (int t = 0; t < n; t++) {
+        const int p = t & 1;
+        const float v_t = v_n, beta = beta_n, keep = keep_n;
         float tq = 0.f, tk = 0.f;
 #pragma unroll
         for (int w = 0; w < NW; w++) {
-            tq += norms[0][w];
-            tk += norms[1][w];
+            tq += norms[p][0][w];
+            tk += norms[p][1][w];
         }
         const float qn = 1.0f / sqrtf(tq + DELTA_L2_EPS) * scale;
         const float kn = 1.0f / sqrtf(tk + DELTA_L2_EPS);
-        const float beta = delta_sigmoid(b_t);
-        const float keep = expf(-dec * delta_softplus(a_t + dtb));
-        // Decay the state and read what it holds for k.
-        float m = 0.f;
+        // Decay the state and read what it holds for k (four partial sums:
+        // a shorter dependent chain).
+        float m4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int r = 0; r < 32; r++) {
             s[r] *= keep;
-            m += s[r] * (ks[wp * 32 + r] * kn);
+            m4[r & 3] += s[r] * ks[p][wp * 32 + r];
         }
-        red[wp][lane] = m;
+        red[wp][lane] = ((m4[0] + m4[1]) + (m4[2] + m4[3])) * kn;
         __syncthreads();
         float mem = 0.f;
 #pragma unroll
         for (int w = 0; w < NW; w++) mem += red[w][lane];
         // Write the correction towards v, then read with q.
         const float d = (v_t - mem) * beta;
-        float o = 0.f;
+        float o4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int r = 0; r < 32; r++) {
-            s[r] += (ks[wp * 32 + r] * kn) * d;
-            o += s[r] * (qs[wp * 32 + r] * qn);
+            s[r] += (ks[p][wp * 32 + r] * kn) * d;
+            o4[r & 3] += s[r] * qs[p][wp * 32 + r];
         }
-        red2[wp][lane] = o;
+        red2[wp][lane] = ((o4[0] + o4[1]) + (o4[2] + o4[3])) * qn;
+        if (t + 1 < n) stage(t + 1, p ^ 1);
         __syncthreads();
         if (wp == 0 && jl) {
             float tot = 0.f;
