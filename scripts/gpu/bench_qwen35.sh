@@ -10,7 +10,10 @@
 #
 # Steps (each logs to $OUT, default /tmp/qwen35, under a "=== [elapsed] step" header):
 #   a. nvidia-smi; the checkpoint in $MODEL_DIR (default /tmp/qwen35_27b; kept if already there:
-#      a second run skips the minutes of writing 54 GB). It needs about 55 GB of free disk.
+#      a second run skips the minutes of writing 54 GB). It needs about 55 GB of free disk. Its
+#      vocabulary is the served tokenizer's 128256 ids (VOCAB), not Qwen3.5's 248320: the server
+#      detokenizes every sampled id, and random logits pick ids past a smaller tokenizer. That
+#      is 2.5 GB less embedding and lm_head (52.3 GB in all); the floors count the bytes there are.
 #   b. logits of 16 fixed tokens: transformers (bf16 on the GPU) vs corridor-gpu-check  -> logits.log
 #      (a float32 reference would need 108 GB of device memory; SKIP_LOGITS=1 leaves it out)
 #   c. corridor serve on cuda:0 (max 32 running, 8192 batched tokens, context 10240)     -> serve.log
@@ -21,7 +24,7 @@
 # keeps within DEADLINE_S (default 560 s): steps that would start too late are skipped.
 #
 # Environment (all optional):
-#   OUT MODEL_DIR TOKENIZER_DIR CORRIDOR_BIN CORRIDOR_E2E DEVICES PORT CONTEXT_LENGTH LAYERS
+#   OUT MODEL_DIR TOKENIZER_DIR CORRIDOR_BIN CORRIDOR_E2E DEVICES PORT CONTEXT_LENGTH LAYERS VOCAB
 #   SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_DECODE=1 SKIP_PREFILL=1
 #   DECODE_BATCHES PREFILL_LENS ("1 32", "2048 8192")   DEADLINE_S BENCH_TIMEOUT_S (560, 150)
 set -uo pipefail
@@ -41,7 +44,7 @@ DEVICES=${DEVICES:-cuda:0}
 PORT=${PORT:-8000}
 CONTEXT=${CONTEXT_LENGTH:-10240}
 URL=http://127.0.0.1:$PORT
-VOCAB=248320
+VOCAB=${VOCAB:-128256}
 DEADLINE_S=${DEADLINE_S:-560}
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-150}
 DECODE_BATCHES=${DECODE_BATCHES:-1 32}
@@ -84,7 +87,7 @@ df -h "$(dirname "$MODEL_DIR")" | tail -n 1
 for f in "$BIN" "$E2E"; do [ -x "$f" ] || echo "WARNING: $f is missing or not executable"; done
 header "a. checkpoint $MODEL_DIR (Qwen3.5-27B shape, random bf16)"
 if [ "${SKIP_MAKE:-0}" != 1 ]; then
-    python3 scripts/gpu/make_qwen35_27b.py "$MODEL_DIR" --tokenizer-dir "$TOKENIZER_DIR" ${LAYERS:+--layers "$LAYERS"} 2>&1 \
+    python3 scripts/gpu/make_qwen35_27b.py "$MODEL_DIR" --tokenizer-dir "$TOKENIZER_DIR" --vocab "$VOCAB" ${LAYERS:+--layers "$LAYERS"} 2>&1 \
         | tee "$out/make.log"
     if [ "${PIPESTATUS[0]}" = 0 ]; then ok checkpoint; else fail checkpoint "see make.log"; fi
 fi

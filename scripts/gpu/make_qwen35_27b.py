@@ -3,6 +3,7 @@
 
 Usage:
     python3 scripts/gpu/make_qwen35_27b.py OUTDIR --tokenizer-dir DIR [--seed 0] [--device cuda] [--layers N]
+                                              [--vocab N]
 
 The shape is the text model of Qwen3.5-27B (`qwen3_5_text`), as far as it is known here:
 
@@ -16,7 +17,9 @@ The shape is the text model of Qwen3.5-27B (`qwen3_5_text`), as far as it is kno
 
 The linear-attention head counts are an assumption (the published config was not at hand when this
 was written); every other field follows the published model card. The parameters come to about
-26.9e9 (53.8 GB in bf16). --layers N keeps the first N layers, for a quick test of the pipeline.
+26.9e9 (53.8 GB in bf16). --layers N keeps the first N layers, for a quick test of the pipeline;
+--vocab N replaces the vocabulary size (a server detokenizes every sampled id, so a model served
+with a smaller tokenizer than its vocabulary must not have more rows than the tokenizer has ids).
 
 Values: every matrix is drawn from N(0, 0.02) from a generator seeded with --seed; the zero-centred
 RMSNorm weights (applied as 1 + w) are zero and the delta-net's gated norm weights one; A_log is
@@ -62,12 +65,14 @@ QWEN35_27B = dict(
 )
 
 
-def make_config(layers=None):
+def make_config(layers=None, vocab=None):
     from transformers import Qwen3_5TextConfig
 
     fields = dict(QWEN35_27B)
     if layers is not None:
         fields["num_hidden_layers"] = layers
+    if vocab is not None:
+        fields["vocab_size"] = vocab
     config = Qwen3_5TextConfig(
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
         **fields,
@@ -115,6 +120,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     parser.add_argument("--device", default="cuda", help="where to build the weights (default cuda)")
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N layers (default: all 64)")
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 248320)")
     args = parser.parse_args()
 
     os.makedirs(args.outdir, exist_ok=True)
@@ -130,7 +136,7 @@ def main():
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("make_qwen35_27b: CUDA is not available (pass --device cpu to build on the host, slowly)")
     t0 = time.time()
-    model = build(make_config(args.layers), args.device, args.seed)
+    model = build(make_config(args.layers, args.vocab), args.device, args.seed)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     t1 = time.time()
