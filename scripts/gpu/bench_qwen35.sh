@@ -13,7 +13,7 @@
 #      a second run skips the minutes of writing 54 GB). It needs about 55 GB of free disk. Its
 #      vocabulary is the served tokenizer's 128256 ids (VOCAB), not Qwen3.5's 248320: the server
 #      detokenizes every sampled id, and random logits pick ids past a smaller tokenizer. That
-#      is 2.5 GB less embedding and lm_head (52.3 GB in all); the floors count the bytes there are.
+#      is 2.5 GB less embedding and lm_head (51.3 GB in all); the floors count the bytes there are.
 #   b. logits of 16 fixed tokens: transformers (bf16 on the GPU) vs corridor-gpu-check  -> logits.log
 #      (a float32 reference would need 108 GB of device memory; SKIP_LOGITS=1 leaves it out)
 #   c. corridor serve on cuda:0 (max 32 running, 8192 batched tokens, context 10240)     -> serve.log
