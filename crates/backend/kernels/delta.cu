@@ -160,11 +160,16 @@ CONV_KERNEL(6)
 // registers for the whole sequence, read from the slot once and written back
 // once. Per token: Sᵀk (a column sum: per thread over its rows, across warps
 // through shared memory), the correction towards v, the rank-one update and
-// Sᵀq, with two barriers. Everything about the next token that does not
-// depend on the state (its loads, q and k with their squared norms into the
-// other half of a double buffer, its gate and decay) is done between them,
-// off the path from one token's state to the next. k_dim up to 32*NW; any
-// v_dim.
+// Sᵀq, with two barriers.
+//
+// Nothing on the path from one token's state to the next waits for device
+// memory: the tokens come in chunks of DELTA_CHUNK, and while a chunk is
+// computed the next one's inputs are loaded into registers (issued at the
+// chunk's start, so their latency hides behind its tokens), then published
+// at its last token into the other half of a double buffer in shared memory
+// with their squared norms, gates and decays. k_dim up to 32*NW; any v_dim.
+#define DELTA_CHUNK 8
+
 template <int NW>
 __device__ __forceinline__ void delta_body(const float* __restrict__ qkv, const float* __restrict__ a,
                                            const float* __restrict__ b, const float* __restrict__ decay,
@@ -172,9 +177,13 @@ __device__ __forceinline__ void delta_body(const float* __restrict__ qkv, const 
                                            const u32* __restrict__ seqs, float* __restrict__ out, int qkv_cols,
                                            int out_cols, int v_heads, int k_heads, int dk, int dv, int tiled,
                                            float scale) {
-    __shared__ float qs[2][32 * NW], ks[2][32 * NW];
-    // [buffer][q, k][warp]: each warp's share of the squared norms.
-    __shared__ float norms[2][2][NW];
+    constexpr int L = DELTA_CHUNK;
+    static_assert(L <= 32 * NW, "a thread per token of a chunk publishes its gate");
+    __shared__ float qs[2][L][32 * NW], ks[2][L][32 * NW];
+    // [buffer][q, k][token][warp]: each warp's share of the squared norms.
+    __shared__ float norms[2][2][L][NW];
+    // [buffer][beta, keep][token]
+    __shared__ float gates[2][2][L];
     __shared__ float red[NW][32], red2[NW][32];
     pdl_enter();
     const u32* sq = seqs + DELTA_SEQ_FIELDS * blockIdx.z;
@@ -195,68 +204,96 @@ __device__ __forceinline__ void delta_body(const float* __restrict__ qkv, const 
         s[r] = (cached > 0 && jl && i < dk) ? S[(long long)i * dv + j] : 0.f;
     }
     const float dec = decay[h], dtb = dt_bias[h];
-    // Token t's inputs: q and k (raw) with their squared norms into buffer
-    // `p`, and this thread's v, gate and decay into registers.
-    float v_n = 0.f, beta_n = 0.f, keep_n = 0.f;
-    auto stage = [&](int t, int p) {
-        long long r = row0 + t;
-        const float* row = qkv + r * qkv_cols;
-        float qv = tid < dk ? row[kh * dk + tid] : 0.f;
-        float kv = tid < dk ? row[key + kh * dk + tid] : 0.f;
-        v_n = jl ? row[2 * key + h * dv + j] : 0.f;
-        float av = a[r * v_heads + h], bv = b[r * v_heads + h];
-        float q2 = warp_sum(qv * qv), k2 = warp_sum(kv * kv);
-        qs[p][tid] = qv;
-        ks[p][tid] = kv;
-        if (lane == 0) {
-            norms[p][0][wp] = q2;
-            norms[p][1][wp] = k2;
+    // The chunk being loaded: element tid of q and k, this column's v, and
+    // (thread u) token u's gate inputs. The chunk being computed: its v.
+    float fq[L], fk[L], fv[L], cv[L];
+    float fa = 0.f, fb = 0.f;
+    auto fetch = [&](int t0) {
+#pragma unroll
+        for (int u = 0; u < L; u++) {
+            const bool in = t0 + u < n;
+            const float* row = qkv + (long long)(row0 + t0 + u) * qkv_cols;
+            fq[u] = in && tid < dk ? row[kh * dk + tid] : 0.f;
+            fk[u] = in && tid < dk ? row[key + kh * dk + tid] : 0.f;
+            fv[u] = in && jl ? row[2 * key + h * dv + j] : 0.f;
         }
-        beta_n = delta_sigmoid(bv);
-        keep_n = expf(-dec * delta_softplus(av + dtb));
+        const bool in = tid < L && t0 + tid < n;
+        fa = in ? a[(long long)(row0 + t0 + tid) * v_heads + h] : 0.f;
+        fb = in ? b[(long long)(row0 + t0 + tid) * v_heads + h] : 0.f;
     };
-    if (n > 0) stage(0, 0);
+    auto publish = [&](int p) {
+#pragma unroll
+        for (int u = 0; u < L; u++) {
+            float q2 = warp_sum(fq[u] * fq[u]), k2 = warp_sum(fk[u] * fk[u]);
+            qs[p][u][tid] = fq[u];
+            ks[p][u][tid] = fk[u];
+            if (lane == 0) {
+                norms[p][0][u][wp] = q2;
+                norms[p][1][u][wp] = k2;
+            }
+            cv[u] = fv[u];
+        }
+        if (tid < L) {
+            gates[p][0][tid] = delta_sigmoid(fb);
+            gates[p][1][tid] = expf(-dec * delta_softplus(fa + dtb));
+        }
+    };
+    if (n > 0) {
+        fetch(0);
+        publish(0);
+    }
     __syncthreads();
-    for (int t = 0; t < n; t++) {
-        const int p = t & 1;
-        const float v_t = v_n, beta = beta_n, keep = keep_n;
-        float tq = 0.f, tk = 0.f;
+    const int chunks = (n + L - 1) / L;
+    for (int c = 0; c < chunks; c++) {
+        const int p = c & 1;
+        const bool more = c + 1 < chunks;
+        if (more) fetch((c + 1) * L);
 #pragma unroll
-        for (int w = 0; w < NW; w++) {
-            tq += norms[p][0][w];
-            tk += norms[p][1][w];
-        }
-        const float qn = 1.0f / sqrtf(tq + DELTA_L2_EPS) * scale;
-        const float kn = 1.0f / sqrtf(tk + DELTA_L2_EPS);
-        // Decay the state and read what it holds for k (four partial sums:
-        // a shorter dependent chain).
-        float m4[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int u = 0; u < L; u++) {
+            const int t = c * L + u;
+            if (t >= n) break;
+            float tq = 0.f, tk = 0.f;
 #pragma unroll
-        for (int r = 0; r < 32; r++) {
-            s[r] *= keep;
-            m4[r & 3] += s[r] * ks[p][wp * 32 + r];
-        }
-        red[wp][lane] = ((m4[0] + m4[1]) + (m4[2] + m4[3])) * kn;
-        __syncthreads();
-        float mem = 0.f;
+            for (int w = 0; w < NW; w++) {
+                tq += norms[p][0][u][w];
+                tk += norms[p][1][u][w];
+            }
+            const float qn = 1.0f / sqrtf(tq + DELTA_L2_EPS) * scale;
+            const float kn = 1.0f / sqrtf(tk + DELTA_L2_EPS);
+            const float beta = gates[p][0][u], keep = gates[p][1][u];
+            const float* kr = &ks[p][u][wp * 32];
+            const float* qr = &qs[p][u][wp * 32];
+            // Decay the state and read what it holds for k (four partial
+            // sums: a shorter dependent chain).
+            float m4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int w = 0; w < NW; w++) mem += red[w][lane];
-        // Write the correction towards v, then read with q.
-        const float d = (v_t - mem) * beta;
-        float o4[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int r = 0; r < 32; r++) {
+                s[r] *= keep;
+                m4[r & 3] += s[r] * kr[r];
+            }
+            red[wp][lane] = ((m4[0] + m4[1]) + (m4[2] + m4[3])) * kn;
+            __syncthreads();
+            float mem = 0.f;
 #pragma unroll
-        for (int r = 0; r < 32; r++) {
-            s[r] += (ks[p][wp * 32 + r] * kn) * d;
-            o4[r & 3] += s[r] * qs[p][wp * 32 + r];
-        }
-        red2[wp][lane] = ((o4[0] + o4[1]) + (o4[2] + o4[3])) * qn;
-        if (t + 1 < n) stage(t + 1, p ^ 1);
-        __syncthreads();
-        if (wp == 0 && jl) {
-            float tot = 0.f;
+            for (int w = 0; w < NW; w++) mem += red[w][lane];
+            // Write the correction towards v, then read with q.
+            const float d = (cv[u] - mem) * beta;
+            float o4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int w = 0; w < NW; w++) tot += red2[w][lane];
-            out[(long long)(row0 + t) * out_cols + h * dv + j] = tot;
+            for (int r = 0; r < 32; r++) {
+                s[r] += (kr[r] * kn) * d;
+                o4[r & 3] += s[r] * qr[r];
+            }
+            red2[wp][lane] = ((o4[0] + o4[1]) + (o4[2] + o4[3])) * qn;
+            // The next chunk into the other buffer, after this chunk's last use of cv.
+            if (u == L - 1 && more) publish(p ^ 1);
+            __syncthreads();
+            if (wp == 0 && jl) {
+                float tot = 0.f;
+#pragma unroll
+                for (int w = 0; w < NW; w++) tot += red2[w][lane];
+                out[(long long)(row0 + t) * out_cols + h * dv + j] = tot;
+            }
         }
     }
 #pragma unroll

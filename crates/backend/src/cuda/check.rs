@@ -1276,7 +1276,17 @@ fn delta_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: 
             name: "tiny fixture heads (2 key / 4 value of 16), prefill, decode, a chunk",
             geometry: geo(2, 4, 16, 16, 4, VHeadOrder::Grouped),
             slots: 2,
-            steps: &[&[(1, 7, 0)], &[(1, 1, 7)], &[(1, 1, 8)], &[(1, 1, 9)], &[(1, 5, 10)], &[(1, 2, 15)]],
+            steps: &[
+                &[(1, 7, 0)],
+                &[(1, 1, 7)],
+                &[(1, 1, 8)],
+                &[(1, 1, 9)],
+                &[(1, 5, 10)],
+                &[(1, 2, 15)],
+                // Whole staging chunks of the delta rule (8 tokens).
+                &[(1, 8, 17)],
+                &[(1, 16, 25)],
+            ],
         },
         DeltaCase {
             name: "Qwen3.5-27B heads (16 key / 48 value of 128), two prompts, decode, a new sequence in a used slot",

@@ -3,7 +3,8 @@
 // double precision: several head shapes (one per kernel instantiation, the
 // Qwen3.5-27B heads among them), every tap count, runs of steps that carry
 // state, chunks shorter than the convolution window, a new sequence in a
-// slot that held another, and a padding entry of no slot.
+// slot that held another, a padding entry of no slot, and prompts of whole
+// and partial chunks of the delta rule's staging (DELTA_CHUNK tokens).
 // Built and run by crates/backend/tests/delta_kernels_emulated.rs; exits 1
 // when a comparison fails.
 #include "shim.h"
@@ -201,7 +202,7 @@ void norm_and_gate() {
 int main() {
     norm_and_gate();
     run_case("tiny fixture heads, prefill, decode, chunks", {2, 4, 16, 16, 4, 0}, 2,
-             {{{1, 7, 0}}, {{1, 1, 7}}, {{1, 5, 8}}, {{1, 2, 13}}});
+             {{{1, 7, 0}}, {{1, 1, 7}}, {{1, 5, 8}}, {{1, 2, 13}}, {{1, 8, 15}}, {{1, 16, 23}}});
     run_case("Qwen3.5-27B heads, two prompts then decode", {16, 48, 128, 128, 4, 0}, 3,
              {{{0, 3, 0}, {2, 2, 0}}, {{2, 1, 2}, {0, 1, 3}}});
     run_case("key heads of 128, long chunks (several convolution passes), a used slot", {2, 6, 128, 40, 4, 0}, 4,
