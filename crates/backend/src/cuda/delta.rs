@@ -53,6 +53,23 @@ struct SeqSlots<'a, 'b> {
     x_rows: usize,
 }
 
+/// The delta-net kernels' sequence table: (first row, rows, cached, slot)
+/// per sequence, then, for a decode step (no sequence brings more than one
+/// row), entries of no slot up to `pad_to` (its rows), so a captured launch
+/// covers every sequence count it may be replayed with.
+fn delta_table(seqs: &[SeqStep<'_>], slots: &[StateSlot], pad_to: usize) -> Vec<u32> {
+    let decode = seqs.iter().all(|s| s.rows <= 1);
+    let entries = if decode { seqs.len().max(pad_to) } else { seqs.len() };
+    let mut data = Vec::with_capacity(entries * 4);
+    for (s, slot) in seqs.iter().zip(slots) {
+        data.extend([s.row_start as u32, s.rows as u32, s.cached as u32, slot.0]);
+    }
+    while data.len() < entries * 4 {
+        data.extend([0, 0, 0, NO_SLOT]);
+    }
+    data
+}
+
 fn bad(op: &str, why: String) -> BackendError {
     BackendError::Other(format!("{op}: {why}"))
 }
@@ -107,20 +124,10 @@ impl CudaBackend {
         if slots.len() != seqs.len() {
             return Err(bad("state slots", format!("{} slots for {} sequences", slots.len(), seqs.len())));
         }
-        let decode = seqs.iter().all(|s| s.rows <= 1);
-        let entries =
-            if decode { seqs.len().max(st.step_rows.min(st.delta_seqs.cap / 4)) } else { seqs.len() };
-        let mut data = Vec::with_capacity(entries * 4);
-        for (s, slot) in seqs.iter().zip(slots) {
-            data.extend([s.row_start as u32, s.rows as u32, s.cached as u32, slot.0]);
-        }
-        data.resize(entries * 4, 0);
-        for e in data[seqs.len() * 4..].chunks_mut(4) {
-            e[3] = NO_SLOT;
-        }
+        let data = delta_table(seqs, slots, st.step_rows.min(st.delta_seqs.cap / 4));
         let cap = st.capturing.is_some();
         self.sync_meta(&mut st.delta_seqs, &data, "delta-net sequences", cap)?;
-        Ok(entries)
+        Ok(data.len() / 4)
     }
 
     pub(super) fn enqueue_sigmoid_mul(&self, x: &mut CudaAct, gate: &CudaAct, rows: usize) -> Result<()> {
@@ -281,5 +288,27 @@ impl CudaBackend {
                 Args::new().ptr(x.ptr()).ptr(z.ptr()).ptr(w).i32(head_dim as i32).f32(eps).i64(heads as i64);
             unsafe { self.launch(self.k.gated_rms_norm, grid_for(heads * 32, 256), a) }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use corridor_units::PageId;
+
+    #[test]
+    fn a_decode_table_is_padded_to_its_rows_with_entries_of_no_slot() {
+        let pages = [PageId(0)];
+        let seq = |row_start, rows, cached| SeqStep { row_start, rows, cached, pages: &pages };
+        let decode = [seq(0, 1, 7), seq(1, 1, 0)];
+        let t = delta_table(&decode, &[StateSlot(3), StateSlot(0)], 4);
+        assert_eq!(t, vec![0, 1, 7, 3, 1, 1, 0, 0, 0, 0, 0, NO_SLOT, 0, 0, 0, NO_SLOT]);
+        // A step with no sequences (a capture made at warm-up) is all padding.
+        assert_eq!(delta_table(&[], &[], 2), vec![0, 0, 0, NO_SLOT, 0, 0, 0, NO_SLOT]);
+        // A prefill is never padded: its grid would be mostly empty blocks.
+        let prefill = [seq(0, 5, 0), seq(5, 1, 9)];
+        assert_eq!(delta_table(&prefill, &[StateSlot(1), StateSlot(2)], 6).len(), 8);
+        // Padding never shortens the table.
+        assert_eq!(delta_table(&decode, &[StateSlot(3), StateSlot(0)], 1).len(), 8);
     }
 }
