@@ -4,12 +4,14 @@
 //!
 //! Each sequence's state (the convolution's last inputs and one `[k_dim,
 //! v_dim]` f32 matrix per value head) is a row of a state activation, one row
-//! per slot: the model allocates them with `alloc_act`, so they are workspace
-//! memory reserved through the card's chokepoint like every other buffer.
+//! per slot: the model allocates them with `alloc_state`, reserved through
+//! the card's chokepoint like every other buffer and booked there as state.
 //!
 //! The delta rule runs token by token over a sequence's rows in one launch
 //! for every (sequence, value head, 32 value columns), the state held in
-//! registers: the recurrent update for decode and an exact scan for prefill.
+//! registers: the recurrent update for decode and an exact scan for prefill
+//! (the chunked form, whose intra-chunk work would go to tensor cores, is
+//! not written yet: a prompt's tokens take one short step each).
 //!
 //! Each launch reads its sequences (first row, rows, cached, slot) from one
 //! device table that `begin_step` uploads from the [`crate::StepPlan`]'s
