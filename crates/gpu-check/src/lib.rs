@@ -10,7 +10,10 @@
 //! Each prompt is also fed whole and in uneven chunks with every position's
 //! logits read, on both backends, and each position compared with the CPU's
 //! whole prompt: a chunk must continue from the KV (and, in the hybrid, the
-//! recurrent state) the chunk before left.
+//! recurrent state) the chunk before left. And three sequences are decoded
+//! together in steps padded to 4 rows and reordered each time (on CUDA, the
+//! first is captured as a graph and the rest replay it), each in its own
+//! pages and state slot.
 //!
 //! The binary (`src/main.rs`, feature `cuda`) runs this with the CUDA backend
 //! on the GPU machine; without a GPU the comparison is tested CPU against CPU.
@@ -161,8 +164,97 @@ pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
             };
             failures += usize::from(!ok);
         }
+        // Sequences decoded together, in padded and reordered steps.
+        let ok = match (batched_decode(b, &ckpt, 6), batched_decode(&cpu, &ckpt, 6)) {
+            (Ok(got), Ok(want)) => {
+                let (err, scale) = position_error(&got, &want);
+                let ok = err <= TOL * scale;
+                println!(
+                    "{} {name}: {BATCHED}: max error {err:.2e} of {scale:.2e}",
+                    if ok { "PASS" } else { "FAIL" }
+                );
+                ok
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                println!("FAIL {name}: {BATCHED}: {e}");
+                false
+            }
+        };
+        failures += usize::from(!ok);
     }
     (checked, failures)
+}
+
+const BATCHED: &str =
+    "3 sequences (state slots 2, 0, 3) decoded together, steps padded to 4 rows, reordered each step";
+
+/// Three prompts of different lengths, prefilled one at a time into pages
+/// and state slots of their own (slots 2, 0 and 3 of 4), then decoded
+/// together for `steps` steps of fixed tokens, each step padded to 4 rows
+/// with a row of no sequence (as the executor pads decode steps to a
+/// captured shape) and listing the sequences in another order. Returns each
+/// step's logits of the three sequences, in their own order: `[steps, 3,
+/// vocab]`.
+pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Result<Vec<f32>, String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    let model = Model::load(b, ckpt, |_| {}).map_err(|e| err(&e))?;
+    let vocab = model.config().vocab_size;
+    let mut ws = model.workspace(b, 16, 4).map_err(|e| err(&e))?;
+    let mut kv = model.kv_cache(b, 16, 8).map_err(|e| err(&e))?;
+    let prompts: [Vec<u32>; 3] = [
+        (0..7).map(|i| (i * 37 + 11) % 300).collect(),
+        (0..12).map(|i| (i * 53 + 2) % 300).collect(),
+        (0..3).map(|i| (i * 19 + 7) % 300).collect(),
+    ];
+    let pages: [[PageId; 2]; 3] = [[PageId(5), PageId(1)], [PageId(0), PageId(7)], [PageId(3), PageId(6)]];
+    let slots = [StateSlot(2), StateSlot(0), StateSlot(3)];
+    let mut logits = Vec::new();
+    let mut len = [0usize; 3];
+    for i in 0..3 {
+        let n = prompts[i].len();
+        let positions: Vec<u32> = (0..n as u32).collect();
+        let seqs = [SeqStep { row_start: 0, rows: n, cached: 0, pages: &pages[i] }];
+        let step = StepInput {
+            tokens: &prompts[i],
+            positions: &positions,
+            seqs: &seqs,
+            logit_rows: &[n - 1],
+            state_slots: &slots[i..i + 1],
+        };
+        model.forward(b, &mut ws, &mut kv, &step, &mut logits).map_err(|e| err(&e))?;
+        len[i] = n;
+    }
+    let mut all = Vec::new();
+    for s in 0..steps {
+        // Row r holds sequence order[r]; row 3 is padding.
+        let order: Vec<usize> = (0..3).map(|r| (r + s) % 3).collect();
+        let order = if s % 2 == 1 { order.into_iter().rev().collect() } else { order };
+        let mut tokens: Vec<u32> = order.iter().map(|&i| ((37 * s + 11 * i + 5) % 300) as u32).collect();
+        let mut positions: Vec<u32> = order.iter().map(|&i| len[i] as u32).collect();
+        tokens.push(0);
+        positions.push(0);
+        let seqs: Vec<SeqStep> = order
+            .iter()
+            .enumerate()
+            .map(|(r, &i)| SeqStep { row_start: r, rows: 1, cached: len[i], pages: &pages[i] })
+            .collect();
+        let step_slots: Vec<StateSlot> = order.iter().map(|&i| slots[i]).collect();
+        let step = StepInput {
+            tokens: &tokens,
+            positions: &positions,
+            seqs: &seqs,
+            logit_rows: &[0, 1, 2, 3],
+            state_slots: &step_slots,
+        };
+        model.forward(b, &mut ws, &mut kv, &step, &mut logits).map_err(|e| err(&e))?;
+        b.check().map_err(|e| err(&e))?;
+        for i in 0..3 {
+            let r = order.iter().position(|&o| o == i).expect("every sequence has a row");
+            all.extend_from_slice(&logits[r * vocab..(r + 1) * vocab]);
+            len[i] += 1;
+        }
+    }
+    Ok(all)
 }
 
 /// The uneven chunks the 21-token check prompt is fed in: a chunk shorter
@@ -304,6 +396,34 @@ mod tests {
         assert!(
             chunked_logits(&cpu, &Checkpoint::open(&dir.join("llama-f32")).unwrap(), &prompt, &[20]).is_err()
         );
+    }
+
+    /// Sequences decoded together in padded, reordered steps give what each
+    /// gives decoded alone: their KV and state slots stay theirs. A sequence
+    /// decoded from another's slot would not.
+    #[test]
+    fn batched_sequences_decode_as_they_would_alone() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+        let cpu = reference_cpu();
+        for name in ["qwen3_5", "llama-f32"] {
+            let ckpt = Checkpoint::open(&dir.join(name)).expect("fixture opens");
+            let vocab = ckpt.config().vocab_size;
+            let together = batched_decode(&cpu, &ckpt, 4).unwrap();
+            // The second sequence alone: its prompt, then the same fixed tokens one step at a time.
+            let prompt: Vec<u32> = (0..12).map(|i| (i * 53 + 2) % 300).collect();
+            let mut fed = prompt.clone();
+            fed.extend((0..4).map(|s| ((37 * s + 11 + 5) % 300) as u32));
+            let alone = chunked_logits(&cpu, &ckpt, &fed, &[12, 1, 1, 1, 1]).unwrap();
+            for s in 0..4 {
+                let got = &together[(3 * s + 1) * vocab..(3 * s + 2) * vocab];
+                let want = &alone[(11 + s + 1) * vocab..(11 + s + 2) * vocab];
+                let (err, scale) = position_error(got, want);
+                assert!(err <= 1e-3 * scale, "{name} step {s}: {err} of {scale}");
+            }
+            // The first sequence's row is not the second's.
+            let (err, scale) = position_error(&together[..vocab], &together[vocab..2 * vocab]);
+            assert!(err > TOL * scale, "{name}: two sequences gave the same logits");
+        }
     }
 
     #[test]
