@@ -248,10 +248,10 @@ pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Res
         };
         model.forward(b, &mut ws, &mut kv, &step, &mut logits).map_err(|e| err(&e))?;
         b.check().map_err(|e| err(&e))?;
-        for i in 0..3 {
+        for (i, n) in len.iter_mut().enumerate() {
             let r = order.iter().position(|&o| o == i).expect("every sequence has a row");
             all.extend_from_slice(&logits[r * vocab..(r + 1) * vocab]);
-            len[i] += 1;
+            *n += 1;
         }
     }
     Ok(all)
