@@ -199,6 +199,9 @@ pub struct StepPlan<'a> {
     pub seqs: &'a [SeqStep<'a>],
     /// Rows whose logits are wanted.
     pub logit_rows: &'a [usize],
+    /// Each sequence's recurrent-state slot, parallel to `seqs` (a hybrid
+    /// model's linear-attention layers); empty for a model without state.
+    pub state_slots: &'a [StateSlot],
 }
 
 /// Names a captured replay of a whole forward pass: steps with the same key
@@ -339,6 +342,12 @@ pub trait Backend: Send + Sync + 'static {
     fn weight_shape(&self, w: &Self::Weight) -> (usize, usize);
     /// Allocate an activation buffer of `rows × cols`, zeroed.
     fn alloc_act(&self, shape: ActShape) -> Result<Self::Act>;
+    /// Allocate a buffer of per-sequence recurrent state, `[slots, elems]`,
+    /// zeroed: an activation buffer that a device backend books as state
+    /// rather than workspace. The default is `alloc_act`.
+    fn alloc_state(&self, shape: ActShape) -> Result<Self::Act> {
+        self.alloc_act(shape)
+    }
     /// Allocate one layer's KV storage.
     fn alloc_kv(&self, geometry: KvGeometry) -> Result<Self::Kv>;
     /// KV storage of `layers` layers inside the pages of a card's KV arena

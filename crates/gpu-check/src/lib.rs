@@ -7,15 +7,23 @@
 //! CPU top-1/top-2 logit gap is under the bf16 error bound, where either
 //! choice is correct.
 //!
+//! Each prompt is also fed whole and in uneven chunks with every position's
+//! logits read, on both backends, and each position compared with the CPU's
+//! whole prompt: a chunk must continue from the KV (and, in the hybrid, the
+//! recurrent state) the chunk before left. And three sequences are decoded
+//! together in steps padded to 4 rows and reordered each time (on CUDA, the
+//! first is captured as a graph and the rest replay it), each in its own
+//! pages and state slot.
+//!
 //! The binary (`src/main.rs`, feature `cuda`) runs this with the CUDA backend
 //! on the GPU machine; without a GPU the comparison is tested CPU against CPU.
 
-use corridor_backend::cpu::CpuBackend;
+use corridor_backend::cpu::{CpuBackend, DecodeActivations};
 use corridor_backend::{Backend, SeqStep};
 use corridor_model::greedy::greedy;
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::PageId;
+use corridor_units::{PageId, StateSlot};
 use std::path::Path;
 
 /// Largest logit error, as a fraction of the largest logit, that bf16 weights and KV explain.
@@ -84,7 +92,7 @@ pub fn compare(got: &Run, want: &Run) -> Verdict {
 /// Every checkpoint in `dir` (directories and .gguf files) on `b` and on the
 /// CPU, one PASS/FAIL line each; returns (checkpoints compared, failures).
 pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
-    let cpu = CpuBackend::new();
+    let cpu = reference_cpu();
     let mut entries: Vec<_> =
         std::fs::read_dir(dir).expect("fixtures dir").flatten().map(|e| e.path()).collect();
     entries.sort();
@@ -104,12 +112,6 @@ pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
         let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 11) % 300).collect();
         let got = match try_generate(b, &ckpt, &prompt, 12) {
             Ok(run) => run,
-            // The hybrid's delta-net has CPU kernels only: a backend without
-            // them refuses, and that is not a wrong answer.
-            Err(e) if ckpt.config().hybrid.is_some() => {
-                println!("skip {}: {e}", p.display());
-                continue;
-            }
             Err(e) => {
                 println!("FAIL {}: {e}", p.display());
                 failures += 1;
@@ -126,17 +128,204 @@ pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
         }
         checked += 1;
         failures += usize::from(!v.ok);
+        let name = p.file_name().unwrap().to_string_lossy();
         println!(
-            "{} {}: logits max error {:.2e} of {:.2e}; greedy gpu {:?} cpu {:?}",
+            "{} {name}: logits max error {:.2e} of {:.2e}; greedy gpu {:?} cpu {:?}",
             if v.ok { "PASS" } else { "FAIL" },
-            p.file_name().unwrap().to_string_lossy(),
             v.err,
             v.scale,
             got.tokens,
             want.tokens
         );
+        // Every position, the prompt fed whole and in chunks.
+        let reference = match chunked_logits(&cpu, &ckpt, &prompt, &[prompt.len()]) {
+            Ok(l) => l,
+            Err(e) => {
+                println!("FAIL {name}: every position on the CPU: {e}");
+                failures += 1;
+                continue;
+            }
+        };
+        for chunks in [&[prompt.len()][..], &CHUNKS[..]] {
+            let ok = match chunked_logits(b, &ckpt, &prompt, chunks) {
+                Ok(l) => {
+                    let (err, scale) = position_error(&l, &reference);
+                    let ok = err <= TOL * scale;
+                    println!(
+                        "{} {name}: every position, prompt in chunks of {chunks:?}: max error {err:.2e} of {scale:.2e}",
+                        if ok { "PASS" } else { "FAIL" }
+                    );
+                    ok
+                }
+                Err(e) => {
+                    println!("FAIL {name}: every position, prompt in chunks of {chunks:?}: {e}");
+                    false
+                }
+            };
+            failures += usize::from(!ok);
+        }
+        // Sequences decoded together, in padded and reordered steps.
+        let ok = match (batched_decode(b, &ckpt, 6), batched_decode(&cpu, &ckpt, 6)) {
+            (Ok(got), Ok(want)) => {
+                let (err, scale) = position_error(&got, &want);
+                let ok = err <= TOL * scale;
+                println!(
+                    "{} {name}: {BATCHED}: max error {err:.2e} of {scale:.2e}",
+                    if ok { "PASS" } else { "FAIL" }
+                );
+                ok
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                println!("FAIL {name}: {BATCHED}: {e}");
+                false
+            }
+        };
+        failures += usize::from(!ok);
     }
     (checked, failures)
+}
+
+const BATCHED: &str =
+    "3 sequences (state slots 2, 0, 3) decoded together, steps padded to 4 rows, reordered each step";
+
+/// Three prompts of different lengths, prefilled one at a time into pages
+/// and state slots of their own (slots 2, 0 and 3 of 4), then decoded
+/// together for `steps` steps of fixed tokens, each step padded to 4 rows
+/// with a row of no sequence (as the executor pads decode steps to a
+/// captured shape) and listing the sequences in another order. Returns each
+/// step's logits of the three sequences, in their own order: `[steps, 3,
+/// vocab]`.
+pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Result<Vec<f32>, String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    let model = Model::load(b, ckpt, |_| {}).map_err(|e| err(&e))?;
+    let vocab = model.config().vocab_size;
+    let mut ws = model.workspace(b, 16, 4).map_err(|e| err(&e))?;
+    let mut kv = model.kv_cache(b, 16, 8).map_err(|e| err(&e))?;
+    let prompts: [Vec<u32>; 3] = [
+        (0..7).map(|i| (i * 37 + 11) % 300).collect(),
+        (0..12).map(|i| (i * 53 + 2) % 300).collect(),
+        (0..3).map(|i| (i * 19 + 7) % 300).collect(),
+    ];
+    let pages: [[PageId; 2]; 3] = [[PageId(5), PageId(1)], [PageId(0), PageId(7)], [PageId(3), PageId(6)]];
+    let slots = [StateSlot(2), StateSlot(0), StateSlot(3)];
+    let mut logits = Vec::new();
+    let mut len = [0usize; 3];
+    for i in 0..3 {
+        let n = prompts[i].len();
+        let positions: Vec<u32> = (0..n as u32).collect();
+        let seqs = [SeqStep { row_start: 0, rows: n, cached: 0, pages: &pages[i] }];
+        let step = StepInput {
+            tokens: &prompts[i],
+            positions: &positions,
+            seqs: &seqs,
+            logit_rows: &[n - 1],
+            state_slots: &slots[i..i + 1],
+        };
+        model.forward(b, &mut ws, &mut kv, &step, &mut logits).map_err(|e| err(&e))?;
+        len[i] = n;
+    }
+    let mut all = Vec::new();
+    for s in 0..steps {
+        // Row r holds sequence order[r]; row 3 is padding.
+        let order: Vec<usize> = (0..3).map(|r| (r + s) % 3).collect();
+        let order = if s % 2 == 1 { order.into_iter().rev().collect() } else { order };
+        let mut tokens: Vec<u32> = order.iter().map(|&i| ((37 * s + 11 * i + 5) % 300) as u32).collect();
+        let mut positions: Vec<u32> = order.iter().map(|&i| len[i] as u32).collect();
+        tokens.push(0);
+        positions.push(0);
+        let seqs: Vec<SeqStep> = order
+            .iter()
+            .enumerate()
+            .map(|(r, &i)| SeqStep { row_start: r, rows: 1, cached: len[i], pages: &pages[i] })
+            .collect();
+        let step_slots: Vec<StateSlot> = order.iter().map(|&i| slots[i]).collect();
+        let step = StepInput {
+            tokens: &tokens,
+            positions: &positions,
+            seqs: &seqs,
+            logit_rows: &[0, 1, 2, 3],
+            state_slots: &step_slots,
+        };
+        model.forward(b, &mut ws, &mut kv, &step, &mut logits).map_err(|e| err(&e))?;
+        b.check().map_err(|e| err(&e))?;
+        for (i, n) in len.iter_mut().enumerate() {
+            let r = order.iter().position(|&o| o == i).expect("every sequence has a row");
+            all.extend_from_slice(&logits[r * vocab..(r + 1) * vocab]);
+            *n += 1;
+        }
+    }
+    Ok(all)
+}
+
+/// The uneven chunks the 21-token check prompt is fed in: a chunk shorter
+/// than the convolution window, a single row, and longer ones.
+pub const CHUNKS: [usize; 5] = [2, 1, 7, 5, 6];
+
+/// The largest difference between two `[positions, vocab]` logit arrays,
+/// and the largest reference logit (the tolerance is relative to it); an
+/// infinite error when their lengths differ.
+pub fn position_error(got: &[f32], want: &[f32]) -> (f32, f32) {
+    let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+    if got.len() != want.len() {
+        return (f32::INFINITY, scale);
+    }
+    let err = got.iter().zip(want).fold(0f32, |a, (x, y)| {
+        let e = (x - y).abs();
+        if e.is_nan() {
+            f32::INFINITY
+        } else {
+            a.max(e)
+        }
+    });
+    (err, scale)
+}
+
+/// The logits of every position of `prompt`, fed as consecutive chunks of
+/// the given sizes (which must add up to its length) through one sequence's
+/// KV and state slot: `[prompt.len(), vocab]`.
+pub fn chunked_logits<B: Backend>(
+    b: &B,
+    ckpt: &Checkpoint,
+    prompt: &[u32],
+    chunks: &[usize],
+) -> Result<Vec<f32>, String> {
+    if chunks.iter().sum::<usize>() != prompt.len() || chunks.contains(&0) {
+        return Err(format!("chunks {chunks:?} do not cover {} tokens", prompt.len()));
+    }
+    let model = Model::load(b, ckpt, |_| {}).map_err(|e| e.to_string())?;
+    let most = chunks.iter().copied().max().unwrap_or(1);
+    let mut ws = model.workspace(b, most, most).map_err(|e| e.to_string())?;
+    // A scrambled page table: the pages of the prompt in reverse.
+    let pages: Vec<PageId> = (0..prompt.len().div_ceil(16) as u32).rev().map(PageId).collect();
+    let mut kv = model.kv_cache(b, 16, pages.len()).map_err(|e| e.to_string())?;
+    let mut all = Vec::new();
+    let mut logits = Vec::new();
+    let mut cached = 0;
+    for &n in chunks {
+        let positions: Vec<u32> = (cached as u32..(cached + n) as u32).collect();
+        let seqs = [SeqStep { row_start: 0, rows: n, cached, pages: &pages }];
+        let rows: Vec<usize> = (0..n).collect();
+        let step = StepInput {
+            tokens: &prompt[cached..cached + n],
+            positions: &positions,
+            seqs: &seqs,
+            logit_rows: &rows,
+            state_slots: &[StateSlot(0)],
+        };
+        model.forward(b, &mut ws, &mut kv, &step, &mut logits).map_err(|e| e.to_string())?;
+        b.check().map_err(|e| e.to_string())?;
+        all.extend_from_slice(&logits);
+        cached += n;
+    }
+    Ok(all)
+}
+
+/// The CPU backend the checks compare against: f32 activations in every
+/// matmul (as the GPU's GEMVs keep them), so a prompt fed in chunks of a few
+/// rows computes what it computes fed whole (the CPU's default rounds the
+/// activations of block-format matmuls of a few rows to 8 bits).
+pub fn reference_cpu() -> CpuBackend {
+    CpuBackend::with_decode_activations(DecodeActivations::F32)
 }
 
 /// SmolLM2-135M-Instruct answers the ChatML "capital of France" prompt with
@@ -157,19 +346,7 @@ pub fn paris<B: Backend>(b: &B, path: &Path) -> bool {
 
 /// The logits of every position of one prefill of `ids`.
 pub fn all_logits<B: Backend>(b: &B, ckpt: &Checkpoint, ids: &[u32]) -> Vec<f32> {
-    let model = Model::load(b, ckpt, |_| {}).expect("load");
-    let n = ids.len();
-    let mut ws = model.workspace(b, n, n).expect("workspace");
-    let pages: Vec<PageId> = (0..n.div_ceil(16) as u32).rev().map(PageId).collect();
-    let mut kv = model.kv_cache(b, 16, pages.len()).expect("kv");
-    let positions: Vec<u32> = (0..n as u32).collect();
-    let seqs = [SeqStep { row_start: 0, rows: n, cached: 0, pages: &pages }];
-    let rows: Vec<usize> = (0..n).collect();
-    let step =
-        StepInput { tokens: ids, positions: &positions, seqs: &seqs, logit_rows: &rows, state_slots: &[] };
-    let mut logits = Vec::new();
-    model.forward(b, &mut ws, &mut kv, &step, &mut logits).expect("forward");
-    logits
+    chunked_logits(b, ckpt, ids, &[ids.len()]).expect("one prefill of every position")
 }
 
 #[cfg(test)]
@@ -196,10 +373,63 @@ mod tests {
         assert!(!compare(&run(&[10.0, 2.0, -3.0], &[1, 5, 7, 8], &[]), &tied).ok);
     }
 
+    /// Chunks continue from what the chunk before left: on the CPU, the
+    /// hybrid's positions fed in chunks are its positions fed whole, and a
+    /// chunk that forgot the state (its own prompt) would not be.
+    #[test]
+    fn chunked_prompts_give_every_position_the_whole_prompt_gives() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+        let cpu = CpuBackend::new();
+        let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 11) % 300).collect();
+        for name in ["qwen3_5", "llama-f32"] {
+            let ckpt = Checkpoint::open(&dir.join(name)).expect("fixture opens");
+            let whole = chunked_logits(&cpu, &ckpt, &prompt, &[21]).unwrap();
+            let split = chunked_logits(&cpu, &ckpt, &prompt, &CHUNKS).unwrap();
+            let (err, scale) = position_error(&split, &whole);
+            assert!(err <= 1e-3 * scale, "{name}: {err} of {scale}");
+            // The last chunk alone, as a prompt of its own, is not its continuation.
+            let alone = chunked_logits(&cpu, &ckpt, &prompt[15..], &[6]).unwrap();
+            let vocab = whole.len() / 21;
+            let (err, scale) = position_error(&alone, &whole[15 * vocab..]);
+            assert!(err > TOL * scale, "{name}: a chunk without its history matched ({err} of {scale})");
+        }
+        assert!(
+            chunked_logits(&cpu, &Checkpoint::open(&dir.join("llama-f32")).unwrap(), &prompt, &[20]).is_err()
+        );
+    }
+
+    /// Sequences decoded together in padded, reordered steps give what each
+    /// gives decoded alone: their KV and state slots stay theirs. A sequence
+    /// decoded from another's slot would not.
+    #[test]
+    fn batched_sequences_decode_as_they_would_alone() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+        let cpu = reference_cpu();
+        for name in ["qwen3_5", "llama-f32"] {
+            let ckpt = Checkpoint::open(&dir.join(name)).expect("fixture opens");
+            let vocab = ckpt.config().vocab_size;
+            let together = batched_decode(&cpu, &ckpt, 4).unwrap();
+            // The second sequence alone: its prompt, then the same fixed tokens one step at a time.
+            let prompt: Vec<u32> = (0..12).map(|i| (i * 53 + 2) % 300).collect();
+            let mut fed = prompt.clone();
+            fed.extend((0..4).map(|s| ((37 * s + 11 + 5) % 300) as u32));
+            let alone = chunked_logits(&cpu, &ckpt, &fed, &[12, 1, 1, 1, 1]).unwrap();
+            for s in 0..4 {
+                let got = &together[(3 * s + 1) * vocab..(3 * s + 2) * vocab];
+                let want = &alone[(11 + s + 1) * vocab..(11 + s + 2) * vocab];
+                let (err, scale) = position_error(got, want);
+                assert!(err <= 1e-3 * scale, "{name} step {s}: {err} of {scale}");
+            }
+            // The first sequence's row is not the second's.
+            let (err, scale) = position_error(&together[..vocab], &together[vocab..2 * vocab]);
+            assert!(err > TOL * scale, "{name}: two sequences gave the same logits");
+        }
+    }
+
     #[test]
     fn the_cpu_passes_against_itself_on_every_tiny_checkpoint() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
-        let (checked, failures) = check_fixtures(&CpuBackend::new(), &dir);
+        let (checked, failures) = check_fixtures(&reference_cpu(), &dir);
         assert!(checked >= 5, "only {checked} checkpoints found in {}", dir.display());
         assert_eq!(failures, 0);
     }

@@ -433,6 +433,7 @@ impl<B: Backend> Model<B> {
             positions: step.positions,
             seqs: step.seqs,
             logit_rows: step.logit_rows,
+            state_slots: step.state_slots,
         })?;
         // A decode step of a whole model on one card may be captured once per
         // shape and replayed: the ops read only what begin_step uploaded.

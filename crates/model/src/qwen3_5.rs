@@ -26,7 +26,9 @@
 //! fixed-size state (the convolution's last inputs and the delta rule's
 //! matrices) in a slot of the workspace, one slot per sequence that may run
 //! at once; a step names each sequence's slot (`StepInput::state_slots`),
-//! and a sequence with nothing cached starts from a zero state. So the state
+//! and a sequence with nothing cached starts from a zero state. A decode
+//! step is captured as a device graph and replayed like a Llama-family one
+//! (the backend uploads the slots with the step's metadata). So the state
 //! cannot be rebuilt from KV pages: a sequence that is preempted recomputes
 //! from its prompt, and prefix caching (which would skip rows whose state is
 //! nowhere) must be off.
@@ -47,8 +49,8 @@ use crate::layout::{CostModel, RankSlice};
 use crate::llama::{check_shape, select, KvCache, ModelError, StepInput, Workspace};
 use corridor_backend::collective::{gather_logits, Collective, Solo};
 use corridor_backend::{
-    ActShape, Backend, DType, DeltaGeometry, DeltaRule, HostTensor, KvGeometry, MatmulPart, RopeStyle,
-    RopeTable, StepPlan, TensorBytes, VHeadOrder,
+    ActShape, Backend, DType, DeltaGeometry, DeltaRule, GraphKey, HostTensor, KvGeometry, MatmulPart,
+    RopeStyle, RopeTable, StepPlan, TensorBytes, VHeadOrder,
 };
 use corridor_units::Bytes;
 use std::ops::Range;
@@ -252,6 +254,7 @@ impl<B: Backend> Model<B> {
         let (c, s) = (&self.config, &self.slice);
         let d = self.share.delta;
         let a = |rows: usize, cols: usize| backend.alloc_act(ActShape { rows, cols });
+        let state = |rows: usize, cols: usize| backend.alloc_state(ActShape { rows, cols });
         let (q_out, kv_out, ffn) = (s.heads.len() * c.head_dim, s.kv_heads.len() * c.head_dim, s.ffn.len());
         let linear = self.local(LayerKind::Linear);
         let slots = max_logit_rows;
@@ -262,8 +265,10 @@ impl<B: Backend> Model<B> {
             a: a(max_rows, d.v_heads)?,
             b: a(max_rows, d.v_heads)?,
             core: a(max_rows, d.value_width())?,
-            conv: (0..linear).map(|_| a(slots, d.conv_state_elems())).collect::<Result<_, _>>()?,
-            recurrent: (0..linear).map(|_| a(slots, d.recurrent_state_elems())).collect::<Result<_, _>>()?,
+            conv: (0..linear).map(|_| state(slots, d.conv_state_elems())).collect::<Result<_, _>>()?,
+            recurrent: (0..linear)
+                .map(|_| state(slots, d.recurrent_state_elems()))
+                .collect::<Result<_, _>>()?,
             slots,
         };
         Ok(Workspace {
@@ -380,13 +385,48 @@ impl<B: Backend> Model<B> {
                 self.kv_layers()
             )));
         }
+        // The ops check the slots too, but a replayed step runs none of them.
+        let held = ws.hybrid.as_ref().map_or(0, |sc| sc.slots);
+        for (i, s) in step.state_slots.iter().enumerate() {
+            if s.index() >= held {
+                return Err(ModelError::Step(format!("{s} is outside the workspace's {held} state slots")));
+            }
+            if step.state_slots[..i].contains(s) {
+                return Err(ModelError::Step(format!("{s} is given to two sequences of one step")));
+            }
+        }
         b.begin_step(&StepPlan {
             tokens: step.tokens,
             positions: step.positions,
             seqs: step.seqs,
             logit_rows: step.logit_rows,
+            state_slots: step.state_slots,
         })?;
-        self.run_ops(b, c, ws, kv, step)?;
+        // A decode step of the whole model on one card may be captured once
+        // per shape and replayed: every op, the delta-net's included, reads
+        // its step metadata (rows, page tables, state slots) from what
+        // begin_step uploaded.
+        let key = (step.is_decode() && c.capturable() && self.head.is_some() && self.embed_tokens.is_some())
+            .then_some(GraphKey { rows, logit_rows: rows });
+        let replayed = match key {
+            Some(k) => b.graph_replay(k)?,
+            None => false,
+        };
+        if !replayed {
+            let capturing = match key {
+                Some(k) => b.graph_capture_begin(k)?,
+                None => false,
+            };
+            let ran = self.run_ops(b, c, ws, kv, step);
+            if let (true, Some(k)) = (capturing, key) {
+                // End the capture even after a failed op, so the stream is usable again.
+                let ended = b.graph_capture_end(k);
+                ran?;
+                ended?;
+            } else {
+                ran?;
+            }
+        }
         logits.clear();
         if self.head.is_none() {
             let to = self
@@ -448,9 +488,6 @@ impl<B: Backend> Model<B> {
         let Some(sc) = ws.hybrid.as_mut() else {
             return Err(ModelError::Step("a hybrid model needs a workspace made by it".into()));
         };
-        if let Some(s) = step.state_slots.iter().find(|s| s.index() >= sc.slots) {
-            return Err(ModelError::Step(format!("{s} is outside the workspace's {} state slots", sc.slots)));
-        }
         // A later stage receives even when it holds the table (for a tied head).
         match (self.slice.recv_from, &self.embed_tokens) {
             (Some(from), _) => c.recv(b, from, &mut ws.x, rows)?,
@@ -1022,6 +1059,40 @@ mod tests {
     fn fixture() -> Checkpoint {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/qwen3_5");
         Checkpoint::open(&dir).unwrap()
+    }
+
+    /// A step's slots are checked before anything runs: a replayed step
+    /// runs none of the ops that would otherwise refuse them.
+    #[test]
+    fn slots_outside_the_workspace_or_shared_are_refused_before_any_op() {
+        use corridor_backend::cpu::CpuBackend;
+        use corridor_backend::SeqStep;
+        use corridor_units::{PageId, StateSlot};
+        let b = CpuBackend::new();
+        let model = Model::load(&b, &fixture(), |_| {}).unwrap();
+        let mut ws = model.workspace(&b, 4, 2).unwrap();
+        let mut kv = model.kv_cache(&b, 16, 2).unwrap();
+        let pages = [PageId(0)];
+        let pages2 = [PageId(1)];
+        let seqs = [
+            SeqStep { row_start: 0, rows: 1, cached: 0, pages: &pages },
+            SeqStep { row_start: 1, rows: 1, cached: 0, pages: &pages2 },
+        ];
+        let run = |slots: &[StateSlot], ws: &mut Workspace<CpuBackend>, kv: &mut KvCache<CpuBackend>| {
+            let step = StepInput {
+                tokens: &[1, 2],
+                positions: &[0, 0],
+                seqs: &seqs,
+                logit_rows: &[0, 1],
+                state_slots: slots,
+            };
+            model.forward(&b, ws, kv, &step, &mut Vec::new()).map_err(|e| e.to_string())
+        };
+        let shared = run(&[StateSlot(1), StateSlot(1)], &mut ws, &mut kv).unwrap_err();
+        assert!(shared.contains("two sequences") && !shared.contains("causal_conv_silu"), "{shared}");
+        let outside = run(&[StateSlot(0), StateSlot(2)], &mut ws, &mut kv).unwrap_err();
+        assert!(outside.contains("outside the workspace's 2 state slots"), "{outside}");
+        run(&[StateSlot(1), StateSlot(0)], &mut ws, &mut kv).unwrap();
     }
 
     fn cost() -> CostModel {

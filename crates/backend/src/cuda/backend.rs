@@ -1,7 +1,7 @@
 //! The `Backend` impl that ties the concerns together: each trait method is
 //! either an op of its own here (embedding, norms, RoPE, element-wise ops,
 //! reads to the host, step metadata, weights and workspaces) or hands over to
-//! the module of its concern (`matmul.rs`, `attention.rs`, `graphs.rs`).
+//! the module of its concern (`matmul.rs`, `attention.rs`, `delta.rs`, `graphs.rs`).
 
 use super::device::{cuda_err, Args, LaunchDims, Purpose};
 use super::graphs::drop_graphs;
@@ -10,10 +10,10 @@ use super::matmul::{Arena, CudaWeight, ARENA_ALIGN, DEQUANT_TILE};
 use super::{CudaAct, CudaBackend, CudaKv};
 use crate::dtype::{DType, HostTensor};
 use crate::{
-    ActShape, Backend, BackendError, GraphKey, KvGeometry, MatmulPart, Result, RopeStyle, RopeTable, SeqStep,
-    StepPlan,
+    ActShape, Backend, BackendError, DeltaRule, GraphKey, KvGeometry, MatmulPart, Result, RopeStyle,
+    RopeTable, SeqStep, StepPlan,
 };
-use corridor_units::PageId;
+use corridor_units::{PageId, StateSlot};
 use corridor_vram::KvArena;
 use cudarc::driver::result as cu;
 use half::{bf16, f16};
@@ -130,6 +130,19 @@ impl Backend for CudaBackend {
             }
         }
         drop(guard);
+        self.synchronize()?;
+        Ok(CudaAct { buf, rows: shape.rows, cols: shape.cols })
+    }
+
+    fn alloc_state(&self, shape: ActShape) -> Result<CudaAct> {
+        // Only the delta-net ops read state buffers, so none of the matmul
+        // scratch or row metadata grows with them, and no capture is stale.
+        self.ctx.bind()?;
+        let bytes = (shape.rows * shape.cols).max(1) * 4;
+        let buf = self.alloc_buf(bytes, Purpose::State)?;
+        // SAFETY: a fresh buffer of `bytes` bytes.
+        unsafe { cu::memset_d8_async(buf.ptr(), 0, bytes, self.stream.0) }
+            .map_err(|e| cuda_err("cuMemsetD8Async", e))?;
         self.synchronize()?;
         Ok(CudaAct { buf, rows: shape.rows, cols: shape.cols })
     }
@@ -291,6 +304,37 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn sigmoid_mul(&self, x: &mut CudaAct, gate: &CudaAct, rows: usize) -> Result<()> {
+        self.enqueue_sigmoid_mul(x, gate, rows)
+    }
+
+    fn causal_conv_silu(
+        &self,
+        x: &mut CudaAct,
+        weight: &CudaWeight,
+        state: &mut CudaAct,
+        seqs: &[SeqStep<'_>],
+        slots: &[StateSlot],
+    ) -> Result<()> {
+        self.enqueue_causal_conv_silu(x, weight, state, seqs, slots)
+    }
+
+    fn gated_delta_rule(&self, p: DeltaRule<'_, Self>) -> Result<()> {
+        self.enqueue_gated_delta_rule(p)
+    }
+
+    fn gated_rms_norm(
+        &self,
+        x: &mut CudaAct,
+        z: &CudaAct,
+        weight: &CudaWeight,
+        eps: f32,
+        head_dim: usize,
+        rows: usize,
+    ) -> Result<()> {
+        self.enqueue_gated_rms_norm(x, z, weight, eps, head_dim, rows)
+    }
+
     fn write_kv(&self, kv: &mut CudaKv, k: &CudaAct, v: &CudaAct, seqs: &[SeqStep<'_>]) {
         self.enqueue_write_kv(kv, k, v, seqs)
     }
@@ -364,7 +408,14 @@ impl Backend for CudaBackend {
             self.sync_meta(&mut st.positions, plan.positions, "positions", cap)?;
             let idx: Vec<u32> = plan.logit_rows.iter().map(|&r| r as u32).collect();
             self.sync_meta(&mut st.gather, &idx, "logit rows", cap)?;
-            self.sync_seqs(&mut st, plan.seqs)
+            self.sync_seqs(&mut st, plan.seqs)?;
+            // A plan with a slot per sequence (a hybrid model's, or one with
+            // no sequences, which a capture may be made from) gets the
+            // delta-net ops' sequence table too.
+            if plan.state_slots.len() == plan.seqs.len() {
+                self.upload_delta_table(&mut st, plan.seqs, plan.state_slots)?;
+            }
+            Ok(())
         })();
         r
     }

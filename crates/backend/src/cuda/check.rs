@@ -10,7 +10,10 @@
 //!   the cuBLASLt path (activations to bf16), f16 weights (widened to bf16) and
 //!   attention (the KV cache is bf16 on the device, f32 on the CPU). One bf16
 //!   rounding is a relative error of at most 2^-9 ≈ 2e-3 per element; 2e-2 is
-//!   ten times that, while a wrong index or a missing term is an O(1) error.
+//!   ten times that, while a wrong index or a missing term is an O(1) error;
+//! - `SCAN` (1e-3) for the gated delta rule and the states it leaves: both
+//!   sides are f32, but each token's result feeds the next through the state,
+//!   so different summation orders compound over a few hundred tokens.
 
 use super::device::{cuda_err, Purpose, Stream};
 use super::matmul::GEMV_MAX_ROWS;
@@ -18,14 +21,16 @@ use super::{CudaAct, CudaBackend, CudaKv, CudaWeight, PrefillPath};
 use crate::cpu::{CpuAct, CpuBackend};
 use crate::dtype::{DType, HostTensor, TensorBytes};
 use crate::{
-    ActShape, Backend, GraphKey, KvGeometry, MatmulPart, Result, RopeStyle, RopeTable, SeqStep, StepPlan,
+    ActShape, Backend, DeltaGeometry, DeltaRule, GraphKey, KvGeometry, MatmulPart, Result, RopeStyle,
+    RopeTable, SeqStep, StepPlan, VHeadOrder,
 };
-use corridor_units::PageId;
+use corridor_units::{PageId, StateSlot};
 use cudarc::driver::{result as cu, sys};
 use half::{bf16, f16};
 
 const EXACT: f32 = 1e-4;
 const BF16: f32 = 2e-2;
+const SCAN: f32 = 1e-3;
 
 /// What the check found: one line per comparison, and how many failed.
 #[derive(Debug, Default)]
@@ -328,6 +333,7 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
     rep.compare("gather_rows", &a, &b, EXACT);
 
     attention_checks(be, &cpu, &mut rep, &mut rng)?;
+    delta_checks(be, &cpu, &mut rep, &mut rng)?;
     Ok(rep)
 }
 
@@ -673,6 +679,7 @@ pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
             positions: &positions,
             seqs: &seqs,
             logit_rows: &[0, 1],
+            state_slots: &[],
         })?;
         // The decode layer's fused launches (q/k/v in one GEMV, RoPE with the
         // KV store) inside the capture, against the CPU's separate ops.
@@ -709,6 +716,142 @@ pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
             BF16,
         );
     }
+    Ok(())
+}
+
+/// The delta-net ops of a hybrid decode step (convolution, delta rule, gated
+/// norm) captured once for a padded step of 4 rows and replayed with other
+/// sequences in other slots (fewer, more, reordered, a new one in a used
+/// slot), against the CPU running the ops each time.
+pub fn delta_graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(1234);
+    let g = DeltaGeometry {
+        k_heads: 4,
+        v_heads: 12,
+        k_dim: 128,
+        v_dim: 128,
+        conv_kernel: 4,
+        v_order: VHeadOrder::Grouped,
+    };
+    let w = delta_weights(&mut rng, g);
+    let nw = float_tensor("n", DType::F32, 1, g.v_dim, &rng.vec(g.v_dim, 1.0));
+    let (nwg, nwc) = (be.upload_weight(&nw)?, cpu.upload_weight(&nw)?);
+    let slots = 6;
+    let mut lg = DeltaLayer::new(be, g, slots, [&w[0], &w[1], &w[2]])?;
+    let mut lc = DeltaLayer::new(&cpu, g, slots, [&w[0], &w[1], &w[2]])?;
+    let up_g = |a: &mut CudaAct, d: &[f32]| put_gpu(be, a, d);
+    let up_c = |a: &mut CpuAct, d: &[f32]| {
+        put_cpu(a, d);
+        Ok(())
+    };
+    let pages = [PageId(0)];
+    // Histories of 5, 9 and 2 tokens in slots 0, 2 and 5, uncaptured.
+    {
+        let seqs = [
+            SeqStep { row_start: 0, rows: 5, cached: 0, pages: &pages },
+            SeqStep { row_start: 5, rows: 9, cached: 0, pages: &pages },
+            SeqStep { row_start: 14, rows: 2, cached: 0, pages: &pages },
+        ];
+        let st = [StateSlot(0), StateSlot(2), StateSlot(5)];
+        let (qkv, a, b) =
+            (rng.vec(16 * g.conv_channels(), 1.0), rng.vec(16 * 12, 2.0), rng.vec(16 * 12, 2.0));
+        let inp = DeltaInputs { qkv: &qkv, a: &a, b: &b, seqs: &seqs, slots: &st };
+        lg.step(be, g, &inp, &up_g)?;
+        lc.step(&cpu, g, &inp, &up_c)?;
+    }
+    let rows = 4;
+    let key = GraphKey { rows, logit_rows: rows };
+    let act = |cols: usize| pair(be, &cpu, rows, cols, None);
+    let (mut x, mut a, mut b, mut z, mut out) = (
+        act(g.conv_channels())?,
+        act(g.v_heads)?,
+        act(g.v_heads)?,
+        act(g.value_width())?,
+        act(g.value_width())?,
+    );
+    // (slot, cached) per sequence, one row each.
+    let rounds: [&[(u32, usize)]; 4] =
+        [&[(2, 9), (5, 2)], &[(0, 5), (2, 10), (5, 3)], &[(5, 4), (0, 6)], &[(2, 0), (0, 7)]];
+    for (round, seqs_of) in rounds.iter().enumerate() {
+        let seqs: Vec<SeqStep> = seqs_of
+            .iter()
+            .enumerate()
+            .map(|(i, &(_, cached))| SeqStep { row_start: i, rows: 1, cached, pages: &pages })
+            .collect();
+        let st: Vec<StateSlot> = seqs_of.iter().map(|&(s, _)| StateSlot(s)).collect();
+        for (p, vals) in [
+            (&mut x, rng.vec(rows * g.conv_channels(), 1.0)),
+            (&mut a, rng.vec(rows * g.v_heads, 2.0)),
+            (&mut b, rng.vec(rows * g.v_heads, 2.0)),
+            (&mut z, rng.vec(rows * g.value_width(), 2.0)),
+        ] {
+            put_gpu(be, &p.g, &vals)?;
+            put_cpu(&mut p.c, &vals);
+        }
+        let positions: Vec<u32> = (0..rows as u32).collect();
+        be.begin_step(&StepPlan {
+            tokens: &[0; 4],
+            positions: &positions,
+            seqs: &seqs,
+            logit_rows: &[0, 1, 2, 3],
+            state_slots: &st,
+        })?;
+        let replayed = be.graph_replay(key)?;
+        if !replayed {
+            let capturing = be.graph_capture_begin(key)?;
+            let ran = (|| {
+                be.causal_conv_silu(&mut x.g, &lg.conv_w, &mut lg.conv, &seqs, &st)?;
+                be.gated_delta_rule(DeltaRule {
+                    qkv: &x.g,
+                    a: &a.g,
+                    b: &b.g,
+                    decay: &lg.decay,
+                    dt_bias: &lg.dt_bias,
+                    geometry: g,
+                    state: &mut lg.rec,
+                    seqs: &seqs,
+                    slots: &st,
+                    out: &mut out.g,
+                })?;
+                be.gated_rms_norm(&mut out.g, &z.g, &nwg, 1e-6, g.v_dim, rows)
+            })();
+            if capturing {
+                be.graph_capture_end(key)?;
+            }
+            ran?;
+        }
+        cpu.causal_conv_silu(&mut x.c, &lc.conv_w, &mut lc.conv, &seqs, &st)?;
+        cpu.gated_delta_rule(DeltaRule {
+            qkv: &x.c,
+            a: &a.c,
+            b: &b.c,
+            decay: &lc.decay,
+            dt_bias: &lc.dt_bias,
+            geometry: g,
+            state: &mut lc.rec,
+            seqs: &seqs,
+            slots: &st,
+            out: &mut out.c,
+        })?;
+        cpu.gated_rms_norm(&mut out.c, &z.c, &nwc, 1e-6, g.v_dim, rows)?;
+        let (o_g, o_c) = read_both(be, &cpu, &out, seqs.len())?;
+        let shape: Vec<String> = seqs_of.iter().map(|&(s, c)| format!("slot {s} after {c}")).collect();
+        rep.compare(
+            &format!(
+                "delta-net graph round {round} ({}, {})",
+                if replayed { "replayed" } else { "captured" },
+                shape.join(", ")
+            ),
+            &o_g,
+            &o_c,
+            SCAN,
+        );
+    }
+    let (cg, rg) = lg.states(be, slots)?;
+    let (cc, rc) = lc.states(&cpu, slots)?;
+    rep.compare("delta-net graph: convolution states left", &cg, &cc, EXACT);
+    rep.compare("delta-net graph: recurrent states left", &rg, &rc, SCAN);
     Ok(())
 }
 
@@ -959,5 +1102,333 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
             }
         }
     }
+    delta_bench(be, &mut rng, &mut lines)?;
     Ok(lines)
+}
+
+/// One Qwen3.5-27B linear-attention layer's state path (the convolution and
+/// the delta rule, 16 key / 48 value heads of 128) at decode batches and
+/// prefill lengths; the state bytes read and written per step give the
+/// decode floor.
+fn delta_bench(be: &CudaBackend, rng: &mut Rng, lines: &mut Vec<String>) -> Result<()> {
+    let g = DeltaGeometry {
+        k_heads: 16,
+        v_heads: 48,
+        k_dim: 128,
+        v_dim: 128,
+        conv_kernel: 4,
+        v_order: VHeadOrder::Grouped,
+    };
+    let w = delta_weights(rng, g);
+    let mut l = DeltaLayer::new(be, g, 32, [&w[0], &w[1], &w[2]])?;
+    let pages = [PageId(0)];
+    for &(seqs_n, rows_each) in &[(1usize, 1usize), (32, 1), (1, 2048), (1, 8192)] {
+        let rows = seqs_n * rows_each;
+        let x = be.alloc_act(ActShape { rows, cols: g.conv_channels() })?;
+        put_gpu(be, &x, &rng.vec(rows * g.conv_channels(), 1.0))?;
+        let a = be.alloc_act(ActShape { rows, cols: g.v_heads })?;
+        put_gpu(be, &a, &rng.vec(rows * g.v_heads, 1.0))?;
+        let b = be.alloc_act(ActShape { rows, cols: g.v_heads })?;
+        put_gpu(be, &b, &rng.vec(rows * g.v_heads, 1.0))?;
+        let mut x = x;
+        let mut out = be.alloc_act(ActShape { rows, cols: g.value_width() })?;
+        let seqs: Vec<SeqStep> = (0..seqs_n)
+            .map(|i| SeqStep { row_start: i * rows_each, rows: rows_each, cached: 100, pages: &pages })
+            .collect();
+        let slots: Vec<StateSlot> = (0..seqs_n as u32).map(StateSlot).collect();
+        let run = |x: &mut CudaAct, out: &mut CudaAct, l: &mut DeltaLayer<CudaBackend>| {
+            let r = be.causal_conv_silu(x, &l.conv_w, &mut l.conv, &seqs, &slots).and_then(|_| {
+                be.gated_delta_rule(DeltaRule {
+                    qkv: x,
+                    a: &a,
+                    b: &b,
+                    decay: &l.decay,
+                    dt_bias: &l.dt_bias,
+                    geometry: g,
+                    state: &mut l.rec,
+                    seqs: &seqs,
+                    slots: &slots,
+                    out,
+                })
+            });
+            if let Err(e) = r {
+                be.lock().error.get_or_insert(e);
+            }
+        };
+        let reps = if rows > 2048 { 3 } else { 20 };
+        let ms = time_ms(be, reps, || run(&mut x, &mut out, &mut l))?;
+        // Each sequence reads and writes its recurrent and convolution state once.
+        let state = (seqs_n * (g.recurrent_state_elems() + g.conv_state_elems()) * 4 * 2) as f64;
+        let acts = (rows * (2 * g.conv_channels() + 2 * g.v_heads + g.value_width()) * 4) as f64;
+        let gbs = (state + acts) / (ms as f64 * 1e-3) / 1e9;
+        lines.push(format!(
+            "delta-net layer (27B heads) {seqs_n} x {rows_each} rows: {ms:.4} ms, state + activations {gbs:.0} GB/s, {:.2} us per token of a sequence",
+            ms as f64 * 1e3 / rows_each as f64
+        ));
+    }
+    Ok(())
+}
+
+/// One gated delta-net scenario: the layer's heads and a run of steps, each
+/// a list of (state slot, rows, cached) sequences, over a pool of slots.
+struct DeltaCase<'a> {
+    name: &'a str,
+    geometry: DeltaGeometry,
+    slots: usize,
+    steps: &'a [&'a [(u32, usize, usize)]],
+}
+
+/// A delta-net layer's state path on one backend: its weights and its slots.
+struct DeltaLayer<B: Backend> {
+    conv_w: B::Weight,
+    decay: B::Weight,
+    dt_bias: B::Weight,
+    conv: B::Act,
+    rec: B::Act,
+}
+
+/// Copies host values into an activation of backend `B`.
+type Upload<'a, B> = &'a dyn Fn(&mut <B as Backend>::Act, &[f32]) -> Result<()>;
+
+/// One step's inputs, the same on both backends.
+struct DeltaInputs<'a> {
+    qkv: &'a [f32],
+    a: &'a [f32],
+    b: &'a [f32],
+    seqs: &'a [SeqStep<'a>],
+    slots: &'a [StateSlot],
+}
+
+impl<B: Backend> DeltaLayer<B> {
+    fn new(b: &B, g: DeltaGeometry, slots: usize, w: [&HostTensor; 3]) -> Result<Self> {
+        Ok(DeltaLayer {
+            conv_w: b.upload_weight(w[0])?,
+            decay: b.upload_weight(w[1])?,
+            dt_bias: b.upload_weight(w[2])?,
+            conv: b.alloc_act(ActShape { rows: slots, cols: g.conv_state_elems() })?,
+            rec: b.alloc_act(ActShape { rows: slots, cols: g.recurrent_state_elems() })?,
+        })
+    }
+
+    /// The convolution, then the delta rule: (the convolved qkv rows, the rule's output rows).
+    fn step(
+        &mut self,
+        b: &B,
+        g: DeltaGeometry,
+        inp: &DeltaInputs<'_>,
+        upload: Upload<'_, B>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let rows = inp.qkv.len() / g.conv_channels();
+        let mut x = b.alloc_act(ActShape { rows, cols: g.conv_channels() })?;
+        let mut a = b.alloc_act(ActShape { rows, cols: g.v_heads })?;
+        let mut bb = b.alloc_act(ActShape { rows, cols: g.v_heads })?;
+        let mut out = b.alloc_act(ActShape { rows, cols: g.value_width() })?;
+        upload(&mut x, inp.qkv)?;
+        upload(&mut a, inp.a)?;
+        upload(&mut bb, inp.b)?;
+        b.causal_conv_silu(&mut x, &self.conv_w, &mut self.conv, inp.seqs, inp.slots)?;
+        b.gated_delta_rule(DeltaRule {
+            qkv: &x,
+            a: &a,
+            b: &bb,
+            decay: &self.decay,
+            dt_bias: &self.dt_bias,
+            geometry: g,
+            state: &mut self.rec,
+            seqs: inp.seqs,
+            slots: inp.slots,
+            out: &mut out,
+        })?;
+        let (mut xs, mut os) = (Vec::new(), Vec::new());
+        b.read_rows(&x, rows, &mut xs);
+        b.read_rows(&out, rows, &mut os);
+        b.check()?;
+        Ok((xs, os))
+    }
+
+    fn states(&self, b: &B, slots: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (mut c, mut r) = (Vec::new(), Vec::new());
+        b.read_rows(&self.conv, slots, &mut c);
+        b.read_rows(&self.rec, slots, &mut r);
+        b.check()?;
+        Ok((c, r))
+    }
+}
+
+/// The gated delta-net ops against the CPU: the sigmoid gate and the gated
+/// norm alone, then the convolution and the delta rule over runs of steps
+/// that carry state across steps (prefill, chunks, decode), put a new
+/// sequence in a slot that held another, and mix both in one step, at the
+/// Qwen3.5-27B head sizes (16 key heads and 48 value heads of 128) and at
+/// others that take every kernel instantiation and partial tiles.
+fn delta_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
+    // The sigmoid gate and the gated norm (head sizes of the tiny fixture and of the 27B).
+    for &(rows, hd, heads) in &[(5usize, 16usize, 4usize), (3, 128, 48)] {
+        let cols = hd * heads;
+        let mut x = pair(be, cpu, rows, cols, Some(&rng.vec(rows * cols, 2.0)))?;
+        let gate = pair(be, cpu, rows, cols, Some(&rng.vec(rows * cols, 4.0)))?;
+        be.sigmoid_mul(&mut x.g, &gate.g, rows - 1)?;
+        cpu.sigmoid_mul(&mut x.c, &gate.c, rows - 1)?;
+        let (a, b) = read_both(be, cpu, &x, rows)?;
+        rep.compare(&format!("sigmoid_mul {rows}x{cols} (last row untouched)"), &a, &b, EXACT);
+        let w = float_tensor("n", DType::F32, 1, hd, &rng.vec(hd, 1.0));
+        let (wg, wc) = (be.upload_weight(&w)?, cpu.upload_weight(&w)?);
+        be.gated_rms_norm(&mut x.g, &gate.g, &wg, 1e-6, hd, rows)?;
+        cpu.gated_rms_norm(&mut x.c, &gate.c, &wc, 1e-6, hd, rows)?;
+        let (a, b) = read_both(be, cpu, &x, rows)?;
+        rep.compare(&format!("gated_rms_norm {rows}x{heads} heads of {hd}"), &a, &b, EXACT);
+    }
+
+    let geo = |k_heads, v_heads, k_dim, v_dim, conv_kernel, v_order| DeltaGeometry {
+        k_heads,
+        v_heads,
+        k_dim,
+        v_dim,
+        conv_kernel,
+        v_order,
+    };
+    let cases = [
+        DeltaCase {
+            name: "tiny fixture heads (2 key / 4 value of 16), prefill, decode, a chunk",
+            geometry: geo(2, 4, 16, 16, 4, VHeadOrder::Grouped),
+            slots: 2,
+            steps: &[
+                &[(1, 7, 0)],
+                &[(1, 1, 7)],
+                &[(1, 1, 8)],
+                &[(1, 1, 9)],
+                &[(1, 5, 10)],
+                &[(1, 2, 15)],
+                // Whole staging chunks of the delta rule (8 tokens).
+                &[(1, 8, 17)],
+                &[(1, 16, 25)],
+            ],
+        },
+        DeltaCase {
+            name: "Qwen3.5-27B heads (16 key / 48 value of 128), two prompts, decode, a new sequence in a used slot",
+            geometry: geo(16, 48, 128, 128, 4, VHeadOrder::Grouped),
+            slots: 4,
+            steps: &[
+                &[(0, 37, 0), (3, 20, 0)],
+                &[(0, 1, 37), (3, 1, 20)],
+                // Slot 3 is reused by a new sequence while slot 0 decodes.
+                &[(3, 9, 0), (0, 1, 38)],
+                &[(0, 1, 39), (3, 1, 9)],
+                &[(3, 1, 10), (2, 3, 0), (0, 1, 40)],
+            ],
+        },
+        DeltaCase {
+            name: "Qwen3.5-27B heads, one long prompt in chunks (several convolution passes), then decode",
+            geometry: geo(16, 48, 128, 128, 4, VHeadOrder::Grouped),
+            slots: 1,
+            steps: &[&[(0, 150, 0)], &[(0, 67, 150)], &[(0, 1, 217)], &[(0, 1, 218)]],
+        },
+        DeltaCase {
+            name: "key heads of 256, tiled value heads, v_dim 96 (a partial tile), 3 taps",
+            geometry: geo(2, 6, 256, 96, 3, VHeadOrder::Tiled),
+            slots: 3,
+            steps: &[&[(2, 33, 0), (0, 2, 0)], &[(2, 1, 33), (0, 1, 2)], &[(0, 4, 3)]],
+        },
+        DeltaCase {
+            name: "key heads of 64 (2 warps), v_dim 40, 2 taps, a batch of 5 decodes",
+            geometry: geo(1, 3, 64, 40, 2, VHeadOrder::Grouped),
+            slots: 6,
+            steps: &[
+                &[(5, 3, 0), (1, 1, 0), (2, 6, 0), (3, 2, 0), (0, 12, 0)],
+                &[(5, 1, 3), (1, 1, 1), (2, 1, 6), (3, 1, 2), (0, 1, 12)],
+                &[(5, 1, 4), (1, 1, 2), (2, 1, 7), (3, 1, 3), (0, 1, 13)],
+            ],
+        },
+        DeltaCase {
+            name: "key heads of 40 (odd, 2 warps), 6 taps, a prompt shorter than the window then longer chunks",
+            geometry: geo(2, 2, 40, 24, 6, VHeadOrder::Grouped),
+            slots: 2,
+            steps: &[&[(1, 2, 0)], &[(1, 1, 2)], &[(1, 70, 3)], &[(1, 3, 73)]],
+        },
+    ];
+    for c in &cases {
+        delta_case(be, cpu, rep, rng, c)?;
+    }
+
+    // Refusals: a slot shared by two sequences, a slot outside the pool.
+    let g = cases[0].geometry;
+    let w = delta_weights(rng, g);
+    let mut l = DeltaLayer::new(be, g, 2, [&w[0], &w[1], &w[2]])?;
+    let mut x = be.alloc_act(ActShape { rows: 2, cols: g.conv_channels() })?;
+    let pages = [PageId(0)];
+    let seqs = [
+        SeqStep { row_start: 0, rows: 1, cached: 0, pages: &pages },
+        SeqStep { row_start: 1, rows: 1, cached: 0, pages: &pages },
+    ];
+    let shared = be.causal_conv_silu(&mut x, &l.conv_w, &mut l.conv, &seqs, &[StateSlot(1), StateSlot(1)]);
+    let outside = be.causal_conv_silu(&mut x, &l.conv_w, &mut l.conv, &seqs, &[StateSlot(0), StateSlot(2)]);
+    rep.compare(
+        "causal_conv_silu refuses a shared slot and one outside the pool",
+        &[f32::from(shared.is_err()), f32::from(outside.is_err())],
+        &[1.0, 1.0],
+        EXACT,
+    );
+    be.check()?;
+    Ok(())
+}
+
+/// A layer's convolution kernel (bf16 values, so both sides hold the same
+/// numbers), decay rates (positive) and biases.
+fn delta_weights(rng: &mut Rng, g: DeltaGeometry) -> [HostTensor; 3] {
+    let c = g.conv_channels();
+    let decay: Vec<f32> = (0..g.v_heads).map(|_| 0.05 + 1.5 * rng.f().abs()).collect();
+    [
+        float_tensor("conv", DType::BF16, c, g.conv_kernel, &rng.vec(c * g.conv_kernel, 0.6)),
+        float_tensor("decay", DType::F32, 1, g.v_heads, &decay),
+        float_tensor("dt_bias", DType::F32, 1, g.v_heads, &rng.vec(g.v_heads, 1.0)),
+    ]
+}
+
+fn delta_case(
+    be: &CudaBackend,
+    cpu: &CpuBackend,
+    rep: &mut CheckReport,
+    rng: &mut Rng,
+    c: &DeltaCase<'_>,
+) -> Result<()> {
+    let g = c.geometry;
+    let w = delta_weights(rng, g);
+    let mut lg = DeltaLayer::new(be, g, c.slots, [&w[0], &w[1], &w[2]])?;
+    let mut lc = DeltaLayer::new(cpu, g, c.slots, [&w[0], &w[1], &w[2]])?;
+    let up_g = |a: &mut CudaAct, d: &[f32]| put_gpu(be, a, d);
+    let up_c = |a: &mut CpuAct, d: &[f32]| {
+        put_cpu(a, d);
+        Ok(())
+    };
+    let pages = [PageId(0)];
+    for (i, step) in c.steps.iter().enumerate() {
+        let mut row = 0;
+        let seqs: Vec<SeqStep> = step
+            .iter()
+            .map(|&(_, rows, cached)| {
+                let s = SeqStep { row_start: row, rows, cached, pages: &pages };
+                row += rows;
+                s
+            })
+            .collect();
+        let slots: Vec<StateSlot> = step.iter().map(|&(s, _, _)| StateSlot(s)).collect();
+        let qkv = rng.vec(row * g.conv_channels(), 1.0);
+        let (a, b) = (rng.vec(row * g.v_heads, 2.0), rng.vec(row * g.v_heads, 2.0));
+        let inp = DeltaInputs { qkv: &qkv, a: &a, b: &b, seqs: &seqs, slots: &slots };
+        let (xg, og) = lg.step(be, g, &inp, &up_g)?;
+        let (xc, oc) = lc.step(cpu, g, &inp, &up_c)?;
+        let shape: Vec<String> = step.iter().map(|&(s, r, k)| format!("slot {s}: {r} after {k}")).collect();
+        rep.compare(
+            &format!("causal_conv_silu, {}, step {i} [{}]", c.name, shape.join(", ")),
+            &xg,
+            &xc,
+            EXACT,
+        );
+        rep.compare(&format!("gated_delta_rule, {}, step {i}", c.name), &og, &oc, SCAN);
+    }
+    let (cg, rg) = lg.states(be, c.slots)?;
+    let (cc, rc) = lc.states(cpu, c.slots)?;
+    rep.compare(&format!("convolution states left, {}", c.name), &cg, &cc, EXACT);
+    rep.compare(&format!("recurrent states left, {}", c.name), &rg, &rc, SCAN);
+    Ok(())
 }

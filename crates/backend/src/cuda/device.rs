@@ -3,7 +3,7 @@
 //! All device memory goes through [`DeviceAlloc::alloc`], which carries a
 //! [`Purpose`] label, so the per-card chokepoint
 //! ([`super::vram_alloc::VramAlloc`]) books each byte under weights,
-//! workspace, KV or graphs; no code here calls a driver allocator. Buffers
+//! workspace, KV, state or graphs; no code here calls a driver allocator. Buffers
 //! are RAII guards without `Clone`: dropping one hands its bytes back through
 //! the same allocator.
 
@@ -18,6 +18,8 @@ pub enum Purpose {
     Weights,
     Workspace,
     Kv,
+    /// Recurrent state slots (a hybrid model's per-sequence state).
+    State,
     Graphs,
     Other,
 }
@@ -28,6 +30,7 @@ impl Purpose {
             Purpose::Weights => "weights",
             Purpose::Workspace => "workspace",
             Purpose::Kv => "kv",
+            Purpose::State => "state",
             Purpose::Graphs => "graphs",
             Purpose::Other => "other",
         }

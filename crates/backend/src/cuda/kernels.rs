@@ -52,6 +52,12 @@ pub(super) struct Kernels {
     pub(super) attn_combine: Kernel,
     pub(super) attn_prefill_hd64: Kernel,
     pub(super) attn_prefill_hd128: Kernel,
+    pub(super) sigmoid_mul: Kernel,
+    pub(super) gated_rms_norm: Kernel,
+    /// Indexed by taps - 2 (2..=6 taps: `delta::CONV_TAPS`).
+    pub(super) causal_conv_silu: [Kernel; 5],
+    /// Indexed by log2 of the warps (1, 2, 4, 8: key heads of up to 32, 64, 128, 256).
+    pub(super) gated_delta_rule: [Kernel; 4],
 }
 
 /// Compile the kernel sources for `arch` (or read them from the cache in
@@ -143,6 +149,21 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         attn_combine: f("attn_combine")?,
         attn_prefill_hd64: f("attn_prefill_hd64")?,
         attn_prefill_hd128: f("attn_prefill_hd128")?,
+        sigmoid_mul: f("sigmoid_mul")?,
+        gated_rms_norm: f("gated_rms_norm")?,
+        causal_conv_silu: [
+            f("causal_conv_silu_t2")?,
+            f("causal_conv_silu_t3")?,
+            f("causal_conv_silu_t4")?,
+            f("causal_conv_silu_t5")?,
+            f("causal_conv_silu_t6")?,
+        ],
+        gated_delta_rule: [
+            f("gated_delta_rule_w1")?,
+            f("gated_delta_rule_w2")?,
+            f("gated_delta_rule_w4")?,
+            f("gated_delta_rule_w8")?,
+        ],
     };
     Ok((module, k))
 }

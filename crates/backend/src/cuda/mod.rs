@@ -19,6 +19,7 @@
 //! - `kernels.rs`: the kernel table, compiled and loaded (NVRTC and the CUBIN cache: `nvrtc.rs`);
 //! - `matmul.rs`: weights and the GEMV / cuBLASLt paths (`gemm.rs` wraps cuBLASLt);
 //! - `attention.rs`: KV stores, the step's row and page maps, the KV writes and attention;
+//! - `delta.rs`: the gated delta-net ops of the Qwen3.5 hybrid (convolution, delta rule, norms);
 //! - `graphs.rs`: graph capture and replay;
 //! - `profile.rs`: the per-op device-time profile;
 //! - `backend.rs`: the `Backend` impl that ties them;
@@ -31,6 +32,7 @@
 mod attention;
 mod backend;
 pub mod check;
+mod delta;
 pub mod device;
 pub mod gemm;
 mod graphs;
@@ -134,6 +136,8 @@ struct State {
     page_table: Meta,
     tiles: Meta,
     rest_seq: Meta,
+    /// Per sequence of a delta-net op: first row, rows, cached, state slot.
+    delta_seqs: Meta,
     prefill: PrefillPath,
     maps: SeqMaps,
     maps_scratch: SeqMaps,
@@ -242,6 +246,7 @@ impl CudaBackend {
             // A tile holds at least TILED_MIN_ROWS rows, so two entries per tile fit in one per row.
             tiles: meta(rows)?,
             rest_seq: meta(rows)?,
+            delta_seqs: meta(4 * config.max_seqs)?,
             prefill: PrefillPath::Tiled,
             maps: SeqMaps::default(),
             maps_scratch: SeqMaps::default(),

@@ -12,13 +12,14 @@ use std::ffi::CString;
 use std::path::{Path, PathBuf};
 
 /// The kernel sources, concatenated into one program (one compile, one module).
-pub const SOURCES: [&str; 6] = [
+pub const SOURCES: &[&str] = &[
     include_str!("../../kernels/common.cu"),
     include_str!("../../kernels/blocks.cu"),
     include_str!("../../kernels/elementwise.cu"),
     include_str!("../../kernels/gemv.cu"),
     include_str!("../../kernels/mmq.cu"),
     include_str!("../../kernels/attention.cu"),
+    include_str!("../../kernels/delta.cu"),
 ];
 
 /// NVRTC's version as (major, minor).

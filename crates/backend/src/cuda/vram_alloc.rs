@@ -25,6 +25,7 @@ impl From<Purpose> for corridor_vram::Purpose {
             Purpose::Weights => corridor_vram::Purpose::Weights,
             Purpose::Workspace => corridor_vram::Purpose::Workspace,
             Purpose::Kv => corridor_vram::Purpose::Kv,
+            Purpose::State => corridor_vram::Purpose::State,
             Purpose::Graphs => corridor_vram::Purpose::Graphs,
             Purpose::Other => corridor_vram::Purpose::Other,
         }
@@ -157,11 +158,15 @@ mod tests {
         let w = a.alloc(Bytes::mib(100), Purpose::Weights).unwrap();
         let ws = a.alloc(Bytes::mib(32), Purpose::Workspace).unwrap();
         let kv = a.alloc(Bytes::mib(8), Purpose::Kv).unwrap();
+        let st = a.alloc(Bytes::mib(4), Purpose::State).unwrap();
         let books = a.device().books();
         assert_eq!(books.weights, Bytes::mib(100));
         assert_eq!(books.workspace, Bytes::mib(32));
         assert_eq!(books.kv_committed, Bytes::mib(8));
-        assert_eq!(a.live(), (3, Bytes::mib(140)));
+        assert_eq!(books.state, Bytes::mib(4));
+        assert_eq!(a.live(), (4, Bytes::mib(144)));
+        a.free(st, Bytes::mib(4), Purpose::State);
+        assert_eq!(a.device().books().state, Bytes::ZERO);
         a.free(ws, Bytes::mib(32), Purpose::Workspace);
         assert_eq!(a.device().books().workspace, Bytes::ZERO);
         assert_eq!(a.device().books().weights, Bytes::mib(100));
@@ -213,6 +218,7 @@ mod tests {
             (Purpose::Weights, corridor_vram::Purpose::Weights),
             (Purpose::Workspace, corridor_vram::Purpose::Workspace),
             (Purpose::Kv, corridor_vram::Purpose::Kv),
+            (Purpose::State, corridor_vram::Purpose::State),
             (Purpose::Graphs, corridor_vram::Purpose::Graphs),
             (Purpose::Other, corridor_vram::Purpose::Other),
         ] {
