@@ -945,3 +945,276 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
     }
     Ok(lines)
 }
+
+/// How a MoE check case sets its router.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RouterKind {
+    /// Every row leans on one of a few input columns, and each column ranks
+    /// the experts in its own order with logit gaps far above the bf16
+    /// error, so both backends choose the same experts however the router
+    /// matmul rounds; rows of one column share their experts.
+    Spread,
+    /// Experts `3i, 3i + 1, 3i + 2` have the same router row: their logits
+    /// tie exactly on both backends, and the top k must break the ties
+    /// towards the lower index.
+    Triples,
+    /// All router rows zero: every logit ties, every row takes experts
+    /// `0..k` with equal weights (one expert gets every row).
+    Flat,
+}
+
+/// One layer's experts and router on both backends.
+struct MoeLayer {
+    hidden: usize,
+    ffn: usize,
+    routing: crate::Routing,
+    gpu: Vec<crate::Expert<CudaWeight>>,
+    cpu: Vec<crate::Expert<crate::cpu::CpuWeight>>,
+    table: super::CudaExperts,
+    router: (CudaWeight, crate::cpu::CpuWeight),
+    zero: (CudaWeight, crate::cpu::CpuWeight),
+}
+
+/// Columns the `Spread` router reads its ranking from.
+fn spread_columns(hidden: usize) -> usize {
+    (hidden / 4).clamp(1, 37)
+}
+
+fn moe_layer(
+    be: &CudaBackend,
+    cpu: &CpuBackend,
+    rng: &mut Rng,
+    (hidden, ffn): (usize, usize),
+    routing: crate::Routing,
+    dtype: DType,
+    router: RouterKind,
+) -> Result<MoeLayer> {
+    let e = routing.num_experts;
+    let mk = |rng: &mut Rng, rows: usize, cols: usize| {
+        if dtype.is_quantized() {
+            quant_tensor(rng, dtype, rows, cols)
+        } else {
+            float_tensor("w", dtype, rows, cols, &rng.vec(rows * cols, 0.5 / (cols as f32).sqrt()))
+        }
+    };
+    let (mut gpu, mut cpu_x) = (Vec::with_capacity(e), Vec::with_capacity(e));
+    for _ in 0..e {
+        let ts = [mk(rng, ffn, hidden), mk(rng, ffn, hidden), mk(rng, hidden, ffn)];
+        gpu.push(crate::Expert {
+            gate_proj: be.upload_weight(&ts[0])?,
+            up_proj: be.upload_weight(&ts[1])?,
+            down_proj: be.upload_weight(&ts[2])?,
+        });
+        cpu_x.push(crate::Expert {
+            gate_proj: cpu.upload_weight(&ts[0])?,
+            up_proj: cpu.upload_weight(&ts[1])?,
+            down_proj: cpu.upload_weight(&ts[2])?,
+        });
+    }
+    let cols = spread_columns(hidden);
+    let mut w = vec![0f32; e * hidden];
+    if router != RouterKind::Flat {
+        for ex in 0..e {
+            let src = if router == RouterKind::Triples { ex - ex % 3 } else { ex };
+            let row = &mut w[ex * hidden..(ex + 1) * hidden];
+            for (c, v) in row.iter_mut().enumerate() {
+                *v = if c < cols {
+                    // A permutation of the experts per column (7 is prime to
+                    // every expert count checked), 0.05 apart.
+                    ((src * 7 + c * 13) % e) as f32 * 0.05
+                } else {
+                    0.02 * (((src * 31 + c * 17) % 97) as f32 / 48.5 - 1.0)
+                };
+            }
+        }
+    }
+    let rt = float_tensor("router", DType::BF16, e, hidden, &w);
+    let zt = float_tensor("zero", DType::F32, 1, hidden, &vec![0.0; hidden]);
+    let table = be.expert_table(&gpu)?;
+    Ok(MoeLayer {
+        hidden,
+        ffn,
+        routing,
+        table,
+        router: (be.upload_weight(&rt)?, cpu.upload_weight(&rt)?),
+        zero: (be.upload_weight(&zt)?, cpu.upload_weight(&zt)?),
+        gpu,
+        cpu: cpu_x,
+    })
+}
+
+/// Inputs whose row `r` is 4.0 in one of the `Spread` router's ranking
+/// columns, zero in the others, and small noise past them: the noise moves
+/// every logit by far less than the 0.2 between ranks.
+fn moe_input(rng: &mut Rng, rows: usize, hidden: usize) -> Vec<f32> {
+    let cols = spread_columns(hidden);
+    let mut x = rng.vec(rows * hidden, 0.05);
+    for r in 0..rows {
+        let row = &mut x[r * hidden..(r + 1) * hidden];
+        row[..cols].fill(0.0);
+        row[(r * 5 + r / cols) % cols] = 4.0;
+    }
+    x
+}
+
+/// The CPU's unfused op and the device's, both paths, on the same rows.
+fn moe_case(
+    be: &CudaBackend,
+    cpu: &CpuBackend,
+    rep: &mut CheckReport,
+    l: &MoeLayer,
+    xs: &[f32],
+    rows: usize,
+    name: &str,
+) -> Result<()> {
+    let shape = crate::MoeShape { max_rows: rows, hidden: l.hidden, expert_ffn: l.ffn, routing: l.routing };
+    let x = pair(be, cpu, rows, l.hidden, Some(xs))?;
+    let mut out = pair(be, cpu, rows, l.hidden, None)?;
+    let mut sc = crate::MoeScratch::new(cpu, shape)?;
+    cpu.moe_ffn(crate::MoeFfn {
+        x: &x.c,
+        router: &l.router.1,
+        experts: &l.cpu,
+        table: &(),
+        routing: l.routing,
+        zero_row: &l.zero.1,
+        rows,
+        scratch: &mut sc,
+        out: &mut out.c,
+    })?;
+    let mut want = Vec::new();
+    cpu.read_rows(&out.c, rows, &mut want);
+    let mut sg = crate::MoeScratch::new(be, shape)?;
+    for path in [super::MoePath::Gemv, super::MoePath::Gemm] {
+        // Something else first, so a launch that writes nothing shows.
+        put_gpu(be, &out.g, &vec![f32::NAN; rows * l.hidden])?;
+        be.moe_ffn_with(
+            crate::MoeFfn {
+                x: &x.g,
+                router: &l.router.0,
+                experts: &l.gpu,
+                table: &l.table,
+                routing: l.routing,
+                zero_row: &l.zero.0,
+                rows,
+                scratch: &mut sg,
+                out: &mut out.g,
+            },
+            path,
+        )?;
+        let mut got = Vec::new();
+        be.read_rows(&out.g, rows, &mut got);
+        be.check()?;
+        // The routed GEMVs compute in f32 like the CPU; the router's matmul
+        // rounds its input to bf16 past the GEMV rows, the grouped GEMM its
+        // inputs and the SwiGLU output.
+        let exact = path == super::MoePath::Gemv
+            && rows <= super::GEMV_MAX_ROWS
+            && !l.gpu[0].gate_proj.dtype.is_quantized();
+        let tol = if exact { EXACT } else { BF16 };
+        rep.compare(&format!("moe_ffn {name} {rows} rows ({path:?})"), &got, &want, tol);
+    }
+    Ok(())
+}
+
+/// The routed expert FFN against the CPU's unfused op: the tiny fixture's
+/// shape, odd widths (scalar tails), Qwen3-30B-A3B's layer (hidden 2048, 128
+/// experts, top 8, expert FFN 768), block-format experts, ties in the
+/// router, each at 1, 3, 8, 64 and 300 rows on both kernel paths; then a
+/// captured decode step replayed with new inputs.
+pub fn moe_checks(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
+    let cpu = CpuBackend::with_decode_activations(crate::cpu::DecodeActivations::F32);
+    let mut rng = Rng(0x6d6f65);
+    let r =
+        |e: usize, k: usize, norm: bool| crate::Routing { num_experts: e, top_k: k, norm_topk_prob: norm };
+    let cases: &[((usize, usize), crate::Routing, DType, RouterKind)] = &[
+        ((64, 32), r(4, 2, true), DType::BF16, RouterKind::Spread),
+        ((64, 32), r(4, 2, true), DType::BF16, RouterKind::Triples),
+        ((100, 36), r(6, 3, false), DType::BF16, RouterKind::Spread),
+        ((2048, 768), r(128, 8, true), DType::BF16, RouterKind::Spread),
+        ((2048, 768), r(128, 8, true), DType::BF16, RouterKind::Triples),
+        ((256, 96), r(16, 4, true), DType::BF16, RouterKind::Flat),
+        ((256, 64), r(8, 2, true), DType::Q8_0, RouterKind::Spread),
+        ((256, 256), r(8, 3, true), DType::Q4_K, RouterKind::Spread),
+        ((256, 256), r(8, 3, true), DType::Q6_K, RouterKind::Triples),
+    ];
+    for &(dims, routing, dtype, router) in cases {
+        let l = moe_layer(be, &cpu, &mut rng, dims, routing, dtype, router)?;
+        let name = format!(
+            "{dtype} hidden {} ffn {} {}x top {}{} {router:?}",
+            dims.0,
+            dims.1,
+            routing.num_experts,
+            routing.top_k,
+            if routing.norm_topk_prob { " normed" } else { "" }
+        );
+        rep.compare(
+            &format!("moe expert table {name} on the device"),
+            &[f32::from(u8::from(l.table.on_device()))],
+            &[1.0],
+            EXACT,
+        );
+        for rows in [1usize, 3, 8, 64, 300] {
+            let xs = moe_input(&mut rng, rows, dims.0);
+            moe_case(be, &cpu, rep, &l, &xs, rows, &name)?;
+        }
+    }
+    moe_graph_check(be, &cpu, rep, &mut rng)
+}
+
+/// A decode step's expert FFN captured once and replayed with new inputs:
+/// nothing of the routing may have been frozen into the capture.
+fn moe_graph_check(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
+    let routing = crate::Routing { num_experts: 16, top_k: 4, norm_topk_prob: true };
+    let l = moe_layer(be, cpu, rng, (256, 128), routing, DType::BF16, RouterKind::Spread)?;
+    let rows = 3;
+    let shape = crate::MoeShape { max_rows: rows, hidden: l.hidden, expert_ffn: l.ffn, routing };
+    let mut x = pair(be, cpu, rows, l.hidden, None)?;
+    let mut out = pair(be, cpu, rows, l.hidden, None)?;
+    let (mut sg, mut sc) = (crate::MoeScratch::new(be, shape)?, crate::MoeScratch::new(cpu, shape)?);
+    // A key no other check captures under.
+    let key = GraphKey { rows, logit_rows: 0 };
+    for round in 0..3 {
+        let xs = moe_input(rng, rows, l.hidden);
+        put_gpu(be, &x.g, &xs)?;
+        put_cpu(&mut x.c, &xs);
+        let replayed = be.graph_replay(key)?;
+        if !replayed {
+            let capturing = be.graph_capture_begin(key)?;
+            let r = be.moe_ffn(crate::MoeFfn {
+                x: &x.g,
+                router: &l.router.0,
+                experts: &l.gpu,
+                table: &l.table,
+                routing,
+                zero_row: &l.zero.0,
+                rows,
+                scratch: &mut sg,
+                out: &mut out.g,
+            });
+            if capturing {
+                be.graph_capture_end(key)?;
+            }
+            r?;
+        }
+        cpu.moe_ffn(crate::MoeFfn {
+            x: &x.c,
+            router: &l.router.1,
+            experts: &l.cpu,
+            table: &(),
+            routing,
+            zero_row: &l.zero.1,
+            rows,
+            scratch: &mut sc,
+            out: &mut out.c,
+        })?;
+        let (a, b) = read_both(be, cpu, &out, rows)?;
+        rep.compare(
+            &format!("moe graph round {round} ({})", if replayed { "replayed" } else { "captured" }),
+            &a,
+            &b,
+            EXACT,
+        );
+    }
+    Ok(())
+}

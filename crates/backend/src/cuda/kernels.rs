@@ -45,6 +45,14 @@ pub(super) struct Kernels {
     pub(super) attn_combine: Kernel,
     pub(super) attn_prefill_hd64: Kernel,
     pub(super) attn_prefill_hd128: Kernel,
+    /// The routed expert FFN (kernels/moe.cu, launched from `moe.rs`).
+    pub(super) moe_route: Kernel,
+    pub(super) moe_sort: Kernel,
+    pub(super) moe_gemv_gate_up: Kernel,
+    pub(super) moe_gemv_down: Kernel,
+    pub(super) moe_gemm_gate_up: Kernel,
+    pub(super) moe_gemm_down: Kernel,
+    pub(super) moe_combine: Kernel,
 }
 
 /// Compile the kernel sources for `arch` (or read them from the cache in
@@ -121,6 +129,13 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         attn_combine: f("attn_combine")?,
         attn_prefill_hd64: f("attn_prefill_hd64")?,
         attn_prefill_hd128: f("attn_prefill_hd128")?,
+        moe_route: f("moe_route")?,
+        moe_sort: f("moe_sort")?,
+        moe_gemv_gate_up: f("moe_gemv_gate_up")?,
+        moe_gemv_down: f("moe_gemv_down")?,
+        moe_gemm_gate_up: f("moe_gemm_gate_up")?,
+        moe_gemm_down: f("moe_gemm_down")?,
+        moe_combine: f("moe_combine")?,
     };
     Ok((module, k))
 }
