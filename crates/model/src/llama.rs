@@ -868,3 +868,43 @@ pub(crate) fn check_shape(ckpt: &Checkpoint, t: &HostTensor, want: &[usize]) -> 
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::CostModel;
+    use corridor_backend::cpu::{CpuAct, CpuBackend};
+    use corridor_units::{Bytes, Tokens};
+    use std::path::Path;
+
+    /// The layout cost model's workspace price covers every buffer a
+    /// mixture-of-experts workspace allocates (the expert scratch holds a row
+    /// per (row, chosen expert) pair and the device's routing metadata), so a
+    /// card booked by the price is never short of it.
+    #[test]
+    fn the_cost_model_prices_the_whole_moe_workspace() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/qwen3-moe");
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let b = CpuBackend::new();
+        let model = Model::load(&b, &ckpt, |_| {}).unwrap();
+        let (rows, logit_rows) = (24, 5);
+        let ws = model.workspace(&b, rows, logit_rows).unwrap();
+        let n = |a: &CpuAct| (a.rows() * a.cols() * 4) as u64;
+        let m = ws.moe.as_ref().expect("a sparse model has expert scratch");
+        let acts = [
+            &ws.x, &ws.h, &ws.q, &ws.k, &ws.v, &ws.attn, &ws.proj, &ws.gate, &ws.up, &ws.act, &ws.last,
+            &ws.last_n, &ws.logits, &m.router, &m.x, &m.gate, &m.up, &m.act, &m.y, &m.meta,
+        ];
+        let bytes = acts.iter().map(|a| n(a)).sum::<u64>() + (ws.host_logits.capacity() * 4) as u64;
+        let cost = CostModel {
+            weight_dtype: DType::F32,
+            kv_elem_bytes: 4,
+            page_size: Tokens(16),
+            max_rows: rows,
+            max_logit_rows: logit_rows,
+            chunk_target: Bytes::mib(2),
+        };
+        let priced = cost.workspace(model.config(), model.slice()).get();
+        assert!(bytes <= priced, "{bytes} bytes allocated, {priced} priced");
+    }
+}
