@@ -2,15 +2,17 @@
 // with routing on the device so a decode step needs no host sync and can be
 // captured. Host side: crates/backend/src/cuda/moe.rs.
 //
-// One layer's FFN is five launches after the router matmul:
+// One layer's FFN, after the router matmul:
 //   moe_route   per row: softmax over the experts, the top k (ties to the
 //               lower index), their weights (renormalized when asked);
 //   moe_sort    one block: the (row, slot) pairs grouped by expert (a count,
 //               an offset and a position per pair), the list of experts in
 //               use and the work tiles of the grouped GEMM;
+//               (moe_route_sort: both in one block, for decode's few rows)
 //   gate/up     per chosen expert, silu(gate x) * up x for each of its pairs;
 //   down        per chosen expert, down · act for each of its pairs;
-//   moe_combine per row, the weighted sum of its pairs' outputs in slot order.
+//   moe_combine per row, the weighted sum of its pairs' outputs in slot order
+//               (moe_gemv_down_combine: down and the sum in one, for 1-2 rows).
 // gate/up and down come in two forms: a routed GEMV for decode (a warp per
 // weight row, every pair of the expert against that row, so each chosen
 // expert's weights are read once and no other expert's at all) and a
@@ -50,15 +52,11 @@ __device__ __forceinline__ bool moe_before(int ka, int ea, int kb, int eb) {
     return ka > kb || (ka == kb && ea < eb);
 }
 
-// One warp per row of router logits: writes ids[r k + s] and w[r k + s] for
-// the row's s-th ranked expert. Grid: rows / 4 blocks of 128 threads.
-extern "C" __global__ void __launch_bounds__(128) moe_route(const float* __restrict__ logits, int rows, int E,
-                                                            int k, int norm, int* __restrict__ ids,
-                                                            float* __restrict__ wts) {
-    pdl_enter();
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int r = blockIdx.x * 4 + warp;
-    if (r >= rows) return;
+// Route row r of the router logits with one warp: writes ids[r k + s] and
+// w[r k + s] for the row's s-th ranked expert.
+__device__ __forceinline__ void moe_route_row(const float* __restrict__ logits, int r, int E, int k, int norm,
+                                              int* __restrict__ ids, float* __restrict__ wts) {
+    int lane = threadIdx.x & 31;
     const float* l = logits + (long long)r * E;
     float m = NEG_INF;
     for (int e = lane; e < E; e += 32) m = fmaxf(m, l[e]);
@@ -99,44 +97,81 @@ extern "C" __global__ void __launch_bounds__(128) moe_route(const float* __restr
         for (int t = 0; t < k; t++) wts[r * k + t] /= kept;
 }
 
-// One block of 1024 threads: group the P pairs by expert. Writes
-// pos_of_pair / pair_of_pos, the experts in use as (e, first, end) triples
-// (`active`, `n_active` of them) and the grouped GEMM's tiles as (e, first,
-// end) triples of at most MOE_BM pairs (`tiles`, `n_tiles`).
-extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restrict__ ids, int P, int E,
-                                                             int* __restrict__ pos_of_pair,
-                                                             int* __restrict__ pair_of_pos,
-                                                             int* __restrict__ n_active, int* __restrict__ active,
-                                                             int* __restrict__ n_tiles, int* __restrict__ tiles) {
+// Grid: rows / 4 blocks of 128 threads, a warp per row.
+extern "C" __global__ void __launch_bounds__(128) moe_route(const float* __restrict__ logits, int rows, int E,
+                                                            int k, int norm, int* __restrict__ ids,
+                                                            float* __restrict__ wts) {
+    pdl_enter();
+    int r = blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (r < rows) moe_route_row(logits, r, E, k, norm, ids, wts);
+}
+
+// The exclusive prefix sum of `v` over a block of 1024 threads (`sh`: 32
+// ints of shared scratch); `total` gets the sum. Every thread must call it.
+__device__ __forceinline__ int moe_block_scan(int v, int* sh, int& total) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads(); // `sh` may still be read by a previous scan
+    if (lane == 31) sh[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int w = sh[lane];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            int y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
+        }
+        sh[lane] = w; // inclusive over warps
+    }
+    __syncthreads();
+    total = sh[31];
+    return x - v + (warp > 0 ? sh[warp - 1] : 0);
+}
+
+// Group the P pairs by expert with a block of 1024 threads (a thread per
+// expert for the offsets). Writes pos_of_pair / pair_of_pos, the experts in
+// use as (e, first, end) triples (`active`, `n_active` of them) and the
+// grouped GEMM's tiles as (e, first, end) triples of at most MOE_BM pairs
+// (`tiles`, `n_tiles`), both in expert order.
+__device__ __forceinline__ void moe_sort_body(const int* __restrict__ ids, int P, int E,
+                                              int* __restrict__ pos_of_pair, int* __restrict__ pair_of_pos,
+                                              int* __restrict__ n_active, int* __restrict__ active,
+                                              int* __restrict__ n_tiles, int* __restrict__ tiles) {
     __shared__ int cnt[MOE_MAX_EXPERTS];
     __shared__ int cur[MOE_MAX_EXPERTS];
-    pdl_enter();
+    __shared__ int scan[32];
     int tid = threadIdx.x;
     for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
     for (int p = tid; p < P; p += blockDim.x) atomicAdd(&cnt[ids[p]], 1);
     __syncthreads();
-    if (tid == 0) {
-        int off = 0, na = 0, nt = 0;
-        for (int e = 0; e < E; e++) {
-            int c = cnt[e];
-            cur[e] = off;
-            if (c > 0) {
-                active[3 * na] = e;
-                active[3 * na + 1] = off;
-                active[3 * na + 2] = off + c;
-                na++;
-                for (int s = 0; s < c; s += MOE_BM) {
-                    tiles[3 * nt] = e;
-                    tiles[3 * nt + 1] = off + s;
-                    tiles[3 * nt + 2] = off + imin(s + MOE_BM, c);
-                    nt++;
-                }
-            }
-            off += c;
+    int c = tid < E ? cnt[tid] : 0;
+    int nt = (c + MOE_BM - 1) / MOE_BM, used = c > 0;
+    int n_pairs, n_t, n_a;
+    int off = moe_block_scan(c, scan, n_pairs);
+    int toff = moe_block_scan(nt, scan, n_t);
+    int aoff = moe_block_scan(used, scan, n_a);
+    if (tid < E) {
+        cur[tid] = off;
+        if (used) {
+            active[3 * aoff] = tid;
+            active[3 * aoff + 1] = off;
+            active[3 * aoff + 2] = off + c;
         }
-        *n_active = na;
-        *n_tiles = nt;
+        for (int s = 0; s < nt; s++) {
+            tiles[3 * (toff + s)] = tid;
+            tiles[3 * (toff + s) + 1] = off + s * MOE_BM;
+            tiles[3 * (toff + s) + 2] = off + imin((s + 1) * MOE_BM, c);
+        }
+    }
+    if (tid == 0) {
+        *n_active = n_a;
+        *n_tiles = n_t;
     }
     __syncthreads();
     for (int p = tid; p < P; p += blockDim.x) {
@@ -144,6 +179,29 @@ extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restric
         pos_of_pair[p] = pos;
         pair_of_pos[pos] = p;
     }
+}
+
+// Grid: one block of 1024 threads.
+extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restrict__ ids, int P, int E,
+                                                             int* __restrict__ pos_of_pair,
+                                                             int* __restrict__ pair_of_pos,
+                                                             int* __restrict__ n_active, int* __restrict__ active,
+                                                             int* __restrict__ n_tiles, int* __restrict__ tiles) {
+    pdl_enter();
+    moe_sort_body(ids, P, E, pos_of_pair, pair_of_pos, n_active, active, n_tiles, tiles);
+}
+
+// Routing and grouping in one launch, for decode's few rows: the block's 32
+// warps route the rows, then it groups the pairs. Grid: one block of 1024.
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_route_sort(const float* __restrict__ logits, int rows, int E, int k, int norm, int* __restrict__ ids,
+                   float* __restrict__ wts, int* __restrict__ pos_of_pair, int* __restrict__ pair_of_pos,
+                   int* __restrict__ n_active, int* __restrict__ active, int* __restrict__ n_tiles,
+                   int* __restrict__ tiles) {
+    pdl_enter();
+    for (int r = threadIdx.x >> 5; r < rows; r += 32) moe_route_row(logits, r, E, k, norm, ids, wts);
+    __syncthreads();
+    moe_sort_body(ids, rows * k, E, pos_of_pair, pair_of_pos, n_active, active, n_tiles, tiles);
 }
 
 __device__ __forceinline__ void moe_unpack8(uint4 v, float (&f)[8]) {
@@ -160,10 +218,51 @@ __device__ __forceinline__ float moe_dot8(const float (&w)[8], const float* x) {
     return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
 }
 
+// NP pairs of one expert through gate row g and up row u (a warp):
+// act[pos][j] = silu(g · x[row]) * (u · x[row]) for pos = p0..p0+NP.
+template <int NP>
+__device__ __forceinline__ void moe_gate_up_rows(const u8* g, const u8* u, int dt, const float* __restrict__ x,
+                                                 int hidden, int ef, int k, int j, int p0,
+                                                 const int* __restrict__ pair_of_pos, float* __restrict__ act) {
+    int lane = threadIdx.x & 31;
+    const float* xr[NP];
+#pragma unroll
+    for (int q = 0; q < NP; q++) xr[q] = x + (long long)(pair_of_pos[p0 + q] / k) * hidden;
+    float ag[NP], au[NP];
+#pragma unroll
+    for (int q = 0; q < NP; q++) ag[q] = au[q] = 0.f;
+    if (dt == DT_BF16 && (hidden & 7) == 0) {
+        for (int c = lane * 8; c < hidden; c += 256) {
+            float gw[8], uw[8];
+            moe_unpack8(*(const uint4*)(g + 2 * c), gw);
+            moe_unpack8(*(const uint4*)(u + 2 * c), uw);
+#pragma unroll
+            for (int q = 0; q < NP; q++) {
+                ag[q] += moe_dot8(gw, xr[q] + c);
+                au[q] += moe_dot8(uw, xr[q] + c);
+            }
+        }
+    } else {
+        for (int c = lane; c < hidden; c += 32) {
+            float gw = load_elem(g, dt, c), uw = load_elem(u, dt, c);
+#pragma unroll
+            for (int q = 0; q < NP; q++) {
+                ag[q] += gw * xr[q][c];
+                au[q] += uw * xr[q][c];
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < NP; q++) {
+        float gs = warp_sum(ag[q]), us = warp_sum(au[q]);
+        if (lane == 0) act[(long long)(p0 + q) * ef + j] = moe_silu(gs) * us;
+    }
+}
+
 // Routed GEMV, gate/up/SiLU: block (x, y) serves weight rows
 // x*MOE_GEMV_WARPS.. (a warp each) of the y-th expert in use, for every pair
-// routed to it. act[pos][j] = silu(gate_e[j] · x[row]) * (up_e[j] · x[row]),
-// f32. Grid: (ceil(ef / MOE_GEMV_WARPS), min(E, P)).
+// routed to it, MOE_GEMV_PAIRS at a time. act is f32 [pairs, ef].
+// Grid: (ceil(ef / MOE_GEMV_WARPS), min(E, P)).
 extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32)
     moe_gemv_gate_up(const u64* __restrict__ table, int dt, long long rb, const float* __restrict__ x, int hidden,
                      int ef, int k, const int* __restrict__ pair_of_pos, const int* __restrict__ n_active,
@@ -171,47 +270,58 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32)
     pdl_enter();
     int y = blockIdx.y;
     if (y >= *n_active) return;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int j = blockIdx.x * MOE_GEMV_WARPS + warp;
+    int j = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
     if (j >= ef) return;
-    int e = active[3 * y], start = active[3 * y + 1], end = active[3 * y + 2];
+    int e = active[3 * y], p = active[3 * y + 1], end = active[3 * y + 2];
     const u8* g = (const u8*)table[3 * e] + (long long)j * rb;
     const u8* u = (const u8*)table[3 * e + 1] + (long long)j * rb;
-    bool vec = dt == DT_BF16 && (hidden & 7) == 0;
-    for (int p0 = start; p0 < end; p0 += MOE_GEMV_PAIRS) {
-        int n = imin(MOE_GEMV_PAIRS, end - p0);
-        const float* xr[MOE_GEMV_PAIRS];
+    for (; p + MOE_GEMV_PAIRS <= end; p += MOE_GEMV_PAIRS)
+        moe_gate_up_rows<MOE_GEMV_PAIRS>(g, u, dt, x, hidden, ef, k, j, p, pair_of_pos, act);
+    switch (end - p) {
+    case 1: moe_gate_up_rows<1>(g, u, dt, x, hidden, ef, k, j, p, pair_of_pos, act); break;
+    case 2: moe_gate_up_rows<2>(g, u, dt, x, hidden, ef, k, j, p, pair_of_pos, act); break;
+    case 3: moe_gate_up_rows<3>(g, u, dt, x, hidden, ef, k, j, p, pair_of_pos, act); break;
+    default: break;
+    }
+}
+
+// The dot products of down row w (a warp) with NP act rows, reduced over the warp.
+template <int NP>
+__device__ __forceinline__ void moe_down_dots(const u8* w, int dt, const float* const (&ar)[NP], int ef,
+                                              float (&out)[NP]) {
+    int lane = threadIdx.x & 31;
+    float acc[NP];
 #pragma unroll
-        for (int q = 0; q < MOE_GEMV_PAIRS; q++)
-            xr[q] = x + (long long)(pair_of_pos[p0 + imin(q, n - 1)] / k) * hidden;
-        float ag[MOE_GEMV_PAIRS] = {}, au[MOE_GEMV_PAIRS] = {};
-        if (vec) {
-            for (int c = lane * 8; c < hidden; c += 256) {
-                float gw[8], uw[8];
-                moe_unpack8(*(const uint4*)(g + 2 * c), gw);
-                moe_unpack8(*(const uint4*)(u + 2 * c), uw);
+    for (int q = 0; q < NP; q++) acc[q] = 0.f;
+    if (dt == DT_BF16 && (ef & 7) == 0) {
+        for (int c = lane * 8; c < ef; c += 256) {
+            float wv[8];
+            moe_unpack8(*(const uint4*)(w + 2 * c), wv);
 #pragma unroll
-                for (int q = 0; q < MOE_GEMV_PAIRS; q++) {
-                    ag[q] += moe_dot8(gw, xr[q] + c);
-                    au[q] += moe_dot8(uw, xr[q] + c);
-                }
-            }
-        } else {
-            for (int c = lane; c < hidden; c += 32) {
-                float gw = load_elem(g, dt, c), uw = load_elem(u, dt, c);
-#pragma unroll
-                for (int q = 0; q < MOE_GEMV_PAIRS; q++) {
-                    ag[q] += gw * xr[q][c];
-                    au[q] += uw * xr[q][c];
-                }
-            }
+            for (int q = 0; q < NP; q++) acc[q] += moe_dot8(wv, ar[q] + c);
         }
+    } else {
+        for (int c = lane; c < ef; c += 32) {
+            float wv = load_elem(w, dt, c);
 #pragma unroll
-        for (int q = 0; q < MOE_GEMV_PAIRS; q++) {
-            float gs = warp_sum(ag[q]), us = warp_sum(au[q]);
-            if (lane == 0 && q < n) act[(long long)(p0 + q) * ef + j] = moe_silu(gs) * us;
+            for (int q = 0; q < NP; q++) acc[q] += wv * ar[q][c];
         }
     }
+#pragma unroll
+    for (int q = 0; q < NP; q++) out[q] = warp_sum(acc[q]);
+}
+
+template <int NP>
+__device__ __forceinline__ void moe_down_rows(const u8* w, int dt, const float* __restrict__ act, int ef, int hidden,
+                                              int i, int p0, float* __restrict__ ys) {
+    const float* ar[NP];
+#pragma unroll
+    for (int q = 0; q < NP; q++) ar[q] = act + (long long)(p0 + q) * ef;
+    float d[NP];
+    moe_down_dots<NP>(w, dt, ar, ef, d);
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int q = 0; q < NP; q++) ys[(long long)(p0 + q) * hidden + i] = d[q];
 }
 
 // Routed GEMV, down: ys[pos][i] = down_e[i] · act[pos] for every pair of the
@@ -223,38 +333,44 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32)
     pdl_enter();
     int y = blockIdx.y;
     if (y >= *n_active) return;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int i = blockIdx.x * MOE_GEMV_WARPS + warp;
+    int i = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
     if (i >= hidden) return;
-    int e = active[3 * y], start = active[3 * y + 1], end = active[3 * y + 2];
+    int e = active[3 * y], p = active[3 * y + 1], end = active[3 * y + 2];
     const u8* w = (const u8*)table[3 * e + 2] + (long long)i * rb;
-    bool vec = dt == DT_BF16 && (ef & 7) == 0;
-    for (int p0 = start; p0 < end; p0 += MOE_GEMV_PAIRS) {
-        int n = imin(MOE_GEMV_PAIRS, end - p0);
-        const float* ar[MOE_GEMV_PAIRS];
-#pragma unroll
-        for (int q = 0; q < MOE_GEMV_PAIRS; q++) ar[q] = act + (long long)(p0 + imin(q, n - 1)) * ef;
-        float acc[MOE_GEMV_PAIRS] = {};
-        if (vec) {
-            for (int c = lane * 8; c < ef; c += 256) {
-                float wv[8];
-                moe_unpack8(*(const uint4*)(w + 2 * c), wv);
-#pragma unroll
-                for (int q = 0; q < MOE_GEMV_PAIRS; q++) acc[q] += moe_dot8(wv, ar[q] + c);
-            }
-        } else {
-            for (int c = lane; c < ef; c += 32) {
-                float wv = load_elem(w, dt, c);
-#pragma unroll
-                for (int q = 0; q < MOE_GEMV_PAIRS; q++) acc[q] += wv * ar[q][c];
-            }
-        }
-#pragma unroll
-        for (int q = 0; q < MOE_GEMV_PAIRS; q++) {
-            float s = warp_sum(acc[q]);
-            if (lane == 0 && q < n) ys[(long long)(p0 + q) * hidden + i] = s;
-        }
+    for (; p + MOE_GEMV_PAIRS <= end; p += MOE_GEMV_PAIRS)
+        moe_down_rows<MOE_GEMV_PAIRS>(w, dt, act, ef, hidden, i, p, ys);
+    switch (end - p) {
+    case 1: moe_down_rows<1>(w, dt, act, ef, hidden, i, p, ys); break;
+    case 2: moe_down_rows<2>(w, dt, act, ef, hidden, i, p, ys); break;
+    case 3: moe_down_rows<3>(w, dt, act, ef, hidden, i, p, ys); break;
+    default: break;
     }
+}
+
+// Down and the weighted sum in one launch, for a step of few rows: the warp
+// of (row r, output i) reads down row i of each of the row's k experts.
+// out[r][i] = sum over slots s of w[r k + s] * (down_{e_s}[i] · act[pos of (r, s)]),
+// in slot order and with the same dot products as moe_gemv_down, so the
+// sums are those of moe_gemv_down + moe_combine, in the same order.
+// Grid: (ceil(hidden / MOE_GEMV_WARPS), rows).
+extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32)
+    moe_gemv_down_combine(const u64* __restrict__ table, int dt, long long rb, const float* __restrict__ act,
+                          int ef, int hidden, int k, const int* __restrict__ ids, const float* __restrict__ wts,
+                          const int* __restrict__ pos_of_pair, float* __restrict__ out) {
+    pdl_enter();
+    int r = blockIdx.y;
+    int i = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
+    if (i >= hidden) return;
+    float acc = 0.f;
+    for (int s = 0; s < k; s++) {
+        int p = r * k + s;
+        const u8* w = (const u8*)table[3 * ids[p] + 2] + (long long)i * rb;
+        const float* ar[1] = {act + (long long)pos_of_pair[p] * ef};
+        float d[1];
+        moe_down_dots<1>(w, dt, ar, ef, d);
+        acc += wts[p] * d[0];
+    }
+    if ((threadIdx.x & 31) == 0) out[(long long)r * hidden + i] = acc;
 }
 
 // out[r][i] = sum over the row's slots s of w[r k + s] * ys[pos of (r, s)][i].

@@ -943,7 +943,76 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
             }
         }
     }
+    moe_bench(be, &mut rng, &mut lines)?;
     Ok(lines)
+}
+
+/// One Qwen3-30B-A3B expert layer (hidden 2048, 128 experts of FFN 768,
+/// top 8, random bf16 weights and inputs): `moe_ffn` (router matmul
+/// included) at 1 and 32 rows as captured graphs, at 2048 rows as launched.
+/// At 1 row the bytes read are the router and 8 experts; at 2048 rows the
+/// rate is the experts' tensor-core FLOPs.
+fn moe_bench(be: &CudaBackend, rng: &mut Rng, lines: &mut Vec<String>) -> Result<()> {
+    let (hidden, ffn) = (2048usize, 768usize);
+    let routing = crate::Routing { num_experts: 128, top_k: 8, norm_topk_prob: true };
+    let mut experts = Vec::with_capacity(routing.num_experts);
+    for _ in 0..routing.num_experts {
+        experts.push(crate::Expert {
+            gate_proj: be.upload_weight(&bench_weight(rng, ffn, hidden))?,
+            up_proj: be.upload_weight(&bench_weight(rng, ffn, hidden))?,
+            down_proj: be.upload_weight(&bench_weight(rng, hidden, ffn))?,
+        });
+    }
+    let table = be.expert_table(&experts)?;
+    let rt = float_tensor(
+        "router",
+        DType::BF16,
+        routing.num_experts,
+        hidden,
+        &rng.vec(routing.num_experts * hidden, 0.05),
+    );
+    let router = be.upload_weight(&rt)?;
+    let zero = be.upload_weight(&float_tensor("zero", DType::F32, 1, hidden, &vec![0.0; hidden]))?;
+    let max_rows = 2048;
+    let shape = crate::MoeShape { max_rows, hidden, expert_ffn: ffn, routing };
+    let mut sc = crate::MoeScratch::new(be, shape)?;
+    let x = be.alloc_act(ActShape { rows: max_rows, cols: hidden })?;
+    put_gpu(be, &x, &rng.vec(max_rows * hidden, 1.0))?;
+    let mut out = be.alloc_act(ActShape { rows: max_rows, cols: hidden })?;
+    let mut run = |rows: usize| {
+        let r = be.moe_ffn(crate::MoeFfn {
+            x: &x,
+            router: &router,
+            experts: &experts,
+            table: &table,
+            routing,
+            zero_row: &zero,
+            rows,
+            scratch: &mut sc,
+            out: &mut out,
+        });
+        if let Err(e) = r {
+            be.lock().error.get_or_insert(e);
+        }
+    };
+    let expert_bytes = (3 * ffn * hidden * 2) as f64;
+    let one = graph_time_ms(be, 300_001, 50, || run(1))?;
+    let read = routing.top_k as f64 * expert_bytes + (routing.num_experts * hidden * 2) as f64;
+    lines.push(format!(
+        "moe_ffn qwen3-30b-a3b layer, 1 row: {one:.4} ms, {:.0} GB/s of the {:.1} MB a token reads ({:.0}% of 4300)",
+        read / (one as f64 * 1e-3) / 1e9,
+        read / 1e6,
+        read / (one as f64 * 1e-3) / 1e9 / 4300.0 * 100.0
+    ));
+    let b32 = graph_time_ms(be, 300_002, 20, || run(32))?;
+    lines.push(format!("moe_ffn qwen3-30b-a3b layer, 32 rows: {b32:.4} ms ({:.4} ms per row)", b32 / 32.0));
+    let pre = time_ms(be, 5, || run(2048))?;
+    let flops = 2.0 * 2048.0 * routing.top_k as f64 * 3.0 * (ffn * hidden) as f64;
+    lines.push(format!(
+        "moe_ffn qwen3-30b-a3b layer, 2048 rows: {pre:.3} ms, {:.0} TFLOP/s in the experts",
+        flops / (pre as f64 * 1e-3) / 1e12
+    ));
+    be.check()
 }
 
 /// How a MoE check case sets its router.
@@ -1162,12 +1231,27 @@ pub fn moe_checks(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
     moe_graph_check(be, &cpu, rep, &mut rng)
 }
 
-/// A decode step's expert FFN captured once and replayed with new inputs:
-/// nothing of the routing may have been frozen into the capture.
+/// A decode step's expert FFN captured once and replayed with new inputs
+/// (at 1 row, with down and the sum fused, and at 5): nothing of the routing
+/// may have been frozen into the capture.
 fn moe_graph_check(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
     let routing = crate::Routing { num_experts: 16, top_k: 4, norm_topk_prob: true };
     let l = moe_layer(be, cpu, rng, (256, 128), routing, DType::BF16, RouterKind::Spread)?;
-    let rows = 3;
+    for rows in [1, 5] {
+        moe_graph_rounds(be, cpu, rep, rng, &l, rows)?;
+    }
+    Ok(())
+}
+
+fn moe_graph_rounds(
+    be: &CudaBackend,
+    cpu: &CpuBackend,
+    rep: &mut CheckReport,
+    rng: &mut Rng,
+    l: &MoeLayer,
+    rows: usize,
+) -> Result<()> {
+    let routing = l.routing;
     let shape = crate::MoeShape { max_rows: rows, hidden: l.hidden, expert_ffn: l.ffn, routing };
     let mut x = pair(be, cpu, rows, l.hidden, None)?;
     let mut out = pair(be, cpu, rows, l.hidden, None)?;
@@ -1210,7 +1294,10 @@ fn moe_graph_check(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rn
         })?;
         let (a, b) = read_both(be, cpu, &out, rows)?;
         rep.compare(
-            &format!("moe graph round {round} ({})", if replayed { "replayed" } else { "captured" }),
+            &format!(
+                "moe graph {rows} rows, round {round} ({})",
+                if replayed { "replayed" } else { "captured" }
+            ),
             &a,
             &b,
             EXACT,

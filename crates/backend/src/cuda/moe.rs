@@ -23,7 +23,13 @@ use crate::moe::{unfused, Expert, MoeFfn, MoeShape, MOE_TILE_ROWS};
 use crate::{Backend, BackendError, Result};
 
 /// Token rows up to which the routed GEMVs run; more take the grouped GEMM.
+/// Up to as many rows are routed and grouped by one block in one launch.
 pub const MOE_GEMV_MAX_ROWS: usize = 64;
+
+/// Token rows up to which down and the weighted sum are one launch (each
+/// row's warps read their experts' down rows; beyond, rows would share
+/// experts and re-read them, so down runs per expert and a sum follows).
+const MOE_FUSED_DOWN_ROWS: usize = 2;
 
 /// Warps per block of the routed GEMVs (kernels/moe.cu MOE_GEMV_WARPS).
 const MOE_GEMV_WARPS: usize = 8;
@@ -188,29 +194,37 @@ impl CudaBackend {
 
         self.matmul(x, router, None, rows, &mut m.router);
         let router_out: &CudaAct = &m.router;
-        self.op("moe_route", |_| {
-            let a = Args::new()
+        let sort_args = |a: Args| {
+            a.ptr(w(l.pos_of_pair))
+                .ptr(w(l.pair_of_pos))
+                .ptr(w(l.n_active))
+                .ptr(w(l.active))
+                .ptr(w(l.n_tiles))
+                .ptr(w(l.tiles))
+        };
+        let route_args = || {
+            Args::new()
                 .ptr(router_out.ptr())
                 .i32(rows as i32)
                 .i32(e as i32)
                 .i32(k as i32)
                 .i32(i32::from(routing.norm_topk_prob))
                 .ptr(w(l.ids))
-                .ptr(w(l.wts));
-            let dims = LaunchDims { grid: (rows.div_ceil(4) as u32, 1, 1), block: 128 };
-            unsafe { self.launch(self.k.moe_route, dims, a)? };
-            let a = Args::new()
-                .ptr(w(l.ids))
-                .i32(pairs as i32)
-                .i32(e as i32)
-                .ptr(w(l.pos_of_pair))
-                .ptr(w(l.pair_of_pos))
-                .ptr(w(l.n_active))
-                .ptr(w(l.active))
-                .ptr(w(l.n_tiles))
-                .ptr(w(l.tiles));
-            unsafe { self.launch(self.k.moe_sort, LaunchDims { grid: (1, 1, 1), block: 1024 }, a) }
-        });
+                .ptr(w(l.wts))
+        };
+        let one_block = LaunchDims { grid: (1, 1, 1), block: 1024 };
+        if rows <= MOE_GEMV_MAX_ROWS {
+            self.op("moe_route_sort", |_| unsafe {
+                self.launch(self.k.moe_route_sort, one_block, sort_args(route_args()))
+            });
+        } else {
+            self.op("moe_route + moe_sort", |_| {
+                let dims = LaunchDims { grid: (rows.div_ceil(4) as u32, 1, 1), block: 128 };
+                unsafe { self.launch(self.k.moe_route, dims, route_args())? };
+                let a = sort_args(Args::new().ptr(w(l.ids)).i32(pairs as i32).i32(e as i32));
+                unsafe { self.launch(self.k.moe_sort, one_block, a) }
+            });
+        }
         let (act, ys) = (m.act.ptr(), m.y.ptr());
         match path {
             MoePath::Gemv => self.op("moe experts (routed gemv)", |_| {
@@ -237,15 +251,18 @@ impl CudaBackend {
                     .i64(dn_rb)
                     .ptr(act)
                     .i32(ffn as i32)
-                    .i32(hidden as i32)
-                    .ptr(w(l.n_active))
-                    .ptr(w(l.active))
-                    .ptr(ys);
-                let dims = LaunchDims {
-                    grid: (hidden.div_ceil(MOE_GEMV_WARPS) as u32, slots, 1),
-                    block: (MOE_GEMV_WARPS * 32) as u32,
-                };
-                unsafe { self.launch(self.k.moe_gemv_down, dims, a) }
+                    .i32(hidden as i32);
+                let block = (MOE_GEMV_WARPS * 32) as u32;
+                let outputs = hidden.div_ceil(MOE_GEMV_WARPS) as u32;
+                if rows <= MOE_FUSED_DOWN_ROWS {
+                    let a = a.i32(k as i32).ptr(w(l.ids)).ptr(w(l.wts)).ptr(w(l.pos_of_pair)).ptr(out.ptr());
+                    let dims = LaunchDims { grid: (outputs, rows as u32, 1), block };
+                    return unsafe { self.launch(self.k.moe_gemv_down_combine, dims, a) };
+                }
+                let a = a.ptr(w(l.n_active)).ptr(w(l.active)).ptr(ys);
+                let dims = LaunchDims { grid: (outputs, slots, 1), block };
+                unsafe { self.launch(self.k.moe_gemv_down, dims, a)? };
+                self.combine(ys, w(l.wts), w(l.pos_of_pair), k, hidden, rows, out.ptr())
             }),
             MoePath::Gemm => self.op("moe experts (grouped gemm)", |_| {
                 let tiles = tile_slots(pairs, e) as u32;
@@ -274,23 +291,27 @@ impl CudaBackend {
                     .ptr(w(l.tiles))
                     .ptr(ys);
                 let dims = LaunchDims { grid: (hidden.div_ceil(MOE_BN) as u32, tiles, 1), block: 128 };
-                unsafe { self.launch(self.k.moe_gemm_down, dims, a) }
+                unsafe { self.launch(self.k.moe_gemm_down, dims, a)? };
+                self.combine(ys, w(l.wts), w(l.pos_of_pair), k, hidden, rows, out.ptr())
             }),
         }
-        let out_ptr = out.ptr();
-        self.op("moe_combine", |_| {
-            let a = Args::new()
-                .ptr(ys)
-                .ptr(w(l.wts))
-                .ptr(w(l.pos_of_pair))
-                .i32(k as i32)
-                .i32(hidden as i32)
-                .ptr(out_ptr);
-            unsafe {
-                self.launch(self.k.moe_combine, LaunchDims { grid: (rows as u32, 1, 1), block: 256 }, a)
-            }
-        });
         Ok(())
+    }
+
+    /// `moe_combine`: each row's weighted sum of its pairs' expert outputs.
+    #[allow(clippy::too_many_arguments)]
+    fn combine(
+        &self,
+        ys: u64,
+        wts: u64,
+        pos_of_pair: u64,
+        k: usize,
+        hidden: usize,
+        rows: usize,
+        out: u64,
+    ) -> Result<()> {
+        let a = Args::new().ptr(ys).ptr(wts).ptr(pos_of_pair).i32(k as i32).i32(hidden as i32).ptr(out);
+        unsafe { self.launch(self.k.moe_combine, LaunchDims { grid: (rows as u32, 1, 1), block: 256 }, a) }
     }
 }
 
