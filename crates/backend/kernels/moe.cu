@@ -199,6 +199,22 @@ extern "C" __global__ void __launch_bounds__(1024)
                    int* __restrict__ n_active, int* __restrict__ active, int* __restrict__ n_tiles,
                    int* __restrict__ tiles) {
     pdl_enter();
+    if (rows == 1) {
+        // One row's k experts are distinct: pair s is expert ids[s] alone,
+        // at position s, so the first warp groups them without the sort.
+        if (threadIdx.x >= 32) return;
+        moe_route_row(logits, 0, E, k, norm, ids, wts);
+        __syncwarp();
+        for (int s = threadIdx.x; s < k; s += 32) {
+            pos_of_pair[s] = s;
+            pair_of_pos[s] = s;
+            active[3 * s] = tiles[3 * s] = ids[s];
+            active[3 * s + 1] = tiles[3 * s + 1] = s;
+            active[3 * s + 2] = tiles[3 * s + 2] = s + 1;
+        }
+        if (threadIdx.x == 0) *n_active = *n_tiles = k;
+        return;
+    }
     for (int r = threadIdx.x >> 5; r < rows; r += 32) moe_route_row(logits, r, E, k, norm, ids, wts);
     __syncthreads();
     moe_sort_body(ids, rows * k, E, pos_of_pair, pair_of_pos, n_active, active, n_tiles, tiles);
