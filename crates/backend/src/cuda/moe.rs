@@ -178,8 +178,18 @@ impl CudaBackend {
                 x.cols, out.cols, t.ffn, t.hidden, shape
             ));
         }
-        if shape.expert_ffn != t.ffn || m.meta.cols * m.meta.rows < shape.meta_words() {
-            return bad(format!("scratch {shape:?} for experts of ffn {}", t.ffn));
+        // The kernels index these buffers by the shape: each must hold it.
+        let holds =
+            |a: &CudaAct, rows: usize, cols: usize| a.rows * a.cols >= rows * cols && a.cols >= cols.min(1);
+        let pairs_max = shape.max_pairs();
+        let fits = holds(x, rows, t.hidden)
+            && holds(out, rows, t.hidden)
+            && holds(&m.router, shape.max_rows, e)
+            && holds(&m.act, pairs_max, t.ffn)
+            && holds(&m.y, pairs_max, t.hidden)
+            && holds(&m.meta, 1, shape.meta_words());
+        if shape.expert_ffn != t.ffn || !fits {
+            return bad(format!("scratch {shape:?} for experts of ffn {} and {rows} rows", t.ffn));
         }
         if rows == 0 {
             return Ok(());
