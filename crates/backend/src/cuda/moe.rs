@@ -179,8 +179,7 @@ impl CudaBackend {
             ));
         }
         // The kernels index these buffers by the shape: each must hold it.
-        let holds =
-            |a: &CudaAct, rows: usize, cols: usize| a.rows * a.cols >= rows * cols && a.cols >= cols.min(1);
+        let holds = |a: &CudaAct, rows: usize, cols: usize| a.rows * a.cols >= rows * cols;
         let pairs_max = shape.max_pairs();
         let fits = holds(x, rows, t.hidden)
             && holds(out, rows, t.hidden)
