@@ -460,10 +460,15 @@ __device__ __forceinline__ void moe_gemm_body(const u64* __restrict__ table, int
                 c0[mi][ni][v] = 0.f;
                 c1[mi][ni][v] = 0.f;
             }
-    for (int k0 = 0; k0 < K; k0 += MOE_BK) {
-        __syncthreads();
+    // The tile of step k0 + MOE_BK is loaded into registers while step k0
+    // computes from shared memory, so the global loads overlap the mma work.
+    // GLU A: 64 rows x 32 f32, four groups of 4 per thread; !GLU A: 64 rows
+    // x 32 bf16, two groups of 8; B: 64 rows x 32 bf16, two groups of 8 per
+    // matrix.
+    uint2 a4[4];
+    uint4 a8[2], b8[2][2];
+    auto load = [&](int k0) {
         if (GLU) {
-            // 64 rows x 32 f32: 512 groups of 4, four per thread.
 #pragma unroll
             for (int it = 0; it < 4; it++) {
                 int idx = tid + it * 128, r = idx >> 3, c = (idx & 7) * 4, p = p0 + r;
@@ -478,10 +483,9 @@ __device__ __forceinline__ void moe_gemm_body(const u64* __restrict__ table, int
                         for (int i = 0; i < 4; i++) v[i] = k0 + c + i < K ? src[i] : 0.f;
                     }
                 }
-                *(uint2*)&As[r * MOE_LDS + c] = make_uint2(moe_pack2(v[0], v[1]), moe_pack2(v[2], v[3]));
+                a4[it] = make_uint2(moe_pack2(v[0], v[1]), moe_pack2(v[2], v[3]));
             }
         } else {
-            // 64 rows x 32 bf16: 256 groups of 8, two per thread.
 #pragma unroll
             for (int it = 0; it < 2; it++) {
                 int idx = tid + it * 128, r = idx >> 2, c = (idx & 3) * 8, p = p0 + r;
@@ -500,7 +504,7 @@ __device__ __forceinline__ void moe_gemm_body(const u64* __restrict__ table, int
                         v = make_uint4(h[0], h[1], h[2], h[3]);
                     }
                 }
-                *(uint4*)&As[r * MOE_LDS + c] = v;
+                a8[it] = v;
             }
         }
 #pragma unroll
@@ -511,10 +515,35 @@ __device__ __forceinline__ void moe_gemm_body(const u64* __restrict__ table, int
                 int idx = tid + it * 128, r = idx >> 2, c = (idx & 3) * 8, n = n0 + r;
                 uint4 v = make_uint4(0, 0, 0, 0);
                 if (n < N) v = moe_load_b8(w + (long long)n * rb, dt, K, k0 + c, vec_b);
-                *(uint4*)&Bs[m * MOE_BN * MOE_LDS + r * MOE_LDS + c] = v;
+                b8[m][it] = v;
             }
         }
+    };
+    load(0);
+    for (int k0 = 0; k0 < K; k0 += MOE_BK) {
+        __syncthreads(); // every warp is done with the previous tile
+        if (GLU) {
+#pragma unroll
+            for (int it = 0; it < 4; it++) {
+                int idx = tid + it * 128;
+                *(uint2*)&As[(idx >> 3) * MOE_LDS + (idx & 7) * 4] = a4[it];
+            }
+        } else {
+#pragma unroll
+            for (int it = 0; it < 2; it++) {
+                int idx = tid + it * 128;
+                *(uint4*)&As[(idx >> 2) * MOE_LDS + (idx & 3) * 8] = a8[it];
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < (GLU ? 2 : 1); m++)
+#pragma unroll
+            for (int it = 0; it < 2; it++) {
+                int idx = tid + it * 128;
+                *(uint4*)&Bs[m * MOE_BN * MOE_LDS + (idx >> 2) * MOE_LDS + (idx & 3) * 8] = b8[m][it];
+            }
         __syncthreads();
+        if (k0 + MOE_BK < K) load(k0 + MOE_BK);
 #pragma unroll
         for (int kk = 0; kk < MOE_BK; kk += 16) {
             u32 a[2][4];
