@@ -248,6 +248,8 @@ __device__ __forceinline__ void moe_gate_up_rows(const u8* g, const u8* u, int d
 #pragma unroll
     for (int q = 0; q < NP; q++) ag[q] = au[q] = 0.f;
     if (dt == DT_BF16 && (hidden & 7) == 0) {
+        // Unrolled so that several 16-byte loads per lane are in flight.
+#pragma unroll 4
         for (int c = lane * 8; c < hidden; c += 256) {
             float gw[8], uw[8];
             moe_unpack8(*(const uint4*)(g + 2 * c), gw);
@@ -310,6 +312,7 @@ __device__ __forceinline__ void moe_down_dots(const u8* w, int dt, const float* 
 #pragma unroll
     for (int q = 0; q < NP; q++) acc[q] = 0.f;
     if (dt == DT_BF16 && (ef & 7) == 0) {
+#pragma unroll 4
         for (int c = lane * 8; c < ef; c += 256) {
             float wv[8];
             moe_unpack8(*(const uint4*)(w + 2 * c), wv);
@@ -374,19 +377,46 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32)
                           int ef, int hidden, int k, const int* __restrict__ ids, const float* __restrict__ wts,
                           const int* __restrict__ pos_of_pair, float* __restrict__ out) {
     pdl_enter();
-    int r = blockIdx.y;
+    int r = blockIdx.y, lane = threadIdx.x & 31;
     int i = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
     if (i >= hidden) return;
+    bool vec = dt == DT_BF16 && (ef & 7) == 0;
     float acc = 0.f;
-    for (int s = 0; s < k; s++) {
-        int p = r * k + s;
-        const u8* w = (const u8*)table[3 * ids[p] + 2] + (long long)i * rb;
-        const float* ar[1] = {act + (long long)pos_of_pair[p] * ef};
-        float d[1];
-        moe_down_dots<1>(w, dt, ar, ef, d);
-        acc += wts[p] * d[0];
+    // Four slots at a time, their loads interleaved so that they are in
+    // flight together (a slot past k repeats the last one, unused).
+    for (int s0 = 0; s0 < k; s0 += 4) {
+        int n = imin(4, k - s0);
+        const u8* w[4];
+        const float* ar[4];
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            int p = r * k + s0 + imin(q, n - 1);
+            w[q] = (const u8*)table[3 * ids[p] + 2] + (long long)i * rb;
+            ar[q] = act + (long long)pos_of_pair[p] * ef;
+        }
+        if (vec) {
+#pragma unroll 2
+            for (int c = lane * 8; c < ef; c += 256) {
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    float wv[8];
+                    moe_unpack8(*(const uint4*)(w[q] + 2 * c), wv);
+                    d[q] += moe_dot8(wv, ar[q] + c);
+                }
+            }
+        } else {
+            for (int c = lane; c < ef; c += 32)
+#pragma unroll
+                for (int q = 0; q < 4; q++) d[q] += load_elem(w[q], dt, c) * ar[q][c];
+        }
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            float sum = warp_sum(d[q]);
+            if (q < n) acc += wts[r * k + s0 + q] * sum;
+        }
     }
-    if ((threadIdx.x & 31) == 0) out[(long long)r * hidden + i] = acc;
+    if (lane == 0) out[(long long)r * hidden + i] = acc;
 }
 
 // out[r][i] = sum over the row's slots s of w[r k + s] * ys[pos of (r, s)][i].
