@@ -73,7 +73,9 @@ enum Ffn<W> {
         down_proj: W, // [hidden, ffn]
     },
     /// A mixture of experts: the whole router and every expert, each sliced
-    /// to the rank's expert columns.
+    /// to the rank's expert columns. The all-reduce before the layer hands
+    /// every rank the same input, so all ranks route alike, and their
+    /// outputs are partial sums, like the dense MLP's.
     Sparse {
         router: W, // [num_experts, hidden]
         experts: Vec<Expert<W>>,
