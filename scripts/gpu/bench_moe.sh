@@ -37,7 +37,8 @@ if [ -z "${TOKENIZER_DIR:-}" ]; then
 fi
 if [ -z "${MODEL_DIR:-}" ]; then
     shm_free_gb=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
-    if [ -d /dev/shm/qwen3moe ] || [ "${shm_free_gb:-0}" -ge 70 ]; then
+    # The checkpoint is 61 GB = 57 GiB.
+    if [ -d /dev/shm/qwen3moe ] || [ "${shm_free_gb:-0}" -ge 60 ]; then
         MODEL_DIR=/dev/shm/qwen3moe
     else
         MODEL_DIR=/tmp/qwen3moe
