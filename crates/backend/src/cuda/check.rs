@@ -1120,15 +1120,16 @@ fn moe_layer(
 }
 
 /// Inputs whose row `r` is 4.0 in one of the `Spread` router's ranking
-/// columns, zero in the others, and noise past them (which the router
-/// ignores and the experts read).
-fn moe_input(rng: &mut Rng, rows: usize, hidden: usize) -> Vec<f32> {
+/// columns (which one moves with `shift`, and so do the experts the row
+/// takes), zero in the others, and noise past them (which the router ignores
+/// and the experts read).
+fn moe_input(rng: &mut Rng, rows: usize, hidden: usize, shift: usize) -> Vec<f32> {
     let cols = spread_columns(hidden);
     let mut x = rng.vec(rows * hidden, 0.05);
     for r in 0..rows {
         let row = &mut x[r * hidden..(r + 1) * hidden];
         row[..cols].fill(0.0);
-        row[(r * 5 + r / cols) % cols] = 4.0;
+        row[(r * 5 + r / cols + shift) % cols] = 4.0;
     }
     x
 }
@@ -1236,7 +1237,7 @@ pub fn moe_checks(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
             EXACT,
         );
         for rows in [1usize, 3, 8, 64, 300] {
-            let xs = moe_input(&mut rng, rows, dims.0);
+            let xs = moe_input(&mut rng, rows, dims.0, 0);
             let r = moe_case(be, &cpu, rep, &l, &xs, rows, &name);
             rep.refused(&format!("moe_ffn {name} {rows} rows"), r);
         }
@@ -1274,7 +1275,8 @@ fn moe_graph_rounds(
     // A key no other check captures under.
     let key = GraphKey { rows, logit_rows: 0 };
     for round in 0..3 {
-        let xs = moe_input(rng, rows, l.hidden);
+        // Each round routes every row to other experts than the last.
+        let xs = moe_input(rng, rows, l.hidden, 1 + 2 * round);
         put_gpu(be, &x.g, &xs)?;
         put_cpu(&mut x.c, &xs);
         let replayed = be.graph_replay(key)?;
