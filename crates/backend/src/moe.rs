@@ -249,6 +249,49 @@ mod tests {
     }
 
     #[test]
+    fn the_unfused_op_refuses_a_routing_its_experts_do_not_match() {
+        use crate::cpu::CpuBackend;
+        use crate::{Backend, DType, HostTensor, TensorBytes};
+        let b = CpuBackend::new();
+        let (hidden, ffn) = (8, 4);
+        let t = |rows: usize, cols: usize| HostTensor {
+            name: "w".into(),
+            dtype: DType::F32,
+            shape: vec![rows, cols],
+            data: TensorBytes::from_vec(vec![0u8; 4 * rows * cols]),
+        };
+        let experts: Vec<_> = (0..2)
+            .map(|_| Expert {
+                gate_proj: b.upload_weight(&t(ffn, hidden)).unwrap(),
+                up_proj: b.upload_weight(&t(ffn, hidden)).unwrap(),
+                down_proj: b.upload_weight(&t(hidden, ffn)).unwrap(),
+            })
+            .collect();
+        let (router, zero) =
+            (b.upload_weight(&t(4, hidden)).unwrap(), b.upload_weight(&t(1, hidden)).unwrap());
+        let x = b.alloc_act(ActShape { rows: 1, cols: hidden }).unwrap();
+        let mut out = b.alloc_act(ActShape { rows: 1, cols: hidden }).unwrap();
+        for routing in [routing(2, true), Routing { num_experts: 2, top_k: 3, norm_topk_prob: true }] {
+            let shape = MoeShape { max_rows: 1, hidden, expert_ffn: ffn, routing };
+            let mut scratch = MoeScratch::new(&b, shape).unwrap();
+            let err = b
+                .moe_ffn(MoeFfn {
+                    x: &x,
+                    router: &router,
+                    experts: &experts,
+                    table: &(),
+                    routing,
+                    zero_row: &zero,
+                    rows: 1,
+                    scratch: &mut scratch,
+                    out: &mut out,
+                })
+                .expect_err("refused");
+            assert!(err.to_string().contains("experts"), "{err}");
+        }
+    }
+
+    #[test]
     fn norm_topk_prob_makes_each_rows_weights_sum_to_one() {
         let logits = [0.5, 2.0, 1.0, -1.0];
         let mut plain = Routes::new(4);
