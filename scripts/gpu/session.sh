@@ -29,7 +29,8 @@ case "${1:-checks}" in
     echo "== tiny checkpoints GPU vs CPU"; ./.gpu/corridor-gpu-check tests/fixtures/tiny 2>&1 | tee "$out/e2e.log"
     echo "== corridor serve on the GPU vs the CPU"
     python3 scripts/gpu/serve_check.py ./.gpu/corridor tests/fixtures/tiny/llama-f32 tests/fixtures/tiny/qwen3 \
-        tests/fixtures/tiny/llama-q.gguf tests/fixtures/tiny/qwen2-f16.gguf tests/fixtures/tiny/mistral 2>&1 \
+        tests/fixtures/tiny/llama-q.gguf tests/fixtures/tiny/qwen2-f16.gguf tests/fixtures/tiny/mistral \
+        tests/fixtures/tiny/qwen3-moe tests/fixtures/tiny/qwen3-moe-f16.gguf 2>&1 \
         | tee "$out/serve_check.log"
     wait "$maker"; echo "8B checkpoint: exit $?"; tail -n 3 "$out/make_llama8b.log"
     ;;

@@ -39,6 +39,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut rep = check::run_all(&be)?;
     check::graph_check(&be, &mut rep)?;
     check::delta_graph_check(&be, &mut rep)?;
+    check::moe_checks(&be, &mut rep)?;
     for l in &rep.lines {
         println!("{l}");
     }

@@ -15,9 +15,11 @@ pub mod cpu;
 pub mod cuda;
 pub mod dtype;
 pub mod kv_units;
+pub mod moe;
 pub mod tuning;
 
 pub use dtype::{DType, HostTensor, TensorBytes, QK, QK_K};
+pub use moe::{Expert, MoeFfn, MoeScratch, MoeShape, Routing};
 pub use tuning::CudaTuning;
 
 use corridor_units::{PageId, StateSlot};
@@ -331,6 +333,10 @@ pub trait Backend: Send + Sync + 'static {
     type Weight: Send + Sync;
     /// One layer's paged K and V storage.
     type Kv: Send;
+    /// What a backend keeps about one sparse layer's experts so that
+    /// [`Backend::moe_ffn`] can index them (a device table of their
+    /// weights' addresses); `()` for a backend that runs them one by one.
+    type ExpertTable: Send + Sync;
 
     /// A short name for logs ("cpu", "cuda:0").
     fn name(&self) -> String;
@@ -468,6 +474,19 @@ pub trait Backend: Send + Sync + 'static {
         scales: &[f32],
     ) -> Result<()> {
         unfused::add_rows_scaled(self, out, out_rows, y, rows, scales)
+    }
+    /// Build the table [`Backend::moe_ffn`] reads one sparse layer's
+    /// `experts` through (once, at load; the experts outlive it).
+    fn expert_table(&self, experts: &[Expert<Self::Weight>]) -> Result<Self::ExpertTable>;
+    /// Whether [`Backend::moe_ffn`] over `table` runs without the host (no
+    /// read-back mid-step), so a step with sparse layers may be captured.
+    fn moe_on_device(&self, _table: &Self::ExpertTable) -> bool {
+        false
+    }
+    /// The routed expert FFN of a sparse layer (see [`moe`]). The default
+    /// routes on the host with the plain ops ([`moe::unfused::moe_ffn`]).
+    fn moe_ffn(&self, p: MoeFfn<'_, Self>) -> Result<()> {
+        moe::unfused::moe_ffn(self, p)
     }
     /// `x[r][i] *= sigmoid(gate[r][i])` over the first `rows` rows (the
     /// gated output of Qwen3.5's full attention).

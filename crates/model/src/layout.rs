@@ -500,13 +500,28 @@ impl CostModel {
         }
         let (q, kv, f) = (s.heads.len() * cfg.head_dim, s.kv_heads.len() * cfg.head_dim, s.ffn.len());
         let mut per_row = 3 * cfg.hidden_size + 2 * q + 2 * kv + 3 * f;
+        let mut fixed = 0;
         if let Some(m) = &cfg.moe {
-            // Router logits, the gathered rows of one expert, its three FFN
-            // buffers and its output.
-            per_row += m.num_experts + 2 * cfg.hidden_size + 3 * s.expert_ffn(cfg).len();
+            // The expert scratch (`corridor_backend::MoeScratch`): router
+            // logits, the gathered rows of one expert, its gate and up, per
+            // (row, chosen expert) pair a SwiGLU output and an expert output,
+            // and the device's routing metadata.
+            let (h, ef, k) = (cfg.hidden_size, s.expert_ffn(cfg).len(), m.experts_per_token);
+            per_row += m.num_experts + h + 2 * ef + k * (ef + h);
+            fixed += corridor_backend::MoeShape {
+                max_rows: self.max_rows,
+                hidden: h,
+                expert_ffn: ef,
+                routing: corridor_backend::Routing {
+                    num_experts: m.num_experts,
+                    top_k: k,
+                    norm_topk_prob: m.norm_topk_prob,
+                },
+            }
+            .meta_words();
         }
         let per_logit_row = 2 * cfg.hidden_size + s.vocab.len() + cfg.vocab_size;
-        Bytes(4 * (self.max_rows * per_row + self.max_logit_rows * per_logit_row) as u64)
+        Bytes(4 * (self.max_rows * per_row + self.max_logit_rows * per_logit_row + fixed) as u64)
     }
 
     /// Recurrent-state bytes of `slice`: one slot per logit row (a request

@@ -12,7 +12,6 @@ pub mod hf;
 pub mod layout;
 pub mod llama;
 mod models;
-mod moe;
 pub mod qwen3_5;
 pub mod rope;
 

@@ -28,12 +28,11 @@ use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::error::LoadError;
 use crate::layout::RankSlice;
-use crate::moe::{Expert, Routes};
 use crate::rope::rope_table;
 use corridor_backend::collective::{gather_logits, Collective, CollectiveError, Solo};
 use corridor_backend::{
-    ActShape, Backend, BackendError, DType, GraphKey, HostTensor, KvGeometry, MatmulPart, RopeTable, SeqStep,
-    StepPlan, TensorBytes,
+    ActShape, Backend, BackendError, DType, Expert, GraphKey, HostTensor, KvGeometry, MatmulPart, MoeFfn,
+    MoeScratch, MoeShape, RopeTable, Routing, SeqStep, StepPlan, TensorBytes,
 };
 use corridor_units::StateSlot;
 use std::ops::Range;
@@ -74,7 +73,9 @@ enum Ffn<W> {
         down_proj: W, // [hidden, ffn]
     },
     /// A mixture of experts: the whole router and every expert, each sliced
-    /// to the rank's expert columns.
+    /// to the rank's expert columns. The all-reduce before the layer hands
+    /// every rank the same input, so all ranks route alike, and their
+    /// outputs are partial sums, like the dense MLP's.
     Sparse {
         router: W, // [num_experts, hidden]
         experts: Vec<Expert<W>>,
@@ -110,6 +111,10 @@ pub struct Model<B: Backend> {
     /// `[1, hidden]` of zeros for a model with sparse layers: embedding it
     /// clears the buffer the experts' outputs are summed into.
     zero_row: Option<B::Weight>,
+    /// Per local layer, the backend's table of a sparse layer's experts.
+    expert_tables: Vec<Option<B::ExpertTable>>,
+    /// Every sparse layer's FFN runs on the device: a decode step may be captured.
+    moe_on_device: bool,
 }
 
 /// Scratch activations for one forward pass, allocated once at the largest
@@ -136,20 +141,6 @@ pub struct Workspace<B: Backend> {
     pub(crate) moe: Option<MoeScratch<B>>,
     /// Scratch and recurrent state of a hybrid model; `None` for the others.
     pub(crate) hybrid: Option<crate::qwen3_5::Scratch<B>>,
-}
-
-/// Scratch of a mixture-of-experts layer.
-pub(crate) struct MoeScratch<B: Backend> {
-    router: B::Act, // [max_rows, num_experts]
-    x: B::Act,      // [max_rows, hidden]       the rows routed to one expert
-    gate: B::Act,   // [max_rows, expert ffn share]
-    up: B::Act,     // [max_rows, expert ffn share]
-    act: B::Act,    // [max_rows, expert ffn share]
-    y: B::Act,      // [max_rows, hidden]       one expert's output
-    host_router: Vec<f32>,
-    routes: Routes,
-    /// `max_rows` zeros: the ids that embed `zero_row` into every row.
-    zero_ids: Vec<u32>,
 }
 
 impl<B: Backend> Workspace<B> {
@@ -274,6 +265,15 @@ impl<B: Backend> Model<B> {
         backend.reserve_weights(bytes.get())?;
         let parts = place_parts(ckpt, slice, &|t| Ok(backend.upload_weight(&t)?), &mut progress)?;
         let zero_row = zero_row.map(|t| backend.upload_weight(&t)).transpose()?;
+        let expert_tables = parts
+            .layers
+            .iter()
+            .map(|l| match &l.ffn {
+                Ffn::Sparse { experts, .. } => backend.expert_table(experts).map(Some),
+                Ffn::Dense { .. } => Ok(None),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let moe_on_device = expert_tables.iter().flatten().all(|t| backend.moe_on_device(t));
         Ok(Model {
             rope: rope_table(&cfg),
             config: cfg,
@@ -283,6 +283,8 @@ impl<B: Backend> Model<B> {
             norm: parts.norm,
             head: parts.head,
             zero_row,
+            expert_tables,
+            moe_on_device,
         })
     }
 
@@ -324,20 +326,15 @@ impl<B: Backend> Model<B> {
             logits: a(max_logit_rows, s.vocab.len())?,
             host_logits: Vec::with_capacity(max_logit_rows * s.vocab.len()),
             moe: match &c.moe {
-                Some(m) => {
-                    let ef = s.expert_ffn(c).len();
-                    Some(MoeScratch {
-                        router: a(max_rows, m.num_experts)?,
-                        x: a(max_rows, c.hidden_size)?,
-                        gate: a(max_rows, ef)?,
-                        up: a(max_rows, ef)?,
-                        act: a(max_rows, ef)?,
-                        y: a(max_rows, c.hidden_size)?,
-                        host_router: Vec::with_capacity(max_rows * m.num_experts),
-                        routes: Routes::new(m.num_experts),
-                        zero_ids: vec![0; max_rows],
-                    })
-                }
+                Some(m) => Some(MoeScratch::new(
+                    backend,
+                    MoeShape {
+                        max_rows,
+                        hidden: c.hidden_size,
+                        expert_ffn: s.expert_ffn(c).len(),
+                        routing: routing(m),
+                    },
+                )?),
                 None => None,
             },
             hybrid: None,
@@ -437,14 +434,14 @@ impl<B: Backend> Model<B> {
         })?;
         // A decode step of a whole model on one card may be captured once per
         // shape and replayed: the ops read only what begin_step uploaded.
-        // A sparse layer reads its router logits back mid-step, which a
-        // captured replay could not repeat.
+        // A sparse layer routed on the host reads its router logits back
+        // mid-step, which a captured replay could not repeat.
         let key = (step.is_decode()
             && c.capturable()
             && self.head.is_some()
             && self.embed_tokens.is_some()
-            && self.config.moe.is_none())
-        .then_some(GraphKey { rows, logit_rows: rows });
+            && (self.config.moe.is_none() || self.moe_on_device))
+            .then_some(GraphKey { rows, logit_rows: rows });
         let replayed = match key {
             Some(k) => b.graph_replay(k)?,
             None => false,
@@ -551,7 +548,7 @@ impl<B: Backend> Model<B> {
                     b.gate_up_silu(&ws.h, gate_proj, up_proj, rows, &mut ws.gate, &mut ws.up, &mut ws.act);
                     b.matmul(&ws.act, down_proj, None, rows, &mut ws.proj);
                 }
-                Ffn::Sparse { router, experts } => self.sparse_ffn(b, router, experts, ws, rows)?,
+                Ffn::Sparse { router, experts } => self.sparse_ffn(b, i, router, experts, ws, rows)?,
             }
             c.all_reduce_sum(b, &mut ws.proj, rows)?;
         }
@@ -580,35 +577,40 @@ impl<B: Backend> Model<B> {
 }
 
 impl<B: Backend> Model<B> {
-    /// A sparse FFN over `ws.h` into `ws.proj`: route every row, then run
-    /// each chosen expert once over the rows routed to it and add its
-    /// weighted output into those rows.
+    /// A sparse FFN over `ws.h` into `ws.proj` (local layer `layer`): the
+    /// backend routes every row and sums its experts' weighted outputs.
     fn sparse_ffn(
         &self,
         b: &B,
+        layer: usize,
         router: &B::Weight,
         experts: &[Expert<B::Weight>],
         ws: &mut Workspace<B>,
         rows: usize,
     ) -> Result<(), ModelError> {
-        let (Some(moe), Some(zero), Some(m)) = (&self.config.moe, &self.zero_row, ws.moe.as_mut()) else {
+        let (Some(moe), Some(zero), Some(m), Some(Some(table))) =
+            (&self.config.moe, &self.zero_row, ws.moe.as_mut(), self.expert_tables.get(layer))
+        else {
             return Err(ModelError::Step("a sparse layer in a model without expert scratch".into()));
         };
-        b.matmul(&ws.h, router, None, rows, &mut m.router);
-        b.read_rows(&m.router, rows, &mut m.host_router);
-        b.check()?;
-        m.routes.route(moe, &m.host_router, rows);
-        b.embedding(zero, &m.zero_ids[..rows], &mut ws.proj)?;
-        for (e, idx, weights) in m.routes.chosen() {
-            let x = &experts[e];
-            let n = idx.len();
-            b.gather_rows(&ws.h, idx, &mut m.x);
-            b.gate_up_silu(&m.x, &x.gate_proj, &x.up_proj, n, &mut m.gate, &mut m.up, &mut m.act);
-            b.matmul(&m.act, &x.down_proj, None, n, &mut m.y);
-            b.add_rows_scaled(&mut ws.proj, rows, &m.y, idx, weights)?;
-        }
+        b.moe_ffn(MoeFfn {
+            x: &ws.h,
+            router,
+            experts,
+            table,
+            routing: routing(moe),
+            zero_row: zero,
+            rows,
+            scratch: m,
+            out: &mut ws.proj,
+        })?;
         Ok(())
     }
+}
+
+/// The backend's view of a model's routing.
+fn routing(m: &crate::config::MoeConfig) -> Routing {
+    Routing { num_experts: m.num_experts, top_k: m.experts_per_token, norm_topk_prob: m.norm_topk_prob }
 }
 
 /// Read every tensor `slice` runs from `ckpt`, checking shapes, cut it to the
@@ -867,5 +869,45 @@ pub(crate) fn check_shape(ckpt: &Checkpoint, t: &HostTensor, want: &[usize]) -> 
             expected: want.to_vec(),
             found: t.shape.clone(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::CostModel;
+    use corridor_backend::cpu::{CpuAct, CpuBackend};
+    use corridor_units::{Bytes, Tokens};
+    use std::path::Path;
+
+    /// The layout cost model's workspace price covers every buffer a
+    /// mixture-of-experts workspace allocates (the expert scratch holds a row
+    /// per (row, chosen expert) pair and the device's routing metadata), so a
+    /// card booked by the price is never short of it.
+    #[test]
+    fn the_cost_model_prices_the_whole_moe_workspace() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/qwen3-moe");
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let b = CpuBackend::new();
+        let model = Model::load(&b, &ckpt, |_| {}).unwrap();
+        let (rows, logit_rows) = (24, 5);
+        let ws = model.workspace(&b, rows, logit_rows).unwrap();
+        let n = |a: &CpuAct| (a.rows() * a.cols() * 4) as u64;
+        let m = ws.moe.as_ref().expect("a sparse model has expert scratch");
+        let acts = [
+            &ws.x, &ws.h, &ws.q, &ws.k, &ws.v, &ws.attn, &ws.proj, &ws.gate, &ws.up, &ws.act, &ws.last,
+            &ws.last_n, &ws.logits, &m.router, &m.x, &m.gate, &m.up, &m.act, &m.y, &m.meta,
+        ];
+        let bytes = acts.iter().map(|a| n(a)).sum::<u64>() + (ws.host_logits.capacity() * 4) as u64;
+        let cost = CostModel {
+            weight_dtype: DType::F32,
+            kv_elem_bytes: 4,
+            page_size: Tokens(16),
+            max_rows: rows,
+            max_logit_rows: logit_rows,
+            chunk_target: Bytes::mib(2),
+        };
+        let priced = cost.workspace(model.config(), model.slice()).get();
+        assert!(bytes <= priced, "{bytes} bytes allocated, {priced} priced");
     }
 }

@@ -260,6 +260,8 @@ impl Backend for CpuBackend {
     type Act = CpuAct;
     type Weight = CpuWeight;
     type Kv = CpuKv;
+    /// The CPU runs each chosen expert with the plain ops: nothing to index.
+    type ExpertTable = ();
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
@@ -292,6 +294,10 @@ impl Backend for CpuBackend {
 
     fn weight_shape(&self, w: &CpuWeight) -> (usize, usize) {
         w.shape()
+    }
+
+    fn expert_table(&self, _experts: &[crate::Expert<CpuWeight>]) -> Result<()> {
+        Ok(())
     }
 
     fn alloc_act(&self, shape: ActShape) -> Result<CpuAct> {

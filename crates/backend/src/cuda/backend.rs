@@ -7,11 +7,11 @@ use super::device::{cuda_err, Args, LaunchDims, Purpose};
 use super::graphs::drop_graphs;
 use super::kernels::{dtype_code, grid_for, norm_dims};
 use super::matmul::{Arena, CudaWeight, ARENA_ALIGN, DEQUANT_TILE};
-use super::{CudaAct, CudaBackend, CudaKv};
+use super::{CudaAct, CudaBackend, CudaExperts, CudaKv};
 use crate::dtype::{DType, HostTensor};
 use crate::{
-    ActShape, Backend, BackendError, DeltaRule, GraphKey, KvGeometry, MatmulPart, Result, RopeStyle,
-    RopeTable, SeqStep, StepPlan,
+    ActShape, Backend, BackendError, DeltaRule, Expert, GraphKey, KvGeometry, MatmulPart, MoeFfn, Result,
+    RopeStyle, RopeTable, SeqStep, StepPlan,
 };
 use corridor_units::{PageId, StateSlot};
 use corridor_vram::KvArena;
@@ -26,6 +26,7 @@ impl Backend for CudaBackend {
     type Act = CudaAct;
     type Weight = CudaWeight;
     type Kv = CudaKv;
+    type ExpertTable = CudaExperts;
 
     fn name(&self) -> String {
         self.name.clone()
@@ -94,6 +95,18 @@ impl Backend for CudaBackend {
 
     fn weight_shape(&self, w: &CudaWeight) -> (usize, usize) {
         (w.rows, w.cols)
+    }
+
+    fn expert_table(&self, experts: &[Expert<CudaWeight>]) -> Result<CudaExperts> {
+        self.build_expert_table(experts)
+    }
+
+    fn moe_on_device(&self, table: &CudaExperts) -> bool {
+        table.on_device()
+    }
+
+    fn moe_ffn(&self, p: MoeFfn<'_, Self>) -> Result<()> {
+        self.enqueue_moe_ffn(p)
     }
 
     fn alloc_act(&self, shape: ActShape) -> Result<CudaAct> {

@@ -40,6 +40,14 @@ pub struct CheckReport {
 }
 
 impl CheckReport {
+    /// Count a comparison that could not run as a failure, naming its error.
+    fn refused(&mut self, name: &str, r: Result<()>) {
+        if let Err(e) = r {
+            self.failures += 1;
+            self.lines.push(format!("FAIL {name}: {e}"));
+        }
+    }
+
     fn compare(&mut self, name: &str, got: &[f32], want: &[f32], tol: f32) {
         let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-6);
         let mut err = if got.len() == want.len() { 0f32 } else { f32::INFINITY };
@@ -1103,6 +1111,7 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
         }
     }
     delta_bench(be, &mut rng, &mut lines)?;
+    moe_bench(be, &mut rng, &mut lines)?;
     Ok(lines)
 }
 
@@ -1430,5 +1439,373 @@ fn delta_case(
     let (cc, rc) = lc.states(cpu, c.slots)?;
     rep.compare(&format!("convolution states left, {}", c.name), &cg, &cc, EXACT);
     rep.compare(&format!("recurrent states left, {}", c.name), &rg, &rc, SCAN);
+    Ok(())
+}
+
+/// One Qwen3-30B-A3B expert layer (hidden 2048, 128 experts of FFN 768,
+/// top 8, random bf16 weights and inputs): `moe_ffn` (router matmul
+/// included) at 1 and 32 rows as captured graphs, at 2048 rows as launched.
+/// At 1 row the bytes read are the router and 8 experts; at 2048 rows the
+/// rate is the experts' tensor-core FLOPs.
+fn moe_bench(be: &CudaBackend, rng: &mut Rng, lines: &mut Vec<String>) -> Result<()> {
+    let (hidden, ffn) = (2048usize, 768usize);
+    let routing = crate::Routing { num_experts: 128, top_k: 8, norm_topk_prob: true };
+    let mut experts = Vec::with_capacity(routing.num_experts);
+    for _ in 0..routing.num_experts {
+        experts.push(crate::Expert {
+            gate_proj: be.upload_weight(&bench_weight(rng, ffn, hidden))?,
+            up_proj: be.upload_weight(&bench_weight(rng, ffn, hidden))?,
+            down_proj: be.upload_weight(&bench_weight(rng, hidden, ffn))?,
+        });
+    }
+    let table = be.expert_table(&experts)?;
+    let rt = float_tensor(
+        "router",
+        DType::BF16,
+        routing.num_experts,
+        hidden,
+        &rng.vec(routing.num_experts * hidden, 0.05),
+    );
+    let router = be.upload_weight(&rt)?;
+    let zero = be.upload_weight(&float_tensor("zero", DType::F32, 1, hidden, &vec![0.0; hidden]))?;
+    let max_rows = 2048;
+    let shape = crate::MoeShape { max_rows, hidden, expert_ffn: ffn, routing };
+    let mut sc = crate::MoeScratch::new(be, shape)?;
+    let x = be.alloc_act(ActShape { rows: max_rows, cols: hidden })?;
+    put_gpu(be, &x, &rng.vec(max_rows * hidden, 1.0))?;
+    let mut out = be.alloc_act(ActShape { rows: max_rows, cols: hidden })?;
+    let mut run = |rows: usize| {
+        let r = be.moe_ffn(crate::MoeFfn {
+            x: &x,
+            router: &router,
+            experts: &experts,
+            table: &table,
+            routing,
+            zero_row: &zero,
+            rows,
+            scratch: &mut sc,
+            out: &mut out,
+        });
+        if let Err(e) = r {
+            be.lock().error.get_or_insert(e);
+        }
+    };
+    let expert_bytes = (3 * ffn * hidden * 2) as f64;
+    let one = graph_time_ms(be, 300_001, 50, || run(1))?;
+    let read = routing.top_k as f64 * expert_bytes + (routing.num_experts * hidden * 2) as f64;
+    lines.push(format!(
+        "moe_ffn qwen3-30b-a3b layer, 1 row: {one:.4} ms, {:.0} GB/s of the {:.1} MB a token reads ({:.0}% of 4300)",
+        read / (one as f64 * 1e-3) / 1e9,
+        read / 1e6,
+        read / (one as f64 * 1e-3) / 1e9 / 4300.0 * 100.0
+    ));
+    let b32 = graph_time_ms(be, 300_002, 20, || run(32))?;
+    lines.push(format!("moe_ffn qwen3-30b-a3b layer, 32 rows: {b32:.4} ms ({:.4} ms per row)", b32 / 32.0));
+    let pre = time_ms(be, 5, || run(2048))?;
+    let flops = 2.0 * 2048.0 * routing.top_k as f64 * 3.0 * (ffn * hidden) as f64;
+    lines.push(format!(
+        "moe_ffn qwen3-30b-a3b layer, 2048 rows: {pre:.3} ms, {:.0} TFLOP/s in the experts",
+        flops / (pre as f64 * 1e-3) / 1e12
+    ));
+    be.check()
+}
+
+/// How a MoE check case sets its router.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RouterKind {
+    /// Every row is 4.0 in one of a few input columns (zero in the others),
+    /// and each column ranks the experts in its own order, 0.25 apart in the
+    /// logits, which are exact on both backends: the same experts and the
+    /// same weights whatever the router matmul rounds; rows of one column
+    /// share their experts.
+    Spread,
+    /// Experts `3i, 3i + 1, 3i + 2` have the same router row: their logits
+    /// tie exactly on both backends, and the top k must break the ties
+    /// towards the lower index.
+    Triples,
+    /// All router rows zero: every logit ties, every row takes experts
+    /// `0..k` with equal weights (one expert gets every row).
+    Flat,
+}
+
+/// One layer's experts and router on both backends.
+struct MoeLayer {
+    hidden: usize,
+    ffn: usize,
+    routing: crate::Routing,
+    gpu: Vec<crate::Expert<CudaWeight>>,
+    cpu: Vec<crate::Expert<crate::cpu::CpuWeight>>,
+    table: super::CudaExperts,
+    router: (CudaWeight, crate::cpu::CpuWeight),
+    zero: (CudaWeight, crate::cpu::CpuWeight),
+}
+
+/// Columns the `Spread` router reads its ranking from.
+fn spread_columns(hidden: usize) -> usize {
+    (hidden / 4).clamp(1, 37)
+}
+
+fn moe_layer(
+    be: &CudaBackend,
+    cpu: &CpuBackend,
+    rng: &mut Rng,
+    (hidden, ffn): (usize, usize),
+    routing: crate::Routing,
+    dtype: DType,
+    router: RouterKind,
+) -> Result<MoeLayer> {
+    let e = routing.num_experts;
+    let mk = |rng: &mut Rng, rows: usize, cols: usize| {
+        if dtype.is_quantized() {
+            quant_tensor(rng, dtype, rows, cols)
+        } else {
+            float_tensor("w", dtype, rows, cols, &rng.vec(rows * cols, 0.5 / (cols as f32).sqrt()))
+        }
+    };
+    let (mut gpu, mut cpu_x) = (Vec::with_capacity(e), Vec::with_capacity(e));
+    for _ in 0..e {
+        let ts = [mk(rng, ffn, hidden), mk(rng, ffn, hidden), mk(rng, hidden, ffn)];
+        gpu.push(crate::Expert {
+            gate_proj: be.upload_weight(&ts[0])?,
+            up_proj: be.upload_weight(&ts[1])?,
+            down_proj: be.upload_weight(&ts[2])?,
+        });
+        cpu_x.push(crate::Expert {
+            gate_proj: cpu.upload_weight(&ts[0])?,
+            up_proj: cpu.upload_weight(&ts[1])?,
+            down_proj: cpu.upload_weight(&ts[2])?,
+        });
+    }
+    let cols = spread_columns(hidden);
+    let mut w = vec![0f32; e * hidden];
+    if router != RouterKind::Flat {
+        for ex in 0..e {
+            let src = if router == RouterKind::Triples { ex - ex % 3 } else { ex };
+            let row = &mut w[ex * hidden..(ex + 1) * hidden];
+            for (c, v) in row.iter_mut().take(cols).enumerate() {
+                // A permutation of the experts per column (7 is prime to
+                // every expert count checked), 1/16 apart: exact in bf16,
+                // and so is each logit (one product of the input's 4.0,
+                // zeros elsewhere), however a matmul orders its sums.
+                *v = ((src * 7 + c * 13) % e) as f32 * 0.0625;
+            }
+        }
+    }
+    let rt = float_tensor("router", DType::BF16, e, hidden, &w);
+    let zt = float_tensor("zero", DType::F32, 1, hidden, &vec![0.0; hidden]);
+    let table = be.expert_table(&gpu)?;
+    Ok(MoeLayer {
+        hidden,
+        ffn,
+        routing,
+        table,
+        router: (be.upload_weight(&rt)?, cpu.upload_weight(&rt)?),
+        zero: (be.upload_weight(&zt)?, cpu.upload_weight(&zt)?),
+        gpu,
+        cpu: cpu_x,
+    })
+}
+
+/// Inputs whose row `r` is 4.0 in one of the `Spread` router's ranking
+/// columns (which one moves with `shift`, and so do the experts the row
+/// takes), zero in the others, and noise past them (which the router ignores
+/// and the experts read).
+fn moe_input(rng: &mut Rng, rows: usize, hidden: usize, shift: usize) -> Vec<f32> {
+    let cols = spread_columns(hidden);
+    let mut x = rng.vec(rows * hidden, 0.05);
+    for r in 0..rows {
+        let row = &mut x[r * hidden..(r + 1) * hidden];
+        row[..cols].fill(0.0);
+        row[(r * 5 + r / cols + shift) % cols] = 4.0;
+    }
+    x
+}
+
+/// The CPU's unfused op and the device's, both paths, on the same rows.
+fn moe_case(
+    be: &CudaBackend,
+    cpu: &CpuBackend,
+    rep: &mut CheckReport,
+    l: &MoeLayer,
+    xs: &[f32],
+    rows: usize,
+    name: &str,
+) -> Result<()> {
+    let shape = crate::MoeShape { max_rows: rows, hidden: l.hidden, expert_ffn: l.ffn, routing: l.routing };
+    let x = pair(be, cpu, rows, l.hidden, Some(xs))?;
+    let mut out = pair(be, cpu, rows, l.hidden, None)?;
+    let mut sc = crate::MoeScratch::new(cpu, shape)?;
+    cpu.moe_ffn(crate::MoeFfn {
+        x: &x.c,
+        router: &l.router.1,
+        experts: &l.cpu,
+        table: &(),
+        routing: l.routing,
+        zero_row: &l.zero.1,
+        rows,
+        scratch: &mut sc,
+        out: &mut out.c,
+    })?;
+    let mut want = Vec::new();
+    cpu.read_rows(&out.c, rows, &mut want);
+    let mut sg = crate::MoeScratch::new(be, shape)?;
+    for path in [super::MoePath::Gemv, super::MoePath::Gemm] {
+        // Something else first, so a launch that writes nothing shows.
+        put_gpu(be, &out.g, &vec![f32::NAN; rows * l.hidden])?;
+        be.moe_ffn_with(
+            crate::MoeFfn {
+                x: &x.g,
+                router: &l.router.0,
+                experts: &l.gpu,
+                table: &l.table,
+                routing: l.routing,
+                zero_row: &l.zero.0,
+                rows,
+                scratch: &mut sg,
+                out: &mut out.g,
+            },
+            path,
+        )?;
+        let mut got = Vec::new();
+        be.read_rows(&out.g, rows, &mut got);
+        be.check()?;
+        // The routed GEMVs compute in f32 like the CPU (and the router's
+        // logits are exact on both); the grouped GEMM rounds its inputs and
+        // the SwiGLU output to bf16.
+        let tol = if path == super::MoePath::Gemv { EXACT } else { BF16 };
+        rep.compare(&format!("moe_ffn {name} {rows} rows ({path:?})"), &got, &want, tol);
+    }
+    Ok(())
+}
+
+/// The routed expert FFN against the CPU's unfused op: the tiny fixture's
+/// shape, odd widths (scalar tails), Qwen3-30B-A3B's layer (hidden 2048, 128
+/// experts, top 8, expert FFN 768), block-format experts, ties in the
+/// router, each at 1, 3, 8, 64 and 300 rows on both kernel paths; then a
+/// captured decode step replayed with new inputs.
+/// A case that fails to run (a refused argument, a device fault) is counted
+/// as a failure and the next one runs, so one run reports every case.
+pub fn moe_checks(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
+    let cpu = CpuBackend::with_decode_activations(crate::cpu::DecodeActivations::F32);
+    let mut rng = Rng(0x6d6f65);
+    let r =
+        |e: usize, k: usize, norm: bool| crate::Routing { num_experts: e, top_k: k, norm_topk_prob: norm };
+    let cases: &[((usize, usize), crate::Routing, DType, RouterKind)] = &[
+        ((64, 32), r(4, 2, true), DType::BF16, RouterKind::Spread),
+        ((64, 32), r(4, 2, true), DType::BF16, RouterKind::Triples),
+        ((100, 36), r(6, 3, false), DType::BF16, RouterKind::Spread),
+        ((2048, 768), r(128, 8, true), DType::BF16, RouterKind::Spread),
+        ((2048, 768), r(128, 8, true), DType::BF16, RouterKind::Triples),
+        ((256, 96), r(16, 4, true), DType::BF16, RouterKind::Flat),
+        ((256, 64), r(8, 2, true), DType::Q8_0, RouterKind::Spread),
+        ((256, 256), r(8, 3, true), DType::Q4_K, RouterKind::Spread),
+        ((256, 256), r(8, 3, true), DType::Q6_K, RouterKind::Triples),
+    ];
+    for &(dims, routing, dtype, router) in cases {
+        let name = format!(
+            "{dtype} hidden {} ffn {} {}x top {}{} {router:?}",
+            dims.0,
+            dims.1,
+            routing.num_experts,
+            routing.top_k,
+            if routing.norm_topk_prob { " normed" } else { "" }
+        );
+        let l = match moe_layer(be, &cpu, &mut rng, dims, routing, dtype, router) {
+            Ok(l) => l,
+            Err(e) => {
+                rep.refused(&format!("moe layer {name}"), Err(e));
+                continue;
+            }
+        };
+        rep.compare(
+            &format!("moe expert table {name} on the device"),
+            &[f32::from(u8::from(l.table.on_device()))],
+            &[1.0],
+            EXACT,
+        );
+        for rows in [1usize, 3, 8, 64, 300] {
+            let xs = moe_input(&mut rng, rows, dims.0, 0);
+            let r = moe_case(be, &cpu, rep, &l, &xs, rows, &name);
+            rep.refused(&format!("moe_ffn {name} {rows} rows"), r);
+        }
+    }
+    let r = moe_graph_check(be, &cpu, rep, &mut rng);
+    rep.refused("moe graph", r);
+    Ok(())
+}
+
+/// A decode step's expert FFN captured once and replayed with new inputs
+/// (at 1 row, with down and the sum fused, and at 5): nothing of the routing
+/// may have been frozen into the capture.
+fn moe_graph_check(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
+    let routing = crate::Routing { num_experts: 16, top_k: 4, norm_topk_prob: true };
+    let l = moe_layer(be, cpu, rng, (256, 128), routing, DType::BF16, RouterKind::Spread)?;
+    for rows in [1, 5] {
+        moe_graph_rounds(be, cpu, rep, rng, &l, rows)?;
+    }
+    Ok(())
+}
+
+fn moe_graph_rounds(
+    be: &CudaBackend,
+    cpu: &CpuBackend,
+    rep: &mut CheckReport,
+    rng: &mut Rng,
+    l: &MoeLayer,
+    rows: usize,
+) -> Result<()> {
+    let routing = l.routing;
+    let shape = crate::MoeShape { max_rows: rows, hidden: l.hidden, expert_ffn: l.ffn, routing };
+    let mut x = pair(be, cpu, rows, l.hidden, None)?;
+    let mut out = pair(be, cpu, rows, l.hidden, None)?;
+    let (mut sg, mut sc) = (crate::MoeScratch::new(be, shape)?, crate::MoeScratch::new(cpu, shape)?);
+    // A key no other check captures under.
+    let key = GraphKey { rows, logit_rows: 0 };
+    for round in 0..3 {
+        // Each round routes every row to other experts than the last.
+        let xs = moe_input(rng, rows, l.hidden, 1 + 2 * round);
+        put_gpu(be, &x.g, &xs)?;
+        put_cpu(&mut x.c, &xs);
+        let replayed = be.graph_replay(key)?;
+        if !replayed {
+            let capturing = be.graph_capture_begin(key)?;
+            let r = be.moe_ffn(crate::MoeFfn {
+                x: &x.g,
+                router: &l.router.0,
+                experts: &l.gpu,
+                table: &l.table,
+                routing,
+                zero_row: &l.zero.0,
+                rows,
+                scratch: &mut sg,
+                out: &mut out.g,
+            });
+            if capturing {
+                be.graph_capture_end(key)?;
+            }
+            r?;
+        }
+        cpu.moe_ffn(crate::MoeFfn {
+            x: &x.c,
+            router: &l.router.1,
+            experts: &l.cpu,
+            table: &(),
+            routing,
+            zero_row: &l.zero.1,
+            rows,
+            scratch: &mut sc,
+            out: &mut out.c,
+        })?;
+        let (a, b) = read_both(be, cpu, &out, rows)?;
+        rep.compare(
+            &format!(
+                "moe graph {rows} rows, round {round} ({})",
+                if replayed { "replayed" } else { "captured" }
+            ),
+            &a,
+            &b,
+            EXACT,
+        );
+    }
     Ok(())
 }

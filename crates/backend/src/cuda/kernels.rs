@@ -58,6 +58,16 @@ pub(super) struct Kernels {
     pub(super) causal_conv_silu: [Kernel; 5],
     /// Indexed by log2 of the warps (1, 2, 4, 8: key heads of up to 32, 64, 128, 256).
     pub(super) gated_delta_rule: [Kernel; 4],
+    /// The routed expert FFN (kernels/moe.cu, launched from `moe.rs`).
+    pub(super) moe_route: Kernel,
+    pub(super) moe_sort: Kernel,
+    pub(super) moe_route_sort: Kernel,
+    pub(super) moe_gemv_gate_up: Kernel,
+    pub(super) moe_gemv_down: Kernel,
+    pub(super) moe_gemv_down_combine: Kernel,
+    pub(super) moe_gemm_gate_up: Kernel,
+    pub(super) moe_gemm_down: Kernel,
+    pub(super) moe_combine: Kernel,
 }
 
 /// Compile the kernel sources for `arch` (or read them from the cache in
@@ -164,6 +174,15 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
             f("gated_delta_rule_w4")?,
             f("gated_delta_rule_w8")?,
         ],
+        moe_route: f("moe_route")?,
+        moe_sort: f("moe_sort")?,
+        moe_route_sort: f("moe_route_sort")?,
+        moe_gemv_gate_up: f("moe_gemv_gate_up")?,
+        moe_gemv_down: f("moe_gemv_down")?,
+        moe_gemv_down_combine: f("moe_gemv_down_combine")?,
+        moe_gemm_gate_up: f("moe_gemm_gate_up")?,
+        moe_gemm_down: f("moe_gemm_down")?,
+        moe_combine: f("moe_combine")?,
     };
     Ok((module, k))
 }

@@ -215,6 +215,9 @@ impl CudaBackend {
         let (n, k) = (w.rows, w.cols);
         let set = mmq_index(w.dtype)
             .ok_or_else(|| BackendError::Other(format!("mmq: {} is not a block format", w.dtype)))?;
+        if rows > MMQ_MAX_ROWS {
+            return Err(BackendError::Other(format!("mmq: {rows} rows, the kernels take {MMQ_MAX_ROWS}")));
+        }
         let xbf = self.bf16_input(st, x, rows)?;
         let inst = rows.div_ceil(8).next_power_of_two().trailing_zeros() as usize;
         let part = st.tile.as_ref().map(|t| (t.ptr(), t.bytes().0 as usize)).unwrap_or((0, 0));

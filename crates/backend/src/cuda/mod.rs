@@ -18,6 +18,7 @@
 //! Where each concern lives:
 //! - `kernels.rs`: the kernel table, compiled and loaded (NVRTC and the CUBIN cache: `nvrtc.rs`);
 //! - `matmul.rs`: weights and the GEMV / cuBLASLt paths (`gemm.rs` wraps cuBLASLt);
+//! - `moe.rs`: the routed expert FFN (device-side routing, routed GEMVs, the grouped GEMM);
 //! - `attention.rs`: KV stores, the step's row and page maps, the KV writes and attention;
 //! - `delta.rs`: the gated delta-net ops of the Qwen3.5 hybrid (convolution, delta rule, norms);
 //! - `graphs.rs`: graph capture and replay;
@@ -38,6 +39,7 @@ pub mod gemm;
 mod graphs;
 mod kernels;
 mod matmul;
+mod moe;
 pub mod nccl;
 pub mod nvrtc;
 pub mod preflight;
@@ -61,6 +63,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use attention::{CudaKv, MAX_HEAD_DIM, TILED_MIN_ROWS};
 pub use matmul::{CudaWeight, GEMV_MAX_ROWS};
+pub use moe::{CudaExperts, MoePath, MOE_GEMV_MAX_ROWS};
 pub use preflight::{preflight, Preflight};
 pub use vram_alloc::VramAlloc;
 

@@ -20,6 +20,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("../../kernels/mmq.cu"),
     include_str!("../../kernels/attention.cu"),
     include_str!("../../kernels/delta.cu"),
+    include_str!("../../kernels/moe.cu"),
 ];
 
 /// NVRTC's version as (major, minor).
