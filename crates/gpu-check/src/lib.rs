@@ -31,6 +31,12 @@ use std::path::Path;
 /// Largest logit error, as a fraction of the largest logit, that bf16 weights and KV explain.
 pub const TOL: f32 = 2e-2;
 
+/// The same bound for the largest error over every position of a prompt, or every step of a
+/// batched decode, rather than one row: the tail of the same bf16 error over ~20 rows. Measured
+/// on the H200 (2026-12-01), the dense and MoE fixtures' per-position maxima ran 0.8-2.2% of the
+/// scale (f32 checkpoints, whose weights become bf16 on the device, the highest).
+pub const POSITION_TOL: f32 = 3e-2;
+
 /// One greedy run: the first step's logits, the tokens, and the top-1/top-2 gap at each step.
 pub struct Run {
     pub first_logits: Vec<f32>,
@@ -154,7 +160,7 @@ pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
             let ok = match chunked_logits(b, &ckpt, &prompt, chunks) {
                 Ok(l) => {
                     let (err, scale) = position_error(&l, &reference);
-                    let ok = err <= TOL * scale;
+                    let ok = err <= POSITION_TOL * scale;
                     println!(
                         "{} {name}: every position, prompt in chunks of {chunks:?}: max error {err:.2e} of {scale:.2e}",
                         if ok { "PASS" } else { "FAIL" }
@@ -172,7 +178,7 @@ pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
         let ok = match (batched_decode(b, &ckpt, 6), batched_decode(&cpu, &ckpt, 6)) {
             (Ok(got), Ok(want)) => {
                 let (err, scale) = position_error(&got, &want);
-                let ok = err <= TOL * scale;
+                let ok = err <= POSITION_TOL * scale;
                 println!(
                     "{} {name}: {BATCHED}: max error {err:.2e} of {scale:.2e}",
                     if ok { "PASS" } else { "FAIL" }
@@ -420,7 +426,7 @@ mod tests {
             let alone = chunked_logits(&cpu, &ckpt, &prompt[15..], &[6]).unwrap();
             let vocab = whole.len() / 21;
             let (err, scale) = position_error(&alone, &whole[15 * vocab..]);
-            assert!(err > TOL * scale, "{name}: a chunk without its history matched ({err} of {scale})");
+            assert!(err > POSITION_TOL * scale, "{name}: a chunk without its history matched ({err} of {scale})");
         }
         assert!(
             chunked_logits(&cpu, &Checkpoint::open(&dir.join("llama-f32")).unwrap(), &prompt, &[20]).is_err()
@@ -451,7 +457,7 @@ mod tests {
             }
             // The first sequence's row is not the second's.
             let (err, scale) = position_error(&together[..vocab], &together[vocab..2 * vocab]);
-            assert!(err > TOL * scale, "{name}: two sequences gave the same logits");
+            assert!(err > POSITION_TOL * scale, "{name}: two sequences gave the same logits");
         }
     }
 
