@@ -1,6 +1,8 @@
 //! Every tiny checkpoint through `Model::forward` on a backend under test and
 //! on the CPU backend: prompt logits within bf16 tolerance (2e-2 of the
-//! largest logit: weights and KV are bf16 on the device), and the greedy
+//! largest logit: the device rounds activations to bf16 in places and sums
+//! in its own order; the reference CPU stores weights and KV in bf16 as the
+//! device does, so a router's near tie goes the same way on both), and the greedy
 //! continuation equal token for token, with decode steps at batch 1. A
 //! mixture-of-experts checkpoint runs a second, 90-token prompt too, so a
 //! device that routes few rows one way and many another runs both.
@@ -28,7 +30,7 @@ use corridor_model::{Model, StepInput};
 use corridor_units::{PageId, StateSlot};
 use std::path::Path;
 
-/// Largest logit error, as a fraction of the largest logit, that bf16 weights and KV explain.
+/// Largest logit error, as a fraction of the largest logit, that bf16 arithmetic explains.
 pub const TOL: f32 = 2e-2;
 
 /// One greedy run: the first step's logits, the tokens, and the top-1/top-2 gap at each step.
