@@ -1,6 +1,8 @@
 //! Every tiny checkpoint through `Model::forward` on a backend under test and
 //! on the CPU backend: prompt logits within bf16 tolerance (2e-2 of the
-//! largest logit: weights and KV are bf16 on the device), and the greedy
+//! largest logit: the device rounds activations to bf16 in places and sums
+//! in its own order; the reference CPU stores weights and KV in bf16 as the
+//! device does, so a router's near tie goes the same way on both), and the greedy
 //! continuation equal token for token, with decode steps at batch 1. A
 //! mixture-of-experts checkpoint runs a second, 90-token prompt too, so a
 //! device that routes few rows one way and many another runs both.
@@ -20,7 +22,7 @@
 //! The binary (`src/main.rs`, feature `cuda`) runs this with the CUDA backend
 //! on the GPU machine; without a GPU the comparison is tested CPU against CPU.
 
-use corridor_backend::cpu::{CpuBackend, DecodeActivations};
+use corridor_backend::cpu::{CpuBackend, DecodeActivations, Storage};
 use corridor_backend::{Backend, SeqStep};
 use corridor_model::greedy::greedy;
 use corridor_model::Checkpoint;
@@ -28,7 +30,7 @@ use corridor_model::{Model, StepInput};
 use corridor_units::{PageId, StateSlot};
 use std::path::Path;
 
-/// Largest logit error, as a fraction of the largest logit, that bf16 weights and KV explain.
+/// Largest logit error, as a fraction of the largest logit, that bf16 arithmetic explains.
 pub const TOL: f32 = 2e-2;
 
 /// The same bound for the largest error over every position of a prompt, or every step of a
@@ -358,9 +360,13 @@ pub fn chunked_logits<B: Backend>(
 /// The CPU backend the checks compare against: f32 activations in every
 /// matmul (as the GPU's GEMVs keep them), so a prompt fed in chunks of a few
 /// rows computes what it computes fed whole (the CPU's default rounds the
-/// activations of block-format matmuls of a few rows to 8 bits).
+/// activations of block-format matmuls of a few rows to 8 bits); and the
+/// weights and KV stored in bf16 as the device stores them, so a
+/// mixture-of-experts router whose top experts nearly tie picks the experts
+/// the device picks (on the tiny Qwen3-MoE GGUF, two of them are 1e-3 apart
+/// for one decoded token, and rounding its f16 weights to bf16 swaps them).
 pub fn reference_cpu() -> CpuBackend {
-    CpuBackend::with_decode_activations(DecodeActivations::F32)
+    CpuBackend::with_decode_activations(DecodeActivations::F32).with_storage(Storage::Bf16)
 }
 
 /// SmolLM2-135M-Instruct answers the ChatML "capital of France" prompt with
@@ -459,6 +465,60 @@ mod tests {
             let (err, scale) = position_error(&together[..vocab], &together[vocab..2 * vocab]);
             assert!(err > POSITION_TOL * scale, "{name}: two sequences gave the same logits");
         }
+    }
+
+    /// A copy of the GGUF at `src` in `dir` with every f16 and f32 matrix
+    /// rounded to bf16 values (kept in its own type): the weights a bf16
+    /// device computes with, written out independently of the backend.
+    fn bf16_rounded_copy(src: &Path, dir: &Path) -> std::path::PathBuf {
+        use corridor_model::gguf::GgufFile;
+        let f = GgufFile::open(src).expect("fixture opens");
+        let mut bytes = std::fs::read(src).expect("fixture reads");
+        let round = |v: f32| half::bf16::from_f32(v).to_f32();
+        for t in f.tensors().iter().filter(|t| t.dims.len() >= 2) {
+            let at = (f.data_start() + t.offset) as usize;
+            let n = t.elems() as usize;
+            match t.dtype() {
+                Some(corridor_backend::DType::F16) => {
+                    for c in bytes[at..at + 2 * n].chunks_exact_mut(2) {
+                        let v = round(half::f16::from_le_bytes([c[0], c[1]]).to_f32());
+                        c.copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+                    }
+                }
+                Some(corridor_backend::DType::F32) => {
+                    for c in bytes[at..at + 4 * n].chunks_exact_mut(4) {
+                        let v = round(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                        c.copy_from_slice(&v.to_le_bytes());
+                    }
+                }
+                _ => {}
+            }
+        }
+        let out = dir.join(src.file_name().expect("a file name"));
+        std::fs::write(&out, bytes).expect("copy writes");
+        out
+    }
+
+    /// In the tiny Qwen3-MoE GGUF's batched steps, one token's router has its
+    /// second and third experts 1e-3 apart, and rounding the f16 weights to
+    /// bf16 (what the device stores) swaps them: a CPU keeping the f16
+    /// weights differs from one computing with the rounded weights by far
+    /// more than the tolerance. The reference stores bf16 itself, so it
+    /// agrees with the rounded weights within it (the rest is its bf16 KV).
+    #[test]
+    fn the_reference_routes_a_near_tie_as_bf16_weights_do() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+        let src = dir.join("qwen3-moe-f16.gguf");
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let rounded = Checkpoint::open(&bf16_rounded_copy(&src, tmp.path())).expect("copy opens");
+        let ckpt = Checkpoint::open(&src).expect("fixture opens");
+        let f32_acts = CpuBackend::with_decode_activations(DecodeActivations::F32);
+        let device_weights = batched_decode(&f32_acts, &rounded, 6).unwrap();
+        let (err, scale) = position_error(&batched_decode(&f32_acts, &ckpt, 6).unwrap(), &device_weights);
+        assert!(err > TOL * scale, "the f16 weights route as the bf16 ones do ({err} of {scale})");
+        let (err, scale) =
+            position_error(&batched_decode(&reference_cpu(), &ckpt, 6).unwrap(), &device_weights);
+        assert!(err <= TOL * scale / 2.0, "the reference: {err} of {scale}");
     }
 
     #[test]

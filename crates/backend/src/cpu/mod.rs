@@ -42,6 +42,27 @@ pub enum DecodeActivations {
     F32,
 }
 
+/// The types the backend keeps weights and KV in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Storage {
+    /// Weights in the checkpoint's type, KV in f32: the default.
+    #[default]
+    AsGiven,
+    /// What the CUDA backend stores: f32 and f16 matrices rounded to bf16 at
+    /// upload (vectors, one row, stay f32; bf16 and block formats as they
+    /// are) and every K and V value rounded to bf16 as it is written. A
+    /// reference to compare a bf16 device against: a mixture of experts
+    /// picks its experts by comparing router logits, and where two of them
+    /// nearly tie, the rounding of the weights alone decides which expert a
+    /// token gets, a difference no tolerance on the logits absorbs.
+    Bf16,
+}
+
+/// `v` rounded to the nearest bf16 (ties to even), back in f32.
+fn round_bf16(v: f32) -> f32 {
+    half::bf16::from_f32(v).to_f32()
+}
+
 /// The CPU backend. Threads come from rayon's global pool, which the binary
 /// sizes once at start-up.
 #[derive(Clone, Debug, Default)]
@@ -50,6 +71,7 @@ pub struct CpuBackend {
     /// allocated (see [`CpuBackend::resident`]).
     resident: bool,
     decode: DecodeActivations,
+    storage: Storage,
 }
 
 impl CpuBackend {
@@ -59,6 +81,11 @@ impl CpuBackend {
     /// A backend whose decode keeps activations as chosen.
     pub fn with_decode_activations(decode: DecodeActivations) -> Self {
         CpuBackend { decode, ..CpuBackend::default() }
+    }
+
+    /// This backend keeping weights and KV as `storage` says.
+    pub fn with_storage(self, storage: Storage) -> Self {
+        CpuBackend { storage, ..self }
     }
 
     /// A backend whose KV and activation buffers are resident from the start.
@@ -269,6 +296,28 @@ impl Backend for CpuBackend {
 
     fn upload_weight(&self, t: &HostTensor) -> Result<CpuWeight> {
         let (rows, cols, want) = t.checked_matrix()?;
+        if self.storage == Storage::Bf16 && rows > 1 && matches!(t.dtype, DType::F32 | DType::F16) {
+            // Element by element: checkpoint offsets need not be aligned.
+            let wide: Vec<f32> = match t.dtype {
+                DType::F32 => t
+                    .data
+                    .bytes()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+                _ => t
+                    .data
+                    .bytes()
+                    .chunks_exact(2)
+                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+            };
+            debug_assert_eq!(wide.len(), rows * cols, "{want} bytes checked");
+            let bytes = TensorBytes::from_vec(
+                wide.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(),
+            );
+            return Ok(CpuWeight::Packed { dtype: DType::BF16, bytes, rows, cols, row_bytes: 2 * cols });
+        }
         Ok(match t.dtype {
             DType::F32 => {
                 // Copy into an aligned Vec: checkpoint offsets need not be 4-byte aligned.
@@ -555,6 +604,10 @@ impl Backend for CpuBackend {
                 let at = kv.slot(s.pages[pos / g.page_size], pos % g.page_size);
                 kv.k[at..at + width].copy_from_slice(k.row(s.row_start + i));
                 kv.v[at..at + width].copy_from_slice(v.row(s.row_start + i));
+                if self.storage == Storage::Bf16 {
+                    kv.k[at..at + width].iter_mut().for_each(|x| *x = round_bf16(*x));
+                    kv.v[at..at + width].iter_mut().for_each(|x| *x = round_bf16(*x));
+                }
             }
         }
     }
@@ -641,6 +694,9 @@ impl Backend for CpuBackend {
         }
         kv.k[a..a + n].copy_from_slice(&data[..n]);
         kv.v[a..a + n].copy_from_slice(&data[n..]);
+        if self.storage == Storage::Bf16 {
+            kv.k[a..a + n].iter_mut().chain(&mut kv.v[a..a + n]).for_each(|x| *x = round_bf16(*x));
+        }
         Ok(())
     }
 }
@@ -670,5 +726,69 @@ mod residency_tests {
         assert!(after_lazy.saturating_sub(before) < 32 * MIB, "a lazy buffer was backed");
         assert!(after_real.saturating_sub(after_lazy) > 100 * MIB, "the resident buffer was not backed");
         drop((lazy, real));
+    }
+}
+
+#[cfg(test)]
+mod storage_tests {
+    use super::*;
+
+    fn tensor(dtype: DType, rows: usize, values: &[f32]) -> HostTensor {
+        let data: Vec<u8> = match dtype {
+            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            _ => values.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect(),
+        };
+        HostTensor {
+            name: "w".into(),
+            dtype,
+            shape: vec![rows, values.len() / rows],
+            data: TensorBytes::from_vec(data),
+        }
+    }
+
+    /// Row 0 of `t` as `b` stores it, read back through an embedding.
+    fn stored_row(b: &CpuBackend, t: &HostTensor) -> Vec<f32> {
+        let w = b.upload_weight(t).unwrap();
+        let mut out = b.alloc_act(ActShape { rows: 1, cols: t.shape[1] }).unwrap();
+        b.embedding(&w, &[0], &mut out).unwrap();
+        out.row(0).to_vec()
+    }
+
+    #[test]
+    fn bf16_storage_rounds_matrices_and_kv_as_a_bf16_device_keeps_them() {
+        // 1 + 3·2⁻⁹ is an f16 but not a bf16 (whose nearest is 1 + 2⁻⁷);
+        // 1 + 2⁻²⁰ is an f32 whose nearest bf16 is 1.
+        let (f16_only, f32_only) = (1.0 + 3.0 / 512.0, 1.0 + 1.0 / 1048576.0);
+        let plain = CpuBackend::new();
+        let bf16 = CpuBackend::new().with_storage(Storage::Bf16);
+        let h = tensor(DType::F16, 2, &[f16_only, -f16_only, 0.5, 2.0]);
+        let f = tensor(DType::F32, 2, &[f32_only, 3.0, 0.5, 2.0]);
+        assert_eq!(stored_row(&plain, &h), vec![f16_only, -f16_only]);
+        assert_eq!(stored_row(&bf16, &h), vec![1.0 + 1.0 / 128.0, -(1.0 + 1.0 / 128.0)]);
+        assert_eq!(stored_row(&plain, &f), vec![f32_only, 3.0]);
+        assert_eq!(stored_row(&bf16, &f), vec![1.0, 3.0]);
+        // A vector (norm weights, biases) stays f32, as the device keeps it.
+        assert_eq!(stored_row(&bf16, &tensor(DType::F32, 1, &[f32_only, 3.0])), vec![f32_only, 3.0]);
+
+        // K and V are rounded as they are written, and on a page copied in.
+        let g = KvGeometry { page_size: 2, num_pages: 1, kv_heads: 1, head_dim: 2 };
+        let pages = [PageId(0)];
+        let seqs = [SeqStep { row_start: 0, rows: 1, cached: 0, pages: &pages }];
+        for (b, want) in [(&plain, f32_only), (&bf16, 1.0)] {
+            let mut kv = b.alloc_kv(g).unwrap();
+            let mut k = b.alloc_act(ActShape { rows: 1, cols: 2 }).unwrap();
+            k.row_mut(0).copy_from_slice(&[f32_only, 0.25]);
+            let mut v = b.alloc_act(ActShape { rows: 1, cols: 2 }).unwrap();
+            v.row_mut(0).copy_from_slice(&[-f32_only, 0.5]);
+            b.write_kv(&mut kv, &k, &v, &seqs);
+            let mut page = Vec::new();
+            b.read_kv_page(&kv, PageId(0), &mut page).unwrap();
+            assert_eq!(page, vec![want, 0.25, 0.0, 0.0, -want, 0.5, 0.0, 0.0]);
+            let copied: Vec<f32> = (0..8).map(|i| if i % 4 == 0 { f32_only } else { 0.0 }).collect();
+            b.write_kv_page(&mut kv, PageId(0), &copied).unwrap();
+            b.read_kv_page(&kv, PageId(0), &mut page).unwrap();
+            assert_eq!(page[0], want);
+            assert_eq!(page[4], want);
+        }
     }
 }

@@ -1551,7 +1551,7 @@ fn moe_layer(
     rng: &mut Rng,
     (hidden, ffn): (usize, usize),
     routing: crate::Routing,
-    dtype: DType,
+    (dtype, router_dtype): (DType, DType),
     router: RouterKind,
 ) -> Result<MoeLayer> {
     let e = routing.num_experts;
@@ -1591,7 +1591,7 @@ fn moe_layer(
             }
         }
     }
-    let rt = float_tensor("router", DType::BF16, e, hidden, &w);
+    let rt = float_tensor("router", router_dtype, e, hidden, &w);
     let zt = float_tensor("zero", DType::F32, 1, hidden, &vec![0.0; hidden]);
     let table = be.expert_table(&gpu)?;
     Ok(MoeLayer {
@@ -1710,7 +1710,7 @@ pub fn moe_checks(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
             routing.top_k,
             if routing.norm_topk_prob { " normed" } else { "" }
         );
-        let l = match moe_layer(be, &cpu, &mut rng, dims, routing, dtype, router) {
+        let l = match moe_layer(be, &cpu, &mut rng, dims, routing, (dtype, DType::BF16), router) {
             Ok(l) => l,
             Err(e) => {
                 rep.refused(&format!("moe layer {name}"), Err(e));
@@ -1736,23 +1736,57 @@ pub fn moe_checks(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
 
 /// A decode step's expert FFN captured once and replayed with new inputs
 /// (at 1 row, with down and the sum fused, and at 5): nothing of the routing
-/// may have been frozen into the capture.
+/// may have been frozen into the capture. Then the tiny Qwen3-MoE GGUF's
+/// layer as the device holds it (hidden 64, 4 experts of 32, top 2 normed;
+/// f16 experts and an f32 router, both bf16 once uploaded, compared with a
+/// CPU that stores them so too) in the steps the batched model check runs:
+/// three sequences and a padding row, the sequences in another order each
+/// round, captured once and replayed.
 fn moe_graph_check(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
     let routing = crate::Routing { num_experts: 16, top_k: 4, norm_topk_prob: true };
-    let l = moe_layer(be, cpu, rng, (256, 128), routing, DType::BF16, RouterKind::Spread)?;
+    let l = moe_layer(be, cpu, rng, (256, 128), routing, (DType::BF16, DType::BF16), RouterKind::Spread)?;
     for rows in [1, 5] {
-        moe_graph_rounds(be, cpu, rep, rng, &l, rows)?;
+        moe_graph_rounds(be, cpu, rep, rng, &l, (rows, false))?;
     }
-    Ok(())
+    let bf16_cpu = cpu.clone().with_storage(crate::cpu::Storage::Bf16);
+    let routing = crate::Routing { num_experts: 4, top_k: 2, norm_topk_prob: true };
+    let l = moe_layer(be, &bf16_cpu, rng, (64, 32), routing, (DType::F16, DType::F32), RouterKind::Spread)?;
+    rep.compare(
+        "moe expert table of f16 experts (the tiny GGUF's layer) on the device",
+        &[f32::from(u8::from(l.table.on_device()))],
+        &[1.0],
+        EXACT,
+    );
+    moe_graph_rounds(be, &bf16_cpu, rep, rng, &l, (4, true))
 }
 
+/// A decode step as the batched model check (crates/gpu-check) feeds one:
+/// three sequences' rows (each routed by its own input column, moved each
+/// round) in another order each round, then a row of no sequence, zero in
+/// the router's columns (its logits all tie: it takes experts 0..k) and
+/// noise past them.
+fn padded_step(rng: &mut Rng, hidden: usize, round: usize) -> Vec<f32> {
+    let seqs = moe_input(rng, 3, hidden, 1 + 2 * round);
+    let mut order: Vec<usize> = (0..3).map(|r| (r + round) % 3).collect();
+    if round % 2 == 1 {
+        order.reverse();
+    }
+    let mut x: Vec<f32> = order.iter().flat_map(|&i| seqs[i * hidden..(i + 1) * hidden].to_vec()).collect();
+    let mut pad = rng.vec(hidden, 0.05);
+    pad[..spread_columns(hidden)].fill(0.0);
+    x.extend(pad);
+    x
+}
+
+/// Rounds of one captured step of `rows` rows; `padded`: the rows are a
+/// [`padded_step`] (`rows` must be 4).
 fn moe_graph_rounds(
     be: &CudaBackend,
     cpu: &CpuBackend,
     rep: &mut CheckReport,
     rng: &mut Rng,
     l: &MoeLayer,
-    rows: usize,
+    (rows, padded): (usize, bool),
 ) -> Result<()> {
     let routing = l.routing;
     let shape = crate::MoeShape { max_rows: rows, hidden: l.hidden, expert_ffn: l.ffn, routing };
@@ -1761,9 +1795,14 @@ fn moe_graph_rounds(
     let (mut sg, mut sc) = (crate::MoeScratch::new(be, shape)?, crate::MoeScratch::new(cpu, shape)?);
     // A key no other check captures under.
     let key = GraphKey { rows, logit_rows: 0 };
-    for round in 0..3 {
+    let label = if padded { ", 3 sequences and a padding row, reordered" } else { "" };
+    for round in 0..if padded { 4 } else { 3 } {
         // Each round routes every row to other experts than the last.
-        let xs = moe_input(rng, rows, l.hidden, 1 + 2 * round);
+        let xs = if padded {
+            padded_step(rng, l.hidden, round)
+        } else {
+            moe_input(rng, rows, l.hidden, 1 + 2 * round)
+        };
         put_gpu(be, &x.g, &xs)?;
         put_cpu(&mut x.c, &xs);
         let replayed = be.graph_replay(key)?;
@@ -1799,7 +1838,8 @@ fn moe_graph_rounds(
         let (a, b) = read_both(be, cpu, &out, rows)?;
         rep.compare(
             &format!(
-                "moe graph {rows} rows, round {round} ({})",
+                "moe graph hidden {} {rows} rows{label}, round {round} ({})",
+                l.hidden,
                 if replayed { "replayed" } else { "captured" }
             ),
             &a,
