@@ -45,6 +45,8 @@ pub(super) struct Kernels {
     pub(super) attn_combine: Kernel,
     pub(super) attn_prefill_hd64: Kernel,
     pub(super) attn_prefill_hd128: Kernel,
+    /// One block per row: sanitize, edit and draw (kernels/sample.cu).
+    pub(super) sample_rows: Kernel,
 }
 
 /// Compile the kernel sources for `arch` (or read them from the cache in
@@ -121,6 +123,7 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         attn_combine: f("attn_combine")?,
         attn_prefill_hd64: f("attn_prefill_hd64")?,
         attn_prefill_hd128: f("attn_prefill_hd128")?,
+        sample_rows: f("sample_rows")?,
     };
     Ok((module, k))
 }

@@ -12,11 +12,12 @@ use std::ffi::CString;
 use std::path::{Path, PathBuf};
 
 /// The kernel sources, concatenated into one program (one compile, one module).
-pub const SOURCES: [&str; 4] = [
+pub const SOURCES: [&str; 5] = [
     include_str!("../../kernels/common.cu"),
     include_str!("../../kernels/elementwise.cu"),
     include_str!("../../kernels/gemv.cu"),
     include_str!("../../kernels/attention.cu"),
+    include_str!("../../kernels/sample.cu"),
 ];
 
 /// NVRTC's version as (major, minor).
