@@ -404,25 +404,23 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 before += (double)sample_weight(sample_unkey((u32)(keys[j] >> 32)), mx, inv_t);
             }
         }
-        if (sp.min_p > 0.0f) {
-            for (u32 j = 0; j < m; j++) {
-                if (sample_weight(sample_unkey((u32)(keys[j] >> 32)), mx, inv_t) < sp.min_p) {
-                    m = j;
-                    break;
-                }
-            }
-        }
+        // min-p last, token by token as the host filters (a filter, not a
+        // cut: the weights' polynomial need not be monotone to the last ulp).
         double sum = 0.0;
-        for (u32 j = 0; j < m; j++) sum += (double)sample_weight(sample_unkey((u32)(keys[j] >> 32)), mx, inv_t);
+        for (u32 j = 0; j < m; j++) {
+            float w = sample_weight(sample_unkey((u32)(keys[j] >> 32)), mx, inv_t);
+            if (w >= floor_w) sum += (double)w;
+        }
         if (m > 0 && sum > 0.0 && sum <= 1.0e308) {
             double target = sp.uniform * sum, cum = 0.0;
-            u32 pick = m - 1;
+            u32 pick = SAMPLE_NONE;
             for (u32 j = 0; j < m; j++) {
-                cum += (double)sample_weight(sample_unkey((u32)(keys[j] >> 32)), mx, inv_t);
-                if (cum > target) {
-                    pick = j;
-                    break;
-                }
+                float w = sample_weight(sample_unkey((u32)(keys[j] >> 32)), mx, inv_t);
+                if (w < floor_w) continue;
+                // Rounding left the target at or past the sum: the last candidate.
+                pick = j;
+                cum += (double)w;
+                if (cum > target) break;
             }
             unsigned long long kp = keys[pick];
             res.token = 0xffffffffu - (u32)(kp & 0xffffffffull);
