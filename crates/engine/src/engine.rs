@@ -556,8 +556,19 @@ impl Core {
         for (id, message) in failed {
             self.finish(id, FinishReason::Error(message));
         }
-        let ids: Vec<RequestId> = ids.iter().copied().filter(|id| self.live.contains_key(id)).collect();
-        let ids = &ids[..];
+        // Rows of requests that just ended (their grammar failed) leave the
+        // batch: move the rows after them down, so row i is ids[i]'s again.
+        let mut kept = Vec::with_capacity(ids.len());
+        for (row, &id) in ids.iter().enumerate() {
+            if self.live.contains_key(&id) {
+                let to = kept.len();
+                if to != row {
+                    self.logits.copy_within(row * vocab..(row + 1) * vocab, to * vocab);
+                }
+                kept.push(id);
+            }
+        }
+        let ids = &kept[..];
         let outcomes = {
             let mut rows: Vec<SampleRow<'_>> = Vec::with_capacity(ids.len());
             // Collect disjoint &mut borrows of the live map in id order.

@@ -223,3 +223,61 @@ fn an_executor_without_the_op_samples_every_row_on_the_host() {
     handle.shutdown();
     assert!(got.iter().all(|t| t.len() == 12));
 }
+
+/// A grammar whose mask fails from its third token on.
+struct FailsLater(usize);
+impl TokenConstraint for FailsLater {
+    fn mask(&mut self, vocab: usize) -> Result<TokenMask, ConstraintError> {
+        self.0 += 1;
+        if self.0 > 2 {
+            return Err(ConstraintError("the grammar broke".into()));
+        }
+        let mut m = TokenMask::none(vocab);
+        (0..vocab as u32).for_each(|t| m.allow(t));
+        Ok(m)
+    }
+    fn accept(&mut self, _token: u32) -> Result<(), ConstraintError> {
+        Ok(())
+    }
+    fn fork(&self) -> Box<dyn TokenConstraint> {
+        Box::new(FailsLater(self.0))
+    }
+}
+
+fn greedy_tokens(stream: &mut corridor_engine::engine::RequestStream) -> Vec<u32> {
+    let mut got = Vec::new();
+    while let Some(ev) = stream.next_blocking() {
+        match ev {
+            Event::Token { token, .. } => got.push(token),
+            Event::Done { .. } => break,
+        }
+    }
+    got
+}
+
+/// A request whose grammar fails leaves the batch; the rows after it still
+/// sample from their own logits.
+#[test]
+fn a_failed_grammar_leaves_the_other_rows_their_own_logits() {
+    let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
+    let request = |prompt: Vec<u32>, constraint: Option<Constraint>| GenerateRequest {
+        prompt,
+        params: greedy.clone(),
+        max_new_tokens: Some(10),
+        eos_ids: vec![],
+        constraint,
+    };
+    let alone = engine(Box::new(executor()));
+    let want = greedy_tokens(&mut alone.submit(request(vec![3, 14, 15, 9], None)).unwrap());
+    alone.shutdown();
+
+    let both = engine(Box::new(executor()));
+    let mut failing =
+        both.submit(request(vec![27, 18, 28], Some(Constraint(Box::new(FailsLater(0)))))).unwrap();
+    let mut after = both.submit(request(vec![3, 14, 15, 9], None)).unwrap();
+    let failed = greedy_tokens(&mut failing);
+    let got = greedy_tokens(&mut after);
+    both.shutdown();
+    assert_eq!(failed.len(), 2, "the grammar should end its request at its third token");
+    assert_eq!(got, want);
+}
