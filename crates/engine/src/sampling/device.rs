@@ -15,7 +15,7 @@
 //! written with the host sampler's own pieces, for tests and for checking a
 //! device against.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 
 use corridor_backend::sample::{
     LogitEdit, RowSummary, SampleRowSpec, EDIT_BIAS, EDIT_MASK, NO_TOKEN, ROW_DRAWN, ROW_TOO_MANY_CANDIDATES,
@@ -34,7 +34,10 @@ use super::SampleRow;
 
 /// Appends to `out` the edits [`super::logits::apply_adjustments`] would make
 /// to a row of `vocab` logits for `params` and `state`: one entry per token
-/// it touches, in token order.
+/// it touches, in no particular order (each token's edit is independent of
+/// the others'). Runs every step for every device row, so the prompt's
+/// tokens, the many, are pushed as they come and only the few others
+/// (output so far, `logit_bias`, masks) are merged through a map.
 pub fn adjustment_edits(
     params: &SamplingParams,
     state: &SamplerState,
@@ -42,41 +45,50 @@ pub fn adjustment_edits(
     vocab: usize,
     out: &mut Vec<LogitEdit>,
 ) {
-    let mut edits: BTreeMap<TokenId, LogitEdit> = BTreeMap::new();
-    fn at(edits: &mut BTreeMap<TokenId, LogitEdit>, token: TokenId) -> &mut LogitEdit {
-        edits.entry(token).or_insert(LogitEdit { token, rep: 1.0, sub: 0.0, bias: 0.0, flags: 0 })
-    }
     let rep = params.repetition_penalty;
-    if rep != 1.0 {
-        // A token in both prompt and output is penalized once.
-        for &token in state.prompt_tokens().iter().chain(state.output_counts().keys()) {
-            at(&mut edits, token).rep = rep;
+    let penalized = rep != 1.0;
+    let blank = |token: TokenId| LogitEdit { token, rep: 1.0, sub: 0.0, bias: 0.0, flags: 0 };
+    let mut few: HashMap<TokenId, LogitEdit> = HashMap::new();
+    // A token in both prompt and output is penalized once: its entry here
+    // carries the prompt's penalty, and the prompt's pass skips it.
+    let prompt_rep =
+        |token: TokenId| if penalized && state.prompt_tokens().contains(&token) { rep } else { 1.0 };
+    fn at(few: &mut HashMap<TokenId, LogitEdit>, token: TokenId, rep: f32) -> &mut LogitEdit {
+        few.entry(token).or_insert(LogitEdit { token, rep, sub: 0.0, bias: 0.0, flags: 0 })
+    }
+    if penalized {
+        for &token in state.output_counts().keys() {
+            at(&mut few, token, rep).rep = rep;
         }
     }
     let (freq, pres) = (params.frequency_penalty, params.presence_penalty);
     if freq != 0.0 || pres != 0.0 {
         for (&token, &count) in state.output_counts() {
             let presence = if count > 0 { pres } else { 0.0 };
-            at(&mut edits, token).sub = count as f32 * freq + presence;
+            at(&mut few, token, prompt_rep(token)).sub = count as f32 * freq + presence;
         }
     }
     for (&token, &bias) in &params.logit_bias {
-        let e = at(&mut edits, token);
+        let e = at(&mut few, token, prompt_rep(token));
         e.bias = SamplingParams::clamped_bias(bias);
         e.flags |= EDIT_BIAS;
     }
     let before_min = state.generated() < params.min_tokens;
     if before_min || params.ignore_eos {
         for &token in eos {
-            at(&mut edits, token).flags |= EDIT_MASK;
+            at(&mut few, token, prompt_rep(token)).flags |= EDIT_MASK;
         }
     }
     if before_min {
         for &token in &params.stop_token_ids {
-            at(&mut edits, token).flags |= EDIT_MASK;
+            at(&mut few, token, prompt_rep(token)).flags |= EDIT_MASK;
         }
     }
-    out.extend(edits.into_values().filter(|e| (e.token as usize) < vocab));
+    if penalized {
+        let prompt = state.prompt_tokens().iter().filter(|&&t| (t as usize) < vocab && !few.contains_key(&t));
+        out.extend(prompt.map(|&token| LogitEdit { rep, ..blank(token) }));
+    }
+    out.extend(few.into_values().filter(|e| (e.token as usize) < vocab));
 }
 
 /// Keeps a processed value inside the sanitized domain, as the host's
@@ -285,7 +297,9 @@ mod tests {
             apply_adjustments(&mut want, &p, &s, &eos);
             let mut edits = Vec::new();
             adjustment_edits(&p, &s, &eos, vocab, &mut edits);
-            assert!(edits.windows(2).all(|w| w[0].token < w[1].token), "one edit per token, in order");
+            let mut tokens: Vec<TokenId> = edits.iter().map(|e| e.token).collect();
+            tokens.sort_unstable();
+            assert!(tokens.windows(2).all(|w| w[0] < w[1]), "one edit per token");
             assert!(edits.iter().all(|e| (e.token as usize) < vocab));
             apply_edits(&mut got, &edits);
             let bits = |r: &[f32]| r.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
