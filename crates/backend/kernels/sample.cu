@@ -150,6 +150,66 @@ __device__ void sample_region(const float* row, int vocab, float mx, float inv_t
     *sum = sample_sum_f64(s, sd);
 }
 
+// Gather the tokens of positive weight at the floor whose key lies in
+// [klo, khi] into `keys` as (key << 32 | ~id) and sort them in rank order
+// (larger key first, then lower id). Returns how many there are; more than
+// SAMPLE_CAP means they did not fit (and `keys` holds some of them).
+__device__ u32 sample_gather_sorted(const float* row, int vocab, float mx, float inv_t, float floor_w, u32 klo,
+                                    u32 khi, unsigned long long* keys, u32* slot) {
+    const int tid = threadIdx.x;
+    __syncthreads();
+    if (tid == 0) *slot = 0;
+    __syncthreads();
+    for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
+        float l = row[i];
+        u32 k = sample_key(l);
+        if (k < klo || k > khi) continue;
+        float w = sample_weight(l, mx, inv_t);
+        if (w > 0.0f && w >= floor_w) {
+            u32 at = atomicAdd(slot, 1u);
+            if (at < SAMPLE_CAP) keys[at] = ((unsigned long long)k << 32) | (unsigned long long)(0xffffffffu - (u32)i);
+        }
+    }
+    __syncthreads();
+    const u32 total = *slot;
+    const u32 n = min(total, (u32)SAMPLE_CAP);
+    u32 p2 = 1;
+    while (p2 < n) p2 <<= 1;
+    for (u32 i = n + tid; i < p2; i += SAMPLE_THREADS) keys[i] = 0ull;
+    __syncthreads();
+    // Bitonic sort, descending.
+    for (u32 size = 2; size <= p2; size <<= 1) {
+        for (u32 stride = size >> 1; stride > 0; stride >>= 1) {
+            for (u32 i = tid; i < p2 / 2; i += SAMPLE_THREADS) {
+                u32 a = 2 * i - (i & (stride - 1));
+                u32 b = a + stride;
+                bool desc = (a & size) == 0;
+                unsigned long long ka = keys[a], kb = keys[b];
+                if (desc ? (ka < kb) : (ka > kb)) {
+                    keys[a] = kb;
+                    keys[b] = ka;
+                }
+            }
+            __syncthreads();
+        }
+    }
+    return total;
+}
+
+__device__ __forceinline__ float sample_key_weight(unsigned long long key, float mx, float inv_t) {
+    return sample_weight(sample_unkey((u32)(key >> 32)), mx, inv_t);
+}
+__device__ __forceinline__ u32 sample_key_id(unsigned long long key) { return 0xffffffffu - (u32)(key & 0xffffffffull); }
+
+// The weight of the tokens at the floor whose key is above `k`.
+__device__ double sample_mass_above(const float* row, int vocab, float mx, float inv_t, float floor_w, u32 k, u32* su,
+                                    double* sd) {
+    u32 c;
+    double s;
+    sample_region(row, vocab, mx, inv_t, floor_w, k + 1, &c, &s, su, sd);
+    return s;
+}
+
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(float* logits, int vocab, const SampleSpec* specs, const SampleEdit* edits, SampleSummary* out) {
     pdl_enter();
@@ -159,6 +219,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __shared__ float best_v[32];
     __shared__ u32 best_i[32];
     __shared__ u32 slot, chosen;
+    __shared__ double wide_total;
 
     const SampleSpec sp = specs[blockIdx.x];
     float* row = logits + (long long)sp.row * vocab;
@@ -326,21 +387,112 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     const u32 full = top_k > 0 ? npos : nfloor;
     const double limit = (double)sp.top_p * total;
     u32 lo_key = 0, count = full;
-    if (count > SAMPLE_CAP) {
+    if (count > SAMPLE_CAP && top_k > 0) {
+        // The highest key whose region holds the first k tokens and fits.
         u32 hi_key = sample_key(mx) + 1;
         while (hi_key - lo_key > 1) {
             u32 mid = lo_key + (hi_key - lo_key) / 2;
             u32 c;
             double s;
             sample_region(row, vocab, mx, inv_t, region_floor, mid, &c, &s, su, sd);
-            bool holds = top_k > 0 ? c >= top_k : (s >= limit || c == full);
-            if (holds) {
+            if (c >= top_k) {
                 lo_key = mid;
                 count = c;
                 if (c <= SAMPLE_CAP) break;
             } else {
                 hi_key = mid;
             }
+        }
+    } else if (count > SAMPLE_CAP) {
+        // The nucleus's last key: the lowest key `kc` whose tokens above it
+        // weigh less than the limit. Every token above `kc` is a candidate,
+        // and those at `kc` while the weight before them is below the limit.
+        u32 lo = 0, hi = sample_key(mx);
+        while (lo < hi) {
+            u32 mid = lo + (hi - lo) / 2;
+            if (sample_mass_above(row, vocab, mx, inv_t, floor_w, mid, su, sd) < limit) hi = mid;
+            else lo = mid + 1;
+        }
+        const u32 kc = lo;
+        u32 c;
+        double s;
+        sample_region(row, vocab, mx, inv_t, floor_w, kc, &c, &s, su, sd);
+        lo_key = kc;
+        count = c;
+        if (count > SAMPLE_CAP) {
+            // Too many to sort: draw by bisection on the key as well. The
+            // tokens at `kc` (usually one) take part in id order.
+            const double above = sample_mass_above(row, vocab, mx, inv_t, floor_w, kc, su, sd);
+            const u32 g = sample_gather_sorted(row, vocab, mx, inv_t, floor_w, kc, kc, keys, &slot);
+            if (g > SAMPLE_CAP) {
+                res.status = ROW_TOO_MANY;
+                if (tid == 0) out[blockIdx.x] = res;
+                return;
+            }
+            if (tid == 0) {
+                double cum = above;
+                u32 nc = 0;
+                for (; nc < g; nc++) {
+                    if (cum >= limit) break;
+                    cum += (double)sample_key_weight(keys[nc], mx, inv_t);
+                }
+                wide_total = cum;
+                chosen = nc;
+            }
+            __syncthreads();
+            const double all = wide_total;
+            const u32 nc = chosen;
+            double target = sp.uniform * all;
+            if (target >= above && nc == 0) target = nextafter(above, 0.0);
+            if (target >= above) {
+                // In the group at `kc`.
+                if (tid == 0) {
+                    double cum = above;
+                    u32 pick = nc - 1;
+                    for (u32 j = 0; j < nc; j++) {
+                        cum += (double)sample_key_weight(keys[j], mx, inv_t);
+                        if (cum > target) {
+                            pick = j;
+                            break;
+                        }
+                    }
+                    res.token = sample_key_id(keys[pick]);
+                    res.value_bits = __float_as_uint(sample_unkey(kc));
+                    out[blockIdx.x] = res;
+                }
+                return;
+            }
+            // Above `kc`: the lowest key whose tokens above it weigh no more
+            // than the target holds the draw.
+            u32 dlo = kc + 1, dhi = sample_key(mx);
+            while (dlo < dhi) {
+                u32 mid = dlo + (dhi - dlo) / 2;
+                if (sample_mass_above(row, vocab, mx, inv_t, floor_w, mid, su, sd) <= target) dhi = mid;
+                else dlo = mid + 1;
+            }
+            const u32 kd = dlo;
+            const double base = sample_mass_above(row, vocab, mx, inv_t, floor_w, kd, su, sd);
+            const u32 gd = sample_gather_sorted(row, vocab, mx, inv_t, floor_w, kd, kd, keys, &slot);
+            if (gd == 0 || gd > SAMPLE_CAP) {
+                res.status = ROW_TOO_MANY;
+                if (tid == 0) out[blockIdx.x] = res;
+                return;
+            }
+            if (tid == 0) {
+                double cum = base;
+                u32 pick = gd - 1;
+                for (u32 j = 0; j < gd; j++) {
+                    cum += (double)sample_key_weight(keys[j], mx, inv_t);
+                    if (cum > target) {
+                        pick = j;
+                        break;
+                    }
+                }
+                res.token = sample_key_id(keys[pick]);
+                res.value_bits = __float_as_uint(sample_unkey(kd));
+                out[blockIdx.x] = res;
+            }
+            return;
         }
     }
     if (count > SAMPLE_CAP) {
@@ -349,41 +501,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         return;
     }
 
-    // Gather the region and sort it in rank order (larger key first).
-    if (tid == 0) slot = 0;
-    __syncthreads();
-    for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
-        float l = row[i];
-        u32 k = sample_key(l);
-        if (k < lo_key) continue;
-        float w = sample_weight(l, mx, inv_t);
-        if (w > 0.0f && w >= region_floor) {
-            u32 at = atomicAdd(&slot, 1u);
-            if (at < SAMPLE_CAP) keys[at] = ((unsigned long long)k << 32) | (unsigned long long)(0xffffffffu - (u32)i);
-        }
-    }
-    __syncthreads();
-    const u32 n = min(slot, (u32)SAMPLE_CAP);
-    u32 p2 = 1;
-    while (p2 < n) p2 <<= 1;
-    for (u32 i = n + tid; i < p2; i += SAMPLE_THREADS) keys[i] = 0ull;
-    __syncthreads();
-    // Bitonic sort, descending.
-    for (u32 size = 2; size <= p2; size <<= 1) {
-        for (u32 stride = size >> 1; stride > 0; stride >>= 1) {
-            for (u32 i = tid; i < p2 / 2; i += SAMPLE_THREADS) {
-                u32 a = 2 * i - (i & (stride - 1));
-                u32 b = a + stride;
-                bool desc = (a & size) == 0;
-                unsigned long long ka = keys[a], kb = keys[b];
-                if (desc ? (ka < kb) : (ka > kb)) {
-                    keys[a] = kb;
-                    keys[b] = ka;
-                }
-            }
-            __syncthreads();
-        }
-    }
+    // Gather the region and sort it in rank order.
+    const u32 n = min(sample_gather_sorted(row, vocab, mx, inv_t, region_floor, lo_key, 0xffffffffu, keys, &slot),
+                      (u32)SAMPLE_CAP);
 
     // The host's walk over its candidates, in rank order.
     if (tid == 0) {
