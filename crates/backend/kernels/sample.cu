@@ -12,8 +12,11 @@
 // - otherwise the candidates are a prefix of the rank order (logit down,
 //   id up): a threshold on the logit's ordered key, found by bisection,
 //   bounds a region that holds them, at most SAMPLE_CAP tokens, which is
-//   sorted in shared memory and walked as the host walks its candidates. A
-//   row whose region does not fit is handed back (ROW_TOO_MANY).
+//   sorted in shared memory and walked as the host walks its candidates.
+//   A nucleus (top-p without top-k) too large for that is drawn by
+//   bisection on the key: first the nucleus's last key, then the key whose
+//   tokens hold the draw; only the tokens sharing one key are sorted. A
+//   top-k beyond SAMPLE_CAP is handed back (ROW_TOO_MANY).
 // Weights are bit for bit the host's: the same polynomial with the same
 // rounding at every step (no fused multiply-adds). Sums are f64 in another
 // order than the host's, so a draw within rounding of a boundary may pick
