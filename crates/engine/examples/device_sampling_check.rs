@@ -292,8 +292,18 @@ fn run_case(be: &CudaBackend, rng: &mut Rng, case: &Case) -> Result<Found, Box<d
         check::put_rows(be, &act, &data)?;
         let mut out = SampledRows::default();
         be.sample_rows(&mut act, &specs, &edits, &mut out)?;
+        // The rows as the kernel left them: sanitized and edited exactly as
+        // the host adjusted its copy.
+        let mut left = Vec::new();
+        be.read_rows(&act, batch, &mut left);
+        be.check()?;
         let mut spill = out.spill.chunks(vocab);
         for (i, row) in rows.iter_mut().enumerate() {
+            let bits =
+                |v: &[f32]| v[i * vocab..(i + 1) * vocab].iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            if bits(&left) != bits(&host_logits) {
+                found.mismatches.push(format!("row {i}: the adjusted logits differ from the host's"));
+            }
             let summary = &out.rows[i];
             let spilled = (summary.status == ROW_TOO_MANY_CANDIDATES).then(|| spill.next()).flatten();
             found.spilled += spilled.is_some() as u64;
