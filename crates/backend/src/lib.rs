@@ -523,6 +523,12 @@ pub trait Backend: Send + Sync + 'static {
     fn samples_on_device(&self) -> bool {
         false
     }
+    /// Allocate what [`Backend::sample_rows`] needs for `rows` rows of up to
+    /// [`sample::MAX_EDITS_PER_ROW`] edits each, once, before the card's
+    /// memory is handed to KV, so serving allocates nothing.
+    fn reserve_sample_rows(&self, _rows: usize) -> Result<()> {
+        Ok(())
+    }
     /// Sanitize, adjust (in place) and draw the logits rows `specs` name,
     /// in one launch, and return one [`sample::RowSummary`] per spec
     /// (semantics in [`sample`]); `logits` is `[rows, vocab]`. Backends

@@ -15,6 +15,12 @@
 /// when every adjusted logit is -inf.
 pub const NO_TOKEN: u32 = u32::MAX;
 
+/// The most edits one row may bring: a backend's
+/// [`crate::Backend::reserve_sample_rows`] makes room for this many per row,
+/// and the host sends a row with more (a long prompt under a repetition
+/// penalty is one edit per distinct token) to its own sampler instead.
+pub const MAX_EDITS_PER_ROW: usize = 8192;
+
 /// One token's adjustments, applied after sanitizing (NaN → -inf,
 /// +inf → `f32::MAX`) in this order, each result kept in the sanitized
 /// domain by `settle` (NaN → -inf, +inf → `f32::MAX`):

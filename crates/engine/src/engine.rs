@@ -17,7 +17,9 @@ use crate::sampling::{
 };
 use crate::scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::stats::{EngineStats, StatsCell};
-use corridor_backend::sample::{LogitEdit, SampleRowSpec, SampledRows, ROW_TOO_MANY_CANDIDATES};
+use corridor_backend::sample::{
+    LogitEdit, SampleRowSpec, SampledRows, MAX_EDITS_PER_ROW, ROW_TOO_MANY_CANDIDATES,
+};
 use corridor_backend::Backend;
 use corridor_model::Model;
 use corridor_model::ModelConfig;
@@ -498,11 +500,16 @@ impl Core {
 
     fn step(&mut self, out: &SchedulerOutput, started: std::time::Instant) {
         // Rows that need their whole row on the host (log-probabilities, a
-        // grammar mask) come first and are copied; the rest are drawn on the
-        // device when the executor can.
+        // grammar mask) or bring more edits than a device row takes come
+        // first and are copied; the rest are drawn on the device when the
+        // executor can.
         let on_host = |id: &RequestId| {
             !self.device_sampling
-                || self.live.get(id).is_none_or(|l| l.params.logprobs.is_some() || l.constraint.is_some())
+                || self.live.get(id).is_none_or(|l| {
+                    l.params.logprobs.is_some()
+                        || l.constraint.is_some()
+                        || device::edits_bound(&l.params, &l.state, &l.eos_ids) > MAX_EDITS_PER_ROW
+                })
         };
         let (host, device): (Vec<_>, Vec<_>) =
             out.seqs.iter().filter(|s| s.samples).partition(|s| on_host(&s.id));

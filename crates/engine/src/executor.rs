@@ -239,6 +239,9 @@ impl<B: Backend> SingleRank<B> {
         for rows in [max, max.div_ceil(2), 64.min(max)] {
             run(self, rows)?;
         }
+        if self.samples_on_device() {
+            self.backend.reserve_sample_rows(self.ws.max_logit_rows())?;
+        }
         let Some(limit) = self.pad_limit else {
             return Ok(Vec::new());
         };

@@ -281,3 +281,42 @@ fn a_failed_grammar_leaves_the_other_rows_their_own_logits() {
     assert_eq!(failed.len(), 2, "the grammar should end its request at its third token");
     assert_eq!(got, want);
 }
+
+/// A row with more edits than a device row takes is sampled on the host.
+#[test]
+fn a_row_with_too_many_edits_is_sampled_on_the_host() {
+    use corridor_backend::sample::MAX_EDITS_PER_ROW;
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let handle = engine(Box::new(HostDevice { inner: executor(), log: log.clone(), all: Vec::new() }));
+    let many = SamplingParams {
+        stop_token_ids: vec![0; MAX_EDITS_PER_ROW + 1],
+        seed: Some(9),
+        ..Default::default()
+    };
+    let few = SamplingParams { seed: Some(10), ..Default::default() };
+    let mut streams: Vec<_> = [many, few]
+        .into_iter()
+        .map(|params| {
+            let req = GenerateRequest {
+                prompt: vec![1, 2, 3],
+                params,
+                max_new_tokens: Some(6),
+                eos_ids: vec![],
+                constraint: None,
+            };
+            handle.submit(req).unwrap()
+        })
+        .collect();
+    for s in &mut streams {
+        while let Some(ev) = s.next_blocking() {
+            if matches!(ev, Event::Done { .. }) {
+                break;
+            }
+        }
+    }
+    handle.shutdown();
+    let log = log.lock().unwrap();
+    let both: Vec<&StepLog> = log.iter().filter(|s| s.host_rows + s.device_rows == 2).collect();
+    assert!(!both.is_empty(), "{log:?}");
+    assert!(both.iter().all(|s| **s == StepLog { host_rows: 1, device_rows: 1 }), "{log:?}");
+}

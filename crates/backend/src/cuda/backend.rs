@@ -303,6 +303,10 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn reserve_sample_rows(&self, rows: usize) -> Result<()> {
+        self.reserve_sampling(rows)
+    }
+
     fn sample_rows(
         &self,
         logits: &mut CudaAct,

@@ -91,6 +91,18 @@ pub fn adjustment_edits(
     out.extend(few.into_values().filter(|e| (e.token as usize) < vocab));
 }
 
+/// At least as many edits as [`adjustment_edits`] makes for this row, without
+/// making them: a row above [`corridor_backend::sample::MAX_EDITS_PER_ROW`]
+/// is sampled on the host.
+pub fn edits_bound(params: &SamplingParams, state: &SamplerState, eos: &[TokenId]) -> usize {
+    let penalized = if params.repetition_penalty != 1.0 { state.prompt_tokens().len() } else { 0 };
+    penalized
+        + state.output_counts().len()
+        + params.logit_bias.len()
+        + eos.len()
+        + params.stop_token_ids.len()
+}
+
 /// Keeps a processed value inside the sanitized domain, as the host's
 /// adjustments do.
 fn settle(v: f32) -> f32 {
@@ -301,6 +313,7 @@ mod tests {
             tokens.sort_unstable();
             assert!(tokens.windows(2).all(|w| w[0] < w[1]), "one edit per token");
             assert!(edits.iter().all(|e| (e.token as usize) < vocab));
+            assert!(edits.len() <= edits_bound(&p, &s, &eos), "the bound is below the edits made");
             apply_edits(&mut got, &edits);
             let bits = |r: &[f32]| r.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "case {case}: {p:?}");
