@@ -17,7 +17,9 @@
 //   bisection on the key: first the nucleus's last key, then the key whose
 //   tokens hold the draw; only the tokens sharing one key are sorted. A
 //   top-k beyond SAMPLE_CAP is handed back (ROW_TOO_MANY).
-// Weights are bit for bit the host's: the same polynomial with the same
+// The passes over a row unroll by four so each thread keeps several loads in
+// flight (one block reads the whole row, several times). Weights are bit for
+// bit the host's: the same polynomial with the same
 // rounding at every step (no fused multiply-adds). Sums are f64 in another
 // order than the host's, so a draw within rounding of a boundary may pick
 // the neighbouring token.
@@ -140,6 +142,7 @@ __device__ void sample_region(const float* row, int vocab, float mx, float inv_t
                               u32* count, double* sum, u32* su, double* sd) {
     u32 c = 0;
     double s = 0.0;
+    #pragma unroll 4
     for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
         float l = row[i];
         if (sample_key(l) < key) continue;
@@ -163,6 +166,7 @@ __device__ u32 sample_gather_sorted(const float* row, int vocab, float mx, float
     __syncthreads();
     if (tid == 0) *slot = 0;
     __syncthreads();
+    #pragma unroll 4
     for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
         float l = row[i];
         u32 k = sample_key(l);
@@ -230,6 +234,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 
     // Sanitize in place, counting what was wrong.
     u32 nan = 0, pinf = 0;
+    #pragma unroll 4
     for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
         float v = row[i];
         if (isnan(v)) {
@@ -258,6 +263,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     // The first largest value.
     float bv = NEG_INF;
     u32 bi = SAMPLE_NONE;
+    #pragma unroll 4
     for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
         float v = row[i];
         if (v > bv) {
@@ -315,6 +321,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     // Tokens of positive weight, their total, and those at the floor.
     u32 npos = 0, nfloor = 0;
     double total = 0.0;
+    #pragma unroll 4
     for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
         float w = sample_weight(row[i], mx, inv_t);
         if (w > 0.0f) {
