@@ -19,10 +19,9 @@
 //   top-k beyond SAMPLE_CAP is handed back (ROW_TOO_MANY).
 // The passes over a row unroll by four so each thread keeps several loads in
 // flight (one block reads the whole row, several times). Weights are bit for
-// bit the host's: the same polynomial with the same
-// rounding at every step (no fused multiply-adds). Sums are f64 in another
-// order than the host's, so a draw within rounding of a boundary may pick
-// the neighbouring token.
+// bit the host's: the same polynomial with the same rounding at every step
+// (no fused multiply-adds). Sums are f64 in another order than the host's,
+// so a draw within rounding of a boundary may pick the neighbouring token.
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_CAP 4096
