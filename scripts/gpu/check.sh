@@ -15,3 +15,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 if [ -x ./.gpu/corridor-gpu-check ]; then
     ./.gpu/corridor-gpu-check tests/fixtures/tiny
 fi
+# Sampling on the GPU against the host sampler, row for row, and its cost at 1-128 rows
+# (built with: cargo build --release -p corridor-engine --features cuda --example device_sampling_check
+# and copied to .gpu/: cp target/release/examples/device_sampling_check .gpu/).
+if [ -x ./.gpu/device_sampling_check ]; then
+    ./.gpu/device_sampling_check --bench
+fi

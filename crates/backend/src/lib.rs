@@ -16,6 +16,7 @@ pub mod cuda;
 pub mod dtype;
 pub mod kv_units;
 pub mod moe;
+pub mod sample;
 pub mod tuning;
 
 pub use dtype::{DType, HostTensor, TensorBytes, QK, QK_K};
@@ -546,6 +547,29 @@ pub trait Backend: Send + Sync + 'static {
     );
     /// Copy the first `rows` rows to the host.
     fn read_rows(&self, x: &Self::Act, rows: usize, out: &mut Vec<f32>);
+    /// Whether [`Backend::sample_rows`] is implemented here.
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+    /// Allocate what [`Backend::sample_rows`] needs for `rows` rows of up to
+    /// [`sample::MAX_EDITS_PER_ROW`] edits each, once, before the card's
+    /// memory is handed to KV, so serving allocates nothing.
+    fn reserve_sample_rows(&self, _rows: usize) -> Result<()> {
+        Ok(())
+    }
+    /// Sanitize, adjust (in place) and draw the logits rows `specs` name,
+    /// in one launch, and return one [`sample::RowSummary`] per spec
+    /// (semantics in [`sample`]); `logits` is `[rows, vocab]`. Backends
+    /// without it refuse, and the caller copies the rows to the host instead.
+    fn sample_rows(
+        &self,
+        _logits: &mut Self::Act,
+        _specs: &[sample::SampleRowSpec],
+        _edits: &[sample::LogitEdit],
+        _out: &mut sample::SampledRows,
+    ) -> Result<()> {
+        Err(unsupported(self, "sample_rows"))
+    }
     /// Copy KV rows of one page to another (a copy-on-write of a shared page,
     /// or a live page moved so its chunk can be released). A device backend
     /// may only queue the copy: [`Backend::synchronize`] waits for it.

@@ -135,6 +135,12 @@ pub struct ModelArgs {
     /// decode). `--tp-ratio` and `--pp-layers` give the two splits. Sim cards only for now.
     #[arg(long, default_value = "off", value_parser = ["off", "manual", "auto"])]
     phase_flip: String,
+    /// Draw decode tokens on the GPU (`on`): a row without log-probabilities or a grammar is
+    /// sanitized, penalized and sampled where its logits are, and only its token id comes back
+    /// instead of the whole vocabulary row. `off` copies every row to the host sampler (an A/B of
+    /// the two). Single-GPU serving only; other layouts and the CPU sample on the host.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    device_sampling: String,
     /// Scheduled foreign processes on sim cards: JSON lines such as
     /// `{"at_s": 5.0, "card": 0, "pid": 4242, "bytes": 2147483648}` (`"bytes": 0` = it exited).
     #[arg(long)]
@@ -275,6 +281,7 @@ impl ModelArgs {
         }
         o.sim_link = self.sim_link;
         o.kernel_cache = Some(cache.join("kernels"));
+        o.device_sampling = self.device_sampling == "on";
         o.phase_flip = self.phase_flip.parse().map_err(anyhow::Error::msg)?;
         if o.phase_flip != corridor_engine::flips::FlipMode::Off {
             o.flip_splits = Some(corridor_model::layout::LayoutSpec {

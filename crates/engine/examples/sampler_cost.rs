@@ -6,8 +6,14 @@
 //!
 //!     cargo run --release -p corridor-engine --example sampler_cost
 //!
+//! Beside each, the host's share of a step whose rows are drawn on the GPU
+//! (`sampling::device`: the uniforms and edit lists, then settling the
+//! summaries), with a 1,000-token prompt under the repetition penalty.
+//!
 //! Wall time on whatever machine runs it: compare runs on one machine only.
 
+use corridor_backend::sample::RowSummary;
+use corridor_engine::sampling::device;
 use corridor_engine::sampling::{CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams};
 use std::sync::Arc;
 
@@ -52,6 +58,39 @@ fn run(params: &SamplingParams) {
                 .collect();
             sampler.sample(&mut logits, vocab, &mut rows).expect("a well-formed batch");
         }
-        println!("batch {batch:3}: {:7.2} ms per step", started.elapsed().as_secs_f64() * 1e3 / reps as f64);
+        let host = started.elapsed().as_secs_f64() * 1e3 / reps as f64;
+        // What the host still does per step when the rows are drawn on the
+        // device: each row's uniform and edits (a 1,000-token prompt under
+        // a repetition penalty), and settling its summary.
+        let prompt: Vec<u32> = (0..1000).map(|i| (i * 7919) % vocab as u32).collect();
+        let mut states: Vec<SamplerState> = (0..batch).map(|_| SamplerState::new(params, &prompt)).collect();
+        let stats = SamplerStats::default();
+        let started = std::time::Instant::now();
+        for _ in 0..reps {
+            let mut rows: Vec<SampleRow<'_>> = states
+                .iter_mut()
+                .enumerate()
+                .map(|(i, state)| SampleRow {
+                    request_id: i as u64,
+                    params,
+                    state,
+                    eos_token_ids: &eos,
+                    mask: None,
+                })
+                .collect();
+            let mut edits = Vec::new();
+            let specs: Vec<_> = rows
+                .iter_mut()
+                .enumerate()
+                .map(|(i, r)| device::plan_row(r, vocab, i as u32, &mut edits))
+                .collect();
+            for (row, spec) in rows.iter_mut().zip(&specs) {
+                let summary =
+                    RowSummary { token: 5, argmax: 5, value_bits: 1f32.to_bits(), ..Default::default() };
+                let _ = device::settle_row(&stats, row, spec, &summary, vocab, None);
+            }
+        }
+        let device = started.elapsed().as_secs_f64() * 1e3 / reps as f64;
+        println!("batch {batch:3}: {host:7.2} ms per step on the host; {device:6.3} ms of host work when drawn on the device");
     }
 }

@@ -7,15 +7,19 @@
 //! aborts it: the engine frees its pages before the next step, so a client
 //! that disconnects costs nothing after that.
 
-use crate::executor::{Executor, ExecutorLimits, SingleRank};
+use crate::executor::{DeviceDraw, Executor, ExecutorLimits, SingleRank};
 use crate::flips::{FlipControl, FlipError, FlipMode, FlipRecord, FlipSettings, FlipTrigger};
 use crate::pages::PagePool;
 use crate::phase::Phase;
+use crate::sampling::device;
 use crate::sampling::{
     Constraint, CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams, TokenLogprob,
 };
 use crate::scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::stats::{EngineStats, StatsCell};
+use corridor_backend::sample::{
+    LogitEdit, SampleRowSpec, SampledRows, MAX_EDITS_PER_ROW, ROW_TOO_MANY_CANDIDATES,
+};
 use corridor_backend::Backend;
 use corridor_model::Model;
 use corridor_model::ModelConfig;
@@ -309,6 +313,10 @@ pub fn spawn_with(
     let serving = exec.phase();
     stats.publish(|s| s.flips.serving = serving);
     let sampler_stats = Arc::new(SamplerStats::default());
+    let device_sampling = exec.samples_on_device();
+    if device_sampling {
+        tracing::info!("rows without log-probabilities or a grammar are sampled on the device");
+    }
     let mut core = Core {
         exec,
         sched,
@@ -317,6 +325,8 @@ pub fn spawn_with(
         stats: stats.clone(),
         logits: Vec::new(),
         sampler: CpuSampler::new(sampler_stats.clone()),
+        device_sampling,
+        drawn: SampledRows::default(),
         shutting_down: false,
         flips: FlipControl::default(),
     };
@@ -343,6 +353,10 @@ struct Core {
     /// `[logit rows, vocab]` of the last step.
     logits: Vec<f32>,
     sampler: CpuSampler,
+    /// Rows may be drawn on the device ([`Executor::execute_sampling`]).
+    device_sampling: bool,
+    /// The device's answers of the last step, kept to reuse the buffers.
+    drawn: SampledRows,
     shutting_down: bool,
     flips: FlipControl,
 }
@@ -485,10 +499,31 @@ impl Core {
     }
 
     fn step(&mut self, out: &SchedulerOutput, started: std::time::Instant) {
-        let logit_rows: Vec<usize> =
-            out.seqs.iter().filter(|s| s.samples).map(|s| s.row_start + s.rows - 1).collect();
+        // Rows that need their whole row on the host (log-probabilities, a
+        // grammar mask) or bring more edits than a device row takes come
+        // first and are copied; the rest are drawn on the device when the
+        // executor can.
+        let on_host = |id: &RequestId| {
+            !self.device_sampling
+                || self.live.get(id).is_none_or(|l| {
+                    l.params.logprobs.is_some()
+                        || l.constraint.is_some()
+                        || device::edits_bound(&l.params, &l.state, &l.eos_ids) > MAX_EDITS_PER_ROW
+                })
+        };
+        let (host, device): (Vec<_>, Vec<_>) =
+            out.seqs.iter().filter(|s| s.samples).partition(|s| on_host(&s.id));
+        let logit_rows: Vec<usize> = host.iter().chain(&device).map(|s| s.row_start + s.rows - 1).collect();
+        let host_ids: Vec<RequestId> = host.iter().map(|s| s.id).collect();
+        let device_ids: Vec<RequestId> = device.iter().map(|s| s.id).collect();
+        let (specs, edits) = self.plan_device_rows(&device_ids, host_ids.len());
         let scheduled = std::time::Instant::now();
-        let ran = self.exec.execute(out, &logit_rows, &mut self.logits);
+        let ran = if device_ids.is_empty() {
+            self.exec.execute(out, &logit_rows, &mut self.logits)
+        } else {
+            let draw = DeviceDraw { host_rows: host_ids.len(), specs: &specs, edits: &edits };
+            self.exec.execute_sampling(out, &logit_rows, &mut self.logits, &draw, &mut self.drawn)
+        };
         let forwarded = std::time::Instant::now();
         if let Some(phase) = self.exec.phase() {
             let shape = out.shape();
@@ -503,8 +538,8 @@ impl Core {
             return;
         }
         self.sched.complete_step(out);
-        let sampled: Vec<RequestId> = out.seqs.iter().filter(|s| s.samples).map(|s| s.id).collect();
-        self.sample(&sampled);
+        self.sample(&host_ids);
+        self.settle_device_rows(&device_ids, &specs);
         let secs = |a: std::time::Instant, b: std::time::Instant| b.duration_since(a).as_secs_f64();
         let finished = std::time::Instant::now();
         // What each decode in the step waited for its token: the step-time
@@ -528,8 +563,19 @@ impl Core {
         for (id, message) in failed {
             self.finish(id, FinishReason::Error(message));
         }
-        let ids: Vec<RequestId> = ids.iter().copied().filter(|id| self.live.contains_key(id)).collect();
-        let ids = &ids[..];
+        // Rows of requests that just ended (their grammar failed) leave the
+        // batch: move the rows after them down, so row i is ids[i]'s again.
+        let mut kept = Vec::with_capacity(ids.len());
+        for (row, &id) in ids.iter().enumerate() {
+            if self.live.contains_key(&id) {
+                let to = kept.len();
+                if to != row {
+                    self.logits.copy_within(row * vocab..(row + 1) * vocab, to * vocab);
+                }
+                kept.push(id);
+            }
+        }
+        let ids = &kept[..];
         let outcomes = {
             let mut rows: Vec<SampleRow<'_>> = Vec::with_capacity(ids.len());
             // Collect disjoint &mut borrows of the live map in id order.
@@ -559,6 +605,71 @@ impl Core {
                 return;
             }
         };
+        self.apply_outcomes(ids, outcomes);
+    }
+
+    /// The device's specs of the rows `ids` (logit rows `first..`, in
+    /// order): each row's uniform drawn from its stream, and its edits.
+    fn plan_device_rows(&mut self, ids: &[RequestId], first: usize) -> (Vec<SampleRowSpec>, Vec<LogitEdit>) {
+        let vocab = self.exec.config().vocab_size;
+        let mut edits = Vec::new();
+        let mut specs = Vec::with_capacity(ids.len());
+        for (j, id) in ids.iter().enumerate() {
+            let l = self.live.get_mut(id).expect("scheduled ids are live");
+            let mut row = SampleRow {
+                request_id: *id,
+                params: &l.params,
+                state: &mut l.state,
+                eos_token_ids: &l.eos_ids,
+                mask: None,
+            };
+            specs.push(device::plan_row(&mut row, vocab, (first + j) as u32, &mut edits));
+        }
+        (specs, edits)
+    }
+
+    /// Settle the rows drawn on the device (`self.drawn`, one summary per
+    /// spec) by the host sampler's rules, and apply them.
+    fn settle_device_rows(&mut self, ids: &[RequestId], specs: &[SampleRowSpec]) {
+        if ids.is_empty() {
+            return;
+        }
+        let vocab = self.exec.config().vocab_size;
+        let drawn = std::mem::take(&mut self.drawn);
+        let spilled = drawn.rows.iter().filter(|r| r.status == ROW_TOO_MANY_CANDIDATES).count();
+        if drawn.rows.len() != ids.len() || drawn.spill.len() != spilled * vocab {
+            tracing::error!(
+                rows = ids.len(),
+                summaries = drawn.rows.len(),
+                "the device sampled a malformed batch"
+            );
+            for &id in ids {
+                self.finish(id, FinishReason::Error("sampling failed: malformed device answer".into()));
+            }
+            self.drawn = drawn;
+            return;
+        }
+        let stats = self.sampler.stats().clone();
+        let mut spill = drawn.spill.chunks(vocab);
+        let mut outcomes = Vec::with_capacity(ids.len());
+        for ((id, spec), summary) in ids.iter().zip(specs).zip(&drawn.rows) {
+            let l = self.live.get_mut(id).expect("scheduled ids are live");
+            let mut row = SampleRow {
+                request_id: *id,
+                params: &l.params,
+                state: &mut l.state,
+                eos_token_ids: &l.eos_ids,
+                mask: None,
+            };
+            let rows = if summary.status == ROW_TOO_MANY_CANDIDATES { spill.next() } else { None };
+            outcomes.push(device::settle_row(&stats, &mut row, spec, summary, vocab, rows));
+        }
+        self.drawn = drawn;
+        self.apply_outcomes(ids, outcomes);
+    }
+
+    /// Emit each row's token (or end its request) and append it.
+    fn apply_outcomes(&mut self, ids: &[RequestId], outcomes: Vec<crate::sampling::SampleOutcome>) {
         for (&id, outcome) in ids.iter().zip(outcomes) {
             match outcome {
                 Err(e) => self.finish(id, FinishReason::Error(e.to_string())),

@@ -7,6 +7,7 @@ use crate::microbatch::{logit_places, split_step};
 use crate::phase::{FlipVerdict, Phase};
 use crate::scheduler::SchedulerOutput;
 use corridor_backend::collective::{Collective, Solo};
+use corridor_backend::sample::{LogitEdit, SampleRowSpec, SampledRows};
 use corridor_backend::{Backend, SeqStep};
 use corridor_model::layout::Layout;
 use corridor_model::ModelConfig;
@@ -24,6 +25,26 @@ pub trait Executor: Send + 'static {
         logit_rows: &[usize],
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError>;
+    /// Whether [`Executor::execute_sampling`] can draw rows where their
+    /// logits are (one card holding the whole vocabulary, on a backend with
+    /// `sample_rows`, device sampling not turned off).
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+    /// Run `step` as [`Executor::execute`] does, but copy only the first
+    /// `draw.host_rows` of `logit_rows` to `logits` (their raw rows, before
+    /// any edit) and draw the rows `draw.specs` name (a spec's `row` indexes
+    /// `logit_rows`) on the device, one summary each in `out`.
+    fn execute_sampling(
+        &mut self,
+        _step: &SchedulerOutput,
+        _logit_rows: &[usize],
+        _logits: &mut Vec<f32>,
+        _draw: &DeviceDraw<'_>,
+        _out: &mut SampledRows,
+    ) -> Result<(), ModelError> {
+        Err(ModelError::Step("this executor samples on the host only".into()))
+    }
     /// Copy the KV of each `(from, to)` page, every layer this executor
     /// holds, and wait until the copies are done, so the sources can be
     /// released. Runs between steps.
@@ -70,6 +91,17 @@ pub struct FlipOutcome {
     pub epoch: u64,
 }
 
+/// The rows of a step drawn on the device ([`Executor::execute_sampling`]).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceDraw<'a> {
+    /// Leading logit rows copied to the host for the host sampler.
+    pub host_rows: usize,
+    /// One per row drawn on the device.
+    pub specs: &'a [SampleRowSpec],
+    /// The specs' edits.
+    pub edits: &'a [LogitEdit],
+}
+
 /// Sizes the executor must be able to run.
 #[derive(Clone, Copy, Debug)]
 pub struct ExecutorLimits {
@@ -95,6 +127,8 @@ pub struct SingleRank<B: Backend> {
     padded: PaddedStep,
     /// Each step's state slots, parallel to its sequences.
     slots: Vec<StateSlot>,
+    /// Rows may be drawn on the device when the model and backend allow.
+    device_sampling: bool,
 }
 
 /// A decode step padded with rows that belong to no sequence.
@@ -146,7 +180,15 @@ impl<B: Backend> SingleRank<B> {
             pad_limit,
             padded: PaddedStep::default(),
             slots: Vec::new(),
+            device_sampling: true,
         }
+    }
+
+    /// Draw rows on the device where the model and backend allow (`on`,
+    /// the default), or always copy every logit row to the host.
+    pub fn with_device_sampling(mut self, on: bool) -> Self {
+        self.device_sampling = on;
+        self
     }
 
     /// Run as one rank of a layout: every step's exchanges go through `comm`.
@@ -196,6 +238,9 @@ impl<B: Backend> SingleRank<B> {
         let max = self.ws.max_rows();
         for rows in [max, max.div_ceil(2), 64.min(max)] {
             run(self, rows)?;
+        }
+        if self.samples_on_device() {
+            self.backend.reserve_sample_rows(self.ws.max_logit_rows())?;
         }
         let Some(limit) = self.pad_limit else {
             return Ok(Vec::new());
@@ -281,6 +326,61 @@ impl<B: Backend> Executor for SingleRank<B> {
         logit_rows: &[usize],
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
+        self.run(step, logit_rows, logits, usize::MAX)
+    }
+
+    fn samples_on_device(&self) -> bool {
+        self.device_sampling && self.model.samples_on_device(&self.backend, &*self.comm)
+    }
+
+    fn execute_sampling(
+        &mut self,
+        step: &SchedulerOutput,
+        logit_rows: &[usize],
+        logits: &mut Vec<f32>,
+        draw: &DeviceDraw<'_>,
+        out: &mut SampledRows,
+    ) -> Result<(), ModelError> {
+        if !self.samples_on_device() {
+            return Err(ModelError::Step("device sampling is off or not available here".into()));
+        }
+        if let Some(s) = draw
+            .specs
+            .iter()
+            .find(|s| (s.row as usize) < draw.host_rows || s.row as usize >= logit_rows.len())
+        {
+            return Err(ModelError::Step(format!(
+                "a device row reads logit row {} of {} ({} go to the host)",
+                s.row,
+                logit_rows.len(),
+                draw.host_rows
+            )));
+        }
+        self.run(step, logit_rows, logits, draw.host_rows)?;
+        self.model.sample_on_device(&self.backend, &mut self.ws, draw.specs, draw.edits, out)
+    }
+
+    fn move_pages(&mut self, moves: &[(PageId, PageId)]) -> Result<(), ModelError> {
+        for &(from, to) in moves {
+            self.kv.copy_page(&self.backend, from, to);
+        }
+        Ok(self.backend.synchronize()?)
+    }
+
+    fn state_slots(&self) -> Option<usize> {
+        self.model.has_state().then(|| self.ws.max_logit_rows())
+    }
+}
+
+impl<B: Backend> SingleRank<B> {
+    /// One step, the first `host_rows` logit rows copied to the host.
+    fn run(
+        &mut self,
+        step: &SchedulerOutput,
+        logit_rows: &[usize],
+        logits: &mut Vec<f32>,
+        host_rows: usize,
+    ) -> Result<(), ModelError> {
         let seqs = seq_steps(step);
         let rows = step.tokens.len();
         self.slots.clear();
@@ -304,13 +404,14 @@ impl<B: Backend> Executor for SingleRank<B> {
             _ => rows,
         };
         if target == rows {
-            return self.model.forward_ranked(
+            return self.model.forward_ranked_rows(
                 &self.backend,
                 &*self.comm,
                 &mut self.ws,
                 &mut self.kv,
                 &input,
                 logits,
+                host_rows,
             );
         }
         let p = &mut self.padded;
@@ -330,20 +431,18 @@ impl<B: Backend> Executor for SingleRank<B> {
             logit_rows: &p.logit_rows,
             state_slots: &self.slots,
         };
-        self.model.forward_ranked(&self.backend, &*self.comm, &mut self.ws, &mut self.kv, &input, logits)?;
+        let (backend, comm) = (&self.backend, &*self.comm);
+        self.model.forward_ranked_rows(
+            backend,
+            comm,
+            &mut self.ws,
+            &mut self.kv,
+            &input,
+            logits,
+            host_rows,
+        )?;
         // The padding rows' logits are dropped.
         logits.truncate(logit_rows.len() * self.model.config().vocab_size);
         Ok(())
-    }
-
-    fn move_pages(&mut self, moves: &[(PageId, PageId)]) -> Result<(), ModelError> {
-        for &(from, to) in moves {
-            self.kv.copy_page(&self.backend, from, to);
-        }
-        Ok(self.backend.synchronize()?)
-    }
-
-    fn state_slots(&self) -> Option<usize> {
-        self.model.has_state().then(|| self.ws.max_logit_rows())
     }
 }

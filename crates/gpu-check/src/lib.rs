@@ -432,7 +432,10 @@ mod tests {
             let alone = chunked_logits(&cpu, &ckpt, &prompt[15..], &[6]).unwrap();
             let vocab = whole.len() / 21;
             let (err, scale) = position_error(&alone, &whole[15 * vocab..]);
-            assert!(err > POSITION_TOL * scale, "{name}: a chunk without its history matched ({err} of {scale})");
+            assert!(
+                err > POSITION_TOL * scale,
+                "{name}: a chunk without its history matched ({err} of {scale})"
+            );
         }
         assert!(
             chunked_logits(&cpu, &Checkpoint::open(&dir.join("llama-f32")).unwrap(), &prompt, &[20]).is_err()

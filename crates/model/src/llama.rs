@@ -30,6 +30,7 @@ use crate::error::LoadError;
 use crate::layout::RankSlice;
 use crate::rope::rope_table;
 use corridor_backend::collective::{gather_logits, Collective, CollectiveError, Solo};
+use corridor_backend::sample::{LogitEdit, SampleRowSpec, SampledRows};
 use corridor_backend::{
     ActShape, Backend, BackendError, DType, Expert, GraphKey, HostTensor, KvGeometry, MatmulPart, MoeFfn,
     MoeScratch, MoeShape, RopeTable, Routing, SeqStep, StepPlan, TensorBytes,
@@ -413,6 +414,25 @@ impl<B: Backend> Model<B> {
         step: &StepInput<'_>,
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
+        self.forward_ranked_rows(b, c, ws, kv, step, logits, usize::MAX)
+    }
+
+    /// [`Model::forward_ranked`] that copies only the first `host_rows` of
+    /// the step's logit rows to the host; all of them stay in the
+    /// workspace on the device for [`Model::sample_on_device`]. Reading
+    /// fewer rows changes nothing before the read, so a captured step
+    /// serves either.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_ranked_rows(
+        &self,
+        b: &B,
+        c: &dyn Collective<B>,
+        ws: &mut Workspace<B>,
+        kv: &mut KvCache<B>,
+        step: &StepInput<'_>,
+        logits: &mut Vec<f32>,
+        host_rows: usize,
+    ) -> Result<(), ModelError> {
         let (cfg, s) = (&self.config, &self.slice);
         let rows = step.tokens.len();
         if rows == 0 || rows > ws.max_rows || step.positions.len() != rows {
@@ -471,7 +491,7 @@ impl<B: Backend> Model<B> {
             b.check()?;
             return Ok(());
         }
-        let n = step.logit_rows.len();
+        let n = step.logit_rows.len().min(host_rows);
         if n == 0 {
             b.check()?;
             return Ok(());
@@ -482,6 +502,23 @@ impl<B: Backend> Model<B> {
             b.read_rows(device_logits, n, host);
             b.check().map_err(ModelError::from)
         })
+    }
+
+    /// Draw the logit rows of the last forward pass that `specs` name, on
+    /// the device that holds them (`Backend::sample_rows`; it adjusts them
+    /// in place). Only a rank that holds every vocabulary column may.
+    pub fn sample_on_device(
+        &self,
+        b: &B,
+        ws: &mut Workspace<B>,
+        specs: &[SampleRowSpec],
+        edits: &[LogitEdit],
+        out: &mut SampledRows,
+    ) -> Result<(), ModelError> {
+        if self.head.is_none() || self.slice.vocab != (0..self.config.vocab_size) {
+            return Err(ModelError::Step("this rank does not hold whole logit rows".into()));
+        }
+        Ok(b.sample_rows(&mut ws.logits, specs, edits, out)?)
     }
 
     /// The device work of a step: embed (or receive), every layer, and the

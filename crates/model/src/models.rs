@@ -10,6 +10,7 @@ use crate::layout::RankSlice;
 use crate::llama::{self, KvCache, ModelError, StepInput, Workspace};
 use crate::qwen3_5;
 use corridor_backend::collective::Collective;
+use corridor_backend::sample::{LogitEdit, SampleRowSpec, SampledRows};
 use corridor_backend::{Backend, KvGeometry};
 use corridor_units::Bytes;
 
@@ -150,5 +151,50 @@ impl<B: Backend> Model<B> {
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
         each!(self, m => m.forward_ranked(b, c, ws, kv, step, logits))
+    }
+
+    /// Whether [`Model::forward_ranked_rows`] and [`Model::sample_on_device`]
+    /// serve this model on `b` with the collective `c`: a Llama-family model
+    /// whose rank holds every vocabulary column, alone, on a backend with
+    /// `sample_rows`.
+    pub fn samples_on_device(&self, b: &B, c: &dyn Collective<B>) -> bool {
+        let whole = |s: &RankSlice| s.emits_logits() && s.vocab == (0..self.config().vocab_size);
+        matches!(self, Model::Llama(m) if whole(m.slice())) && c.world() == 1 && b.samples_on_device()
+    }
+
+    /// [`Model::forward_ranked`], copying only the first `host_rows` logit
+    /// rows to the host (see [`llama::Model::forward_ranked_rows`]); a model
+    /// that cannot sample on the device copies them all.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_ranked_rows(
+        &self,
+        b: &B,
+        c: &dyn Collective<B>,
+        ws: &mut Workspace<B>,
+        kv: &mut KvCache<B>,
+        step: &StepInput<'_>,
+        logits: &mut Vec<f32>,
+        host_rows: usize,
+    ) -> Result<(), ModelError> {
+        match self {
+            Model::Llama(m) => m.forward_ranked_rows(b, c, ws, kv, step, logits, host_rows),
+            Model::Qwen35(m) => m.forward_ranked(b, c, ws, kv, step, logits),
+        }
+    }
+
+    /// Draw logit rows of the last forward pass on the device
+    /// ([`llama::Model::sample_on_device`]).
+    pub fn sample_on_device(
+        &self,
+        b: &B,
+        ws: &mut Workspace<B>,
+        specs: &[SampleRowSpec],
+        edits: &[LogitEdit],
+        out: &mut SampledRows,
+    ) -> Result<(), ModelError> {
+        match self {
+            Model::Llama(m) => m.sample_on_device(b, ws, specs, edits, out),
+            Model::Qwen35(_) => Err(ModelError::Step("this model samples on the host".into())),
+        }
     }
 }

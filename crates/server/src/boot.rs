@@ -122,6 +122,8 @@ pub struct BootOptions {
     pub flip_splits: Option<LayoutSpec>,
     /// The least time `--phase-flip auto` stays in a layout.
     pub flip_dwell: std::time::Duration,
+    /// Draw rows on the GPU where the layout allows (`--device-sampling`).
+    pub device_sampling: bool,
     /// What a transfer between CPU ranks of a layout (on sim cards or the
     /// host) costs; `None`: nothing, as between threads.
     pub sim_link: Option<corridor_backend::collective::LinkModel>,
@@ -152,6 +154,7 @@ impl BootOptions {
             phase_flip: FlipMode::Off,
             flip_splits: None,
             flip_dwell: corridor_engine::flips::DEFAULT_MIN_DWELL,
+            device_sampling: true,
             sim_link: None,
         }
     }
@@ -711,7 +714,7 @@ fn boot_cuda(
         Bytes((2 * cfg.kv_layers() * cfg.num_kv_heads * cfg.head_dim * 2 * opts.page_size) as u64);
     let arena = new_arena(env, &[(dev.clone(), page_bytes)], None)?;
     let kv = model.kv_cache_in(&backend, opts.page_size, &arena)?;
-    let mut exec = SingleRank::from_parts(backend, model, ws, kv);
+    let mut exec = SingleRank::from_parts(backend, model, ws, kv).with_device_sampling(opts.device_sampling);
     let captured = exec.warm_up().map_err(|e| BootError::Config(format!("warm-up on the GPU: {e}")))?;
     tracing::info!(graphs = ?captured, "decode steps captured");
     // What the captures and lazily loaded library kernels cost shows as the

@@ -401,6 +401,20 @@ pub fn render(s: &Scrape<'_>) -> String {
     );
     single(
         &mut out,
+        "corridor_sampler_device_rows_total",
+        "Rows drawn on the GPU (--device-sampling); the rest were sampled on the host.",
+        "counter",
+        s.sampler.device_rows(),
+    );
+    single(
+        &mut out,
+        "corridor_sampler_device_spilled_rows_total",
+        "Rows sent to the GPU sampler whose candidate set did not fit it, drawn on the host instead.",
+        "counter",
+        s.sampler.device_spilled(),
+    );
+    single(
+        &mut out,
         "corridor_context_length_tokens",
         "Longest sequence a request may use.",
         "gauge",

@@ -356,6 +356,24 @@ impl Backend for CudaBackend {
         self.enqueue_attention(q, kv, heads, seqs, out)
     }
 
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
+    fn reserve_sample_rows(&self, rows: usize) -> Result<()> {
+        self.reserve_sampling(rows)
+    }
+
+    fn sample_rows(
+        &self,
+        logits: &mut CudaAct,
+        specs: &[crate::sample::SampleRowSpec],
+        edits: &[crate::sample::LogitEdit],
+        out: &mut crate::sample::SampledRows,
+    ) -> Result<()> {
+        self.sample_rows_on_device(logits, specs, edits, out)
+    }
+
     fn read_rows(&self, x: &CudaAct, rows: usize, out: &mut Vec<f32>) {
         self.op("read_rows (logits to host)", |st| {
             // Only a longer `out` is filled first: the copy overwrites it all,

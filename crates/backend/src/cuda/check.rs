@@ -152,6 +152,92 @@ fn put_gpu(be: &CudaBackend, act: &CudaAct, data: &[f32]) -> Result<()> {
     be.synchronize()
 }
 
+/// Fill the first rows of `act` with `data` (for checks outside this crate:
+/// the engine's device-sampling check uploads logits rows with it).
+pub fn put_rows(be: &CudaBackend, act: &CudaAct, data: &[f32]) -> Result<()> {
+    if data.len() > act.rows() * act.cols() {
+        return Err(crate::BackendError::Other(format!(
+            "{} values for a [{}, {}] activation",
+            data.len(),
+            act.rows(),
+            act.cols()
+        )));
+    }
+    put_gpu(be, act, data)
+}
+
+/// `sample_rows` where the answer needs no sampler to check: greedy rows
+/// (the first largest value after sanitizing and the edits, the NaN and +inf
+/// counts) and rows with nothing finite. The draws themselves are compared
+/// with the engine's host sampler by the engine's `device_sampling_check`
+/// example.
+fn sample_checks(be: &CudaBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
+    use crate::sample::{LogitEdit, SampleRowSpec, SampledRows, EDIT_BIAS, EDIT_MASK, NO_TOKEN};
+    for vocab in [37usize, 4099, 128_256] {
+        let rows = 6;
+        let mut data = rng.vec(rows * vocab, 8.0);
+        // Row 1: NaN and +inf; row 2: nothing finite; row 3: a tie for the
+        // largest value (the first must win); row 4: edits move the argmax.
+        data[vocab + 3] = f32::NAN;
+        data[vocab + vocab / 2] = f32::INFINITY;
+        data[2 * vocab..3 * vocab].fill(f32::NEG_INFINITY);
+        data[3 * vocab + vocab - 1] = 50.0;
+        data[3 * vocab + vocab / 3] = 50.0;
+        data[4 * vocab + 5] = 60.0;
+        let edits = vec![
+            LogitEdit { token: 5, rep: 1.0, sub: 0.0, bias: 0.0, flags: EDIT_MASK },
+            LogitEdit { token: (vocab - 2) as u32, rep: 1.0, sub: 0.0, bias: 100.0, flags: EDIT_BIAS },
+            LogitEdit { token: 7, rep: 2.0, sub: 1.5, bias: 0.0, flags: 0 },
+        ];
+        let specs: Vec<SampleRowSpec> = (0..rows as u32)
+            .map(|r| SampleRowSpec { row: r, edits_len: if r == 4 { 3 } else { 0 }, ..Default::default() })
+            .collect();
+        let mut act = be.alloc_act(ActShape { rows, cols: vocab })?;
+        put_gpu(be, &act, &data)?;
+        let mut out = SampledRows::default();
+        be.sample_rows(&mut act, &specs, &edits, &mut out)?;
+        let mut after = Vec::new();
+        be.read_rows(&act, rows, &mut after);
+        be.check()?;
+        // The host's view of each row: sanitized, edited, first largest.
+        let mut ok = out.rows.len() == rows;
+        for (r, got) in out.rows.iter().enumerate() {
+            let mut row: Vec<f32> = data[r * vocab..(r + 1) * vocab].to_vec();
+            let (mut nan, mut inf) = (0, 0);
+            for v in row.iter_mut() {
+                if v.is_nan() {
+                    nan += 1;
+                    *v = f32::NEG_INFINITY;
+                } else if *v == f32::INFINITY {
+                    inf += 1;
+                    *v = f32::MAX;
+                }
+            }
+            if r == 4 {
+                row[5] = f32::NEG_INFINITY;
+                row[vocab - 2] += 100.0;
+                row[7] = if row[7] > 0.0 { row[7] / 2.0 } else { row[7] * 2.0 } - 1.5;
+            }
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let want = if max == f32::NEG_INFINITY {
+                NO_TOKEN
+            } else {
+                row.iter().position(|&v| v == max).unwrap() as u32
+            };
+            let drawn = if want == NO_TOKEN || nan + inf > 0 { NO_TOKEN } else { want };
+            ok &= got.argmax == want && got.token == drawn && got.nan == nan && got.pos_inf == inf;
+            ok &= after[r * vocab..(r + 1) * vocab].iter().zip(&row).all(|(a, b)| a.to_bits() == b.to_bits());
+        }
+        rep.compare(
+            &format!("sample_rows greedy, sanitize and edits, vocab {vocab}"),
+            &[f32::from(ok)],
+            &[1.0],
+            EXACT,
+        );
+    }
+    Ok(())
+}
+
 fn put_cpu(act: &mut CpuAct, data: &[f32]) {
     act.live_mut(data.len() / act.cols()).copy_from_slice(data);
 }
@@ -342,6 +428,7 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
 
     attention_checks(be, &cpu, &mut rep, &mut rng)?;
     delta_checks(be, &cpu, &mut rep, &mut rng)?;
+    sample_checks(be, &mut rep, &mut rng)?;
     Ok(rep)
 }
 
@@ -1112,6 +1199,54 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
     }
     delta_bench(be, &mut rng, &mut lines)?;
     moe_bench(be, &mut rng, &mut lines)?;
+    // Sampling on the device: the kernel alone (device time by events, no
+    // edits, so repeated runs see the same rows), against the copy of the
+    // same rows to the host that it replaces.
+    {
+        use crate::sample::{SampleRowSpec, SampledRows};
+        let vocab = 128_256;
+        for rows in [1usize, 8, 32, 128] {
+            let act = be.alloc_act(ActShape { rows, cols: vocab })?;
+            put_gpu(be, &act, &rng.vec(rows * vocab, 6.0))?;
+            let shapes = [
+                ("server defaults", 0.2f32, 0u32, 0.9f32, 0.05f32),
+                ("temperature 1", 1.0, 0, 1.0, 0.0),
+                ("top-k 40", 1.0, 40, 1.0, 0.0),
+            ];
+            for (name, temperature, top_k, top_p, min_p) in shapes {
+                let specs: Vec<SampleRowSpec> = (0..rows as u32)
+                    .map(|r| SampleRowSpec {
+                        row: r,
+                        top_k,
+                        temperature,
+                        inv_t: 1.0 / temperature,
+                        top_p,
+                        min_p,
+                        uniform: (r as f64 + 0.5) / rows as f64,
+                        ..Default::default()
+                    })
+                    .collect();
+                let mut out = SampledRows::default();
+                let mut act_mut = be.alloc_act(ActShape { rows, cols: vocab })?;
+                // SAFETY: two live buffers of the same size on our stream.
+                unsafe { cu::memcpy_dtod_async(act_mut.ptr(), act.ptr(), rows * vocab * 4, be.stream.0) }
+                    .map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))?;
+                let ms = time_ms(be, 10, || {
+                    if let Err(e) = be.sample_rows(&mut act_mut, &specs, &[], &mut out) {
+                        be.lock().error.get_or_insert(e);
+                    }
+                })?;
+                lines.push(format!(
+                    "sample_rows {rows} x {vocab} ({name}): {ms:.3} ms (launch to summaries on the host)"
+                ));
+            }
+            let mut host = Vec::new();
+            let ms = time_ms(be, 10, || be.read_rows(&act, rows, &mut host))?;
+            lines.push(format!(
+                "read_rows {rows} x {vocab} (the logits copy sampling on the device replaces): {ms:.3} ms"
+            ));
+        }
+    }
     Ok(lines)
 }
 

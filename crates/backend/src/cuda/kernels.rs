@@ -68,6 +68,8 @@ pub(super) struct Kernels {
     pub(super) moe_gemm_gate_up: Kernel,
     pub(super) moe_gemm_down: Kernel,
     pub(super) moe_combine: Kernel,
+    /// One block per row: sanitize, edit and draw (kernels/sample.cu).
+    pub(super) sample_rows: Kernel,
 }
 
 /// Compile the kernel sources for `arch` (or read them from the cache in
@@ -183,6 +185,7 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         moe_gemm_gate_up: f("moe_gemm_gate_up")?,
         moe_gemm_down: f("moe_gemm_down")?,
         moe_combine: f("moe_combine")?,
+        sample_rows: f("sample_rows")?,
     };
     Ok((module, k))
 }

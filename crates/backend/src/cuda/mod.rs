@@ -23,6 +23,7 @@
 //! - `delta.rs`: the gated delta-net ops of the Qwen3.5 hybrid (convolution, delta rule, norms);
 //! - `graphs.rs`: graph capture and replay;
 //! - `profile.rs`: the per-op device-time profile;
+//! - `sample.rs`: rows sampled on the device (`sample_rows`);
 //! - `backend.rs`: the `Backend` impl that ties them;
 //! - this file: the configuration, the device state every op shares, and construction;
 //! - beside them: `device.rs` (context, stream, buffers, launches), `vram_alloc.rs` (every
@@ -44,6 +45,7 @@ pub mod nccl;
 pub mod nvrtc;
 pub mod preflight;
 mod profile;
+mod sample;
 pub mod vram_alloc;
 
 use crate::kv_units::KvAddressing;
@@ -164,6 +166,8 @@ struct State {
     /// cover at least these, so a captured step covers every row it may be
     /// replayed with (rows of no sequence are skipped on the device).
     step_rows: usize,
+    /// The device side of `sample_rows` (`sample.rs`).
+    sampling: sample::SampleBuffers,
 }
 
 // SAFETY: the raw graph handles inside are only used under the backend's mutex.
@@ -275,6 +279,7 @@ impl CudaBackend {
             kv_addr: KvAddressing::IDENTITY,
             step_rows: 0,
             pinned: None,
+            sampling: Default::default(),
         };
         let name = format!("cuda:{} ({dev_name}, {arch}, {sm_count} SMs)", config.ordinal);
         Ok(CudaBackend {

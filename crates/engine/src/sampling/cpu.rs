@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::guard::{fall_back, settle_draw, Settled};
 use super::kernel::{CpuDrawKernel, DrawKernel, DrawSpec};
-use super::logits::{apply_adjustments, log_sum_exp, sanitize, sanitize_wide, top_logprobs};
+use super::logits::{apply_adjustments, log_sum_exp, sanitize, sanitize_wide, top_logprobs, RawScan};
 use super::outcome::{BatchError, FallbackKind, SampleError, SampleOutcome, Sampled, StopReason};
 use super::stats::SamplerStats;
 use super::{SampleRow, Sampler};
@@ -107,6 +107,21 @@ fn sample_row<K: DrawKernel>(
         settle_draw(logits, kernel.draw(logits, &spec, uniform), scan.nan)
     };
 
+    conclude(stats, row, scan, logits.len(), settled, Some(logits))
+}
+
+/// The rest of a row once its token is settled, wherever it was drawn:
+/// count and log the fallback or failure (a request logs once), the
+/// log-probabilities (from `logits`, the sanitized, adjusted row, when the
+/// caller holds it), the stop reason, and the token recorded in the state.
+pub(super) fn conclude(
+    stats: &SamplerStats,
+    row: &mut SampleRow<'_>,
+    scan: RawScan,
+    vocab: usize,
+    settled: Result<Settled, SampleError>,
+    logits: Option<&[f32]>,
+) -> SampleOutcome {
     let Settled { token, fallback } = match settled {
         Ok(settled) => settled,
         Err(err) => {
@@ -117,7 +132,7 @@ fn sample_row<K: DrawKernel>(
                     position = row.state.generated().0,
                     nan = scan.nan,
                     pos_inf = scan.pos_inf,
-                    vocab = logits.len(),
+                    vocab,
                     "sampling failed, the request ends with an error: {err}"
                 );
             }
@@ -133,15 +148,15 @@ fn sample_row<K: DrawKernel>(
                 kind = kind.label(),
                 nan = scan.nan,
                 pos_inf = scan.pos_inf,
-                vocab = logits.len(),
+                vocab,
                 "sampling fell back to argmax; later fallbacks of this request are counted, not logged"
             );
         }
     }
 
-    let (logprob, top) = match row.params.logprobs {
-        None => (None, Vec::new()),
-        Some(n) => match log_sum_exp(logits) {
+    let (logprob, top) = match (row.params.logprobs, logits) {
+        (None, _) | (_, None) => (None, Vec::new()),
+        (Some(n), Some(logits)) => match log_sum_exp(logits) {
             Some(lse) => {
                 (Some((logits[token as usize] as f64 - lse) as f32), top_logprobs(logits, n as usize, lse))
             }

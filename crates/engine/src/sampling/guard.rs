@@ -9,6 +9,8 @@
 
 use corridor_units::TokenId;
 
+use corridor_backend::sample::RowSummary;
+
 use super::logits::argmax;
 use super::outcome::{FallbackKind, SampleError};
 
@@ -27,18 +29,50 @@ pub struct Settled {
 /// `None` when it found no candidate. `nan`: how many of the model's logits
 /// were NaN, for the error message.
 pub fn settle_draw(row: &[f32], drawn: Option<TokenId>, nan: usize) -> Result<Settled, SampleError> {
-    let verdict = match drawn {
-        None => Some(FallbackKind::NoCandidate),
-        Some(token) => match row.get(token as usize) {
-            None => Some(FallbackKind::OutOfVocab),
-            Some(&v) if v.is_nan() || v == f32::NEG_INFINITY => Some(FallbackKind::MaskedToken),
-            Some(_) => None,
-        },
-    };
-    match (verdict, drawn) {
+    match (verdict(drawn, |token| row.get(token as usize).copied()), drawn) {
         (None, Some(token)) => Ok(Settled { token, fallback: None }),
         (fallback, _) => fall_back(row, fallback, nan),
     }
+}
+
+/// Why a drawn answer cannot be used, if it cannot: `value_of` gives the
+/// adjusted logit of a token inside the vocabulary (`None` outside it).
+fn verdict(drawn: Option<TokenId>, value_of: impl FnOnce(TokenId) -> Option<f32>) -> Option<FallbackKind> {
+    match drawn {
+        None => Some(FallbackKind::NoCandidate),
+        Some(token) => match value_of(token) {
+            None => Some(FallbackKind::OutOfVocab),
+            Some(v) if v.is_nan() || v == f32::NEG_INFINITY => Some(FallbackKind::MaskedToken),
+            Some(_) => None,
+        },
+    }
+}
+
+/// Settles a row drawn on the device from its summary, by the rules the
+/// host sampler applies to a row it holds: every adjusted logit -inf fails
+/// the row; a row whose model logits held NaN or +inf takes the argmax; a
+/// draw that found nothing, left the vocabulary or chose a masked token
+/// takes the argmax. The summary's argmax stands for the row's (the device
+/// found it over the same adjusted row); one outside the vocabulary counts
+/// as none, so a garbled answer fails the row rather than emit an
+/// invalid token.
+pub fn settle_summary(summary: &RowSummary, vocab: usize) -> Result<Settled, SampleError> {
+    let nan = summary.nan as usize;
+    let Some(argmax) = summary.fallback_argmax().filter(|&t| (t as usize) < vocab) else {
+        return Err(SampleError::AllLogitsInvalid { vocab, nan });
+    };
+    let fallback = if summary.is_broken() {
+        Some(FallbackKind::NonFiniteLogits)
+    } else {
+        let drawn = summary.drawn();
+        match verdict(drawn, |token| ((token as usize) < vocab).then(|| summary.value())) {
+            None => {
+                return Ok(Settled { token: drawn.expect("a verdict of None means a draw"), fallback: None })
+            }
+            kind => kind,
+        }
+    };
+    Ok(Settled { token: argmax, fallback })
 }
 
 /// Argmax over the sanitized, adjusted row, or the row's error when every

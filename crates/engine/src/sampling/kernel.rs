@@ -12,7 +12,10 @@
 //!
 //! A token whose weight underflowed to zero is never a candidate. The token is then
 //! drawn with probability proportional to its weight among the candidates,
-//! by inverse CDF on the row's single uniform draw. With `T = 0` the draw is
+//! by inverse CDF on the row's single uniform draw, walking the candidates
+//! in rank order when `top_p < 1` or `top_k` is below the number of tokens
+//! of positive weight, in vocabulary order otherwise (only `min_p`, or
+//! nothing, truncates). With `T = 0` the draw is
 //! the argmax. Weights are at most 1 (f32 from [`weight_of`], relative error
 //! under 3e-7) and sums are f64, so no logit in f32 range can overflow them.
 //!
@@ -195,6 +198,10 @@ impl DrawKernel for CpuDrawKernel {
             if k < cands.len() {
                 cands.select_nth_unstable_by(k - 1, by_rank);
                 cands.truncate(k);
+                // The draw walks the candidates in rank order, not in
+                // whatever order the selection left them, so any
+                // implementation that finds the same set draws the same token.
+                cands.sort_unstable_by(by_rank);
             }
         }
         if spec.top_p < 1.0 {

@@ -54,8 +54,17 @@
 //! row through [`guard::settle_draw`] (or [`guard::fall_back`] for a row with
 //! non-finite logits) and count through [`SamplerStats`], so the fallback
 //! rules cannot drift between backends.
+//!
+//! Rows can also be drawn where their logits are, on a backend with
+//! `sample_rows` ([`device`]): the host sends each row's uniform and a
+//! sparse list of the adjustments of step 3, the device sanitizes, adjusts
+//! and draws (step 4), and the host settles the answer with
+//! [`guard::settle_summary`] (step 5) and finishes the row as above. Rows
+//! that need their whole row on the host (log-probabilities, a grammar
+//! mask) are sampled here instead.
 
 pub mod constraint;
+pub mod device;
 pub mod guard;
 pub mod kernel;
 pub mod logits;

@@ -21,6 +21,11 @@ pub struct SamplerStats {
     masked_token: AtomicU64,
     /// Rows that failed outright (every logit invalid).
     failed_rows: AtomicU64,
+    /// Rows drawn where their logits are (on the GPU).
+    device_rows: AtomicU64,
+    /// Rows sent to the device whose candidate set did not fit its draw, so
+    /// their adjusted logits came back and the host drew them.
+    device_spilled: AtomicU64,
 }
 
 impl SamplerStats {
@@ -57,5 +62,24 @@ impl SamplerStats {
     /// Rows that produced no token so far.
     pub fn failed_rows(&self) -> u64 {
         self.failed_rows.load(Ordering::Relaxed)
+    }
+
+    /// Counts one row sent to the device sampler; `spilled` when it came
+    /// back for the host to draw.
+    pub fn record_device_row(&self, spilled: bool) {
+        self.device_rows.fetch_add(1, Ordering::Relaxed);
+        if spilled {
+            self.device_spilled.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Rows sent to the device sampler so far.
+    pub fn device_rows(&self) -> u64 {
+        self.device_rows.load(Ordering::Relaxed)
+    }
+
+    /// Rows the device sampler handed back to the host so far.
+    pub fn device_spilled(&self) -> u64 {
+        self.device_spilled.load(Ordering::Relaxed)
     }
 }

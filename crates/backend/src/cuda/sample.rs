@@ -1,0 +1,164 @@
+//! `Backend::sample_rows` on the GPU: the step's rows drawn where their
+//! logits are (kernels/sample.cu), so a decode step copies a few numbers per
+//! row to the host instead of the whole `[rows, vocab]` block.
+//!
+//! The specs and edits go up, one launch draws every row, the summaries come
+//! back; a row the kernel could not draw (its candidate region did not fit
+//! shared memory) has its adjusted logits copied out beside them.
+
+use super::device::{cuda_err, Args, DeviceBuffer, LaunchDims};
+use super::{CudaAct, CudaBackend};
+use crate::sample::{
+    LogitEdit, RowSummary, SampleRowSpec, SampledRows, MAX_EDITS_PER_ROW, ROW_TOO_MANY_CANDIDATES,
+};
+use crate::{BackendError, Result};
+use cudarc::driver::result as cu;
+
+/// Threads per row: `SAMPLE_THREADS` in kernels/sample.cu.
+const THREADS: u32 = 1024;
+
+/// Bytes of one summary on the device.
+const SUMMARY: usize = std::mem::size_of::<RowSummary>();
+
+/// Device copies of one call's specs, edits and summaries, grown to the
+/// largest call and kept.
+#[derive(Default)]
+pub(super) struct SampleBuffers {
+    specs: Option<DeviceBuffer>,
+    edits: Option<DeviceBuffer>,
+    out: Option<DeviceBuffer>,
+}
+
+impl CudaBackend {
+    /// Grow `slot` to `bytes` if the card lends them; a refusal keeps the
+    /// buffer there was (the caller splits its work to fit).
+    fn grow(&self, slot: &mut Option<DeviceBuffer>, bytes: usize) {
+        if slot.as_ref().is_some_and(|b| b.bytes().0 as usize >= bytes) {
+            return;
+        }
+        match self.alloc_buf(bytes, super::device::Purpose::Workspace) {
+            Ok(b) => *slot = Some(b),
+            Err(e) => tracing::debug!("sample_rows keeps its smaller buffers: {e}"),
+        }
+    }
+
+    /// Allocate the buffers of `sample_rows` for `rows` rows, before KV takes
+    /// what the card has left, so serving never needs to allocate.
+    pub(super) fn reserve_sampling(&self, rows: usize) -> Result<()> {
+        self.ctx.bind()?;
+        let mut st = self.lock();
+        let bufs = &mut st.sampling;
+        let want = |n: usize| n.max(1);
+        for (slot, bytes) in [
+            (&mut bufs.specs, want(rows) * std::mem::size_of::<SampleRowSpec>()),
+            (&mut bufs.edits, want(rows) * MAX_EDITS_PER_ROW * std::mem::size_of::<LogitEdit>()),
+            (&mut bufs.out, want(rows) * SUMMARY),
+        ] {
+            if slot.as_ref().is_none_or(|b| (b.bytes().0 as usize) < bytes) {
+                *slot = Some(self.alloc_buf(bytes, super::device::Purpose::Workspace)?);
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn sample_rows_on_device(
+        &self,
+        logits: &mut CudaAct,
+        specs: &[SampleRowSpec],
+        edits: &[LogitEdit],
+        out: &mut SampledRows,
+    ) -> Result<()> {
+        out.rows.clear();
+        out.spill.clear();
+        if specs.is_empty() {
+            return Ok(());
+        }
+        let bad = |what: String| Err(BackendError::Other(format!("sample_rows: {what}")));
+        for (i, s) in specs.iter().enumerate() {
+            if s.row as usize >= logits.rows {
+                return bad(format!("spec {i} reads row {} of {}", s.row, logits.rows));
+            }
+            if s.edits_start as u64 + s.edits_len as u64 > edits.len() as u64 {
+                return bad(format!("spec {i} names edits past the {} given", edits.len()));
+            }
+        }
+        if specs.len() > 65535 {
+            return bad(format!("{} rows in one launch", specs.len()));
+        }
+        let vocab = logits.cols;
+        self.ctx.bind()?;
+        let mut st = self.lock();
+        if st.capturing.is_some() {
+            return bad("called during graph capture".into());
+        }
+        // Buffers grow to the largest call when the card has room; when it
+        // has none (KV fills what the floor leaves), the rows go in launches
+        // whose edits fit the buffers there are.
+        let bufs = &mut st.sampling;
+        self.grow(&mut bufs.specs, std::mem::size_of_val(specs));
+        self.grow(&mut bufs.edits, std::mem::size_of_val(edits).max(4));
+        self.grow(&mut bufs.out, specs.len() * SUMMARY);
+        let cap = |b: &Option<DeviceBuffer>| b.as_ref().map_or(0, |b| b.bytes().0 as usize);
+        let max_rows =
+            (cap(&bufs.specs) / std::mem::size_of::<SampleRowSpec>()).min(cap(&bufs.out) / SUMMARY);
+        let max_edits = cap(&bufs.edits) / std::mem::size_of::<LogitEdit>();
+        let ptr = |b: &Option<DeviceBuffer>| b.as_ref().map_or(0, |b| b.ptr());
+        let (specs_ptr, edits_ptr, out_ptr) = (ptr(&bufs.specs), ptr(&bufs.edits), ptr(&bufs.out));
+        out.rows.resize(specs.len(), RowSummary::default());
+        let mut done = 0;
+        let (mut part, mut part_edits) = (Vec::new(), Vec::new());
+        while done < specs.len() {
+            // The next launch: as many rows as the buffers hold, their edits
+            // packed from 0.
+            part.clear();
+            part_edits.clear();
+            for s in &specs[done..] {
+                let len = s.edits_len as usize;
+                if part.len() == max_rows || (part_edits.len() + len > max_edits && !part.is_empty()) {
+                    break;
+                }
+                if len > max_edits {
+                    return bad(format!("a row with {len} edits; the device holds {max_edits}"));
+                }
+                let lo = s.edits_start as usize;
+                part.push(SampleRowSpec { edits_start: part_edits.len() as u32, ..*s });
+                part_edits.extend_from_slice(&edits[lo..lo + len]);
+            }
+            if part.is_empty() {
+                return bad("no device buffers for the rows".into());
+            }
+            self.upload(specs_ptr, &part)?;
+            self.upload(edits_ptr, &part_edits)?;
+            let args =
+                Args::new().ptr(logits.ptr()).i32(vocab as i32).ptr(specs_ptr).ptr(edits_ptr).ptr(out_ptr);
+            let dims = LaunchDims { grid: (part.len() as u32, 1, 1), block: THREADS };
+            // SAFETY: `logits` holds every row the specs name (checked above),
+            // the buffers hold this launch's specs, its edits and one summary
+            // per spec.
+            unsafe { self.launch(self.k.sample_rows, dims, args)? };
+            let got = &mut out.rows[done..done + part.len()];
+            // SAFETY: `got` holds one summary per spec of this launch, as the buffer does.
+            unsafe { cu::memcpy_dtoh_async(got, out_ptr, self.stream.0) }
+                .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
+            self.synchronize()?;
+            done += part.len();
+        }
+        let spilled: Vec<u32> = specs
+            .iter()
+            .zip(&out.rows)
+            .filter(|(_, r)| r.status == ROW_TOO_MANY_CANDIDATES)
+            .map(|(s, _)| s.row)
+            .collect();
+        if spilled.is_empty() {
+            return Ok(());
+        }
+        out.spill.resize(spilled.len() * vocab, 0.0);
+        for (chunk, &row) in out.spill.chunks_mut(vocab).zip(&spilled) {
+            let src = logits.ptr() + (row as u64 * vocab as u64 * 4);
+            // SAFETY: row `row` of `logits` is `vocab` f32 values.
+            unsafe { cu::memcpy_dtoh_async(chunk, src, self.stream.0) }
+                .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
+        }
+        self.synchronize()
+    }
+}
