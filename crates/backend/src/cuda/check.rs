@@ -1313,6 +1313,33 @@ fn delta_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: 
                 &[(1, 16, 25)],
             ],
         },
+        // The hybrid fixture's calls as the model makes them in corridor-gpu-check.
+        DeltaCase {
+            name: "tiny fixture heads, the 21-token prompt whole, then decode",
+            geometry: geo(2, 4, 16, 16, 4, VHeadOrder::Grouped),
+            slots: 2,
+            steps: &[&[(1, 21, 0)], &[(1, 1, 21)], &[(1, 1, 22)]],
+        },
+        DeltaCase {
+            name: "tiny fixture heads, the 21-token prompt in chunks of 2, 1, 7, 5, 6",
+            geometry: geo(2, 4, 16, 16, 4, VHeadOrder::Grouped),
+            slots: 2,
+            steps: &[&[(1, 2, 0)], &[(1, 1, 2)], &[(1, 7, 3)], &[(1, 5, 10)], &[(1, 6, 15)]],
+        },
+        DeltaCase {
+            name: "tiny fixture heads, 3 sequences in slots 2, 0, 3 decoded together, reordered each step",
+            geometry: geo(2, 4, 16, 16, 4, VHeadOrder::Grouped),
+            slots: 4,
+            steps: &[
+                &[(2, 7, 0)],
+                &[(0, 12, 0)],
+                &[(3, 3, 0)],
+                &[(2, 1, 7), (0, 1, 12), (3, 1, 3)],
+                &[(2, 1, 8), (3, 1, 4), (0, 1, 13)],
+                &[(3, 1, 5), (2, 1, 9), (0, 1, 14)],
+                &[(3, 1, 6), (0, 1, 15), (2, 1, 10)],
+            ],
+        },
         DeltaCase {
             name: "Qwen3.5-27B heads (16 key / 48 value of 128), two prompts, decode, a new sequence in a used slot",
             geometry: geo(16, 48, 128, 128, 4, VHeadOrder::Grouped),
