@@ -28,6 +28,28 @@ const ROWS_PER_TASK: usize = 32;
 /// tok/s where dotting 8 rows gives 32.7, so the switch stays at 2.
 const DOT_MAX_ROWS: usize = 2;
 
+/// Whether a matmul rounds its input rows to bf16 before multiplying, given
+/// the weight's type as held (after [`Bf16Rounding::weights`]), its
+/// `[n, k]` shape and the input rows: a device's choice of kernel, which the
+/// device backend exposes (CUDA: `cuda::rounds_matmul_input`).
+pub type InputRounding = fn(dtype: DType, n: usize, k: usize, rows: usize) -> bool;
+
+/// Roundings a device applies that the CPU can apply too, so the device can
+/// be compared with the CPU arithmetic it should match rather than only with
+/// exact f32: a model that amplifies rounding (the tiny Qwen3.5 hybrid does,
+/// several times more than the dense fixtures) then still separates a wrong
+/// kernel from a rounded one. Off by default; the CPU then computes as
+/// always.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Bf16Rounding {
+    /// Matrices stored in f32 or f16 are held rounded to bf16 (vectors stay
+    /// as stored), as the CUDA backend holds them.
+    pub weights: bool,
+    /// Which matmuls take their input rounded to bf16 (a bf16 tensor-core
+    /// GEMM's operand); none when unset.
+    pub inputs: Option<InputRounding>,
+}
+
 /// How decode (a matmul of at most `DOT_MAX_ROWS` rows) multiplies
 /// block-format weights.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -50,6 +72,7 @@ pub struct CpuBackend {
     /// allocated (see [`CpuBackend::resident`]).
     resident: bool,
     decode: DecodeActivations,
+    rounding: Bf16Rounding,
 }
 
 impl CpuBackend {
@@ -59,6 +82,11 @@ impl CpuBackend {
     /// A backend whose decode keeps activations as chosen.
     pub fn with_decode_activations(decode: DecodeActivations) -> Self {
         CpuBackend { decode, ..CpuBackend::default() }
+    }
+
+    /// This backend, rounding weights and matmul inputs to bf16 as `rounding` says.
+    pub fn with_bf16_rounding(self, rounding: Bf16Rounding) -> Self {
+        CpuBackend { rounding, ..self }
     }
 
     /// A backend whose KV and activation buffers are resident from the start.
@@ -157,6 +185,13 @@ impl CpuWeight {
     pub fn shape(&self) -> (usize, usize) {
         match self {
             CpuWeight::F32 { rows, cols, .. } | CpuWeight::Packed { rows, cols, .. } => (*rows, *cols),
+        }
+    }
+    /// The type the weight is held in.
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuWeight::F32 { .. } => DType::F32,
+            CpuWeight::Packed { dtype, .. } => *dtype,
         }
     }
     /// The weights as f32 (only for vectors and small tables: norms, biases).
@@ -269,6 +304,17 @@ impl Backend for CpuBackend {
 
     fn upload_weight(&self, t: &HostTensor) -> Result<CpuWeight> {
         let (rows, cols, want) = t.checked_matrix()?;
+        if self.rounding.weights && rows > 1 && matches!(t.dtype, DType::F32 | DType::F16) {
+            let b = t.data.bytes();
+            let wide: Vec<f32> = match t.dtype {
+                DType::F32 => {
+                    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+                }
+                _ => b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            };
+            let data = wide.into_iter().map(|v| half::bf16::from_f32(v).to_f32()).collect();
+            return Ok(CpuWeight::F32 { data, rows, cols });
+        }
         Ok(match t.dtype {
             DType::F32 => {
                 // Copy into an aligned Vec: checkpoint offsets need not be 4-byte aligned.
@@ -350,7 +396,14 @@ impl Backend for CpuBackend {
         let (n, k) = w.shape();
         assert_eq!(x.cols, k, "matmul: x has {} columns, weight expects {}", x.cols, k);
         assert_eq!(out.cols, n, "matmul: out has {} columns, weight gives {}", out.cols, n);
-        let xs = x.live(rows);
+        let rounded: Vec<f32>;
+        let xs = match self.rounding.inputs {
+            Some(rounds) if rounds(w.dtype(), n, k, rows) => {
+                rounded = x.live(rows).iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+                &rounded[..]
+            }
+            _ => x.live(rows),
+        };
         let optr = SendPtr(out.data.as_mut_ptr());
         let tasks = n.div_ceil(ROWS_PER_TASK);
         // Decode over a block format: each activation row is quantized once
