@@ -154,13 +154,17 @@ pub fn check_fixtures<B: Backend>(b: &B, cpu: &CpuBackend, dir: &Path) -> (usize
                 continue;
             }
         };
+        // How far from exact f32 the device is, for the record (not judged:
+        // that much is the rounding the reference shares).
+        let exact = chunked_logits(&reference_cpu(), &ckpt, &prompt, &[prompt.len()]);
         for chunks in [&[prompt.len()][..], &CHUNKS[..]] {
             let ok = match chunked_logits(b, &ckpt, &prompt, chunks) {
                 Ok(l) => {
                     let (err, scale) = position_error(&l, &reference);
                     let ok = err <= TOL * scale;
+                    let f32_err = exact.as_ref().map_or(f32::NAN, |e| position_error(&l, e).0);
                     println!(
-                        "{} {name}: every position, prompt in chunks of {chunks:?}: max error {err:.2e} of {scale:.2e}",
+                        "{} {name}: every position, prompt in chunks of {chunks:?}: max error {err:.2e} of {scale:.2e} (exact f32: {f32_err:.2e})",
                         if ok { "PASS" } else { "FAIL" }
                     );
                     ok
