@@ -27,5 +27,5 @@ fn delta_kernels_match_the_cpu_arithmetic_under_emulation() {
     let report = String::from_utf8_lossy(&run.stdout);
     println!("{report}");
     assert!(run.status.success(), "a kernel differs from its reference:\n{report}");
-    assert!(report.matches("PASS").count() >= 40, "fewer comparisons than written:\n{report}");
+    assert!(report.matches("PASS").count() >= 95, "fewer comparisons than written:\n{report}");
 }

@@ -19,10 +19,14 @@
 //! first is captured as a graph and the rest replay it), each in its own
 //! pages and state slot.
 //!
+//! The CPU reference rounds as the device does ([`device_reference`]: bf16
+//! matrices, and bf16 inputs to the matmuls the device computes from bf16),
+//! so what is left to the tolerance is the bf16 KV and the order of sums.
+//!
 //! The binary (`src/main.rs`, feature `cuda`) runs this with the CUDA backend
 //! on the GPU machine; without a GPU the comparison is tested CPU against CPU.
 
-use corridor_backend::cpu::{CpuBackend, DecodeActivations, Storage};
+use corridor_backend::cpu::{Bf16Rounding, CpuBackend, DecodeActivations, InputRounding};
 use corridor_backend::{Backend, SeqStep};
 use corridor_model::greedy::greedy;
 use corridor_model::Checkpoint;
@@ -102,9 +106,9 @@ pub fn compare(got: &Run, want: &Run) -> Verdict {
 }
 
 /// Every checkpoint in `dir` (directories and .gguf files) on `b` and on the
-/// CPU, one PASS/FAIL line each; returns (checkpoints compared, failures).
-pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
-    let cpu = reference_cpu();
+/// CPU reference `cpu`, one PASS/FAIL line each; returns (checkpoints
+/// compared, failures).
+pub fn check_fixtures<B: Backend>(b: &B, cpu: &CpuBackend, dir: &Path) -> (usize, usize) {
     let mut entries: Vec<_> =
         std::fs::read_dir(dir).expect("fixtures dir").flatten().map(|e| e.path()).collect();
     entries.sort();
@@ -130,7 +134,7 @@ pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
                 continue;
             }
         };
-        let want = generate(&cpu, &ckpt, &prompt, 12);
+        let want = generate(cpu, &ckpt, &prompt, 12);
         let v = compare(&got, &want);
         if let Some((tie, gap)) = v.tie {
             println!(
@@ -150,7 +154,7 @@ pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
             want.tokens
         );
         // Every position, the prompt fed whole and in chunks.
-        let reference = match chunked_logits(&cpu, &ckpt, &prompt, &[prompt.len()]) {
+        let reference = match chunked_logits(cpu, &ckpt, &prompt, &[prompt.len()]) {
             Ok(l) => l,
             Err(e) => {
                 println!("FAIL {name}: every position on the CPU: {e}");
@@ -158,13 +162,17 @@ pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
                 continue;
             }
         };
+        // How far from exact f32 the device is, for the record (not judged:
+        // that much is the rounding the reference shares).
+        let exact = chunked_logits(&reference_cpu(), &ckpt, &prompt, &[prompt.len()]);
         for chunks in [&[prompt.len()][..], &CHUNKS[..]] {
             let ok = match chunked_logits(b, &ckpt, &prompt, chunks) {
                 Ok(l) => {
                     let (err, scale) = position_error(&l, &reference);
                     let ok = err <= POSITION_TOL * scale;
+                    let f32_err = exact.as_ref().map_or(f32::NAN, |e| position_error(&l, e).0);
                     println!(
-                        "{} {name}: every position, prompt in chunks of {chunks:?}: max error {err:.2e} of {scale:.2e}",
+                        "{} {name}: every position, prompt in chunks of {chunks:?}: max error {err:.2e} of {scale:.2e} (exact f32: {f32_err:.2e})",
                         if ok { "PASS" } else { "FAIL" }
                     );
                     ok
@@ -177,7 +185,7 @@ pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
             failures += usize::from(!ok);
         }
         // Sequences decoded together, in padded and reordered steps.
-        let ok = match (batched_decode(b, &ckpt, 6), batched_decode(&cpu, &ckpt, 6)) {
+        let ok = match (batched_decode(b, &ckpt, 6), batched_decode(cpu, &ckpt, 6)) {
             (Ok(got), Ok(want)) => {
                 let (err, scale) = position_error(&got, &want);
                 let ok = err <= POSITION_TOL * scale;
@@ -198,7 +206,7 @@ pub fn check_fixtures<B: Backend>(b: &B, dir: &Path) -> (usize, usize) {
         if ckpt.config().moe.is_some() {
             let long: Vec<u32> = (0..90).map(|i| (i * 53 + 7) % 300).collect();
             let (got, want) = match try_generate(b, &ckpt, &long, 4) {
-                Ok(run) => (run, generate(&cpu, &ckpt, &long, 4)),
+                Ok(run) => (run, generate(cpu, &ckpt, &long, 4)),
                 Err(e) => {
                     println!("FAIL {} (90-token prompt): {e}", p.display());
                     failures += 1;
@@ -357,16 +365,27 @@ pub fn chunked_logits<B: Backend>(
     Ok(all)
 }
 
-/// The CPU backend the checks compare against: f32 activations in every
-/// matmul (as the GPU's GEMVs keep them), so a prompt fed in chunks of a few
-/// rows computes what it computes fed whole (the CPU's default rounds the
-/// activations of block-format matmuls of a few rows to 8 bits); and the
-/// weights and KV stored in bf16 as the device stores them, so a
-/// mixture-of-experts router whose top experts nearly tie picks the experts
-/// the device picks (on the tiny Qwen3-MoE GGUF, two of them are 1e-3 apart
-/// for one decoded token, and rounding its f16 weights to bf16 swaps them).
+/// The exact CPU arithmetic: f32 activations in every matmul (as the GPU's
+/// GEMVs keep them), so a prompt fed in chunks of a few rows computes what it
+/// computes fed whole (the CPU's default rounds the activations of
+/// block-format matmuls of a few rows to 8 bits), and weights and KV as
+/// stored. [`device_reference`] adds the device's roundings.
 pub fn reference_cpu() -> CpuBackend {
-    CpuBackend::with_decode_activations(DecodeActivations::F32).with_storage(Storage::Bf16)
+    CpuBackend::with_decode_activations(DecodeActivations::F32)
+}
+
+/// [`reference_cpu`] rounding as a device does, the reference the device is
+/// compared with: matrices held in bf16 and K and V stored in bf16, as the
+/// CUDA backend keeps them (a mixture-of-experts router whose top experts
+/// nearly tie picks the experts the device picks: on the tiny Qwen3-MoE GGUF
+/// two of them are 1e-3 apart for one decoded token, and rounding its f16
+/// weights to bf16 swaps them), and the input of each matmul that `rounds`
+/// says the device computes from bf16 (its tensor-core GEMMs) rounded to bf16
+/// too (the tiny hybrid amplifies the rounding of its prefill GEMMs' inputs
+/// past [`TOL`] of exact f32, see the test below). Only a reference that
+/// rounds the same tells a wrong kernel from a rounded one.
+pub fn device_reference(rounds: InputRounding) -> CpuBackend {
+    reference_cpu().with_bf16_rounding(Bf16Rounding { weights: true, kv: true, inputs: Some(rounds) })
 }
 
 /// SmolLM2-135M-Instruct answers the ChatML "capital of France" prompt with
@@ -519,15 +538,48 @@ mod tests {
         let device_weights = batched_decode(&f32_acts, &rounded, 6).unwrap();
         let (err, scale) = position_error(&batched_decode(&f32_acts, &ckpt, 6).unwrap(), &device_weights);
         assert!(err > TOL * scale, "the f16 weights route as the bf16 ones do ({err} of {scale})");
-        let (err, scale) =
-            position_error(&batched_decode(&reference_cpu(), &ckpt, 6).unwrap(), &device_weights);
+        let (err, scale) = position_error(
+            &batched_decode(&device_reference(|_, _, _, _| false), &ckpt, 6).unwrap(),
+            &device_weights,
+        );
         assert!(err <= TOL * scale / 2.0, "the reference: {err} of {scale}");
+    }
+
+    /// Why the device is compared with a reference that rounds as it does:
+    /// rounding the inputs of the matmuls of more than 8 rows to bf16 (what
+    /// CUDA's cuBLASLt path does to prefill rows) moves the bf16 hybrid's
+    /// logits past the tolerance of exact f32, while chunks of at most 8 rows
+    /// (the exact GEMVs) stay where they were.
+    #[test]
+    fn the_hybrid_amplifies_the_rounding_of_its_prefill_inputs() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+        let ckpt = Checkpoint::open(&dir.join("qwen3_5-bf16")).expect("fixture opens");
+        let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 11) % 300).collect();
+        let exact = chunked_logits(&reference_cpu(), &ckpt, &prompt, &[21]).unwrap();
+        // The device's roundings without its bf16 KV, which alone would move the chunks too.
+        let rounding = reference_cpu().with_bf16_rounding(Bf16Rounding {
+            weights: true,
+            kv: false,
+            inputs: Some(|_, _, _, rows| rows > 8),
+        });
+        let whole = chunked_logits(&rounding, &ckpt, &prompt, &[21]).unwrap();
+        let (err, scale) = position_error(&whole, &exact);
+        assert!(err > TOL * scale, "rounded prefill inputs moved the logits by only {err} of {scale}");
+        let split = chunked_logits(&rounding, &ckpt, &prompt, &CHUNKS).unwrap();
+        let (err, scale) = position_error(&split, &exact);
+        assert!(err <= 1e-4 * scale, "chunks of at most 8 rows: {err} of {scale}");
+        // Held in bf16, the f32 fixture's matrices move its logits even at a row a step.
+        let f32_ckpt = Checkpoint::open(&dir.join("qwen3_5")).expect("fixture opens");
+        let exact = chunked_logits(&reference_cpu(), &f32_ckpt, &prompt[..4], &[1, 1, 1, 1]).unwrap();
+        let held = chunked_logits(&rounding, &f32_ckpt, &prompt[..4], &[1, 1, 1, 1]).unwrap();
+        let (err, scale) = position_error(&held, &exact);
+        assert!(err > 1e-3 * scale, "bf16-held matrices moved the logits by only {err} of {scale}");
     }
 
     #[test]
     fn the_cpu_passes_against_itself_on_every_tiny_checkpoint() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
-        let (checked, failures) = check_fixtures(&reference_cpu(), &dir);
+        let (checked, failures) = check_fixtures(&reference_cpu(), &reference_cpu(), &dir);
         assert!(checked >= 5, "only {checked} checkpoints found in {}", dir.display());
         assert_eq!(failures, 0);
     }

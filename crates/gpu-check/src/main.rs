@@ -13,8 +13,9 @@
 
 #[cfg(feature = "cuda")]
 fn main() {
-    use corridor_backend::cuda::{CudaBackend, CudaBackendConfig};
-    use corridor_gpu_check::{all_logits, check_fixtures, paris};
+    use corridor_backend::cuda::{rounds_matmul_input, CudaBackend, CudaBackendConfig};
+    use corridor_backend::DType;
+    use corridor_gpu_check::{all_logits, check_fixtures, device_reference, paris};
     use corridor_model::Checkpoint;
     use std::path::Path;
 
@@ -37,7 +38,13 @@ fn main() {
     if dir.ends_with(".gguf") {
         std::process::exit(i32::from(!paris(&gpu, Path::new(&dir))));
     }
-    let (_, failures) = check_fixtures(&gpu, Path::new(&dir));
+    // The reference rounds what this backend rounds: a checkpoint's f32 and
+    // f16 matrices are bf16 on the device, and its GEMMs take bf16 inputs.
+    fn like_cuda(dtype: DType, n: usize, k: usize, rows: usize) -> bool {
+        let held = if matches!(dtype, DType::F32 | DType::F16) { DType::BF16 } else { dtype };
+        rounds_matmul_input(held, n, k, rows)
+    }
+    let (_, failures) = check_fixtures(&gpu, &device_reference(like_cuda), Path::new(&dir));
     println!("{failures} checkpoints failed");
     std::process::exit(i32::from(failures > 0));
 }

@@ -28,6 +28,34 @@ const ROWS_PER_TASK: usize = 32;
 /// tok/s where dotting 8 rows gives 32.7, so the switch stays at 2.
 const DOT_MAX_ROWS: usize = 2;
 
+/// Whether a matmul rounds its input rows to bf16 before multiplying, given
+/// the weight's type as held (after [`Bf16Rounding::weights`]), its
+/// `[n, k]` shape and the input rows: a device's choice of kernel, which the
+/// device backend exposes (CUDA: `cuda::rounds_matmul_input`).
+pub type InputRounding = fn(dtype: DType, n: usize, k: usize, rows: usize) -> bool;
+
+/// Roundings a device applies that the CPU can apply too, so the device can
+/// be compared with the CPU arithmetic it should match rather than only with
+/// exact f32: a model that amplifies rounding (the tiny Qwen3.5 hybrid does,
+/// several times more than the dense fixtures) then still separates a wrong
+/// kernel from a rounded one. Off by default; the CPU then computes as
+/// always.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Bf16Rounding {
+    /// Matrices stored in f32 or f16 are held rounded to bf16 (vectors stay
+    /// as stored), as the CUDA backend holds them.
+    pub weights: bool,
+    /// Every K and V value is rounded to bf16 as it is written, as the CUDA
+    /// KV cache stores it. (A mixture of experts picks its experts by
+    /// comparing router logits; where two nearly tie, the rounding of the
+    /// weights and the KV alone decides which expert a token gets, a
+    /// difference no tolerance on the logits absorbs.)
+    pub kv: bool,
+    /// Which matmuls take their input rounded to bf16 (a bf16 tensor-core
+    /// GEMM's operand); none when unset.
+    pub inputs: Option<InputRounding>,
+}
+
 /// How decode (a matmul of at most `DOT_MAX_ROWS` rows) multiplies
 /// block-format weights.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -40,22 +68,6 @@ pub enum DecodeActivations {
     /// Keep the activations in f32 and dequantize the weights in registers:
     /// f32 arithmetic throughout, for comparing against f32 references.
     F32,
-}
-
-/// The types the backend keeps weights and KV in.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Storage {
-    /// Weights in the checkpoint's type, KV in f32: the default.
-    #[default]
-    AsGiven,
-    /// What the CUDA backend stores: f32 and f16 matrices rounded to bf16 at
-    /// upload (vectors, one row, stay f32; bf16 and block formats as they
-    /// are) and every K and V value rounded to bf16 as it is written. A
-    /// reference to compare a bf16 device against: a mixture of experts
-    /// picks its experts by comparing router logits, and where two of them
-    /// nearly tie, the rounding of the weights alone decides which expert a
-    /// token gets, a difference no tolerance on the logits absorbs.
-    Bf16,
 }
 
 /// `v` rounded to the nearest bf16 (ties to even), back in f32.
@@ -71,7 +83,7 @@ pub struct CpuBackend {
     /// allocated (see [`CpuBackend::resident`]).
     resident: bool,
     decode: DecodeActivations,
-    storage: Storage,
+    rounding: Bf16Rounding,
 }
 
 impl CpuBackend {
@@ -83,9 +95,9 @@ impl CpuBackend {
         CpuBackend { decode, ..CpuBackend::default() }
     }
 
-    /// This backend keeping weights and KV as `storage` says.
-    pub fn with_storage(self, storage: Storage) -> Self {
-        CpuBackend { storage, ..self }
+    /// This backend, rounding weights and matmul inputs to bf16 as `rounding` says.
+    pub fn with_bf16_rounding(self, rounding: Bf16Rounding) -> Self {
+        CpuBackend { rounding, ..self }
     }
 
     /// A backend whose KV and activation buffers are resident from the start.
@@ -184,6 +196,13 @@ impl CpuWeight {
     pub fn shape(&self) -> (usize, usize) {
         match self {
             CpuWeight::F32 { rows, cols, .. } | CpuWeight::Packed { rows, cols, .. } => (*rows, *cols),
+        }
+    }
+    /// The type the weight is held in.
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuWeight::F32 { .. } => DType::F32,
+            CpuWeight::Packed { dtype, .. } => *dtype,
         }
     }
     /// The weights as f32 (only for vectors and small tables: norms, biases).
@@ -296,27 +315,16 @@ impl Backend for CpuBackend {
 
     fn upload_weight(&self, t: &HostTensor) -> Result<CpuWeight> {
         let (rows, cols, want) = t.checked_matrix()?;
-        if self.storage == Storage::Bf16 && rows > 1 && matches!(t.dtype, DType::F32 | DType::F16) {
-            // Element by element: checkpoint offsets need not be aligned.
+        if self.rounding.weights && rows > 1 && matches!(t.dtype, DType::F32 | DType::F16) {
+            let b = t.data.bytes();
             let wide: Vec<f32> = match t.dtype {
-                DType::F32 => t
-                    .data
-                    .bytes()
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-                _ => t
-                    .data
-                    .bytes()
-                    .chunks_exact(2)
-                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .collect(),
+                DType::F32 => {
+                    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+                }
+                _ => b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             };
-            debug_assert_eq!(wide.len(), rows * cols, "{want} bytes checked");
-            let bytes = TensorBytes::from_vec(
-                wide.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(),
-            );
-            return Ok(CpuWeight::Packed { dtype: DType::BF16, bytes, rows, cols, row_bytes: 2 * cols });
+            let data = wide.into_iter().map(|v| half::bf16::from_f32(v).to_f32()).collect();
+            return Ok(CpuWeight::F32 { data, rows, cols });
         }
         Ok(match t.dtype {
             DType::F32 => {
@@ -399,7 +407,14 @@ impl Backend for CpuBackend {
         let (n, k) = w.shape();
         assert_eq!(x.cols, k, "matmul: x has {} columns, weight expects {}", x.cols, k);
         assert_eq!(out.cols, n, "matmul: out has {} columns, weight gives {}", out.cols, n);
-        let xs = x.live(rows);
+        let rounded: Vec<f32>;
+        let xs = match self.rounding.inputs {
+            Some(rounds) if rounds(w.dtype(), n, k, rows) => {
+                rounded = x.live(rows).iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+                &rounded[..]
+            }
+            _ => x.live(rows),
+        };
         let optr = SendPtr(out.data.as_mut_ptr());
         let tasks = n.div_ceil(ROWS_PER_TASK);
         // Decode over a block format: each activation row is quantized once
@@ -604,7 +619,7 @@ impl Backend for CpuBackend {
                 let at = kv.slot(s.pages[pos / g.page_size], pos % g.page_size);
                 kv.k[at..at + width].copy_from_slice(k.row(s.row_start + i));
                 kv.v[at..at + width].copy_from_slice(v.row(s.row_start + i));
-                if self.storage == Storage::Bf16 {
+                if self.rounding.kv {
                     kv.k[at..at + width].iter_mut().for_each(|x| *x = round_bf16(*x));
                     kv.v[at..at + width].iter_mut().for_each(|x| *x = round_bf16(*x));
                 }
@@ -694,7 +709,7 @@ impl Backend for CpuBackend {
         }
         kv.k[a..a + n].copy_from_slice(&data[..n]);
         kv.v[a..a + n].copy_from_slice(&data[n..]);
-        if self.storage == Storage::Bf16 {
+        if self.rounding.kv {
             kv.k[a..a + n].iter_mut().chain(&mut kv.v[a..a + n]).for_each(|x| *x = round_bf16(*x));
         }
         Ok(())
@@ -760,7 +775,8 @@ mod storage_tests {
         // 1 + 2⁻²⁰ is an f32 whose nearest bf16 is 1.
         let (f16_only, f32_only) = (1.0 + 3.0 / 512.0, 1.0 + 1.0 / 1048576.0);
         let plain = CpuBackend::new();
-        let bf16 = CpuBackend::new().with_storage(Storage::Bf16);
+        let bf16 =
+            CpuBackend::new().with_bf16_rounding(Bf16Rounding { weights: true, kv: true, inputs: None });
         let h = tensor(DType::F16, 2, &[f16_only, -f16_only, 0.5, 2.0]);
         let f = tensor(DType::F32, 2, &[f32_only, 3.0, 0.5, 2.0]);
         assert_eq!(stored_row(&plain, &h), vec![f16_only, -f16_only]);

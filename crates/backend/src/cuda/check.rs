@@ -1448,6 +1448,33 @@ fn delta_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: 
                 &[(1, 16, 25)],
             ],
         },
+        // The hybrid fixture's calls as the model makes them in corridor-gpu-check.
+        DeltaCase {
+            name: "tiny fixture heads, the 21-token prompt whole, then decode",
+            geometry: geo(2, 4, 16, 16, 4, VHeadOrder::Grouped),
+            slots: 2,
+            steps: &[&[(1, 21, 0)], &[(1, 1, 21)], &[(1, 1, 22)]],
+        },
+        DeltaCase {
+            name: "tiny fixture heads, the 21-token prompt in chunks of 2, 1, 7, 5, 6",
+            geometry: geo(2, 4, 16, 16, 4, VHeadOrder::Grouped),
+            slots: 2,
+            steps: &[&[(1, 2, 0)], &[(1, 1, 2)], &[(1, 7, 3)], &[(1, 5, 10)], &[(1, 6, 15)]],
+        },
+        DeltaCase {
+            name: "tiny fixture heads, 3 sequences in slots 2, 0, 3 decoded together, reordered each step",
+            geometry: geo(2, 4, 16, 16, 4, VHeadOrder::Grouped),
+            slots: 4,
+            steps: &[
+                &[(2, 7, 0)],
+                &[(0, 12, 0)],
+                &[(3, 3, 0)],
+                &[(2, 1, 7), (0, 1, 12), (3, 1, 3)],
+                &[(2, 1, 8), (3, 1, 4), (0, 1, 13)],
+                &[(3, 1, 5), (2, 1, 9), (0, 1, 14)],
+                &[(3, 1, 6), (0, 1, 15), (2, 1, 10)],
+            ],
+        },
         DeltaCase {
             name: "Qwen3.5-27B heads (16 key / 48 value of 128), two prompts, decode, a new sequence in a used slot",
             geometry: geo(16, 48, 128, 128, 4, VHeadOrder::Grouped),
@@ -1883,7 +1910,8 @@ fn moe_graph_check(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rn
     for rows in [1, 5] {
         moe_graph_rounds(be, cpu, rep, rng, &l, (rows, false))?;
     }
-    let bf16_cpu = cpu.clone().with_storage(crate::cpu::Storage::Bf16);
+    let bf16_cpu =
+        cpu.clone().with_bf16_rounding(crate::cpu::Bf16Rounding { weights: true, kv: true, inputs: None });
     let routing = crate::Routing { num_experts: 4, top_k: 2, norm_topk_prob: true };
     let l = moe_layer(be, &bf16_cpu, rng, (64, 32), routing, (DType::F16, DType::F32), RouterKind::Spread)?;
     rep.compare(

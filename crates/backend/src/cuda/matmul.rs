@@ -89,6 +89,36 @@ pub(super) enum WeightMem {
     Arena { _arena: Arc<DeviceBuffer>, ptr: u64 },
 }
 
+/// [`CudaBackend::takes_gemv`] for an `[n, k]` matrix held as `dtype`.
+fn takes_gemv(dtype: DType, n: usize, k: usize, rows: usize) -> bool {
+    const LARGE_WEIGHT: usize = 64 << 20;
+    let large_bf16 = dtype == DType::BF16 && n * k * 2 >= LARGE_WEIGHT;
+    match rows {
+        0..=2 => true,
+        3..=GEMV_MAX_ROWS => !large_bf16,
+        _ => false,
+    }
+}
+
+/// [`CudaBackend::takes_mmq`] for a matrix of `k` columns held as `dtype`.
+fn takes_mmq(dtype: DType, k: usize, rows: usize) -> bool {
+    // The 32-weight formats with a per-row GEMV of their own keep it at 1
+    // and 2 rows, where it measured faster; every other block format takes
+    // mmq from one row (scripts/gpu/PERF.md, "Quantized matmuls").
+    let own_gemv = matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1);
+    let first = if own_gemv { MMQ_MIN_ROWS } else { 1 };
+    mmq_index(dtype).is_some() && k.is_multiple_of(32) && (first..=MMQ_TAKES_ROWS).contains(&rows)
+}
+
+/// Whether a matmul of `rows` rows against an `[n, k]` matrix held on the
+/// device as `dtype` (bf16 for a checkpoint's f32 and f16 matrices, see
+/// `upload_weight`) computes from its input rounded to bf16: what a CPU
+/// reference must round to compute as this backend does
+/// (`cpu::Bf16Rounding::inputs`).
+pub fn rounds_matmul_input(dtype: DType, n: usize, k: usize, rows: usize) -> bool {
+    takes_mmq(dtype, k, rows) || !takes_gemv(dtype, n, k, rows)
+}
+
 /// A weight on the device: `[rows, cols]` in `dtype` (BF16, F32 for vectors, or a ggml block type).
 pub struct CudaWeight {
     pub(super) mem: WeightMem,
@@ -170,13 +200,7 @@ impl CudaBackend {
     /// GEMV is as fast and stays exact. Block-format weights always take a
     /// GEMV: cuBLASLt would first widen them to bf16.
     pub(super) fn takes_gemv(&self, w: &CudaWeight, rows: usize) -> bool {
-        const LARGE_WEIGHT: usize = 64 << 20;
-        let large_bf16 = w.dtype == DType::BF16 && w.rows * w.cols * 2 >= LARGE_WEIGHT;
-        match rows {
-            0..=2 => true,
-            3..=GEMV_MAX_ROWS => !large_bf16,
-            _ => false,
-        }
+        takes_gemv(w.dtype, w.rows, w.cols, rows)
     }
 
     /// Whether `rows` rows against `w` take the tensor-core kernels of block
@@ -184,18 +208,13 @@ impl CudaBackend {
     /// 32-weight groups, from 3 rows (where the per-row GEMVs' f32 FMAs become
     /// their limit) to `MMQ_MAX_ROWS`. The input is rounded to bf16 there.
     pub(super) fn takes_mmq(&self, w: &CudaWeight, rows: usize) -> bool {
-        // The 32-weight formats with a per-row GEMV of their own keep it at 1
-        // and 2 rows, where it measured faster; every other block format takes
-        // mmq from one row (scripts/gpu/PERF.md, "Quantized matmuls").
-        let own_gemv = matches!(w.dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1);
-        let first = if own_gemv { MMQ_MIN_ROWS } else { 1 };
-        mmq_index(w.dtype).is_some() && w.cols.is_multiple_of(32) && (first..=MMQ_TAKES_ROWS).contains(&rows)
+        takes_mmq(w.dtype, w.cols, rows)
     }
 
     /// Whether the result of `rows` rows against `w` is computed from the
     /// input rounded to bf16 (cuBLASLt or the mmq kernels) rather than in f32.
     pub fn rounds_input(&self, w: &CudaWeight, rows: usize) -> bool {
-        self.takes_mmq(w, rows) || !self.takes_gemv(w, rows)
+        rounds_matmul_input(w.dtype, w.rows, w.cols, rows)
     }
 
     /// The tensor-core matmul of a block-format weight (kernels/mmq.cu): the

@@ -64,7 +64,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use attention::{CudaKv, MAX_HEAD_DIM, TILED_MIN_ROWS};
-pub use matmul::{CudaWeight, GEMV_MAX_ROWS};
+pub use matmul::{rounds_matmul_input, CudaWeight, GEMV_MAX_ROWS};
 pub use moe::{CudaExperts, MoePath, MOE_GEMV_MAX_ROWS};
 pub use preflight::{preflight, Preflight};
 pub use vram_alloc::VramAlloc;

@@ -4,7 +4,8 @@
 // Qwen3.5-27B heads among them), every tap count, runs of steps that carry
 // state, chunks shorter than the convolution window, a new sequence in a
 // slot that held another, a padding entry of no slot, and prompts of whole
-// and partial chunks of the delta rule's staging (DELTA_CHUNK tokens).
+// and partial chunks of the delta rule's staging (DELTA_CHUNK tokens), and
+// the hybrid tiny fixture's geometry under the model's own call pattern.
 // Built and run by crates/backend/tests/delta_kernels_emulated.rs; exits 1
 // when a comparison fails.
 #include "shim.h"
@@ -203,6 +204,22 @@ int main() {
     norm_and_gate();
     run_case("tiny fixture heads, prefill, decode, chunks", {2, 4, 16, 16, 4, 0}, 2,
              {{{1, 7, 0}}, {{1, 1, 7}}, {{1, 5, 8}}, {{1, 2, 13}}, {{1, 8, 15}}, {{1, 16, 23}}});
+    // The hybrid fixture's calls as the model makes them (tests/fixtures/tiny/qwen3_5: key and value
+    // heads of 16, half a value tile): its 21-token check prompt whole, the same prompt in chunks of
+    // [2, 1, 7, 5, 6] on its cache, and three sequences (prompts of 7, 12 and 3) in slots 2, 0 and 3
+    // decoded together in steps of 4 rows, reordered each step, the last row padding.
+    run_case("tiny fixture, the 21-token prompt whole, then decode", {2, 4, 16, 16, 4, 0}, 2,
+             {{{1, 21, 0}}, {{1, 1, 21}}, {{1, 1, 22}}});
+    run_case("tiny fixture, the prompt in chunks of 2, 1, 7, 5, 6", {2, 4, 16, 16, 4, 0}, 2,
+             {{{1, 2, 0}}, {{1, 1, 2}}, {{1, 7, 3}}, {{1, 5, 10}}, {{1, 6, 15}}});
+    run_case("tiny fixture, 3 sequences in slots 2, 0, 3 decoded together", {2, 4, 16, 16, 4, 0}, 4,
+             {{{2, 7, 0}},
+              {{0, 12, 0}},
+              {{3, 3, 0}},
+              {{2, 1, 7}, {0, 1, 12}, {3, 1, 3}},
+              {{2, 1, 8}, {3, 1, 4}, {0, 1, 13}},
+              {{3, 1, 5}, {2, 1, 9}, {0, 1, 14}},
+              {{3, 1, 6}, {0, 1, 15}, {2, 1, 10}}});
     run_case("Qwen3.5-27B heads, two prompts then decode", {16, 48, 128, 128, 4, 0}, 3,
              {{{0, 3, 0}, {2, 2, 0}}, {{2, 1, 2}, {0, 1, 3}}});
     run_case("key heads of 128, long chunks (several convolution passes), a used slot", {2, 6, 128, 40, 4, 0}, 4,
