@@ -499,7 +499,7 @@ fn load_model<B: corridor_backend::Backend>(
 
 /// The KV arena over `parts` (each card with the bytes of one page on it;
 /// one card unless a layout spans several): an address reservation for as
-/// many pages as the smallest share could ever hold (on host compute, at
+/// many pages as the smallest share could ever hold (on the host card, at
 /// most what the scheduler could ever use), nothing committed yet.
 fn new_arena(
     env: &BootEnv<'_>,
@@ -512,12 +512,13 @@ fn new_arena(
         .map(|(dev, pb)| (dev.card().total().get() / pb.get().max(1)) as usize)
         .min()
         .unwrap_or(0);
-    if !matches!(opts.devices, Devices::Cuda(_)) {
-        // Host compute (the CPU card, sim cards) keeps KV in host buffers as
-        // large as the id space, so the id space is held to what the
-        // scheduler could use at once. On a GPU the id space is address space
-        // only: KV fills the card, and what running requests do not use
-        // holds cached prefixes.
+    if opts.devices == Devices::Cpu {
+        // The host card's KV is made resident when it is allocated and the
+        // host is shared with everything else, so its id space is held to
+        // what the scheduler could use at once. On sim and GPU cards the id
+        // space is address space only: KV fills the card, and what running
+        // requests do not use holds cached prefixes (the CPU ranks of sim
+        // cards back a block of KV with host memory only once it is written).
         let useful = opts.max_running * env.context_len.div_ceil(opts.page_size);
         max_pages = max_pages.min(useful);
     }
