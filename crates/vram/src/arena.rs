@@ -262,7 +262,9 @@ impl ArenaState {
             PageState::Free => {
                 self.n_free += 1;
                 self.free_in[slot] += 1;
-                self.free_slots.insert(slot as u32);
+                if self.free_in[slot] == 1 {
+                    self.free_slots.insert(slot as u32);
+                }
             }
             PageState::InUse(_) => self.n_in_use += 1,
             PageState::Cached => self.n_cached += 1,
@@ -881,6 +883,14 @@ impl KvArena {
     pub fn check_invariants(&self) -> Result<ArenaCounts, String> {
         let st = lock(&self.state);
         self.check_state(&st)
+    }
+
+    /// [`KvArena::check_invariants`] in constant time: the running counters
+    /// against each other and the capacity, without recounting the pages
+    /// (for checks on every step of a big arena).
+    pub fn check_counters(&self) -> Result<ArenaCounts, String> {
+        let st = lock(&self.state);
+        self.check_counts(&st)
     }
 
     fn check_state(&self, st: &ArenaState) -> Result<ArenaCounts, String> {
