@@ -1,12 +1,16 @@
-//! Boot: open the cards and the memory governor, load a checkpoint with its
-//! tokenizer and chat template, size the KV arena from the measured free
-//! column, and start the engine. The composition root shared by `corridor
-//! serve`, `corridor generate` and the server's tests.
+//! Boot: the composition root shared by `corridor serve`, `corridor
+//! generate` and the server's tests. The options are parsed once into a
+//! [`BootPlan`] (`plan.rs`); [`boot_plan`] then reads straight down: open and
+//! measure the cards under their governor, open the checkpoint with its
+//! tokenizer and chat template, boot the rank group on the backend of the
+//! cards' kind (`group.rs`: layout solved, ranks loaded, warmed up, KV sized
+//! and committed), register the relief providers, serve.
 //!
 //! The order is the memory model's (DESIGN.md §3): weights, then the
 //! workspace, are resident and booked before KV is sized, so the solve reads
-//! what is really left; each phase leaves a flight-recorder mark when a
-//! flight directory is given.
+//! what is really left, and KV takes what the cards hold above floor and
+//! margin; each phase leaves a flight-recorder mark when a flight directory
+//! is given.
 
 use crate::template::ChatTemplate;
 use crate::tokenizer::Tokenizer;
