@@ -25,7 +25,7 @@
 use super::plan::{check_one_rank_per_card, several_cards_one_rank, CardsPlan, GroupPlan};
 use super::{new_arena, workspace_bytes, BootError, BootPlan};
 use corridor_backend::collective::{Collective, GroupShape, LinkModel, ThreadGroup};
-use corridor_backend::Backend;
+use corridor_backend::{Backend, KvPlacement};
 use corridor_engine::engine::{spawn_with, EngineConfig, EngineHandle};
 use corridor_engine::executor::{Executor, ExecutorLimits, SingleRank};
 use corridor_engine::pages::PagePool;
@@ -293,11 +293,13 @@ pub(super) fn start<K: RankKind>(
     for (r, rank) in placement.ranks.iter().zip(with_ws) {
         let mut pair = Vec::with_capacity(rank.len());
         for (backend, model, ws) in rank {
-            let kv = if model.slice().layers.is_empty() {
-                model.kv_cache(&backend, page_size, 0)?
+            // A rank without layers holds no KV (and has no share of the arena).
+            let placement = if model.slice().layers.is_empty() {
+                KvPlacement::Own { num_pages: 0 }
             } else {
-                model.kv_cache_in(&backend, page_size, &arena)?
+                KvPlacement::Arena(arena.clone())
             };
+            let kv = model.kv_cache_at(&backend, page_size, &placement)?;
             pair.push(SingleRank::from_parts(backend, model, ws, kv));
         }
         let share = own_cards.then(|| kv_share(&arena, &r.card)).flatten();
