@@ -473,8 +473,15 @@ impl KvArena {
     /// Every page whose contents matter (in use or cached), lowest id first.
     pub fn live_pages(&self) -> Vec<PageId> {
         let st = lock(&self.state);
-        let live = |p: &PageState| matches!(p, PageState::InUse(_) | PageState::Cached);
-        st.pages.iter().enumerate().filter(|(_, p)| live(p)).map(|(i, _)| PageId(i as u32)).collect()
+        let cp = self.geometry.chunk_pages;
+        // Only chunks that hold a live page are walked: a big card's id space
+        // is millions of pages, most of them free.
+        (0..st.slots.len())
+            .filter(|&slot| st.live[slot] > 0)
+            .flat_map(|slot| slot * cp..(slot + 1) * cp)
+            .filter(|&i| st.pages[i].is_live())
+            .map(|i| PageId(i as u32))
+            .collect()
     }
     fn counts_of(&self, st: &ArenaState) -> ArenaCounts {
         let committed = st.committed * self.geometry.chunk_pages;
