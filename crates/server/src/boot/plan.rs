@@ -7,7 +7,7 @@
 use super::{BootError, BootOptions, Devices};
 use corridor_engine::flips::FlipMode;
 use corridor_model::layout::{LayoutSpec, Split};
-use corridor_units::{Bytes, CardId, Tokens};
+use corridor_units::{Bytes, Tokens};
 use corridor_vram::config::parse_mib_list;
 use corridor_vram::{parse_sim_events, CardSettings, ConfigError, CudaSelection, GovernorConfig, SimEvent};
 use std::path::PathBuf;
@@ -197,11 +197,6 @@ impl BootPlan {
             sim_link: opts.sim_link,
             flight_dir: opts.flight_dir.clone(),
         })
-    }
-
-    /// The settings of `card` under this plan's limits.
-    pub fn card_settings(&self, cards: usize, card: CardId) -> Result<CardSettings, BootError> {
-        Ok(self.card_limits.governor(cards)?.card(card))
     }
 }
 
