@@ -76,6 +76,29 @@ pub struct KvGeometry {
     pub head_dim: usize,
 }
 
+/// Where a rank's KV lives, decided at boot and handed to the model as a
+/// value: the model sizes its layers' storage from it and passes it on to
+/// the backend ([`Backend::alloc_kv_at`]) without looking inside.
+#[derive(Clone, Debug)]
+pub enum KvPlacement {
+    /// Buffers of the backend's own that address `num_pages` pages.
+    Own { num_pages: usize },
+    /// The pages of a card's KV arena, so the memory the governor commits
+    /// and releases is the memory attention reads; a backend that keeps KV
+    /// in memory of its own addresses the arena's whole id space instead.
+    Arena(Arc<KvArena>),
+}
+
+impl KvPlacement {
+    /// Pages the storage addresses.
+    pub fn num_pages(&self) -> usize {
+        match self {
+            KvPlacement::Own { num_pages } => *num_pages,
+            KvPlacement::Arena(arena) => arena.capacity().get(),
+        }
+    }
+}
+
 /// The heads of a gated delta-net layer (linear attention with the gated
 /// delta rule, as in Qwen3.5) and the fixed-size state each sequence carries
 /// through it: the last `conv_kernel - 1` inputs of its short causal
@@ -369,6 +392,21 @@ pub trait Backend: Send + Sync + 'static {
         _layers: usize,
     ) -> Result<Option<Vec<Self::Kv>>> {
         Ok(None)
+    }
+    /// KV storage of `layers` layers of `geometry` where `placement` says
+    /// (`geometry.num_pages` is the placement's).
+    fn alloc_kv_at(
+        &self,
+        placement: &KvPlacement,
+        geometry: KvGeometry,
+        layers: usize,
+    ) -> Result<Vec<Self::Kv>> {
+        if let KvPlacement::Arena(arena) = placement {
+            if let Some(kv) = self.kv_in_arena(arena, geometry, layers)? {
+                return Ok(kv);
+            }
+        }
+        (0..layers).map(|_| self.alloc_kv(geometry)).collect()
     }
     /// Bytes `upload_weight` will place for a `[rows, cols]` tensor stored as
     /// `dtype` in the checkpoint (a backend may widen or narrow it).

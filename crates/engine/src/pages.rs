@@ -98,6 +98,87 @@ fn lock(m: &Mutex<PrefixIndex>) -> MutexGuard<'_, PrefixIndex> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The pages one sequence holds, in the order of its tokens: an owning
+/// allocation from the pool. Dropping it, or [`SeqPages::clear`], drops the
+/// sequence's hold on every page (a page no sequence holds becomes cached if
+/// it is registered, else free), so a sequence that ends, is preempted or is
+/// refused gives its pages back by letting go of them, never by a call that
+/// could be forgotten.
+pub struct SeqPages {
+    ids: Vec<PageId>,
+    arena: Arc<KvArena>,
+    index: Arc<Mutex<PrefixIndex>>,
+}
+
+impl SeqPages {
+    /// Take `more`'s pages after these (the pages of the next tokens).
+    pub fn append(&mut self, mut more: SeqPages) {
+        debug_assert!(Arc::ptr_eq(&self.arena, &more.arena), "pages of one pool");
+        self.ids.append(&mut more.ids);
+    }
+
+    /// Give every page back; the holder stays, empty.
+    pub fn clear(&mut self) {
+        let ids = std::mem::take(&mut self.ids);
+        let mut idx = lock(&self.index);
+        for &p in ids.iter().rev() {
+            idx.clock += 1;
+            let now = idx.clock;
+            let Some(r) = idx.refs.get_mut(&p.0) else {
+                // A bookkeeping bug; panicking here (often inside a drop)
+                // would abort the process, so it is reported and skipped.
+                tracing::error!("{p} is released but no sequence holds it");
+                debug_assert!(false, "release of {p}, which no sequence holds");
+                continue;
+            };
+            *r -= 1;
+            let left = *r;
+            let registered = idx.registered.contains_key(&p.0);
+            let result = if registered { self.arena.release_to_cache(p) } else { self.arena.release(p) };
+            if let Err(e) = result {
+                tracing::error!("{p} is held but the arena says: {e}");
+            }
+            if left == 0 {
+                idx.refs.remove(&p.0);
+                if registered {
+                    idx.lru.insert((now, p.0));
+                    idx.released_at.insert(p.0, now);
+                }
+            }
+        }
+    }
+
+    /// Rewrite the page ids that moved (`from -> to`).
+    pub fn remap(&mut self, moved: &HashMap<PageId, PageId>) {
+        for p in &mut self.ids {
+            if let Some(&to) = moved.get(p) {
+                *p = to;
+            }
+        }
+    }
+}
+
+impl std::ops::Deref for SeqPages {
+    type Target = [PageId];
+    fn deref(&self) -> &[PageId] {
+        &self.ids
+    }
+}
+
+impl std::fmt::Debug for SeqPages {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(&self.ids).finish()
+    }
+}
+
+impl Drop for SeqPages {
+    fn drop(&mut self) {
+        if !self.ids.is_empty() {
+            self.clear();
+        }
+    }
+}
+
 /// The page pool of one KV arena.
 pub struct PagePool {
     arena: Arc<KvArena>,
@@ -176,7 +257,16 @@ impl PagePool {
         // Index first: the relief provider changes cached pages only while it
         // holds the index, so the arena's counts are stable under this lock.
         let idx = lock(&self.index);
-        let c = self.arena.check_invariants()?;
+        // The recount is linear in the id space, which on a big card filled
+        // with KV is millions of pages: past this size only the counters are
+        // checked here (the arena recounts small id spaces after every
+        // operation in debug builds, and tests recount through the arena).
+        const RECOUNT_UP_TO: usize = 1 << 16;
+        let c = if self.arena.capacity().get() <= RECOUNT_UP_TO {
+            self.arena.check_invariants()?
+        } else {
+            self.arena.check_counters()?
+        };
         if idx.lru.len() != c.cached.get() {
             return Err(format!(
                 "{} cached pages in the arena, {} in the index",
@@ -199,12 +289,18 @@ impl PagePool {
         Ok(())
     }
 
+    /// A holder of no pages yet (a sequence that was never admitted).
+    pub fn no_pages(&self) -> SeqPages {
+        SeqPages { ids: Vec::new(), arena: self.arena.clone(), index: self.index.clone() }
+    }
+
     /// Take `n` pages for a sequence: grow the arena if the card has room as
     /// things are, else evict cached pages LRU-first. All or nothing:
-    /// `None` (and nothing changed) when `n` cannot be had now.
-    pub fn allocate(&mut self, n: usize) -> Option<Vec<PageId>> {
+    /// `None` (and nothing changed) when `n` cannot be had now. Dropping the
+    /// answer gives the pages back.
+    pub fn allocate(&mut self, n: usize) -> Option<SeqPages> {
         if n == 0 {
-            return Some(Vec::new());
+            return Some(self.no_pages());
         }
         // Growing never spends relief here: admission waits rather than
         // pushing the card towards its floor. Shortly after KV gave memory
@@ -232,35 +328,7 @@ impl PagePool {
         for p in &pages {
             idx.refs.insert(p.0, 1);
         }
-        Some(pages)
-    }
-
-    /// Drop one hold on each page; a page no sequence holds becomes cached
-    /// (if it is registered) or free.
-    pub fn release(&mut self, pages: &[PageId]) {
-        let mut idx = lock(&self.index);
-        for &p in pages.iter().rev() {
-            idx.clock += 1;
-            let now = idx.clock;
-            let left = {
-                let r = idx
-                    .refs
-                    .get_mut(&p.0)
-                    .unwrap_or_else(|| panic!("release of {p}, which no sequence holds"));
-                *r -= 1;
-                *r
-            };
-            let registered = idx.registered.contains_key(&p.0);
-            let result = if registered { self.arena.release_to_cache(p) } else { self.arena.release(p) };
-            result.expect("a held page is in use in the arena");
-            if left == 0 {
-                idx.refs.remove(&p.0);
-                if registered {
-                    idx.lru.insert((now, p.0));
-                    idx.released_at.insert(p.0, now);
-                }
-            }
-        }
+        Some(SeqPages { ids: pages, arena: self.arena.clone(), index: self.index.clone() })
     }
 
     /// Register a full page under `hash` so later prompts can reuse it. If the
@@ -277,7 +345,7 @@ impl PagePool {
 
     /// Find the longest cached prefix of `tokens` over at most `max_pages`
     /// full pages and take a hold on each page found.
-    pub fn acquire_prefix(&mut self, tokens: &[u32], max_pages: usize) -> Vec<PageId> {
+    pub fn acquire_prefix(&mut self, tokens: &[u32], max_pages: usize) -> SeqPages {
         let mut hashes = page_hashes(tokens, self.page_size);
         hashes.truncate(max_pages);
         let mut idx = lock(&self.index);
@@ -304,7 +372,8 @@ impl PagePool {
         }
         self.lookup_tokens += (hashes.len() * self.page_size) as u64;
         self.hit_tokens += (out.len() * self.page_size) as u64;
-        out
+        drop(idx);
+        SeqPages { ids: out, arena: self.arena.clone(), index: self.index.clone() }
     }
 
     /// Empty up to `chunks` chunks of the arena so they can be released:

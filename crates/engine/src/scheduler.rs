@@ -21,7 +21,10 @@
 //! cache) and it goes back to the head of the queue to be recomputed. Admission
 //! never overcommits the pool: a sequence is admitted only with the pages for
 //! the rows it is given. When the card needs memory back, [`Scheduler::give_back`]
-//! moves live pages out of sparse chunks before it ever preempts.
+//! moves live pages out of sparse chunks before it ever preempts. A
+//! sequence's pages are an owning allocation ([`SeqPages`]): they go back to
+//! the pool when the sequence is dropped or its pages are cleared, so no path
+//! that ends, preempts or refuses a sequence can forget them.
 //!
 //! A model with recurrent state (a hybrid's linear-attention layers) also
 //! needs a state slot per running sequence ([`Scheduler::with_state_slots`]):
@@ -33,7 +36,7 @@
 //! The scheduler knows tokens, pages and slots only: not the model, the
 //! backend, the sampler or the client.
 
-use crate::pages::{page_hashes, PagePool};
+use crate::pages::{page_hashes, PagePool, SeqPages};
 use crate::step_budget::{StepBudget, StepShape};
 use corridor_units::{Bytes, CardId, PageId, StateSlot, Tokens};
 use std::collections::{HashMap, VecDeque};
@@ -65,7 +68,8 @@ struct Seq {
     prompt_len: usize,
     /// Tokens whose KV is in the cache.
     computed: usize,
-    pages: Vec<PageId>,
+    /// Its pages: dropping the sequence (or clearing them) gives them back.
+    pages: SeqPages,
     /// Full pages already offered to the prefix cache.
     registered: usize,
     /// Prompt tokens served from the prefix cache at first admission.
@@ -193,9 +197,9 @@ impl Scheduler {
         self.slots.as_ref().map(Vec::len)
     }
 
-    /// Release what a sequence holds: its pages and its state slot.
-    fn release(&mut self, s: &mut Seq) {
-        self.pool.release(&s.pages);
+    /// Give a sequence's state slot back (its pages go back when it, or
+    /// they, are dropped).
+    fn return_slot(&mut self, s: &mut Seq) {
         if let (Some(free), Some(slot)) = (self.slots.as_mut(), s.slot.take()) {
             free.push(slot);
         }
@@ -248,7 +252,7 @@ impl Scheduler {
             tokens: prompt,
             prompt_len,
             computed: 0,
-            pages: Vec::new(),
+            pages: self.pool.no_pages(),
             registered: 0,
             cached_tokens: None,
             slot: None,
@@ -260,12 +264,12 @@ impl Scheduler {
     pub fn remove(&mut self, id: RequestId) -> bool {
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let mut s = self.running.remove(i);
-            self.release(&mut s);
+            self.return_slot(&mut s);
             return true;
         }
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             let mut s = self.waiting.remove(i).expect("index from position");
-            self.release(&mut s);
+            self.return_slot(&mut s);
             return true;
         }
         false
@@ -316,7 +320,7 @@ impl Scheduler {
             let need =
                 self.pages_for(self.running[i].computed + rows).saturating_sub(self.running[i].pages.len());
             if let Some(pages) = self.pool.allocate(need) {
-                self.running[i].pages.extend(pages);
+                self.running[i].pages.append(pages);
                 grants.push((self.running[i].id, rows));
                 budget -= rows;
                 if decode {
@@ -337,7 +341,7 @@ impl Scheduler {
             let mut victim = self.running.remove(i);
             if self.running.is_empty() && victim.pages.len() + need > self.pool.target() {
                 // Alone, and more than the pool ever holds: it can never fit.
-                self.release(&mut victim);
+                self.return_slot(&mut victim);
                 out.out_of_capacity.push(victim.id);
             } else {
                 // Older sequences keep their pages; this one waits for memory.
@@ -370,20 +374,20 @@ impl Scheduler {
             let need = self.pages_for(s.computed + rows).saturating_sub(s.pages.len());
             let Some(pages) = self.pool.allocate(need) else {
                 if self.running.is_empty() && s.pages.len() + need > self.pool.target() {
-                    self.release(&mut s);
+                    self.return_slot(&mut s);
                     out.out_of_capacity.push(s.id);
                     continue;
                 }
                 // Not now: give the prefix pages (they stay cached) and any
                 // state slot back, and wait.
-                self.release(&mut s);
+                self.return_slot(&mut s);
                 s.pages.clear();
                 s.computed = 0;
                 s.registered = 0;
                 self.waiting.push_front(s);
                 break;
             };
-            s.pages.extend(pages);
+            s.pages.append(pages);
             grants.push((s.id, rows));
             budget -= rows;
             prefill -= rows;
@@ -401,7 +405,7 @@ impl Scheduler {
                 row_start,
                 rows,
                 cached: s.computed,
-                pages: s.pages.clone(),
+                pages: s.pages.to_vec(),
                 samples: s.computed + rows == s.tokens.len(),
                 state_slot: s.slot,
             });
@@ -494,11 +498,7 @@ impl Scheduler {
     fn remap(&mut self, moves: &[(PageId, PageId)]) {
         let map: HashMap<PageId, PageId> = moves.iter().copied().collect();
         for s in self.running.iter_mut().chain(self.waiting.iter_mut()) {
-            for p in &mut s.pages {
-                if let Some(&to) = map.get(p) {
-                    *p = to;
-                }
-            }
+            s.pages.remap(&map);
         }
     }
 
@@ -506,7 +506,7 @@ impl Scheduler {
         self.preemptions += 1;
         // A model with state recomputes from the prompt: the slot is reused
         // by whoever runs next, and a fresh one starts from zeros.
-        self.release(&mut s);
+        self.return_slot(&mut s);
         s.pages.clear();
         s.computed = 0;
         s.registered = 0;

@@ -23,7 +23,7 @@ fn pool_counts_add_up_through_allocate_release_and_cache() {
     assert_eq!(p.counts().in_use, 3);
     let toks: Vec<u32> = (0..4).collect();
     p.register(a[0], page_hashes(&toks, 4)[0], &toks);
-    p.release(&a);
+    drop(a);
     ok(&p);
     let c = p.counts();
     assert_eq!((c.free, c.cached, c.in_use), (7, 1, 0));
@@ -33,8 +33,46 @@ fn pool_counts_add_up_through_allocate_release_and_cache() {
     let all = p.allocate(8).unwrap();
     assert_eq!(p.evictions(), 1);
     ok(&p);
-    p.release(&all);
+    drop(all);
     ok(&p);
+}
+
+/// A sequence's pages are an owning allocation: letting go of it gives every
+/// page back (a registered one to the prefix cache), and a prefix hit holds
+/// its pages the same way.
+#[test]
+fn dropping_an_allocation_gives_its_pages_back() {
+    let mut p = pool(8);
+    let mut a = p.allocate(2).unwrap();
+    a.append(p.allocate(2).unwrap());
+    assert_eq!(a.len(), 4);
+    let toks: Vec<u32> = (0..4).collect();
+    let first = a[0];
+    p.register(first, page_hashes(&toks, 4)[0], &toks);
+    assert_eq!(p.counts().in_use, 4);
+    drop(a);
+    ok(&p);
+    let c = p.counts();
+    assert_eq!((c.free, c.cached, c.in_use), (7, 1, 0), "dropped pages are free or cached");
+    let mut hit = p.acquire_prefix(&[0, 1, 2, 3, 9], 1);
+    assert_eq!(*hit, [first]);
+    assert_eq!(p.counts().in_use, 1);
+    hit.clear();
+    ok(&p);
+    assert_eq!((p.counts().cached, p.counts().in_use), (1, 0), "cleared pages go back too");
+    // A scheduler's sequences hold their pages the same way: removing one
+    // (or dropping the scheduler) leaves nothing in use.
+    let mut s = sched(16, 32, 2);
+    s.add(1, (0..10).collect());
+    s.add(2, (20..30).collect());
+    step(&mut s, 7);
+    assert_eq!(s.pool().counts().in_use, 6, "three pages each");
+    assert!(s.remove(1));
+    s.pool().check_invariants().unwrap();
+    assert_eq!(s.pool().counts().in_use, 3, "only sequence 2's pages are held");
+    let arena = s.pool().arena().clone();
+    drop(s);
+    assert_eq!(arena.counts().in_use.get(), 0, "dropping the scheduler released every page");
 }
 
 #[test]
@@ -45,7 +83,7 @@ fn prefix_hit_requires_equal_tokens_not_just_equal_hash() {
     let h = page_hashes(&real, 4)[0];
     // Register the hash of `real` for a page that holds other tokens: a collision.
     p.register(a[0], h, &[9, 9, 9, 9]);
-    p.release(&a);
+    drop(a);
     assert!(p.acquire_prefix(&real, 1).is_empty(), "a colliding page must not be reused");
     ok(&p);
 }
@@ -59,14 +97,15 @@ fn prefix_hits_chain_and_stop_at_first_miss() {
     for i in 0..3 {
         p.register(pages[i], hs[i], &toks[i * 4..i * 4 + 4]);
     }
-    p.release(&pages);
+    let ids = pages.to_vec();
+    drop(pages);
     let mut other = toks.clone();
     other[5] = 999; // second page differs
     let hit = p.acquire_prefix(&other, 3);
-    assert_eq!(hit, vec![pages[0]]);
+    assert_eq!(*hit, [ids[0]]);
     ok(&p);
     let full = p.acquire_prefix(&toks, 3);
-    assert_eq!(full, pages);
+    assert_eq!(*full, *ids);
     assert_eq!(p.counts().in_use, 3);
     ok(&p);
 }

@@ -32,8 +32,8 @@ use crate::rope::rope_table;
 use corridor_backend::collective::{gather_logits, Collective, CollectiveError, Solo};
 use corridor_backend::sample::{LogitEdit, SampleRowSpec, SampledRows};
 use corridor_backend::{
-    ActShape, Backend, BackendError, DType, Expert, GraphKey, HostTensor, KvGeometry, MatmulPart, MoeFfn,
-    MoeScratch, MoeShape, RopeTable, Routing, SeqStep, StepPlan, TensorBytes,
+    ActShape, Backend, BackendError, DType, Expert, GraphKey, HostTensor, KvGeometry, KvPlacement,
+    MatmulPart, MoeFfn, MoeScratch, MoeShape, RopeTable, Routing, SeqStep, StepPlan, TensorBytes,
 };
 use corridor_units::StateSlot;
 use std::ops::Range;
@@ -350,26 +350,21 @@ impl<B: Backend> Model<B> {
         page_size: usize,
         num_pages: usize,
     ) -> Result<KvCache<B>, ModelError> {
-        let geometry = self.kv_geometry(page_size, num_pages);
-        let layers =
-            (0..self.slice.layers.len()).map(|_| backend.alloc_kv(geometry)).collect::<Result<_, _>>()?;
-        Ok(KvCache { geometry, layers })
+        self.kv_cache_at(backend, page_size, &KvPlacement::Own { num_pages })
     }
 
-    /// The KV cache of this rank's layers in the pages of a card's KV arena
-    /// (or, on a backend that keeps KV in its own memory, one of the arena's
-    /// whole id space), so page ids from the arena address it either way.
-    pub fn kv_cache_in(
+    /// The KV cache of this rank's layers and KV heads where `placement`
+    /// says (in a card's KV arena, or in buffers of the backend's own), so
+    /// page ids from the pool address it either way.
+    pub fn kv_cache_at(
         &self,
         backend: &B,
         page_size: usize,
-        arena: &std::sync::Arc<corridor_vram::KvArena>,
+        placement: &KvPlacement,
     ) -> Result<KvCache<B>, ModelError> {
-        let geometry = self.kv_geometry(page_size, arena.capacity().get());
-        match backend.kv_in_arena(arena, geometry, self.slice.layers.len())? {
-            Some(layers) => Ok(KvCache { geometry, layers }),
-            None => self.kv_cache(backend, page_size, geometry.num_pages),
-        }
+        let geometry = self.kv_geometry(page_size, placement.num_pages());
+        let layers = backend.alloc_kv_at(placement, geometry, self.slice.layers.len())?;
+        Ok(KvCache { geometry, layers })
     }
 
     pub fn kv_geometry(&self, page_size: usize, num_pages: usize) -> KvGeometry {

@@ -11,7 +11,7 @@ use crate::llama::{self, KvCache, ModelError, StepInput, Workspace};
 use crate::qwen3_5;
 use corridor_backend::collective::Collective;
 use corridor_backend::sample::{LogitEdit, SampleRowSpec, SampledRows};
-use corridor_backend::{Backend, KvGeometry};
+use corridor_backend::{Backend, KvGeometry, KvPlacement};
 use corridor_units::Bytes;
 
 /// A loaded model (one rank's slice of it) of any supported architecture.
@@ -112,13 +112,18 @@ impl<B: Backend> Model<B> {
         each!(self, m => m.kv_cache(backend, page_size, num_pages))
     }
 
-    pub fn kv_cache_in(
+    /// The KV cache of this rank where `placement` says.
+    pub fn kv_cache_at(
         &self,
         backend: &B,
         page_size: usize,
-        arena: &std::sync::Arc<corridor_vram::KvArena>,
+        placement: &KvPlacement,
     ) -> Result<KvCache<B>, ModelError> {
-        each!(self, m => m.kv_cache_in(backend, page_size, arena))
+        match (self, placement) {
+            (Model::Llama(m), _) => m.kv_cache_at(backend, page_size, placement),
+            (Model::Qwen35(m), KvPlacement::Own { num_pages }) => m.kv_cache(backend, page_size, *num_pages),
+            (Model::Qwen35(m), KvPlacement::Arena(arena)) => m.kv_cache_in(backend, page_size, arena),
+        }
     }
 
     pub fn kv_geometry(&self, page_size: usize, num_pages: usize) -> KvGeometry {

@@ -1,37 +1,39 @@
-//! Boot: open the cards and the memory governor, load a checkpoint with its
-//! tokenizer and chat template, size the KV arena from the measured free
-//! column, and start the engine. The composition root shared by `corridor
-//! serve`, `corridor generate` and the server's tests.
+//! Boot: the composition root shared by `corridor serve`, `corridor
+//! generate` and the server's tests. The options are parsed once into a
+//! [`BootPlan`] (`plan.rs`); [`boot_plan`] then reads straight down: open and
+//! measure the cards under their governor, open the checkpoint with its
+//! tokenizer and chat template, boot the rank group on the backend of the
+//! cards' kind (`group.rs`: layout solved, ranks loaded, warmed up, KV sized
+//! and committed), register the relief providers, serve.
 //!
 //! The order is the memory model's (DESIGN.md §3): weights, then the
 //! workspace, are resident and booked before KV is sized, so the solve reads
-//! what is really left; each phase leaves a flight-recorder mark when a
-//! flight directory is given.
+//! what is really left, and KV takes what the cards hold above floor and
+//! margin; each phase leaves a flight-recorder mark when a flight directory
+//! is given.
 
 use crate::template::ChatTemplate;
 use crate::tokenizer::Tokenizer;
-use corridor_backend::cpu::CpuBackend;
-use corridor_engine::engine::spawn_with;
-use corridor_engine::engine::{spawn, EngineConfig, EngineHandle};
-use corridor_engine::executor::ExecutorLimits;
+use corridor_engine::engine::{EngineConfig, EngineHandle};
 use corridor_engine::flips::FlipMode;
-use corridor_engine::pages::PagePool;
-use corridor_engine::ranks::{spawn_layout, LayoutOptions};
 use corridor_engine::scheduler::SchedulerConfig;
-use corridor_model::layout::{Layout, LayoutSpec};
-use corridor_model::Model;
+use corridor_model::layout::LayoutSpec;
 use corridor_model::{Checkpoint, ModelConfig};
-use corridor_units::{Bytes, CardId, Pages, Tokens};
+use corridor_units::{Bytes, CardId, Pages};
 use corridor_vram::recorder::{BootId, BootPhase, FlightRecorder, MarkIdentity};
-use corridor_vram::sizing::{solve, SizingInput, DEFAULT_MARGIN};
+use corridor_vram::sizing::DEFAULT_MARGIN;
 use corridor_vram::{
-    parse_sim_events, Allocation, Card, ChunkGeometry, CpuCard, CudaSelection, Device, Governor,
-    GovernorConfig, KvArena, KvArenaConfig, Purpose, SimCard, SimCardSpec, SystemClock, Urgency,
+    Allocation, Card, ChunkGeometry, CpuCard, CudaSelection, Device, Governor, KvArena, KvArenaConfig,
+    SimCard, SimCardSpec, SystemClock,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-mod layout;
+mod group;
+pub mod plan;
+
+use group::{BootEnv, CpuRanks, Started};
+pub use plan::{BootPlan, CardsPlan, GroupPlan};
 
 /// How long the governor waits for the engine to give memory back: a step
 /// in flight finishes first (a long prefill chunk on a CPU can take this long).
@@ -214,37 +216,28 @@ pub fn load_tokenizer(ckpt: &Checkpoint) -> Result<Tokenizer, BootError> {
     })
 }
 
-/// The cards of `--devices`, with each CUDA card's device ordinal (none for
+/// The cards of the plan, with each CUDA card's device ordinal (none for
 /// the host and sim cards).
 type Cards = (Vec<Arc<dyn Card>>, Vec<u32>);
 
-fn open_cards(opts: &BootOptions, clock: &Arc<SystemClock>) -> Result<Cards, BootError> {
-    Ok(match &opts.devices {
-        Devices::Cpu => {
-            (vec![Arc::new(CpuCard::new(CardId(0), Bytes::gib(16))) as Arc<dyn Card>], Vec::new())
+fn open_cards(cards: &CardsPlan, clock: &Arc<SystemClock>) -> Result<Cards, BootError> {
+    Ok(match cards {
+        CardsPlan::Host { total, .. } => {
+            (vec![Arc::new(CpuCard::new(CardId(0), *total)) as Arc<dyn Card>], Vec::new())
         }
-        Devices::Sim(sizes) => {
-            let events = match &opts.sim_events {
-                Some(p) => {
-                    let text = std::fs::read_to_string(p)
-                        .map_err(|e| BootError::Config(format!("--sim-events {}: {e}", p.display())))?;
-                    parse_sim_events(&text)
-                        .map_err(|e| BootError::Config(format!("--sim-events {}: {e}", p.display())))?
-                }
-                None => Vec::new(),
-            };
+        CardsPlan::Sim { sizes, carve_out, events } => {
             let cards = sizes
                 .iter()
                 .enumerate()
                 .map(|(i, total)| {
                     let mut spec = SimCardSpec::new(CardId(i as u32), *total);
-                    spec.carve_out = opts.sim_carve_out;
-                    Arc::new(SimCard::new(spec, &events, clock.clone())) as Arc<dyn Card>
+                    spec.carve_out = *carve_out;
+                    Arc::new(SimCard::new(spec, events, clock.clone())) as Arc<dyn Card>
                 })
                 .collect();
             (cards, Vec::new())
         }
-        Devices::Cuda(selection) => open_cuda_cards(selection)?,
+        CardsPlan::Cuda(selection) => open_cuda_cards(selection)?,
     })
 }
 
@@ -280,28 +273,22 @@ fn workspace_bytes(c: &ModelConfig, rows: usize, logit_rows: usize) -> Bytes {
 /// Load everything and start the engine. `progress(done, total)` is called as
 /// layers are placed.
 pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Result<Booted, BootError> {
-    if opts.page_size == 0 || opts.max_running == 0 || opts.max_batched_tokens == 0 {
-        return Err(BootError::Config(
-            "page size, max running requests and max batched tokens must be positive".into(),
-        ));
-    }
+    let plan = BootPlan::new(opts)?;
+    boot_plan(&plan, &mut progress)
+}
+
+/// Boot a plan: open and measure the cards, open the checkpoint, boot the
+/// rank group on the cards (`group::start`: layout solved, ranks loaded,
+/// warmed up, KV sized and committed), register the relief providers and
+/// serve.
+pub fn boot_plan(plan: &BootPlan, progress: &mut dyn FnMut(usize, usize)) -> Result<Booted, BootError> {
+    // The cards and their governor.
     let clock = Arc::new(SystemClock::new());
-    let (cards, ordinals) = open_cards(opts, &clock)?;
-    let mut gcfg =
-        GovernorConfig::from_flags(cards.len(), opts.floor_mib.as_deref(), opts.card_budget_mib.as_deref())
-            .map_err(|e| BootError::Config(e.to_string()))?;
-    if let Some(h) = opts.kv_hold {
-        gcfg.kv_hold = h;
-    }
-    if let Some(i) = opts.serving_mark_interval {
-        gcfg.serving_mark_interval = i;
-    }
-    if let Some(i) = opts.sample_interval {
-        gcfg.sample_interval = i;
-    }
+    let (cards, ordinals) = open_cards(&plan.cards, &clock)?;
+    let gcfg = plan.card_limits.governor(cards.len())?;
     let governor =
         Arc::new(Governor::new(cards, gcfg, clock.clone()).map_err(|e| BootError::Config(e.to_string()))?);
-    let recorder = match &opts.flight_dir {
+    let recorder = match &plan.flight_dir {
         Some(dir) => {
             let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             let ident = MarkIdentity {
@@ -324,7 +311,8 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
     };
     mark(BootPhase::ProcessStart);
 
-    let ckpt = Checkpoint::open(&opts.model)?;
+    // The checkpoint and what serves beside it.
+    let ckpt = Checkpoint::open(&plan.model)?;
     let tokenizer = load_tokenizer(&ckpt)?;
     let template = ChatTemplate::for_checkpoint(
         tokenizer.chat_template(),
@@ -336,27 +324,29 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         (None, Some(dir)) => crate::defaults::SamplingPreferences::from_hf_dir(dir),
         (None, None) => Default::default(),
     };
-    let cfg = ckpt.config().clone();
-    let context_len = opts.context_len.unwrap_or(cfg.max_position_embeddings).max(1);
+    let limits = plan.limits;
+    let context_len = limits.context_len.map_or(ckpt.config().max_position_embeddings, |t| t.get()).max(1);
     let config = EngineConfig {
         scheduler: SchedulerConfig {
-            max_running: opts.max_running,
-            max_batched_tokens: opts.max_batched_tokens,
+            max_running: limits.max_running,
+            max_batched_tokens: limits.max_batched_tokens,
             context_len,
-            itl_target: opts.itl_target,
+            itl_target: limits.itl_target,
         },
-        page_size: Tokens(opts.page_size),
+        page_size: limits.page_size,
     };
-    match opts.itl_target {
+    match limits.itl_target {
         Some(t) => tracing::info!(
             itl_target_ms = t.as_millis() as u64,
-            max_batched_tokens = opts.max_batched_tokens,
+            max_batched_tokens = limits.max_batched_tokens,
             "while requests decode, a step takes only the prompt rows predicted to keep this inter-token latency"
         ),
         None => tracing::info!("no inter-token-latency bound: prompts take every row decodes leave"),
     }
+
+    // The rank group, on the backend of the cards' kind.
     let env = BootEnv {
-        opts,
+        plan,
         ckpt: &ckpt,
         governor: &governor,
         clock: &clock,
@@ -364,18 +354,32 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
         context_len,
         ordinals: &ordinals,
     };
-    let parallel = opts.layout.as_ref().filter(|l| l.ranks() > 1);
-    let (engine, resident) = match (&opts.devices, parallel) {
-        _ if opts.phase_flip != FlipMode::Off => boot_flipping(&env, config, &mut progress)?,
-        (Devices::Cuda(_), None) => boot_cuda(&env, config, &mut progress)?,
-        (Devices::Cuda(_), Some(spec)) => boot_cuda_layout(&env, config, spec, &mut progress)?,
-        (Devices::Sim(_), Some(spec)) => layout::boot_sim_layout(&env, config, spec, &mut progress)?,
-        (Devices::Cpu, _) | (Devices::Sim(_), None) => boot_host(&env, config, &mut progress)?,
+    let started = match &plan.cards {
+        CardsPlan::Host { .. } => {
+            group::start(&env, &CpuRanks { resident: true, link: plan.sim_link }, config, progress)?
+        }
+        CardsPlan::Sim { .. } => {
+            group::start(&env, &CpuRanks { resident: false, link: plan.sim_link }, config, progress)?
+        }
+        CardsPlan::Cuda(_) => start_cuda(&env, config, progress)?,
     };
-    // The engine answers for every card its KV spans: it moves live pages
-    // between steps and preempts only when running requests hold more than
-    // the card keeps.
-    governor.register_provider(engine.kv_relief(KV_RELIEF_TIMEOUT));
+    if let GroupPlan::Flipping { mode, min_dwell, .. } = &plan.group {
+        let governor = governor.clone();
+        let observer: corridor_engine::flips::FlipObserver =
+            Arc::new(move |r| governor.record_flip(&flip_event(r)));
+        started.engine.set_flips(corridor_engine::flips::FlipSettings {
+            mode: *mode,
+            min_dwell: *min_dwell,
+            observer: Some(observer),
+            calibration: started.calibration.clone(),
+        });
+        tracing::info!(mode = %mode, "phase flips between tensor and pipeline parallel are on");
+    }
+
+    // Relief: the engine answers for every card its KV spans: it moves live
+    // pages between steps and preempts only when running requests hold more
+    // than the card keeps.
+    governor.register_provider(started.engine.kv_relief(KV_RELIEF_TIMEOUT));
     mark(BootPhase::BootComplete);
     if let Some(r) = recorder {
         governor.attach_recorder(r);
@@ -383,68 +387,39 @@ pub fn boot(opts: &BootOptions, mut progress: impl FnMut(usize, usize)) -> Resul
     let monitor = governor
         .spawn_monitor()
         .map_err(|e| BootError::Memory(format!("cannot start the memory sampler: {e}")))?;
-    let model_name = opts
+    let model_name = plan
         .model
         .file_name()
         .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
         .unwrap_or_else(|| "model".to_string());
     Ok(Booted {
-        engine,
+        engine: started.engine,
         tokenizer: Arc::new(tokenizer),
         template: Arc::new(template),
         model_name,
-        checkpoint_path: opts.model.clone(),
+        checkpoint_path: plan.model.clone(),
         sampling,
         governor,
-        keep_alive: Arc::new(KeepAlive { monitor: Some(monitor), resident }),
+        keep_alive: Arc::new(KeepAlive { monitor: Some(monitor), resident: started.resident }),
     })
 }
 
-/// A flipping group: one rank per card holding a tensor slice and a
-/// pipeline stage. CPU ranks on sim cards; GPU ranks need device-side KV
-/// page copies between cards that the CUDA backend does not have yet.
-fn boot_flipping(
+#[cfg(feature = "cuda")]
+fn start_cuda(
     env: &BootEnv<'_>,
     config: EngineConfig,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Started, BootError> {
-    let opts = env.opts;
-    let Devices::Sim(cards) = &opts.devices else {
-        return Err(BootError::Config(
-            "--phase-flip runs on sim cards (--devices sim:32GiB,20GiB,20GiB): CUDA ranks cannot yet copy KV pages \
-             between layouts"
-                .into(),
-        ));
-    };
-    let n = cards.len();
-    if n < 2 {
-        return Err(BootError::Config(format!("--phase-flip needs two cards or more; --devices names {n}")));
-    }
-    let splits = opts.flip_splits.clone().unwrap_or_default();
-    let tp = LayoutSpec {
-        tp: n,
-        tp_split: splits.tp_split.clone(),
-        pp: 1,
-        pp_split: corridor_model::layout::Split::Even,
-    };
-    let pp = LayoutSpec {
-        tp: 1,
-        tp_split: corridor_model::layout::Split::Even,
-        pp: n,
-        pp_split: splits.pp_split.clone(),
-    };
-    let (started, calibration) = layout::boot_sim_flipping(env, config, [&tp, &pp], progress)?;
-    let governor = env.governor.clone();
-    let observer: corridor_engine::flips::FlipObserver =
-        Arc::new(move |r| governor.record_flip(&flip_event(r)));
-    started.0.set_flips(corridor_engine::flips::FlipSettings {
-        mode: opts.phase_flip,
-        min_dwell: opts.flip_dwell,
-        observer: Some(observer),
-        calibration,
-    });
-    tracing::info!(mode = %opts.phase_flip, "phase flips between tensor and pipeline parallel are on");
-    Ok(started)
+    group::start(env, &group::CudaRanks, config, progress)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn start_cuda(
+    _env: &BootEnv<'_>,
+    _config: EngineConfig,
+    _progress: &mut dyn FnMut(usize, usize),
+) -> Result<Started, BootError> {
+    Err(BootError::Config("this corridor was built without CUDA support".into()))
 }
 
 /// A flip as the flight recorder keeps it.
@@ -469,59 +444,29 @@ fn flip_event(r: &corridor_engine::flips::FlipRecord) -> corridor_vram::recorder
     }
 }
 
-/// What every boot path shares.
-struct BootEnv<'a> {
-    opts: &'a BootOptions,
-    ckpt: &'a Checkpoint,
-    governor: &'a Arc<Governor>,
-    clock: &'a Arc<SystemClock>,
-    mark: &'a dyn Fn(BootPhase),
-    context_len: usize,
-    /// The device ordinal of each CUDA card.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    ordinals: &'a [u32],
-}
-
-/// The engine and what is held resident by size.
-type Started = (EngineHandle, Vec<Allocation>);
-
-/// Load the whole model onto `backend`, telling `progress(done, total)` as
-/// the embedding, each layer and the head are placed.
-fn load_model<B: corridor_backend::Backend>(
-    backend: &B,
-    ckpt: &Checkpoint,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<Model<B>, BootError> {
-    let total = ckpt.config().num_layers + 2;
-    let mut done = 0;
-    Ok(Model::load(backend, ckpt, |n| {
-        done += n;
-        progress(done, total);
-    })?)
-}
-
 /// The KV arena over `parts` (each card with the bytes of one page on it;
 /// one card unless a layout spans several): an address reservation for as
-/// many pages as the smallest share could ever hold (on host compute, at
+/// many pages as the smallest share could ever hold (on the host card, at
 /// most what the scheduler could ever use), nothing committed yet.
 fn new_arena(
     env: &BootEnv<'_>,
     parts: &[(Device, Bytes)],
     host_cap: Option<Bytes>,
 ) -> Result<Arc<KvArena>, BootError> {
-    let opts = env.opts;
+    let limits = env.plan.limits;
     let mut max_pages = parts
         .iter()
         .map(|(dev, pb)| (dev.card().total().get() / pb.get().max(1)) as usize)
         .min()
         .unwrap_or(0);
-    if !matches!(opts.devices, Devices::Cuda(_)) {
-        // Host compute (the CPU card, sim cards) keeps KV in host buffers as
-        // large as the id space, so the id space is held to what the
-        // scheduler could use at once. On a GPU the id space is address space
-        // only: KV fills the card, and what running requests do not use
-        // holds cached prefixes.
-        let useful = opts.max_running * env.context_len.div_ceil(opts.page_size);
+    if matches!(env.plan.cards, CardsPlan::Host { .. }) {
+        // The host card's KV is made resident when it is allocated and the
+        // host is shared with everything else, so its id space is held to
+        // what the scheduler could use at once. On sim and GPU cards the id
+        // space is address space only: KV fills the card, and what running
+        // requests do not use holds cached prefixes (the CPU ranks of sim
+        // cards back a block of KV with host memory only once it is written).
+        let useful = limits.max_running * env.context_len.div_ceil(limits.page_size.get());
         max_pages = max_pages.min(useful);
     }
     let widest = parts.iter().map(|(_, pb)| *pb).max().unwrap_or(Bytes::ZERO);
@@ -548,235 +493,4 @@ fn new_arena(
     let arena = KvArena::spanning(parts, arena_cfg, env.clock.clone())
         .map_err(|e| BootError::Memory(e.to_string()))?;
     Ok(Arc::new(arena))
-}
-
-/// Measure the card's free column now that everything else is resident,
-/// commit the pages that fit above its floor and margin, and hand the arena
-/// to the governor.
-fn size_kv(env: &BootEnv<'_>, dev: &Device, arena: &Arc<KvArena>) -> Result<(), BootError> {
-    let page_bytes = arena.geometry().page_bytes;
-    let sizing =
-        solve(SizingInput::measure(dev, DEFAULT_MARGIN, Bytes::ZERO, arena.geometry(), arena.capacity()));
-    arena
-        .commit_to(sizing.pages, Urgency::Deferrable)
-        .map_err(|e| BootError::Memory(format!("KV pool: {e}")))?;
-    if arena.backed().get() == 0 {
-        return Err(BootError::Memory(format!(
-            "no KV page of {} fits on {} above its floor: lower --max-batched-tokens, raise the card budget or lower --floor-mib",
-            page_bytes,
-            dev.id()
-        )));
-    }
-    tracing::info!(
-        card = %dev.id(),
-        pages = arena.backed().get(),
-        tokens = arena.backed().get() * env.opts.page_size,
-        page = %page_bytes,
-        bound = ?sizing.bound,
-        "KV pool sized"
-    );
-    env.governor.attach_arena(arena.clone());
-    (env.mark)(BootPhase::KvSized);
-    Ok(())
-}
-
-/// CPU compute: the host card (or sim cards) only books what the CPU backend
-/// holds in host memory, so weights and workspace are booked by size here.
-fn boot_host(
-    env: &BootEnv<'_>,
-    config: EngineConfig,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<Started, BootError> {
-    let (opts, ckpt) = (env.opts, env.ckpt);
-    let cfg = ckpt.config().clone();
-    // The whole model runs on card 0 (multi-card layouts place ranks).
-    let dev = env.governor.devices()[0].clone();
-    let mut resident = Vec::new();
-    let weights = Bytes(ckpt.file_bytes());
-    resident.push(
-        dev.reserve(weights, Purpose::Weights)
-            .map_err(|e| BootError::Memory(format!("weights do not fit: {e}")))?,
-    );
-    let layout = match &opts.layout {
-        Some(spec) if spec.tp.max(1) * spec.pp.max(1) > 1 => {
-            // Ranks as threads sharing the host card. Block-quantized weights are split on whole 32-column blocks.
-            let granule = if ckpt.gguf().is_some() { 32 } else { 1 };
-            Some(Layout::from_spec(&cfg, spec, granule).map_err(|e| BootError::Config(e.to_string()))?)
-        }
-        _ => None,
-    };
-    // On the host card the KV and workspace buffers are the memory the books
-    // count, so they are made resident when allocated (see
-    // `CpuBackend::resident`); sim cards simulate their memory instead.
-    let backend = if opts.devices == Devices::Cpu { CpuBackend::resident() } else { CpuBackend::new() };
-    let model = match &layout {
-        Some(_) => None,
-        None => Some(load_model(&backend, ckpt, progress)?),
-    };
-    (env.mark)(BootPhase::WeightsLoaded);
-    let ws = workspace_bytes(&cfg, opts.max_batched_tokens, opts.max_running);
-    resident.push(
-        dev.reserve(ws, Purpose::Workspace)
-            .map_err(|e| BootError::Memory(format!("workspace does not fit: {e}")))?,
-    );
-    // A hybrid model's state slots, one per request that may run, are
-    // allocated with the workspace; booked as what they are.
-    let state = cfg
-        .hybrid
-        .as_ref()
-        .map_or(Bytes::ZERO, |h| corridor_model::qwen3_5::state_bytes(h, opts.max_running));
-    if state > Bytes::ZERO {
-        resident.push(
-            dev.reserve(state, Purpose::State)
-                .map_err(|e| BootError::Memory(format!("recurrent state does not fit: {e}")))?,
-        );
-    }
-    (env.mark)(BootPhase::WorkspaceReady);
-
-    // KV: the CPU keeps it in f32; one page holds `page_size` tokens of every
-    // layer, on every rank that holds a share of it.
-    let kv_token_bytes: usize = match &layout {
-        Some(l) => l.ranks.iter().map(|r| 2 * r.layers.len() * r.kv_heads.len() * cfg.head_dim * 4).sum(),
-        None => 2 * cfg.kv_layers() * cfg.num_kv_heads * cfg.head_dim * 4,
-    };
-    let page_bytes = Bytes((kv_token_bytes * opts.page_size) as u64);
-    // The host's KV buffer spans the arena's whole id space and is made
-    // resident at once, so the id space must not outgrow what is really
-    // free above the floor (the workspace, booked but not yet allocated,
-    // comes out of that too).
-    let host_cap = (opts.devices == Devices::Cpu).then(|| {
-        let room = dev
-            .card()
-            .driver_free()
-            .saturating_sub(dev.settings().floor)
-            .saturating_sub(DEFAULT_MARGIN)
-            .saturating_sub(ws + state);
-        opts.kv_budget.min(room)
-    });
-    let arena = new_arena(env, &[(dev.clone(), page_bytes)], host_cap)?;
-    size_kv(env, &dev, &arena)?;
-
-    let pool = PagePool::new(arena, Tokens(opts.page_size));
-    env.governor.register_provider(pool.prefix_evictor());
-    let engine = match (model, &layout) {
-        (Some(model), _) => spawn(backend, model, config, pool)?,
-        (None, Some(layout)) => {
-            let limits = ExecutorLimits {
-                max_rows: opts.max_batched_tokens,
-                max_logit_rows: opts.max_running,
-                page_size: opts.page_size,
-                num_pages: pool.capacity(),
-            };
-            let exec = spawn_layout(
-                ckpt,
-                layout,
-                LayoutOptions { link: opts.sim_link, ..LayoutOptions::new(limits) },
-            )?;
-            tracing::info!(ranks = layout.ranks.len(), "parallel layout running on CPU threads");
-            spawn_with(exec, config, pool)?
-        }
-        (None, None) => unreachable!("a model is loaded unless a layout is"),
-    };
-    Ok((engine, resident))
-}
-
-/// One NVIDIA GPU: every device byte the backend takes (weights in one
-/// allocation, the workspace, cuBLASLt's workspace, step metadata) is an
-/// allocation through the card's chokepoint; KV lives in the pages of the
-/// card's arena. Decode steps are captured as graphs before KV is sized, so
-/// the free column the solve reads already excludes them.
-#[cfg(feature = "cuda")]
-fn boot_cuda(
-    env: &BootEnv<'_>,
-    config: EngineConfig,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<Started, BootError> {
-    use corridor_engine::executor::SingleRank;
-    let (opts, ckpt) = (env.opts, env.ckpt);
-    let cfg = ckpt.config().clone();
-    let devices = env.governor.devices();
-    if devices.len() > 1 {
-        return Err(BootError::Config(format!(
-            "--devices names {} CUDA cards: spread one model over them with --tp N or --pp N (N = {}), or pick one card (e.g. cuda:0)",
-            devices.len(),
-            devices.len()
-        )));
-    }
-    let dev = devices[0].clone();
-    let backend = cuda_backend(env, &dev, env.ordinals[0])?;
-    (env.mark)(BootPhase::ContextReady);
-    let model = load_model(&backend, ckpt, progress)?;
-    (env.mark)(BootPhase::WeightsLoaded);
-    let ws = model.workspace(&backend, opts.max_batched_tokens, opts.max_running)?;
-    (env.mark)(BootPhase::WorkspaceReady);
-    // KV in bf16; one page holds `page_size` tokens of every layer.
-    let page_bytes =
-        Bytes((2 * cfg.kv_layers() * cfg.num_kv_heads * cfg.head_dim * 2 * opts.page_size) as u64);
-    let arena = new_arena(env, &[(dev.clone(), page_bytes)], None)?;
-    let kv = model.kv_cache_in(&backend, opts.page_size, &arena)?;
-    let mut exec = SingleRank::from_parts(backend, model, ws, kv).with_device_sampling(opts.device_sampling);
-    let captured = exec.warm_up().map_err(|e| BootError::Config(format!("warm-up on the GPU: {e}")))?;
-    tracing::info!(graphs = ?captured, "decode steps captured");
-    // What the captures and lazily loaded library kernels cost shows as the
-    // residue's step at this mark.
-    (env.mark)(BootPhase::GraphsCaptured);
-    size_kv(env, &dev, &arena)?;
-    let pool = PagePool::new(arena, Tokens(opts.page_size));
-    env.governor.register_provider(pool.prefix_evictor());
-    let engine = spawn_with(Box::new(exec), config, pool)?;
-    Ok((engine, Vec::new()))
-}
-
-/// The CUDA backend of card `dev` (device `ordinal`), every allocation
-/// through that card's chokepoint.
-#[cfg(feature = "cuda")]
-fn cuda_backend(
-    env: &BootEnv<'_>,
-    dev: &Device,
-    ordinal: u32,
-) -> Result<corridor_backend::cuda::CudaBackend, BootError> {
-    use corridor_backend::cuda::{CudaBackend, CudaBackendConfig};
-    use corridor_backend::Backend;
-    let opts = env.opts;
-    let bcfg = CudaBackendConfig {
-        ordinal: ordinal as usize,
-        max_rows: opts.max_batched_tokens,
-        max_seqs: opts.max_running.max(1),
-        max_pages_per_seq: env.context_len.div_ceil(opts.page_size),
-        attn_partials: CudaBackendConfig::default().attn_partials,
-        kernel_cache_dir: opts.kernel_cache.clone(),
-        tuning: opts.cuda_tuning,
-    };
-    let tuning = bcfg.tuning;
-    let backend = CudaBackend::on_device(bcfg, dev.clone()).map_err(|e| BootError::Config(e.to_string()))?;
-    tracing::info!(
-        card = %dev.id(),
-        backend = %backend.name(),
-        pdl = tuning.pdl,
-        fused = tuning.fuse,
-        "CUDA backend ready"
-    );
-    Ok(backend)
-}
-
-#[cfg(feature = "cuda")]
-use layout::boot_cuda_layout;
-
-#[cfg(not(feature = "cuda"))]
-fn boot_cuda_layout(
-    _env: &BootEnv<'_>,
-    _config: EngineConfig,
-    _spec: &LayoutSpec,
-    _progress: &mut dyn FnMut(usize, usize),
-) -> Result<Started, BootError> {
-    Err(BootError::Config("this corridor was built without CUDA support".into()))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn boot_cuda(
-    _env: &BootEnv<'_>,
-    _config: EngineConfig,
-    _progress: &mut dyn FnMut(usize, usize),
-) -> Result<Started, BootError> {
-    Err(BootError::Config("this corridor was built without CUDA support".into()))
 }

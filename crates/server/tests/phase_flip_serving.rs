@@ -168,7 +168,11 @@ fn requests_go_on_through_flips_with_the_tokens_of_a_run_without_them() {
 fn flips_while_a_foreign_process_holds_a_card_under_its_floor_never_breach() {
     // Measure where boot leaves card 1, then boot again with a foreign
     // process that takes all of its free memory and all of its KV besides,
-    // so relief cannot restore the floor while it stays.
+    // so relief cannot restore the floor while it stays. A budget keeps KV
+    // to about a GiB a card (unbounded, it fills the cards, and an intruder
+    // that grabs every byte released takes several relief rounds to answer,
+    // each flip in them unfunded: three in a row turn flips off).
+    let options = || BootOptions { card_budget_mib: Some("1024".into()), ..options() };
     let probe = boot(&options(), |_, _| {}).unwrap();
     let card = probe.governor.memory_report().cards[1].clone();
     probe.engine.shutdown();

@@ -9,7 +9,7 @@
 //! slot is committed (backed on every card the arena spans) or a hole, and
 //! any slot can be either: a free chunk is released wherever it sits, not
 //! only at the top, and growth fills the lowest hole first. Each id is in
-//! exactly one state: free (on the free list), in use (held by one or more
+//! exactly one state: free (counted per chunk, the lowest free id handed out first), in use (held by one or more
 //! sequences), cached (unreferenced but kept for prefix reuse, evictable) or
 //! withheld — and an id is withheld exactly when its slot is a hole, so an id
 //! that points at unbacked memory is never handed out.
@@ -17,7 +17,7 @@
 //! operation (checked in debug builds and by [`KvArena::check_invariants`]).
 //!
 //! Nothing live is destroyed to shrink: only chunks with no live page are
-//! released. The live set is kept compact — the free list hands out the
+//! released. The live set is kept compact — the arena hands out the
 //! lowest id first — and when free pages are scattered under live ones,
 //! [`KvArena::plan_vacate`] picks the chunks with the fewest live pages and
 //! names free pages elsewhere for their contents; the caller copies the
@@ -220,8 +220,14 @@ struct ArenaState {
     pages: Vec<PageState>,
     /// Live pages (in use or cached) per slot: a slot with none can be released.
     live: Vec<u32>,
-    /// Free ids; the lowest is handed out first.
-    free: BTreeSet<u32>,
+    /// Free pages per slot.
+    free_in: Vec<u32>,
+    /// The slots that hold a free page: the lowest free id is the first free
+    /// page of the first of them, so the free structure grows with the
+    /// chunks, not with the pages.
+    free_slots: BTreeSet<u32>,
+    /// Free pages in all.
+    n_free: usize,
     n_in_use: usize,
     n_cached: usize,
     /// Committed slots.
@@ -235,13 +241,18 @@ struct ArenaState {
 }
 
 impl ArenaState {
-    /// Move page `i` to `new`, keeping every counter and the free list true.
+    /// Move page `i` to `new`, keeping every counter and the free counts true.
     /// All page-state changes go through here.
     fn set(&mut self, i: usize, new: PageState, chunk_pages: usize) {
         let old = self.pages[i];
+        let slot = i / chunk_pages;
         match old {
             PageState::Free => {
-                self.free.remove(&(i as u32));
+                self.n_free -= 1;
+                self.free_in[slot] -= 1;
+                if self.free_in[slot] == 0 {
+                    self.free_slots.remove(&(slot as u32));
+                }
             }
             PageState::InUse(_) => self.n_in_use -= 1,
             PageState::Cached => self.n_cached -= 1,
@@ -249,13 +260,16 @@ impl ArenaState {
         }
         match new {
             PageState::Free => {
-                self.free.insert(i as u32);
+                self.n_free += 1;
+                self.free_in[slot] += 1;
+                if self.free_in[slot] == 1 {
+                    self.free_slots.insert(slot as u32);
+                }
             }
             PageState::InUse(_) => self.n_in_use += 1,
             PageState::Cached => self.n_cached += 1,
             PageState::Withheld => {}
         }
-        let slot = i / chunk_pages;
         match (old.is_live(), new.is_live()) {
             (true, false) => self.live[slot] -= 1,
             (false, true) => self.live[slot] += 1,
@@ -266,6 +280,14 @@ impl ArenaState {
 
     fn is_committed(&self, slot: usize) -> bool {
         matches!(self.slots[slot], Slot::Committed(_))
+    }
+
+    /// Free ids, lowest first.
+    fn free_ids(&self, chunk_pages: usize) -> impl Iterator<Item = u32> + '_ {
+        self.free_slots.iter().flat_map(move |&slot| {
+            let start = slot as usize * chunk_pages;
+            (start..start + chunk_pages).filter(|&i| self.pages[i] == PageState::Free).map(|i| i as u32)
+        })
     }
 }
 
@@ -374,7 +396,9 @@ impl KvArena {
                 slots: (0..max_chunks).map(|_| Slot::Hole).collect(),
                 pages: vec![PageState::Withheld; max_pages],
                 live: vec![0; max_chunks],
-                free: BTreeSet::new(),
+                free_in: vec![0; max_chunks],
+                free_slots: BTreeSet::new(),
+                n_free: 0,
                 n_in_use: 0,
                 n_cached: 0,
                 committed: 0,
@@ -449,13 +473,20 @@ impl KvArena {
     /// Every page whose contents matter (in use or cached), lowest id first.
     pub fn live_pages(&self) -> Vec<PageId> {
         let st = lock(&self.state);
-        let live = |p: &PageState| matches!(p, PageState::InUse(_) | PageState::Cached);
-        st.pages.iter().enumerate().filter(|(_, p)| live(p)).map(|(i, _)| PageId(i as u32)).collect()
+        let cp = self.geometry.chunk_pages;
+        // Only chunks that hold a live page are walked: a big card's id space
+        // is millions of pages, most of them free.
+        (0..st.slots.len())
+            .filter(|&slot| st.live[slot] > 0)
+            .flat_map(|slot| slot * cp..(slot + 1) * cp)
+            .filter(|&i| st.pages[i].is_live())
+            .map(|i| PageId(i as u32))
+            .collect()
     }
     fn counts_of(&self, st: &ArenaState) -> ArenaCounts {
         let committed = st.committed * self.geometry.chunk_pages;
         ArenaCounts {
-            free: Pages(st.free.len()),
+            free: Pages(st.n_free),
             cached: Pages(st.n_cached),
             in_use: Pages(st.n_in_use),
             withheld: Pages(self.max_pages - committed),
@@ -470,7 +501,7 @@ impl KvArena {
     /// Take the lowest free page.
     pub fn alloc(&self) -> Option<PageId> {
         let mut st = lock(&self.state);
-        let id = *st.free.first()?;
+        let id = st.free_ids(self.geometry.chunk_pages).next()?;
         self.take(&mut st, id as usize);
         self.debug_check(&st);
         Some(PageId(id))
@@ -479,10 +510,10 @@ impl KvArena {
     /// Take `n` pages, all or nothing (the lowest free ones).
     pub fn alloc_many(&self, n: Pages) -> Result<Vec<PageId>, ArenaError> {
         let mut st = lock(&self.state);
-        if st.free.len() < n.get() {
-            return Err(ArenaError::Exhausted { want: n, free: Pages(st.free.len()) });
+        if st.n_free < n.get() {
+            return Err(ArenaError::Exhausted { want: n, free: Pages(st.n_free) });
         }
-        let ids: Vec<u32> = st.free.iter().take(n.get()).copied().collect();
+        let ids: Vec<u32> = st.free_ids(self.geometry.chunk_pages).take(n.get()).collect();
         for &id in &ids {
             self.take(&mut st, id as usize);
         }
@@ -507,7 +538,7 @@ impl KvArena {
         Ok(())
     }
 
-    /// Drop a holder; the last one returns the page to the free list.
+    /// Drop a holder; the last one makes the page free.
     pub fn release(&self, id: PageId) -> Result<(), ArenaError> {
         self.drop_holder(id, PageState::Free)
     }
@@ -586,9 +617,7 @@ impl KvArena {
         let sources: Vec<usize> =
             chosen.iter().flat_map(|&s| s * cp..(s + 1) * cp).filter(|&i| st.pages[i].is_live()).collect();
         let dests: Vec<u32> = st
-            .free
-            .iter()
-            .copied()
+            .free_ids(cp)
             .filter(|&i| !in_chosen(i) && st.live[i as usize / cp] > 0)
             .take(sources.len())
             .collect();
@@ -663,7 +692,7 @@ impl KvArena {
         if n.get() > self.max_pages {
             return Err(ArenaError::Exhausted { want: n, free: Pages(self.max_pages) });
         }
-        self.grow_until(urgency, |st| st.free.len() >= n.get())?;
+        self.grow_until(urgency, |st| st.n_free >= n.get())?;
         let mut st = lock(&self.state);
         st.target = st.target.max(st.committed * self.geometry.chunk_pages);
         Ok(())
@@ -710,7 +739,7 @@ impl KvArena {
                 let Some(slot) = st.slots.iter().position(|s| matches!(s, Slot::Hole)) else {
                     return Err(ArenaError::Exhausted {
                         want: Pages(self.max_pages + 1),
-                        free: Pages(st.free.len()),
+                        free: Pages(st.n_free),
                     });
                 };
                 if urgency == Urgency::Opportunistic {
@@ -863,21 +892,27 @@ impl KvArena {
         self.check_state(&st)
     }
 
+    /// [`KvArena::check_invariants`] in constant time: the running counters
+    /// against each other and the capacity, without recounting the pages
+    /// (for checks on every step of a big arena).
+    pub fn check_counters(&self) -> Result<ArenaCounts, String> {
+        let st = lock(&self.state);
+        self.check_counts(&st)
+    }
+
     fn check_state(&self, st: &ArenaState) -> Result<ArenaCounts, String> {
         let cp = self.geometry.chunk_pages;
         let (mut free, mut cached, mut in_use, mut withheld, mut committed) = (0, 0, 0, 0, 0);
         for (slot, s) in st.slots.iter().enumerate() {
             let backed = matches!(s, Slot::Committed(_));
             committed += backed as usize;
-            let mut live = 0;
+            let (mut live, mut slot_free) = (0, 0);
             for i in slot * cp..(slot + 1) * cp {
                 let p = st.pages[i];
                 match p {
                     PageState::Free => {
                         free += 1;
-                        if !st.free.contains(&(i as u32)) {
-                            return Err(format!("page#{i} is free but off the free list"));
-                        }
+                        slot_free += 1;
                     }
                     PageState::InUse(_) => in_use += 1,
                     PageState::Cached => cached += 1,
@@ -892,18 +927,21 @@ impl KvArena {
                     ));
                 }
             }
+            if slot_free != st.free_in[slot] || (slot_free > 0) != st.free_slots.contains(&(slot as u32)) {
+                return Err(format!(
+                    "chunk {slot} holds {slot_free} free pages, counted {} (listed: {})",
+                    st.free_in[slot],
+                    st.free_slots.contains(&(slot as u32))
+                ));
+            }
             if live != st.live[slot] {
                 return Err(format!("chunk {slot} holds {live} live pages, counted {}", st.live[slot]));
             }
         }
-        if free != st.free.len()
-            || cached != st.n_cached
-            || in_use != st.n_in_use
-            || committed != st.committed
-        {
+        if free != st.n_free || cached != st.n_cached || in_use != st.n_in_use || committed != st.committed {
             return Err(format!(
                 "counters off: free {free}/{}, cached {cached}/{}, in use {in_use}/{}, committed chunks {committed}/{}",
-                st.free.len(),
+                st.n_free,
                 st.n_cached,
                 st.n_in_use,
                 st.committed

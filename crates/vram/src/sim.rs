@@ -328,9 +328,13 @@ impl RawCard for SimCard {
         let mut st = self.lock();
         let overlaps = match st.ranges.get(&va.handle) {
             None => true,
-            Some((_, commits)) => {
-                commits.iter().any(|(o, b)| *o < (offset + bytes).get() && offset.get() < o + b.get())
-            }
+            // Commits are disjoint, so only the last one starting before this
+            // range's end can reach into it (a walk over all of them made
+            // filling a big card quadratic).
+            Some((_, commits)) => commits
+                .range(..(offset + bytes).get())
+                .next_back()
+                .is_some_and(|(o, b)| offset.get() < o + b.get()),
         };
         if overlaps {
             return Err(bad);

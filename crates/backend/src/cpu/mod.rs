@@ -101,13 +101,13 @@ impl CpuBackend {
     }
 
     /// A backend whose KV and activation buffers are resident from the start.
-    /// A zeroed allocation of that size is mapped lazily by the OS, so until a
-    /// page is first written the host's books (which count it as held) and
-    /// the process's resident memory disagree, and the host's free memory
-    /// still offers it to others. On the host card the buffers are the card's
-    /// memory, so they are made real at once; on sim cards (whose memory is
-    /// simulated, and whose KV id space may be far larger than the host) they
-    /// are left lazy.
+    /// A zeroed allocation is mapped lazily by the OS (and a KV store's blocks
+    /// are allocated only when first written), so until then the host's books
+    /// (which count it as held) and the process's resident memory disagree,
+    /// and the host's free memory still offers it to others. On the host card
+    /// the buffers are the card's memory, so they are made real at once; on
+    /// sim cards (whose memory is simulated, and whose KV id space may be far
+    /// larger than the host) they are left lazy.
     pub fn resident() -> Self {
         CpuBackend { resident: true, ..CpuBackend::default() }
     }
@@ -252,31 +252,113 @@ impl CpuWeight {
     }
 }
 
-/// One layer's paged K and V, each `[num_pages, page_size, kv_heads, head_dim]`.
+/// Values of K (and as many of V) one block of a [`CpuKv`] aims at: 256 KiB.
+const KV_BLOCK_VALUES: usize = 64 * 1024;
+
+/// The K and V values of one block of pages.
+type KvBlock = (Box<[f32]>, Box<[f32]>);
+
+/// One layer's paged K and V, each `[num_pages, page_size, kv_heads, head_dim]`,
+/// held in blocks of whole pages that are allocated when a page of theirs is
+/// first written (all at once on a resident backend). A store addresses the
+/// arena's whole id space, which on a sim card may be far larger than the
+/// host; blocks nobody wrote cost no host memory and no address space.
 pub struct CpuKv {
     geometry: KvGeometry,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    /// Pages per block.
+    block_pages: usize,
+    /// Each block's K and V, or `None` until one of its pages is written.
+    blocks: Vec<Option<KvBlock>>,
+    /// What an unwritten token reads as (one token's width of zeros).
+    zeros: Box<[f32]>,
 }
 
 impl CpuKv {
-    fn slot(&self, page: PageId, slot: usize) -> usize {
-        let g = &self.geometry;
-        (page.index() * g.page_size + slot) * g.kv_heads * g.head_dim
+    fn new(geometry: KvGeometry, resident: bool) -> CpuKv {
+        let width = geometry.kv_heads * geometry.head_dim;
+        let page_values = (geometry.page_size * width).max(1);
+        let block_pages = (KV_BLOCK_VALUES / page_values).max(1);
+        let n_blocks = geometry.num_pages.div_ceil(block_pages);
+        let mut kv = CpuKv {
+            geometry,
+            block_pages,
+            blocks: (0..n_blocks).map(|_| None).collect(),
+            zeros: vec![0.0; width].into_boxed_slice(),
+        };
+        if resident {
+            for b in 0..n_blocks {
+                kv.block_mut(b);
+            }
+        }
+        kv
     }
     pub fn geometry(&self) -> KvGeometry {
         self.geometry
     }
-    /// Where `page` starts in `k` and `v`, and how many values it holds.
-    fn page_span(&self, page: PageId) -> Result<(usize, usize)> {
+    /// Values in one page of K (or of V).
+    fn page_values(&self) -> usize {
         let g = &self.geometry;
-        if page.index() >= g.num_pages {
+        g.page_size * g.kv_heads * g.head_dim
+    }
+    /// The block holding `page` and where the page's token `slot` starts in it.
+    fn locate(&self, page: PageId, slot: usize) -> (usize, usize) {
+        let g = &self.geometry;
+        let (block, within) = (page.index() / self.block_pages, page.index() % self.block_pages);
+        (block, (within * g.page_size + slot) * g.kv_heads * g.head_dim)
+    }
+    /// Block `b`, allocated (zeroed and touched, so it is resident) if it was not.
+    fn block_mut(&mut self, b: usize) -> (&mut [f32], &mut [f32]) {
+        let n = self.block_pages * self.page_values();
+        let (k, v) = self.blocks[b].get_or_insert_with(|| {
+            let mut k = vec![0.0f32; n];
+            let mut v = vec![0.0f32; n];
+            touch_pages(&mut k);
+            touch_pages(&mut v);
+            (k.into_boxed_slice(), v.into_boxed_slice())
+        });
+        (&mut k[..], &mut v[..])
+    }
+    /// K and V of token `slot` of `page`, all KV heads (zeros if never written).
+    fn token(&self, page: PageId, slot: usize) -> (&[f32], &[f32]) {
+        let width = self.zeros.len();
+        let (b, at) = self.locate(page, slot);
+        match &self.blocks[b] {
+            Some((k, v)) => (&k[at..at + width], &v[at..at + width]),
+            None => (&self.zeros, &self.zeros),
+        }
+    }
+    /// K and V of token `slot` of `page`, to be written.
+    fn token_mut(&mut self, page: PageId, slot: usize) -> (&mut [f32], &mut [f32]) {
+        let width = self.zeros.len();
+        let (b, at) = self.locate(page, slot);
+        let (k, v) = self.block_mut(b);
+        (&mut k[at..at + width], &mut v[at..at + width])
+    }
+    fn check_page(&self, page: PageId) -> Result<()> {
+        if page.index() >= self.geometry.num_pages {
             return Err(BackendError::Other(format!(
                 "{page} is outside a KV store of {} pages",
-                g.num_pages
+                self.geometry.num_pages
             )));
         }
-        Ok((self.slot(page, 0), g.page_size * g.kv_heads * g.head_dim))
+        Ok(())
+    }
+    /// K and V of a whole page (`None`: never written, so zeros).
+    fn page(&self, page: PageId) -> Option<(&[f32], &[f32])> {
+        let n = self.page_values();
+        let (b, at) = self.locate(page, 0);
+        self.blocks[b].as_ref().map(|(k, v)| (&k[at..at + n], &v[at..at + n]))
+    }
+    /// K and V of a whole page, to be written.
+    fn page_mut(&mut self, page: PageId) -> (&mut [f32], &mut [f32]) {
+        let n = self.page_values();
+        let (b, at) = self.locate(page, 0);
+        let (k, v) = self.block_mut(b);
+        (&mut k[at..at + n], &mut v[at..at + n])
+    }
+    /// Blocks that hold host memory.
+    pub fn blocks_allocated(&self) -> usize {
+        self.blocks.iter().filter(|b| b.is_some()).count()
     }
 }
 
@@ -362,8 +444,7 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_kv(&self, geometry: KvGeometry) -> Result<CpuKv> {
-        let n = geometry.num_pages * geometry.page_size * geometry.kv_heads * geometry.head_dim;
-        Ok(CpuKv { geometry, k: self.zeroed(n), v: self.zeroed(n) })
+        Ok(CpuKv::new(geometry, self.resident))
     }
 
     fn embedding(&self, table: &CpuWeight, ids: &[u32], out: &mut CpuAct) -> Result<()> {
@@ -612,16 +693,14 @@ impl Backend for CpuBackend {
 
     fn write_kv(&self, kv: &mut CpuKv, k: &CpuAct, v: &CpuAct, seqs: &[SeqStep<'_>]) {
         let g = kv.geometry;
-        let width = g.kv_heads * g.head_dim;
         for s in seqs {
             for i in 0..s.rows {
                 let pos = s.cached + i;
-                let at = kv.slot(s.pages[pos / g.page_size], pos % g.page_size);
-                kv.k[at..at + width].copy_from_slice(k.row(s.row_start + i));
-                kv.v[at..at + width].copy_from_slice(v.row(s.row_start + i));
+                let (kd, vd) = kv.token_mut(s.pages[pos / g.page_size], pos % g.page_size);
+                kd.copy_from_slice(k.row(s.row_start + i));
+                vd.copy_from_slice(v.row(s.row_start + i));
                 if self.rounding.kv {
-                    kv.k[at..at + width].iter_mut().for_each(|x| *x = round_bf16(*x));
-                    kv.v[at..at + width].iter_mut().for_each(|x| *x = round_bf16(*x));
+                    kd.iter_mut().chain(vd.iter_mut()).for_each(|x| *x = round_bf16(*x));
                 }
             }
         }
@@ -653,8 +732,8 @@ impl Backend for CpuBackend {
                     let qh = &qrow[h * hd..(h + 1) * hd];
                     let mut max = f32::NEG_INFINITY;
                     for (t, sc) in scores.iter_mut().enumerate() {
-                        let at = kv.slot(s.pages[t / g.page_size], t % g.page_size) + kvh * hd;
-                        *sc = quant::dot_f32(qh, &kv.k[at..at + hd]) * scale;
+                        let (k, _) = kv.token(s.pages[t / g.page_size], t % g.page_size);
+                        *sc = quant::dot_f32(qh, &k[kvh * hd..(kvh + 1) * hd]) * scale;
                         max = max.max(*sc);
                     }
                     let mut sum = 0.0;
@@ -667,8 +746,8 @@ impl Backend for CpuBackend {
                     o.fill(0.0);
                     for (t, sc) in scores.iter().enumerate() {
                         let p = sc / sum;
-                        let at = kv.slot(s.pages[t / g.page_size], t % g.page_size) + kvh * hd;
-                        for (o, v) in o.iter_mut().zip(&kv.v[at..at + hd]) {
+                        let (_, v) = kv.token(s.pages[t / g.page_size], t % g.page_size);
+                        for (o, v) in o.iter_mut().zip(&v[kvh * hd..(kvh + 1) * hd]) {
                             *o += p * v;
                         }
                     }
@@ -683,23 +762,36 @@ impl Backend for CpuBackend {
     }
 
     fn copy_page(&self, kv: &mut CpuKv, from: PageId, to: PageId) {
-        let g = kv.geometry;
-        let n = g.page_size * g.kv_heads * g.head_dim;
-        let (a, b) = (kv.slot(from, 0), kv.slot(to, 0));
-        kv.k.copy_within(a..a + n, b);
-        kv.v.copy_within(a..a + n, b);
+        let mut data = Vec::new();
+        match kv.page(from) {
+            Some((k, v)) => {
+                data.extend_from_slice(k);
+                data.extend_from_slice(v);
+            }
+            None => data.resize(2 * kv.page_values(), 0.0),
+        }
+        let n = kv.page_values();
+        let (k, v) = kv.page_mut(to);
+        k.copy_from_slice(&data[..n]);
+        v.copy_from_slice(&data[n..]);
     }
 
     fn read_kv_page(&self, kv: &CpuKv, page: PageId, out: &mut Vec<f32>) -> Result<()> {
-        let (a, n) = kv.page_span(page)?;
+        kv.check_page(page)?;
         out.clear();
-        out.extend_from_slice(&kv.k[a..a + n]);
-        out.extend_from_slice(&kv.v[a..a + n]);
+        match kv.page(page) {
+            Some((k, v)) => {
+                out.extend_from_slice(k);
+                out.extend_from_slice(v);
+            }
+            None => out.resize(2 * kv.page_values(), 0.0),
+        }
         Ok(())
     }
 
     fn write_kv_page(&self, kv: &mut CpuKv, page: PageId, data: &[f32]) -> Result<()> {
-        let (a, n) = kv.page_span(page)?;
+        kv.check_page(page)?;
+        let n = kv.page_values();
         if data.len() != 2 * n {
             return Err(BackendError::Other(format!(
                 "a KV page holds {} values, {} were given",
@@ -707,10 +799,11 @@ impl Backend for CpuBackend {
                 data.len()
             )));
         }
-        kv.k[a..a + n].copy_from_slice(&data[..n]);
-        kv.v[a..a + n].copy_from_slice(&data[n..]);
+        let (k, v) = kv.page_mut(page);
+        k.copy_from_slice(&data[..n]);
+        v.copy_from_slice(&data[n..]);
         if self.rounding.kv {
-            kv.k[a..a + n].iter_mut().chain(&mut kv.v[a..a + n]).for_each(|x| *x = round_bf16(*x));
+            k.iter_mut().chain(v.iter_mut()).for_each(|x| *x = round_bf16(*x));
         }
         Ok(())
     }
@@ -740,7 +833,34 @@ mod residency_tests {
         // the difference (0 against 128 MiB) is not.
         assert!(after_lazy.saturating_sub(before) < 32 * MIB, "a lazy buffer was backed");
         assert!(after_real.saturating_sub(after_lazy) > 100 * MIB, "the resident buffer was not backed");
+        assert_eq!(lazy.blocks_allocated(), 0);
         drop((lazy, real));
+    }
+
+    #[test]
+    fn a_lazy_store_allocates_only_the_blocks_written() {
+        // 4 GiB of K and as much of V if it were allocated whole.
+        let geometry = KvGeometry { num_pages: 1 << 18, page_size: 16, kv_heads: 2, head_dim: 128 };
+        let backend = CpuBackend::new();
+        let mut kv = backend.alloc_kv(geometry).expect("kv");
+        assert_eq!(kv.blocks_allocated(), 0);
+        let n = 16 * 2 * 128;
+        let data: Vec<f32> = (0..2 * n).map(|i| i as f32).collect();
+        let far = PageId((1 << 18) - 1);
+        backend.write_kv_page(&mut kv, far, &data).expect("write");
+        assert_eq!(kv.blocks_allocated(), 1);
+        let mut out = Vec::new();
+        backend.read_kv_page(&kv, far, &mut out).expect("read");
+        assert_eq!(out, data);
+        // A page never written reads as zeros and allocates nothing.
+        backend.read_kv_page(&kv, PageId(0), &mut out).expect("read");
+        assert!(out.iter().all(|&x| x == 0.0) && out.len() == 2 * n);
+        assert_eq!(kv.blocks_allocated(), 1);
+        backend.copy_page(&mut kv, far, PageId(3));
+        backend.read_kv_page(&kv, PageId(3), &mut out).expect("read");
+        assert_eq!(out, data);
+        assert_eq!(kv.blocks_allocated(), 2);
+        assert!(backend.read_kv_page(&kv, PageId(1 << 18), &mut out).is_err());
     }
 }
 
