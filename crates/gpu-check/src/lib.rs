@@ -375,17 +375,20 @@ pub fn reference_cpu() -> CpuBackend {
 }
 
 /// [`reference_cpu`] rounding as a device does, the reference the device is
-/// compared with: matrices held in bf16 and K and V stored in bf16, as the
-/// CUDA backend keeps them (a mixture-of-experts router whose top experts
-/// nearly tie picks the experts the device picks: on the tiny Qwen3-MoE GGUF
-/// two of them are 1e-3 apart for one decoded token, and rounding its f16
-/// weights to bf16 swaps them), and the input of each matmul that `rounds`
-/// says the device computes from bf16 (its tensor-core GEMMs) rounded to bf16
-/// too (the tiny hybrid amplifies the rounding of its prefill GEMMs' inputs
-/// past [`TOL`] of exact f32, see the test below). Only a reference that
-/// rounds the same tells a wrong kernel from a rounded one.
+/// compared with: matrices held in bf16, as the CUDA backend keeps them (a
+/// mixture-of-experts router whose top experts nearly tie picks the experts
+/// the device picks: on the tiny Qwen3-MoE GGUF two of them are 1e-3 apart
+/// for one decoded token, and rounding its f16 weights to bf16 swaps them),
+/// and the input of each matmul that `rounds` says the device computes from
+/// bf16 (its tensor-core GEMMs) rounded to bf16 too (the tiny hybrid
+/// amplifies the rounding of its prefill GEMMs' inputs past [`TOL`] of exact
+/// f32, see the test below). Only a reference that rounds the same tells a
+/// wrong kernel from a rounded one. K and V are not rounded here
+/// ([`Bf16Rounding::kv`]): on the H200 (2026-12-01) a reference rounding
+/// every stored K and V put the hybrid's prompts fed in short chunks 6% away
+/// from the device, which agreed with exact f32 within 0.05% there.
 pub fn device_reference(rounds: InputRounding) -> CpuBackend {
-    reference_cpu().with_bf16_rounding(Bf16Rounding { weights: true, kv: true, inputs: Some(rounds) })
+    reference_cpu().with_bf16_rounding(Bf16Rounding { weights: true, kv: false, inputs: Some(rounds) })
 }
 
 /// SmolLM2-135M-Instruct answers the ChatML "capital of France" prompt with
