@@ -119,11 +119,7 @@ impl<B: Backend> Model<B> {
         page_size: usize,
         placement: &KvPlacement,
     ) -> Result<KvCache<B>, ModelError> {
-        match (self, placement) {
-            (Model::Llama(m), _) => m.kv_cache_at(backend, page_size, placement),
-            (Model::Qwen35(m), KvPlacement::Own { num_pages }) => m.kv_cache(backend, page_size, *num_pages),
-            (Model::Qwen35(m), KvPlacement::Arena(arena)) => m.kv_cache_in(backend, page_size, arena),
-        }
+        each!(self, m => m.kv_cache_at(backend, page_size, placement))
     }
 
     pub fn kv_geometry(&self, page_size: usize, num_pages: usize) -> KvGeometry {

@@ -324,19 +324,18 @@ impl<B: Backend> Model<B> {
         Ok(KvCache { geometry, layers })
     }
 
-    /// The KV cache in the pages of a card's KV arena (see
-    /// `llama::Model::kv_cache_in`).
-    pub fn kv_cache_in(
+    /// The KV cache of the full-attention layers where `placement` says: its
+    /// own buffers, or the pages of the card's KV arena (as
+    /// `llama::Model::kv_cache_at`).
+    pub fn kv_cache_at(
         &self,
         backend: &B,
         page_size: usize,
-        arena: &std::sync::Arc<corridor_vram::KvArena>,
+        placement: &corridor_backend::KvPlacement,
     ) -> Result<KvCache<B>, ModelError> {
-        let geometry = self.kv_geometry(page_size, arena.capacity().get());
-        match backend.kv_in_arena(arena, geometry, self.kv_layers())? {
-            Some(layers) => Ok(KvCache { geometry, layers }),
-            None => self.kv_cache(backend, page_size, geometry.num_pages),
-        }
+        let geometry = self.kv_geometry(page_size, placement.num_pages());
+        let layers = backend.alloc_kv_at(placement, geometry, self.kv_layers())?;
+        Ok(KvCache { geometry, layers })
     }
 
     /// Bytes of KV one token occupies (the full-attention layers only).
