@@ -240,6 +240,54 @@ pub struct GraphKey {
     pub logit_rows: usize,
 }
 
+/// The three graph calls [`run_captured`] drives, apart from the rest of a
+/// backend (every [`Backend`] has them), so the driving can be tested alone.
+pub trait GraphCapture {
+    fn replay(&self, key: GraphKey) -> Result<bool>;
+    fn begin_capture(&self, key: GraphKey) -> Result<bool>;
+    fn end_capture(&self, key: GraphKey) -> Result<()>;
+}
+
+impl<B: Backend + ?Sized> GraphCapture for B {
+    fn replay(&self, key: GraphKey) -> Result<bool> {
+        self.graph_replay(key)
+    }
+    fn begin_capture(&self, key: GraphKey) -> Result<bool> {
+        self.graph_capture_begin(key)
+    }
+    fn end_capture(&self, key: GraphKey) -> Result<()> {
+        self.graph_capture_end(key)
+    }
+}
+
+/// Run one step's device work, `ops`, replayed from a capture when `key`
+/// names one, else run (and captured under `key` when the backend captures):
+/// the one place that drives [`Backend::graph_replay`],
+/// [`Backend::graph_capture_begin`] and [`Backend::graph_capture_end`], so a
+/// model only says which of its steps may be captured (a key) and hands over
+/// the closure that runs them. The capture is ended even after a failed op,
+/// so the stream stays usable. Without a key, or on a backend that never
+/// captures, `ops` simply runs.
+pub fn run_captured<G: GraphCapture + ?Sized, E: From<BackendError>>(
+    b: &G,
+    key: Option<GraphKey>,
+    ops: impl FnOnce() -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let Some(k) = key else { return ops() };
+    if b.replay(k)? {
+        return Ok(());
+    }
+    let capturing = b.begin_capture(k)?;
+    let ran = ops();
+    if capturing {
+        let ended = b.end_capture(k);
+        ran?;
+        ended?;
+        return Ok(());
+    }
+    ran
+}
+
 /// One product of [`Backend::matmul_many`]: `out = x · wᵀ (+ bias)`.
 pub struct MatmulPart<'a, B: Backend + ?Sized> {
     pub w: &'a B::Weight,
@@ -663,5 +711,80 @@ pub trait Backend: Send + Sync + 'static {
     /// results are there as if the ops had run.
     fn graph_capture_end(&self, _key: GraphKey) -> Result<()> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod capture_tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    /// Records the graph calls; replays what was captured before.
+    #[derive(Default)]
+    struct Recorder {
+        calls: RefCell<Vec<&'static str>>,
+        captured: RefCell<Vec<GraphKey>>,
+        captures: bool,
+    }
+    impl GraphCapture for Recorder {
+        fn replay(&self, key: GraphKey) -> Result<bool> {
+            self.calls.borrow_mut().push("replay");
+            Ok(self.captured.borrow().contains(&key))
+        }
+        fn begin_capture(&self, _key: GraphKey) -> Result<bool> {
+            self.calls.borrow_mut().push("begin");
+            Ok(self.captures)
+        }
+        fn end_capture(&self, key: GraphKey) -> Result<()> {
+            self.calls.borrow_mut().push("end");
+            self.captured.borrow_mut().push(key);
+            Ok(())
+        }
+    }
+
+    const KEY: GraphKey = GraphKey { rows: 8, logit_rows: 8 };
+
+    fn step(
+        r: &Recorder,
+        key: Option<GraphKey>,
+        fail: bool,
+    ) -> (std::result::Result<(), BackendError>, bool) {
+        let mut ran = false;
+        let out = run_captured(r, key, || {
+            ran = true;
+            if fail {
+                Err(BackendError::Other("op failed".into()))
+            } else {
+                Ok(())
+            }
+        });
+        (out, ran)
+    }
+
+    #[test]
+    fn a_step_is_captured_once_then_replayed_without_running_its_ops() {
+        let r = Recorder { captures: true, ..Recorder::default() };
+        assert!(matches!(step(&r, Some(KEY), false), (Ok(()), true)));
+        assert_eq!(*r.calls.borrow(), ["replay", "begin", "end"]);
+        r.calls.borrow_mut().clear();
+        assert!(matches!(step(&r, Some(KEY), false), (Ok(()), false)), "a replayed step runs no ops");
+        assert_eq!(*r.calls.borrow(), ["replay"]);
+    }
+
+    #[test]
+    fn a_failed_op_still_ends_the_capture_and_reports_the_failure() {
+        let r = Recorder { captures: true, ..Recorder::default() };
+        let (out, ran) = step(&r, Some(KEY), true);
+        assert!(ran && out.is_err());
+        assert_eq!(*r.calls.borrow(), ["replay", "begin", "end"]);
+    }
+
+    #[test]
+    fn without_a_key_or_a_capturing_backend_the_ops_just_run() {
+        let r = Recorder::default();
+        assert!(matches!(step(&r, None, false), (Ok(()), true)));
+        assert!(r.calls.borrow().is_empty(), "no graph call without a key");
+        assert!(matches!(step(&r, Some(KEY), false), (Ok(()), true)));
+        assert_eq!(*r.calls.borrow(), ["replay", "begin"], "nothing to end when the backend did not capture");
     }
 }

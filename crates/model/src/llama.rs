@@ -457,25 +457,7 @@ impl<B: Backend> Model<B> {
             && self.embed_tokens.is_some()
             && (self.config.moe.is_none() || self.moe_on_device))
             .then_some(GraphKey { rows, logit_rows: rows });
-        let replayed = match key {
-            Some(k) => b.graph_replay(k)?,
-            None => false,
-        };
-        if !replayed {
-            let capturing = match key {
-                Some(k) => b.graph_capture_begin(k)?,
-                None => false,
-            };
-            let ran = self.run_ops(b, c, ws, kv, step);
-            if let (true, Some(k)) = (capturing, key) {
-                // End the capture even after a failed op, so the stream is usable again.
-                let ended = b.graph_capture_end(k);
-                ran?;
-                ended?;
-            } else {
-                ran?;
-            }
-        }
+        corridor_backend::run_captured(b, key, || self.run_ops(b, c, ws, kv, step))?;
         logits.clear();
         if self.head.is_none() {
             // A stage before the last hands every row on.
