@@ -36,70 +36,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// xorshift64*: deterministic inputs without a dependency.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545f4914f6cdd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    /// Roughly normal: the sum of four uniforms.
-    fn normal(&mut self) -> f32 {
-        (self.f() + self.f() + self.f() + self.f()) * 0.87
-    }
-}
-
-/// How a case's rows are filled.
-#[derive(Clone, Copy, Debug)]
-enum Rows {
-    /// A model-like row: logits spread over a few units, a few tokens well above.
-    Model,
-    /// Nearly flat: huge nucleus sets.
-    Flat,
-    /// Some NaN and +inf in every row.
-    Broken,
-    /// Every logit -inf.
-    Empty,
-}
-
-fn fill(rng: &mut Rng, vocab: usize, rows: Rows) -> Vec<f32> {
-    let mut row: Vec<f32> = match rows {
-        Rows::Flat => (0..vocab).map(|_| rng.f() * 0.3).collect(),
-        _ => (0..vocab).map(|_| rng.normal() * 2.5).collect(),
-    };
-    match rows {
-        Rows::Model => {
-            for _ in 0..1 + rng.below(6) {
-                let t = rng.below(vocab);
-                row[t] += 6.0 + rng.f().abs() * 8.0;
-            }
-            // Padded vocabulary slots.
-            for v in row.iter_mut().rev().take(vocab / 50) {
-                *v = f32::NEG_INFINITY;
-            }
-        }
-        Rows::Broken => {
-            for _ in 0..3 {
-                let t = rng.below(vocab);
-                row[t] = f32::NAN;
-            }
-            let t = rng.below(vocab);
-            row[t] = f32::INFINITY;
-        }
-        Rows::Empty => row.fill(f32::NEG_INFINITY),
-        Rows::Flat => {}
-    }
-    row
-}
+#[path = "../tests/sample_kernel/rows.rs"]
+mod rows;
+use rows::{fill, Rng, Rows};
 
 struct Case {
     name: &'static str,
