@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# CPU decode against llama.cpp on the same GGUF files, in one run: tokens/s at batch 1 and 8.
+#
+#   scripts/bench_cpu_peer.sh CORRIDOR LLAMA_BIN_DIR FILE.gguf [FILE.gguf ...]
+#
+# CORRIDOR: a release `corridor` binary. LLAMA_BIN_DIR: llama.cpp's CPU tools (llama-bench and
+# llama-batched-bench, built from the llama-cpp-python sdist: scripts/build_llama_cpp.sh, with
+# `--target llama-bench llama-batched-bench`). Both use 2 threads. For each file:
+#   batch 1: `corridor generate` (128 tokens, EOS ignored; its "decode" rate) against
+#            `llama-bench -p 0 -n 128` (tg128), 3 runs each;
+#   batch 8: `corridor serve --devices cpu` driven by `corridor bench` (8 requests at once, 128-token
+#            prompts, 128 generated; decode rate = 8 / ITL p50) against
+#            `llama-batched-bench -npp 128 -ntg 128 -npl 8` (its S_TG).
+# Run it on an otherwise idle machine: both programs' rates fall with any other load.
+set -uo pipefail
+bin=$1 lcpp=$2
+shift 2
+threads=${THREADS:-2}
+port=${PORT:-18093}
+for f in "$@"; do
+    name=$(basename "$f")
+    echo "=== $name"
+    rates=()
+    for run in 1 2 3; do
+        r=$("$bin" --log warn generate --model "$f" --prompt "Write a long story about a lighthouse keeper." \
+            --chat --max-tokens 128 --ignore-eos --threads "$threads" 2>&1 >/dev/null |
+            grep -oE "decode [0-9.]+ tok/s" | grep -oE "[0-9.]+")
+        rates+=("$r")
+    done
+    echo "corridor batch 1 decode tok/s: ${rates[*]}"
+    "$lcpp/llama-bench" -t "$threads" -m "$f" -p 0 -n 128 -r 3 2>/dev/null | grep -E "tg128" |
+        sed 's/^/llama.cpp batch 1: /'
+    "$bin" --log warn serve --model "$f" --devices cpu --threads "$threads" --port "$port" \
+        --host 127.0.0.1 > /tmp/bench_cpu_peer_serve.log 2>&1 &
+    pid=$!
+    for _ in $(seq 120); do curl -sf -m 2 "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+    served=$(curl -sf "http://127.0.0.1:$port/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
+    "$bin" bench --base-url "http://127.0.0.1:$port" --model "$served" --workload fixed --length-control on \
+        --no-progress --input-tokens 128 --output-tokens 128 --concurrency 8 --num-requests 16 \
+        --json /tmp/bench_cpu_peer.json > /tmp/bench_cpu_peer.txt 2>&1
+    kill -INT "$pid"; wait "$pid" 2>/dev/null
+    python3 - /tmp/bench_cpu_peer.json <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+p50 = r["itl_ms"]["p50"]
+print(f"corridor batch 8: ITL p50 {p50:.2f} ms -> {8000 / p50:.1f} tok/s decode "
+      f"({r['requests_completed']}/{r['requests_sent']} requests)")
+PY
+    if "$lcpp/llama-batched-bench" -m "$f" -t "$threads" -c 4096 -npp 128 -ntg 128 -npl 8 \
+        > /tmp/bench_cpu_peer_lbb.txt 2>&1; then
+        grep -E "^\|" /tmp/bench_cpu_peer_lbb.txt | tail -n 1 | sed 's/^/llama.cpp batch 8: /'
+    else
+        echo "llama.cpp batch 8: llama-batched-bench exited with status $? (see /tmp/bench_cpu_peer_lbb.txt)"
+    fi
+done
