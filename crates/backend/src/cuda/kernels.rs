@@ -129,8 +129,8 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
                 ])
             };
             let mut sets = Vec::with_capacity(BLOCK_GEMVS.len());
-            for (_, stem) in BLOCK_GEMVS {
-                sets.push(set(stem)?);
+            for d in BLOCK_GEMVS {
+                sets.push(set(&kernel_stem(d))?);
             }
             sets.try_into().map_err(|_| BackendError::Other("block GEMV kernel table".into()))?
         },
@@ -138,7 +138,8 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         gemv_any: f("gemv_any")?,
         mmq: {
             let mut sets = Vec::with_capacity(MMQ_FORMATS.len());
-            for (_, stem) in MMQ_FORMATS {
+            for d in MMQ_FORMATS {
+                let stem = kernel_stem(d);
                 sets.push([
                     f(&format!("mmq_{stem}_n1"))?,
                     f(&format!("mmq_{stem}_n2"))?,
@@ -211,42 +212,46 @@ pub(super) fn dtype_code(d: DType) -> i32 {
 }
 
 /// The block formats with a `gemv_bq_body` kernel set (kernels/gemv.cu), in
-/// the order of `Kernels::gemv_blocks`, with their kernel name stems.
-pub(super) const BLOCK_GEMVS: [(DType, &str); 9] = [
-    (DType::Q5_0, "q5_0"),
-    (DType::Q5_1, "q5_1"),
-    (DType::IQ4_NL, "iq4_nl"),
-    (DType::Q2_K, "q2_k"),
-    (DType::Q3_K, "q3_k"),
-    (DType::Q4_K, "q4_k"),
-    (DType::Q5_K, "q5_k"),
-    (DType::Q6_K, "q6_k"),
-    (DType::IQ4_XS, "iq4_xs"),
+/// the order of `Kernels::gemv_blocks`.
+pub(super) const BLOCK_GEMVS: [DType; 9] = [
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::IQ4_NL,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_XS,
 ];
 
 pub(super) fn block_gemv_index(d: DType) -> Option<usize> {
-    BLOCK_GEMVS.iter().position(|(t, _)| *t == d)
+    BLOCK_GEMVS.iter().position(|t| *t == d)
 }
 
-/// Every block format, with the name stem of its `mmq_*` kernels (kernels/mmq.cu),
-/// in the order of `Kernels::mmq`.
-pub(super) const MMQ_FORMATS: [(DType, &str); 12] = [
-    (DType::Q8_0, "q8_0"),
-    (DType::Q4_0, "q4_0"),
-    (DType::Q4_1, "q4_1"),
-    (DType::Q5_0, "q5_0"),
-    (DType::Q5_1, "q5_1"),
-    (DType::IQ4_NL, "iq4_nl"),
-    (DType::Q2_K, "q2_k"),
-    (DType::Q3_K, "q3_k"),
-    (DType::Q4_K, "q4_k"),
-    (DType::Q5_K, "q5_k"),
-    (DType::Q6_K, "q6_k"),
-    (DType::IQ4_XS, "iq4_xs"),
+/// Every block format with `mmq_*` kernels (kernels/mmq.cu), in the order of `Kernels::mmq`.
+pub(super) const MMQ_FORMATS: [DType; 12] = [
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::IQ4_NL,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_XS,
 ];
 
 pub(super) fn mmq_index(d: DType) -> Option<usize> {
-    MMQ_FORMATS.iter().position(|(t, _)| *t == d)
+    MMQ_FORMATS.iter().position(|t| *t == d)
+}
+
+/// A block format's name in kernel names (`gemv_q4_k_r1`, `mmq_q4_k_n8`): its lower-case type name.
+fn kernel_stem(d: DType) -> String {
+    d.to_string().to_lowercase()
 }
 
 /// One block per row with a thread per float4 of the row (kernels/elementwise.cu
