@@ -3,6 +3,8 @@
 # make_llama8b.py): each serves in turn and bench8b.sh measures decode at DECODE_BATCHES and
 # prefill at PREFILL_LENS; the tiny checkpoints go through the GPU check of the new build first.
 #   OUT=/tmp/ab A=.gpu/corridor-before B=.gpu/corridor scripts/gpu/binary_ab.sh
+# SIDES (default "A B") names the runs in order; each side X runs binary $X (default: $B) with
+# the serve flags in X_ARGS, e.g. SIDES="A B C" C_ARGS="--cuda-early-weights off".
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/ab}
@@ -12,10 +14,11 @@ B=${B:-.gpu/corridor}
 export DECODE_BATCHES=${DECODE_BATCHES:-1 32} PREFILL_LENS=${PREFILL_LENS:-2048}
 echo "=== tiny checkpoints, GPU against CPU (new build)"
 timeout 120 .gpu/corridor-gpu-check tests/fixtures/tiny 2>&1 | tail -n 14
-for side in A B; do
-    bin=${!side}
-    echo "=== $side: $bin"
-    CORRIDOR_BIN=$bin OUT="$out/$side" SKIP_LOGITS=1 SKIP_LATENCY=1 DEADLINE_S=${SIDE_DEADLINE_S:-210} \
+for side in ${SIDES:-A B}; do
+    bin=${!side:-$B}
+    args_var=${side}_ARGS
+    echo "=== $side: $bin ${!args_var:-}"
+    SERVE_ARGS=${!args_var:-} CORRIDOR_BIN=$bin OUT="$out/$side" SKIP_LOGITS=1 SKIP_LATENCY=1 DEADLINE_S=${SIDE_DEADLINE_S:-210} \
         scripts/gpu/bench8b.sh > "$out/$side.log" 2>&1
     echo "status $?"
     for f in "$out/$side"/decode_[0-9]*.json "$out/$side"/prefill_[0-9]*.json; do

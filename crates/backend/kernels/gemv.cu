@@ -82,11 +82,33 @@ __device__ __forceinline__ void gemv_finish(float (&acc)[R][NW], float* __restri
     }
 }
 
+// The U x NW weight chunks of one pass, from `base` (zeros past the row's end).
+template <int U, int NW>
+__device__ __forceinline__ void gemv_bf16_load(const uint4* const (&wr)[NW], int base, int chunks,
+                                               uint4 (&p)[U][NW]) {
+    const int step = GEMV_WARPS * 32;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        int c = base + u * step;
+#pragma unroll
+        for (int i = 0; i < NW; i++) {
+            if (c < chunks) p[u][i] = ld_stream(wr[i] + c);
+            else p[u][i].x = p[u][i].y = p[u][i].z = p[u][i].w = 0u;
+        }
+    }
+}
+
 // acc[r][i] = x[r] . (weight row behind wr[i]) over k (a multiple of 8), the
-// K range split between the block's warps.
+// K range split between the block's warps. Calls `pdl_enter` itself: with
+// `early`, after the first pass's weight loads are issued. Weights are
+// written by no kernel, so a kernel launched ahead of its time may read them
+// while the kernel before it still runs; the loads are then in flight by the
+// time the wait returns, instead of starting after it (every kernel of a
+// batch-1 decode step is short enough that this start-up is a visible part
+// of it). The arithmetic is the same either way.
 template <int R, int U, int NW>
 __device__ __forceinline__ void gemv_bf16_acc(const uint4* const (&wr)[NW], const float* __restrict__ x, int k,
-                                              int rows, float (&acc)[R][NW]) {
+                                              int rows, float (&acc)[R][NW], int early) {
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -94,17 +116,12 @@ __device__ __forceinline__ void gemv_bf16_acc(const uint4* const (&wr)[NW], cons
         for (int i = 0; i < NW; i++) acc[r][i] = 0.f;
     int chunks = k >> 3;
     const int step = GEMV_WARPS * 32;
-    for (int base = wid * 32 + lane; base < chunks; base += step * U) {
-        uint4 p[U][NW];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int c = base + u * step;
-#pragma unroll
-            for (int i = 0; i < NW; i++) {
-                if (c < chunks) p[u][i] = ld_stream(wr[i] + c);
-                else p[u][i].x = p[u][i].y = p[u][i].z = p[u][i].w = 0u;
-            }
-        }
+    int base = wid * 32 + lane;
+    uint4 p[U][NW];
+    if (!early) pdl_enter();
+    gemv_bf16_load<U, NW>(wr, base, chunks, p);
+    if (early) pdl_enter();
+    while (base < chunks) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = base + u * step;
@@ -120,6 +137,8 @@ __device__ __forceinline__ void gemv_bf16_acc(const uint4* const (&wr)[NW], cons
                 }
             }
         }
+        base += step * U;
+        if (base < chunks) gemv_bf16_load<U, NW>(wr, base, chunks, p);
     }
 }
 
@@ -133,8 +152,7 @@ __device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ w0, co
                                                float* __restrict__ o1, float* __restrict__ o2,
                                                const float* __restrict__ b0, const float* __restrict__ b1,
                                                const float* __restrict__ b2, int n0, int n1, int n2,
-                                               const float* __restrict__ x, int k, int rows) {
-    pdl_enter();
+                                               const float* __restrict__ x, int k, int rows, int early) {
     int blk = blockIdx.x;
     int nb0 = (n0 + NW - 1) / NW, nb1 = (n1 + NW - 1) / NW;
     const bf16_t* w = w0;
@@ -153,7 +171,7 @@ __device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ w0, co
 #pragma unroll
     for (int i = 0; i < NW; i++) wr[i] = (const uint4*)(w + (long long)imin(j0 + i, n - 1) * k);
     float acc[R][NW];
-    gemv_bf16_acc<R, U, NW>(wr, x, k, rows, acc);
+    gemv_bf16_acc<R, U, NW>(wr, x, k, rows, acc, early);
     gemv_finish<R, NW>(acc, out, bias, n, j0, rows);
 }
 
@@ -168,8 +186,8 @@ __device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ w0, co
         NAME(const bf16_t* __restrict__ w0, const bf16_t* __restrict__ w1, const bf16_t* __restrict__ w2,          \
              float* __restrict__ o0, float* __restrict__ o1, float* __restrict__ o2,                               \
              const float* __restrict__ b0, const float* __restrict__ b1, const float* __restrict__ b2, int n0,    \
-             int n1, int n2, const float* __restrict__ x, int k, int rows) {                                       \
-        gemv_bf16_body<R, U, NW>(w0, w1, w2, o0, o1, o2, b0, b1, b2, n0, n1, n2, x, k, rows);                     \
+             int n1, int n2, const float* __restrict__ x, int k, int rows, int early) {                            \
+        gemv_bf16_body<R, U, NW>(w0, w1, w2, o0, o1, o2, b0, b1, b2, n0, n1, n2, x, k, rows, early);              \
     }
 GEMV_BF16(gemv_bf16_r1, 1, 2, GEMV_NW, 8)
 GEMV_BF16(gemv_bf16_r2, 2, 4, GEMV_NW, 1)
@@ -184,8 +202,7 @@ GEMV_BF16(gemv_bf16_r8, 8, 2, GEMV_NW, 1)
 template <int R, int GLU_NW, int U>
 __device__ __forceinline__ void gemv_bf16_glu_body(const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu,
                                                    const float* __restrict__ x, float* __restrict__ out, int n,
-                                                   int k, int rows) {
-    pdl_enter();
+                                                   int k, int rows, int early) {
     __shared__ float red[GEMV_WARPS][R * 2 * GLU_NW];
     int j0 = blockIdx.x * GLU_NW;
     const uint4* wr[2 * GLU_NW];
@@ -196,7 +213,7 @@ __device__ __forceinline__ void gemv_bf16_glu_body(const bf16_t* __restrict__ wg
         wr[GLU_NW + i] = (const uint4*)(wu + row);
     }
     float acc[R][2 * GLU_NW];
-    gemv_bf16_acc<R, U, 2 * GLU_NW>(wr, x, k, rows, acc);
+    gemv_bf16_acc<R, U, 2 * GLU_NW>(wr, x, k, rows, acc, early);
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -227,8 +244,8 @@ __device__ __forceinline__ void gemv_bf16_glu_body(const bf16_t* __restrict__ wg
 #define GEMV_GLU(NAME, R, NW, U, MINB)                                                                             \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                            \
         NAME(const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, const float* __restrict__ x,            \
-             float* __restrict__ out, int n, int k, int rows) {                                                    \
-        gemv_bf16_glu_body<R, NW, U>(wg, wu, x, out, n, k, rows);                                                  \
+             float* __restrict__ out, int n, int k, int rows, int early) {                                         \
+        gemv_bf16_glu_body<R, NW, U>(wg, wu, x, out, n, k, rows, early);                                           \
     }
 GEMV_GLU(gemv_bf16_glu_r1, 1, 4, 1, 8)
 GEMV_GLU(gemv_bf16_glu_r2, 2, 4, 1, 1)
@@ -268,9 +285,24 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, u32& hi, u32& l
 }
 
 template <int U, int MT>
+__device__ __forceinline__ void gemv_tc_load(const uint4* const (&wr)[2 * MT], int sb0, int nsb,
+                                             uint4 (&p)[U][2 * MT]) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        int sb = sb0 + u * GEMVT_WARPS;
+#pragma unroll
+        for (int m = 0; m < 2 * MT; m++) {
+            if (sb < nsb) p[u][m] = ld_stream(wr[m] + 4 * sb);
+            else p[u][m].x = p[u][m].y = p[u][m].z = p[u][m].w = 0u;
+        }
+    }
+}
+
+// `early`: the first pass's weights are loaded before `pdl_enter`, as in
+// `gemv_bf16_acc`.
+template <int U, int MT>
 __device__ __forceinline__ void gemv_tc_body(const bf16_t* __restrict__ w, const float* __restrict__ x,
-                                             float* __restrict__ out, int n, int k, int rows) {
-    pdl_enter();
+                                             float* __restrict__ out, int n, int k, int rows, int early) {
     // MT tiles of 16 weight rows share every activation fragment.
     __shared__ float red[GEMVT_WARPS][16 * MT][8];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -286,17 +318,12 @@ __device__ __forceinline__ void gemv_tc_body(const bf16_t* __restrict__ w, const
 #pragma unroll
     for (int m = 0; m < MT; m++) c[m][0] = c[m][1] = c[m][2] = c[m][3] = 0.f;
     int nsb = k >> 5;
-    for (int sb0 = wid; sb0 < nsb; sb0 += GEMVT_WARPS * U) {
-        uint4 p[U][2 * MT];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int sb = sb0 + u * GEMVT_WARPS;
-#pragma unroll
-            for (int m = 0; m < 2 * MT; m++) {
-                if (sb < nsb) p[u][m] = ld_stream(wr[m] + 4 * sb);
-                else p[u][m].x = p[u][m].y = p[u][m].z = p[u][m].w = 0u;
-            }
-        }
+    int sb0 = wid;
+    uint4 p[U][2 * MT];
+    if (!early) pdl_enter();
+    gemv_tc_load<U, MT>(wr, sb0, nsb, p);
+    if (early) pdl_enter();
+    while (sb0 < nsb) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int sb = sb0 + u * GEMVT_WARPS;
@@ -322,6 +349,8 @@ __device__ __forceinline__ void gemv_tc_body(const bf16_t* __restrict__ w, const
                 }
             }
         }
+        sb0 += GEMVT_WARPS * U;
+        if (sb0 < nsb) gemv_tc_load<U, MT>(wr, sb0, nsb, p);
     }
     // c0, c1: weight row g, input rows 2t, 2t + 1; c2, c3: weight row g + 8.
 #pragma unroll
@@ -346,8 +375,8 @@ __device__ __forceinline__ void gemv_tc_body(const bf16_t* __restrict__ w, const
 #define GEMV_TC(NAME, U, MT)                                                                                       \
     extern "C" __global__ void __launch_bounds__(GEMVT_WARPS * 32)                                                 \
         NAME(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, int n, int k,      \
-             int rows) {                                                                                           \
-        gemv_tc_body<U, MT>(w, x, out, n, k, rows);                                                                \
+             int rows, int early) {                                                                                \
+        gemv_tc_body<U, MT>(w, x, out, n, k, rows, early);                                                         \
     }
 // One 16-row tile per block, 4 superblocks in flight per warp: measured
 // against 8 in flight and against two tiles per block (32 rows), this one was

@@ -8,7 +8,8 @@
 //   moe_sort    one block: the (row, slot) pairs grouped by expert (a count,
 //               an offset and a position per pair), the list of experts in
 //               use and the work tiles of the grouped GEMM;
-//               (moe_route_sort: both in one block, for decode's few rows)
+//               (moe_route_sort: both in one block, for decode's few rows;
+//               moe_router_route: the router matmul too, for 1-2 rows)
 //   gate/up     per chosen expert, silu(gate x) * up x for each of its pairs;
 //   down        per chosen expert, down · act for each of its pairs;
 //   moe_combine per row, the weighted sum of its pairs' outputs in slot order
@@ -191,14 +192,27 @@ extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restric
     moe_sort_body(ids, P, E, pos_of_pair, pair_of_pos, n_active, active, n_tiles, tiles);
 }
 
-// Routing and grouping in one launch, for decode's few rows: the block's 32
-// warps route the rows, then it groups the pairs. Grid: one block of 1024.
-extern "C" __global__ void __launch_bounds__(1024)
-    moe_route_sort(const float* __restrict__ logits, int rows, int E, int k, int norm, int* __restrict__ ids,
-                   float* __restrict__ wts, int* __restrict__ pos_of_pair, int* __restrict__ pair_of_pos,
-                   int* __restrict__ n_active, int* __restrict__ active, int* __restrict__ n_tiles,
-                   int* __restrict__ tiles) {
-    pdl_enter();
+__device__ __forceinline__ void moe_unpack8(uint4 v, float (&f)[8]) {
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ float moe_dot8(const float (&w)[8], const float* x) {
+    float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
+    return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+}
+
+// Routing and grouping of `rows` rows by one block of 1024 threads (its 32
+// warps route the rows, then it groups the pairs).
+__device__ __forceinline__ void moe_route_sort_body(const float* logits, int rows, int E, int k, int norm,
+                                                    int* __restrict__ ids, float* __restrict__ wts,
+                                                    int* __restrict__ pos_of_pair, int* __restrict__ pair_of_pos,
+                                                    int* __restrict__ n_active, int* __restrict__ active,
+                                                    int* __restrict__ n_tiles, int* __restrict__ tiles) {
     if (rows == 1) {
         // One row's k experts are distinct: pair s is expert ids[s] alone,
         // at position s, so the first warp groups them without the sort.
@@ -220,18 +234,93 @@ extern "C" __global__ void __launch_bounds__(1024)
     moe_sort_body(ids, rows * k, E, pos_of_pair, pair_of_pos, n_active, active, n_tiles, tiles);
 }
 
-__device__ __forceinline__ void moe_unpack8(uint4 v, float (&f)[8]) {
-    u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
+// Routing and grouping in one launch, for decode's few rows.
+// Grid: one block of 1024.
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_route_sort(const float* __restrict__ logits, int rows, int E, int k, int norm, int* __restrict__ ids,
+                   float* __restrict__ wts, int* __restrict__ pos_of_pair, int* __restrict__ pair_of_pos,
+                   int* __restrict__ n_active, int* __restrict__ active, int* __restrict__ n_tiles,
+                   int* __restrict__ tiles) {
+    pdl_enter();
+    moe_route_sort_body(logits, rows, E, k, norm, ids, wts, pos_of_pair, pair_of_pos, n_active, active, n_tiles,
+                        tiles);
 }
 
-__device__ __forceinline__ float moe_dot8(const float (&w)[8], const float* x) {
-    float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
-    return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+#define MOE_ROUTER_ROWS 2     // token rows moe_router_route takes (MOE_ROUTER_ROWS in moe.rs)
+#define MOE_ROUTER_AHEAD 8    // 16-byte router loads a lane issues per pass
+#define MOE_ROUTER_MAX_E 1024 // experts whose logits the last block stages in shared memory
+
+// The router matmul, the routing and the grouping of 1..MOE_ROUTER_ROWS rows
+// in one launch, for decode: warp w of block b computes expert 32 b + w's
+// logit of every row from its bf16 router row (with `early`, the first pass
+// of that row is loaded before the wait, as the GEMVs do: the router's
+// weights are written by no kernel), writes the logits, and the last block to
+// finish (a counter in `done`, which it sets back to zero for the next
+// launch) routes and groups them as moe_route_sort does. The logits are the
+// f32 sums over 8-weight chunks in the order the per-row GEMV takes them
+// only up to reassociation, so near-ties between experts may break
+// differently from the unfused router; the routing rule itself is the same.
+// Grid: ceil(E / 32) blocks of 1024 threads.
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_router_route(const bf16_t* __restrict__ rw, const float* __restrict__ x, int hidden,
+                     float* __restrict__ logits, int rows, int E, int k, int norm, int* __restrict__ done,
+                     int early, int* __restrict__ ids, float* __restrict__ wts, int* __restrict__ pos_of_pair,
+                     int* __restrict__ pair_of_pos, int* __restrict__ n_active, int* __restrict__ active,
+                     int* __restrict__ n_tiles, int* __restrict__ tiles) {
+    __shared__ float staged[MOE_ROUTER_ROWS * MOE_ROUTER_MAX_E];
+    __shared__ int last;
+    int lane = threadIdx.x & 31;
+    int e = blockIdx.x * 32 + (threadIdx.x >> 5);
+    const uint4* wr = (const uint4*)(rw + (long long)imin(e, E - 1) * hidden);
+    int chunks = hidden >> 3;
+    uint4 p[MOE_ROUTER_AHEAD];
+    auto load = [&](int base) {
+#pragma unroll
+        for (int u = 0; u < MOE_ROUTER_AHEAD; u++) {
+            int c = base + lane + 32 * u;
+            if (c < chunks) p[u] = *(const uint4*)(wr + c);
+            else p[u].x = p[u].y = p[u].z = p[u].w = 0u;
+        }
+    };
+    if (!early) pdl_enter();
+    load(0);
+    if (early) pdl_enter();
+    float acc[MOE_ROUTER_ROWS];
+#pragma unroll
+    for (int r = 0; r < MOE_ROUTER_ROWS; r++) acc[r] = 0.f;
+    for (int base = 0; base < chunks; base += 32 * MOE_ROUTER_AHEAD) {
+#pragma unroll
+        for (int u = 0; u < MOE_ROUTER_AHEAD; u++) {
+            int c = base + lane + 32 * u;
+            if (c < chunks) {
+                float wv[8];
+                moe_unpack8(p[u], wv);
+#pragma unroll
+                for (int r = 0; r < MOE_ROUTER_ROWS; r++)
+                    if (r < rows) acc[r] += moe_dot8(wv, x + (long long)r * hidden + 8 * c);
+            }
+        }
+        if (base + 32 * MOE_ROUTER_AHEAD < chunks) load(base + 32 * MOE_ROUTER_AHEAD);
+    }
+#pragma unroll
+    for (int r = 0; r < MOE_ROUTER_ROWS; r++) {
+        if (r < rows) {
+            float v = warp_sum(acc[r]);
+            if (lane == 0 && e < E) logits[(long long)r * E + e] = v;
+        }
+    }
+    // The last block to arrive sees every block's logits.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < rows * E; i += blockDim.x) staged[i] = __ldcg(logits + i);
+    if (threadIdx.x == 0) *done = 0;
+    __syncthreads();
+    moe_route_sort_body(staged, rows, E, k, norm, ids, wts, pos_of_pair, pair_of_pos, n_active, active, n_tiles,
+                        tiles);
 }
 
 // NP pairs of one expert through gate row g and up row u (a warp):
@@ -371,16 +460,36 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32)
 // out[r][i] = sum over slots s of w[r k + s] * (down_{e_s}[i] · act[pos of (r, s)]),
 // in slot order and with the same dot products as moe_gemv_down, so the
 // sums are those of moe_gemv_down + moe_combine, in the same order.
+//
+// `early` (set only when this kernel is launched ahead of its time, right
+// behind the gate/up GEMV): the first 16 bytes of the first four slots' down
+// rows are loaded before the wait, overlapping the gate/up kernel's tail.
+// That reads `ids`, written by the routing two kernels ahead, which has
+// finished by then: this kernel can only start once every block of the
+// gate/up kernel has passed its own wait (`pdl_enter` releases after it),
+// and that wait returns only when the routing has finished and its writes
+// are visible. The weights are written by no kernel. The arithmetic is the
+// same either way.
 // Grid: (ceil(hidden / MOE_GEMV_WARPS), rows).
 extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32)
     moe_gemv_down_combine(const u64* __restrict__ table, int dt, long long rb, const float* __restrict__ act,
                           int ef, int hidden, int k, const int* __restrict__ ids, const float* __restrict__ wts,
-                          const int* __restrict__ pos_of_pair, float* __restrict__ out) {
-    pdl_enter();
+                          const int* __restrict__ pos_of_pair, float* __restrict__ out, int early) {
     int r = blockIdx.y, lane = threadIdx.x & 31;
     int i = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
-    if (i >= hidden) return;
     bool vec = dt == DT_BF16 && (ef & 7) == 0;
+    bool pre = early && vec && i < hidden && lane * 8 < ef;
+    uint4 first[4];
+    if (pre) {
+        int n = imin(4, k);
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const u8* w = (const u8*)table[3 * ids[r * k + imin(q, n - 1)] + 2] + (long long)i * rb;
+            first[q] = *(const uint4*)(w + 16 * lane);
+        }
+    }
+    pdl_enter();
+    if (i >= hidden) return;
     float acc = 0.f;
     // Four slots at a time, their loads interleaved so that they are in
     // flight together (a slot past k repeats the last one, unused).
@@ -398,10 +507,11 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32)
         if (vec) {
 #pragma unroll 2
             for (int c = lane * 8; c < ef; c += 256) {
+                bool held = pre && s0 == 0 && c == lane * 8;
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
                     float wv[8];
-                    moe_unpack8(*(const uint4*)(w[q] + 2 * c), wv);
+                    moe_unpack8(held ? first[q] : *(const uint4*)(w[q] + 2 * c), wv);
                     d[q] += moe_dot8(wv, ar[q] + c);
                 }
             }
@@ -417,222 +527,4 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32)
         }
     }
     if (lane == 0) out[(long long)r * hidden + i] = acc;
-}
-
-// out[r][i] = sum over the row's slots s of w[r k + s] * ys[pos of (r, s)][i].
-// Grid: rows blocks of 256 threads.
-extern "C" __global__ void moe_combine(const float* __restrict__ ys, const float* __restrict__ wts,
-                                       const int* __restrict__ pos_of_pair, int k, int hidden,
-                                       float* __restrict__ out) {
-    pdl_enter();
-    int r = blockIdx.x;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        float acc = 0.f;
-        for (int s = 0; s < k; s++) {
-            int p = r * k + s;
-            acc += wts[p] * ys[(long long)pos_of_pair[p] * hidden + i];
-        }
-        out[(long long)r * hidden + i] = acc;
-    }
-}
-
-__device__ __forceinline__ void moe_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 moe_pack2(float a, float b) {
-    return (u32)f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
-}
-
-// Eight weights of row `row` (K columns) from column k0 as bf16, zeros past K.
-__device__ __forceinline__ uint4 moe_load_b8(const u8* row, int dt, int K, int k0, bool vec) {
-    if (vec && k0 + 8 <= K) return *(const uint4*)(row + 2 * k0);
-    float f[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) f[i] = k0 + i < K ? load_elem(row, dt, k0 + i) : 0.f;
-    return make_uint4(moe_pack2(f[0], f[1]), moe_pack2(f[2], f[3]), moe_pack2(f[4], f[5]), moe_pack2(f[6], f[7]));
-}
-
-// The grouped GEMM: block (x, t) computes outputs x*MOE_BN.. of tile t (up
-// to MOE_BM pairs of one expert). 4 warps in 2 x 2, each 32 pairs x 32
-// outputs as 2 x 4 mma.m16n8k16 tiles, f32 accumulators.
-// GLU: A = the pairs' input rows (f32 x, gathered by row, rounded to bf16),
-//      B = gate and up; writes act[pos][n] = bf16(silu(gate) * up).
-// !GLU: A = act rows (bf16, by position), B = down; writes ys[pos][n] (f32).
-template <bool GLU>
-__device__ __forceinline__ void moe_gemm_body(const u64* __restrict__ table, int dt, long long rb,
-                                              const float* __restrict__ xf, const bf16_t* __restrict__ xb, int K,
-                                              int N, int k_top, const int* __restrict__ pair_of_pos,
-                                              const int* __restrict__ n_tiles, const int* __restrict__ tiles,
-                                              bf16_t* __restrict__ act, float* __restrict__ ys) {
-    __shared__ __align__(16) bf16_t As[MOE_BM * MOE_LDS];
-    __shared__ __align__(16) bf16_t Bs[(GLU ? 2 : 1) * MOE_BN * MOE_LDS];
-    pdl_enter();
-    int t = blockIdx.y;
-    if (t >= *n_tiles) return;
-    int e = tiles[3 * t], p0 = tiles[3 * t + 1], p1 = tiles[3 * t + 2];
-    int n0 = blockIdx.x * MOE_BN;
-    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-    int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
-    const u8* w0 = (const u8*)table[3 * e + (GLU ? 0 : 2)];
-    const u8* w1 = (const u8*)table[3 * e + 1];
-    bool vec_b = dt == DT_BF16 && (K & 7) == 0;
-    float c0[2][4][4], c1[2][4][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-        for (int ni = 0; ni < 4; ni++)
-#pragma unroll
-            for (int v = 0; v < 4; v++) {
-                c0[mi][ni][v] = 0.f;
-                c1[mi][ni][v] = 0.f;
-            }
-    // The tile of step k0 + MOE_BK is loaded into registers while step k0
-    // computes from shared memory, so the global loads overlap the mma work.
-    // GLU A: 64 rows x 32 f32, four groups of 4 per thread; !GLU A: 64 rows
-    // x 32 bf16, two groups of 8; B: 64 rows x 32 bf16, two groups of 8 per
-    // matrix.
-    uint2 a4[4];
-    uint4 a8[2], b8[2][2];
-    auto load = [&](int k0) {
-        if (GLU) {
-#pragma unroll
-            for (int it = 0; it < 4; it++) {
-                int idx = tid + it * 128, r = idx >> 3, c = (idx & 7) * 4, p = p0 + r;
-                float v[4] = {0.f, 0.f, 0.f, 0.f};
-                if (p < p1) {
-                    const float* src = xf + (long long)(pair_of_pos[p] / k_top) * K + k0 + c;
-                    if ((K & 3) == 0 && k0 + c + 4 <= K) {
-                        float4 f = *(const float4*)src;
-                        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-                    } else {
-#pragma unroll
-                        for (int i = 0; i < 4; i++) v[i] = k0 + c + i < K ? src[i] : 0.f;
-                    }
-                }
-                a4[it] = make_uint2(moe_pack2(v[0], v[1]), moe_pack2(v[2], v[3]));
-            }
-        } else {
-#pragma unroll
-            for (int it = 0; it < 2; it++) {
-                int idx = tid + it * 128, r = idx >> 2, c = (idx & 3) * 8, p = p0 + r;
-                uint4 v = make_uint4(0, 0, 0, 0);
-                if (p < p1) {
-                    const bf16_t* src = xb + (long long)p * K + k0 + c;
-                    if ((K & 7) == 0 && k0 + c + 8 <= K) {
-                        v = *(const uint4*)src;
-                    } else {
-                        u32 h[4];
-#pragma unroll
-                        for (int i = 0; i < 4; i++) {
-                            u32 lo = k0 + c + 2 * i < K ? src[2 * i] : 0, hi = k0 + c + 2 * i + 1 < K ? src[2 * i + 1] : 0;
-                            h[i] = lo | (hi << 16);
-                        }
-                        v = make_uint4(h[0], h[1], h[2], h[3]);
-                    }
-                }
-                a8[it] = v;
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < (GLU ? 2 : 1); m++) {
-            const u8* w = m ? w1 : w0;
-#pragma unroll
-            for (int it = 0; it < 2; it++) {
-                int idx = tid + it * 128, r = idx >> 2, c = (idx & 3) * 8, n = n0 + r;
-                uint4 v = make_uint4(0, 0, 0, 0);
-                if (n < N) v = moe_load_b8(w + (long long)n * rb, dt, K, k0 + c, vec_b);
-                b8[m][it] = v;
-            }
-        }
-    };
-    load(0);
-    for (int k0 = 0; k0 < K; k0 += MOE_BK) {
-        __syncthreads(); // every warp is done with the previous tile
-        if (GLU) {
-#pragma unroll
-            for (int it = 0; it < 4; it++) {
-                int idx = tid + it * 128;
-                *(uint2*)&As[(idx >> 3) * MOE_LDS + (idx & 7) * 4] = a4[it];
-            }
-        } else {
-#pragma unroll
-            for (int it = 0; it < 2; it++) {
-                int idx = tid + it * 128;
-                *(uint4*)&As[(idx >> 2) * MOE_LDS + (idx & 3) * 8] = a8[it];
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < (GLU ? 2 : 1); m++)
-#pragma unroll
-            for (int it = 0; it < 2; it++) {
-                int idx = tid + it * 128;
-                *(uint4*)&Bs[m * MOE_BN * MOE_LDS + (idx >> 2) * MOE_LDS + (idx & 3) * 8] = b8[m][it];
-            }
-        __syncthreads();
-        if (k0 + MOE_BK < K) load(k0 + MOE_BK);
-#pragma unroll
-        for (int kk = 0; kk < MOE_BK; kk += 16) {
-            u32 a[2][4];
-#pragma unroll
-            for (int mi = 0; mi < 2; mi++) {
-                const bf16_t* ap = As + (wm + mi * 16 + g) * MOE_LDS + kk + tq * 2;
-                a[mi][0] = *(const u32*)ap;
-                a[mi][1] = *(const u32*)(ap + 8 * MOE_LDS);
-                a[mi][2] = *(const u32*)(ap + 8);
-                a[mi][3] = *(const u32*)(ap + 8 * MOE_LDS + 8);
-            }
-#pragma unroll
-            for (int ni = 0; ni < 4; ni++) {
-                const bf16_t* bp = Bs + (wn + ni * 8 + g) * MOE_LDS + kk + tq * 2;
-                u32 b0 = *(const u32*)bp, b1 = *(const u32*)(bp + 8);
-#pragma unroll
-                for (int mi = 0; mi < 2; mi++) moe_mma(c0[mi][ni], a[mi], b0, b1);
-                if (GLU) {
-                    const bf16_t* bq = bp + MOE_BN * MOE_LDS;
-                    u32 q0 = *(const u32*)bq, q1 = *(const u32*)(bq + 8);
-#pragma unroll
-                    for (int mi = 0; mi < 2; mi++) moe_mma(c1[mi][ni], a[mi], q0, q1);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-        for (int ni = 0; ni < 4; ni++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                int p = p0 + wm + mi * 16 + g + h * 8;
-                if (p >= p1) continue;
-#pragma unroll
-                for (int c2 = 0; c2 < 2; c2++) {
-                    int n = n0 + wn + ni * 8 + tq * 2 + c2;
-                    if (n >= N) continue;
-                    float v = c0[mi][ni][h * 2 + c2];
-                    if (GLU)
-                        act[(long long)p * N + n] = f32_to_bf16(moe_silu(v) * c1[mi][ni][h * 2 + c2]);
-                    else
-                        ys[(long long)p * N + n] = v;
-                }
-            }
-}
-
-// Grid: (ceil(ef / MOE_BN), tile slots); K = hidden, N = ef.
-extern "C" __global__ void __launch_bounds__(128)
-    moe_gemm_gate_up(const u64* __restrict__ table, int dt, long long rb, const float* __restrict__ x, int hidden,
-                     int ef, int k, const int* __restrict__ pair_of_pos, const int* __restrict__ n_tiles,
-                     const int* __restrict__ tiles, bf16_t* __restrict__ act) {
-    moe_gemm_body<true>(table, dt, rb, x, nullptr, hidden, ef, k, pair_of_pos, n_tiles, tiles, act, nullptr);
-}
-
-// Grid: (ceil(hidden / MOE_BN), tile slots); K = ef, N = hidden.
-extern "C" __global__ void __launch_bounds__(128)
-    moe_gemm_down(const u64* __restrict__ table, int dt, long long rb, const bf16_t* __restrict__ act, int ef,
-                  int hidden, const int* __restrict__ n_tiles, const int* __restrict__ tiles,
-                  float* __restrict__ ys) {
-    moe_gemm_body<false>(table, dt, rb, nullptr, act, ef, hidden, 1, nullptr, n_tiles, tiles, nullptr, ys);
 }

@@ -15,6 +15,11 @@ pub struct CudaTuning {
     /// kernel may start while the one ahead of it finishes, and waits for it
     /// on the device (`--cuda-pdl off`, `CORRIDOR_PDL=0`).
     pub pdl: bool,
+    /// A bf16 GEMV launched ahead of its time (with `pdl`) loads its first
+    /// weights before it waits for the kernel ahead, so those loads overlap
+    /// that kernel's tail (`--cuda-early-weights off`,
+    /// `CORRIDOR_EARLY_WEIGHTS=0`; the results are the same either way).
+    pub early_weights: bool,
     /// One launch for a layer's q/k/v GEMVs, for gate/up and SiLU, and for
     /// RoPE and the KV store, where the shapes allow (`--cuda-fuse off`,
     /// `CORRIDOR_FUSE=0`).
@@ -34,6 +39,13 @@ pub struct CudaTuning {
 
 impl Default for CudaTuning {
     fn default() -> Self {
-        CudaTuning { pdl: true, fuse: true, lane_attention: true, profile_every: None, nccl_graphs: true }
+        CudaTuning {
+            pdl: true,
+            early_weights: true,
+            fuse: true,
+            lane_attention: true,
+            profile_every: None,
+            nccl_graphs: true,
+        }
     }
 }

@@ -32,6 +32,10 @@ pub struct CudaFlags {
     /// of it finishes and waits for it on the device.
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_PDL", value_name = "on|off")]
     cuda_pdl: Switch,
+    /// With --cuda-pdl, a bf16 GEMV started ahead of its time loads its first weights before it
+    /// waits for the kernel ahead, overlapping that kernel's tail (the results are the same).
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_EARLY_WEIGHTS", value_name = "on|off")]
+    cuda_early_weights: Switch,
     /// One launch for a layer's q/k/v GEMVs, for gate/up and SiLU, and for RoPE and the KV store,
     /// where the shapes allow.
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_FUSE", value_name = "on|off")]
@@ -54,6 +58,7 @@ impl CudaFlags {
     pub fn tuning(&self) -> CudaTuning {
         CudaTuning {
             pdl: self.cuda_pdl.on(),
+            early_weights: self.cuda_early_weights.on(),
             fuse: self.cuda_fuse.on(),
             lane_attention: self.cuda_attn_lanes.on(),
             profile_every: self.cuda_profile,
@@ -102,6 +107,7 @@ mod tests {
     fn each_flag_reaches_its_field() {
         let d = CudaTuning::default();
         assert_eq!(parse(&["--cuda-pdl", "off"]), CudaTuning { pdl: false, ..d });
+        assert_eq!(parse(&["--cuda-early-weights", "off"]), CudaTuning { early_weights: false, ..d });
         assert_eq!(parse(&["--cuda-fuse", "0"]), CudaTuning { fuse: false, ..d });
         assert_eq!(parse(&["--cuda-attn-lanes", "false"]), CudaTuning { lane_attention: false, ..d });
         assert_eq!(parse(&["--cuda-profile", "100"]), CudaTuning { profile_every: Some(100), ..d });

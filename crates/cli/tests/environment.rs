@@ -102,6 +102,7 @@ fn the_scan_finds_a_planted_read() {
 fn a_switch_in_the_environment_is_parsed_as_its_flag() {
     for (var, flag) in [
         ("CORRIDOR_PDL", "--cuda-pdl"),
+        ("CORRIDOR_EARLY_WEIGHTS", "--cuda-early-weights"),
         ("CORRIDOR_FUSE", "--cuda-fuse"),
         ("CORRIDOR_ATTN_LANES", "--cuda-attn-lanes"),
         ("CORRIDOR_CUDA_PROFILE", "--cuda-profile"),

@@ -1885,7 +1885,7 @@ pub fn moe_checks(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
             &[1.0],
             EXACT,
         );
-        for rows in [1usize, 3, 8, 64, 300] {
+        for rows in [1usize, 2, 3, 8, 64, 300] {
             let xs = moe_input(&mut rng, rows, dims.0, 0);
             let r = moe_case(be, &cpu, rep, &l, &xs, rows, &name);
             rep.refused(&format!("moe_ffn {name} {rows} rows"), r);

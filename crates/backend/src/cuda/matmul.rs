@@ -282,9 +282,16 @@ impl CudaBackend {
     pub(super) fn gemv_tc(&self, x: &CudaAct, w: &CudaWeight, rows: usize, out: &CudaAct) -> Result<()> {
         let (n, k) = (w.rows, w.cols);
         let dims = LaunchDims { grid: (n.div_ceil(16) as u32, 1, 1), block: 32 * GEMV_TC_WARPS };
-        let a =
-            Args::new().ptr(w.ptr()).ptr(x.ptr()).ptr(out.ptr()).i32(n as i32).i32(k as i32).i32(rows as i32);
+        let a = Args::new().ptr(w.ptr()).ptr(x.ptr()).ptr(out.ptr()).i32(n as i32).i32(k as i32);
+        let a = a.i32(rows as i32).i32(self.early_weights());
         unsafe { self.launch(self.k.gemv_bf16_tc, dims, a) }
+    }
+
+    /// The `early` argument of the bf16 GEMVs: 1 when a kernel launched ahead
+    /// of its time (programmatic dependent launch) issues its first weight
+    /// loads before it waits for the kernel ahead (`CudaTuning::early_weights`).
+    fn early_weights(&self) -> i32 {
+        i32::from(self.pdl && self.config.tuning.early_weights)
     }
 
     /// Decode rows (at most `GEMV_MAX_ROWS`): the GEMV kernels read each weight byte once.
@@ -358,7 +365,7 @@ impl CudaBackend {
         for n in n {
             a = a.i32(n as i32);
         }
-        let a = a.ptr(x.ptr()).i32(x.cols as i32).i32(rows as i32);
+        let a = a.ptr(x.ptr()).i32(x.cols as i32).i32(rows as i32).i32(self.early_weights());
         unsafe { self.launch(self.k.gemv_bf16[inst], dims, a) }
     }
 
@@ -527,7 +534,8 @@ impl CudaBackend {
                 .ptr(out.ptr())
                 .i32(n as i32)
                 .i32(x.cols as i32)
-                .i32(rows as i32);
+                .i32(rows as i32)
+                .i32(self.early_weights());
             unsafe { self.launch(self.k.gemv_bf16_glu[rows - 1], dims, a) }
         })
     }
