@@ -5,8 +5,11 @@
     python3 scripts/check_kernels.py [ARCH ...]   (default: every architecture in ARCHS)
 
 The sources are read in the order crates/backend/src/cuda/nvrtc.rs includes them and compiled with
-its options. Fails on any compile error; prints how many kernels each architecture got and any
-that spill registers (the decode GEMVs are tuned to fit their register budget).
+its options. Fails on any compile error, and on any kernel the backend's table asks for
+(crates/backend/src/cuda/kernels.rs: each `f("name")`, and each `format!` pattern of names) that
+the sources do not define, which the driver would only report at start-up on a GPU; prints how many
+kernels each architecture got and any that spill registers (the decode GEMVs are tuned to fit their
+register budget).
 """
 import ctypes
 import glob
@@ -37,6 +40,24 @@ def sources():
     if not names:
         sys.exit("no kernel sources listed in nvrtc.rs")
     return names, "".join(open(os.path.join(ROOT, "crates/backend/kernels", n)).read() for n in names)
+
+
+def wanted():
+    """The kernel names kernels.rs loads: literal names, and `format!` patterns as regexes."""
+    rs = open(os.path.join(ROOT, "crates/backend/src/cuda/kernels.rs")).read()
+    literal = set(re.findall(r'\bf\("([A-Za-z0-9_]+)"\)', rs))
+    patterns = set()
+    for fmt in re.findall(r'f\(&format!\("([^"]+)"', rs):
+        patterns.add("^" + re.sub(r"\\\{[^}]*\\\}", "[a-z0-9_]+", re.escape(fmt)) + "$")
+    return literal, patterns
+
+
+def missing(kernels):
+    literal, patterns = wanted()
+    have = set(kernels)
+    gone = sorted(literal - have)
+    gone += [p for p in sorted(patterns) if not any(re.match(p, k) for k in have)]
+    return gone
 
 
 def compile_for(lib, src, arch):
@@ -76,6 +97,9 @@ def main():
         if rc != 0:
             failed = True
             print(f"FAIL {arch}: compile error\n" + "\n".join(l for l in log.splitlines() if "ptxas" not in l))
+        elif missing(kernels):
+            failed = True
+            print(f"FAIL {arch}: the backend loads kernels the sources do not define: {', '.join(missing(kernels))}")
         else:
             print(f"ok {arch}: {len(kernels)} kernels" + (f" (spills: {', '.join(spills)})" if spills else ""))
     sys.exit(1 if failed else 0)

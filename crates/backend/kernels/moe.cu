@@ -528,3 +528,221 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32)
     }
     if (lane == 0) out[(long long)r * hidden + i] = acc;
 }
+
+// out[r][i] = sum over the row's slots s of w[r k + s] * ys[pos of (r, s)][i].
+// Grid: rows blocks of 256 threads.
+extern "C" __global__ void moe_combine(const float* __restrict__ ys, const float* __restrict__ wts,
+                                       const int* __restrict__ pos_of_pair, int k, int hidden,
+                                       float* __restrict__ out) {
+    pdl_enter();
+    int r = blockIdx.x;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float acc = 0.f;
+        for (int s = 0; s < k; s++) {
+            int p = r * k + s;
+            acc += wts[p] * ys[(long long)pos_of_pair[p] * hidden + i];
+        }
+        out[(long long)r * hidden + i] = acc;
+    }
+}
+
+__device__ __forceinline__ void moe_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 moe_pack2(float a, float b) {
+    return (u32)f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
+}
+
+// Eight weights of row `row` (K columns) from column k0 as bf16, zeros past K.
+__device__ __forceinline__ uint4 moe_load_b8(const u8* row, int dt, int K, int k0, bool vec) {
+    if (vec && k0 + 8 <= K) return *(const uint4*)(row + 2 * k0);
+    float f[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) f[i] = k0 + i < K ? load_elem(row, dt, k0 + i) : 0.f;
+    return make_uint4(moe_pack2(f[0], f[1]), moe_pack2(f[2], f[3]), moe_pack2(f[4], f[5]), moe_pack2(f[6], f[7]));
+}
+
+// The grouped GEMM: block (x, t) computes outputs x*MOE_BN.. of tile t (up
+// to MOE_BM pairs of one expert). 4 warps in 2 x 2, each 32 pairs x 32
+// outputs as 2 x 4 mma.m16n8k16 tiles, f32 accumulators.
+// GLU: A = the pairs' input rows (f32 x, gathered by row, rounded to bf16),
+//      B = gate and up; writes act[pos][n] = bf16(silu(gate) * up).
+// !GLU: A = act rows (bf16, by position), B = down; writes ys[pos][n] (f32).
+template <bool GLU>
+__device__ __forceinline__ void moe_gemm_body(const u64* __restrict__ table, int dt, long long rb,
+                                              const float* __restrict__ xf, const bf16_t* __restrict__ xb, int K,
+                                              int N, int k_top, const int* __restrict__ pair_of_pos,
+                                              const int* __restrict__ n_tiles, const int* __restrict__ tiles,
+                                              bf16_t* __restrict__ act, float* __restrict__ ys) {
+    __shared__ __align__(16) bf16_t As[MOE_BM * MOE_LDS];
+    __shared__ __align__(16) bf16_t Bs[(GLU ? 2 : 1) * MOE_BN * MOE_LDS];
+    pdl_enter();
+    int t = blockIdx.y;
+    if (t >= *n_tiles) return;
+    int e = tiles[3 * t], p0 = tiles[3 * t + 1], p1 = tiles[3 * t + 2];
+    int n0 = blockIdx.x * MOE_BN;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+    int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const u8* w0 = (const u8*)table[3 * e + (GLU ? 0 : 2)];
+    const u8* w1 = (const u8*)table[3 * e + 1];
+    bool vec_b = dt == DT_BF16 && (K & 7) == 0;
+    float c0[2][4][4], c1[2][4][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) {
+                c0[mi][ni][v] = 0.f;
+                c1[mi][ni][v] = 0.f;
+            }
+    // The tile of step k0 + MOE_BK is loaded into registers while step k0
+    // computes from shared memory, so the global loads overlap the mma work.
+    // GLU A: 64 rows x 32 f32, four groups of 4 per thread; !GLU A: 64 rows
+    // x 32 bf16, two groups of 8; B: 64 rows x 32 bf16, two groups of 8 per
+    // matrix.
+    uint2 a4[4];
+    uint4 a8[2], b8[2][2];
+    auto load = [&](int k0) {
+        if (GLU) {
+#pragma unroll
+            for (int it = 0; it < 4; it++) {
+                int idx = tid + it * 128, r = idx >> 3, c = (idx & 7) * 4, p = p0 + r;
+                float v[4] = {0.f, 0.f, 0.f, 0.f};
+                if (p < p1) {
+                    const float* src = xf + (long long)(pair_of_pos[p] / k_top) * K + k0 + c;
+                    if ((K & 3) == 0 && k0 + c + 4 <= K) {
+                        float4 f = *(const float4*)src;
+                        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < 4; i++) v[i] = k0 + c + i < K ? src[i] : 0.f;
+                    }
+                }
+                a4[it] = make_uint2(moe_pack2(v[0], v[1]), moe_pack2(v[2], v[3]));
+            }
+        } else {
+#pragma unroll
+            for (int it = 0; it < 2; it++) {
+                int idx = tid + it * 128, r = idx >> 2, c = (idx & 3) * 8, p = p0 + r;
+                uint4 v = make_uint4(0, 0, 0, 0);
+                if (p < p1) {
+                    const bf16_t* src = xb + (long long)p * K + k0 + c;
+                    if ((K & 7) == 0 && k0 + c + 8 <= K) {
+                        v = *(const uint4*)src;
+                    } else {
+                        u32 h[4];
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            u32 lo = k0 + c + 2 * i < K ? src[2 * i] : 0, hi = k0 + c + 2 * i + 1 < K ? src[2 * i + 1] : 0;
+                            h[i] = lo | (hi << 16);
+                        }
+                        v = make_uint4(h[0], h[1], h[2], h[3]);
+                    }
+                }
+                a8[it] = v;
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < (GLU ? 2 : 1); m++) {
+            const u8* w = m ? w1 : w0;
+#pragma unroll
+            for (int it = 0; it < 2; it++) {
+                int idx = tid + it * 128, r = idx >> 2, c = (idx & 3) * 8, n = n0 + r;
+                uint4 v = make_uint4(0, 0, 0, 0);
+                if (n < N) v = moe_load_b8(w + (long long)n * rb, dt, K, k0 + c, vec_b);
+                b8[m][it] = v;
+            }
+        }
+    };
+    load(0);
+    for (int k0 = 0; k0 < K; k0 += MOE_BK) {
+        __syncthreads(); // every warp is done with the previous tile
+        if (GLU) {
+#pragma unroll
+            for (int it = 0; it < 4; it++) {
+                int idx = tid + it * 128;
+                *(uint2*)&As[(idx >> 3) * MOE_LDS + (idx & 7) * 4] = a4[it];
+            }
+        } else {
+#pragma unroll
+            for (int it = 0; it < 2; it++) {
+                int idx = tid + it * 128;
+                *(uint4*)&As[(idx >> 2) * MOE_LDS + (idx & 3) * 8] = a8[it];
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < (GLU ? 2 : 1); m++)
+#pragma unroll
+            for (int it = 0; it < 2; it++) {
+                int idx = tid + it * 128;
+                *(uint4*)&Bs[m * MOE_BN * MOE_LDS + (idx >> 2) * MOE_LDS + (idx & 3) * 8] = b8[m][it];
+            }
+        __syncthreads();
+        if (k0 + MOE_BK < K) load(k0 + MOE_BK);
+#pragma unroll
+        for (int kk = 0; kk < MOE_BK; kk += 16) {
+            u32 a[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                const bf16_t* ap = As + (wm + mi * 16 + g) * MOE_LDS + kk + tq * 2;
+                a[mi][0] = *(const u32*)ap;
+                a[mi][1] = *(const u32*)(ap + 8 * MOE_LDS);
+                a[mi][2] = *(const u32*)(ap + 8);
+                a[mi][3] = *(const u32*)(ap + 8 * MOE_LDS + 8);
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                const bf16_t* bp = Bs + (wn + ni * 8 + g) * MOE_LDS + kk + tq * 2;
+                u32 b0 = *(const u32*)bp, b1 = *(const u32*)(bp + 8);
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) moe_mma(c0[mi][ni], a[mi], b0, b1);
+                if (GLU) {
+                    const bf16_t* bq = bp + MOE_BN * MOE_LDS;
+                    u32 q0 = *(const u32*)bq, q1 = *(const u32*)(bq + 8);
+#pragma unroll
+                    for (int mi = 0; mi < 2; mi++) moe_mma(c1[mi][ni], a[mi], q0, q1);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int p = p0 + wm + mi * 16 + g + h * 8;
+                if (p >= p1) continue;
+#pragma unroll
+                for (int c2 = 0; c2 < 2; c2++) {
+                    int n = n0 + wn + ni * 8 + tq * 2 + c2;
+                    if (n >= N) continue;
+                    float v = c0[mi][ni][h * 2 + c2];
+                    if (GLU)
+                        act[(long long)p * N + n] = f32_to_bf16(moe_silu(v) * c1[mi][ni][h * 2 + c2]);
+                    else
+                        ys[(long long)p * N + n] = v;
+                }
+            }
+}
+
+// Grid: (ceil(ef / MOE_BN), tile slots); K = hidden, N = ef.
+extern "C" __global__ void __launch_bounds__(128)
+    moe_gemm_gate_up(const u64* __restrict__ table, int dt, long long rb, const float* __restrict__ x, int hidden,
+                     int ef, int k, const int* __restrict__ pair_of_pos, const int* __restrict__ n_tiles,
+                     const int* __restrict__ tiles, bf16_t* __restrict__ act) {
+    moe_gemm_body<true>(table, dt, rb, x, nullptr, hidden, ef, k, pair_of_pos, n_tiles, tiles, act, nullptr);
+}
+
+// Grid: (ceil(hidden / MOE_BN), tile slots); K = ef, N = hidden.
+extern "C" __global__ void __launch_bounds__(128)
+    moe_gemm_down(const u64* __restrict__ table, int dt, long long rb, const bf16_t* __restrict__ act, int ef,
+                  int hidden, const int* __restrict__ n_tiles, const int* __restrict__ tiles,
+                  float* __restrict__ ys) {
+    moe_gemm_body<false>(table, dt, rb, nullptr, act, ef, hidden, 1, nullptr, n_tiles, tiles, nullptr, ys);
+}
