@@ -263,9 +263,9 @@ impl<B: Backend + ?Sized> GraphCapture for B {
 /// Run one step's device work, `ops`, replayed from a capture when `key`
 /// names one, else run (and captured under `key` when the backend captures):
 /// the one place that drives [`Backend::graph_replay`],
-/// [`Backend::graph_capture_begin`] and [`Backend::graph_capture_end`], so a
-/// model only says which of its steps may be captured (a key) and hands over
-/// the closure that runs them. The capture is ended even after a failed op,
+/// [`Backend::graph_capture_begin`] and [`Backend::graph_capture_end`]. The
+/// engine's executor chooses the key (decode steps of a rank that replays);
+/// a model hands over the key it was given and the closure that runs its ops. The capture is ended even after a failed op,
 /// so the stream stays usable. Without a key, or on a backend that never
 /// captures, `ops` simply runs.
 pub fn run_captured<G: GraphCapture + ?Sized, E: From<BackendError>>(

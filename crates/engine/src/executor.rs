@@ -8,7 +8,7 @@ use crate::phase::{FlipVerdict, Phase};
 use crate::scheduler::SchedulerOutput;
 use corridor_backend::collective::{Collective, Solo};
 use corridor_backend::sample::{LogitEdit, SampleRowSpec, SampledRows};
-use corridor_backend::{Backend, SeqStep};
+use corridor_backend::{Backend, GraphKey, SeqStep};
 use corridor_model::layout::Layout;
 use corridor_model::ModelConfig;
 use corridor_model::{KvCache, Model, ModelError, StepInput, Workspace};
@@ -151,6 +151,18 @@ pub fn decode_bucket(rows: usize) -> usize {
     }
 }
 
+/// The captured replay the executor runs a step as: a decode step (every
+/// sequence one row, every row sampling: the same kernels on the same
+/// buffers for every batch of its size, only the uploaded metadata differs)
+/// on a rank whose forward is `replayable` ([`Model::replayable`]); `None`,
+/// run op by op, for every prefill or mixed step and every rank that reads
+/// the host mid-step. The executor is the one place this is decided; the
+/// model only runs the key it is handed.
+pub fn capture_key(input: &StepInput<'_>, replayable: bool) -> Option<GraphKey> {
+    (replayable && input.is_decode())
+        .then_some(GraphKey { rows: input.tokens.len(), logit_rows: input.logit_rows.len() })
+}
+
 impl<B: Backend> SingleRank<B> {
     /// Allocate the workspace and KV cache for `limits`, once.
     pub fn new(backend: B, model: Model<B>, limits: ExecutorLimits) -> Result<Self, ModelError> {
@@ -225,13 +237,15 @@ impl<B: Backend> SingleRank<B> {
             let tokens = vec![0u32; rows];
             let positions = vec![0u32; rows];
             let logit_rows: Vec<usize> = (0..rows.min(me.ws.max_logit_rows())).collect();
-            let input = StepInput {
+            let mut input = StepInput {
                 tokens: &tokens,
                 positions: &positions,
                 seqs: &[],
                 logit_rows: &logit_rows,
                 state_slots: &[],
+                capture: None,
             };
+            input.capture = capture_key(&input, me.model.replayable(&*me.comm));
             me.model.forward_ranked(&me.backend, &*me.comm, &mut me.ws, &mut me.kv, &input, &mut logits)
         };
         // Prefill-sized steps first (cuBLASLt picks kernels by shape).
@@ -392,18 +406,21 @@ impl<B: Backend> SingleRank<B> {
                 self.slots.push(slot);
             }
         }
-        let input = StepInput {
+        let mut input = StepInput {
             tokens: &step.tokens,
             positions: &step.positions,
             seqs: &seqs,
             logit_rows,
             state_slots: &self.slots,
+            capture: None,
         };
+        let replayable = self.model.replayable(&*self.comm);
         let target = match self.pad_limit {
             Some(limit) if input.is_decode() && rows > 0 => decode_bucket(rows).min(limit).max(rows),
             _ => rows,
         };
         if target == rows {
+            input.capture = capture_key(&input, replayable);
             return self.model.forward_ranked_rows(
                 &self.backend,
                 &*self.comm,
@@ -424,13 +441,15 @@ impl<B: Backend> SingleRank<B> {
         p.logit_rows.clear();
         p.logit_rows.extend_from_slice(logit_rows);
         p.logit_rows.extend(rows..target);
-        let input = StepInput {
+        let mut input = StepInput {
             tokens: &p.tokens,
             positions: &p.positions,
             seqs: &seqs,
             logit_rows: &p.logit_rows,
             state_slots: &self.slots,
+            capture: None,
         };
+        input.capture = capture_key(&input, replayable);
         let (backend, comm) = (&self.backend, &*self.comm);
         self.model.forward_ranked_rows(
             backend,

@@ -26,8 +26,9 @@
 //! The binary (`src/main.rs`, feature `cuda`) runs this with the CUDA backend
 //! on the GPU machine; without a GPU the comparison is tested CPU against CPU.
 
+use corridor_backend::collective::Solo;
 use corridor_backend::cpu::{Bf16Rounding, CpuBackend, DecodeActivations, InputRounding};
-use corridor_backend::{Backend, SeqStep};
+use corridor_backend::{Backend, GraphKey, SeqStep};
 use corridor_model::greedy::greedy;
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
@@ -265,10 +266,14 @@ pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Res
             seqs: &seqs,
             logit_rows: &[n - 1],
             state_slots: &slots[i..i + 1],
+            capture: None,
         };
         model.forward(b, &mut ws, &mut kv, &step, &mut logits).map_err(|e| err(&e))?;
         len[i] = n;
     }
+    // Every decode step is captured under one key, as the engine's executor
+    // names it for a padded decode batch of 4 on a model that replays.
+    let capture = model.replayable(&Solo::new()).then_some(GraphKey { rows: 4, logit_rows: 4 });
     let mut all = Vec::new();
     for s in 0..steps {
         // Row r holds sequence order[r]; row 3 is padding.
@@ -290,6 +295,7 @@ pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Res
             seqs: &seqs,
             logit_rows: &[0, 1, 2, 3],
             state_slots: &step_slots,
+            capture,
         };
         model.forward(b, &mut ws, &mut kv, &step, &mut logits).map_err(|e| err(&e))?;
         b.check().map_err(|e| err(&e))?;
@@ -356,6 +362,7 @@ pub fn chunked_logits<B: Backend>(
             seqs: &seqs,
             logit_rows: &rows,
             state_slots: &[StateSlot(0)],
+            capture: None,
         };
         model.forward(b, &mut ws, &mut kv, &step, &mut logits).map_err(|e| e.to_string())?;
         b.check().map_err(|e| e.to_string())?;

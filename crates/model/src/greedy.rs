@@ -47,6 +47,7 @@ pub fn greedy<B: Backend>(
             seqs: &seqs,
             logit_rows: &[rows - 1],
             state_slots: &[StateSlot(0)],
+            capture: None,
         };
         model.forward(backend, &mut ws, &mut kv, &step, &mut logits)?;
         backend.check()?;

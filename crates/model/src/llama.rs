@@ -206,14 +206,41 @@ pub struct StepInput<'a> {
     /// Each sequence's recurrent-state slot, parallel to `seqs` (a hybrid
     /// model's linear-attention layers); empty for a model without state.
     pub state_slots: &'a [StateSlot],
+    /// The captured replay this step's device work is run as, chosen by the
+    /// caller (the engine's executor): `None` runs the ops as they come. A
+    /// key is only valid for a model that is [`Model::replayable`] and names
+    /// the step's own rows and logit rows.
+    pub capture: Option<GraphKey>,
 }
 
 impl StepInput<'_> {
     /// A decode step: every sequence brings one row and every row samples
-    /// (rows of no sequence, padding, sample too). Such a step may be
-    /// captured once per shape and replayed.
+    /// (rows of no sequence, padding, sample too). Such a step has the same
+    /// shape for every batch of its size, so it may be captured once per
+    /// shape and replayed.
     pub fn is_decode(&self) -> bool {
         self.seqs.iter().all(|q| q.rows == 1) && self.logit_rows.len() == self.tokens.len()
+    }
+
+    /// Refuse a capture key that names another shape than this step's, or
+    /// that a rank which cannot replay its forward was given.
+    pub(crate) fn check_capture(&self, replayable: bool) -> Result<(), ModelError> {
+        let Some(k) = self.capture else { return Ok(()) };
+        if !replayable {
+            return Err(ModelError::Step(
+                "a capture key for a rank whose forward does not read only what begin_step uploads".into(),
+            ));
+        }
+        if k.rows != self.tokens.len() || k.logit_rows != self.logit_rows.len() {
+            return Err(ModelError::Step(format!(
+                "a capture key of {} rows and {} logit rows for a step of {} and {}",
+                k.rows,
+                k.logit_rows,
+                self.tokens.len(),
+                self.logit_rows.len()
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -382,6 +409,20 @@ impl<B: Backend> Model<B> {
         2 * self.slice.layers.len() * self.slice.kv_heads.len() * self.config.head_dim * elem_bytes
     }
 
+    /// Whether this rank's forward reads only what `begin_step` uploads, so
+    /// a captured replay of it is the step itself: the whole model on the
+    /// rank (it embeds and computes logits), a collective that may be
+    /// captured, and every sparse layer routed on the device (a layer
+    /// routed on the host reads its router logits back mid-step, which a
+    /// replay could not repeat). The executor asks this before it names a
+    /// capture key ([`StepInput::capture`]).
+    pub fn replayable(&self, c: &dyn Collective<B>) -> bool {
+        c.capturable()
+            && self.head.is_some()
+            && self.embed_tokens.is_some()
+            && (self.config.moe.is_none() || self.moe_on_device)
+    }
+
     /// Run one step with the whole model on this rank; the logits of
     /// `step.logit_rows` are copied into `logits` (`[logit_rows, vocab]`,
     /// row-major).
@@ -440,6 +481,7 @@ impl<B: Backend> Model<B> {
                 ws.max_logit_rows
             )));
         }
+        step.check_capture(self.replayable(c))?;
         b.begin_step(&StepPlan {
             tokens: step.tokens,
             positions: step.positions,
@@ -447,17 +489,7 @@ impl<B: Backend> Model<B> {
             logit_rows: step.logit_rows,
             state_slots: step.state_slots,
         })?;
-        // A decode step of a whole model on one card may be captured once per
-        // shape and replayed: the ops read only what begin_step uploaded.
-        // A sparse layer routed on the host reads its router logits back
-        // mid-step, which a captured replay could not repeat.
-        let key = (step.is_decode()
-            && c.capturable()
-            && self.head.is_some()
-            && self.embed_tokens.is_some()
-            && (self.config.moe.is_none() || self.moe_on_device))
-            .then_some(GraphKey { rows, logit_rows: rows });
-        corridor_backend::run_captured(b, key, || self.run_ops(b, c, ws, kv, step))?;
+        corridor_backend::run_captured(b, step.capture, || self.run_ops(b, c, ws, kv, step))?;
         logits.clear();
         if self.head.is_none() {
             // A stage before the last hands every row on.

@@ -154,6 +154,14 @@ impl<B: Backend> Model<B> {
         each!(self, m => m.forward_ranked(b, c, ws, kv, step, logits))
     }
 
+    /// Whether this rank's forward with the collective `c` reads only what
+    /// the backend's `begin_step` uploads, so a decode step of it may be
+    /// captured and replayed: the question an executor asks before it names
+    /// a capture key in [`StepInput::capture`] (the model never decides it).
+    pub fn replayable(&self, c: &dyn Collective<B>) -> bool {
+        each!(self, m => m.replayable(c))
+    }
+
     /// Whether [`Model::forward_ranked_rows`] and [`Model::sample_on_device`]
     /// serve this model on `b` with the collective `c`: a Llama-family model
     /// whose rank holds every vocabulary column, alone, on a backend with

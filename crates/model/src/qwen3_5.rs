@@ -49,8 +49,8 @@ use crate::layout::{CostModel, RankSlice};
 use crate::llama::{check_shape, select, KvCache, ModelError, StepInput, Workspace};
 use corridor_backend::collective::{gather_logits, Collective, Solo};
 use corridor_backend::{
-    ActShape, Backend, DType, DeltaGeometry, DeltaRule, GraphKey, HostTensor, KvGeometry, MatmulPart,
-    RopeStyle, RopeTable, StepPlan, TensorBytes, VHeadOrder,
+    ActShape, Backend, DType, DeltaGeometry, DeltaRule, HostTensor, KvGeometry, MatmulPart, RopeStyle,
+    RopeTable, StepPlan, TensorBytes, VHeadOrder,
 };
 use corridor_units::Bytes;
 use std::ops::Range;
@@ -348,6 +348,15 @@ impl<B: Backend> Model<B> {
         state_bytes_in(&self.hybrid, &self.share.delta, self.slice.layers.clone())
     }
 
+    /// Whether this rank's forward reads only what `begin_step` uploads, so
+    /// a captured replay of it is the step itself: the whole model on the
+    /// rank and a collective that may be captured. Every op, the
+    /// delta-net's included, reads its step metadata (rows, page tables,
+    /// state slots) from what `begin_step` uploaded.
+    pub fn replayable(&self, c: &dyn Collective<B>) -> bool {
+        c.capturable() && self.head.is_some() && self.embed_tokens.is_some()
+    }
+
     /// Run this rank's part of one step: the whole model, or one pipeline
     /// stage (the first embeds, each hands its output to the next, the last
     /// leaves `[logit_rows, vocab]` in `logits`; the others leave it empty).
@@ -394,6 +403,7 @@ impl<B: Backend> Model<B> {
                 return Err(ModelError::Step(format!("{s} is given to two sequences of one step")));
             }
         }
+        step.check_capture(self.replayable(c))?;
         b.begin_step(&StepPlan {
             tokens: step.tokens,
             positions: step.positions,
@@ -401,13 +411,7 @@ impl<B: Backend> Model<B> {
             logit_rows: step.logit_rows,
             state_slots: step.state_slots,
         })?;
-        // A decode step of the whole model on one card may be captured once
-        // per shape and replayed: every op, the delta-net's included, reads
-        // its step metadata (rows, page tables, state slots) from what
-        // begin_step uploaded.
-        let key = (step.is_decode() && c.capturable() && self.head.is_some() && self.embed_tokens.is_some())
-            .then_some(GraphKey { rows, logit_rows: rows });
-        corridor_backend::run_captured(b, key, || self.run_ops(b, c, ws, kv, step))?;
+        corridor_backend::run_captured(b, step.capture, || self.run_ops(b, c, ws, kv, step))?;
         logits.clear();
         if self.head.is_none() {
             let to = self
@@ -1066,6 +1070,7 @@ mod tests {
                 seqs: &seqs,
                 logit_rows: &[0, 1],
                 state_slots: slots,
+                capture: None,
             };
             model.forward(&b, ws, kv, &step, &mut Vec::new()).map_err(|e| e.to_string())
         };

@@ -74,6 +74,7 @@ fn logprobs(path: &Path, decode: DecodeActivations, chunk: usize) -> Vec<Vec<f32
             seqs: &seqs,
             logit_rows: &logit_rows,
             state_slots: &[],
+            capture: None,
         };
         model.forward(&backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
         for r in 0..rows {

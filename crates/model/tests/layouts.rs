@@ -80,6 +80,7 @@ fn run(path: &Path, layout: &Layout) -> (Vec<Vec<f32>>, Vec<u32>) {
                     logit_rows: &logit_rows,
                     // One sequence, in its state slot (a model without state ignores it).
                     state_slots: &[StateSlot(0)],
+                    capture: None,
                 };
                 model
                     .forward_ranked(

@@ -82,6 +82,7 @@ impl Runner {
                 seqs: &seqs,
                 logit_rows: &logit_rows,
                 state_slots: &slot,
+                capture: None,
             };
             self.model.forward(&self.backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
             for r in 0..rows {
@@ -255,6 +256,7 @@ fn batch_matches_solo_runs(fixture: &str) {
         seqs: &seqs,
         logit_rows: &logit_rows,
         state_slots: &slots,
+        capture: None,
     };
     run.model.forward(&run.backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
     let v = run.vocab();
