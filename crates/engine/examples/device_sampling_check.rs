@@ -31,7 +31,7 @@ use corridor_engine::sampling::device::{plan_row, settle_row};
 use corridor_engine::sampling::{
     CpuSampler, FallbackKind, SampleOutcome, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams,
 };
-use corridor_units::Tokens;
+use corridor_units::{RequestId, Tokens};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -205,7 +205,7 @@ fn run_case(be: &CudaBackend, rng: &mut Rng, case: &Case) -> Result<Found, Box<d
             .iter_mut()
             .enumerate()
             .map(|(i, state)| SampleRow {
-                request_id: i as u64,
+                request_id: RequestId(i as u64),
                 params: &case.params,
                 state,
                 eos_token_ids: &eos,
@@ -218,7 +218,7 @@ fn run_case(be: &CudaBackend, rng: &mut Rng, case: &Case) -> Result<Found, Box<d
             .iter_mut()
             .enumerate()
             .map(|(i, state)| SampleRow {
-                request_id: i as u64,
+                request_id: RequestId(i as u64),
                 params: &case.params,
                 state,
                 eos_token_ids: &eos,
@@ -307,7 +307,13 @@ fn bench(be: &CudaBackend, rng: &mut Rng) -> Result<(), Box<dyn std::error::Erro
             for _ in 0..12 {
                 let mut sample_rows: Vec<SampleRow<'_>> = states
                     .iter_mut()
-                    .map(|state| SampleRow { request_id: 0, params, state, eos_token_ids: &[], mask: None })
+                    .map(|state| SampleRow {
+                        request_id: RequestId(0),
+                        params,
+                        state,
+                        eos_token_ids: &[],
+                        mask: None,
+                    })
                     .collect();
                 let mut edits = Vec::new();
                 let specs: Vec<_> = sample_rows

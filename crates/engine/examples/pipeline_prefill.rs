@@ -17,7 +17,7 @@ use corridor_engine::ranks::{LayoutOptions, MultiRank, DEFAULT_MICROBATCH_ROWS};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::Layout;
 use corridor_model::Checkpoint;
-use corridor_units::PageId;
+use corridor_units::{PageId, RequestId};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -70,7 +70,7 @@ fn chunks() -> Vec<(SchedulerOutput, Vec<usize>)> {
                 tokens: (cached..cached + CHUNK).map(|t| (t * 7919 % 30_000) as u32 + 100).collect(),
                 positions: (cached as u32..(cached + CHUNK) as u32).collect(),
                 seqs: vec![ScheduledSeq {
-                    id: 1,
+                    id: RequestId(1),
                     row_start: 0,
                     rows: CHUNK,
                     cached,

@@ -15,6 +15,7 @@
 use corridor_backend::sample::RowSummary;
 use corridor_engine::sampling::device;
 use corridor_engine::sampling::{CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams};
+use corridor_units::RequestId;
 use std::sync::Arc;
 
 fn main() {
@@ -49,7 +50,7 @@ fn run(params: &SamplingParams) {
                 .iter_mut()
                 .enumerate()
                 .map(|(i, state)| SampleRow {
-                    request_id: i as u64,
+                    request_id: RequestId(i as u64),
                     params,
                     state,
                     eos_token_ids: &eos,
@@ -71,7 +72,7 @@ fn run(params: &SamplingParams) {
                 .iter_mut()
                 .enumerate()
                 .map(|(i, state)| SampleRow {
-                    request_id: i as u64,
+                    request_id: RequestId(i as u64),
                     params,
                     state,
                     eos_token_ids: &eos,

@@ -15,7 +15,7 @@ use crate::sampling::device;
 use crate::sampling::{
     Constraint, CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams, TokenLogprob,
 };
-use crate::scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerOutput};
+use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::stats::{EngineStats, StatsCell};
 use corridor_backend::sample::{
     LogitEdit, SampleRowSpec, SampledRows, MAX_EDITS_PER_ROW, ROW_TOO_MANY_CANDIDATES,
@@ -23,7 +23,7 @@ use corridor_backend::sample::{
 use corridor_backend::Backend;
 use corridor_model::Model;
 use corridor_model::ModelConfig;
-use corridor_units::{Bytes, CardId, Pages, Rank, Tokens};
+use corridor_units::{Bytes, CardId, Pages, Rank, RequestId, Tokens};
 use corridor_vram::{ReliefProvider, Tier};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -188,7 +188,7 @@ pub struct EngineHandle {
 impl EngineHandle {
     /// Queue a request; its events arrive on the returned stream.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, EngineError> {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = tmpsc::unbounded_channel();
         self.commands.send(Command::Add { id, req: Box::new(req), tx }).map_err(|_| EngineError::Stopped)?;
         Ok(RequestStream { id, rx, commands: self.commands.clone(), done: false })

@@ -401,7 +401,7 @@ impl<B: Backend> SingleRank<B> {
         if self.model.has_state() {
             for s in &step.seqs {
                 let slot = s.state_slot.ok_or_else(|| {
-                    ModelError::Step(format!("request {} has no state slot; the model needs one", s.id))
+                    ModelError::Step(format!("{} has no state slot; the model needs one", s.id))
                 })?;
                 self.slots.push(slot);
             }

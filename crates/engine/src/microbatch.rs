@@ -113,11 +113,11 @@ pub fn logit_places(rows: usize, logit_rows: &[usize], parts: usize) -> Vec<(usi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use corridor_units::PageId;
+    use corridor_units::{PageId, RequestId};
 
     fn seq(id: u64, row_start: usize, rows: usize, cached: usize, samples: bool) -> ScheduledSeq {
         ScheduledSeq {
-            id,
+            id: RequestId(id),
             row_start,
             rows,
             cached,
@@ -143,8 +143,8 @@ mod tests {
             tokens: (100..100 + rows as u32).collect(),
             positions,
             seqs,
-            preempted: vec![9],
-            out_of_capacity: vec![8],
+            preempted: vec![RequestId(9)],
+            out_of_capacity: vec![RequestId(8)],
             decode_rows: 2,
         }
     }
@@ -156,7 +156,7 @@ mod tests {
         let positions: Vec<u32> = parts.iter().flat_map(|p| p.0.positions.clone()).collect();
         assert_eq!((tokens, positions), (whole.tokens.clone(), whole.positions.clone()));
         let mut offset = 0;
-        let mut rows_of: std::collections::HashMap<u64, usize> = Default::default();
+        let mut rows_of: std::collections::HashMap<RequestId, usize> = Default::default();
         let mut logits = Vec::new();
         for (p, l) in parts {
             assert!(!p.tokens.is_empty());
@@ -214,7 +214,9 @@ mod tests {
         type Piece = (u64, usize, usize, usize, bool);
         let pieces: Vec<Vec<Piece>> = split
             .iter()
-            .map(|(p, _)| p.seqs.iter().map(|s| (s.id, s.row_start, s.rows, s.cached, s.samples)).collect())
+            .map(|(p, _)| {
+                p.seqs.iter().map(|s| (s.id.get(), s.row_start, s.rows, s.cached, s.samples)).collect()
+            })
             .collect();
         assert_eq!(
             pieces,
@@ -227,7 +229,10 @@ mod tests {
         let logits: Vec<Vec<usize>> = split.iter().map(|p| p.1.clone()).collect();
         assert_eq!(logits, vec![vec![0, 1], vec![], vec![7]]);
         assert_eq!(split.iter().map(|p| p.0.decode_rows).collect::<Vec<_>>(), vec![2, 0, 0]);
-        assert_eq!((split[0].0.out_of_capacity.clone(), split[1].0.preempted.clone()), (vec![8], vec![]));
+        assert_eq!(
+            (split[0].0.out_of_capacity.clone(), split[1].0.preempted.clone()),
+            (vec![RequestId(8)], vec![])
+        );
     }
 
     #[test]

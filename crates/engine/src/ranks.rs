@@ -28,7 +28,7 @@ use corridor_backend::Backend;
 use corridor_model::layout::{Layout, LayoutKind};
 use corridor_model::{Checkpoint, ModelConfig};
 use corridor_model::{Model, ModelError};
-use corridor_units::{Bytes, PageId, Pages, Rank};
+use corridor_units::{Bytes, PageId, Pages, Rank, RequestId};
 use corridor_vram::sizing::{solve, SizingInput};
 use corridor_vram::{ChunkGeometry, Device, Purpose, ReserveRequest, Urgency};
 use std::sync::mpsc;
@@ -531,7 +531,7 @@ impl MultiRank {
             tokens: (0..rows as u32).map(|t| (t * 7 + 3) % vocab).collect(),
             positions: (0..rows as u32).collect(),
             seqs: vec![crate::scheduler::ScheduledSeq {
-                id: u64::MAX,
+                id: RequestId(u64::MAX),
                 row_start: 0,
                 rows,
                 cached: 0,

@@ -38,12 +38,9 @@
 
 use crate::pages::{page_hashes, PagePool, SeqPages};
 use crate::step_budget::{StepBudget, StepShape};
-use corridor_units::{Bytes, CardId, PageId, StateSlot, Tokens};
+use corridor_units::{Bytes, CardId, PageId, RequestId, StateSlot, Tokens};
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
-
-/// Identifies a request inside the engine.
-pub type RequestId = u64;
 
 /// Limits of the scheduler, fixed at start-up.
 #[derive(Clone, Copy, Debug)]
@@ -479,7 +476,7 @@ impl Scheduler {
             tracing::warn!(
                 %card,
                 "running requests hold {} KV pages ({}) but after giving back {} the card keeps {} pages ({}) \
-                 above its floor: preempting request {} ({} pages; it is recomputed when memory returns)",
+                 above its floor: preempting {} ({} pages; it is recomputed when memory returns)",
                 c.in_use.get(),
                 Bytes(c.in_use.get() as u64 * g.page_bytes.get()),
                 Bytes(short as u64 * g.chunk_bytes.get()),

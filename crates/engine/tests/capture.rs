@@ -12,7 +12,7 @@ use corridor_engine::executor::{capture_key, Executor, ExecutorLimits, SingleRan
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::Layout;
 use corridor_model::{Checkpoint, KvCache, Model, ModelError, StepInput, Workspace};
-use corridor_units::{PageId, StateSlot};
+use corridor_units::{PageId, RequestId, StateSlot};
 use std::path::Path;
 
 fn ckpt(name: &str) -> Checkpoint {
@@ -120,7 +120,7 @@ fn the_model_refuses_a_key_it_cannot_replay_or_of_another_shape() {
 fn serve(exec: &mut SingleRank<CpuBackend>, steps: usize) -> Vec<f32> {
     let pages = |i: usize| vec![PageId(2 * i as u32), PageId(2 * i as u32 + 1)];
     let seq = |i: usize, row_start, rows, cached| ScheduledSeq {
-        id: i as u64,
+        id: RequestId(i as u64),
         row_start,
         rows,
         cached,

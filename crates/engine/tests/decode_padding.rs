@@ -8,7 +8,7 @@ use corridor_engine::executor::{decode_bucket, Executor, SingleRank};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::Checkpoint;
 use corridor_model::Model;
-use corridor_units::PageId;
+use corridor_units::{PageId, RequestId};
 use std::path::Path;
 
 fn executor(padded: bool) -> SingleRank<CpuBackend> {
@@ -43,7 +43,7 @@ fn run(exec: &mut SingleRank<CpuBackend>, n: usize, steps: usize) -> Vec<Vec<f32
         step.tokens.extend((0..len).map(|t| ((t * 31 + i * 7) % 200) as u32));
         step.positions.extend(0..len as u32);
         step.seqs.push(ScheduledSeq {
-            id: i as u64,
+            id: RequestId(i as u64),
             row_start,
             rows: len,
             cached: 0,
@@ -61,7 +61,7 @@ fn run(exec: &mut SingleRank<CpuBackend>, n: usize, steps: usize) -> Vec<Vec<f32
             step.tokens.push(((s * 13 + i * 5) % 200) as u32);
             step.positions.push(*len as u32);
             step.seqs.push(ScheduledSeq {
-                id: i as u64,
+                id: RequestId(i as u64),
                 row_start: i,
                 rows: 1,
                 cached: *len,

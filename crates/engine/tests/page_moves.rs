@@ -10,7 +10,7 @@ use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::{Layout, LayoutSpec, Split};
 use corridor_model::Checkpoint;
 use corridor_model::Model;
-use corridor_units::PageId;
+use corridor_units::{PageId, RequestId};
 use std::path::Path;
 
 const LIMITS: ExecutorLimits =
@@ -41,7 +41,7 @@ fn step(tokens: Vec<u32>, cached: usize, pages: &[PageId]) -> SchedulerOutput {
         positions: (cached as u32..(cached + rows) as u32).collect(),
         tokens,
         seqs: vec![ScheduledSeq {
-            id: 1,
+            id: RequestId(1),
             row_start: 0,
             rows,
             cached,

@@ -9,7 +9,7 @@ use corridor_engine::ranks::{LayoutOptions, MultiRank};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::Layout;
 use corridor_model::Checkpoint;
-use corridor_units::{Bytes, PageId};
+use corridor_units::{Bytes, PageId, RequestId};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -33,7 +33,7 @@ fn prompt_step() -> SchedulerOutput {
         tokens: (0..rows as u32).map(|t| (t * 7 + 3) % 200).collect(),
         positions: (0..rows as u32).collect(),
         seqs: vec![ScheduledSeq {
-            id: 1,
+            id: RequestId(1),
             row_start: 0,
             rows,
             cached: 0,
@@ -75,7 +75,7 @@ fn a_pipeline_pays_its_link_and_computes_the_same() {
 fn seq(id: u64, row_start: usize, rows: usize, cached: usize, samples: bool) -> ScheduledSeq {
     // Four pages of 16 tokens per sequence, disjoint.
     let pages = (0..4).map(|p| PageId(id as u32 * 4 + p)).collect();
-    ScheduledSeq { id, row_start, rows, cached, pages, samples, state_slot: None }
+    ScheduledSeq { id: RequestId(id), row_start, rows, cached, pages, samples, state_slot: None }
 }
 
 /// Steps as the scheduler would form them, with the rows whose logits are
@@ -89,7 +89,7 @@ fn steps() -> Vec<(SchedulerOutput, Vec<usize>)> {
         let mut out = SchedulerOutput { decode_rows, ..SchedulerOutput::default() };
         for s in &seqs {
             for r in 0..s.rows {
-                out.tokens.push(tok(s.id, s.cached + r));
+                out.tokens.push(tok(s.id.get(), s.cached + r));
                 out.positions.push((s.cached + r) as u32);
             }
         }

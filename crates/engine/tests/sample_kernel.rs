@@ -15,7 +15,7 @@ use corridor_engine::sampling::device::{plan_row, settle_row};
 use corridor_engine::sampling::{
     CpuSampler, SampleOutcome, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams,
 };
-use corridor_units::Tokens;
+use corridor_units::{RequestId, Tokens};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -213,7 +213,7 @@ fn the_kernel_draws_what_the_host_sampler_draws() {
             .collect();
         let mut dev_states = host_states.clone();
         let row = |i: usize, state| SampleRow {
-            request_id: i as u64,
+            request_id: RequestId(i as u64),
             params,
             state,
             eos_token_ids: &eos,

@@ -2,6 +2,7 @@
 //! tokens, its fallbacks pick the argmax of the allowed tokens, and a mask
 //! that allows nothing with a finite logit fails that row alone.
 
+use corridor_units::RequestId;
 use std::sync::Arc;
 
 use corridor_engine::sampling::{
@@ -20,7 +21,7 @@ fn run(rows: &[Vec<f32>], masks: &[Option<TokenMask>], params: &SamplingParams) 
         .zip(states.iter_mut())
         .zip(masks)
         .map(|((params, state), mask)| SampleRow {
-            request_id: 1,
+            request_id: RequestId(1),
             params,
             state,
             eos_token_ids: &[],

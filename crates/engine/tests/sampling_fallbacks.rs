@@ -10,7 +10,7 @@ use corridor_engine::sampling::{
     BatchError, CpuSampler, DrawKernel, DrawSpec, FallbackKind, SampleError, SampleOutcome, SampleRow,
     Sampler, SamplerState, SamplerStats, SamplingParams,
 };
-use corridor_units::{TokenId, Tokens};
+use corridor_units::{RequestId, TokenId, Tokens};
 
 /// Runs one batch of rows that share `params`, each with its own seed.
 fn run<S: Sampler>(sampler: &mut S, rows: &[Vec<f32>], params: &SamplingParams) -> Vec<SampleOutcome> {
@@ -22,7 +22,13 @@ fn run<S: Sampler>(sampler: &mut S, rows: &[Vec<f32>], params: &SamplingParams) 
     let mut batch: Vec<SampleRow<'_>> = per_row
         .iter()
         .zip(states.iter_mut())
-        .map(|(params, state)| SampleRow { request_id: 1, params, state, eos_token_ids: &[], mask: None })
+        .map(|(params, state)| SampleRow {
+            request_id: RequestId(1),
+            params,
+            state,
+            eos_token_ids: &[],
+            mask: None,
+        })
         .collect();
     sampler.sample(&mut logits, vocab, &mut batch).expect("well-shaped batch")
 }
@@ -101,8 +107,13 @@ fn masks_that_leave_nothing_fail_the_row() {
     let params = SamplingParams { min_tokens: Tokens(3), ..SamplingParams::default() };
     let mut state = SamplerState::new(&params, &[]);
     let mut logits = vec![f32::NEG_INFINITY, 4.0, f32::NEG_INFINITY];
-    let mut rows =
-        [SampleRow { request_id: 9, params: &params, state: &mut state, eos_token_ids: &[1], mask: None }];
+    let mut rows = [SampleRow {
+        request_id: RequestId(9),
+        params: &params,
+        state: &mut state,
+        eos_token_ids: &[1],
+        mask: None,
+    }];
     let out = sampler.sample(&mut logits, 3, &mut rows).expect("shape");
     assert!(matches!(out[0], Err(SampleError::AllLogitsInvalid { .. })));
 }
@@ -164,8 +175,13 @@ fn malformed_batch_is_an_error_not_a_panic() {
     let mut sampler = CpuSampler::new(Arc::new(SamplerStats::default()));
     let params = SamplingParams::default();
     let mut state = SamplerState::new(&params, &[]);
-    let mut rows =
-        [SampleRow { request_id: 0, params: &params, state: &mut state, eos_token_ids: &[], mask: None }];
+    let mut rows = [SampleRow {
+        request_id: RequestId(0),
+        params: &params,
+        state: &mut state,
+        eos_token_ids: &[],
+        mask: None,
+    }];
     let mut logits = vec![0.0f32; 7];
     assert_eq!(
         sampler.sample(&mut logits, 8, &mut rows),

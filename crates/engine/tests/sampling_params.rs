@@ -8,7 +8,7 @@ use corridor_engine::sampling::{
     CpuSampler, SampleOutcome, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams, StopReason,
     MAX_TOP_LOGPROBS,
 };
-use corridor_units::{TokenId, Tokens};
+use corridor_units::{RequestId, TokenId, Tokens};
 use proptest::prelude::*;
 
 const VOCAB: usize = 16;
@@ -94,7 +94,7 @@ fn sample_one(
 ) -> (SampleOutcome, Vec<f32>) {
     let mut sampler = CpuSampler::new(Arc::new(SamplerStats::default()));
     let mut logits = raw.to_vec();
-    let mut rows = [SampleRow { request_id: 0, params, state, eos_token_ids: eos, mask: None }];
+    let mut rows = [SampleRow { request_id: RequestId(0), params, state, eos_token_ids: eos, mask: None }];
     let out = sampler.sample(&mut logits, raw.len(), &mut rows).expect("shape").remove(0);
     (out, logits)
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use corridor_engine::sampling::{
     logits::argmax, CpuSampler, FallbackKind, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams,
 };
-use corridor_units::{TokenId, Tokens};
+use corridor_units::{RequestId, TokenId, Tokens};
 use proptest::prelude::*;
 
 /// One row of a generated batch.
@@ -151,7 +151,7 @@ fn run_batch(
         .zip(states.iter_mut())
         .enumerate()
         .map(|(i, (c, state))| SampleRow {
-            request_id: i as u64,
+            request_id: RequestId(i as u64),
             params: &c.params,
             state,
             eos_token_ids: &c.eos,
@@ -244,8 +244,13 @@ fn histogram(raw: &[f32], params: &SamplingParams, n: usize) -> Vec<u64> {
     let mut logits = raw.to_vec();
     for _ in 0..n {
         logits.copy_from_slice(raw);
-        let mut rows =
-            [SampleRow { request_id: 0, params, state: &mut state, eos_token_ids: &[], mask: None }];
+        let mut rows = [SampleRow {
+            request_id: RequestId(0),
+            params,
+            state: &mut state,
+            eos_token_ids: &[],
+            mask: None,
+        }];
         let out = sampler.sample(&mut logits, raw.len(), &mut rows).expect("shape");
         counts[out[0].as_ref().expect("valid row").token as usize] += 1;
     }
@@ -366,7 +371,7 @@ fn generate_in_batch(
             .zip(states.iter_mut())
             .enumerate()
             .map(|(i, (params, state))| SampleRow {
-                request_id: i as u64,
+                request_id: RequestId(i as u64),
                 params,
                 state,
                 eos_token_ids: &[],
@@ -427,8 +432,13 @@ fn generate_with_state(mut state: SamplerState, params: &SamplingParams) -> Vec<
     (0..20)
         .map(|step| {
             let mut logits = fake_logits(50, step, 0);
-            let mut rows =
-                [SampleRow { request_id: 0, params, state: &mut state, eos_token_ids: &[], mask: None }];
+            let mut rows = [SampleRow {
+                request_id: RequestId(0),
+                params,
+                state: &mut state,
+                eos_token_ids: &[],
+                mask: None,
+            }];
             sampler.sample(&mut logits, 50, &mut rows).expect("shape")[0].as_ref().expect("valid").token
         })
         .collect()

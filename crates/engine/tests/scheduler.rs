@@ -4,7 +4,7 @@
 use corridor_engine::pages::{page_hashes, PagePool};
 use corridor_engine::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
 use corridor_engine::step_budget::{StepBudget, StepCost, StepShape};
-use corridor_units::{Pages, Tokens};
+use corridor_units::{Pages, RequestId, Tokens};
 use std::time::Duration;
 
 fn pool(n: usize) -> PagePool {
@@ -63,11 +63,11 @@ fn dropping_an_allocation_gives_its_pages_back() {
     // A scheduler's sequences hold their pages the same way: removing one
     // (or dropping the scheduler) leaves nothing in use.
     let mut s = sched(16, 32, 2);
-    s.add(1, (0..10).collect());
-    s.add(2, (20..30).collect());
+    s.add(RequestId(1), (0..10).collect());
+    s.add(RequestId(2), (20..30).collect());
     step(&mut s, 7);
     assert_eq!(s.pool().counts().in_use, 6, "three pages each");
-    assert!(s.remove(1));
+    assert!(s.remove(RequestId(1)));
     s.pool().check_invariants().unwrap();
     assert_eq!(s.pool().counts().in_use, 3, "only sequence 2's pages are held");
     let arena = s.pool().arena().clone();
@@ -139,7 +139,7 @@ fn step(s: &mut Scheduler, next: u32) -> SchedulerOutput {
 #[test]
 fn chunked_prefill_respects_the_token_budget() {
     let mut s = sched(64, 8, 4);
-    s.add(1, (0..20).collect());
+    s.add(RequestId(1), (0..20).collect());
     let a = step(&mut s, 100);
     assert_eq!(a.tokens.len(), 8);
     assert!(!a.seqs[0].samples);
@@ -155,9 +155,9 @@ fn chunked_prefill_respects_the_token_budget() {
 #[test]
 fn decodes_are_batched_with_a_new_prefill() {
     let mut s = sched(64, 16, 4);
-    s.add(1, (0..5).collect());
+    s.add(RequestId(1), (0..5).collect());
     step(&mut s, 7);
-    s.add(2, (0..30).collect());
+    s.add(RequestId(2), (0..30).collect());
     let out = step(&mut s, 7);
     assert_eq!(out.seqs.len(), 2);
     assert_eq!(out.seqs[0].rows, 1, "running decode first");
@@ -168,15 +168,15 @@ fn decodes_are_batched_with_a_new_prefill() {
 fn second_request_reuses_the_cached_prefix() {
     let mut s = sched(64, 64, 4);
     let prompt: Vec<u32> = (0..18).collect(); // 4 full pages + 2
-    s.add(1, prompt.clone());
+    s.add(RequestId(1), prompt.clone());
     step(&mut s, 50);
-    s.remove(1);
+    s.remove(RequestId(1));
     s.pool().check_invariants().unwrap();
     let mut p2 = prompt[..16].to_vec();
     p2.extend([77, 78, 79]);
-    s.add(2, p2);
+    s.add(RequestId(2), p2);
     let out = step(&mut s, 50);
-    assert_eq!(s.cached_tokens(2), Some(16));
+    assert_eq!(s.cached_tokens(RequestId(2)), Some(16));
     assert_eq!((out.seqs[0].cached, out.seqs[0].rows), (16, 3), "only the new suffix is computed");
 }
 
@@ -184,12 +184,12 @@ fn second_request_reuses_the_cached_prefix() {
 fn a_fully_cached_prompt_still_computes_its_last_token() {
     let mut s = sched(64, 64, 4);
     let prompt: Vec<u32> = (0..16).collect();
-    s.add(1, prompt.clone());
+    s.add(RequestId(1), prompt.clone());
     step(&mut s, 50);
-    s.remove(1);
-    s.add(2, prompt);
+    s.remove(RequestId(1));
+    s.add(RequestId(2), prompt);
     let out = step(&mut s, 50);
-    assert_eq!(s.cached_tokens(2), Some(12));
+    assert_eq!(s.cached_tokens(RequestId(2)), Some(12));
     assert_eq!(out.seqs[0].rows, 4);
     assert!(out.seqs[0].samples);
 }
@@ -199,8 +199,8 @@ fn pressure_preempts_the_newest_and_it_resumes_later() {
     // 6 pages of 4 tokens; two sequences of 8 prompt tokens each use 2 pages,
     // then grow until the pool runs out.
     let mut s = sched(6, 64, 4);
-    s.add(1, (0..8).collect());
-    s.add(2, (100..108).collect());
+    s.add(RequestId(1), (0..8).collect());
+    s.add(RequestId(2), (100..108).collect());
     step(&mut s, 1);
     let mut preempted = Vec::new();
     for _ in 0..12 {
@@ -208,30 +208,30 @@ fn pressure_preempts_the_newest_and_it_resumes_later() {
         preempted.extend(out.preempted.iter().copied());
         assert!(out.out_of_capacity.is_empty());
     }
-    assert_eq!(preempted.first(), Some(&2), "the newest is preempted first");
+    assert_eq!(preempted.first(), Some(&RequestId(2)), "the newest is preempted first");
     assert!(s.preemptions >= 1);
     // Sequence 1 kept running throughout and grew past what two could share.
-    assert!(s.seq_len(1).unwrap() > 12);
-    s.remove(1);
+    assert!(s.seq_len(RequestId(1)).unwrap() > 12);
+    s.remove(RequestId(1));
     let out = step(&mut s, 1);
-    assert!(out.seqs.iter().any(|x| x.id == 2), "the preempted sequence resumes");
+    assert!(out.seqs.iter().any(|x| x.id == RequestId(2)), "the preempted sequence resumes");
 }
 
 #[test]
 fn a_sequence_larger_than_the_pool_is_reported_not_looped() {
     let mut s = sched(2, 64, 4);
-    s.add(1, (0..20).collect()); // needs 5 pages
+    s.add(RequestId(1), (0..20).collect()); // needs 5 pages
     let out = step(&mut s, 1);
-    assert_eq!(out.out_of_capacity, vec![1]);
+    assert_eq!(out.out_of_capacity, vec![RequestId(1)]);
     assert!(!s.has_work());
 }
 
 #[test]
 fn admission_is_first_come_first_served_and_never_overcommits() {
     let mut s = sched(4, 64, 8);
-    s.add(1, (0..12).collect()); // 3 pages
-    s.add(2, (0..8).map(|x| x + 500).collect()); // 2 pages: must wait
-    s.add(3, vec![900]); // 1 page: would fit, but waits behind 2
+    s.add(RequestId(1), (0..12).collect()); // 3 pages
+    s.add(RequestId(2), (0..8).map(|x| x + 500).collect()); // 2 pages: must wait
+    s.add(RequestId(3), vec![900]); // 1 page: would fit, but waits behind 2
     let out = step(&mut s, 1);
     assert_eq!(out.seqs.len(), 1);
     assert_eq!(s.num_waiting(), 2);
@@ -241,10 +241,10 @@ fn admission_is_first_come_first_served_and_never_overcommits() {
 #[test]
 fn removing_a_request_frees_its_pages() {
     let mut s = sched(16, 64, 4);
-    s.add(1, (0..10).collect());
+    s.add(RequestId(1), (0..10).collect());
     step(&mut s, 1);
     assert!(s.pool().counts().in_use > 0);
-    assert!(s.remove(1));
+    assert!(s.remove(RequestId(1)));
     assert_eq!(s.pool().counts().in_use, 0);
     s.pool().check_invariants().unwrap();
 }
@@ -278,22 +278,22 @@ fn chunked(chunks: usize) -> Scheduler {
 /// Eight one-page sequences on pages 0..8, then all but those on pages 0, 4
 /// and 7 finish: chunk 0 holds one live page, chunk 1 two, chunks 2 and 3
 /// none. Returns the ids left running, in admission order.
-fn scattered(s: &mut Scheduler) -> Vec<u64> {
+fn scattered(s: &mut Scheduler) -> Vec<RequestId> {
     for id in 0..8 {
-        s.add(id, vec![1, 2, 3]);
+        s.add(RequestId(id), vec![1, 2, 3]);
     }
     let out = s.schedule();
     let pages: Vec<u32> = out.seqs.iter().map(|q| q.pages[0].0).collect();
     assert_eq!(pages, (0..8).collect::<Vec<u32>>());
     s.complete_step(&out);
     for id in [1, 2, 3, 5, 6] {
-        assert!(s.remove(id));
+        assert!(s.remove(RequestId(id)));
     }
     s.pool().check_invariants().unwrap();
-    vec![0, 4, 7]
+    vec![RequestId(0), RequestId(4), RequestId(7)]
 }
 
-fn pages_of(s: &mut Scheduler, id: u64) -> Vec<u32> {
+fn pages_of(s: &mut Scheduler, id: RequestId) -> Vec<u32> {
     s.append_token(id, 9);
     let out = s.schedule();
     let q = out.seqs.iter().find(|q| q.id == id).expect("scheduled");
@@ -314,7 +314,7 @@ fn give_back_moves_live_pages_out_of_sparse_chunks_instead_of_preempting() {
         Ok(())
     });
     assert_eq!((done.chunks, done.bytes), (3, Bytes::mib(6)), "{done:?}");
-    assert_eq!(done.preempted, Vec::<u64>::new(), "free pages held the live one: nothing preempted");
+    assert_eq!(done.preempted, Vec::<RequestId>::new(), "free pages held the live one: nothing preempted");
     assert_eq!(
         copies,
         vec![(PageId(0), PageId(5))],
@@ -323,7 +323,7 @@ fn give_back_moves_live_pages_out_of_sparse_chunks_instead_of_preempting() {
     assert_eq!(done.moved, 1);
     s.pool().check_invariants().unwrap();
     assert_eq!(s.pool().counts().committed, 4, "one chunk left");
-    assert_eq!(pages_of(&mut s, 0), vec![5], "the page table follows the move");
+    assert_eq!(pages_of(&mut s, RequestId(0)), vec![5], "the page table follows the move");
     assert_eq!(s.preemptions, 0);
 }
 
@@ -339,7 +339,7 @@ fn give_back_preempts_only_what_the_card_cannot_keep() {
     // All of it needed: the three live pages exceed what no chunk keeps, so
     // every running sequence goes, newest first.
     let done = s.give_back(CardId(0), Bytes::mib(2), Bytes::mib(2), &mut |_| Ok(()));
-    assert_eq!(done.preempted, running.iter().rev().copied().collect::<Vec<u64>>(), "{done:?}");
+    assert_eq!(done.preempted, running.iter().rev().copied().collect::<Vec<RequestId>>(), "{done:?}");
     assert_eq!(done.chunks, 1);
     assert_eq!(s.pool().counts().committed, 0);
     s.pool().check_invariants().unwrap();
@@ -355,7 +355,7 @@ fn a_failed_copy_moves_nothing() {
     assert_eq!((done.chunks, done.moved, done.preempted.len()), (2, 0, 0), "{done:?}");
     assert_eq!(s.pool().counts().in_use, before.in_use);
     s.pool().check_invariants().unwrap();
-    assert_eq!(pages_of(&mut s, 0), vec![0], "the page stayed where it was");
+    assert_eq!(pages_of(&mut s, RequestId(0)), vec![0], "the page stayed where it was");
 }
 
 /// 5 ms a step, 0.1 ms a prompt row, 0.5 ms a decode row.
@@ -379,12 +379,12 @@ fn bounded(target: Option<Duration>, cost: StepCost) -> Scheduler {
 /// the rows it gets in the next step.
 fn long_prompt_beside_ten_decodes(s: &mut Scheduler) -> SchedulerOutput {
     for id in 0..10 {
-        s.add(id, vec![1, 2, 3]);
+        s.add(RequestId(id), vec![1, 2, 3]);
     }
     let first = step(s, 9);
     assert_eq!(first.decode_rows, 0, "prompts only");
     assert!(first.seqs.iter().all(|q| q.samples));
-    s.add(100, (0..3000).map(|t| t % 50).collect());
+    s.add(RequestId(100), (0..3000).map(|t| t % 50).collect());
     step(s, 9)
 }
 
@@ -394,7 +394,7 @@ fn the_step_budget_bounds_a_prompt_beside_running_decodes() {
     let out = long_prompt_beside_ten_decodes(&mut s);
     assert_eq!(out.decode_rows, 10);
     assert!(out.seqs[..10].iter().all(|q| q.rows == 1), "every decode keeps its row");
-    let long = out.seqs.iter().find(|q| q.id == 100).unwrap();
+    let long = out.seqs.iter().find(|q| q.id == RequestId(100)).unwrap();
     // 50 ms - 5 ms fixed - 10 × 0.5 ms = 40 ms of prompt rows at 0.1 ms.
     assert_eq!(long.rows, 400);
     assert_eq!(out.shape(), StepShape { prefill_rows: 400, decode_rows: 10 });
@@ -403,11 +403,11 @@ fn the_step_budget_bounds_a_prompt_beside_running_decodes() {
     // Without a target the prompt takes every row the decodes leave.
     let mut open = bounded(None, KNOWN);
     let out = long_prompt_beside_ten_decodes(&mut open);
-    assert_eq!(out.seqs.iter().find(|q| q.id == 100).unwrap().rows, 502);
+    assert_eq!(out.seqs.iter().find(|q| q.id == RequestId(100)).unwrap().rows, 502);
 
     // Once the decodes are gone, nobody waits on the step: the whole budget.
     for id in 0..10 {
-        assert!(s.remove(id));
+        assert!(s.remove(RequestId(id)));
     }
     let alone = step(&mut s, 9);
     assert_eq!((alone.seqs.len(), alone.seqs[0].rows, alone.decode_rows), (1, 512, 0));
@@ -419,10 +419,10 @@ fn a_prompt_still_progresses_by_the_floor_when_decodes_fill_the_target() {
     let slow = StepCost { per_decode_row: Duration::from_millis(5), ..KNOWN };
     let mut s = bounded(Some(Duration::from_millis(50)), slow);
     let out = long_prompt_beside_ten_decodes(&mut s);
-    assert_eq!(out.seqs.iter().find(|q| q.id == 100).unwrap().rows, 16);
+    assert_eq!(out.seqs.iter().find(|q| q.id == RequestId(100)).unwrap().rows, 16);
     // And it keeps progressing step after step.
     let next = step(&mut s, 9);
-    let long = next.seqs.iter().find(|q| q.id == 100).unwrap();
+    let long = next.seqs.iter().find(|q| q.id == RequestId(100)).unwrap();
     assert_eq!((long.cached, long.rows), (16, 16));
 }
 
@@ -430,7 +430,7 @@ fn a_prompt_still_progresses_by_the_floor_when_decodes_fill_the_target() {
 fn measured_steps_move_the_bound() {
     let mut s = bounded(Some(Duration::from_millis(50)), KNOWN);
     let out = long_prompt_beside_ten_decodes(&mut s);
-    assert_eq!(out.seqs.iter().find(|q| q.id == 100).unwrap().rows, 400);
+    assert_eq!(out.seqs.iter().find(|q| q.id == RequestId(100)).unwrap().rows, 400);
     // The card turns out twice as slow per prompt row as believed; steps of
     // several shapes are measured so.
     let truth = StepCost { per_prefill_row: Duration::from_micros(200), ..KNOWN };
@@ -447,7 +447,7 @@ fn measured_steps_move_the_bound() {
     // 40 ms of room now holds about 200 rows of 0.2 ms (the prior's small
     // weight pulls the fit by a few rows at most).
     let next = step(&mut s, 9);
-    let long = next.seqs.iter().find(|q| q.id == 100).unwrap();
+    let long = next.seqs.iter().find(|q| q.id == RequestId(100)).unwrap();
     assert!((190..=205).contains(&long.rows), "{}", long.rows);
     assert_eq!(next.decode_rows, 10);
 }
@@ -459,7 +459,7 @@ fn measured_steps_move_the_bound() {
 fn state_slots_bound_admission_and_return_on_end_and_preemption() {
     let mut s = sched(64, 64, 4).with_state_slots(2);
     for id in 1..=3 {
-        s.add(id, (0..6).map(|t| t + 10 * id as u32).collect());
+        s.add(RequestId(id), (0..6).map(|t| t + 10 * id as u32).collect());
     }
     let out = step(&mut s, 1);
     let slots: Vec<_> = out.seqs.iter().map(|q| q.state_slot.expect("a slot")).collect();
@@ -470,14 +470,14 @@ fn state_slots_bound_admission_and_return_on_end_and_preemption() {
     let again = step(&mut s, 1);
     assert_eq!(again.seqs.iter().map(|q| q.state_slot.unwrap()).collect::<Vec<_>>(), slots);
     // Ending the first frees its slot for the waiting one.
-    s.remove(1);
+    s.remove(RequestId(1));
     assert_eq!(s.free_state_slots(), Some(1));
     let out = step(&mut s, 1);
-    let third = out.seqs.iter().find(|q| q.id == 3).expect("admitted once a slot is free");
+    let third = out.seqs.iter().find(|q| q.id == RequestId(3)).expect("admitted once a slot is free");
     assert_eq!(third.state_slot, Some(slots[0]));
     assert_eq!(third.cached, 0);
-    s.remove(2);
-    s.remove(3);
+    s.remove(RequestId(2));
+    s.remove(RequestId(3));
     assert_eq!(s.free_state_slots(), Some(2));
 }
 
@@ -485,8 +485,8 @@ fn state_slots_bound_admission_and_return_on_end_and_preemption() {
 fn state_slots_are_given_back_by_preemption() {
     // 6 pages of 4 tokens: two growing sequences run the pool out.
     let mut s = sched(6, 64, 4).with_state_slots(2);
-    s.add(1, (0..8).collect());
-    s.add(2, (100..108).collect());
+    s.add(RequestId(1), (0..8).collect());
+    s.add(RequestId(2), (100..108).collect());
     step(&mut s, 1);
     let mut preempted = false;
     for _ in 0..12 {
@@ -509,12 +509,12 @@ fn state_slots_are_given_back_by_preemption() {
 fn a_model_with_state_reuses_no_prefix() {
     let mut s = sched(64, 64, 4).with_state_slots(4);
     let prompt: Vec<u32> = (0..18).collect();
-    s.add(1, prompt.clone());
+    s.add(RequestId(1), prompt.clone());
     step(&mut s, 50);
-    s.remove(1);
-    s.add(2, prompt);
+    s.remove(RequestId(1));
+    s.add(RequestId(2), prompt);
     let out = step(&mut s, 50);
-    assert_eq!(s.cached_tokens(2), Some(0));
+    assert_eq!(s.cached_tokens(RequestId(2)), Some(0));
     assert_eq!((out.seqs[0].cached, out.seqs[0].rows), (0, 18));
     assert_eq!(s.pool().counts().cached, 0, "no page was offered to the prefix cache");
 }

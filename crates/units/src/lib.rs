@@ -216,6 +216,25 @@ impl fmt::Display for Rank {
     }
 }
 
+/// One generation request as the engine numbers it, from submission to its
+/// last event: the key of its sequence in the scheduler and of its sampler
+/// state in the engine loop.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RequestId(pub u64);
+
+impl RequestId {
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "req#{}", self.0)
+    }
+}
+
 /// A token id in a tokenizer's vocabulary.
 pub type TokenId = u32;
 
@@ -240,6 +259,13 @@ mod tests {
         assert_eq!(Bytes::mib(3).to_string(), "3.0 MiB");
         assert_eq!(Tokens(17).pages(Tokens(16)), Pages(2));
         assert_eq!(Pages(2).tokens(Tokens(16)), Tokens(32));
+    }
+
+    #[test]
+    fn ids_name_themselves() {
+        assert_eq!(RequestId(7).to_string(), "req#7");
+        assert_eq!(RequestId(7).get(), 7);
+        assert_eq!(PageId(3).to_string(), "page#3");
     }
 
     #[test]

@@ -128,7 +128,7 @@ pub(super) fn conclude(
             stats.record_failure();
             if row.state.take_first_warning() {
                 tracing::warn!(
-                    request = row.request_id,
+                    request = row.request_id.get(),
                     position = row.state.generated().0,
                     nan = scan.nan,
                     pos_inf = scan.pos_inf,
@@ -143,7 +143,7 @@ pub(super) fn conclude(
         stats.record_fallback(kind);
         if row.state.take_first_warning() {
             tracing::warn!(
-                request = row.request_id,
+                request = row.request_id.get(),
                 position = row.state.generated().0,
                 kind = kind.label(),
                 nan = scan.nan,

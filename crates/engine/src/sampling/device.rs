@@ -224,6 +224,7 @@ mod tests {
     use crate::sampling::logits::apply_adjustments;
     use crate::sampling::outcome::FallbackKind;
     use crate::sampling::{CpuSampler, Sampler};
+    use corridor_units::RequestId;
     use corridor_units::Tokens;
     use std::sync::Arc;
 
@@ -368,11 +369,21 @@ mod tests {
                 let mut a = state(&mut rng, p, vocab);
                 let mut b = a.clone();
                 let mut hl = logits.clone();
-                let mut rows =
-                    [SampleRow { request_id: 1, params: p, state: &mut a, eos_token_ids: &eos, mask: None }];
+                let mut rows = [SampleRow {
+                    request_id: RequestId(1),
+                    params: p,
+                    state: &mut a,
+                    eos_token_ids: &eos,
+                    mask: None,
+                }];
                 let want = host.sample(&mut hl, vocab, &mut rows).unwrap().remove(0);
-                let mut row =
-                    SampleRow { request_id: 1, params: p, state: &mut b, eos_token_ids: &eos, mask: None };
+                let mut row = SampleRow {
+                    request_id: RequestId(1),
+                    params: p,
+                    state: &mut b,
+                    eos_token_ids: &eos,
+                    mask: None,
+                };
                 let mut edits = Vec::new();
                 let spec = plan_row(&mut row, vocab, 0, &mut edits);
                 let mut dl = logits.clone();
@@ -381,8 +392,13 @@ mod tests {
                 assert_eq!(got, want, "shape {n} case {case}");
                 // The spilled path draws the same from the adjusted row.
                 let mut c = a.clone();
-                let mut row =
-                    SampleRow { request_id: 1, params: p, state: &mut c, eos_token_ids: &eos, mask: None };
+                let mut row = SampleRow {
+                    request_id: RequestId(1),
+                    params: p,
+                    state: &mut c,
+                    eos_token_ids: &eos,
+                    mask: None,
+                };
                 if summary.argmax != NO_TOKEN && !summary.is_broken() {
                     let spilled = RowSummary { status: ROW_TOO_MANY_CANDIDATES, token: NO_TOKEN, ..summary };
                     let again =
