@@ -17,7 +17,7 @@ use corridor_engine::ranks::{LayoutOptions, MultiRank, DEFAULT_MICROBATCH_ROWS};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::Layout;
 use corridor_model::Checkpoint;
-use corridor_units::{PageId, RequestId};
+use corridor_units::{PageId, Pages, RequestId, Tokens};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -88,8 +88,12 @@ fn chunks() -> Vec<(SchedulerOutput, Vec<usize>)> {
 /// A pipeline over `layout` whose steps with more than `microbatch_rows`
 /// prompt rows run as micro-batches (0: whole), warmed up by one chunk.
 fn group(ckpt: &Checkpoint, layout: &Layout, link: LinkModel, microbatch_rows: usize) -> MultiRank {
-    let limits =
-        ExecutorLimits { max_rows: CHUNK, max_logit_rows: 1, page_size: PAGE, num_pages: PROMPT / PAGE };
+    let limits = ExecutorLimits {
+        max_rows: Tokens(CHUNK),
+        max_logit_rows: 1,
+        page_size: Tokens(PAGE),
+        num_pages: Pages(PROMPT / PAGE),
+    };
     let options = LayoutOptions { link: Some(link), microbatch_rows, ..LayoutOptions::new(limits) };
     let mut group = MultiRank::spawn(ckpt, layout, options).expect("spawn the pipeline");
     let (step, rows) = &chunks()[0];

@@ -262,9 +262,9 @@ pub fn spawn<B: Backend>(
 ) -> Result<EngineHandle, EngineError> {
     let sc = config.scheduler;
     let limits = ExecutorLimits {
-        max_rows: sc.max_batched_tokens,
+        max_rows: Tokens(sc.max_batched_tokens),
         max_logit_rows: sc.max_running,
-        page_size: config.page_size.get(),
+        page_size: config.page_size,
         num_pages: pool.capacity(),
     };
     let exec = SingleRank::new(backend, model, limits).map_err(|e| EngineError::Startup(e.to_string()))?;
@@ -287,7 +287,7 @@ pub fn spawn_with(
     let info = Arc::new(ModelInfo {
         config: exec.config().clone(),
         context_len: sc.context_len,
-        num_pages: pool.capacity(),
+        num_pages: pool.capacity().get(),
         page_size: config.page_size.get(),
     });
     let mut sched = Scheduler::new(sc, pool);

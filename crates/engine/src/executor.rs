@@ -12,7 +12,7 @@ use corridor_backend::{Backend, GraphKey, SeqStep};
 use corridor_model::layout::Layout;
 use corridor_model::ModelConfig;
 use corridor_model::{KvCache, Model, ModelError, StepInput, Workspace};
-use corridor_units::{Bytes, PageId, Rank, StateSlot};
+use corridor_units::{Bytes, PageId, Pages, Rank, StateSlot, Tokens};
 
 /// Runs steps for the engine.
 pub trait Executor: Send + 'static {
@@ -105,12 +105,15 @@ pub struct DeviceDraw<'a> {
 /// Sizes the executor must be able to run.
 #[derive(Clone, Copy, Debug)]
 pub struct ExecutorLimits {
-    /// Token rows per step.
-    pub max_rows: usize,
-    /// Rows that sample per step (one per running sequence).
+    /// Token rows per step (the scheduler's token budget).
+    pub max_rows: Tokens,
+    /// Rows that sample per step: a count of rows, one per running sequence
+    /// (and of state slots for a model with recurrent state), not of tokens.
     pub max_logit_rows: usize,
-    pub page_size: usize,
-    pub num_pages: usize,
+    /// Tokens per KV page.
+    pub page_size: Tokens,
+    /// KV pages the cache holds (the page pool's id space).
+    pub num_pages: Pages,
 }
 
 /// The whole model on one backend, or one rank's slice of it with the
@@ -166,8 +169,8 @@ pub fn capture_key(input: &StepInput<'_>, replayable: bool) -> Option<GraphKey> 
 impl<B: Backend> SingleRank<B> {
     /// Allocate the workspace and KV cache for `limits`, once.
     pub fn new(backend: B, model: Model<B>, limits: ExecutorLimits) -> Result<Self, ModelError> {
-        let ws = model.workspace(&backend, limits.max_rows, limits.max_logit_rows)?;
-        let kv = model.kv_cache(&backend, limits.page_size, limits.num_pages)?;
+        let ws = model.workspace(&backend, limits.max_rows.get(), limits.max_logit_rows)?;
+        let kv = model.kv_cache(&backend, limits.page_size.get(), limits.num_pages.get())?;
         Ok(Self::from_parts(backend, model, ws, kv))
     }
 

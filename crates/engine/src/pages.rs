@@ -229,8 +229,8 @@ impl PagePool {
         self.page_size
     }
     /// The id space of the arena.
-    pub fn capacity(&self) -> usize {
-        self.arena.capacity().get()
+    pub fn capacity(&self) -> Pages {
+        self.arena.capacity()
     }
     /// Pages the arena holds when the card has room (its sized target, or
     /// what is committed if that is more): a sequence needing more than this

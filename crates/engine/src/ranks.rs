@@ -282,7 +282,7 @@ impl MultiRank {
             control,
             serving,
             epoch: 0,
-            page_size: options.limits.page_size,
+            page_size: options.limits.page_size.get(),
         });
         Ok(multi)
     }
@@ -321,7 +321,7 @@ impl MultiRank {
                     control: f.control,
                     layouts: layouts.clone(),
                     config: config.clone(),
-                    page_size: options.limits.page_size,
+                    page_size: options.limits.page_size.get(),
                     serving: Phase::of(layout.kind).expect("a flipping layout is tensor or pipeline"),
                     epoch: 0,
                 }),
@@ -331,7 +331,7 @@ impl MultiRank {
                 index: slice.rank.0 as usize,
                 exec: parts.exec,
                 kv: parts.kv,
-                max_pages: options.limits.num_pages as u64,
+                max_pages: options.limits.num_pages.get() as u64,
                 flip,
                 microbatch_rows: options.microbatch_rows,
                 pipeline: layout.kind == LayoutKind::Pipeline,

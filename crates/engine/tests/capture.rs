@@ -12,7 +12,7 @@ use corridor_engine::executor::{capture_key, Executor, ExecutorLimits, SingleRan
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::Layout;
 use corridor_model::{Checkpoint, KvCache, Model, ModelError, StepInput, Workspace};
-use corridor_units::{PageId, RequestId, StateSlot};
+use corridor_units::{PageId, Pages, RequestId, StateSlot, Tokens};
 use std::path::Path;
 
 fn ckpt(name: &str) -> Checkpoint {
@@ -154,7 +154,12 @@ fn the_executor_never_asks_a_host_routed_model_to_capture() {
     // (padded to captured sizes, as on a device that replays) passing shows
     // the executor asked for none.
     let (backend, moe) = load("qwen3-moe");
-    let limits = ExecutorLimits { max_rows: 16, max_logit_rows: 4, page_size: 16, num_pages: 8 };
+    let limits = ExecutorLimits {
+        max_rows: Tokens(16),
+        max_logit_rows: 4,
+        page_size: Tokens(16),
+        num_pages: Pages(8),
+    };
     let mut exec = SingleRank::new(backend, moe, limits).unwrap().with_decode_padding(true);
     assert_eq!(serve(&mut exec, 3).len(), 2 * exec.config().vocab_size);
     // The replayable model is handed keys of its padded shape (a key of any

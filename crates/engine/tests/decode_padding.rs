@@ -8,7 +8,7 @@ use corridor_engine::executor::{decode_bucket, Executor, SingleRank};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::Checkpoint;
 use corridor_model::Model;
-use corridor_units::{PageId, RequestId};
+use corridor_units::{PageId, Pages, RequestId, Tokens};
 use std::path::Path;
 
 fn executor(padded: bool) -> SingleRank<CpuBackend> {
@@ -17,10 +17,10 @@ fn executor(padded: bool) -> SingleRank<CpuBackend> {
     let backend = CpuBackend::new();
     let model = Model::load(&backend, &ckpt, |_| {}).unwrap();
     let limits = corridor_engine::executor::ExecutorLimits {
-        max_rows: 256,
+        max_rows: Tokens(256),
         max_logit_rows: 16,
-        page_size: 16,
-        num_pages: 64,
+        page_size: Tokens(16),
+        num_pages: Pages(64),
     };
     SingleRank::new(backend, model, limits).unwrap().with_decode_padding(padded)
 }

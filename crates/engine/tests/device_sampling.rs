@@ -108,7 +108,12 @@ fn executor() -> SingleRank<CpuBackend> {
     let ckpt = Checkpoint::open(&dir).unwrap();
     let backend = CpuBackend::new();
     let model = Model::load(&backend, &ckpt, |_| {}).unwrap();
-    let limits = ExecutorLimits { max_rows: 64, max_logit_rows: 8, page_size: 16, num_pages: 64 };
+    let limits = ExecutorLimits {
+        max_rows: Tokens(64),
+        max_logit_rows: 8,
+        page_size: Tokens(16),
+        num_pages: Pages(64),
+    };
     SingleRank::new(backend, model, limits).unwrap()
 }
 

@@ -9,7 +9,7 @@ use corridor_engine::ranks::{LayoutOptions, MultiRank};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::Layout;
 use corridor_model::Checkpoint;
-use corridor_units::{Bytes, PageId, RequestId};
+use corridor_units::{Bytes, PageId, Pages, RequestId, Tokens};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -23,7 +23,7 @@ fn ckpt() -> Checkpoint {
 }
 
 fn limits() -> ExecutorLimits {
-    ExecutorLimits { max_rows: 64, max_logit_rows: 4, page_size: 16, num_pages: 32 }
+    ExecutorLimits { max_rows: Tokens(64), max_logit_rows: 4, page_size: Tokens(16), num_pages: Pages(32) }
 }
 
 /// One prompt of 40 tokens in pages 0..3.
@@ -161,8 +161,12 @@ fn a_micro_batched_pipeline_serves_what_one_rank_serves() {
     use corridor_engine::sampling::SamplingParams;
     use corridor_engine::scheduler::SchedulerConfig;
     use corridor_model::Model;
-    use corridor_units::{Pages, Tokens};
-    let l = ExecutorLimits { max_rows: 24, max_logit_rows: 4, page_size: 16, num_pages: 64 };
+    let l = ExecutorLimits {
+        max_rows: Tokens(24),
+        max_logit_rows: 4,
+        page_size: Tokens(16),
+        num_pages: Pages(64),
+    };
     let serve = |exec: Box<dyn Executor>| {
         let config = EngineConfig {
             scheduler: SchedulerConfig {

@@ -22,7 +22,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn limits() -> ExecutorLimits {
-    ExecutorLimits { max_rows: 24, max_logit_rows: 4, page_size: 16, num_pages: PAGES }
+    ExecutorLimits { max_rows: Tokens(24), max_logit_rows: 4, page_size: Tokens(16), num_pages: Pages(PAGES) }
 }
 
 fn engine(exec: Box<dyn Executor>) -> EngineHandle {
@@ -32,7 +32,7 @@ fn engine(exec: Box<dyn Executor>) -> EngineHandle {
         EngineConfig {
             scheduler: SchedulerConfig {
                 max_running: l.max_logit_rows,
-                max_batched_tokens: l.max_rows,
+                max_batched_tokens: l.max_rows.get(),
                 context_len: 256,
                 itl_target: None,
             },

@@ -32,7 +32,7 @@ use corridor_engine::pages::PagePool;
 use corridor_engine::ranks::{Calibration, FlipParts, KvShare, LayoutOptions, MultiRank, RankParts};
 use corridor_model::layout::{self, CardRoom, CostModel, Layout, LayoutSpec, RankSlice, Split};
 use corridor_model::{Checkpoint, Model};
-use corridor_units::{Bytes, CardId, Pages};
+use corridor_units::{Bytes, CardId, Pages, Tokens};
 use corridor_vram::recorder::BootPhase;
 use corridor_vram::sizing::{solve, SizingInput, DEFAULT_MARGIN};
 use corridor_vram::{Allocation, Device, Governor, KvArena, Purpose, SystemClock, Urgency};
@@ -283,10 +283,10 @@ pub(super) fn start<K: RankKind>(
         link: plan.sim_link,
         microbatch_rows: kind.microbatch_rows(),
         ..LayoutOptions::new(ExecutorLimits {
-            max_rows: limits.max_batched_tokens,
+            max_rows: Tokens(limits.max_batched_tokens),
             max_logit_rows: limits.max_running,
-            page_size,
-            num_pages: arena.capacity().get(),
+            page_size: limits.page_size,
+            num_pages: arena.capacity(),
         })
     };
     let mut execs = Vec::with_capacity(with_ws.len());
