@@ -23,7 +23,7 @@ pub use dtype::{DType, HostTensor, TensorBytes, QK, QK_K};
 pub use moe::{Expert, MoeFfn, MoeScratch, MoeShape, Routing};
 pub use tuning::CudaTuning;
 
-use corridor_units::{PageId, StateSlot};
+use corridor_units::{PageId, StateSlot, TokenId};
 use corridor_vram::KvArena;
 use std::sync::Arc;
 
@@ -217,8 +217,9 @@ pub struct ActShape {
 /// once instead of once per layer.
 #[derive(Clone, Copy, Debug)]
 pub struct StepPlan<'a> {
-    /// Token ids, sequences concatenated: `[rows]`.
-    pub tokens: &'a [u32],
+    /// Token ids, sequences concatenated: `[rows]`. A device backend uploads
+    /// them as `u32` ([`TokenId::as_u32_slice`]): the kernels' edge.
+    pub tokens: &'a [TokenId],
     /// The position of each token: `[rows]`.
     pub positions: &'a [u32],
     /// Each sequence's slice of the rows and its page table.

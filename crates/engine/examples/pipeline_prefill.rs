@@ -17,7 +17,7 @@ use corridor_engine::ranks::{LayoutOptions, MultiRank, DEFAULT_MICROBATCH_ROWS};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::Layout;
 use corridor_model::Checkpoint;
-use corridor_units::{PageId, Pages, RequestId, Tokens};
+use corridor_units::{PageId, Pages, RequestId, TokenId, Tokens};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -67,7 +67,7 @@ fn chunks() -> Vec<(SchedulerOutput, Vec<usize>)> {
             let cached = c * CHUNK;
             let last = cached + CHUNK == PROMPT;
             let step = SchedulerOutput {
-                tokens: (cached..cached + CHUNK).map(|t| (t * 7919 % 30_000) as u32 + 100).collect(),
+                tokens: (cached..cached + CHUNK).map(|t| TokenId((t * 7919 % 30_000) as u32 + 100)).collect(),
                 positions: (cached as u32..(cached + CHUNK) as u32).collect(),
                 seqs: vec![ScheduledSeq {
                     id: RequestId(1),

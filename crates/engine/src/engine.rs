@@ -23,7 +23,7 @@ use corridor_backend::sample::{
 use corridor_backend::Backend;
 use corridor_model::Model;
 use corridor_model::ModelConfig;
-use corridor_units::{Bytes, CardId, Pages, Rank, RequestId, Tokens};
+use corridor_units::{Bytes, CardId, Pages, Rank, RequestId, TokenId, Tokens};
 use corridor_vram::{ReliefProvider, Tier};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,13 +41,13 @@ pub struct EngineConfig {
 /// A request as the engine sees it: token ids and sampling settings.
 #[derive(Clone, Debug)]
 pub struct GenerateRequest {
-    pub prompt: Vec<u32>,
+    pub prompt: Vec<TokenId>,
     pub params: SamplingParams,
     /// `None` means until an end token or the end of the context.
     pub max_new_tokens: Option<usize>,
     /// End-of-sequence ids of the tokenizer (the sampler masks them while
     /// `min_tokens` is not reached).
-    pub eos_ids: Vec<u32>,
+    pub eos_ids: Vec<TokenId>,
     /// A grammar the output is held to (structured output, forced tool
     /// calls); `None` leaves the output free.
     pub constraint: Option<Constraint>,
@@ -78,7 +78,7 @@ pub struct Usage {
 /// What a request's stream carries.
 #[derive(Clone, Debug)]
 pub enum Event {
-    Token { token: u32, logprob: Option<f32>, top_logprobs: Vec<TokenLogprob> },
+    Token { token: TokenId, logprob: Option<f32>, top_logprobs: Vec<TokenLogprob> },
     Done { reason: FinishReason, usage: Usage },
 }
 
@@ -245,7 +245,7 @@ struct Live {
     tx: tmpsc::UnboundedSender<Event>,
     params: SamplingParams,
     state: SamplerState,
-    eos_ids: Vec<u32>,
+    eos_ids: Vec<TokenId>,
     prompt_len: usize,
     generated: usize,
     max_new: Option<usize>,

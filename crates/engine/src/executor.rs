@@ -12,7 +12,7 @@ use corridor_backend::{Backend, GraphKey, SeqStep};
 use corridor_model::layout::Layout;
 use corridor_model::ModelConfig;
 use corridor_model::{KvCache, Model, ModelError, StepInput, Workspace};
-use corridor_units::{Bytes, PageId, Pages, Rank, StateSlot, Tokens};
+use corridor_units::{Bytes, PageId, Pages, Rank, StateSlot, TokenId, Tokens};
 
 /// Runs steps for the engine.
 pub trait Executor: Send + 'static {
@@ -137,7 +137,7 @@ pub struct SingleRank<B: Backend> {
 /// A decode step padded with rows that belong to no sequence.
 #[derive(Default)]
 struct PaddedStep {
-    tokens: Vec<u32>,
+    tokens: Vec<TokenId>,
     positions: Vec<u32>,
     logit_rows: Vec<usize>,
 }
@@ -237,7 +237,7 @@ impl<B: Backend> SingleRank<B> {
     pub fn warm_up(&mut self) -> Result<Vec<usize>, ModelError> {
         let mut logits = Vec::new();
         let mut run = |me: &mut Self, rows: usize| -> Result<(), ModelError> {
-            let tokens = vec![0u32; rows];
+            let tokens = vec![TokenId(0); rows];
             let positions = vec![0u32; rows];
             let logit_rows: Vec<usize> = (0..rows.min(me.ws.max_logit_rows())).collect();
             let mut input = StepInput {
@@ -437,7 +437,7 @@ impl<B: Backend> SingleRank<B> {
         let p = &mut self.padded;
         p.tokens.clear();
         p.tokens.extend_from_slice(&step.tokens);
-        p.tokens.resize(target, 0);
+        p.tokens.resize(target, TokenId(0));
         p.positions.clear();
         p.positions.extend_from_slice(&step.positions);
         p.positions.resize(target, 0);

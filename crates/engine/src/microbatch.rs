@@ -113,7 +113,7 @@ pub fn logit_places(rows: usize, logit_rows: &[usize], parts: usize) -> Vec<(usi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use corridor_units::{PageId, RequestId};
+    use corridor_units::{PageId, RequestId, TokenId};
 
     fn seq(id: u64, row_start: usize, rows: usize, cached: usize, samples: bool) -> ScheduledSeq {
         ScheduledSeq {
@@ -140,7 +140,7 @@ mod tests {
         positions.extend(4..17);
         positions.extend(0..9);
         SchedulerOutput {
-            tokens: (100..100 + rows as u32).collect(),
+            tokens: (100..100 + rows as u32).map(TokenId).collect(),
             positions,
             seqs,
             preempted: vec![RequestId(9)],
@@ -152,7 +152,7 @@ mod tests {
     /// Every row of `whole` appears once, in order, with its sequence's
     /// position, page table and cached count.
     fn check(whole: &SchedulerOutput, logit_rows: &[usize], parts: &[(SchedulerOutput, Vec<usize>)]) {
-        let tokens: Vec<u32> = parts.iter().flat_map(|p| p.0.tokens.clone()).collect();
+        let tokens: Vec<TokenId> = parts.iter().flat_map(|p| p.0.tokens.clone()).collect();
         let positions: Vec<u32> = parts.iter().flat_map(|p| p.0.positions.clone()).collect();
         assert_eq!((tokens, positions), (whole.tokens.clone(), whole.positions.clone()));
         let mut offset = 0;
@@ -257,7 +257,7 @@ mod tests {
         // A 512-row prompt chunk at the default makes about two parts per
         // stage of a 3-stage pipeline.
         let chunk = SchedulerOutput {
-            tokens: vec![0; 512],
+            tokens: vec![TokenId(0); 512],
             positions: (0..512).collect(),
             seqs: vec![seq(1, 0, 512, 0, true)],
             ..SchedulerOutput::default()

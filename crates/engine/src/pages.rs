@@ -22,7 +22,7 @@
 //! The engine never holds the index lock while it calls into the guard (which
 //! may run that provider), so the two cannot deadlock.
 
-use corridor_units::{Bytes, CardId, PageId, Pages, Tokens};
+use corridor_units::{Bytes, CardId, PageId, Pages, TokenId, Tokens};
 use corridor_vram::{
     ArenaCounts, CardSettings, Device, KvArena, KvArenaConfig, ManualClock, ReliefProvider, SimCard,
     SimCardSpec, Tier, Urgency,
@@ -62,7 +62,7 @@ impl From<ArenaCounts> for PoolCounts {
 #[derive(Debug)]
 struct Registered {
     hash: PageHash,
-    tokens: Vec<u32>,
+    tokens: Vec<TokenId>,
 }
 
 /// Which pages hold which prefix, and the engine's holder counts.
@@ -333,7 +333,7 @@ impl PagePool {
 
     /// Register a full page under `hash` so later prompts can reuse it. If the
     /// same content is already registered under another page, nothing changes.
-    pub fn register(&mut self, page: PageId, hash: PageHash, tokens: &[u32]) {
+    pub fn register(&mut self, page: PageId, hash: PageHash, tokens: &[TokenId]) {
         debug_assert_eq!(tokens.len(), self.page_size);
         let mut idx = lock(&self.index);
         if idx.by_hash.contains_key(&hash) || idx.registered.contains_key(&page.0) {
@@ -345,7 +345,7 @@ impl PagePool {
 
     /// Find the longest cached prefix of `tokens` over at most `max_pages`
     /// full pages and take a hold on each page found.
-    pub fn acquire_prefix(&mut self, tokens: &[u32], max_pages: usize) -> SeqPages {
+    pub fn acquire_prefix(&mut self, tokens: &[TokenId], max_pages: usize) -> SeqPages {
         let mut hashes = page_hashes(tokens, self.page_size);
         hashes.truncate(max_pages);
         let mut idx = lock(&self.index);
@@ -518,13 +518,13 @@ impl ReliefProvider for PrefixEvictor {
 /// Chained hashes of the full pages of `tokens` (FNV-1a over the parent hash
 /// and the page's token ids: cheap and deterministic across runs; a collision
 /// is harmless because every hit also compares the page's tokens).
-pub fn page_hashes(tokens: &[u32], page_size: usize) -> Vec<PageHash> {
+pub fn page_hashes(tokens: &[TokenId], page_size: usize) -> Vec<PageHash> {
     let mut out = Vec::with_capacity(tokens.len() / page_size);
     let mut parent: u64 = 0xcbf2_9ce4_8422_2325;
     for page in tokens.chunks_exact(page_size) {
         let mut h = parent;
         for &t in page {
-            for b in t.to_le_bytes() {
+            for b in t.get().to_le_bytes() {
                 h ^= b as u64;
                 h = h.wrapping_mul(0x0000_0100_0000_01b3);
             }

@@ -28,7 +28,7 @@ use corridor_backend::Backend;
 use corridor_model::layout::{Layout, LayoutKind};
 use corridor_model::{Checkpoint, ModelConfig};
 use corridor_model::{Model, ModelError};
-use corridor_units::{Bytes, PageId, Pages, Rank, RequestId};
+use corridor_units::{Bytes, PageId, Pages, Rank, RequestId, TokenId};
 use corridor_vram::sizing::{solve, SizingInput};
 use corridor_vram::{ChunkGeometry, Device, Purpose, ReserveRequest, Urgency};
 use std::sync::mpsc;
@@ -528,7 +528,7 @@ impl MultiRank {
         let pages: Vec<PageId> = (0..rows.div_ceil(page_size) as u32).map(PageId).collect();
         let vocab = self.config.vocab_size as u32;
         let step = SchedulerOutput {
-            tokens: (0..rows as u32).map(|t| (t * 7 + 3) % vocab).collect(),
+            tokens: (0..rows as u32).map(|t| TokenId((t * 7 + 3) % vocab)).collect(),
             positions: (0..rows as u32).collect(),
             seqs: vec![crate::scheduler::ScheduledSeq {
                 id: RequestId(u64::MAX),

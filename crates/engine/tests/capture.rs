@@ -12,7 +12,7 @@ use corridor_engine::executor::{capture_key, Executor, ExecutorLimits, SingleRan
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::Layout;
 use corridor_model::{Checkpoint, KvCache, Model, ModelError, StepInput, Workspace};
-use corridor_units::{PageId, Pages, RequestId, StateSlot, Tokens};
+use corridor_units::{PageId, Pages, RequestId, StateSlot, TokenId, Tokens};
 use std::path::Path;
 
 fn ckpt(name: &str) -> Checkpoint {
@@ -37,7 +37,7 @@ fn with_step<R>(rows_per_seq: &[usize], logit_rows: &[usize], f: impl FnOnce(&St
         seqs.push(SeqStep { row_start: row, rows, cached: 0, pages: &PAGES });
         row += rows;
     }
-    let tokens = vec![1u32; row];
+    let tokens = vec![TokenId(1); row];
     let positions: Vec<u32> = (0..row as u32).collect();
     f(&StepInput {
         tokens: &tokens,
@@ -56,7 +56,7 @@ fn only_decode_steps_of_a_replayable_rank_are_captured() {
     assert_eq!(decode, Some(GraphKey { rows: 3, logit_rows: 3 }));
     // A decode step padded with a row of no sequence still is one.
     let padded = with_step(&[1, 1, 1], &[0, 1, 2, 3], |s| {
-        let tokens = [1u32; 4];
+        let tokens = [TokenId(1); 4];
         let positions = [0u32; 4];
         capture_key(&StepInput { tokens: &tokens, positions: &positions, ..*s }, true)
     });
@@ -131,7 +131,7 @@ fn serve(exec: &mut SingleRank<CpuBackend>, steps: usize) -> Vec<f32> {
     let mut logits = Vec::new();
     let mut step = SchedulerOutput::default();
     for i in 0..2 {
-        step.tokens.extend((0..6).map(|t| (t * 7 + i as u32) % 100));
+        step.tokens.extend((0..6).map(|t| TokenId((t * 7 + i as u32) % 100)));
         step.positions.extend(0..6);
         step.seqs.push(seq(i, 6 * i, 6, 0));
     }
@@ -139,7 +139,7 @@ fn serve(exec: &mut SingleRank<CpuBackend>, steps: usize) -> Vec<f32> {
     for s in 0..steps {
         let mut step = SchedulerOutput::default();
         for i in 0..2 {
-            step.tokens.push((s * 3 + i) as u32 % 100);
+            step.tokens.push(TokenId((s * 3 + i) as u32 % 100));
             step.positions.push((6 + s) as u32);
             step.seqs.push(seq(i, i, 1, 6 + s));
         }

@@ -10,7 +10,7 @@ use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::{Layout, LayoutSpec, Split};
 use corridor_model::Checkpoint;
 use corridor_model::Model;
-use corridor_units::{PageId, Pages, RequestId, Tokens};
+use corridor_units::{PageId, Pages, RequestId, TokenId, Tokens};
 use std::path::Path;
 
 const LIMITS: ExecutorLimits =
@@ -39,7 +39,7 @@ fn step(tokens: Vec<u32>, cached: usize, pages: &[PageId]) -> SchedulerOutput {
     let rows = tokens.len();
     SchedulerOutput {
         positions: (cached as u32..(cached + rows) as u32).collect(),
-        tokens,
+        tokens: TokenId::vec(&tokens),
         seqs: vec![ScheduledSeq {
             id: RequestId(1),
             row_start: 0,

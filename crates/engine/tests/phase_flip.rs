@@ -16,7 +16,7 @@ use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::{Layout, LayoutSpec, Split};
 use corridor_model::Checkpoint;
 use corridor_model::Model;
-use corridor_units::{Bytes, CardId, Pages, RequestId, Tokens};
+use corridor_units::{Bytes, CardId, Pages, RequestId, TokenId, Tokens};
 use corridor_units::{PageId, Rank};
 use corridor_vram::{CardSettings, ChunkGeometry, Device, SimCard, SimCardSpec, SystemClock};
 use std::path::Path;
@@ -47,7 +47,7 @@ fn step(tokens: Vec<u32>, cached: usize, pages: &[PageId]) -> SchedulerOutput {
     let rows = tokens.len();
     SchedulerOutput {
         positions: (cached as u32..(cached + rows) as u32).collect(),
-        tokens,
+        tokens: TokenId::vec(&tokens),
         seqs: vec![ScheduledSeq {
             id: RequestId(1),
             row_start: 0,

@@ -9,7 +9,7 @@ use corridor_engine::ranks::{LayoutOptions, MultiRank};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::Layout;
 use corridor_model::Checkpoint;
-use corridor_units::{Bytes, PageId, Pages, RequestId, Tokens};
+use corridor_units::{Bytes, PageId, Pages, RequestId, TokenId, Tokens};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -30,7 +30,7 @@ fn limits() -> ExecutorLimits {
 fn prompt_step() -> SchedulerOutput {
     let rows = 40;
     SchedulerOutput {
-        tokens: (0..rows as u32).map(|t| (t * 7 + 3) % 200).collect(),
+        tokens: (0..rows as u32).map(|t| TokenId((t * 7 + 3) % 200)).collect(),
         positions: (0..rows as u32).collect(),
         seqs: vec![ScheduledSeq {
             id: RequestId(1),
@@ -89,7 +89,7 @@ fn steps() -> Vec<(SchedulerOutput, Vec<usize>)> {
         let mut out = SchedulerOutput { decode_rows, ..SchedulerOutput::default() };
         for s in &seqs {
             for r in 0..s.rows {
-                out.tokens.push(tok(s.id.get(), s.cached + r));
+                out.tokens.push(TokenId(tok(s.id.get(), s.cached + r)));
                 out.positions.push((s.cached + r) as u32);
             }
         }
@@ -183,7 +183,7 @@ fn a_micro_batched_pipeline_serves_what_one_rank_serves() {
             .into_iter()
             .map(|prompt| {
                 e.submit(corridor_engine::engine::GenerateRequest {
-                    prompt,
+                    prompt: TokenId::vec(&prompt),
                     params: SamplingParams { temperature: 0.0, ignore_eos: true, ..Default::default() },
                     max_new_tokens: Some(8),
                     eos_ids: vec![],
@@ -197,7 +197,7 @@ fn a_micro_batched_pipeline_serves_what_one_rank_serves() {
             .map(|s| {
                 let mut toks = Vec::new();
                 while let Event::Token { token, .. } = s.next_blocking().expect("engine alive") {
-                    toks.push(token);
+                    toks.push(token.get());
                 }
                 toks
             })

@@ -51,7 +51,7 @@ fn nan_in_logits_falls_back_to_argmax() {
     let out = run(&mut sampler, &rows, &SamplingParams { temperature: 2.0, ..SamplingParams::default() });
     for o in &out {
         let s = o.as_ref().expect("row still has valid tokens");
-        assert_eq!((s.token, s.fallback), (20, Some(FallbackKind::NonFiniteLogits)));
+        assert_eq!((s.token, s.fallback), (TokenId(20), Some(FallbackKind::NonFiniteLogits)));
     }
     assert_eq!(stats.fallbacks(FallbackKind::NonFiniteLogits), 20);
     assert_eq!(stats.total_fallbacks(), 20);
@@ -68,7 +68,7 @@ fn positive_infinity_falls_back_to_that_token() {
     let params = SamplingParams { logprobs: Some(3), ..SamplingParams::default() };
     for o in run(&mut sampler, &rows, &params) {
         let s = o.expect("valid");
-        assert_eq!((s.token, s.fallback), (7, Some(FallbackKind::NonFiniteLogits)));
+        assert_eq!((s.token, s.fallback), (TokenId(7), Some(FallbackKind::NonFiniteLogits)));
         let lp = s.logprob.expect("requested");
         assert!(lp.is_finite(), "logprob of a sanitized +inf token must be finite, got {lp}");
     }
@@ -90,11 +90,11 @@ fn a_row_with_nothing_valid_fails_alone() {
         good,
     ];
     let out = run(&mut sampler, &rows, &SamplingParams { temperature: 0.0, ..SamplingParams::default() });
-    assert_eq!(out[0].as_ref().map(|s| s.token), Ok(5));
+    assert_eq!(out[0].as_ref().map(|s| s.token), Ok(TokenId(5)));
     assert_eq!(out[1], Err(SampleError::AllLogitsInvalid { vocab: 8, nan: 0 }));
     assert_eq!(out[2], Err(SampleError::AllLogitsInvalid { vocab: 8, nan: 8 }));
     assert_eq!(out[3], Err(SampleError::AllLogitsInvalid { vocab: 8, nan: 4 }));
-    assert_eq!(out[4].as_ref().map(|s| s.token), Ok(5));
+    assert_eq!(out[4].as_ref().map(|s| s.token), Ok(TokenId(5)));
     assert_eq!(stats.failed_rows(), 3);
     assert_eq!(stats.total_fallbacks(), 0);
 }
@@ -111,7 +111,7 @@ fn masks_that_leave_nothing_fail_the_row() {
         request_id: RequestId(9),
         params: &params,
         state: &mut state,
-        eos_token_ids: &[1],
+        eos_token_ids: &[TokenId(1)],
         mask: None,
     }];
     let out = sampler.sample(&mut logits, 3, &mut rows).expect("shape");
@@ -133,7 +133,7 @@ fn check_kernel_fallback(kernel: BadKernel, kind: FallbackKind) {
     let rows: Vec<Vec<f32>> = (0..4).map(|_| flat_with(10, &[(0, f32::NEG_INFINITY), (6, 1.5)])).collect();
     for o in run(&mut sampler, &rows, &SamplingParams::default()) {
         let s = o.expect("argmax is possible");
-        assert_eq!((s.token, s.fallback), (6, Some(kind)));
+        assert_eq!((s.token, s.fallback), (TokenId(6), Some(kind)));
     }
     assert_eq!(stats.fallbacks(kind), 4);
     assert_eq!(stats.total_fallbacks(), 4);
@@ -146,14 +146,14 @@ fn empty_candidate_set_falls_back_to_argmax() {
 
 #[test]
 fn id_outside_vocabulary_falls_back_to_argmax() {
-    check_kernel_fallback(BadKernel(|row| Some(row.len() as TokenId + 7)), FallbackKind::OutOfVocab);
-    check_kernel_fallback(BadKernel(|_| Some(TokenId::MAX)), FallbackKind::OutOfVocab);
+    check_kernel_fallback(BadKernel(|row| Some(TokenId(row.len() as u32 + 7))), FallbackKind::OutOfVocab);
+    check_kernel_fallback(BadKernel(|_| Some(TokenId(u32::MAX))), FallbackKind::OutOfVocab);
 }
 
 #[test]
 fn masked_token_falls_back_to_argmax() {
     // Token 0 is -inf in every row the helper builds.
-    check_kernel_fallback(BadKernel(|_| Some(0)), FallbackKind::MaskedToken);
+    check_kernel_fallback(BadKernel(|_| Some(TokenId(0))), FallbackKind::MaskedToken);
 }
 
 /// The empty-candidate path is reachable with the real draw too: a top_k of
@@ -165,7 +165,7 @@ fn unvalidated_zero_top_k_falls_back_to_argmax() {
     let rows: Vec<Vec<f32>> = (0..5).map(|_| flat_with(12, &[(4, 0.1)])).collect();
     for o in run(&mut sampler, &rows, &SamplingParams { top_k: Some(0), ..SamplingParams::default() }) {
         let s = o.expect("valid");
-        assert_eq!((s.token, s.fallback), (4, Some(FallbackKind::NoCandidate)));
+        assert_eq!((s.token, s.fallback), (TokenId(4), Some(FallbackKind::NoCandidate)));
     }
     assert_eq!(stats.fallbacks(FallbackKind::NoCandidate), 5);
 }

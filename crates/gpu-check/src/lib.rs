@@ -32,7 +32,7 @@ use corridor_backend::{Backend, GraphKey, SeqStep};
 use corridor_model::greedy::greedy;
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::{PageId, StateSlot};
+use corridor_units::{PageId, StateSlot, TokenId};
 use std::path::Path;
 
 /// Largest logit error, as a fraction of the largest logit, that bf16 arithmetic explains.
@@ -261,7 +261,7 @@ pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Res
         let positions: Vec<u32> = (0..n as u32).collect();
         let seqs = [SeqStep { row_start: 0, rows: n, cached: 0, pages: &pages[i] }];
         let step = StepInput {
-            tokens: &prompts[i],
+            tokens: TokenId::from_u32_slice(&prompts[i]),
             positions: &positions,
             seqs: &seqs,
             logit_rows: &[n - 1],
@@ -290,7 +290,7 @@ pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Res
             .collect();
         let step_slots: Vec<StateSlot> = order.iter().map(|&i| slots[i]).collect();
         let step = StepInput {
-            tokens: &tokens,
+            tokens: TokenId::from_u32_slice(&tokens),
             positions: &positions,
             seqs: &seqs,
             logit_rows: &[0, 1, 2, 3],
@@ -357,7 +357,7 @@ pub fn chunked_logits<B: Backend>(
         let seqs = [SeqStep { row_start: 0, rows: n, cached, pages: &pages }];
         let rows: Vec<usize> = (0..n).collect();
         let step = StepInput {
-            tokens: &prompt[cached..cached + n],
+            tokens: TokenId::from_u32_slice(&prompt[cached..cached + n]),
             positions: &positions,
             seqs: &seqs,
             logit_rows: &rows,

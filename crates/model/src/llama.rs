@@ -35,7 +35,7 @@ use corridor_backend::{
     ActShape, Backend, BackendError, DType, Expert, GraphKey, HostTensor, KvGeometry, KvPlacement,
     MatmulPart, MoeFfn, MoeScratch, MoeShape, RopeTable, Routing, SeqStep, StepPlan, TensorBytes,
 };
-use corridor_units::StateSlot;
+use corridor_units::{StateSlot, TokenId};
 use std::ops::Range;
 
 /// Errors from building or running a model.
@@ -196,7 +196,7 @@ impl<B: Backend> KvCache<B> {
 /// One batched step: the new tokens of every scheduled sequence.
 pub struct StepInput<'a> {
     /// Token ids, sequences concatenated: `[rows]`.
-    pub tokens: &'a [u32],
+    pub tokens: &'a [TokenId],
     /// The position of each token: `[rows]`.
     pub positions: &'a [u32],
     /// Each sequence's slice of the rows and its page table.
@@ -544,7 +544,7 @@ impl<B: Backend> Model<B> {
         let rows = step.tokens.len();
         let eps = cfg.rms_norm_eps;
         match (&self.embed_tokens, s.recv_from) {
-            (Some(table), _) => b.embedding(table, step.tokens, &mut ws.x)?,
+            (Some(table), _) => b.embedding(table, TokenId::as_u32_slice(step.tokens), &mut ws.x)?,
             (None, Some(from)) => c.recv(b, from, &mut ws.x, rows)?,
             (None, None) => {
                 return Err(ModelError::Step("a rank that does not embed must receive its input".into()))

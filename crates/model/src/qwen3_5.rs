@@ -52,7 +52,7 @@ use corridor_backend::{
     ActShape, Backend, DType, DeltaGeometry, DeltaRule, HostTensor, KvGeometry, MatmulPart, RopeStyle,
     RopeTable, StepPlan, TensorBytes, VHeadOrder,
 };
-use corridor_units::Bytes;
+use corridor_units::{Bytes, TokenId};
 use std::ops::Range;
 
 /// One decoder layer's weights (shapes of the whole model; a tensor share
@@ -476,7 +476,7 @@ impl<B: Backend> Model<B> {
         // A later stage receives even when it holds the table (for a tied head).
         match (self.slice.recv_from, &self.embed_tokens) {
             (Some(from), _) => c.recv(b, from, &mut ws.x, rows)?,
-            (None, Some(table)) => b.embedding(table, step.tokens, &mut ws.x)?,
+            (None, Some(table)) => b.embedding(table, TokenId::as_u32_slice(step.tokens), &mut ws.x)?,
             (None, None) => {
                 return Err(ModelError::Step("a rank that does not embed must receive its input".into()))
             }
@@ -1065,7 +1065,7 @@ mod tests {
         ];
         let run = |slots: &[StateSlot], ws: &mut Workspace<CpuBackend>, kv: &mut KvCache<CpuBackend>| {
             let step = StepInput {
-                tokens: &[1, 2],
+                tokens: &[TokenId(1), TokenId(2)],
                 positions: &[0, 0],
                 seqs: &seqs,
                 logit_rows: &[0, 1],

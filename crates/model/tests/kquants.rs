@@ -25,7 +25,7 @@ use corridor_backend::cpu::{CpuBackend, DecodeActivations};
 use corridor_backend::{DType, SeqStep};
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::PageId;
+use corridor_units::{PageId, TokenId};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -69,7 +69,7 @@ fn logprobs(path: &Path, decode: DecodeActivations, chunk: usize) -> Vec<Vec<f32
         let positions: Vec<u32> = (done..done + rows).map(|p| p as u32).collect();
         let logit_rows: Vec<usize> = (0..rows).collect();
         let step = StepInput {
-            tokens: &ids[done..done + rows],
+            tokens: TokenId::from_u32_slice(&ids[done..done + rows]),
             positions: &positions,
             seqs: &seqs,
             logit_rows: &logit_rows,

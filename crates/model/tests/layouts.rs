@@ -22,7 +22,7 @@ use corridor_backend::SeqStep;
 use corridor_model::layout::{Layout, LayoutKind};
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::{PageId, StateSlot};
+use corridor_units::{PageId, StateSlot, TokenId};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -74,7 +74,7 @@ fn run(path: &Path, layout: &Layout) -> (Vec<Vec<f32>>, Vec<u32>) {
                 let positions: Vec<u32> = (job.cached..job.cached + rows).map(|p| p as u32).collect();
                 let logit_rows: Vec<usize> = (0..rows).collect();
                 let step = StepInput {
-                    tokens: &job.tokens,
+                    tokens: TokenId::from_u32_slice(&job.tokens),
                     positions: &positions,
                     seqs: &seqs,
                     logit_rows: &logit_rows,

@@ -17,7 +17,7 @@ use corridor_backend::SeqStep;
 use corridor_model::greedy::greedy;
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::{PageId, StateSlot};
+use corridor_units::{PageId, StateSlot, TokenId};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -77,7 +77,7 @@ impl Runner {
             let positions: Vec<u32> = (done..done + rows).map(|p| p as u32).collect();
             let logit_rows: Vec<usize> = (0..rows).collect();
             let step = StepInput {
-                tokens: &prompt[done..done + rows],
+                tokens: TokenId::from_u32_slice(&prompt[done..done + rows]),
                 positions: &positions,
                 seqs: &seqs,
                 logit_rows: &logit_rows,
@@ -251,7 +251,7 @@ fn batch_matches_solo_runs(fixture: &str) {
     let mut logits = Vec::new();
     let slots: Vec<StateSlot> = (0..seqs.len() as u32).map(StateSlot).collect();
     let step = StepInput {
-        tokens: &tokens,
+        tokens: TokenId::from_u32_slice(&tokens),
         positions: &positions,
         seqs: &seqs,
         logit_rows: &logit_rows,

@@ -178,7 +178,7 @@ impl Generation {
     fn on_event(&mut self, i: usize, event: Option<Event>) -> Vec<Output> {
         match event {
             Some(Event::Token { token, logprob, top_logprobs }) => {
-                self.on_token(i, token, logprob, &top_logprobs)
+                self.on_token(i, token.get(), logprob, &top_logprobs)
             }
             Some(Event::Done { reason, usage }) => {
                 // The stream is complete; dropping it sends no abort.
@@ -218,8 +218,8 @@ impl Generation {
                 top: top
                     .iter()
                     .map(|t| TopToken {
-                        text: text_of(t.token),
-                        bytes: tokenizer.token_bytes(t.token),
+                        text: text_of(t.token.get()),
+                        bytes: tokenizer.token_bytes(t.token.get()),
                         logprob: t.logprob,
                     })
                     .collect(),

@@ -20,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use corridor_engine::engine::{EngineHandle, GenerateRequest};
-use corridor_units::Tokens;
+use corridor_units::{TokenId, Tokens};
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -414,10 +414,10 @@ fn choice_specs(gen: &ValidGeneration, eos_ids: &[u32]) -> Vec<ChoiceSpec> {
             params.seed = params.seed.map(|s| s.wrapping_add(j as u64));
             specs.push(ChoiceSpec {
                 request: GenerateRequest {
-                    prompt: prompt.ids.clone(),
+                    prompt: TokenId::vec(&prompt.ids),
                     params,
                     max_new_tokens: gen.max_tokens,
-                    eos_ids: eos_ids.to_vec(),
+                    eos_ids: TokenId::vec(eos_ids),
                     // Cloning forks the grammar: every choice has its own state.
                     constraint: gen.constraint.clone(),
                 },

@@ -24,7 +24,7 @@ use crate::{
     ActShape, Backend, DeltaGeometry, DeltaRule, GraphKey, KvGeometry, MatmulPart, Result, RopeStyle,
     RopeTable, SeqStep, StepPlan, VHeadOrder,
 };
-use corridor_units::{PageId, StateSlot};
+use corridor_units::{PageId, StateSlot, TokenId};
 use cudarc::driver::{result as cu, sys};
 use half::{bf16, f16};
 
@@ -770,7 +770,7 @@ pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
         ];
         let positions = [cached as u32, cached as u32 + 1];
         be.begin_step(&StepPlan {
-            tokens: &[1, 2],
+            tokens: &[TokenId(1), TokenId(2)],
             positions: &positions,
             seqs: &seqs,
             logit_rows: &[0, 1],
@@ -886,7 +886,7 @@ pub fn delta_graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> 
         }
         let positions: Vec<u32> = (0..rows as u32).collect();
         be.begin_step(&StepPlan {
-            tokens: &[0; 4],
+            tokens: &[TokenId(0); 4],
             positions: &positions,
             seqs: &seqs,
             logit_rows: &[0, 1, 2, 3],

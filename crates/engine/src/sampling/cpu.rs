@@ -158,7 +158,7 @@ pub(super) fn conclude(
         (None, _) | (_, None) => (None, Vec::new()),
         (Some(n), Some(logits)) => match log_sum_exp(logits) {
             Some(lse) => {
-                (Some((logits[token as usize] as f64 - lse) as f32), top_logprobs(logits, n as usize, lse))
+                (Some((logits[token.index()] as f64 - lse) as f32), top_logprobs(logits, n as usize, lse))
             }
             None => (None, Vec::new()),
         },
