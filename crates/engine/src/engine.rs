@@ -6,6 +6,11 @@
 //! events (tokens, then one `Done`). Dropping a request's [`RequestStream`]
 //! aborts it: the engine frees its pages before the next step, so a client
 //! that disconnects costs nothing after that.
+//!
+//! Requests are named by [`RequestId`] and carry [`TokenId`]s: the caller
+//! converts the tokenizer's `u32` once, when it builds a [`GenerateRequest`]
+//! (the server's `choice_specs`), and back when it reads an [`Event::Token`].
+//! Below this they stay `TokenId` down to the kernels' edge.
 
 use crate::executor::{DeviceDraw, Executor, ExecutorLimits, SingleRank};
 use crate::flips::{FlipControl, FlipError, FlipMode, FlipRecord, FlipSettings, FlipTrigger};

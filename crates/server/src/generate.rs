@@ -15,6 +15,9 @@
 //! string: those are the tokens the client paid for, even though the stop
 //! string's own text is not returned.
 //!
+//! The tokenizer works in `u32` ids: an [`Event::Token`]'s `TokenId` becomes
+//! one here, in `on_event`, once per token.
+//!
 //! Dropping a [`Generation`] drops its engine streams, which aborts every
 //! unfinished choice and frees its KV pages: a client that disconnects
 //! (its response body or handler future is dropped) costs nothing after

@@ -405,7 +405,8 @@ impl AppState {
 
 /// One engine request per (prompt, choice), prompt-major. With a seed,
 /// choice `j` of a prompt uses `seed + j`, so choices differ from each other
-/// but every one of them is repeatable.
+/// but every one of them is repeatable. The tokenizer's `u32` ids (prompt and
+/// end of sequence) become `TokenId` here, where they enter the engine.
 fn choice_specs(gen: &ValidGeneration, eos_ids: &[u32]) -> Vec<ChoiceSpec> {
     let mut specs = Vec::with_capacity(gen.prompts.len() * gen.n);
     for prompt in &gen.prompts {
