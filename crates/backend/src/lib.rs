@@ -23,7 +23,7 @@ pub use dtype::{DType, HostTensor, TensorBytes, QK, QK_K};
 pub use moe::{Expert, MoeFfn, MoeScratch, MoeShape, Routing};
 pub use tuning::CudaTuning;
 
-use corridor_units::{PageId, StateSlot, TokenId};
+use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 use corridor_vram::KvArena;
 use std::sync::Arc;
 
@@ -69,9 +69,9 @@ pub struct RopeTable {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvGeometry {
     /// Tokens per page.
-    pub page_size: usize,
+    pub page_size: Tokens,
     /// Pages the storage can address.
-    pub num_pages: usize,
+    pub num_pages: Pages,
     pub kv_heads: usize,
     pub head_dim: usize,
 }
@@ -82,7 +82,7 @@ pub struct KvGeometry {
 #[derive(Clone, Debug)]
 pub enum KvPlacement {
     /// Buffers of the backend's own that address `num_pages` pages.
-    Own { num_pages: usize },
+    Own { num_pages: Pages },
     /// The pages of a card's KV arena, so the memory the governor commits
     /// and releases is the memory attention reads; a backend that keeps KV
     /// in memory of its own addresses the arena's whole id space instead.
@@ -91,10 +91,10 @@ pub enum KvPlacement {
 
 impl KvPlacement {
     /// Pages the storage addresses.
-    pub fn num_pages(&self) -> usize {
+    pub fn num_pages(&self) -> Pages {
         match self {
             KvPlacement::Own { num_pages } => *num_pages,
-            KvPlacement::Arena(arena) => arena.capacity().get(),
+            KvPlacement::Arena(arena) => arena.capacity(),
         }
     }
 }

@@ -32,7 +32,7 @@ use corridor_backend::{Backend, GraphKey, SeqStep};
 use corridor_model::greedy::greedy;
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::{PageId, StateSlot, TokenId};
+use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 use std::path::Path;
 
 /// Largest logit error, as a fraction of the largest logit, that bf16 arithmetic explains.
@@ -246,7 +246,7 @@ pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Res
     let model = Model::load(b, ckpt, |_| {}).map_err(|e| err(&e))?;
     let vocab = model.config().vocab_size;
     let mut ws = model.workspace(b, 16, 4).map_err(|e| err(&e))?;
-    let mut kv = model.kv_cache(b, 16, 8).map_err(|e| err(&e))?;
+    let mut kv = model.kv_cache(b, Tokens(16), Pages(8)).map_err(|e| err(&e))?;
     let prompts: [Vec<u32>; 3] = [
         (0..7).map(|i| (i * 37 + 11) % 300).collect(),
         (0..12).map(|i| (i * 53 + 2) % 300).collect(),
@@ -348,7 +348,7 @@ pub fn chunked_logits<B: Backend>(
     let mut ws = model.workspace(b, most, most).map_err(|e| e.to_string())?;
     // A scrambled page table: the pages of the prompt in reverse.
     let pages: Vec<PageId> = (0..prompt.len().div_ceil(16) as u32).rev().map(PageId).collect();
-    let mut kv = model.kv_cache(b, 16, pages.len()).map_err(|e| e.to_string())?;
+    let mut kv = model.kv_cache(b, Tokens(16), Pages(pages.len())).map_err(|e| e.to_string())?;
     let mut all = Vec::new();
     let mut logits = Vec::new();
     let mut cached = 0;

@@ -6,7 +6,7 @@
 use crate::llama::{ModelError, StepInput};
 use crate::Model;
 use corridor_backend::{Backend, SeqStep};
-use corridor_units::{PageId, StateSlot, TokenId};
+use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 
 /// Tokens per KV page on this path.
 pub const PAGE_SIZE: usize = 16;
@@ -33,7 +33,7 @@ pub fn greedy<B: Backend>(
     }
     let num_pages = pages.iter().map(|p| p.index() + 1).max().unwrap_or(1);
     let mut ws = model.workspace(backend, prompt.len(), 1)?;
-    let mut kv = model.kv_cache(backend, PAGE_SIZE, num_pages)?;
+    let mut kv = model.kv_cache(backend, Tokens(PAGE_SIZE), Pages(num_pages))?;
     let vocab = model.config().vocab_size;
     let mut toks = TokenId::vec(prompt);
     let mut logits = Vec::new();

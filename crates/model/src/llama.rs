@@ -35,7 +35,7 @@ use corridor_backend::{
     ActShape, Backend, BackendError, DType, Expert, GraphKey, HostTensor, KvGeometry, KvPlacement,
     MatmulPart, MoeFfn, MoeScratch, MoeShape, RopeTable, Routing, SeqStep, StepPlan, TensorBytes,
 };
-use corridor_units::{StateSlot, TokenId};
+use corridor_units::{Pages, StateSlot, TokenId, Tokens};
 use std::ops::Range;
 
 /// Errors from building or running a model.
@@ -374,8 +374,8 @@ impl<B: Backend> Model<B> {
     pub fn kv_cache(
         &self,
         backend: &B,
-        page_size: usize,
-        num_pages: usize,
+        page_size: Tokens,
+        num_pages: Pages,
     ) -> Result<KvCache<B>, ModelError> {
         self.kv_cache_at(backend, page_size, &KvPlacement::Own { num_pages })
     }
@@ -386,7 +386,7 @@ impl<B: Backend> Model<B> {
     pub fn kv_cache_at(
         &self,
         backend: &B,
-        page_size: usize,
+        page_size: Tokens,
         placement: &KvPlacement,
     ) -> Result<KvCache<B>, ModelError> {
         let geometry = self.kv_geometry(page_size, placement.num_pages());
@@ -394,7 +394,7 @@ impl<B: Backend> Model<B> {
         Ok(KvCache { geometry, layers })
     }
 
-    pub fn kv_geometry(&self, page_size: usize, num_pages: usize) -> KvGeometry {
+    pub fn kv_geometry(&self, page_size: Tokens, num_pages: Pages) -> KvGeometry {
         KvGeometry {
             page_size,
             num_pages,

@@ -52,7 +52,7 @@ use corridor_backend::{
     ActShape, Backend, DType, DeltaGeometry, DeltaRule, HostTensor, KvGeometry, MatmulPart, RopeStyle,
     RopeTable, StepPlan, TensorBytes, VHeadOrder,
 };
-use corridor_units::{Bytes, TokenId};
+use corridor_units::{Bytes, Pages, TokenId, Tokens};
 use std::ops::Range;
 
 /// One decoder layer's weights (shapes of the whole model; a tensor share
@@ -303,7 +303,7 @@ impl<B: Backend> Model<B> {
         self.local(LayerKind::Full)
     }
 
-    pub fn kv_geometry(&self, page_size: usize, num_pages: usize) -> KvGeometry {
+    pub fn kv_geometry(&self, page_size: Tokens, num_pages: Pages) -> KvGeometry {
         KvGeometry {
             page_size,
             num_pages,
@@ -316,8 +316,8 @@ impl<B: Backend> Model<B> {
     pub fn kv_cache(
         &self,
         backend: &B,
-        page_size: usize,
-        num_pages: usize,
+        page_size: Tokens,
+        num_pages: Pages,
     ) -> Result<KvCache<B>, ModelError> {
         let geometry = self.kv_geometry(page_size, num_pages);
         let layers = (0..self.kv_layers()).map(|_| backend.alloc_kv(geometry)).collect::<Result<_, _>>()?;
@@ -330,7 +330,7 @@ impl<B: Backend> Model<B> {
     pub fn kv_cache_at(
         &self,
         backend: &B,
-        page_size: usize,
+        page_size: Tokens,
         placement: &corridor_backend::KvPlacement,
     ) -> Result<KvCache<B>, ModelError> {
         let geometry = self.kv_geometry(page_size, placement.num_pages());
@@ -1056,7 +1056,7 @@ mod tests {
         let b = CpuBackend::new();
         let model = Model::load(&b, &fixture(), |_| {}).unwrap();
         let mut ws = model.workspace(&b, 4, 2).unwrap();
-        let mut kv = model.kv_cache(&b, 16, 2).unwrap();
+        let mut kv = model.kv_cache(&b, Tokens(16), Pages(2)).unwrap();
         let pages = [PageId(0)];
         let pages2 = [PageId(1)];
         let seqs = [

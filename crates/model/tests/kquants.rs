@@ -25,7 +25,7 @@ use corridor_backend::cpu::{CpuBackend, DecodeActivations};
 use corridor_backend::{DType, SeqStep};
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::{PageId, TokenId};
+use corridor_units::{PageId, Pages, TokenId, Tokens};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -60,7 +60,7 @@ fn logprobs(path: &Path, decode: DecodeActivations, chunk: usize) -> Vec<Vec<f32
     let ids = prompt();
     let n = ids.len();
     let mut ws = model.workspace(&backend, n, n).unwrap();
-    let mut kv = model.kv_cache(&backend, PAGE, n.div_ceil(PAGE) + 1).unwrap();
+    let mut kv = model.kv_cache(&backend, Tokens(PAGE), Pages(n.div_ceil(PAGE) + 1)).unwrap();
     let pages: Vec<PageId> = (0..n.div_ceil(PAGE) as u32).map(PageId).collect();
     let (mut out, mut logits, mut done) = (Vec::new(), Vec::new(), 0);
     while done < n {

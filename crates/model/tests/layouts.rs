@@ -22,7 +22,7 @@ use corridor_backend::SeqStep;
 use corridor_model::layout::{Layout, LayoutKind};
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::{PageId, StateSlot, TokenId};
+use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -66,7 +66,7 @@ fn run(path: &Path, layout: &Layout) -> (Vec<Vec<f32>>, Vec<u32>) {
         threads.push(std::thread::spawn(move || {
             let total = PROMPT.len() + STEPS;
             let mut ws = model.workspace(&backend, total, total).unwrap();
-            let mut kv = model.kv_cache(&backend, PAGE, 2 * pages.len() + 1).unwrap();
+            let mut kv = model.kv_cache(&backend, Tokens(PAGE), Pages(2 * pages.len() + 1)).unwrap();
             let mut logits = Vec::new();
             for job in rx {
                 let rows = job.tokens.len();

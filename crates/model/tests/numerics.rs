@@ -17,7 +17,7 @@ use corridor_backend::SeqStep;
 use corridor_model::greedy::greedy;
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::{PageId, StateSlot, TokenId};
+use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -62,7 +62,7 @@ impl Runner {
         let n = prompt.len();
         let mut ws = self.model.workspace(&self.backend, n, n).unwrap();
         let pages_needed = n.div_ceil(PAGE) + 2;
-        let mut kv = self.model.kv_cache(&self.backend, PAGE, pages_needed * 2).unwrap();
+        let mut kv = self.model.kv_cache(&self.backend, Tokens(PAGE), Pages(pages_needed * 2)).unwrap();
         // Odd page ids, highest first: a bug that assumes contiguous pages shows.
         let pages: Vec<PageId> =
             (0..pages_needed).map(|i| PageId((2 * (pages_needed - i) - 1) as u32)).collect();
@@ -236,7 +236,7 @@ fn batch_matches_solo_runs(fixture: &str) {
     let prompts: Vec<Vec<u32>> = batch.iter().map(|b| ids(&b["prompt_ids"])).collect();
     let total: usize = prompts.iter().map(|p| p.len()).sum();
     let mut ws = run.model.workspace(&run.backend, total, prompts.len()).unwrap();
-    let mut kv = run.model.kv_cache(&run.backend, PAGE, 8).unwrap();
+    let mut kv = run.model.kv_cache(&run.backend, Tokens(PAGE), Pages(8)).unwrap();
     let tables: Vec<Vec<PageId>> = vec![vec![PageId(3), PageId(5)], vec![PageId(0), PageId(6)]];
     let mut tokens = Vec::new();
     let mut positions = Vec::new();

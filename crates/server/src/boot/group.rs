@@ -295,11 +295,11 @@ pub(super) fn start<K: RankKind>(
         for (backend, model, ws) in rank {
             // A rank without layers holds no KV (and has no share of the arena).
             let placement = if model.slice().layers.is_empty() {
-                KvPlacement::Own { num_pages: 0 }
+                KvPlacement::Own { num_pages: Pages(0) }
             } else {
                 KvPlacement::Arena(arena.clone())
             };
-            let kv = model.kv_cache_at(&backend, page_size, &placement)?;
+            let kv = model.kv_cache_at(&backend, limits.page_size, &placement)?;
             pair.push(
                 SingleRank::from_parts(backend, model, ws, kv).with_device_sampling(plan.device_sampling),
             );
