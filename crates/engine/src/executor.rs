@@ -169,7 +169,7 @@ pub fn capture_key(input: &StepInput<'_>, replayable: bool) -> Option<GraphKey> 
 impl<B: Backend> SingleRank<B> {
     /// Allocate the workspace and KV cache for `limits`, once.
     pub fn new(backend: B, model: Model<B>, limits: ExecutorLimits) -> Result<Self, ModelError> {
-        let ws = model.workspace(&backend, limits.max_rows.get(), limits.max_logit_rows)?;
+        let ws = model.workspace(&backend, limits.max_rows, limits.max_logit_rows)?;
         let kv = model.kv_cache(&backend, limits.page_size, limits.num_pages)?;
         Ok(Self::from_parts(backend, model, ws, kv))
     }

@@ -103,13 +103,13 @@ fn decode_two(
 fn the_model_refuses_a_key_it_cannot_replay_or_of_another_shape() {
     let key = Some(GraphKey { rows: 2, logit_rows: 2 });
     let (backend, moe) = load("qwen3-moe");
-    let mut ws = moe.workspace(&backend, 4, 4).unwrap();
+    let mut ws = moe.workspace(&backend, Tokens(4), 4).unwrap();
     let mut kv = moe.kv_cache(&backend, Tokens(16), Pages(4)).unwrap();
     assert!(decode_two(&backend, &moe, &mut ws, &mut kv, key).is_err(), "host-routed experts");
     assert!(decode_two(&backend, &moe, &mut ws, &mut kv, None).is_ok());
 
     let (backend, llama) = load("llama-f32");
-    let mut ws = llama.workspace(&backend, 4, 4).unwrap();
+    let mut ws = llama.workspace(&backend, Tokens(4), 4).unwrap();
     let mut kv = llama.kv_cache(&backend, Tokens(16), Pages(4)).unwrap();
     assert!(decode_two(&backend, &llama, &mut ws, &mut kv, key).is_ok());
     let other = Some(GraphKey { rows: 4, logit_rows: 4 });

@@ -245,7 +245,7 @@ pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Res
     let err = |e: &dyn std::fmt::Display| e.to_string();
     let model = Model::load(b, ckpt, |_| {}).map_err(|e| err(&e))?;
     let vocab = model.config().vocab_size;
-    let mut ws = model.workspace(b, 16, 4).map_err(|e| err(&e))?;
+    let mut ws = model.workspace(b, Tokens(16), 4).map_err(|e| err(&e))?;
     let mut kv = model.kv_cache(b, Tokens(16), Pages(8)).map_err(|e| err(&e))?;
     let prompts: [Vec<u32>; 3] = [
         (0..7).map(|i| (i * 37 + 11) % 300).collect(),
@@ -345,7 +345,7 @@ pub fn chunked_logits<B: Backend>(
     }
     let model = Model::load(b, ckpt, |_| {}).map_err(|e| e.to_string())?;
     let most = chunks.iter().copied().max().unwrap_or(1);
-    let mut ws = model.workspace(b, most, most).map_err(|e| e.to_string())?;
+    let mut ws = model.workspace(b, Tokens(most), most).map_err(|e| e.to_string())?;
     // A scrambled page table: the pages of the prompt in reverse.
     let pages: Vec<PageId> = (0..prompt.len().div_ceil(16) as u32).rev().map(PageId).collect();
     let mut kv = model.kv_cache(b, Tokens(16), Pages(pages.len())).map_err(|e| e.to_string())?;

@@ -32,7 +32,7 @@ pub fn greedy<B: Backend>(
         )));
     }
     let num_pages = pages.iter().map(|p| p.index() + 1).max().unwrap_or(1);
-    let mut ws = model.workspace(backend, prompt.len(), 1)?;
+    let mut ws = model.workspace(backend, Tokens(prompt.len()), 1)?;
     let mut kv = model.kv_cache(backend, Tokens(PAGE_SIZE), Pages(num_pages))?;
     let vocab = model.config().vocab_size;
     let mut toks = TokenId::vec(prompt);

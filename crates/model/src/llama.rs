@@ -330,9 +330,10 @@ impl<B: Backend> Model<B> {
     pub fn workspace(
         &self,
         backend: &B,
-        max_rows: usize,
+        max_rows: Tokens,
         max_logit_rows: usize,
     ) -> Result<Workspace<B>, ModelError> {
+        let max_rows = max_rows.get();
         let (c, s) = (&self.config, &self.slice);
         let a = |rows: usize, cols: usize| backend.alloc_act(ActShape { rows, cols });
         let (q_out, kv_out, ffn) = (s.heads.len() * c.head_dim, s.kv_heads.len() * c.head_dim, s.ffn.len());
@@ -937,7 +938,7 @@ mod tests {
         let b = CpuBackend::new();
         let model = Model::load(&b, &ckpt, |_| {}).unwrap();
         let (rows, logit_rows) = (24, 5);
-        let ws = model.workspace(&b, rows, logit_rows).unwrap();
+        let ws = model.workspace(&b, Tokens(rows), logit_rows).unwrap();
         let n = |a: &CpuAct| (a.rows() * a.cols() * 4) as u64;
         let m = ws.moe.as_ref().expect("a sparse model has expert scratch");
         let acts = [

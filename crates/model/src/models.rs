@@ -97,7 +97,7 @@ impl<B: Backend> Model<B> {
     pub fn workspace(
         &self,
         backend: &B,
-        max_rows: usize,
+        max_rows: Tokens,
         max_logit_rows: usize,
     ) -> Result<Workspace<B>, ModelError> {
         each!(self, m => m.workspace(backend, max_rows, max_logit_rows))

@@ -248,9 +248,10 @@ impl<B: Backend> Model<B> {
     pub fn workspace(
         &self,
         backend: &B,
-        max_rows: usize,
+        max_rows: Tokens,
         max_logit_rows: usize,
     ) -> Result<Workspace<B>, ModelError> {
+        let max_rows = max_rows.get();
         let (c, s) = (&self.config, &self.slice);
         let d = self.share.delta;
         let a = |rows: usize, cols: usize| backend.alloc_act(ActShape { rows, cols });
@@ -1055,7 +1056,7 @@ mod tests {
         use corridor_units::{PageId, StateSlot};
         let b = CpuBackend::new();
         let model = Model::load(&b, &fixture(), |_| {}).unwrap();
-        let mut ws = model.workspace(&b, 4, 2).unwrap();
+        let mut ws = model.workspace(&b, Tokens(4), 2).unwrap();
         let mut kv = model.kv_cache(&b, Tokens(16), Pages(2)).unwrap();
         let pages = [PageId(0)];
         let pages2 = [PageId(1)];

@@ -59,7 +59,7 @@ fn logprobs(path: &Path, decode: DecodeActivations, chunk: usize) -> Vec<Vec<f32
     let vocab = model.config().vocab_size;
     let ids = prompt();
     let n = ids.len();
-    let mut ws = model.workspace(&backend, n, n).unwrap();
+    let mut ws = model.workspace(&backend, Tokens(n), n).unwrap();
     let mut kv = model.kv_cache(&backend, Tokens(PAGE), Pages(n.div_ceil(PAGE) + 1)).unwrap();
     let pages: Vec<PageId> = (0..n.div_ceil(PAGE) as u32).map(PageId).collect();
     let (mut out, mut logits, mut done) = (Vec::new(), Vec::new(), 0);

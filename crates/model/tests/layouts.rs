@@ -65,7 +65,7 @@ fn run(path: &Path, layout: &Layout) -> (Vec<Vec<f32>>, Vec<u32>) {
         let (reply, pages) = (reply_tx.clone(), pages.clone());
         threads.push(std::thread::spawn(move || {
             let total = PROMPT.len() + STEPS;
-            let mut ws = model.workspace(&backend, total, total).unwrap();
+            let mut ws = model.workspace(&backend, Tokens(total), total).unwrap();
             let mut kv = model.kv_cache(&backend, Tokens(PAGE), Pages(2 * pages.len() + 1)).unwrap();
             let mut logits = Vec::new();
             for job in rx {

@@ -60,7 +60,7 @@ impl Runner {
     /// of `chunk` tokens over a deliberately scrambled page table.
     fn prompt_logprobs(&self, prompt: &[u32], chunk: usize) -> Vec<Vec<f32>> {
         let n = prompt.len();
-        let mut ws = self.model.workspace(&self.backend, n, n).unwrap();
+        let mut ws = self.model.workspace(&self.backend, Tokens(n), n).unwrap();
         let pages_needed = n.div_ceil(PAGE) + 2;
         let mut kv = self.model.kv_cache(&self.backend, Tokens(PAGE), Pages(pages_needed * 2)).unwrap();
         // Odd page ids, highest first: a bug that assumes contiguous pages shows.
@@ -235,7 +235,7 @@ fn batch_matches_solo_runs(fixture: &str) {
     let batch = r["batch"].as_array().unwrap_or_else(|| panic!("{fixture} reference has a batch"));
     let prompts: Vec<Vec<u32>> = batch.iter().map(|b| ids(&b["prompt_ids"])).collect();
     let total: usize = prompts.iter().map(|p| p.len()).sum();
-    let mut ws = run.model.workspace(&run.backend, total, prompts.len()).unwrap();
+    let mut ws = run.model.workspace(&run.backend, Tokens(total), prompts.len()).unwrap();
     let mut kv = run.model.kv_cache(&run.backend, Tokens(PAGE), Pages(8)).unwrap();
     let tables: Vec<Vec<PageId>> = vec![vec![PageId(3), PageId(5)], vec![PageId(0), PageId(6)]];
     let mut tokens = Vec::new();

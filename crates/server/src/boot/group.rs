@@ -269,7 +269,7 @@ pub(super) fn start<K: RankKind>(
         }
         let mut rank = Vec::with_capacity(models.len());
         for (backend, model) in models {
-            let ws = model.workspace(&backend, limits.max_batched_tokens, limits.max_running)?;
+            let ws = model.workspace(&backend, Tokens(limits.max_batched_tokens), limits.max_running)?;
             rank.push((backend, model, ws));
         }
         with_ws.push(rank);
