@@ -23,7 +23,7 @@ pub use dtype::{DType, HostTensor, TensorBytes, QK, QK_K};
 pub use moe::{Expert, MoeFfn, MoeScratch, MoeShape, Routing};
 pub use tuning::CudaTuning;
 
-use corridor_units::{PageId, StateSlot};
+use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 use corridor_vram::KvArena;
 use std::sync::Arc;
 
@@ -69,9 +69,9 @@ pub struct RopeTable {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvGeometry {
     /// Tokens per page.
-    pub page_size: usize,
+    pub page_size: Tokens,
     /// Pages the storage can address.
-    pub num_pages: usize,
+    pub num_pages: Pages,
     pub kv_heads: usize,
     pub head_dim: usize,
 }
@@ -82,7 +82,7 @@ pub struct KvGeometry {
 #[derive(Clone, Debug)]
 pub enum KvPlacement {
     /// Buffers of the backend's own that address `num_pages` pages.
-    Own { num_pages: usize },
+    Own { num_pages: Pages },
     /// The pages of a card's KV arena, so the memory the governor commits
     /// and releases is the memory attention reads; a backend that keeps KV
     /// in memory of its own addresses the arena's whole id space instead.
@@ -91,10 +91,10 @@ pub enum KvPlacement {
 
 impl KvPlacement {
     /// Pages the storage addresses.
-    pub fn num_pages(&self) -> usize {
+    pub fn num_pages(&self) -> Pages {
         match self {
             KvPlacement::Own { num_pages } => *num_pages,
-            KvPlacement::Arena(arena) => arena.capacity().get(),
+            KvPlacement::Arena(arena) => arena.capacity(),
         }
     }
 }
@@ -217,8 +217,9 @@ pub struct ActShape {
 /// once instead of once per layer.
 #[derive(Clone, Copy, Debug)]
 pub struct StepPlan<'a> {
-    /// Token ids, sequences concatenated: `[rows]`.
-    pub tokens: &'a [u32],
+    /// Token ids, sequences concatenated: `[rows]`. A device backend uploads
+    /// them as `u32` ([`TokenId::as_u32_slice`]): the kernels' edge.
+    pub tokens: &'a [TokenId],
     /// The position of each token: `[rows]`.
     pub positions: &'a [u32],
     /// Each sequence's slice of the rows and its page table.
@@ -263,9 +264,9 @@ impl<B: Backend + ?Sized> GraphCapture for B {
 /// Run one step's device work, `ops`, replayed from a capture when `key`
 /// names one, else run (and captured under `key` when the backend captures):
 /// the one place that drives [`Backend::graph_replay`],
-/// [`Backend::graph_capture_begin`] and [`Backend::graph_capture_end`], so a
-/// model only says which of its steps may be captured (a key) and hands over
-/// the closure that runs them. The capture is ended even after a failed op,
+/// [`Backend::graph_capture_begin`] and [`Backend::graph_capture_end`]. The
+/// engine's executor chooses the key (decode steps of a rank that replays);
+/// a model hands over the key it was given and the closure that runs its ops. The capture is ended even after a failed op,
 /// so the stream stays usable. Without a key, or on a backend that never
 /// captures, `ops` simply runs.
 pub fn run_captured<G: GraphCapture + ?Sized, E: From<BackendError>>(

@@ -5,6 +5,7 @@ use anyhow::{Context, Result};
 use corridor_engine::engine::{Event, FinishReason, GenerateRequest};
 use corridor_engine::sampling::SamplingParams;
 use corridor_server::template::RenderOptions;
+use corridor_units::TokenId;
 use std::io::Write;
 use std::time::Instant;
 
@@ -33,10 +34,10 @@ pub fn run(a: &GenerateArgs, cache: &std::path::Path) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("--{}: {}", e.param.replace('_', "-"), e.message))?;
     let started = Instant::now();
     let mut stream = booted.engine.submit(GenerateRequest {
-        prompt: prompt.clone(),
+        prompt: TokenId::vec(&prompt),
         params,
         max_new_tokens: a.max_tokens,
-        eos_ids: booted.tokenizer.eos_ids().to_vec(),
+        eos_ids: TokenId::vec(booted.tokenizer.eos_ids()),
         constraint: None,
     })?;
     let mut decoder = booted.tokenizer.decode_stream(true);
@@ -48,7 +49,7 @@ pub fn run(a: &GenerateArgs, cache: &std::path::Path) -> Result<()> {
             Some(Event::Token { token, .. }) => {
                 first.get_or_insert_with(Instant::now);
                 n += 1;
-                if let Some(piece) = decoder.push(&booted.tokenizer, token)? {
+                if let Some(piece) = decoder.push(&booted.tokenizer, token.get())? {
                     write!(out, "{piece}")?;
                     out.flush()?;
                 }

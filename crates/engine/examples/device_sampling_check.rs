@@ -31,7 +31,7 @@ use corridor_engine::sampling::device::{plan_row, settle_row};
 use corridor_engine::sampling::{
     CpuSampler, FallbackKind, SampleOutcome, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams,
 };
-use corridor_units::Tokens;
+use corridor_units::{RequestId, TokenId, Tokens};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -70,10 +70,10 @@ fn server_defaults() -> SamplingParams {
 fn cases() -> Vec<Case> {
     let big = 128_256;
     let mut bias = SamplingParams::default();
-    bias.logit_bias.insert(17, 100.0);
-    bias.logit_bias.insert(3, -100.0);
+    bias.logit_bias.insert(TokenId(17), 100.0);
+    bias.logit_bias.insert(TokenId(3), -100.0);
     let mut biased_mix = server_defaults();
-    biased_mix.logit_bias.insert(42, 7.5);
+    biased_mix.logit_bias.insert(TokenId(42), 7.5);
     let p = SamplingParams::default;
     let case = |name, vocab, rows, params, exact| Case { name, vocab, rows, params, exact };
     vec![
@@ -141,7 +141,7 @@ fn cases() -> Vec<Case> {
             Rows::Model,
             SamplingParams {
                 min_tokens: Tokens(1000),
-                stop_token_ids: vec![11, 12],
+                stop_token_ids: vec![TokenId(11), TokenId(12)],
                 temperature: 0.0,
                 ..p()
             },
@@ -166,11 +166,11 @@ fn cases() -> Vec<Case> {
 fn states(rng: &mut Rng, params: &SamplingParams, vocab: usize, n: usize) -> Vec<SamplerState> {
     (0..n)
         .map(|_| {
-            let prompt: Vec<u32> = (0..300).map(|_| rng.below(vocab) as u32).collect();
+            let prompt: Vec<TokenId> = (0..300).map(|_| TokenId(rng.below(vocab) as u32)).collect();
             let mut s =
                 SamplerState::new(&SamplingParams { seed: Some(rng.next()), ..params.clone() }, &prompt);
             for _ in 0..rng.below(40) {
-                s.record(rng.below(vocab) as u32);
+                s.record(TokenId(rng.below(vocab) as u32));
             }
             s
         })
@@ -188,7 +188,7 @@ fn same(a: &SampleOutcome, b: &SampleOutcome) -> bool {
 fn run_case(be: &CudaBackend, rng: &mut Rng, case: &Case) -> Result<Found, Box<dyn std::error::Error>> {
     let (batch, launches) = (32usize, 16usize);
     let vocab = case.vocab;
-    let eos = [(vocab - 1) as u32, 2];
+    let eos = [TokenId((vocab - 1) as u32), TokenId(2)];
     let (host_stats, dev_stats) = (Arc::new(SamplerStats::default()), Arc::new(SamplerStats::default()));
     let mut host = CpuSampler::new(host_stats.clone());
     let mut act = be.alloc_act(ActShape { rows: batch, cols: vocab })?;
@@ -205,7 +205,7 @@ fn run_case(be: &CudaBackend, rng: &mut Rng, case: &Case) -> Result<Found, Box<d
             .iter_mut()
             .enumerate()
             .map(|(i, state)| SampleRow {
-                request_id: i as u64,
+                request_id: RequestId(i as u64),
                 params: &case.params,
                 state,
                 eos_token_ids: &eos,
@@ -218,7 +218,7 @@ fn run_case(be: &CudaBackend, rng: &mut Rng, case: &Case) -> Result<Found, Box<d
             .iter_mut()
             .enumerate()
             .map(|(i, state)| SampleRow {
-                request_id: i as u64,
+                request_id: RequestId(i as u64),
                 params: &case.params,
                 state,
                 eos_token_ids: &eos,
@@ -307,7 +307,13 @@ fn bench(be: &CudaBackend, rng: &mut Rng) -> Result<(), Box<dyn std::error::Erro
             for _ in 0..12 {
                 let mut sample_rows: Vec<SampleRow<'_>> = states
                     .iter_mut()
-                    .map(|state| SampleRow { request_id: 0, params, state, eos_token_ids: &[], mask: None })
+                    .map(|state| SampleRow {
+                        request_id: RequestId(0),
+                        params,
+                        state,
+                        eos_token_ids: &[],
+                        mask: None,
+                    })
                     .collect();
                 let mut edits = Vec::new();
                 let specs: Vec<_> = sample_rows

@@ -17,7 +17,7 @@ use corridor_engine::ranks::{LayoutOptions, MultiRank, DEFAULT_MICROBATCH_ROWS};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::Layout;
 use corridor_model::Checkpoint;
-use corridor_units::PageId;
+use corridor_units::{PageId, Pages, RequestId, TokenId, Tokens};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -67,10 +67,10 @@ fn chunks() -> Vec<(SchedulerOutput, Vec<usize>)> {
             let cached = c * CHUNK;
             let last = cached + CHUNK == PROMPT;
             let step = SchedulerOutput {
-                tokens: (cached..cached + CHUNK).map(|t| (t * 7919 % 30_000) as u32 + 100).collect(),
+                tokens: (cached..cached + CHUNK).map(|t| TokenId((t * 7919 % 30_000) as u32 + 100)).collect(),
                 positions: (cached as u32..(cached + CHUNK) as u32).collect(),
                 seqs: vec![ScheduledSeq {
-                    id: 1,
+                    id: RequestId(1),
                     row_start: 0,
                     rows: CHUNK,
                     cached,
@@ -88,8 +88,12 @@ fn chunks() -> Vec<(SchedulerOutput, Vec<usize>)> {
 /// A pipeline over `layout` whose steps with more than `microbatch_rows`
 /// prompt rows run as micro-batches (0: whole), warmed up by one chunk.
 fn group(ckpt: &Checkpoint, layout: &Layout, link: LinkModel, microbatch_rows: usize) -> MultiRank {
-    let limits =
-        ExecutorLimits { max_rows: CHUNK, max_logit_rows: 1, page_size: PAGE, num_pages: PROMPT / PAGE };
+    let limits = ExecutorLimits {
+        max_rows: Tokens(CHUNK),
+        max_logit_rows: 1,
+        page_size: Tokens(PAGE),
+        num_pages: Pages(PROMPT / PAGE),
+    };
     let options = LayoutOptions { link: Some(link), microbatch_rows, ..LayoutOptions::new(limits) };
     let mut group = MultiRank::spawn(ckpt, layout, options).expect("spawn the pipeline");
     let (step, rows) = &chunks()[0];

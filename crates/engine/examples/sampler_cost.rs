@@ -15,6 +15,7 @@
 use corridor_backend::sample::RowSummary;
 use corridor_engine::sampling::device;
 use corridor_engine::sampling::{CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams};
+use corridor_units::{RequestId, TokenId};
 use std::sync::Arc;
 
 fn main() {
@@ -34,13 +35,13 @@ fn main() {
 
 fn run(params: &SamplingParams) {
     let vocab = 128_256;
-    let eos = [2u32];
+    let eos = [TokenId(2)];
     for batch in [1usize, 8, 32, 128] {
         // Deterministic, varied logits in [0, 5).
         let mut logits: Vec<f32> =
             (0..batch * vocab).map(|i| ((i as u64 * 2_654_435_761) % 1000) as f32 / 200.0).collect();
         let mut states: Vec<SamplerState> =
-            (0..batch).map(|_| SamplerState::new(params, &[1, 2, 3])).collect();
+            (0..batch).map(|_| SamplerState::new(params, &[1, 2, 3].map(TokenId))).collect();
         let mut sampler = CpuSampler::new(Arc::new(SamplerStats::default()));
         let reps = 5;
         let started = std::time::Instant::now();
@@ -49,7 +50,7 @@ fn run(params: &SamplingParams) {
                 .iter_mut()
                 .enumerate()
                 .map(|(i, state)| SampleRow {
-                    request_id: i as u64,
+                    request_id: RequestId(i as u64),
                     params,
                     state,
                     eos_token_ids: &eos,
@@ -62,7 +63,7 @@ fn run(params: &SamplingParams) {
         // What the host still does per step when the rows are drawn on the
         // device: each row's uniform and edits (a 1,000-token prompt under
         // a repetition penalty), and settling its summary.
-        let prompt: Vec<u32> = (0..1000).map(|i| (i * 7919) % vocab as u32).collect();
+        let prompt: Vec<TokenId> = (0..1000).map(|i| TokenId((i * 7919) % vocab as u32)).collect();
         let mut states: Vec<SamplerState> = (0..batch).map(|_| SamplerState::new(params, &prompt)).collect();
         let stats = SamplerStats::default();
         let started = std::time::Instant::now();
@@ -71,7 +72,7 @@ fn run(params: &SamplingParams) {
                 .iter_mut()
                 .enumerate()
                 .map(|(i, state)| SampleRow {
-                    request_id: i as u64,
+                    request_id: RequestId(i as u64),
                     params,
                     state,
                     eos_token_ids: &eos,

@@ -6,6 +6,11 @@
 //! events (tokens, then one `Done`). Dropping a request's [`RequestStream`]
 //! aborts it: the engine frees its pages before the next step, so a client
 //! that disconnects costs nothing after that.
+//!
+//! Requests are named by [`RequestId`] and carry [`TokenId`]s: the caller
+//! converts the tokenizer's `u32` once, when it builds a [`GenerateRequest`]
+//! (the server's `choice_specs`), and back when it reads an [`Event::Token`].
+//! Below this they stay `TokenId` down to the kernels' edge.
 
 use crate::executor::{DeviceDraw, Executor, ExecutorLimits, SingleRank};
 use crate::flips::{FlipControl, FlipError, FlipMode, FlipRecord, FlipSettings, FlipTrigger};
@@ -15,7 +20,7 @@ use crate::sampling::device;
 use crate::sampling::{
     Constraint, CpuSampler, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams, TokenLogprob,
 };
-use crate::scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerOutput};
+use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::stats::{EngineStats, StatsCell};
 use corridor_backend::sample::{
     LogitEdit, SampleRowSpec, SampledRows, MAX_EDITS_PER_ROW, ROW_TOO_MANY_CANDIDATES,
@@ -23,7 +28,7 @@ use corridor_backend::sample::{
 use corridor_backend::Backend;
 use corridor_model::Model;
 use corridor_model::ModelConfig;
-use corridor_units::{Bytes, CardId, Pages, Rank, Tokens};
+use corridor_units::{Bytes, CardId, Pages, Rank, RequestId, TokenId, Tokens};
 use corridor_vram::{ReliefProvider, Tier};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,13 +46,13 @@ pub struct EngineConfig {
 /// A request as the engine sees it: token ids and sampling settings.
 #[derive(Clone, Debug)]
 pub struct GenerateRequest {
-    pub prompt: Vec<u32>,
+    pub prompt: Vec<TokenId>,
     pub params: SamplingParams,
     /// `None` means until an end token or the end of the context.
     pub max_new_tokens: Option<usize>,
     /// End-of-sequence ids of the tokenizer (the sampler masks them while
     /// `min_tokens` is not reached).
-    pub eos_ids: Vec<u32>,
+    pub eos_ids: Vec<TokenId>,
     /// A grammar the output is held to (structured output, forced tool
     /// calls); `None` leaves the output free.
     pub constraint: Option<Constraint>,
@@ -78,7 +83,7 @@ pub struct Usage {
 /// What a request's stream carries.
 #[derive(Clone, Debug)]
 pub enum Event {
-    Token { token: u32, logprob: Option<f32>, top_logprobs: Vec<TokenLogprob> },
+    Token { token: TokenId, logprob: Option<f32>, top_logprobs: Vec<TokenLogprob> },
     Done { reason: FinishReason, usage: Usage },
 }
 
@@ -188,7 +193,7 @@ pub struct EngineHandle {
 impl EngineHandle {
     /// Queue a request; its events arrive on the returned stream.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, EngineError> {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = tmpsc::unbounded_channel();
         self.commands.send(Command::Add { id, req: Box::new(req), tx }).map_err(|_| EngineError::Stopped)?;
         Ok(RequestStream { id, rx, commands: self.commands.clone(), done: false })
@@ -245,7 +250,7 @@ struct Live {
     tx: tmpsc::UnboundedSender<Event>,
     params: SamplingParams,
     state: SamplerState,
-    eos_ids: Vec<u32>,
+    eos_ids: Vec<TokenId>,
     prompt_len: usize,
     generated: usize,
     max_new: Option<usize>,
@@ -262,9 +267,9 @@ pub fn spawn<B: Backend>(
 ) -> Result<EngineHandle, EngineError> {
     let sc = config.scheduler;
     let limits = ExecutorLimits {
-        max_rows: sc.max_batched_tokens,
+        max_rows: Tokens(sc.max_batched_tokens),
         max_logit_rows: sc.max_running,
-        page_size: config.page_size.get(),
+        page_size: config.page_size,
         num_pages: pool.capacity(),
     };
     let exec = SingleRank::new(backend, model, limits).map_err(|e| EngineError::Startup(e.to_string()))?;
@@ -287,7 +292,7 @@ pub fn spawn_with(
     let info = Arc::new(ModelInfo {
         config: exec.config().clone(),
         context_len: sc.context_len,
-        num_pages: pool.capacity(),
+        num_pages: pool.capacity().get(),
         page_size: config.page_size.get(),
     });
     let mut sched = Scheduler::new(sc, pool);

@@ -8,11 +8,11 @@ use crate::phase::{FlipVerdict, Phase};
 use crate::scheduler::SchedulerOutput;
 use corridor_backend::collective::{Collective, Solo};
 use corridor_backend::sample::{LogitEdit, SampleRowSpec, SampledRows};
-use corridor_backend::{Backend, SeqStep};
+use corridor_backend::{Backend, GraphKey, SeqStep};
 use corridor_model::layout::Layout;
 use corridor_model::ModelConfig;
 use corridor_model::{KvCache, Model, ModelError, StepInput, Workspace};
-use corridor_units::{Bytes, PageId, Rank, StateSlot};
+use corridor_units::{Bytes, PageId, Pages, Rank, StateSlot, TokenId, Tokens};
 
 /// Runs steps for the engine.
 pub trait Executor: Send + 'static {
@@ -105,12 +105,15 @@ pub struct DeviceDraw<'a> {
 /// Sizes the executor must be able to run.
 #[derive(Clone, Copy, Debug)]
 pub struct ExecutorLimits {
-    /// Token rows per step.
-    pub max_rows: usize,
-    /// Rows that sample per step (one per running sequence).
+    /// Token rows per step (the scheduler's token budget).
+    pub max_rows: Tokens,
+    /// Rows that sample per step: a count of rows, one per running sequence
+    /// (and of state slots for a model with recurrent state), not of tokens.
     pub max_logit_rows: usize,
-    pub page_size: usize,
-    pub num_pages: usize,
+    /// Tokens per KV page.
+    pub page_size: Tokens,
+    /// KV pages the cache holds (the page pool's id space).
+    pub num_pages: Pages,
 }
 
 /// The whole model on one backend, or one rank's slice of it with the
@@ -134,7 +137,7 @@ pub struct SingleRank<B: Backend> {
 /// A decode step padded with rows that belong to no sequence.
 #[derive(Default)]
 struct PaddedStep {
-    tokens: Vec<u32>,
+    tokens: Vec<TokenId>,
     positions: Vec<u32>,
     logit_rows: Vec<usize>,
 }
@@ -149,6 +152,18 @@ pub fn decode_bucket(rows: usize) -> usize {
         9..=128 => rows.div_ceil(16) * 16,
         _ => rows.div_ceil(64) * 64,
     }
+}
+
+/// The captured replay the executor runs a step as: a decode step (every
+/// sequence one row, every row sampling: the same kernels on the same
+/// buffers for every batch of its size, only the uploaded metadata differs)
+/// on a rank whose forward is `replayable` ([`Model::replayable`]); `None`,
+/// run op by op, for every prefill or mixed step and every rank that reads
+/// the host mid-step. The executor is the one place this is decided; the
+/// model only runs the key it is handed.
+pub fn capture_key(input: &StepInput<'_>, replayable: bool) -> Option<GraphKey> {
+    (replayable && input.is_decode())
+        .then_some(GraphKey { rows: input.tokens.len(), logit_rows: input.logit_rows.len() })
 }
 
 impl<B: Backend> SingleRank<B> {
@@ -222,16 +237,18 @@ impl<B: Backend> SingleRank<B> {
     pub fn warm_up(&mut self) -> Result<Vec<usize>, ModelError> {
         let mut logits = Vec::new();
         let mut run = |me: &mut Self, rows: usize| -> Result<(), ModelError> {
-            let tokens = vec![0u32; rows];
+            let tokens = vec![TokenId(0); rows];
             let positions = vec![0u32; rows];
             let logit_rows: Vec<usize> = (0..rows.min(me.ws.max_logit_rows())).collect();
-            let input = StepInput {
+            let mut input = StepInput {
                 tokens: &tokens,
                 positions: &positions,
                 seqs: &[],
                 logit_rows: &logit_rows,
                 state_slots: &[],
+                capture: None,
             };
+            input.capture = capture_key(&input, me.model.replayable(&*me.comm));
             me.model.forward_ranked(&me.backend, &*me.comm, &mut me.ws, &mut me.kv, &input, &mut logits)
         };
         // Prefill-sized steps first (cuBLASLt picks kernels by shape).
@@ -387,23 +404,26 @@ impl<B: Backend> SingleRank<B> {
         if self.model.has_state() {
             for s in &step.seqs {
                 let slot = s.state_slot.ok_or_else(|| {
-                    ModelError::Step(format!("request {} has no state slot; the model needs one", s.id))
+                    ModelError::Step(format!("{} has no state slot; the model needs one", s.id))
                 })?;
                 self.slots.push(slot);
             }
         }
-        let input = StepInput {
+        let mut input = StepInput {
             tokens: &step.tokens,
             positions: &step.positions,
             seqs: &seqs,
             logit_rows,
             state_slots: &self.slots,
+            capture: None,
         };
+        let replayable = self.model.replayable(&*self.comm);
         let target = match self.pad_limit {
             Some(limit) if input.is_decode() && rows > 0 => decode_bucket(rows).min(limit).max(rows),
             _ => rows,
         };
         if target == rows {
+            input.capture = capture_key(&input, replayable);
             return self.model.forward_ranked_rows(
                 &self.backend,
                 &*self.comm,
@@ -417,20 +437,22 @@ impl<B: Backend> SingleRank<B> {
         let p = &mut self.padded;
         p.tokens.clear();
         p.tokens.extend_from_slice(&step.tokens);
-        p.tokens.resize(target, 0);
+        p.tokens.resize(target, TokenId(0));
         p.positions.clear();
         p.positions.extend_from_slice(&step.positions);
         p.positions.resize(target, 0);
         p.logit_rows.clear();
         p.logit_rows.extend_from_slice(logit_rows);
         p.logit_rows.extend(rows..target);
-        let input = StepInput {
+        let mut input = StepInput {
             tokens: &p.tokens,
             positions: &p.positions,
             seqs: &seqs,
             logit_rows: &p.logit_rows,
             state_slots: &self.slots,
+            capture: None,
         };
+        input.capture = capture_key(&input, replayable);
         let (backend, comm) = (&self.backend, &*self.comm);
         self.model.forward_ranked_rows(
             backend,

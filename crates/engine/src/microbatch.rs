@@ -113,11 +113,11 @@ pub fn logit_places(rows: usize, logit_rows: &[usize], parts: usize) -> Vec<(usi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use corridor_units::PageId;
+    use corridor_units::{PageId, RequestId, TokenId};
 
     fn seq(id: u64, row_start: usize, rows: usize, cached: usize, samples: bool) -> ScheduledSeq {
         ScheduledSeq {
-            id,
+            id: RequestId(id),
             row_start,
             rows,
             cached,
@@ -140,11 +140,11 @@ mod tests {
         positions.extend(4..17);
         positions.extend(0..9);
         SchedulerOutput {
-            tokens: (100..100 + rows as u32).collect(),
+            tokens: (100..100 + rows as u32).map(TokenId).collect(),
             positions,
             seqs,
-            preempted: vec![9],
-            out_of_capacity: vec![8],
+            preempted: vec![RequestId(9)],
+            out_of_capacity: vec![RequestId(8)],
             decode_rows: 2,
         }
     }
@@ -152,11 +152,11 @@ mod tests {
     /// Every row of `whole` appears once, in order, with its sequence's
     /// position, page table and cached count.
     fn check(whole: &SchedulerOutput, logit_rows: &[usize], parts: &[(SchedulerOutput, Vec<usize>)]) {
-        let tokens: Vec<u32> = parts.iter().flat_map(|p| p.0.tokens.clone()).collect();
+        let tokens: Vec<TokenId> = parts.iter().flat_map(|p| p.0.tokens.clone()).collect();
         let positions: Vec<u32> = parts.iter().flat_map(|p| p.0.positions.clone()).collect();
         assert_eq!((tokens, positions), (whole.tokens.clone(), whole.positions.clone()));
         let mut offset = 0;
-        let mut rows_of: std::collections::HashMap<u64, usize> = Default::default();
+        let mut rows_of: std::collections::HashMap<RequestId, usize> = Default::default();
         let mut logits = Vec::new();
         for (p, l) in parts {
             assert!(!p.tokens.is_empty());
@@ -214,7 +214,9 @@ mod tests {
         type Piece = (u64, usize, usize, usize, bool);
         let pieces: Vec<Vec<Piece>> = split
             .iter()
-            .map(|(p, _)| p.seqs.iter().map(|s| (s.id, s.row_start, s.rows, s.cached, s.samples)).collect())
+            .map(|(p, _)| {
+                p.seqs.iter().map(|s| (s.id.get(), s.row_start, s.rows, s.cached, s.samples)).collect()
+            })
             .collect();
         assert_eq!(
             pieces,
@@ -227,7 +229,10 @@ mod tests {
         let logits: Vec<Vec<usize>> = split.iter().map(|p| p.1.clone()).collect();
         assert_eq!(logits, vec![vec![0, 1], vec![], vec![7]]);
         assert_eq!(split.iter().map(|p| p.0.decode_rows).collect::<Vec<_>>(), vec![2, 0, 0]);
-        assert_eq!((split[0].0.out_of_capacity.clone(), split[1].0.preempted.clone()), (vec![8], vec![]));
+        assert_eq!(
+            (split[0].0.out_of_capacity.clone(), split[1].0.preempted.clone()),
+            (vec![RequestId(8)], vec![])
+        );
     }
 
     #[test]
@@ -252,7 +257,7 @@ mod tests {
         // A 512-row prompt chunk at the default makes about two parts per
         // stage of a 3-stage pipeline.
         let chunk = SchedulerOutput {
-            tokens: vec![0; 512],
+            tokens: vec![TokenId(0); 512],
             positions: (0..512).collect(),
             seqs: vec![seq(1, 0, 512, 0, true)],
             ..SchedulerOutput::default()

@@ -22,7 +22,7 @@
 //! The engine never holds the index lock while it calls into the guard (which
 //! may run that provider), so the two cannot deadlock.
 
-use corridor_units::{Bytes, CardId, PageId, Pages, Tokens};
+use corridor_units::{Bytes, CardId, PageId, Pages, TokenId, Tokens};
 use corridor_vram::{
     ArenaCounts, CardSettings, Device, KvArena, KvArenaConfig, ManualClock, ReliefProvider, SimCard,
     SimCardSpec, Tier, Urgency,
@@ -62,27 +62,27 @@ impl From<ArenaCounts> for PoolCounts {
 #[derive(Debug)]
 struct Registered {
     hash: PageHash,
-    tokens: Vec<u32>,
+    tokens: Vec<TokenId>,
 }
 
 /// Which pages hold which prefix, and the engine's holder counts.
 #[derive(Debug, Default)]
 struct PrefixIndex {
-    by_hash: HashMap<PageHash, u32>,
-    registered: HashMap<u32, Registered>,
+    by_hash: HashMap<PageHash, PageId>,
+    registered: HashMap<PageId, Registered>,
     /// Holders per page held by a live sequence (mirrors the arena's count,
     /// so the engine knows when a page stops being held).
-    refs: HashMap<u32, u32>,
+    refs: HashMap<PageId, u32>,
     /// Cached pages by (last release, id), oldest first.
-    lru: BTreeSet<(u64, u32)>,
+    lru: BTreeSet<(u64, PageId)>,
     /// Release time of each cached page (to find it in `lru`).
-    released_at: HashMap<u32, u64>,
+    released_at: HashMap<PageId, u64>,
     clock: u64,
     evictions: u64,
 }
 
 impl PrefixIndex {
-    fn forget(&mut self, id: u32) {
+    fn forget(&mut self, id: PageId) {
         if let Some(r) = self.registered.remove(&id) {
             self.by_hash.remove(&r.hash);
         }
@@ -124,7 +124,7 @@ impl SeqPages {
         for &p in ids.iter().rev() {
             idx.clock += 1;
             let now = idx.clock;
-            let Some(r) = idx.refs.get_mut(&p.0) else {
+            let Some(r) = idx.refs.get_mut(&p) else {
                 // A bookkeeping bug; panicking here (often inside a drop)
                 // would abort the process, so it is reported and skipped.
                 tracing::error!("{p} is released but no sequence holds it");
@@ -133,16 +133,16 @@ impl SeqPages {
             };
             *r -= 1;
             let left = *r;
-            let registered = idx.registered.contains_key(&p.0);
+            let registered = idx.registered.contains_key(&p);
             let result = if registered { self.arena.release_to_cache(p) } else { self.arena.release(p) };
             if let Err(e) = result {
                 tracing::error!("{p} is held but the arena says: {e}");
             }
             if left == 0 {
-                idx.refs.remove(&p.0);
+                idx.refs.remove(&p);
                 if registered {
-                    idx.lru.insert((now, p.0));
-                    idx.released_at.insert(p.0, now);
+                    idx.lru.insert((now, p));
+                    idx.released_at.insert(p, now);
                 }
             }
         }
@@ -229,8 +229,8 @@ impl PagePool {
         self.page_size
     }
     /// The id space of the arena.
-    pub fn capacity(&self) -> usize {
-        self.arena.capacity().get()
+    pub fn capacity(&self) -> Pages {
+        self.arena.capacity()
     }
     /// Pages the arena holds when the card has room (its sized target, or
     /// what is committed if that is more): a sequence needing more than this
@@ -321,31 +321,31 @@ impl PagePool {
             if let Some(r) = idx.registered.remove(&id) {
                 idx.by_hash.remove(&r.hash);
             }
-            self.arena.evict(PageId(id)).expect("an indexed cached page is cached in the arena");
+            self.arena.evict(id).expect("an indexed cached page is cached in the arena");
             idx.evictions += 1;
         }
         let pages = self.arena.alloc_many(Pages(n)).ok()?;
         for p in &pages {
-            idx.refs.insert(p.0, 1);
+            idx.refs.insert(*p, 1);
         }
         Some(SeqPages { ids: pages, arena: self.arena.clone(), index: self.index.clone() })
     }
 
     /// Register a full page under `hash` so later prompts can reuse it. If the
     /// same content is already registered under another page, nothing changes.
-    pub fn register(&mut self, page: PageId, hash: PageHash, tokens: &[u32]) {
+    pub fn register(&mut self, page: PageId, hash: PageHash, tokens: &[TokenId]) {
         debug_assert_eq!(tokens.len(), self.page_size);
         let mut idx = lock(&self.index);
-        if idx.by_hash.contains_key(&hash) || idx.registered.contains_key(&page.0) {
+        if idx.by_hash.contains_key(&hash) || idx.registered.contains_key(&page) {
             return;
         }
-        idx.registered.insert(page.0, Registered { hash, tokens: tokens.to_vec() });
-        idx.by_hash.insert(hash, page.0);
+        idx.registered.insert(page, Registered { hash, tokens: tokens.to_vec() });
+        idx.by_hash.insert(hash, page);
     }
 
     /// Find the longest cached prefix of `tokens` over at most `max_pages`
     /// full pages and take a hold on each page found.
-    pub fn acquire_prefix(&mut self, tokens: &[u32], max_pages: usize) -> SeqPages {
+    pub fn acquire_prefix(&mut self, tokens: &[TokenId], max_pages: usize) -> SeqPages {
         let mut hashes = page_hashes(tokens, self.page_size);
         hashes.truncate(max_pages);
         let mut idx = lock(&self.index);
@@ -359,16 +359,16 @@ impl PagePool {
             match idx.refs.get_mut(&id) {
                 Some(r) => {
                     *r += 1;
-                    self.arena.retain(PageId(id)).expect("a held page is in use in the arena");
+                    self.arena.retain(id).expect("a held page is in use in the arena");
                 }
                 None => {
                     let t = idx.released_at.remove(&id).expect("an unheld registered page is cached");
                     idx.lru.remove(&(t, id));
                     idx.refs.insert(id, 1);
-                    self.arena.revive(PageId(id)).expect("an indexed cached page is cached in the arena");
+                    self.arena.revive(id).expect("an indexed cached page is cached in the arena");
                 }
             }
-            out.push(PageId(id));
+            out.push(id);
         }
         self.lookup_tokens += (hashes.len() * self.page_size) as u64;
         self.hit_tokens += (out.len() * self.page_size) as u64;
@@ -403,17 +403,17 @@ impl PagePool {
         // Sources and destinations are disjoint (live pages onto free ones),
         // so the entries can be moved one by one.
         for &(from, to) in &plan.moves {
-            if let Some(r) = idx.registered.remove(&from.0) {
-                idx.by_hash.insert(r.hash, to.0);
-                idx.registered.insert(to.0, r);
+            if let Some(r) = idx.registered.remove(&from) {
+                idx.by_hash.insert(r.hash, to);
+                idx.registered.insert(to, r);
             }
-            if let Some(n) = idx.refs.remove(&from.0) {
-                idx.refs.insert(to.0, n);
+            if let Some(n) = idx.refs.remove(&from) {
+                idx.refs.insert(to, n);
             }
-            if let Some(t) = idx.released_at.remove(&from.0) {
-                idx.lru.remove(&(t, from.0));
-                idx.lru.insert((t, to.0));
-                idx.released_at.insert(to.0, t);
+            if let Some(t) = idx.released_at.remove(&from) {
+                idx.lru.remove(&(t, from));
+                idx.lru.insert((t, to));
+                idx.released_at.insert(to, t);
             }
         }
         Ok(plan.moves)
@@ -432,7 +432,7 @@ impl PagePool {
             return n;
         }
         let cp = self.arena.geometry().chunk_pages;
-        let victims: Vec<u32> = idx.lru.iter().take(cp).map(|&(_, id)| id).collect();
+        let victims: Vec<PageId> = idx.lru.iter().take(cp).map(|&(_, id)| id).collect();
         evict_all(&self.arena, &mut idx, &victims)
     }
 
@@ -442,10 +442,10 @@ impl PagePool {
     }
 }
 
-fn evict_all(arena: &KvArena, idx: &mut PrefixIndex, victims: &[u32]) -> usize {
+fn evict_all(arena: &KvArena, idx: &mut PrefixIndex, victims: &[PageId]) -> usize {
     for &id in victims {
         idx.forget(id);
-        arena.evict(PageId(id)).expect("an indexed cached page is cached in the arena");
+        arena.evict(id).expect("an indexed cached page is cached in the arena");
         idx.evictions += 1;
     }
     victims.len()
@@ -458,21 +458,21 @@ fn evict_all(arena: &KvArena, idx: &mut PrefixIndex, victims: &[u32]) -> usize {
 /// alone: evicting them would free no memory.
 fn evict_whole_chunks(arena: &KvArena, idx: &mut PrefixIndex, chunks: usize) -> usize {
     let cp = arena.geometry().chunk_pages;
-    let busy: BTreeSet<usize> = idx.refs.keys().map(|&id| id as usize / cp).collect();
-    let mut by_chunk: HashMap<usize, Vec<u32>> = HashMap::new();
+    let busy: BTreeSet<usize> = idx.refs.keys().map(|&id| id.index() / cp).collect();
+    let mut by_chunk: HashMap<usize, Vec<PageId>> = HashMap::new();
     for &id in idx.released_at.keys() {
-        let c = id as usize / cp;
+        let c = id.index() / cp;
         if !busy.contains(&c) {
             by_chunk.entry(c).or_default().push(id);
         }
     }
     // Fewest cached pages first (the least reuse lost), then the chunk whose
     // newest page was released longest ago.
-    let newest = |ids: &[u32]| ids.iter().map(|id| idx.released_at[id]).max().unwrap_or(0);
-    let mut order: Vec<(usize, u64, Vec<u32>)> =
+    let newest = |ids: &[PageId]| ids.iter().map(|id| idx.released_at[id]).max().unwrap_or(0);
+    let mut order: Vec<(usize, u64, Vec<PageId>)> =
         by_chunk.into_values().map(|ids| (ids.len(), newest(&ids), ids)).collect();
     order.sort_by_key(|(n, t, _)| (*n, *t));
-    let victims: Vec<u32> = order.into_iter().take(chunks).flat_map(|(_, _, ids)| ids).collect();
+    let victims: Vec<PageId> = order.into_iter().take(chunks).flat_map(|(_, _, ids)| ids).collect();
     evict_all(arena, idx, &victims)
 }
 
@@ -518,13 +518,13 @@ impl ReliefProvider for PrefixEvictor {
 /// Chained hashes of the full pages of `tokens` (FNV-1a over the parent hash
 /// and the page's token ids: cheap and deterministic across runs; a collision
 /// is harmless because every hit also compares the page's tokens).
-pub fn page_hashes(tokens: &[u32], page_size: usize) -> Vec<PageHash> {
+pub fn page_hashes(tokens: &[TokenId], page_size: usize) -> Vec<PageHash> {
     let mut out = Vec::with_capacity(tokens.len() / page_size);
     let mut parent: u64 = 0xcbf2_9ce4_8422_2325;
     for page in tokens.chunks_exact(page_size) {
         let mut h = parent;
         for &t in page {
-            for b in t.to_le_bytes() {
+            for b in t.get().to_le_bytes() {
                 h ^= b as u64;
                 h = h.wrapping_mul(0x0000_0100_0000_01b3);
             }

@@ -28,7 +28,7 @@ use corridor_backend::Backend;
 use corridor_model::layout::{Layout, LayoutKind};
 use corridor_model::{Checkpoint, ModelConfig};
 use corridor_model::{Model, ModelError};
-use corridor_units::{Bytes, PageId, Pages, Rank};
+use corridor_units::{Bytes, PageId, Pages, Rank, RequestId, TokenId};
 use corridor_vram::sizing::{solve, SizingInput};
 use corridor_vram::{ChunkGeometry, Device, Purpose, ReserveRequest, Urgency};
 use std::sync::mpsc;
@@ -282,7 +282,7 @@ impl MultiRank {
             control,
             serving,
             epoch: 0,
-            page_size: options.limits.page_size,
+            page_size: options.limits.page_size.get(),
         });
         Ok(multi)
     }
@@ -321,7 +321,7 @@ impl MultiRank {
                     control: f.control,
                     layouts: layouts.clone(),
                     config: config.clone(),
-                    page_size: options.limits.page_size,
+                    page_size: options.limits.page_size.get(),
                     serving: Phase::of(layout.kind).expect("a flipping layout is tensor or pipeline"),
                     epoch: 0,
                 }),
@@ -331,7 +331,7 @@ impl MultiRank {
                 index: slice.rank.0 as usize,
                 exec: parts.exec,
                 kv: parts.kv,
-                max_pages: options.limits.num_pages as u64,
+                max_pages: options.limits.num_pages.get() as u64,
                 flip,
                 microbatch_rows: options.microbatch_rows,
                 pipeline: layout.kind == LayoutKind::Pipeline,
@@ -528,10 +528,10 @@ impl MultiRank {
         let pages: Vec<PageId> = (0..rows.div_ceil(page_size) as u32).map(PageId).collect();
         let vocab = self.config.vocab_size as u32;
         let step = SchedulerOutput {
-            tokens: (0..rows as u32).map(|t| (t * 7 + 3) % vocab).collect(),
+            tokens: (0..rows as u32).map(|t| TokenId((t * 7 + 3) % vocab)).collect(),
             positions: (0..rows as u32).collect(),
             seqs: vec![crate::scheduler::ScheduledSeq {
-                id: u64::MAX,
+                id: RequestId(u64::MAX),
                 row_start: 0,
                 rows,
                 cached: 0,

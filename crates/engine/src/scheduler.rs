@@ -38,12 +38,9 @@
 
 use crate::pages::{page_hashes, PagePool, SeqPages};
 use crate::step_budget::{StepBudget, StepShape};
-use corridor_units::{Bytes, CardId, PageId, StateSlot, Tokens};
+use corridor_units::{Bytes, CardId, PageId, RequestId, StateSlot, TokenId, Tokens};
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
-
-/// Identifies a request inside the engine.
-pub type RequestId = u64;
 
 /// Limits of the scheduler, fixed at start-up.
 #[derive(Clone, Copy, Debug)]
@@ -64,7 +61,7 @@ pub struct SchedulerConfig {
 struct Seq {
     id: RequestId,
     /// Prompt followed by generated tokens.
-    tokens: Vec<u32>,
+    tokens: Vec<TokenId>,
     prompt_len: usize,
     /// Tokens whose KV is in the cache.
     computed: usize,
@@ -107,7 +104,7 @@ pub struct ScheduledSeq {
 #[derive(Clone, Debug, Default)]
 pub struct SchedulerOutput {
     /// `[rows]` token ids, sequences concatenated.
-    pub tokens: Vec<u32>,
+    pub tokens: Vec<TokenId>,
     /// `[rows]` positions.
     pub positions: Vec<u32>,
     pub seqs: Vec<ScheduledSeq>,
@@ -245,7 +242,7 @@ impl Scheduler {
     }
 
     /// Queue a new sequence.
-    pub fn add(&mut self, id: RequestId, prompt: Vec<u32>) {
+    pub fn add(&mut self, id: RequestId, prompt: Vec<TokenId>) {
         let prompt_len = prompt.len();
         self.waiting.push_back(Seq {
             id,
@@ -282,7 +279,7 @@ impl Scheduler {
     }
 
     /// Append a sampled token to a running sequence.
-    pub fn append_token(&mut self, id: RequestId, token: u32) {
+    pub fn append_token(&mut self, id: RequestId, token: TokenId) {
         if let Some(s) = self.running.iter_mut().find(|s| s.id == id) {
             s.tokens.push(token);
         }
@@ -479,7 +476,7 @@ impl Scheduler {
             tracing::warn!(
                 %card,
                 "running requests hold {} KV pages ({}) but after giving back {} the card keeps {} pages ({}) \
-                 above its floor: preempting request {} ({} pages; it is recomputed when memory returns)",
+                 above its floor: preempting {} ({} pages; it is recomputed when memory returns)",
                 c.in_use.get(),
                 Bytes(c.in_use.get() as u64 * g.page_bytes.get()),
                 Bytes(short as u64 * g.chunk_bytes.get()),

@@ -8,7 +8,7 @@ use corridor_engine::executor::{decode_bucket, Executor, SingleRank};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::Checkpoint;
 use corridor_model::Model;
-use corridor_units::PageId;
+use corridor_units::{PageId, Pages, RequestId, TokenId, Tokens};
 use std::path::Path;
 
 fn executor(padded: bool) -> SingleRank<CpuBackend> {
@@ -17,10 +17,10 @@ fn executor(padded: bool) -> SingleRank<CpuBackend> {
     let backend = CpuBackend::new();
     let model = Model::load(&backend, &ckpt, |_| {}).unwrap();
     let limits = corridor_engine::executor::ExecutorLimits {
-        max_rows: 256,
+        max_rows: Tokens(256),
         max_logit_rows: 16,
-        page_size: 16,
-        num_pages: 64,
+        page_size: Tokens(16),
+        num_pages: Pages(64),
     };
     SingleRank::new(backend, model, limits).unwrap().with_decode_padding(padded)
 }
@@ -40,10 +40,10 @@ fn run(exec: &mut SingleRank<CpuBackend>, n: usize, steps: usize) -> Vec<Vec<f32
     let mut logit_rows = Vec::new();
     for (i, &len) in lens.iter().enumerate() {
         let row_start = step.tokens.len();
-        step.tokens.extend((0..len).map(|t| ((t * 31 + i * 7) % 200) as u32));
+        step.tokens.extend((0..len).map(|t| TokenId(((t * 31 + i * 7) % 200) as u32)));
         step.positions.extend(0..len as u32);
         step.seqs.push(ScheduledSeq {
-            id: i as u64,
+            id: RequestId(i as u64),
             row_start,
             rows: len,
             cached: 0,
@@ -58,10 +58,10 @@ fn run(exec: &mut SingleRank<CpuBackend>, n: usize, steps: usize) -> Vec<Vec<f32
     for s in 0..steps {
         let mut step = empty_step();
         for (i, len) in lens.iter_mut().enumerate() {
-            step.tokens.push(((s * 13 + i * 5) % 200) as u32);
+            step.tokens.push(TokenId(((s * 13 + i * 5) % 200) as u32));
             step.positions.push(*len as u32);
             step.seqs.push(ScheduledSeq {
-                id: i as u64,
+                id: RequestId(i as u64),
                 row_start: i,
                 rows: 1,
                 cached: *len,

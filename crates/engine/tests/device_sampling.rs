@@ -16,7 +16,7 @@ use corridor_engine::sampling::device::host_op;
 use corridor_engine::sampling::{Constraint, ConstraintError, SamplingParams, TokenConstraint, TokenMask};
 use corridor_engine::scheduler::{SchedulerConfig, SchedulerOutput};
 use corridor_model::{Checkpoint, Model, ModelConfig, ModelError};
-use corridor_units::{PageId, Pages, Tokens};
+use corridor_units::{PageId, Pages, TokenId, Tokens};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -89,11 +89,11 @@ struct EvenOnly;
 impl TokenConstraint for EvenOnly {
     fn mask(&mut self, vocab: usize) -> Result<TokenMask, ConstraintError> {
         let mut m = TokenMask::none(vocab);
-        (0..vocab as u32).step_by(2).for_each(|t| m.allow(t));
+        (0..vocab as u32).step_by(2).for_each(|t| m.allow(TokenId(t)));
         Ok(m)
     }
-    fn accept(&mut self, token: u32) -> Result<(), ConstraintError> {
-        if token % 2 == 1 {
+    fn accept(&mut self, token: TokenId) -> Result<(), ConstraintError> {
+        if token.get() % 2 == 1 {
             return Err(ConstraintError(format!("odd token {token}")));
         }
         Ok(())
@@ -108,7 +108,12 @@ fn executor() -> SingleRank<CpuBackend> {
     let ckpt = Checkpoint::open(&dir).unwrap();
     let backend = CpuBackend::new();
     let model = Model::load(&backend, &ckpt, |_| {}).unwrap();
-    let limits = ExecutorLimits { max_rows: 64, max_logit_rows: 8, page_size: 16, num_pages: 64 };
+    let limits = ExecutorLimits {
+        max_rows: Tokens(64),
+        max_logit_rows: 8,
+        page_size: Tokens(16),
+        num_pages: Pages(64),
+    };
     SingleRank::new(backend, model, limits).unwrap()
 }
 
@@ -155,7 +160,7 @@ fn run(handle: &EngineHandle) -> Vec<Tokens_> {
     let mut streams = Vec::new();
     for (i, (params, grammar)) in requests().into_iter().enumerate() {
         let req = GenerateRequest {
-            prompt: vec![1, 5 + i as u32, 9, 12, 7],
+            prompt: TokenId::vec(&[1, 5 + i as u32, 9, 12, 7]),
             params,
             max_new_tokens: Some(12),
             eos_ids: vec![],
@@ -170,7 +175,7 @@ fn run(handle: &EngineHandle) -> Vec<Tokens_> {
             while let Some(ev) = s.next_blocking() {
                 match ev {
                     Event::Token { token, logprob, top_logprobs } => {
-                        got.push((token, logprob, top_logprobs.len()))
+                        got.push((token.get(), logprob, top_logprobs.len()))
                     }
                     Event::Done { reason, .. } => {
                         assert_eq!(reason, corridor_engine::engine::FinishReason::Length);
@@ -233,10 +238,10 @@ impl TokenConstraint for FailsLater {
             return Err(ConstraintError("the grammar broke".into()));
         }
         let mut m = TokenMask::none(vocab);
-        (0..vocab as u32).for_each(|t| m.allow(t));
+        (0..vocab as u32).for_each(|t| m.allow(TokenId(t)));
         Ok(m)
     }
-    fn accept(&mut self, _token: u32) -> Result<(), ConstraintError> {
+    fn accept(&mut self, _token: TokenId) -> Result<(), ConstraintError> {
         Ok(())
     }
     fn fork(&self) -> Box<dyn TokenConstraint> {
@@ -248,7 +253,7 @@ fn greedy_tokens(stream: &mut corridor_engine::engine::RequestStream) -> Vec<u32
     let mut got = Vec::new();
     while let Some(ev) = stream.next_blocking() {
         match ev {
-            Event::Token { token, .. } => got.push(token),
+            Event::Token { token, .. } => got.push(token.get()),
             Event::Done { .. } => break,
         }
     }
@@ -261,7 +266,7 @@ fn greedy_tokens(stream: &mut corridor_engine::engine::RequestStream) -> Vec<u32
 fn a_failed_grammar_leaves_the_other_rows_their_own_logits() {
     let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
     let request = |prompt: Vec<u32>, constraint: Option<Constraint>| GenerateRequest {
-        prompt,
+        prompt: TokenId::vec(&prompt),
         params: greedy.clone(),
         max_new_tokens: Some(10),
         eos_ids: vec![],
@@ -289,7 +294,7 @@ fn a_row_with_too_many_edits_is_sampled_on_the_host() {
     let log = Arc::new(Mutex::new(Vec::new()));
     let handle = engine(Box::new(HostDevice { inner: executor(), log: log.clone(), all: Vec::new() }));
     let many = SamplingParams {
-        stop_token_ids: vec![0; MAX_EDITS_PER_ROW + 1],
+        stop_token_ids: vec![TokenId(0); MAX_EDITS_PER_ROW + 1],
         seed: Some(9),
         ..Default::default()
     };
@@ -298,7 +303,7 @@ fn a_row_with_too_many_edits_is_sampled_on_the_host() {
         .into_iter()
         .map(|params| {
             let req = GenerateRequest {
-                prompt: vec![1, 2, 3],
+                prompt: TokenId::vec(&[1, 2, 3]),
                 params,
                 max_new_tokens: Some(6),
                 eos_ids: vec![],

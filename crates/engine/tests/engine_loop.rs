@@ -12,7 +12,7 @@ use corridor_engine::sampling::SamplingParams;
 use corridor_engine::scheduler::SchedulerConfig;
 use corridor_model::Checkpoint;
 use corridor_model::Model;
-use corridor_units::{Pages, Tokens};
+use corridor_units::{Pages, TokenId, Tokens};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -61,10 +61,10 @@ fn ids(v: &Value) -> Vec<u32> {
 
 fn greedy(prompt: Vec<u32>, n: usize) -> GenerateRequest {
     GenerateRequest {
-        prompt,
+        prompt: TokenId::vec(&prompt),
         params: SamplingParams { temperature: 0.0, ignore_eos: true, ..Default::default() },
         max_new_tokens: Some(n),
-        eos_ids: vec![2],
+        eos_ids: vec![TokenId(2)],
         constraint: None,
     }
 }
@@ -74,7 +74,7 @@ fn collect(e: &EngineHandle, req: GenerateRequest) -> (Vec<u32>, FinishReason, U
     let mut toks = Vec::new();
     loop {
         match s.next_blocking().expect("engine alive") {
-            Event::Token { token, .. } => toks.push(token),
+            Event::Token { token, .. } => toks.push(token.get()),
             Event::Done { reason, usage } => return (toks, reason, usage),
         }
     }

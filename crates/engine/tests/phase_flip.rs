@@ -16,14 +16,14 @@ use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::{Layout, LayoutSpec, Split};
 use corridor_model::Checkpoint;
 use corridor_model::Model;
-use corridor_units::{Bytes, CardId};
+use corridor_units::{Bytes, CardId, Pages, RequestId, TokenId, Tokens};
 use corridor_units::{PageId, Rank};
 use corridor_vram::{CardSettings, ChunkGeometry, Device, SimCard, SimCardSpec, SystemClock};
 use std::path::Path;
 use std::sync::Arc;
 
 const LIMITS: ExecutorLimits =
-    ExecutorLimits { max_rows: 128, max_logit_rows: 4, page_size: 4, num_pages: 32 };
+    ExecutorLimits { max_rows: Tokens(128), max_logit_rows: 4, page_size: Tokens(4), num_pages: Pages(32) };
 
 fn checkpoint() -> Checkpoint {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/llama-f32");
@@ -47,9 +47,9 @@ fn step(tokens: Vec<u32>, cached: usize, pages: &[PageId]) -> SchedulerOutput {
     let rows = tokens.len();
     SchedulerOutput {
         positions: (cached as u32..(cached + rows) as u32).collect(),
-        tokens,
+        tokens: TokenId::vec(&tokens),
         seqs: vec![ScheduledSeq {
-            id: 1,
+            id: RequestId(1),
             row_start: 0,
             rows,
             cached,

@@ -9,7 +9,7 @@ use corridor_engine::ranks::{LayoutOptions, MultiRank};
 use corridor_engine::scheduler::{ScheduledSeq, SchedulerOutput};
 use corridor_model::layout::Layout;
 use corridor_model::Checkpoint;
-use corridor_units::{Bytes, PageId};
+use corridor_units::{Bytes, PageId, Pages, RequestId, TokenId, Tokens};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -23,17 +23,17 @@ fn ckpt() -> Checkpoint {
 }
 
 fn limits() -> ExecutorLimits {
-    ExecutorLimits { max_rows: 64, max_logit_rows: 4, page_size: 16, num_pages: 32 }
+    ExecutorLimits { max_rows: Tokens(64), max_logit_rows: 4, page_size: Tokens(16), num_pages: Pages(32) }
 }
 
 /// One prompt of 40 tokens in pages 0..3.
 fn prompt_step() -> SchedulerOutput {
     let rows = 40;
     SchedulerOutput {
-        tokens: (0..rows as u32).map(|t| (t * 7 + 3) % 200).collect(),
+        tokens: (0..rows as u32).map(|t| TokenId((t * 7 + 3) % 200)).collect(),
         positions: (0..rows as u32).collect(),
         seqs: vec![ScheduledSeq {
-            id: 1,
+            id: RequestId(1),
             row_start: 0,
             rows,
             cached: 0,
@@ -75,7 +75,7 @@ fn a_pipeline_pays_its_link_and_computes_the_same() {
 fn seq(id: u64, row_start: usize, rows: usize, cached: usize, samples: bool) -> ScheduledSeq {
     // Four pages of 16 tokens per sequence, disjoint.
     let pages = (0..4).map(|p| PageId(id as u32 * 4 + p)).collect();
-    ScheduledSeq { id, row_start, rows, cached, pages, samples, state_slot: None }
+    ScheduledSeq { id: RequestId(id), row_start, rows, cached, pages, samples, state_slot: None }
 }
 
 /// Steps as the scheduler would form them, with the rows whose logits are
@@ -89,7 +89,7 @@ fn steps() -> Vec<(SchedulerOutput, Vec<usize>)> {
         let mut out = SchedulerOutput { decode_rows, ..SchedulerOutput::default() };
         for s in &seqs {
             for r in 0..s.rows {
-                out.tokens.push(tok(s.id, s.cached + r));
+                out.tokens.push(TokenId(tok(s.id.get(), s.cached + r)));
                 out.positions.push((s.cached + r) as u32);
             }
         }
@@ -161,8 +161,12 @@ fn a_micro_batched_pipeline_serves_what_one_rank_serves() {
     use corridor_engine::sampling::SamplingParams;
     use corridor_engine::scheduler::SchedulerConfig;
     use corridor_model::Model;
-    use corridor_units::{Pages, Tokens};
-    let l = ExecutorLimits { max_rows: 24, max_logit_rows: 4, page_size: 16, num_pages: 64 };
+    let l = ExecutorLimits {
+        max_rows: Tokens(24),
+        max_logit_rows: 4,
+        page_size: Tokens(16),
+        num_pages: Pages(64),
+    };
     let serve = |exec: Box<dyn Executor>| {
         let config = EngineConfig {
             scheduler: SchedulerConfig {
@@ -179,7 +183,7 @@ fn a_micro_batched_pipeline_serves_what_one_rank_serves() {
             .into_iter()
             .map(|prompt| {
                 e.submit(corridor_engine::engine::GenerateRequest {
-                    prompt,
+                    prompt: TokenId::vec(&prompt),
                     params: SamplingParams { temperature: 0.0, ignore_eos: true, ..Default::default() },
                     max_new_tokens: Some(8),
                     eos_ids: vec![],
@@ -193,7 +197,7 @@ fn a_micro_batched_pipeline_serves_what_one_rank_serves() {
             .map(|s| {
                 let mut toks = Vec::new();
                 while let Event::Token { token, .. } = s.next_blocking().expect("engine alive") {
-                    toks.push(token);
+                    toks.push(token.get());
                 }
                 toks
             })

@@ -12,7 +12,7 @@ use corridor_engine::scheduler::SchedulerConfig;
 use corridor_model::layout::Layout;
 use corridor_model::Checkpoint;
 use corridor_model::Model;
-use corridor_units::{Pages, Tokens};
+use corridor_units::{Pages, TokenId, Tokens};
 use std::path::{Path, PathBuf};
 
 const PAGES: usize = 64;
@@ -22,7 +22,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn limits() -> ExecutorLimits {
-    ExecutorLimits { max_rows: 24, max_logit_rows: 4, page_size: 16, num_pages: PAGES }
+    ExecutorLimits { max_rows: Tokens(24), max_logit_rows: 4, page_size: Tokens(16), num_pages: Pages(PAGES) }
 }
 
 fn engine(exec: Box<dyn Executor>) -> EngineHandle {
@@ -32,7 +32,7 @@ fn engine(exec: Box<dyn Executor>) -> EngineHandle {
         EngineConfig {
             scheduler: SchedulerConfig {
                 max_running: l.max_logit_rows,
-                max_batched_tokens: l.max_rows,
+                max_batched_tokens: l.max_rows.get(),
                 context_len: 256,
                 itl_target: None,
             },
@@ -45,7 +45,7 @@ fn engine(exec: Box<dyn Executor>) -> EngineHandle {
 
 fn greedy(prompt: Vec<u32>, n: usize) -> GenerateRequest {
     GenerateRequest {
-        prompt,
+        prompt: TokenId::vec(&prompt),
         params: SamplingParams { temperature: 0.0, ignore_eos: true, ..Default::default() },
         max_new_tokens: Some(n),
         eos_ids: vec![],
@@ -62,7 +62,7 @@ fn collect(e: &EngineHandle, reqs: Vec<GenerateRequest>) -> Vec<(Vec<u32>, Finis
             let mut toks = Vec::new();
             loop {
                 match s.next_blocking().expect("engine alive") {
-                    Event::Token { token, .. } => toks.push(token),
+                    Event::Token { token, .. } => toks.push(token.get()),
                     Event::Done { reason, .. } => return (toks, reason),
                 }
             }

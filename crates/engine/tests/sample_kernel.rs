@@ -15,7 +15,7 @@ use corridor_engine::sampling::device::{plan_row, settle_row};
 use corridor_engine::sampling::{
     CpuSampler, SampleOutcome, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams,
 };
-use corridor_units::Tokens;
+use corridor_units::{RequestId, TokenId, Tokens};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -125,8 +125,8 @@ fn the_kernel_draws_what_the_host_sampler_draws() {
     };
     let p = SamplingParams::default;
     let mut bias = defaults.clone();
-    bias.logit_bias.insert(17, 100.0);
-    bias.logit_bias.insert(3, -100.0);
+    bias.logit_bias.insert(TokenId(17), 100.0);
+    bias.logit_bias.insert(TokenId(3), -100.0);
     // (name, vocab, rows, params, rows the kernel must hand back)
     let cases: Vec<(&str, usize, Rows, SamplingParams, bool)> = vec![
         (
@@ -175,7 +175,7 @@ fn the_kernel_draws_what_the_host_sampler_draws() {
             Rows::Model,
             SamplingParams {
                 min_tokens: Tokens(50),
-                stop_token_ids: vec![11],
+                stop_token_ids: vec![TokenId(11)],
                 presence_penalty: 0.4,
                 ..bias
             },
@@ -198,22 +198,22 @@ fn the_kernel_draws_what_the_host_sampler_draws() {
     let mut failures = Vec::new();
     for (name, vocab, kind, params, hands_back) in &cases {
         let vocab = *vocab;
-        let eos = [(vocab - 1) as u32, 2];
+        let eos = [TokenId((vocab - 1) as u32), TokenId(2)];
         let data: Vec<f32> = (0..batch).flat_map(|_| fill(&mut rng, vocab, *kind)).collect();
         let mut host_states: Vec<SamplerState> = (0..batch)
             .map(|_| {
-                let prompt: Vec<u32> = (0..300).map(|_| rng.below(vocab) as u32).collect();
+                let prompt: Vec<TokenId> = (0..300).map(|_| TokenId(rng.below(vocab) as u32)).collect();
                 let mut s =
                     SamplerState::new(&SamplingParams { seed: Some(rng.next()), ..params.clone() }, &prompt);
                 for _ in 0..rng.below(40) {
-                    s.record(rng.below(vocab) as u32);
+                    s.record(TokenId(rng.below(vocab) as u32));
                 }
                 s
             })
             .collect();
         let mut dev_states = host_states.clone();
         let row = |i: usize, state| SampleRow {
-            request_id: i as u64,
+            request_id: RequestId(i as u64),
             params,
             state,
             eos_token_ids: &eos,

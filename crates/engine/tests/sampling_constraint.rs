@@ -2,6 +2,7 @@
 //! tokens, its fallbacks pick the argmax of the allowed tokens, and a mask
 //! that allows nothing with a finite logit fails that row alone.
 
+use corridor_units::{RequestId, TokenId};
 use std::sync::Arc;
 
 use corridor_engine::sampling::{
@@ -20,7 +21,7 @@ fn run(rows: &[Vec<f32>], masks: &[Option<TokenMask>], params: &SamplingParams) 
         .zip(states.iter_mut())
         .zip(masks)
         .map(|((params, state), mask)| SampleRow {
-            request_id: 1,
+            request_id: RequestId(1),
             params,
             state,
             eos_token_ids: &[],
@@ -33,7 +34,7 @@ fn run(rows: &[Vec<f32>], masks: &[Option<TokenMask>], params: &SamplingParams) 
 
 fn mask_of(vocab: usize, ids: &[u32]) -> TokenMask {
     let mut m = TokenMask::none(vocab);
-    ids.iter().for_each(|&i| m.allow(i));
+    ids.iter().for_each(|&i| m.allow(TokenId(i)));
     m
 }
 
@@ -52,12 +53,12 @@ fn sampled_tokens_are_always_allowed() {
     let masks: Vec<Option<TokenMask>> = (0..32).map(|_| Some(mask_of(vocab, &allowed))).collect();
     for outcome in run(&rows, &masks, &params) {
         let s = outcome.expect("sampled");
-        assert!(allowed.contains(&s.token), "token {} is masked", s.token);
+        assert!(allowed.contains(&s.token.get()), "token {} is masked", s.token);
         assert!(s.fallback.is_none());
     }
     // Rows without a mask in the same batch are untouched.
     let out = run(&rows[..2], &[None, Some(mask_of(vocab, &allowed))], &params);
-    assert!(!allowed.contains(&out[0].as_ref().expect("sampled").token));
+    assert!(!allowed.contains(&out[0].as_ref().expect("sampled").token.get()));
 }
 
 #[test]
@@ -70,7 +71,7 @@ fn broken_row_falls_back_to_argmax_of_allowed_tokens() {
     row[5] = f32::NAN; // breaks the row
     let out = run(&[row], &[Some(mask_of(vocab, &[20, 30]))], &SamplingParams::default());
     let s = out[0].as_ref().expect("fell back");
-    assert_eq!(s.token, 20);
+    assert_eq!(s.token, TokenId(20));
     assert_eq!(s.fallback, Some(FallbackKind::NonFiniteLogits));
 }
 
@@ -85,5 +86,5 @@ fn mask_with_nothing_finite_fails_the_row_only() {
         &SamplingParams::default(),
     );
     assert!(matches!(out[0], Err(SampleError::AllLogitsInvalid { .. })));
-    assert_eq!(out[1].as_ref().expect("other row").token, 6);
+    assert_eq!(out[1].as_ref().expect("other row").token, TokenId(6));
 }

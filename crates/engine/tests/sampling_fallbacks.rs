@@ -10,7 +10,7 @@ use corridor_engine::sampling::{
     BatchError, CpuSampler, DrawKernel, DrawSpec, FallbackKind, SampleError, SampleOutcome, SampleRow,
     Sampler, SamplerState, SamplerStats, SamplingParams,
 };
-use corridor_units::{TokenId, Tokens};
+use corridor_units::{RequestId, TokenId, Tokens};
 
 /// Runs one batch of rows that share `params`, each with its own seed.
 fn run<S: Sampler>(sampler: &mut S, rows: &[Vec<f32>], params: &SamplingParams) -> Vec<SampleOutcome> {
@@ -22,7 +22,13 @@ fn run<S: Sampler>(sampler: &mut S, rows: &[Vec<f32>], params: &SamplingParams) 
     let mut batch: Vec<SampleRow<'_>> = per_row
         .iter()
         .zip(states.iter_mut())
-        .map(|(params, state)| SampleRow { request_id: 1, params, state, eos_token_ids: &[], mask: None })
+        .map(|(params, state)| SampleRow {
+            request_id: RequestId(1),
+            params,
+            state,
+            eos_token_ids: &[],
+            mask: None,
+        })
         .collect();
     sampler.sample(&mut logits, vocab, &mut batch).expect("well-shaped batch")
 }
@@ -45,7 +51,7 @@ fn nan_in_logits_falls_back_to_argmax() {
     let out = run(&mut sampler, &rows, &SamplingParams { temperature: 2.0, ..SamplingParams::default() });
     for o in &out {
         let s = o.as_ref().expect("row still has valid tokens");
-        assert_eq!((s.token, s.fallback), (20, Some(FallbackKind::NonFiniteLogits)));
+        assert_eq!((s.token, s.fallback), (TokenId(20), Some(FallbackKind::NonFiniteLogits)));
     }
     assert_eq!(stats.fallbacks(FallbackKind::NonFiniteLogits), 20);
     assert_eq!(stats.total_fallbacks(), 20);
@@ -62,7 +68,7 @@ fn positive_infinity_falls_back_to_that_token() {
     let params = SamplingParams { logprobs: Some(3), ..SamplingParams::default() };
     for o in run(&mut sampler, &rows, &params) {
         let s = o.expect("valid");
-        assert_eq!((s.token, s.fallback), (7, Some(FallbackKind::NonFiniteLogits)));
+        assert_eq!((s.token, s.fallback), (TokenId(7), Some(FallbackKind::NonFiniteLogits)));
         let lp = s.logprob.expect("requested");
         assert!(lp.is_finite(), "logprob of a sanitized +inf token must be finite, got {lp}");
     }
@@ -84,11 +90,11 @@ fn a_row_with_nothing_valid_fails_alone() {
         good,
     ];
     let out = run(&mut sampler, &rows, &SamplingParams { temperature: 0.0, ..SamplingParams::default() });
-    assert_eq!(out[0].as_ref().map(|s| s.token), Ok(5));
+    assert_eq!(out[0].as_ref().map(|s| s.token), Ok(TokenId(5)));
     assert_eq!(out[1], Err(SampleError::AllLogitsInvalid { vocab: 8, nan: 0 }));
     assert_eq!(out[2], Err(SampleError::AllLogitsInvalid { vocab: 8, nan: 8 }));
     assert_eq!(out[3], Err(SampleError::AllLogitsInvalid { vocab: 8, nan: 4 }));
-    assert_eq!(out[4].as_ref().map(|s| s.token), Ok(5));
+    assert_eq!(out[4].as_ref().map(|s| s.token), Ok(TokenId(5)));
     assert_eq!(stats.failed_rows(), 3);
     assert_eq!(stats.total_fallbacks(), 0);
 }
@@ -101,8 +107,13 @@ fn masks_that_leave_nothing_fail_the_row() {
     let params = SamplingParams { min_tokens: Tokens(3), ..SamplingParams::default() };
     let mut state = SamplerState::new(&params, &[]);
     let mut logits = vec![f32::NEG_INFINITY, 4.0, f32::NEG_INFINITY];
-    let mut rows =
-        [SampleRow { request_id: 9, params: &params, state: &mut state, eos_token_ids: &[1], mask: None }];
+    let mut rows = [SampleRow {
+        request_id: RequestId(9),
+        params: &params,
+        state: &mut state,
+        eos_token_ids: &[TokenId(1)],
+        mask: None,
+    }];
     let out = sampler.sample(&mut logits, 3, &mut rows).expect("shape");
     assert!(matches!(out[0], Err(SampleError::AllLogitsInvalid { .. })));
 }
@@ -122,7 +133,7 @@ fn check_kernel_fallback(kernel: BadKernel, kind: FallbackKind) {
     let rows: Vec<Vec<f32>> = (0..4).map(|_| flat_with(10, &[(0, f32::NEG_INFINITY), (6, 1.5)])).collect();
     for o in run(&mut sampler, &rows, &SamplingParams::default()) {
         let s = o.expect("argmax is possible");
-        assert_eq!((s.token, s.fallback), (6, Some(kind)));
+        assert_eq!((s.token, s.fallback), (TokenId(6), Some(kind)));
     }
     assert_eq!(stats.fallbacks(kind), 4);
     assert_eq!(stats.total_fallbacks(), 4);
@@ -135,14 +146,14 @@ fn empty_candidate_set_falls_back_to_argmax() {
 
 #[test]
 fn id_outside_vocabulary_falls_back_to_argmax() {
-    check_kernel_fallback(BadKernel(|row| Some(row.len() as TokenId + 7)), FallbackKind::OutOfVocab);
-    check_kernel_fallback(BadKernel(|_| Some(TokenId::MAX)), FallbackKind::OutOfVocab);
+    check_kernel_fallback(BadKernel(|row| Some(TokenId(row.len() as u32 + 7))), FallbackKind::OutOfVocab);
+    check_kernel_fallback(BadKernel(|_| Some(TokenId(u32::MAX))), FallbackKind::OutOfVocab);
 }
 
 #[test]
 fn masked_token_falls_back_to_argmax() {
     // Token 0 is -inf in every row the helper builds.
-    check_kernel_fallback(BadKernel(|_| Some(0)), FallbackKind::MaskedToken);
+    check_kernel_fallback(BadKernel(|_| Some(TokenId(0))), FallbackKind::MaskedToken);
 }
 
 /// The empty-candidate path is reachable with the real draw too: a top_k of
@@ -154,7 +165,7 @@ fn unvalidated_zero_top_k_falls_back_to_argmax() {
     let rows: Vec<Vec<f32>> = (0..5).map(|_| flat_with(12, &[(4, 0.1)])).collect();
     for o in run(&mut sampler, &rows, &SamplingParams { top_k: Some(0), ..SamplingParams::default() }) {
         let s = o.expect("valid");
-        assert_eq!((s.token, s.fallback), (4, Some(FallbackKind::NoCandidate)));
+        assert_eq!((s.token, s.fallback), (TokenId(4), Some(FallbackKind::NoCandidate)));
     }
     assert_eq!(stats.fallbacks(FallbackKind::NoCandidate), 5);
 }
@@ -164,8 +175,13 @@ fn malformed_batch_is_an_error_not_a_panic() {
     let mut sampler = CpuSampler::new(Arc::new(SamplerStats::default()));
     let params = SamplingParams::default();
     let mut state = SamplerState::new(&params, &[]);
-    let mut rows =
-        [SampleRow { request_id: 0, params: &params, state: &mut state, eos_token_ids: &[], mask: None }];
+    let mut rows = [SampleRow {
+        request_id: RequestId(0),
+        params: &params,
+        state: &mut state,
+        eos_token_ids: &[],
+        mask: None,
+    }];
     let mut logits = vec![0.0f32; 7];
     assert_eq!(
         sampler.sample(&mut logits, 8, &mut rows),

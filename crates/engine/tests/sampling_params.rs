@@ -8,7 +8,7 @@ use corridor_engine::sampling::{
     CpuSampler, SampleOutcome, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams, StopReason,
     MAX_TOP_LOGPROBS,
 };
-use corridor_units::{TokenId, Tokens};
+use corridor_units::{RequestId, TokenId, Tokens};
 use proptest::prelude::*;
 
 const VOCAB: usize = 16;
@@ -48,9 +48,15 @@ fn each_range_is_enforced_and_named() {
         rejects(SamplingParams { presence_penalty: v, ..d() }, "presence_penalty");
         rejects(SamplingParams { frequency_penalty: v, ..d() }, "frequency_penalty");
     }
-    rejects(SamplingParams { logit_bias: BTreeMap::from([(VOCAB as TokenId, 1.0)]), ..d() }, "logit_bias");
-    rejects(SamplingParams { logit_bias: BTreeMap::from([(3, f32::NAN)]), ..d() }, "logit_bias");
-    rejects(SamplingParams { stop_token_ids: vec![2, VOCAB as TokenId], ..d() }, "stop_token_ids");
+    rejects(
+        SamplingParams { logit_bias: BTreeMap::from([(TokenId(VOCAB as u32), 1.0)]), ..d() },
+        "logit_bias",
+    );
+    rejects(SamplingParams { logit_bias: BTreeMap::from([(TokenId(3), f32::NAN)]), ..d() }, "logit_bias");
+    rejects(
+        SamplingParams { stop_token_ids: vec![TokenId(2), TokenId(VOCAB as u32)], ..d() },
+        "stop_token_ids",
+    );
     rejects(SamplingParams { logprobs: Some(MAX_TOP_LOGPROBS + 1), ..d() }, "top_logprobs");
 }
 
@@ -64,7 +70,10 @@ fn boundary_values_are_accepted() {
         SamplingParams { top_k: Some(u32::MAX), min_p: 0.0, ..d() },
         SamplingParams { repetition_penalty: 1e-3, presence_penalty: -2.0, frequency_penalty: 2.0, ..d() },
         // Out-of-range biases are clamped, not refused (OpenAI's behaviour).
-        SamplingParams { logit_bias: BTreeMap::from([(0, 1e9), (15, f32::NEG_INFINITY)]), ..d() },
+        SamplingParams {
+            logit_bias: BTreeMap::from([(TokenId(0), 1e9), (TokenId(15), f32::NEG_INFINITY)]),
+            ..d()
+        },
         SamplingParams { logprobs: Some(0), ..d() },
         SamplingParams { logprobs: Some(MAX_TOP_LOGPROBS), ..d() },
     ];
@@ -94,7 +103,7 @@ fn sample_one(
 ) -> (SampleOutcome, Vec<f32>) {
     let mut sampler = CpuSampler::new(Arc::new(SamplerStats::default()));
     let mut logits = raw.to_vec();
-    let mut rows = [SampleRow { request_id: 0, params, state, eos_token_ids: eos, mask: None }];
+    let mut rows = [SampleRow { request_id: RequestId(0), params, state, eos_token_ids: eos, mask: None }];
     let out = sampler.sample(&mut logits, raw.len(), &mut rows).expect("shape").remove(0);
     (out, logits)
 }
@@ -112,9 +121,10 @@ fn reference_adjust(
     for &t in history {
         *counts.entry(t).or_default() += 1;
     }
-    (0..raw.len() as TokenId)
+    (0..raw.len() as u32)
+        .map(TokenId)
         .map(|t| {
-            let mut l = raw[t as usize];
+            let mut l = raw[t.index()];
             let count = counts.get(&t).copied().unwrap_or(0);
             if prompt.contains(&t) || count > 0 {
                 let r = params.repetition_penalty;
@@ -146,11 +156,11 @@ proptest! {
         rep in prop_oneof![Just(1.0f32), 0.2f32..3.0],
         pres in -2.0f32..=2.0,
         freq in -2.0f32..=2.0,
-        bias in prop::collection::btree_map(0..VOCAB as TokenId, -300.0f32..300.0, 0..5),
-        prompt in prop::collection::vec(0..VOCAB as TokenId, 0..10),
-        history in prop::collection::vec(0..VOCAB as TokenId, 0..10),
-        eos in prop::collection::vec(0..VOCAB as TokenId, 0..2),
-        stops in prop::collection::vec(0..VOCAB as TokenId, 0..2),
+        bias in prop::collection::btree_map((0..VOCAB as u32).prop_map(TokenId), -300.0f32..300.0, 0..5),
+        prompt in prop::collection::vec((0..VOCAB as u32).prop_map(TokenId), 0..10),
+        history in prop::collection::vec((0..VOCAB as u32).prop_map(TokenId), 0..10),
+        eos in prop::collection::vec((0..VOCAB as u32).prop_map(TokenId), 0..2),
+        stops in prop::collection::vec((0..VOCAB as u32).prop_map(TokenId), 0..2),
         min_tokens in 0usize..12,
         ignore_eos in any::<bool>(),
     ) {
@@ -186,43 +196,43 @@ fn sampled_tokens_feed_the_penalties() {
     let mut state = SamplerState::new(&params, &[]);
     let tokens: Vec<TokenId> =
         (0..4).map(|_| sample_one(&raw, &params, &mut state, &[]).0.expect("valid").token).collect();
-    assert_eq!(tokens, [0, 1, 2, 3]);
+    assert_eq!(tokens, [0, 1, 2, 3].map(TokenId));
     assert_eq!(state.generated(), Tokens(4));
-    assert_eq!(state.output_count(0), 1);
+    assert_eq!(state.output_count(TokenId(0)), 1);
 }
 
 /// End-of-sequence and stop tokens are masked until `min_tokens`, then
 /// reported; `ignore_eos` masks end-of-sequence for good.
 #[test]
 fn min_tokens_ignore_eos_and_stop_reporting() {
-    let eos = [0u32];
+    let eos = [TokenId(0)];
     let raw = [9.0f32, 8.0, 7.0, 1.0];
     let params = SamplingParams {
         temperature: 0.0,
         min_tokens: Tokens(2),
-        stop_token_ids: vec![1],
+        stop_token_ids: vec![TokenId(1)],
         ..SamplingParams::default()
     };
     let mut state = SamplerState::new(&params, &[]);
     let mut step = || sample_one(&raw, &params, &mut state, &eos).0.expect("valid");
     let (a, b, c) = (step(), step(), step());
-    assert_eq!((a.token, a.stop), (2, None));
-    assert_eq!((b.token, b.stop), (2, None));
-    assert_eq!((c.token, c.stop), (0, Some(StopReason::Eos)));
+    assert_eq!((a.token, a.stop), (TokenId(2), None));
+    assert_eq!((b.token, b.stop), (TokenId(2), None));
+    assert_eq!((c.token, c.stop), (TokenId(0), Some(StopReason::Eos)));
 
     let raw = [1.0f32, 8.0, 9.0, 1.0];
     let stop_params =
-        SamplingParams { temperature: 0.0, stop_token_ids: vec![2], ..SamplingParams::default() };
+        SamplingParams { temperature: 0.0, stop_token_ids: vec![TokenId(2)], ..SamplingParams::default() };
     let mut state = SamplerState::new(&stop_params, &[]);
     let s = sample_one(&raw, &stop_params, &mut state, &eos).0.expect("valid");
-    assert_eq!((s.token, s.stop), (2, Some(StopReason::StopToken)));
+    assert_eq!((s.token, s.stop), (TokenId(2), Some(StopReason::StopToken)));
 
     let raw = [9.0f32, 1.0, 2.0, 3.0];
     let ignore = SamplingParams { ignore_eos: true, seed: Some(5), ..SamplingParams::default() };
     let mut state = SamplerState::new(&ignore, &[]);
     for _ in 0..200 {
         let s = sample_one(&raw, &ignore, &mut state, &eos).0.expect("valid");
-        assert_ne!(s.token, 0, "eos sampled under ignore_eos");
+        assert_ne!(s.token, TokenId(0), "eos sampled under ignore_eos");
         assert_eq!(s.stop, None);
     }
 }
@@ -240,10 +250,10 @@ fn log_softmax(row: &[f32]) -> Vec<f64> {
 #[test]
 fn logprobs_describe_the_adjusted_untruncated_distribution() {
     let raw = [2.0f32, 1.0, 0.5, 0.0, -1.0, -3.0];
-    let eos = [1u32];
+    let eos = [TokenId(1)];
     let base = SamplingParams {
         logprobs: Some(4),
-        logit_bias: BTreeMap::from([(4, 2.5)]),
+        logit_bias: BTreeMap::from([(TokenId(4), 2.5)]),
         min_tokens: Tokens(1),
         seed: Some(11),
         ..SamplingParams::default()
@@ -264,11 +274,11 @@ fn logprobs_describe_the_adjusted_untruncated_distribution() {
         let mut state = SamplerState::new(params, &[]);
         let s = sample_one(&raw, params, &mut state, &eos).0.expect("valid");
         let lp = s.logprob.expect("logprobs requested");
-        assert!((lp as f64 - expected[s.token as usize]).abs() < 1e-5, "{params:?}");
+        assert!((lp as f64 - expected[s.token.index()]).abs() < 1e-5, "{params:?}");
         let listed: Vec<TokenId> = s.top_logprobs.iter().map(|t| t.token).collect();
-        assert_eq!(listed, [0, 4, 2, 3], "most likely first, bias included, masked eos absent");
+        assert_eq!(listed, [0, 4, 2, 3].map(TokenId), "most likely first, bias included, masked eos absent");
         for t in &s.top_logprobs {
-            assert!((t.logprob as f64 - expected[t.token as usize]).abs() < 1e-5);
+            assert!((t.logprob as f64 - expected[t.token.index()]).abs() < 1e-5);
         }
         match &first_top {
             None => first_top = Some(s.top_logprobs.clone()),
@@ -287,5 +297,5 @@ fn logprobs_describe_the_adjusted_untruncated_distribution() {
     let raw = [0.0f32, f32::NEG_INFINITY, 1.0, f32::NEG_INFINITY];
     let mut state = SamplerState::new(&narrow, &[]);
     let s = sample_one(&raw, &narrow, &mut state, &[]).0.expect("valid");
-    assert_eq!(s.top_logprobs.iter().map(|t| t.token).collect::<Vec<_>>(), [2, 0]);
+    assert_eq!(s.top_logprobs.iter().map(|t| t.token).collect::<Vec<_>>(), [2, 0].map(TokenId));
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use corridor_engine::sampling::{
     logits::argmax, CpuSampler, FallbackKind, SampleRow, Sampler, SamplerState, SamplerStats, SamplingParams,
 };
-use corridor_units::{TokenId, Tokens};
+use corridor_units::{RequestId, TokenId, Tokens};
 use proptest::prelude::*;
 
 /// One row of a generated batch.
@@ -53,7 +53,7 @@ fn reference_candidates(row: &[f32], params: &SamplingParams) -> Vec<TokenId> {
         order.truncate(keep);
     }
     order.retain(|&i| weight(i) >= params.min_p as f64 * (1.0 - 1e-9));
-    order.into_iter().map(|i| i as TokenId).collect()
+    order.into_iter().map(|i| TokenId(i as u32)).collect()
 }
 
 fn logit_value(dirty: bool) -> BoxedStrategy<f32> {
@@ -80,13 +80,13 @@ fn params_strategy(vocab: u32) -> impl Strategy<Value = SamplingParams> {
         prop_oneof![Just(1.0f32), 0.3f32..3.0],
         -2.0f32..=2.0,
         -2.0f32..=2.0,
-        prop::collection::btree_map(0..vocab, -150.0f32..150.0, 0..3),
+        prop::collection::btree_map((0..vocab).prop_map(TokenId), -150.0f32..150.0, 0..3),
     );
     let request = (
         any::<u64>(),
         0usize..4,
         any::<bool>(),
-        prop::collection::vec(0..vocab, 0..2),
+        prop::collection::vec((0..vocab).prop_map(TokenId), 0..2),
         prop::option::of(0u32..=20),
     );
     (draw, adjust, request).prop_map(
@@ -118,9 +118,9 @@ fn row_strategy(vocab: u32) -> impl Strategy<Value = RowCase> {
             (
                 prop::collection::vec(logit_value(dirty), vocab as usize),
                 params_strategy(vocab),
-                prop::collection::vec(0..vocab, 0..8),
-                prop::collection::vec(0..vocab, 0..5),
-                prop::collection::vec(0..vocab, 0..2),
+                prop::collection::vec((0..vocab).prop_map(TokenId), 0..8),
+                prop::collection::vec((0..vocab).prop_map(TokenId), 0..5),
+                prop::collection::vec((0..vocab).prop_map(TokenId), 0..2),
             )
         })
         .prop_map(|(raw, params, prompt, history, eos)| RowCase { raw, params, prompt, history, eos })
@@ -151,7 +151,7 @@ fn run_batch(
         .zip(states.iter_mut())
         .enumerate()
         .map(|(i, (c, state))| SampleRow {
-            request_id: i as u64,
+            request_id: RequestId(i as u64),
             params: &c.params,
             state,
             eos_token_ids: &c.eos,
@@ -181,8 +181,8 @@ proptest! {
                 Err(_) => prop_assert!(!any_valid, "a row with a valid token failed"),
                 Ok(s) => {
                     prop_assert!(any_valid);
-                    prop_assert!((s.token as usize) < vocab as usize);
-                    prop_assert!(row[s.token as usize].is_finite(), "masked token {} emitted", s.token);
+                    prop_assert!(s.token.index() < vocab as usize);
+                    prop_assert!(row[s.token.index()].is_finite(), "masked token {} emitted", s.token);
                     if broken {
                         expected_fallbacks += 1;
                         prop_assert_eq!(s.fallback, Some(FallbackKind::NonFiniteLogits));
@@ -226,7 +226,7 @@ proptest! {
                 eos: vec![],
             };
             let (outcomes, _, _) = run_batch(raw.len(), &[case]);
-            prop_assert_eq!(outcomes[0].as_ref().map(|s| s.token).ok(), Some(top as TokenId));
+            prop_assert_eq!(outcomes[0].as_ref().map(|s| s.token).ok(), Some(TokenId(top as u32)));
         }
     }
 }
@@ -244,10 +244,15 @@ fn histogram(raw: &[f32], params: &SamplingParams, n: usize) -> Vec<u64> {
     let mut logits = raw.to_vec();
     for _ in 0..n {
         logits.copy_from_slice(raw);
-        let mut rows =
-            [SampleRow { request_id: 0, params, state: &mut state, eos_token_ids: &[], mask: None }];
+        let mut rows = [SampleRow {
+            request_id: RequestId(0),
+            params,
+            state: &mut state,
+            eos_token_ids: &[],
+            mask: None,
+        }];
         let out = sampler.sample(&mut logits, raw.len(), &mut rows).expect("shape");
-        counts[out[0].as_ref().expect("valid row").token as usize] += 1;
+        counts[out[0].as_ref().expect("valid row").token.index()] += 1;
     }
     counts
 }
@@ -257,8 +262,8 @@ fn expected_probs(raw: &[f32], params: &SamplingParams) -> Vec<f64> {
     let cands = reference_candidates(raw, params);
     let max = raw.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let w = |i: usize| ((raw[i] as f64 - max) / params.temperature as f64).exp();
-    let total: f64 = cands.iter().map(|&i| w(i as usize)).sum();
-    (0..raw.len()).map(|i| if cands.contains(&(i as TokenId)) { w(i) / total } else { 0.0 }).collect()
+    let total: f64 = cands.iter().map(|&i| w(i.index())).sum();
+    (0..raw.len()).map(|i| if cands.contains(&TokenId(i as u32)) { w(i) / total } else { 0.0 }).collect()
 }
 
 /// Over 20 000 draws per configuration, the chi-square statistic of the
@@ -344,7 +349,8 @@ fn generate_in_batch(
 ) -> Vec<TokenId> {
     let mut all: Vec<SamplingParams> = mates.to_vec();
     all.insert(position, focus.clone());
-    let mut states: Vec<SamplerState> = all.iter().map(|p| SamplerState::new(p, &[1, 2, 3])).collect();
+    let mut states: Vec<SamplerState> =
+        all.iter().map(|p| SamplerState::new(p, &[1, 2, 3].map(TokenId))).collect();
     let mut sampler = CpuSampler::new(Arc::new(SamplerStats::default()));
     let mut tokens = Vec::new();
     for step in 0..steps {
@@ -366,7 +372,7 @@ fn generate_in_batch(
             .zip(states.iter_mut())
             .enumerate()
             .map(|(i, (params, state))| SampleRow {
-                request_id: i as u64,
+                request_id: RequestId(i as u64),
                 params,
                 state,
                 eos_token_ids: &[],
@@ -427,8 +433,13 @@ fn generate_with_state(mut state: SamplerState, params: &SamplingParams) -> Vec<
     (0..20)
         .map(|step| {
             let mut logits = fake_logits(50, step, 0);
-            let mut rows =
-                [SampleRow { request_id: 0, params, state: &mut state, eos_token_ids: &[], mask: None }];
+            let mut rows = [SampleRow {
+                request_id: RequestId(0),
+                params,
+                state: &mut state,
+                eos_token_ids: &[],
+                mask: None,
+            }];
             sampler.sample(&mut logits, 50, &mut rows).expect("shape")[0].as_ref().expect("valid").token
         })
         .collect()

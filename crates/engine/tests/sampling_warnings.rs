@@ -4,6 +4,7 @@
 //! anyone listens, so a test in the same process that runs with no subscriber
 //! can hide the warnings from this test's thread-local subscriber.
 
+use corridor_units::RequestId;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -55,7 +56,7 @@ fn one_warning_per_request_every_fallback_counted() {
         for step in 0..6 {
             let mut logits = [flat_with(8, &[(2, f32::NAN)]), flat_with(8, &[(3, f32::INFINITY)])].concat();
             let mut rows = vec![SampleRow {
-                request_id: 1,
+                request_id: RequestId(1),
                 params: &params,
                 state: &mut a,
                 eos_token_ids: &[],
@@ -63,7 +64,7 @@ fn one_warning_per_request_every_fallback_counted() {
             }];
             if step % 2 == 0 {
                 rows.push(SampleRow {
-                    request_id: 2,
+                    request_id: RequestId(2),
                     params: &params,
                     state: &mut b,
                     eos_token_ids: &[],

@@ -4,7 +4,7 @@
 use corridor_engine::pages::{page_hashes, PagePool};
 use corridor_engine::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
 use corridor_engine::step_budget::{StepBudget, StepCost, StepShape};
-use corridor_units::{Pages, Tokens};
+use corridor_units::{Pages, RequestId, TokenId, Tokens};
 use std::time::Duration;
 
 fn pool(n: usize) -> PagePool {
@@ -21,7 +21,7 @@ fn pool_counts_add_up_through_allocate_release_and_cache() {
     let a = p.allocate(3).unwrap();
     ok(&p);
     assert_eq!(p.counts().in_use, 3);
-    let toks: Vec<u32> = (0..4).collect();
+    let toks: Vec<TokenId> = (0..4).map(TokenId).collect();
     p.register(a[0], page_hashes(&toks, 4)[0], &toks);
     drop(a);
     ok(&p);
@@ -46,7 +46,7 @@ fn dropping_an_allocation_gives_its_pages_back() {
     let mut a = p.allocate(2).unwrap();
     a.append(p.allocate(2).unwrap());
     assert_eq!(a.len(), 4);
-    let toks: Vec<u32> = (0..4).collect();
+    let toks: Vec<TokenId> = (0..4).map(TokenId).collect();
     let first = a[0];
     p.register(first, page_hashes(&toks, 4)[0], &toks);
     assert_eq!(p.counts().in_use, 4);
@@ -54,7 +54,7 @@ fn dropping_an_allocation_gives_its_pages_back() {
     ok(&p);
     let c = p.counts();
     assert_eq!((c.free, c.cached, c.in_use), (7, 1, 0), "dropped pages are free or cached");
-    let mut hit = p.acquire_prefix(&[0, 1, 2, 3, 9], 1);
+    let mut hit = p.acquire_prefix(&[0, 1, 2, 3, 9].map(TokenId), 1);
     assert_eq!(*hit, [first]);
     assert_eq!(p.counts().in_use, 1);
     hit.clear();
@@ -63,11 +63,11 @@ fn dropping_an_allocation_gives_its_pages_back() {
     // A scheduler's sequences hold their pages the same way: removing one
     // (or dropping the scheduler) leaves nothing in use.
     let mut s = sched(16, 32, 2);
-    s.add(1, (0..10).collect());
-    s.add(2, (20..30).collect());
+    s.add(RequestId(1), (0..10).map(TokenId).collect());
+    s.add(RequestId(2), (20..30).map(TokenId).collect());
     step(&mut s, 7);
     assert_eq!(s.pool().counts().in_use, 6, "three pages each");
-    assert!(s.remove(1));
+    assert!(s.remove(RequestId(1)));
     s.pool().check_invariants().unwrap();
     assert_eq!(s.pool().counts().in_use, 3, "only sequence 2's pages are held");
     let arena = s.pool().arena().clone();
@@ -79,10 +79,10 @@ fn dropping_an_allocation_gives_its_pages_back() {
 fn prefix_hit_requires_equal_tokens_not_just_equal_hash() {
     let mut p = pool(4);
     let a = p.allocate(1).unwrap();
-    let real: Vec<u32> = vec![1, 2, 3, 4];
+    let real: Vec<TokenId> = [1, 2, 3, 4].map(TokenId).to_vec();
     let h = page_hashes(&real, 4)[0];
     // Register the hash of `real` for a page that holds other tokens: a collision.
-    p.register(a[0], h, &[9, 9, 9, 9]);
+    p.register(a[0], h, &[TokenId(9); 4]);
     drop(a);
     assert!(p.acquire_prefix(&real, 1).is_empty(), "a colliding page must not be reused");
     ok(&p);
@@ -91,7 +91,7 @@ fn prefix_hit_requires_equal_tokens_not_just_equal_hash() {
 #[test]
 fn prefix_hits_chain_and_stop_at_first_miss() {
     let mut p = pool(8);
-    let toks: Vec<u32> = (10..22).collect(); // 3 pages
+    let toks: Vec<TokenId> = (10..22).map(TokenId).collect(); // 3 pages
     let pages = p.allocate(3).unwrap();
     let hs = page_hashes(&toks, 4);
     for i in 0..3 {
@@ -100,7 +100,7 @@ fn prefix_hits_chain_and_stop_at_first_miss() {
     let ids = pages.to_vec();
     drop(pages);
     let mut other = toks.clone();
-    other[5] = 999; // second page differs
+    other[5] = TokenId(999); // second page differs
     let hit = p.acquire_prefix(&other, 3);
     assert_eq!(*hit, [ids[0]]);
     ok(&p);
@@ -125,6 +125,7 @@ fn sched(pages: usize, budget: usize, running: usize) -> Scheduler {
 /// Run a step as the engine would: complete it and append a token to every
 /// sequence that samples.
 fn step(s: &mut Scheduler, next: u32) -> SchedulerOutput {
+    let next = TokenId(next);
     let out = s.schedule();
     s.complete_step(&out);
     for item in &out.seqs {
@@ -139,7 +140,7 @@ fn step(s: &mut Scheduler, next: u32) -> SchedulerOutput {
 #[test]
 fn chunked_prefill_respects_the_token_budget() {
     let mut s = sched(64, 8, 4);
-    s.add(1, (0..20).collect());
+    s.add(RequestId(1), (0..20).map(TokenId).collect());
     let a = step(&mut s, 100);
     assert_eq!(a.tokens.len(), 8);
     assert!(!a.seqs[0].samples);
@@ -155,9 +156,9 @@ fn chunked_prefill_respects_the_token_budget() {
 #[test]
 fn decodes_are_batched_with_a_new_prefill() {
     let mut s = sched(64, 16, 4);
-    s.add(1, (0..5).collect());
+    s.add(RequestId(1), (0..5).map(TokenId).collect());
     step(&mut s, 7);
-    s.add(2, (0..30).collect());
+    s.add(RequestId(2), (0..30).map(TokenId).collect());
     let out = step(&mut s, 7);
     assert_eq!(out.seqs.len(), 2);
     assert_eq!(out.seqs[0].rows, 1, "running decode first");
@@ -167,29 +168,29 @@ fn decodes_are_batched_with_a_new_prefill() {
 #[test]
 fn second_request_reuses_the_cached_prefix() {
     let mut s = sched(64, 64, 4);
-    let prompt: Vec<u32> = (0..18).collect(); // 4 full pages + 2
-    s.add(1, prompt.clone());
+    let prompt: Vec<TokenId> = (0..18).map(TokenId).collect(); // 4 full pages + 2
+    s.add(RequestId(1), prompt.clone());
     step(&mut s, 50);
-    s.remove(1);
+    s.remove(RequestId(1));
     s.pool().check_invariants().unwrap();
     let mut p2 = prompt[..16].to_vec();
-    p2.extend([77, 78, 79]);
-    s.add(2, p2);
+    p2.extend([77, 78, 79].map(TokenId));
+    s.add(RequestId(2), p2);
     let out = step(&mut s, 50);
-    assert_eq!(s.cached_tokens(2), Some(16));
+    assert_eq!(s.cached_tokens(RequestId(2)), Some(16));
     assert_eq!((out.seqs[0].cached, out.seqs[0].rows), (16, 3), "only the new suffix is computed");
 }
 
 #[test]
 fn a_fully_cached_prompt_still_computes_its_last_token() {
     let mut s = sched(64, 64, 4);
-    let prompt: Vec<u32> = (0..16).collect();
-    s.add(1, prompt.clone());
+    let prompt: Vec<TokenId> = (0..16).map(TokenId).collect();
+    s.add(RequestId(1), prompt.clone());
     step(&mut s, 50);
-    s.remove(1);
-    s.add(2, prompt);
+    s.remove(RequestId(1));
+    s.add(RequestId(2), prompt);
     let out = step(&mut s, 50);
-    assert_eq!(s.cached_tokens(2), Some(12));
+    assert_eq!(s.cached_tokens(RequestId(2)), Some(12));
     assert_eq!(out.seqs[0].rows, 4);
     assert!(out.seqs[0].samples);
 }
@@ -199,8 +200,8 @@ fn pressure_preempts_the_newest_and_it_resumes_later() {
     // 6 pages of 4 tokens; two sequences of 8 prompt tokens each use 2 pages,
     // then grow until the pool runs out.
     let mut s = sched(6, 64, 4);
-    s.add(1, (0..8).collect());
-    s.add(2, (100..108).collect());
+    s.add(RequestId(1), (0..8).map(TokenId).collect());
+    s.add(RequestId(2), (100..108).map(TokenId).collect());
     step(&mut s, 1);
     let mut preempted = Vec::new();
     for _ in 0..12 {
@@ -208,30 +209,30 @@ fn pressure_preempts_the_newest_and_it_resumes_later() {
         preempted.extend(out.preempted.iter().copied());
         assert!(out.out_of_capacity.is_empty());
     }
-    assert_eq!(preempted.first(), Some(&2), "the newest is preempted first");
+    assert_eq!(preempted.first(), Some(&RequestId(2)), "the newest is preempted first");
     assert!(s.preemptions >= 1);
     // Sequence 1 kept running throughout and grew past what two could share.
-    assert!(s.seq_len(1).unwrap() > 12);
-    s.remove(1);
+    assert!(s.seq_len(RequestId(1)).unwrap() > 12);
+    s.remove(RequestId(1));
     let out = step(&mut s, 1);
-    assert!(out.seqs.iter().any(|x| x.id == 2), "the preempted sequence resumes");
+    assert!(out.seqs.iter().any(|x| x.id == RequestId(2)), "the preempted sequence resumes");
 }
 
 #[test]
 fn a_sequence_larger_than_the_pool_is_reported_not_looped() {
     let mut s = sched(2, 64, 4);
-    s.add(1, (0..20).collect()); // needs 5 pages
+    s.add(RequestId(1), (0..20).map(TokenId).collect()); // needs 5 pages
     let out = step(&mut s, 1);
-    assert_eq!(out.out_of_capacity, vec![1]);
+    assert_eq!(out.out_of_capacity, vec![RequestId(1)]);
     assert!(!s.has_work());
 }
 
 #[test]
 fn admission_is_first_come_first_served_and_never_overcommits() {
     let mut s = sched(4, 64, 8);
-    s.add(1, (0..12).collect()); // 3 pages
-    s.add(2, (0..8).map(|x| x + 500).collect()); // 2 pages: must wait
-    s.add(3, vec![900]); // 1 page: would fit, but waits behind 2
+    s.add(RequestId(1), (0..12).map(TokenId).collect()); // 3 pages
+    s.add(RequestId(2), (0..8).map(|x| x + 500).map(TokenId).collect()); // 2 pages: must wait
+    s.add(RequestId(3), vec![TokenId(900)]); // 1 page: would fit, but waits behind 2
     let out = step(&mut s, 1);
     assert_eq!(out.seqs.len(), 1);
     assert_eq!(s.num_waiting(), 2);
@@ -241,10 +242,10 @@ fn admission_is_first_come_first_served_and_never_overcommits() {
 #[test]
 fn removing_a_request_frees_its_pages() {
     let mut s = sched(16, 64, 4);
-    s.add(1, (0..10).collect());
+    s.add(RequestId(1), (0..10).map(TokenId).collect());
     step(&mut s, 1);
     assert!(s.pool().counts().in_use > 0);
-    assert!(s.remove(1));
+    assert!(s.remove(RequestId(1)));
     assert_eq!(s.pool().counts().in_use, 0);
     s.pool().check_invariants().unwrap();
 }
@@ -278,23 +279,23 @@ fn chunked(chunks: usize) -> Scheduler {
 /// Eight one-page sequences on pages 0..8, then all but those on pages 0, 4
 /// and 7 finish: chunk 0 holds one live page, chunk 1 two, chunks 2 and 3
 /// none. Returns the ids left running, in admission order.
-fn scattered(s: &mut Scheduler) -> Vec<u64> {
+fn scattered(s: &mut Scheduler) -> Vec<RequestId> {
     for id in 0..8 {
-        s.add(id, vec![1, 2, 3]);
+        s.add(RequestId(id), [1, 2, 3].map(TokenId).to_vec());
     }
     let out = s.schedule();
     let pages: Vec<u32> = out.seqs.iter().map(|q| q.pages[0].0).collect();
     assert_eq!(pages, (0..8).collect::<Vec<u32>>());
     s.complete_step(&out);
     for id in [1, 2, 3, 5, 6] {
-        assert!(s.remove(id));
+        assert!(s.remove(RequestId(id)));
     }
     s.pool().check_invariants().unwrap();
-    vec![0, 4, 7]
+    vec![RequestId(0), RequestId(4), RequestId(7)]
 }
 
-fn pages_of(s: &mut Scheduler, id: u64) -> Vec<u32> {
-    s.append_token(id, 9);
+fn pages_of(s: &mut Scheduler, id: RequestId) -> Vec<u32> {
+    s.append_token(id, TokenId(9));
     let out = s.schedule();
     let q = out.seqs.iter().find(|q| q.id == id).expect("scheduled");
     let pages = q.pages.iter().map(|p| p.0).collect();
@@ -314,7 +315,7 @@ fn give_back_moves_live_pages_out_of_sparse_chunks_instead_of_preempting() {
         Ok(())
     });
     assert_eq!((done.chunks, done.bytes), (3, Bytes::mib(6)), "{done:?}");
-    assert_eq!(done.preempted, Vec::<u64>::new(), "free pages held the live one: nothing preempted");
+    assert_eq!(done.preempted, Vec::<RequestId>::new(), "free pages held the live one: nothing preempted");
     assert_eq!(
         copies,
         vec![(PageId(0), PageId(5))],
@@ -323,7 +324,7 @@ fn give_back_moves_live_pages_out_of_sparse_chunks_instead_of_preempting() {
     assert_eq!(done.moved, 1);
     s.pool().check_invariants().unwrap();
     assert_eq!(s.pool().counts().committed, 4, "one chunk left");
-    assert_eq!(pages_of(&mut s, 0), vec![5], "the page table follows the move");
+    assert_eq!(pages_of(&mut s, RequestId(0)), vec![5], "the page table follows the move");
     assert_eq!(s.preemptions, 0);
 }
 
@@ -339,7 +340,7 @@ fn give_back_preempts_only_what_the_card_cannot_keep() {
     // All of it needed: the three live pages exceed what no chunk keeps, so
     // every running sequence goes, newest first.
     let done = s.give_back(CardId(0), Bytes::mib(2), Bytes::mib(2), &mut |_| Ok(()));
-    assert_eq!(done.preempted, running.iter().rev().copied().collect::<Vec<u64>>(), "{done:?}");
+    assert_eq!(done.preempted, running.iter().rev().copied().collect::<Vec<RequestId>>(), "{done:?}");
     assert_eq!(done.chunks, 1);
     assert_eq!(s.pool().counts().committed, 0);
     s.pool().check_invariants().unwrap();
@@ -355,7 +356,7 @@ fn a_failed_copy_moves_nothing() {
     assert_eq!((done.chunks, done.moved, done.preempted.len()), (2, 0, 0), "{done:?}");
     assert_eq!(s.pool().counts().in_use, before.in_use);
     s.pool().check_invariants().unwrap();
-    assert_eq!(pages_of(&mut s, 0), vec![0], "the page stayed where it was");
+    assert_eq!(pages_of(&mut s, RequestId(0)), vec![0], "the page stayed where it was");
 }
 
 /// 5 ms a step, 0.1 ms a prompt row, 0.5 ms a decode row.
@@ -379,12 +380,12 @@ fn bounded(target: Option<Duration>, cost: StepCost) -> Scheduler {
 /// the rows it gets in the next step.
 fn long_prompt_beside_ten_decodes(s: &mut Scheduler) -> SchedulerOutput {
     for id in 0..10 {
-        s.add(id, vec![1, 2, 3]);
+        s.add(RequestId(id), [1, 2, 3].map(TokenId).to_vec());
     }
     let first = step(s, 9);
     assert_eq!(first.decode_rows, 0, "prompts only");
     assert!(first.seqs.iter().all(|q| q.samples));
-    s.add(100, (0..3000).map(|t| t % 50).collect());
+    s.add(RequestId(100), (0..3000).map(|t| t % 50).map(TokenId).collect());
     step(s, 9)
 }
 
@@ -394,7 +395,7 @@ fn the_step_budget_bounds_a_prompt_beside_running_decodes() {
     let out = long_prompt_beside_ten_decodes(&mut s);
     assert_eq!(out.decode_rows, 10);
     assert!(out.seqs[..10].iter().all(|q| q.rows == 1), "every decode keeps its row");
-    let long = out.seqs.iter().find(|q| q.id == 100).unwrap();
+    let long = out.seqs.iter().find(|q| q.id == RequestId(100)).unwrap();
     // 50 ms - 5 ms fixed - 10 × 0.5 ms = 40 ms of prompt rows at 0.1 ms.
     assert_eq!(long.rows, 400);
     assert_eq!(out.shape(), StepShape { prefill_rows: 400, decode_rows: 10 });
@@ -403,11 +404,11 @@ fn the_step_budget_bounds_a_prompt_beside_running_decodes() {
     // Without a target the prompt takes every row the decodes leave.
     let mut open = bounded(None, KNOWN);
     let out = long_prompt_beside_ten_decodes(&mut open);
-    assert_eq!(out.seqs.iter().find(|q| q.id == 100).unwrap().rows, 502);
+    assert_eq!(out.seqs.iter().find(|q| q.id == RequestId(100)).unwrap().rows, 502);
 
     // Once the decodes are gone, nobody waits on the step: the whole budget.
     for id in 0..10 {
-        assert!(s.remove(id));
+        assert!(s.remove(RequestId(id)));
     }
     let alone = step(&mut s, 9);
     assert_eq!((alone.seqs.len(), alone.seqs[0].rows, alone.decode_rows), (1, 512, 0));
@@ -419,10 +420,10 @@ fn a_prompt_still_progresses_by_the_floor_when_decodes_fill_the_target() {
     let slow = StepCost { per_decode_row: Duration::from_millis(5), ..KNOWN };
     let mut s = bounded(Some(Duration::from_millis(50)), slow);
     let out = long_prompt_beside_ten_decodes(&mut s);
-    assert_eq!(out.seqs.iter().find(|q| q.id == 100).unwrap().rows, 16);
+    assert_eq!(out.seqs.iter().find(|q| q.id == RequestId(100)).unwrap().rows, 16);
     // And it keeps progressing step after step.
     let next = step(&mut s, 9);
-    let long = next.seqs.iter().find(|q| q.id == 100).unwrap();
+    let long = next.seqs.iter().find(|q| q.id == RequestId(100)).unwrap();
     assert_eq!((long.cached, long.rows), (16, 16));
 }
 
@@ -430,14 +431,14 @@ fn a_prompt_still_progresses_by_the_floor_when_decodes_fill_the_target() {
 fn measured_steps_move_the_bound() {
     let mut s = bounded(Some(Duration::from_millis(50)), KNOWN);
     let out = long_prompt_beside_ten_decodes(&mut s);
-    assert_eq!(out.seqs.iter().find(|q| q.id == 100).unwrap().rows, 400);
+    assert_eq!(out.seqs.iter().find(|q| q.id == RequestId(100)).unwrap().rows, 400);
     // The card turns out twice as slow per prompt row as believed; steps of
     // several shapes are measured so.
     let truth = StepCost { per_prefill_row: Duration::from_micros(200), ..KNOWN };
     for i in 0..300usize {
         let shape = StepShape { prefill_rows: (i * 37) % 400, decode_rows: 1 + i % 16 };
         let measured = SchedulerOutput {
-            tokens: vec![0; shape.prefill_rows + shape.decode_rows],
+            tokens: vec![TokenId(0); shape.prefill_rows + shape.decode_rows],
             decode_rows: shape.decode_rows,
             ..SchedulerOutput::default()
         };
@@ -447,7 +448,7 @@ fn measured_steps_move_the_bound() {
     // 40 ms of room now holds about 200 rows of 0.2 ms (the prior's small
     // weight pulls the fit by a few rows at most).
     let next = step(&mut s, 9);
-    let long = next.seqs.iter().find(|q| q.id == 100).unwrap();
+    let long = next.seqs.iter().find(|q| q.id == RequestId(100)).unwrap();
     assert!((190..=205).contains(&long.rows), "{}", long.rows);
     assert_eq!(next.decode_rows, 10);
 }
@@ -459,7 +460,7 @@ fn measured_steps_move_the_bound() {
 fn state_slots_bound_admission_and_return_on_end_and_preemption() {
     let mut s = sched(64, 64, 4).with_state_slots(2);
     for id in 1..=3 {
-        s.add(id, (0..6).map(|t| t + 10 * id as u32).collect());
+        s.add(RequestId(id), (0..6).map(|t| t + 10 * id as u32).map(TokenId).collect());
     }
     let out = step(&mut s, 1);
     let slots: Vec<_> = out.seqs.iter().map(|q| q.state_slot.expect("a slot")).collect();
@@ -470,14 +471,14 @@ fn state_slots_bound_admission_and_return_on_end_and_preemption() {
     let again = step(&mut s, 1);
     assert_eq!(again.seqs.iter().map(|q| q.state_slot.unwrap()).collect::<Vec<_>>(), slots);
     // Ending the first frees its slot for the waiting one.
-    s.remove(1);
+    s.remove(RequestId(1));
     assert_eq!(s.free_state_slots(), Some(1));
     let out = step(&mut s, 1);
-    let third = out.seqs.iter().find(|q| q.id == 3).expect("admitted once a slot is free");
+    let third = out.seqs.iter().find(|q| q.id == RequestId(3)).expect("admitted once a slot is free");
     assert_eq!(third.state_slot, Some(slots[0]));
     assert_eq!(third.cached, 0);
-    s.remove(2);
-    s.remove(3);
+    s.remove(RequestId(2));
+    s.remove(RequestId(3));
     assert_eq!(s.free_state_slots(), Some(2));
 }
 
@@ -485,8 +486,8 @@ fn state_slots_bound_admission_and_return_on_end_and_preemption() {
 fn state_slots_are_given_back_by_preemption() {
     // 6 pages of 4 tokens: two growing sequences run the pool out.
     let mut s = sched(6, 64, 4).with_state_slots(2);
-    s.add(1, (0..8).collect());
-    s.add(2, (100..108).collect());
+    s.add(RequestId(1), (0..8).map(TokenId).collect());
+    s.add(RequestId(2), (100..108).map(TokenId).collect());
     step(&mut s, 1);
     let mut preempted = false;
     for _ in 0..12 {
@@ -508,13 +509,13 @@ fn state_slots_are_given_back_by_preemption() {
 #[test]
 fn a_model_with_state_reuses_no_prefix() {
     let mut s = sched(64, 64, 4).with_state_slots(4);
-    let prompt: Vec<u32> = (0..18).collect();
-    s.add(1, prompt.clone());
+    let prompt: Vec<TokenId> = (0..18).map(TokenId).collect();
+    s.add(RequestId(1), prompt.clone());
     step(&mut s, 50);
-    s.remove(1);
-    s.add(2, prompt);
+    s.remove(RequestId(1));
+    s.add(RequestId(2), prompt);
     let out = step(&mut s, 50);
-    assert_eq!(s.cached_tokens(2), Some(0));
+    assert_eq!(s.cached_tokens(RequestId(2)), Some(0));
     assert_eq!((out.seqs[0].cached, out.seqs[0].rows), (0, 18));
     assert_eq!(s.pool().counts().cached, 0, "no page was offered to the prefix cache");
 }

@@ -26,12 +26,13 @@
 //! The binary (`src/main.rs`, feature `cuda`) runs this with the CUDA backend
 //! on the GPU machine; without a GPU the comparison is tested CPU against CPU.
 
+use corridor_backend::collective::Solo;
 use corridor_backend::cpu::{Bf16Rounding, CpuBackend, DecodeActivations, InputRounding};
-use corridor_backend::{Backend, SeqStep};
+use corridor_backend::{Backend, GraphKey, SeqStep};
 use corridor_model::greedy::greedy;
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::{PageId, StateSlot};
+use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 use std::path::Path;
 
 /// Largest logit error, as a fraction of the largest logit, that bf16 arithmetic explains.
@@ -244,8 +245,8 @@ pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Res
     let err = |e: &dyn std::fmt::Display| e.to_string();
     let model = Model::load(b, ckpt, |_| {}).map_err(|e| err(&e))?;
     let vocab = model.config().vocab_size;
-    let mut ws = model.workspace(b, 16, 4).map_err(|e| err(&e))?;
-    let mut kv = model.kv_cache(b, 16, 8).map_err(|e| err(&e))?;
+    let mut ws = model.workspace(b, Tokens(16), 4).map_err(|e| err(&e))?;
+    let mut kv = model.kv_cache(b, Tokens(16), Pages(8)).map_err(|e| err(&e))?;
     let prompts: [Vec<u32>; 3] = [
         (0..7).map(|i| (i * 37 + 11) % 300).collect(),
         (0..12).map(|i| (i * 53 + 2) % 300).collect(),
@@ -260,15 +261,19 @@ pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Res
         let positions: Vec<u32> = (0..n as u32).collect();
         let seqs = [SeqStep { row_start: 0, rows: n, cached: 0, pages: &pages[i] }];
         let step = StepInput {
-            tokens: &prompts[i],
+            tokens: TokenId::from_u32_slice(&prompts[i]),
             positions: &positions,
             seqs: &seqs,
             logit_rows: &[n - 1],
             state_slots: &slots[i..i + 1],
+            capture: None,
         };
         model.forward(b, &mut ws, &mut kv, &step, &mut logits).map_err(|e| err(&e))?;
         len[i] = n;
     }
+    // Every decode step is captured under one key, as the engine's executor
+    // names it for a padded decode batch of 4 on a model that replays.
+    let capture = model.replayable(&Solo::new()).then_some(GraphKey { rows: 4, logit_rows: 4 });
     let mut all = Vec::new();
     for s in 0..steps {
         // Row r holds sequence order[r]; row 3 is padding.
@@ -285,11 +290,12 @@ pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Res
             .collect();
         let step_slots: Vec<StateSlot> = order.iter().map(|&i| slots[i]).collect();
         let step = StepInput {
-            tokens: &tokens,
+            tokens: TokenId::from_u32_slice(&tokens),
             positions: &positions,
             seqs: &seqs,
             logit_rows: &[0, 1, 2, 3],
             state_slots: &step_slots,
+            capture,
         };
         model.forward(b, &mut ws, &mut kv, &step, &mut logits).map_err(|e| err(&e))?;
         b.check().map_err(|e| err(&e))?;
@@ -339,10 +345,10 @@ pub fn chunked_logits<B: Backend>(
     }
     let model = Model::load(b, ckpt, |_| {}).map_err(|e| e.to_string())?;
     let most = chunks.iter().copied().max().unwrap_or(1);
-    let mut ws = model.workspace(b, most, most).map_err(|e| e.to_string())?;
+    let mut ws = model.workspace(b, Tokens(most), most).map_err(|e| e.to_string())?;
     // A scrambled page table: the pages of the prompt in reverse.
     let pages: Vec<PageId> = (0..prompt.len().div_ceil(16) as u32).rev().map(PageId).collect();
-    let mut kv = model.kv_cache(b, 16, pages.len()).map_err(|e| e.to_string())?;
+    let mut kv = model.kv_cache(b, Tokens(16), Pages(pages.len())).map_err(|e| e.to_string())?;
     let mut all = Vec::new();
     let mut logits = Vec::new();
     let mut cached = 0;
@@ -351,11 +357,12 @@ pub fn chunked_logits<B: Backend>(
         let seqs = [SeqStep { row_start: 0, rows: n, cached, pages: &pages }];
         let rows: Vec<usize> = (0..n).collect();
         let step = StepInput {
-            tokens: &prompt[cached..cached + n],
+            tokens: TokenId::from_u32_slice(&prompt[cached..cached + n]),
             positions: &positions,
             seqs: &seqs,
             logit_rows: &rows,
             state_slots: &[StateSlot(0)],
+            capture: None,
         };
         model.forward(b, &mut ws, &mut kv, &step, &mut logits).map_err(|e| e.to_string())?;
         b.check().map_err(|e| e.to_string())?;

@@ -6,7 +6,7 @@
 use crate::llama::{ModelError, StepInput};
 use crate::Model;
 use corridor_backend::{Backend, SeqStep};
-use corridor_units::{PageId, StateSlot};
+use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 
 /// Tokens per KV page on this path.
 pub const PAGE_SIZE: usize = 16;
@@ -14,7 +14,8 @@ pub const PAGE_SIZE: usize = 16;
 /// Greedily continue `prompt` by `steps` tokens on `backend`, with the
 /// sequence's KV in `pages` of [`PAGE_SIZE`] tokens (in order; any ids, so a
 /// scrambled table checks the paging). `on_logits` sees each step's
-/// logits row (`[vocab]`) before its token is chosen. Returns the new tokens.
+/// logits row (`[vocab]`) before its token is chosen. Returns the new tokens
+/// (prompt and result are the tokenizer's `u32` ids).
 pub fn greedy<B: Backend>(
     model: &Model<B>,
     backend: &B,
@@ -31,10 +32,10 @@ pub fn greedy<B: Backend>(
         )));
     }
     let num_pages = pages.iter().map(|p| p.index() + 1).max().unwrap_or(1);
-    let mut ws = model.workspace(backend, prompt.len(), 1)?;
-    let mut kv = model.kv_cache(backend, PAGE_SIZE, num_pages)?;
+    let mut ws = model.workspace(backend, Tokens(prompt.len()), 1)?;
+    let mut kv = model.kv_cache(backend, Tokens(PAGE_SIZE), Pages(num_pages))?;
     let vocab = model.config().vocab_size;
-    let mut toks = prompt.to_vec();
+    let mut toks = TokenId::vec(prompt);
     let mut logits = Vec::new();
     let mut cached = 0;
     for _ in 0..steps {
@@ -47,13 +48,14 @@ pub fn greedy<B: Backend>(
             seqs: &seqs,
             logit_rows: &[rows - 1],
             state_slots: &[StateSlot(0)],
+            capture: None,
         };
         model.forward(backend, &mut ws, &mut kv, &step, &mut logits)?;
         backend.check()?;
         on_logits(&logits[..vocab]);
         cached = toks.len();
         let next = (0..vocab).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap_or(0) as u32;
-        toks.push(next);
+        toks.push(TokenId(next));
     }
-    Ok(toks.split_off(prompt.len()))
+    Ok(TokenId::as_u32_slice(&toks[prompt.len()..]).to_vec())
 }

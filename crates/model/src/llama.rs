@@ -35,7 +35,7 @@ use corridor_backend::{
     ActShape, Backend, BackendError, DType, Expert, GraphKey, HostTensor, KvGeometry, KvPlacement,
     MatmulPart, MoeFfn, MoeScratch, MoeShape, RopeTable, Routing, SeqStep, StepPlan, TensorBytes,
 };
-use corridor_units::StateSlot;
+use corridor_units::{Pages, StateSlot, TokenId, Tokens};
 use std::ops::Range;
 
 /// Errors from building or running a model.
@@ -196,7 +196,7 @@ impl<B: Backend> KvCache<B> {
 /// One batched step: the new tokens of every scheduled sequence.
 pub struct StepInput<'a> {
     /// Token ids, sequences concatenated: `[rows]`.
-    pub tokens: &'a [u32],
+    pub tokens: &'a [TokenId],
     /// The position of each token: `[rows]`.
     pub positions: &'a [u32],
     /// Each sequence's slice of the rows and its page table.
@@ -206,14 +206,41 @@ pub struct StepInput<'a> {
     /// Each sequence's recurrent-state slot, parallel to `seqs` (a hybrid
     /// model's linear-attention layers); empty for a model without state.
     pub state_slots: &'a [StateSlot],
+    /// The captured replay this step's device work is run as, chosen by the
+    /// caller (the engine's executor): `None` runs the ops as they come. A
+    /// key is only valid for a model that is [`Model::replayable`] and names
+    /// the step's own rows and logit rows.
+    pub capture: Option<GraphKey>,
 }
 
 impl StepInput<'_> {
     /// A decode step: every sequence brings one row and every row samples
-    /// (rows of no sequence, padding, sample too). Such a step may be
-    /// captured once per shape and replayed.
+    /// (rows of no sequence, padding, sample too). Such a step has the same
+    /// shape for every batch of its size, so it may be captured once per
+    /// shape and replayed.
     pub fn is_decode(&self) -> bool {
         self.seqs.iter().all(|q| q.rows == 1) && self.logit_rows.len() == self.tokens.len()
+    }
+
+    /// Refuse a capture key that names another shape than this step's, or
+    /// that a rank which cannot replay its forward was given.
+    pub(crate) fn check_capture(&self, replayable: bool) -> Result<(), ModelError> {
+        let Some(k) = self.capture else { return Ok(()) };
+        if !replayable {
+            return Err(ModelError::Step(
+                "a capture key for a rank whose forward does not read only what begin_step uploads".into(),
+            ));
+        }
+        if k.rows != self.tokens.len() || k.logit_rows != self.logit_rows.len() {
+            return Err(ModelError::Step(format!(
+                "a capture key of {} rows and {} logit rows for a step of {} and {}",
+                k.rows,
+                k.logit_rows,
+                self.tokens.len(),
+                self.logit_rows.len()
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -303,9 +330,10 @@ impl<B: Backend> Model<B> {
     pub fn workspace(
         &self,
         backend: &B,
-        max_rows: usize,
+        max_rows: Tokens,
         max_logit_rows: usize,
     ) -> Result<Workspace<B>, ModelError> {
+        let max_rows = max_rows.get();
         let (c, s) = (&self.config, &self.slice);
         let a = |rows: usize, cols: usize| backend.alloc_act(ActShape { rows, cols });
         let (q_out, kv_out, ffn) = (s.heads.len() * c.head_dim, s.kv_heads.len() * c.head_dim, s.ffn.len());
@@ -347,8 +375,8 @@ impl<B: Backend> Model<B> {
     pub fn kv_cache(
         &self,
         backend: &B,
-        page_size: usize,
-        num_pages: usize,
+        page_size: Tokens,
+        num_pages: Pages,
     ) -> Result<KvCache<B>, ModelError> {
         self.kv_cache_at(backend, page_size, &KvPlacement::Own { num_pages })
     }
@@ -359,7 +387,7 @@ impl<B: Backend> Model<B> {
     pub fn kv_cache_at(
         &self,
         backend: &B,
-        page_size: usize,
+        page_size: Tokens,
         placement: &KvPlacement,
     ) -> Result<KvCache<B>, ModelError> {
         let geometry = self.kv_geometry(page_size, placement.num_pages());
@@ -367,7 +395,7 @@ impl<B: Backend> Model<B> {
         Ok(KvCache { geometry, layers })
     }
 
-    pub fn kv_geometry(&self, page_size: usize, num_pages: usize) -> KvGeometry {
+    pub fn kv_geometry(&self, page_size: Tokens, num_pages: Pages) -> KvGeometry {
         KvGeometry {
             page_size,
             num_pages,
@@ -380,6 +408,20 @@ impl<B: Backend> Model<B> {
     /// f32 on the CPU).
     pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
         2 * self.slice.layers.len() * self.slice.kv_heads.len() * self.config.head_dim * elem_bytes
+    }
+
+    /// Whether this rank's forward reads only what `begin_step` uploads, so
+    /// a captured replay of it is the step itself: the whole model on the
+    /// rank (it embeds and computes logits), a collective that may be
+    /// captured, and every sparse layer routed on the device (a layer
+    /// routed on the host reads its router logits back mid-step, which a
+    /// replay could not repeat). The executor asks this before it names a
+    /// capture key ([`StepInput::capture`]).
+    pub fn replayable(&self, c: &dyn Collective<B>) -> bool {
+        c.capturable()
+            && self.head.is_some()
+            && self.embed_tokens.is_some()
+            && (self.config.moe.is_none() || self.moe_on_device)
     }
 
     /// Run one step with the whole model on this rank; the logits of
@@ -440,6 +482,7 @@ impl<B: Backend> Model<B> {
                 ws.max_logit_rows
             )));
         }
+        step.check_capture(self.replayable(c))?;
         b.begin_step(&StepPlan {
             tokens: step.tokens,
             positions: step.positions,
@@ -447,17 +490,7 @@ impl<B: Backend> Model<B> {
             logit_rows: step.logit_rows,
             state_slots: step.state_slots,
         })?;
-        // A decode step of a whole model on one card may be captured once per
-        // shape and replayed: the ops read only what begin_step uploaded.
-        // A sparse layer routed on the host reads its router logits back
-        // mid-step, which a captured replay could not repeat.
-        let key = (step.is_decode()
-            && c.capturable()
-            && self.head.is_some()
-            && self.embed_tokens.is_some()
-            && (self.config.moe.is_none() || self.moe_on_device))
-            .then_some(GraphKey { rows, logit_rows: rows });
-        corridor_backend::run_captured(b, key, || self.run_ops(b, c, ws, kv, step))?;
+        corridor_backend::run_captured(b, step.capture, || self.run_ops(b, c, ws, kv, step))?;
         logits.clear();
         if self.head.is_none() {
             // A stage before the last hands every row on.
@@ -512,7 +545,7 @@ impl<B: Backend> Model<B> {
         let rows = step.tokens.len();
         let eps = cfg.rms_norm_eps;
         match (&self.embed_tokens, s.recv_from) {
-            (Some(table), _) => b.embedding(table, step.tokens, &mut ws.x)?,
+            (Some(table), _) => b.embedding(table, TokenId::as_u32_slice(step.tokens), &mut ws.x)?,
             (None, Some(from)) => c.recv(b, from, &mut ws.x, rows)?,
             (None, None) => {
                 return Err(ModelError::Step("a rank that does not embed must receive its input".into()))
@@ -905,7 +938,7 @@ mod tests {
         let b = CpuBackend::new();
         let model = Model::load(&b, &ckpt, |_| {}).unwrap();
         let (rows, logit_rows) = (24, 5);
-        let ws = model.workspace(&b, rows, logit_rows).unwrap();
+        let ws = model.workspace(&b, Tokens(rows), logit_rows).unwrap();
         let n = |a: &CpuAct| (a.rows() * a.cols() * 4) as u64;
         let m = ws.moe.as_ref().expect("a sparse model has expert scratch");
         let acts = [

@@ -12,7 +12,7 @@ use crate::qwen3_5;
 use corridor_backend::collective::Collective;
 use corridor_backend::sample::{LogitEdit, SampleRowSpec, SampledRows};
 use corridor_backend::{Backend, KvGeometry, KvPlacement};
-use corridor_units::Bytes;
+use corridor_units::{Bytes, Pages, Tokens};
 
 /// A loaded model (one rank's slice of it) of any supported architecture.
 pub enum Model<B: Backend> {
@@ -97,7 +97,7 @@ impl<B: Backend> Model<B> {
     pub fn workspace(
         &self,
         backend: &B,
-        max_rows: usize,
+        max_rows: Tokens,
         max_logit_rows: usize,
     ) -> Result<Workspace<B>, ModelError> {
         each!(self, m => m.workspace(backend, max_rows, max_logit_rows))
@@ -106,8 +106,8 @@ impl<B: Backend> Model<B> {
     pub fn kv_cache(
         &self,
         backend: &B,
-        page_size: usize,
-        num_pages: usize,
+        page_size: Tokens,
+        num_pages: Pages,
     ) -> Result<KvCache<B>, ModelError> {
         each!(self, m => m.kv_cache(backend, page_size, num_pages))
     }
@@ -116,13 +116,13 @@ impl<B: Backend> Model<B> {
     pub fn kv_cache_at(
         &self,
         backend: &B,
-        page_size: usize,
+        page_size: Tokens,
         placement: &KvPlacement,
     ) -> Result<KvCache<B>, ModelError> {
         each!(self, m => m.kv_cache_at(backend, page_size, placement))
     }
 
-    pub fn kv_geometry(&self, page_size: usize, num_pages: usize) -> KvGeometry {
+    pub fn kv_geometry(&self, page_size: Tokens, num_pages: Pages) -> KvGeometry {
         each!(self, m => m.kv_geometry(page_size, num_pages))
     }
 
@@ -152,6 +152,14 @@ impl<B: Backend> Model<B> {
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
         each!(self, m => m.forward_ranked(b, c, ws, kv, step, logits))
+    }
+
+    /// Whether this rank's forward with the collective `c` reads only what
+    /// the backend's `begin_step` uploads, so a decode step of it may be
+    /// captured and replayed: the question an executor asks before it names
+    /// a capture key in [`StepInput::capture`] (the model never decides it).
+    pub fn replayable(&self, c: &dyn Collective<B>) -> bool {
+        each!(self, m => m.replayable(c))
     }
 
     /// Whether [`Model::forward_ranked_rows`] and [`Model::sample_on_device`]

@@ -49,10 +49,10 @@ use crate::layout::{CostModel, RankSlice};
 use crate::llama::{check_shape, select, KvCache, ModelError, StepInput, Workspace};
 use corridor_backend::collective::{gather_logits, Collective, Solo};
 use corridor_backend::{
-    ActShape, Backend, DType, DeltaGeometry, DeltaRule, GraphKey, HostTensor, KvGeometry, MatmulPart,
-    RopeStyle, RopeTable, StepPlan, TensorBytes, VHeadOrder,
+    ActShape, Backend, DType, DeltaGeometry, DeltaRule, HostTensor, KvGeometry, MatmulPart, RopeStyle,
+    RopeTable, StepPlan, TensorBytes, VHeadOrder,
 };
-use corridor_units::Bytes;
+use corridor_units::{Bytes, Pages, TokenId, Tokens};
 use std::ops::Range;
 
 /// One decoder layer's weights (shapes of the whole model; a tensor share
@@ -248,9 +248,10 @@ impl<B: Backend> Model<B> {
     pub fn workspace(
         &self,
         backend: &B,
-        max_rows: usize,
+        max_rows: Tokens,
         max_logit_rows: usize,
     ) -> Result<Workspace<B>, ModelError> {
+        let max_rows = max_rows.get();
         let (c, s) = (&self.config, &self.slice);
         let d = self.share.delta;
         let a = |rows: usize, cols: usize| backend.alloc_act(ActShape { rows, cols });
@@ -303,7 +304,7 @@ impl<B: Backend> Model<B> {
         self.local(LayerKind::Full)
     }
 
-    pub fn kv_geometry(&self, page_size: usize, num_pages: usize) -> KvGeometry {
+    pub fn kv_geometry(&self, page_size: Tokens, num_pages: Pages) -> KvGeometry {
         KvGeometry {
             page_size,
             num_pages,
@@ -316,8 +317,8 @@ impl<B: Backend> Model<B> {
     pub fn kv_cache(
         &self,
         backend: &B,
-        page_size: usize,
-        num_pages: usize,
+        page_size: Tokens,
+        num_pages: Pages,
     ) -> Result<KvCache<B>, ModelError> {
         let geometry = self.kv_geometry(page_size, num_pages);
         let layers = (0..self.kv_layers()).map(|_| backend.alloc_kv(geometry)).collect::<Result<_, _>>()?;
@@ -330,7 +331,7 @@ impl<B: Backend> Model<B> {
     pub fn kv_cache_at(
         &self,
         backend: &B,
-        page_size: usize,
+        page_size: Tokens,
         placement: &corridor_backend::KvPlacement,
     ) -> Result<KvCache<B>, ModelError> {
         let geometry = self.kv_geometry(page_size, placement.num_pages());
@@ -346,6 +347,15 @@ impl<B: Backend> Model<B> {
     /// Bytes of recurrent state one sequence holds (f32).
     pub fn state_bytes_per_seq(&self) -> Bytes {
         state_bytes_in(&self.hybrid, &self.share.delta, self.slice.layers.clone())
+    }
+
+    /// Whether this rank's forward reads only what `begin_step` uploads, so
+    /// a captured replay of it is the step itself: the whole model on the
+    /// rank and a collective that may be captured. Every op, the
+    /// delta-net's included, reads its step metadata (rows, page tables,
+    /// state slots) from what `begin_step` uploaded.
+    pub fn replayable(&self, c: &dyn Collective<B>) -> bool {
+        c.capturable() && self.head.is_some() && self.embed_tokens.is_some()
     }
 
     /// Run this rank's part of one step: the whole model, or one pipeline
@@ -394,6 +404,7 @@ impl<B: Backend> Model<B> {
                 return Err(ModelError::Step(format!("{s} is given to two sequences of one step")));
             }
         }
+        step.check_capture(self.replayable(c))?;
         b.begin_step(&StepPlan {
             tokens: step.tokens,
             positions: step.positions,
@@ -401,13 +412,7 @@ impl<B: Backend> Model<B> {
             logit_rows: step.logit_rows,
             state_slots: step.state_slots,
         })?;
-        // A decode step of the whole model on one card may be captured once
-        // per shape and replayed: every op, the delta-net's included, reads
-        // its step metadata (rows, page tables, state slots) from what
-        // begin_step uploaded.
-        let key = (step.is_decode() && c.capturable() && self.head.is_some() && self.embed_tokens.is_some())
-            .then_some(GraphKey { rows, logit_rows: rows });
-        corridor_backend::run_captured(b, key, || self.run_ops(b, c, ws, kv, step))?;
+        corridor_backend::run_captured(b, step.capture, || self.run_ops(b, c, ws, kv, step))?;
         logits.clear();
         if self.head.is_none() {
             let to = self
@@ -472,7 +477,7 @@ impl<B: Backend> Model<B> {
         // A later stage receives even when it holds the table (for a tied head).
         match (self.slice.recv_from, &self.embed_tokens) {
             (Some(from), _) => c.recv(b, from, &mut ws.x, rows)?,
-            (None, Some(table)) => b.embedding(table, step.tokens, &mut ws.x)?,
+            (None, Some(table)) => b.embedding(table, TokenId::as_u32_slice(step.tokens), &mut ws.x)?,
             (None, None) => {
                 return Err(ModelError::Step("a rank that does not embed must receive its input".into()))
             }
@@ -1051,8 +1056,8 @@ mod tests {
         use corridor_units::{PageId, StateSlot};
         let b = CpuBackend::new();
         let model = Model::load(&b, &fixture(), |_| {}).unwrap();
-        let mut ws = model.workspace(&b, 4, 2).unwrap();
-        let mut kv = model.kv_cache(&b, 16, 2).unwrap();
+        let mut ws = model.workspace(&b, Tokens(4), 2).unwrap();
+        let mut kv = model.kv_cache(&b, Tokens(16), Pages(2)).unwrap();
         let pages = [PageId(0)];
         let pages2 = [PageId(1)];
         let seqs = [
@@ -1061,11 +1066,12 @@ mod tests {
         ];
         let run = |slots: &[StateSlot], ws: &mut Workspace<CpuBackend>, kv: &mut KvCache<CpuBackend>| {
             let step = StepInput {
-                tokens: &[1, 2],
+                tokens: &[TokenId(1), TokenId(2)],
                 positions: &[0, 0],
                 seqs: &seqs,
                 logit_rows: &[0, 1],
                 state_slots: slots,
+                capture: None,
             };
             model.forward(&b, ws, kv, &step, &mut Vec::new()).map_err(|e| e.to_string())
         };

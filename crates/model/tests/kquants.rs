@@ -25,7 +25,7 @@ use corridor_backend::cpu::{CpuBackend, DecodeActivations};
 use corridor_backend::{DType, SeqStep};
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::PageId;
+use corridor_units::{PageId, Pages, TokenId, Tokens};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -59,8 +59,8 @@ fn logprobs(path: &Path, decode: DecodeActivations, chunk: usize) -> Vec<Vec<f32
     let vocab = model.config().vocab_size;
     let ids = prompt();
     let n = ids.len();
-    let mut ws = model.workspace(&backend, n, n).unwrap();
-    let mut kv = model.kv_cache(&backend, PAGE, n.div_ceil(PAGE) + 1).unwrap();
+    let mut ws = model.workspace(&backend, Tokens(n), n).unwrap();
+    let mut kv = model.kv_cache(&backend, Tokens(PAGE), Pages(n.div_ceil(PAGE) + 1)).unwrap();
     let pages: Vec<PageId> = (0..n.div_ceil(PAGE) as u32).map(PageId).collect();
     let (mut out, mut logits, mut done) = (Vec::new(), Vec::new(), 0);
     while done < n {
@@ -69,11 +69,12 @@ fn logprobs(path: &Path, decode: DecodeActivations, chunk: usize) -> Vec<Vec<f32
         let positions: Vec<u32> = (done..done + rows).map(|p| p as u32).collect();
         let logit_rows: Vec<usize> = (0..rows).collect();
         let step = StepInput {
-            tokens: &ids[done..done + rows],
+            tokens: TokenId::from_u32_slice(&ids[done..done + rows]),
             positions: &positions,
             seqs: &seqs,
             logit_rows: &logit_rows,
             state_slots: &[],
+            capture: None,
         };
         model.forward(&backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
         for r in 0..rows {

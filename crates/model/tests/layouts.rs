@@ -22,7 +22,7 @@ use corridor_backend::SeqStep;
 use corridor_model::layout::{Layout, LayoutKind};
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::{PageId, StateSlot};
+use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -65,8 +65,8 @@ fn run(path: &Path, layout: &Layout) -> (Vec<Vec<f32>>, Vec<u32>) {
         let (reply, pages) = (reply_tx.clone(), pages.clone());
         threads.push(std::thread::spawn(move || {
             let total = PROMPT.len() + STEPS;
-            let mut ws = model.workspace(&backend, total, total).unwrap();
-            let mut kv = model.kv_cache(&backend, PAGE, 2 * pages.len() + 1).unwrap();
+            let mut ws = model.workspace(&backend, Tokens(total), total).unwrap();
+            let mut kv = model.kv_cache(&backend, Tokens(PAGE), Pages(2 * pages.len() + 1)).unwrap();
             let mut logits = Vec::new();
             for job in rx {
                 let rows = job.tokens.len();
@@ -74,12 +74,13 @@ fn run(path: &Path, layout: &Layout) -> (Vec<Vec<f32>>, Vec<u32>) {
                 let positions: Vec<u32> = (job.cached..job.cached + rows).map(|p| p as u32).collect();
                 let logit_rows: Vec<usize> = (0..rows).collect();
                 let step = StepInput {
-                    tokens: &job.tokens,
+                    tokens: TokenId::from_u32_slice(&job.tokens),
                     positions: &positions,
                     seqs: &seqs,
                     logit_rows: &logit_rows,
                     // One sequence, in its state slot (a model without state ignores it).
                     state_slots: &[StateSlot(0)],
+                    capture: None,
                 };
                 model
                     .forward_ranked(

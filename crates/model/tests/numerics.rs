@@ -17,7 +17,7 @@ use corridor_backend::SeqStep;
 use corridor_model::greedy::greedy;
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
-use corridor_units::{PageId, StateSlot};
+use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -60,9 +60,9 @@ impl Runner {
     /// of `chunk` tokens over a deliberately scrambled page table.
     fn prompt_logprobs(&self, prompt: &[u32], chunk: usize) -> Vec<Vec<f32>> {
         let n = prompt.len();
-        let mut ws = self.model.workspace(&self.backend, n, n).unwrap();
+        let mut ws = self.model.workspace(&self.backend, Tokens(n), n).unwrap();
         let pages_needed = n.div_ceil(PAGE) + 2;
-        let mut kv = self.model.kv_cache(&self.backend, PAGE, pages_needed * 2).unwrap();
+        let mut kv = self.model.kv_cache(&self.backend, Tokens(PAGE), Pages(pages_needed * 2)).unwrap();
         // Odd page ids, highest first: a bug that assumes contiguous pages shows.
         let pages: Vec<PageId> =
             (0..pages_needed).map(|i| PageId((2 * (pages_needed - i) - 1) as u32)).collect();
@@ -77,11 +77,12 @@ impl Runner {
             let positions: Vec<u32> = (done..done + rows).map(|p| p as u32).collect();
             let logit_rows: Vec<usize> = (0..rows).collect();
             let step = StepInput {
-                tokens: &prompt[done..done + rows],
+                tokens: TokenId::from_u32_slice(&prompt[done..done + rows]),
                 positions: &positions,
                 seqs: &seqs,
                 logit_rows: &logit_rows,
                 state_slots: &slot,
+                capture: None,
             };
             self.model.forward(&self.backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
             for r in 0..rows {
@@ -234,8 +235,8 @@ fn batch_matches_solo_runs(fixture: &str) {
     let batch = r["batch"].as_array().unwrap_or_else(|| panic!("{fixture} reference has a batch"));
     let prompts: Vec<Vec<u32>> = batch.iter().map(|b| ids(&b["prompt_ids"])).collect();
     let total: usize = prompts.iter().map(|p| p.len()).sum();
-    let mut ws = run.model.workspace(&run.backend, total, prompts.len()).unwrap();
-    let mut kv = run.model.kv_cache(&run.backend, PAGE, 8).unwrap();
+    let mut ws = run.model.workspace(&run.backend, Tokens(total), prompts.len()).unwrap();
+    let mut kv = run.model.kv_cache(&run.backend, Tokens(PAGE), Pages(8)).unwrap();
     let tables: Vec<Vec<PageId>> = vec![vec![PageId(3), PageId(5)], vec![PageId(0), PageId(6)]];
     let mut tokens = Vec::new();
     let mut positions = Vec::new();
@@ -250,11 +251,12 @@ fn batch_matches_solo_runs(fixture: &str) {
     let mut logits = Vec::new();
     let slots: Vec<StateSlot> = (0..seqs.len() as u32).map(StateSlot).collect();
     let step = StepInput {
-        tokens: &tokens,
+        tokens: TokenId::from_u32_slice(&tokens),
         positions: &positions,
         seqs: &seqs,
         logit_rows: &logit_rows,
         state_slots: &slots,
+        capture: None,
     };
     run.model.forward(&run.backend, &mut ws, &mut kv, &step, &mut logits).unwrap();
     let v = run.vocab();

@@ -58,13 +58,14 @@ fn main() {
             apply_time += t1.elapsed();
             mask_time += t1 - t0;
             for ((c, state), m) in rows.iter_mut().zip(&masks) {
-                let allowed: Vec<u32> = (0..vocab as u32).filter(|&t| m.allows(t)).collect();
+                let allowed: Vec<u32> =
+                    (0..vocab as u32).filter(|&t| m.allows(corridor_units::TokenId(t))).collect();
                 *state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 let token = allowed[(*state >> 33) as usize % allowed.len()];
                 if eos.contains(&token) {
                     *c = fresh.clone();
                 } else {
-                    c.0.accept(token).expect("allowed");
+                    c.0.accept(corridor_units::TokenId(token)).expect("allowed");
                 }
             }
         }

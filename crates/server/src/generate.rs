@@ -15,6 +15,9 @@
 //! string: those are the tokens the client paid for, even though the stop
 //! string's own text is not returned.
 //!
+//! The tokenizer works in `u32` ids: an [`Event::Token`]'s `TokenId` becomes
+//! one here, in `on_event`, once per token.
+//!
 //! Dropping a [`Generation`] drops its engine streams, which aborts every
 //! unfinished choice and frees its KV pages: a client that disconnects
 //! (its response body or handler future is dropped) costs nothing after
@@ -178,7 +181,7 @@ impl Generation {
     fn on_event(&mut self, i: usize, event: Option<Event>) -> Vec<Output> {
         match event {
             Some(Event::Token { token, logprob, top_logprobs }) => {
-                self.on_token(i, token, logprob, &top_logprobs)
+                self.on_token(i, token.get(), logprob, &top_logprobs)
             }
             Some(Event::Done { reason, usage }) => {
                 // The stream is complete; dropping it sends no abort.
@@ -218,8 +221,8 @@ impl Generation {
                 top: top
                     .iter()
                     .map(|t| TopToken {
-                        text: text_of(t.token),
-                        bytes: tokenizer.token_bytes(t.token),
+                        text: text_of(t.token.get()),
+                        bytes: tokenizer.token_bytes(t.token.get()),
                         logprob: t.logprob,
                     })
                     .collect(),

@@ -148,13 +148,13 @@ impl TokenConstraint for JsonGrammar {
         words.resize(vocab.div_ceil(32), 0);
         let mut mask = TokenMask::from_words(words);
         if vob.is_allowed(self.trie_eos) {
-            self.eos_ids.iter().for_each(|&e| mask.allow(e));
+            self.eos_ids.iter().for_each(|&e| mask.allow(corridor_units::TokenId(e)));
         }
         Ok(mask)
     }
 
-    fn accept(&mut self, token: u32) -> Result<(), ConstraintError> {
-        self.matcher.consume_token(token).map_err(|e| ConstraintError(e.to_string()))
+    fn accept(&mut self, token: corridor_units::TokenId) -> Result<(), ConstraintError> {
+        self.matcher.consume_token(token.get()).map_err(|e| ConstraintError(e.to_string()))
     }
 
     fn fork(&self) -> Box<dyn TokenConstraint> {
@@ -226,7 +226,8 @@ mod tests {
             let mut ended = false;
             for _ in 0..400 {
                 let mask = c.0.mask(vocab).expect("mask");
-                let allowed: Vec<u32> = (0..vocab as u32).filter(|&t| mask.allows(t)).collect();
+                let allowed: Vec<u32> =
+                    (0..vocab as u32).filter(|&t| mask.allows(corridor_units::TokenId(t))).collect();
                 assert!(!allowed.is_empty(), "walk {walk}: nothing allowed after {out:?}");
                 assert!(
                     allowed.iter().all(|&t| (t as usize) < tok.vocab_size()),
@@ -238,7 +239,7 @@ mod tests {
                     ended = true;
                     break;
                 }
-                c.0.accept(token).expect("allowed tokens are accepted");
+                c.0.accept(corridor_units::TokenId(token)).expect("allowed tokens are accepted");
                 out.push(token);
             }
             assert!(ended, "walk {walk} did not end");
@@ -260,14 +261,20 @@ mod tests {
         let compiler = GrammarCompiler::new(tok.clone(), tok.vocab_size(), &[2]).expect("compiler");
         let mut c = compiler.json_schema(&json!({"type": "boolean"})).expect("compiles");
         let vocab = tok.vocab_size();
-        assert!(!c.0.mask(vocab).expect("mask").allows(2), "an empty document is not complete");
+        assert!(
+            !c.0.mask(vocab).expect("mask").allows(corridor_units::TokenId(2)),
+            "an empty document is not complete"
+        );
         let fork = c.clone();
         for t in tok.encode("true", false).expect("encodes") {
-            c.0.accept(t).expect("accepted");
+            c.0.accept(corridor_units::TokenId(t)).expect("accepted");
         }
-        assert!(c.0.mask(vocab).expect("mask").allows(2));
+        assert!(c.0.mask(vocab).expect("mask").allows(corridor_units::TokenId(2)));
         let mut fork = fork;
-        assert!(!fork.0.mask(vocab).expect("mask").allows(2), "the fork kept its own state");
+        assert!(
+            !fork.0.mask(vocab).expect("mask").allows(corridor_units::TokenId(2)),
+            "the fork kept its own state"
+        );
     }
 
     #[test]

@@ -20,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use corridor_engine::engine::{EngineHandle, GenerateRequest};
-use corridor_units::Tokens;
+use corridor_units::{TokenId, Tokens};
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -405,7 +405,8 @@ impl AppState {
 
 /// One engine request per (prompt, choice), prompt-major. With a seed,
 /// choice `j` of a prompt uses `seed + j`, so choices differ from each other
-/// but every one of them is repeatable.
+/// but every one of them is repeatable. The tokenizer's `u32` ids (prompt and
+/// end of sequence) become `TokenId` here, where they enter the engine.
 fn choice_specs(gen: &ValidGeneration, eos_ids: &[u32]) -> Vec<ChoiceSpec> {
     let mut specs = Vec::with_capacity(gen.prompts.len() * gen.n);
     for prompt in &gen.prompts {
@@ -414,10 +415,10 @@ fn choice_specs(gen: &ValidGeneration, eos_ids: &[u32]) -> Vec<ChoiceSpec> {
             params.seed = params.seed.map(|s| s.wrapping_add(j as u64));
             specs.push(ChoiceSpec {
                 request: GenerateRequest {
-                    prompt: prompt.ids.clone(),
+                    prompt: TokenId::vec(&prompt.ids),
                     params,
                     max_new_tokens: gen.max_tokens,
-                    eos_ids: eos_ids.to_vec(),
+                    eos_ids: TokenId::vec(eos_ids),
                     // Cloning forks the grammar: every choice has its own state.
                     constraint: gen.constraint.clone(),
                 },

@@ -30,7 +30,7 @@
 //!   the fields a request leaves out take the server's [`SamplingDefaults`].
 
 use corridor_engine::sampling::{SamplingParams, MAX_TOP_LOGPROBS};
-use corridor_units::Tokens;
+use corridor_units::{TokenId, Tokens};
 use serde_json::{Map, Value as Json};
 use std::collections::BTreeMap;
 
@@ -437,7 +437,7 @@ fn sampling_params(
         let token: u32 = key.trim().parse().map_err(|_| {
             ApiError::invalid("logit_bias", format!("logit_bias key '{key}' is not a token id"))
         })?;
-        logit_bias.insert(token, bias);
+        logit_bias.insert(TokenId(token), bias);
     }
     let min_tokens = match f.min_tokens {
         None => 0,
@@ -459,7 +459,7 @@ fn sampling_params(
         seed: f.seed.map(|s| s as u64),
         min_tokens: Tokens(min_tokens),
         ignore_eos: f.ignore_eos.unwrap_or(false),
-        stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
+        stop_token_ids: f.stop_token_ids.as_deref().map(TokenId::vec).unwrap_or_default(),
         logprobs,
     };
     params.validate(vocab_size).map_err(|e| ApiError::invalid(e.param, e.message))?;

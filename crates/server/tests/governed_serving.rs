@@ -9,7 +9,7 @@ use corridor_engine::engine::{Event, FinishReason, GenerateRequest};
 use corridor_engine::sampling::SamplingParams;
 use corridor_model::layout::{LayoutSpec, Split};
 use corridor_server::boot::{boot, BootOptions, Devices};
-use corridor_units::Bytes;
+use corridor_units::{Bytes, TokenId};
 use corridor_vram::recorder::{read_dir, MarkKind};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -91,10 +91,10 @@ fn intrusion(model: &str, sizes_mib: &[u64], layout: Option<LayoutSpec>) {
                 while start.elapsed() < Duration::from_millis(4500) {
                     let prompt: Vec<u32> = (0..40).map(|t| 3 + (t * 7 + c * 13 + i) % 300).collect();
                     let req = GenerateRequest {
-                        prompt,
+                        prompt: TokenId::vec(&prompt),
                         params: SamplingParams { temperature: 0.0, ignore_eos: true, ..Default::default() },
                         max_new_tokens: Some(24),
-                        eos_ids: vec![2],
+                        eos_ids: vec![TokenId(2)],
                         constraint: None,
                     };
                     let mut s = engine.submit(req).unwrap();

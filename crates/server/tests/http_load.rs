@@ -6,6 +6,7 @@ mod http_common;
 use axum::body::Body;
 use axum::http::{header, Request, StatusCode};
 use corridor_server::{run_until, ServerConfig};
+use corridor_units::TokenId;
 use futures_util::future::join_all;
 use http_body_util::BodyExt;
 use http_common::{app, booted, chat, MODEL};
@@ -137,7 +138,7 @@ async fn shutdown_aborts_in_flight_streams_and_returns_ok() {
     assert!(
         engine
             .submit(corridor_engine::engine::GenerateRequest {
-                prompt: vec![5],
+                prompt: vec![TokenId(5)],
                 params: Default::default(),
                 max_new_tokens: Some(1),
                 eos_ids: vec![],

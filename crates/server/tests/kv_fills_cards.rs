@@ -5,7 +5,7 @@
 
 use corridor_model::layout::{LayoutSpec, Split};
 use corridor_server::boot::{boot, BootOptions, Devices};
-use corridor_units::Bytes;
+use corridor_units::{Bytes, TokenId};
 use corridor_vram::sizing::DEFAULT_MARGIN;
 use std::path::Path;
 
@@ -103,7 +103,7 @@ fn a_filled_sim_card_costs_the_host_only_the_kv_written() {
     let kv = booted.governor.memory_report().cards[0].books.kv_committed;
     assert!(kv > Bytes::gib(6), "KV fills the card: {kv}");
     let req = corridor_engine::engine::GenerateRequest {
-        prompt: (3..40).collect(),
+        prompt: (3..40).map(TokenId).collect(),
         params: corridor_engine::sampling::SamplingParams { temperature: 0.0, ..Default::default() },
         max_new_tokens: Some(8),
         eos_ids: vec![],

@@ -15,7 +15,7 @@ use corridor_engine::flips::{FlipError, FlipMode, MAX_ABANDONS_IN_A_ROW};
 use corridor_engine::phase::{AbandonReason, FlipVerdict, Phase};
 use corridor_engine::sampling::SamplingParams;
 use corridor_server::boot::{boot, BootOptions, Booted, Devices};
-use corridor_units::{Bytes, Rank};
+use corridor_units::{Bytes, Rank, TokenId};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -60,7 +60,7 @@ fn burst(engine: &EngineHandle, n: u32) -> Vec<Output> {
 
 fn request(i: u32) -> GenerateRequest {
     GenerateRequest {
-        prompt: prompt(i),
+        prompt: TokenId::vec(&prompt(i)),
         params: SamplingParams {
             temperature: 0.0,
             ignore_eos: true,
@@ -68,7 +68,7 @@ fn request(i: u32) -> GenerateRequest {
             ..Default::default()
         },
         max_new_tokens: Some(12 + (i as usize % 9)),
-        eos_ids: vec![2],
+        eos_ids: vec![TokenId(2)],
         constraint: None,
     }
 }
@@ -78,7 +78,7 @@ fn read(mut s: corridor_engine::engine::RequestStream) -> Output {
     loop {
         match s.next_blocking() {
             Some(Event::Token { token, logprob, .. }) => {
-                tokens.push(token);
+                tokens.push(token.get());
                 logprobs.push(logprob.unwrap_or(f32::NAN));
             }
             Some(Event::Done { reason, .. }) => return (tokens, logprobs, reason),

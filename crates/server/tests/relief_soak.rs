@@ -13,7 +13,7 @@
 use corridor_engine::engine::{Event, FinishReason, GenerateRequest};
 use corridor_engine::sampling::SamplingParams;
 use corridor_server::boot::{boot, BootOptions, Devices};
-use corridor_units::Bytes;
+use corridor_units::{Bytes, TokenId};
 use corridor_vram::sizing::DEFAULT_MARGIN;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -112,10 +112,10 @@ fn two_hundred_intrusions_never_preempt_while_free_kv_covers_them() {
                     let salt = rng.next() as u32;
                     prompt.extend((0..tail).map(|t| 3 + (t.wrapping_mul(31) ^ salt) % 380));
                     let req = GenerateRequest {
-                        prompt,
+                        prompt: TokenId::vec(&prompt),
                         params: SamplingParams { temperature: 0.0, ignore_eos: true, ..Default::default() },
                         max_new_tokens: Some(rng.range(8, 32) as usize),
-                        eos_ids: vec![2],
+                        eos_ids: vec![TokenId(2)],
                         constraint: None,
                     };
                     let mut s = engine.submit(req).unwrap();

@@ -216,8 +216,70 @@ impl fmt::Display for Rank {
     }
 }
 
-/// A token id in a tokenizer's vocabulary.
-pub type TokenId = u32;
+/// One generation request as the engine numbers it, from submission to its
+/// last event: the key of its sequence in the scheduler and of its sampler
+/// state in the engine loop.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RequestId(pub u64);
+
+impl RequestId {
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "req#{}", self.0)
+    }
+}
+
+/// A token id in a tokenizer's vocabulary. The engine and the model carry
+/// these; they become bare `u32` only where they are handed to a kernel or
+/// uploaded to a device ([`TokenId::as_u32_slice`]), and are made from the
+/// tokenizer's `u32` once, where a request enters the engine.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct TokenId(pub u32);
+
+impl TokenId {
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+    /// The id as an index into a vocabulary-wide row (logits, embeddings).
+    pub const fn index(self) -> usize {
+        self.0 as usize
+    }
+    /// The ids as the `u32` a kernel or a device upload reads, without a copy.
+    pub fn as_u32_slice(ids: &[TokenId]) -> &[u32] {
+        // SAFETY: TokenId is #[repr(transparent)] over u32, so a slice of
+        // them has the layout (size, alignment, stride) of a slice of u32 of
+        // the same length, and every u32 is a valid TokenId and vice versa.
+        unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<u32>(), ids.len()) }
+    }
+    /// Tokenizer output as ids, without a copy (the reverse of
+    /// [`TokenId::as_u32_slice`]).
+    pub fn from_u32_slice(ids: &[u32]) -> &[TokenId] {
+        // SAFETY: as in `as_u32_slice`: the same layout, every value valid.
+        unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<TokenId>(), ids.len()) }
+    }
+    /// Tokenizer output as an owned vector of ids.
+    pub fn vec(ids: &[u32]) -> Vec<TokenId> {
+        ids.iter().copied().map(TokenId).collect()
+    }
+}
+impl fmt::Display for TokenId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+impl From<TokenId> for u32 {
+    fn from(t: TokenId) -> u32 {
+        t.0
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -240,6 +302,25 @@ mod tests {
         assert_eq!(Bytes::mib(3).to_string(), "3.0 MiB");
         assert_eq!(Tokens(17).pages(Tokens(16)), Pages(2));
         assert_eq!(Pages(2).tokens(Tokens(16)), Tokens(32));
+    }
+
+    #[test]
+    fn ids_name_themselves() {
+        assert_eq!(RequestId(7).to_string(), "req#7");
+        assert_eq!(RequestId(7).get(), 7);
+        assert_eq!(PageId(3).to_string(), "page#3");
+        assert_eq!(TokenId(42).to_string(), "42", "a token id prints as the tokenizer's number");
+    }
+
+    #[test]
+    fn token_slices_cast_both_ways_in_place() {
+        let ids = [TokenId(3), TokenId(0), TokenId(u32::MAX)];
+        let raw = TokenId::as_u32_slice(&ids);
+        assert_eq!(raw, [3, 0, u32::MAX]);
+        assert_eq!(raw.as_ptr() as usize, ids.as_ptr() as usize, "no copy");
+        assert_eq!(TokenId::from_u32_slice(raw), ids);
+        assert_eq!(TokenId::vec(raw), ids);
+        assert!(TokenId::as_u32_slice(&[]).is_empty());
     }
 
     #[test]

@@ -276,9 +276,9 @@ pub struct CpuKv {
 impl CpuKv {
     fn new(geometry: KvGeometry, resident: bool) -> CpuKv {
         let width = geometry.kv_heads * geometry.head_dim;
-        let page_values = (geometry.page_size * width).max(1);
+        let page_values = (geometry.page_size.get() * width).max(1);
         let block_pages = (KV_BLOCK_VALUES / page_values).max(1);
-        let n_blocks = geometry.num_pages.div_ceil(block_pages);
+        let n_blocks = geometry.num_pages.get().div_ceil(block_pages);
         let mut kv = CpuKv {
             geometry,
             block_pages,
@@ -298,13 +298,13 @@ impl CpuKv {
     /// Values in one page of K (or of V).
     fn page_values(&self) -> usize {
         let g = &self.geometry;
-        g.page_size * g.kv_heads * g.head_dim
+        g.page_size.get() * g.kv_heads * g.head_dim
     }
     /// The block holding `page` and where the page's token `slot` starts in it.
     fn locate(&self, page: PageId, slot: usize) -> (usize, usize) {
         let g = &self.geometry;
         let (block, within) = (page.index() / self.block_pages, page.index() % self.block_pages);
-        (block, (within * g.page_size + slot) * g.kv_heads * g.head_dim)
+        (block, (within * g.page_size.get() + slot) * g.kv_heads * g.head_dim)
     }
     /// Block `b`, allocated (zeroed and touched, so it is resident) if it was not.
     fn block_mut(&mut self, b: usize) -> (&mut [f32], &mut [f32]) {
@@ -335,10 +335,10 @@ impl CpuKv {
         (&mut k[at..at + width], &mut v[at..at + width])
     }
     fn check_page(&self, page: PageId) -> Result<()> {
-        if page.index() >= self.geometry.num_pages {
+        if page.index() >= self.geometry.num_pages.get() {
             return Err(BackendError::Other(format!(
                 "{page} is outside a KV store of {} pages",
-                self.geometry.num_pages
+                self.geometry.num_pages.get()
             )));
         }
         Ok(())
@@ -696,7 +696,7 @@ impl Backend for CpuBackend {
         for s in seqs {
             for i in 0..s.rows {
                 let pos = s.cached + i;
-                let (kd, vd) = kv.token_mut(s.pages[pos / g.page_size], pos % g.page_size);
+                let (kd, vd) = kv.token_mut(s.pages[pos / g.page_size.get()], pos % g.page_size.get());
                 kd.copy_from_slice(k.row(s.row_start + i));
                 vd.copy_from_slice(v.row(s.row_start + i));
                 if self.rounding.kv {
@@ -732,7 +732,7 @@ impl Backend for CpuBackend {
                     let qh = &qrow[h * hd..(h + 1) * hd];
                     let mut max = f32::NEG_INFINITY;
                     for (t, sc) in scores.iter_mut().enumerate() {
-                        let (k, _) = kv.token(s.pages[t / g.page_size], t % g.page_size);
+                        let (k, _) = kv.token(s.pages[t / g.page_size.get()], t % g.page_size.get());
                         *sc = quant::dot_f32(qh, &k[kvh * hd..(kvh + 1) * hd]) * scale;
                         max = max.max(*sc);
                     }
@@ -746,7 +746,7 @@ impl Backend for CpuBackend {
                     o.fill(0.0);
                     for (t, sc) in scores.iter().enumerate() {
                         let p = sc / sum;
-                        let (_, v) = kv.token(s.pages[t / g.page_size], t % g.page_size);
+                        let (_, v) = kv.token(s.pages[t / g.page_size.get()], t % g.page_size.get());
                         for (o, v) in o.iter_mut().zip(&v[kvh * hd..(kvh + 1) * hd]) {
                             *o += p * v;
                         }
@@ -812,6 +812,7 @@ impl Backend for CpuBackend {
 #[cfg(all(test, target_os = "linux"))]
 mod residency_tests {
     use super::*;
+    use corridor_units::{Pages, Tokens};
 
     fn rss() -> usize {
         let status = std::fs::read_to_string("/proc/self/status").expect("status");
@@ -823,7 +824,8 @@ mod residency_tests {
     fn resident_buffers_are_backed_at_allocation() {
         const MIB: usize = 1 << 20;
         // 64 MiB of K and 64 of V.
-        let geometry = KvGeometry { num_pages: 1024, page_size: 16, kv_heads: 1, head_dim: 1024 };
+        let geometry =
+            KvGeometry { num_pages: Pages(1024), page_size: Tokens(16), kv_heads: 1, head_dim: 1024 };
         let before = rss();
         let lazy = CpuBackend::new().alloc_kv(geometry).expect("kv");
         let after_lazy = rss();
@@ -840,7 +842,8 @@ mod residency_tests {
     #[test]
     fn a_lazy_store_allocates_only_the_blocks_written() {
         // 4 GiB of K and as much of V if it were allocated whole.
-        let geometry = KvGeometry { num_pages: 1 << 18, page_size: 16, kv_heads: 2, head_dim: 128 };
+        let geometry =
+            KvGeometry { num_pages: Pages(1 << 18), page_size: Tokens(16), kv_heads: 2, head_dim: 128 };
         let backend = CpuBackend::new();
         let mut kv = backend.alloc_kv(geometry).expect("kv");
         assert_eq!(kv.blocks_allocated(), 0);
@@ -867,6 +870,7 @@ mod residency_tests {
 #[cfg(test)]
 mod storage_tests {
     use super::*;
+    use corridor_units::{Pages, Tokens};
 
     fn tensor(dtype: DType, rows: usize, values: &[f32]) -> HostTensor {
         let data: Vec<u8> = match dtype {
@@ -907,7 +911,7 @@ mod storage_tests {
         assert_eq!(stored_row(&bf16, &tensor(DType::F32, 1, &[f32_only, 3.0])), vec![f32_only, 3.0]);
 
         // K and V are rounded as they are written, and on a page copied in.
-        let g = KvGeometry { page_size: 2, num_pages: 1, kv_heads: 1, head_dim: 2 };
+        let g = KvGeometry { page_size: Tokens(2), num_pages: Pages(1), kv_heads: 1, head_dim: 2 };
         let pages = [PageId(0)];
         let seqs = [SeqStep { row_start: 0, rows: 1, cached: 0, pages: &pages }];
         for (b, want) in [(&plain, f32_only), (&bf16, 1.0)] {

@@ -79,7 +79,7 @@ impl CudaKv {
     /// Bytes of K (or V) one page holds for this layer.
     pub(super) fn page_bytes(&self) -> usize {
         let g = self.geometry;
-        g.page_size * g.kv_heads * g.head_dim * 2
+        g.page_size.get() * g.kv_heads * g.head_dim * 2
     }
 }
 
@@ -113,10 +113,12 @@ pub(super) struct AttnLaunch<'a> {
 
 /// Head sizes the attention kernels hold in registers.
 pub(super) fn check_kv_geometry(g: &KvGeometry) -> Result<()> {
-    if g.head_dim > MAX_HEAD_DIM || g.head_dim == 0 || g.kv_heads == 0 || g.page_size == 0 {
+    if g.head_dim > MAX_HEAD_DIM || g.head_dim == 0 || g.kv_heads == 0 || g.page_size.get() == 0 {
         return Err(BackendError::Other(format!(
             "head_dim {} (at most {MAX_HEAD_DIM}), kv_heads {}, page size {}",
-            g.head_dim, g.kv_heads, g.page_size
+            g.head_dim,
+            g.kv_heads,
+            g.page_size.get()
         )));
     }
     Ok(())
@@ -230,7 +232,7 @@ impl CudaBackend {
             .i32(a.heads as i32)
             .i32(g.kv_heads as i32)
             .i32(g.head_dim as i32)
-            .i32(g.page_size as i32)
+            .i32(g.page_size.get() as i32)
             .f32(scale)
             .i32(min_split as i32)
             .i32(nsplit as i32);
@@ -276,7 +278,7 @@ impl CudaBackend {
             .ptr(a.out)
             .i32(a.heads as i32)
             .i32(g.kv_heads as i32)
-            .i32(g.page_size as i32)
+            .i32(g.page_size.get() as i32)
             .f32(scale_log2)
             .i32(ntiles as i32);
         let dims = LaunchDims { grid: (ntiles as u32, a.heads as u32, 1), block: TILE_THREADS };
@@ -306,9 +308,12 @@ impl CudaBackend {
         check_kv_geometry(&g)?;
         // Pages start on whole KV units; a page whose bytes are not a multiple
         // of the unit is padded.
-        let addr = KvAddressing::contiguous((g.page_size * g.kv_heads * g.head_dim * 2) as u64, g.num_pages);
-        addr.check(g.num_pages).map_err(BackendError::Other)?;
-        let bytes = addr.span(g.num_pages).max(2) as usize;
+        let addr = KvAddressing::contiguous(
+            (g.page_size.get() * g.kv_heads * g.head_dim * 2) as u64,
+            g.num_pages.get(),
+        );
+        addr.check(g.num_pages.get()).map_err(BackendError::Other)?;
+        let bytes = addr.span(g.num_pages.get()).max(2) as usize;
         let k = self.alloc_buf(bytes, Purpose::Kv)?;
         let v = self.alloc_buf(bytes, Purpose::Kv)?;
         for b in [&k, &v] {
@@ -336,7 +341,7 @@ impl CudaBackend {
             ))
         })?;
         let geo = part.geometry;
-        let layer_bytes = (g.page_size * g.kv_heads * g.head_dim * 2) as u64;
+        let layer_bytes = (g.page_size.get() * g.kv_heads * g.head_dim * 2) as u64;
         if layers == 0 || geo.page_bytes.get() != 2 * layers as u64 * layer_bytes {
             return Err(BackendError::Other(format!(
                 "a KV arena page of {} does not hold K and V of {layers} layers of {layer_bytes} bytes",
@@ -351,7 +356,7 @@ impl CudaBackend {
         Ok(Some(
             (0..layers as u64)
                 .map(|l| CudaKv {
-                    geometry: KvGeometry { num_pages: arena.capacity().get(), ..g },
+                    geometry: KvGeometry { num_pages: arena.capacity(), ..g },
                     _mem: KvMem::Arena(arena.clone()),
                     k: base + 2 * l * layer_bytes,
                     v: base + (2 * l + 1) * layer_bytes,
@@ -375,7 +380,7 @@ impl CudaBackend {
                 .ptr(st.row_seq.dev.ptr())
                 .ptr(st.seq_pt_off.dev.ptr())
                 .ptr(st.page_table.dev.ptr())
-                .i32(g.page_size as i32)
+                .i32(g.page_size.get() as i32)
                 .i32((g.kv_heads * g.head_dim) as i32);
             unsafe {
                 self.launch(self.k.write_kv, LaunchDims { grid: (st.maps.rows as u32, 1, 1), block: 256 }, a)
@@ -436,7 +441,7 @@ impl CudaBackend {
                 .ptr(st.row_seq.dev.ptr())
                 .ptr(st.seq_pt_off.dev.ptr())
                 .ptr(st.page_table.dev.ptr())
-                .i32(g.page_size as i32)
+                .i32(g.page_size.get() as i32)
                 .i32(heads as i32)
                 .i32(g.kv_heads as i32)
                 .i32(head_dim as i32)
@@ -477,7 +482,7 @@ impl CudaBackend {
             // only the split-K kernel's fixed grid allows; it also splits for
             // the longest context the backend was sized for.
             if st.capturing.is_some() {
-                let max_ctx = self.config.max_pages_per_seq * g.page_size;
+                let max_ctx = self.config.max_pages_per_seq * g.page_size.get();
                 return self.attn_split(st, &a, st.row_seq.dev.ptr(), max_ctx);
             }
             match tiled {

@@ -13,7 +13,7 @@ use crate::{
     ActShape, Backend, BackendError, DeltaRule, Expert, GraphKey, KvGeometry, MatmulPart, MoeFfn, Result,
     RopeStyle, RopeTable, SeqStep, StepPlan,
 };
-use corridor_units::{PageId, StateSlot};
+use corridor_units::{PageId, StateSlot, TokenId};
 use corridor_vram::KvArena;
 use cudarc::driver::result as cu;
 use half::{bf16, f16};
@@ -435,7 +435,7 @@ impl Backend for CudaBackend {
             if let Some(p) = &self.profile {
                 p.lock().unwrap_or_else(|e| e.into_inner()).step(plan.tokens.len());
             }
-            self.sync_meta(&mut st.tokens, plan.tokens, "token rows", cap)?;
+            self.sync_meta(&mut st.tokens, TokenId::as_u32_slice(plan.tokens), "token rows", cap)?;
             self.sync_meta(&mut st.positions, plan.positions, "positions", cap)?;
             let idx: Vec<u32> = plan.logit_rows.iter().map(|&r| r as u32).collect();
             self.sync_meta(&mut st.gather, &idx, "logit rows", cap)?;

@@ -24,7 +24,7 @@ use crate::{
     ActShape, Backend, DeltaGeometry, DeltaRule, GraphKey, KvGeometry, MatmulPart, Result, RopeStyle,
     RopeTable, SeqStep, StepPlan, VHeadOrder,
 };
-use corridor_units::{PageId, StateSlot};
+use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 use cudarc::driver::{result as cu, sys};
 use half::{bf16, f16};
 
@@ -516,7 +516,12 @@ struct AttnCase<'a> {
 }
 
 fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
-    let g = |page_size, kv_heads, head_dim| KvGeometry { page_size, num_pages: 400, kv_heads, head_dim };
+    let g = |page_size, kv_heads, head_dim| KvGeometry {
+        page_size: Tokens(page_size),
+        num_pages: Pages(400),
+        kv_heads,
+        head_dim,
+    };
     let cases = [
         AttnCase {
             name: "mixed decode / prefix-cached prefill / fresh prefill, hd 64",
@@ -617,7 +622,7 @@ fn attention_case(
         .seqs
         .iter()
         .map(|&(cached, rows)| {
-            (0..(cached + rows).div_ceil(geo.page_size))
+            (0..(cached + rows).div_ceil(geo.page_size.get()))
                 .map(|i| {
                     next += 1 + (i as u32 % 3);
                     PageId(next)
@@ -739,7 +744,7 @@ pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
     let cpu = CpuBackend::new();
     let mut rng = Rng(42);
     let (heads, kvh, hd, hidden) = (8usize, 2usize, 64usize, 128usize);
-    let geo = KvGeometry { page_size: 16, num_pages: 64, kv_heads: kvh, head_dim: hd };
+    let geo = KvGeometry { page_size: Tokens(16), num_pages: Pages(64), kv_heads: kvh, head_dim: hd };
     let (mut kg, mut kc) = (be.alloc_kv(geo)?, cpu.alloc_kv(geo)?);
     let wq = float_tensor("wq", DType::BF16, heads * hd, hidden, &rng.vec(heads * hd * hidden, 0.2));
     let wk = float_tensor("wk", DType::BF16, kvh * hd, hidden, &rng.vec(kvh * hd * hidden, 0.2));
@@ -770,7 +775,7 @@ pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
         ];
         let positions = [cached as u32, cached as u32 + 1];
         be.begin_step(&StepPlan {
-            tokens: &[1, 2],
+            tokens: &[TokenId(1), TokenId(2)],
             positions: &positions,
             seqs: &seqs,
             logit_rows: &[0, 1],
@@ -886,7 +891,7 @@ pub fn delta_graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> 
         }
         let positions: Vec<u32> = (0..rows as u32).collect();
         be.begin_step(&StepPlan {
-            tokens: &[0; 4],
+            tokens: &[TokenId(0); 4],
             positions: &positions,
             seqs: &seqs,
             logit_rows: &[0, 1, 2, 3],
@@ -1156,7 +1161,7 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
         ));
     }
     // Attention: Llama-3-8B shapes (32 heads, 8 KV heads, head_dim 128).
-    let geo = KvGeometry { page_size: 16, num_pages: 600, kv_heads: 8, head_dim: 128 };
+    let geo = KvGeometry { page_size: Tokens(16), num_pages: Pages(600), kv_heads: 8, head_dim: 128 };
     let mut kv = be.alloc_kv(geo)?;
     let pages: Vec<PageId> = (0..512u32).map(|i| PageId((i * 7) % 600)).collect();
     let cases: [(usize, usize, &[PrefillPath]); 6] = [

@@ -35,14 +35,14 @@ impl TokenMask {
     }
 
     pub fn allow(&mut self, id: TokenId) {
-        let (w, b) = (id as usize / 32, id % 32);
+        let (w, b) = (id.index() / 32, id.get() % 32);
         if let Some(word) = self.words.get_mut(w) {
             *word |= 1 << b;
         }
     }
 
     pub fn allows(&self, id: TokenId) -> bool {
-        self.words.get(id as usize / 32).is_some_and(|w| w >> (id % 32) & 1 == 1)
+        self.words.get(id.index() / 32).is_some_and(|w| w >> (id.get() % 32) & 1 == 1)
     }
 
     /// How many ids are allowed.
@@ -112,11 +112,11 @@ mod tests {
     #[test]
     fn mask_bits_and_apply() {
         let mut m = TokenMask::none(70);
-        m.allow(0);
-        m.allow(33);
-        m.allow(69);
-        m.allow(500); // past the width: ignored
-        assert!(m.allows(33) && !m.allows(34) && !m.allows(500));
+        m.allow(TokenId(0));
+        m.allow(TokenId(33));
+        m.allow(TokenId(69));
+        m.allow(TokenId(500)); // past the width: ignored
+        assert!(m.allows(TokenId(33)) && !m.allows(TokenId(34)) && !m.allows(TokenId(500)));
         assert_eq!(m.count(), 3);
         let mut row = vec![1.0f32; 72];
         m.apply(&mut row);

@@ -128,7 +128,7 @@ pub(super) fn conclude(
             stats.record_failure();
             if row.state.take_first_warning() {
                 tracing::warn!(
-                    request = row.request_id,
+                    request = row.request_id.get(),
                     position = row.state.generated().0,
                     nan = scan.nan,
                     pos_inf = scan.pos_inf,
@@ -143,7 +143,7 @@ pub(super) fn conclude(
         stats.record_fallback(kind);
         if row.state.take_first_warning() {
             tracing::warn!(
-                request = row.request_id,
+                request = row.request_id.get(),
                 position = row.state.generated().0,
                 kind = kind.label(),
                 nan = scan.nan,
@@ -158,7 +158,7 @@ pub(super) fn conclude(
         (None, _) | (_, None) => (None, Vec::new()),
         (Some(n), Some(logits)) => match log_sum_exp(logits) {
             Some(lse) => {
-                (Some((logits[token as usize] as f64 - lse) as f32), top_logprobs(logits, n as usize, lse))
+                (Some((logits[token.index()] as f64 - lse) as f32), top_logprobs(logits, n as usize, lse))
             }
             None => (None, Vec::new()),
         },

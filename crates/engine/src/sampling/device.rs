@@ -47,14 +47,14 @@ pub fn adjustment_edits(
 ) {
     let rep = params.repetition_penalty;
     let penalized = rep != 1.0;
-    let blank = |token: TokenId| LogitEdit { token, rep: 1.0, sub: 0.0, bias: 0.0, flags: 0 };
+    let blank = |token: TokenId| LogitEdit { token: token.get(), rep: 1.0, sub: 0.0, bias: 0.0, flags: 0 };
     let mut few: HashMap<TokenId, LogitEdit> = HashMap::new();
     // A token in both prompt and output is penalized once: its entry here
     // carries the prompt's penalty, and the prompt's pass skips it.
     let prompt_rep =
         |token: TokenId| if penalized && state.prompt_tokens().contains(&token) { rep } else { 1.0 };
     fn at(few: &mut HashMap<TokenId, LogitEdit>, token: TokenId, rep: f32) -> &mut LogitEdit {
-        few.entry(token).or_insert(LogitEdit { token, rep, sub: 0.0, bias: 0.0, flags: 0 })
+        few.entry(token).or_insert(LogitEdit { token: token.get(), rep, sub: 0.0, bias: 0.0, flags: 0 })
     }
     if penalized {
         for &token in state.output_counts().keys() {
@@ -85,7 +85,7 @@ pub fn adjustment_edits(
         }
     }
     if penalized {
-        let prompt = state.prompt_tokens().iter().filter(|&&t| (t as usize) < vocab && !few.contains_key(&t));
+        let prompt = state.prompt_tokens().iter().filter(|&&t| t.index() < vocab && !few.contains_key(&t));
         out.extend(prompt.map(|&token| LogitEdit { rep, ..blank(token) }));
     }
     out.extend(few.into_values().filter(|e| (e.token as usize) < vocab));
@@ -209,11 +209,11 @@ pub fn host_op(row: &mut [f32], spec: &SampleRowSpec, edits: &[LogitEdit]) -> Ro
         _ => None,
     };
     RowSummary {
-        token: drawn.unwrap_or(NO_TOKEN),
-        argmax: best.unwrap_or(NO_TOKEN),
+        token: drawn.map_or(NO_TOKEN, TokenId::get),
+        argmax: best.map_or(NO_TOKEN, TokenId::get),
         nan: scan.nan as u32,
         pos_inf: scan.pos_inf as u32,
-        value_bits: drawn.map_or(f32::NEG_INFINITY, |t| row[t as usize]).to_bits(),
+        value_bits: drawn.map_or(f32::NEG_INFINITY, |t| row[t.index()]).to_bits(),
         status: ROW_DRAWN,
     }
 }
@@ -224,6 +224,7 @@ mod tests {
     use crate::sampling::logits::apply_adjustments;
     use crate::sampling::outcome::FallbackKind;
     use crate::sampling::{CpuSampler, Sampler};
+    use corridor_units::RequestId;
     use corridor_units::Tokens;
     use std::sync::Arc;
 
@@ -275,21 +276,21 @@ mod tests {
         }
         for _ in 0..rng.below(6) {
             let bias = [0.0, -0.0, 250.0, -100.0, rng.f() * 30.0][rng.below(5) as usize];
-            p.logit_bias.insert(rng.below(vocab as u64) as TokenId, bias);
+            p.logit_bias.insert(TokenId(rng.below(vocab as u64) as u32), bias);
         }
         p.min_tokens = Tokens(rng.below(4) as usize);
         p.ignore_eos = rng.below(3) == 0;
-        p.stop_token_ids = (0..rng.below(3)).map(|_| rng.below(vocab as u64) as TokenId).collect();
+        p.stop_token_ids = (0..rng.below(3)).map(|_| TokenId(rng.below(vocab as u64) as u32)).collect();
         p
     }
 
     fn state(rng: &mut Rng, p: &SamplingParams, vocab: usize) -> SamplerState {
         // Ids past the vocabulary too: both sides must ignore them.
         let prompt: Vec<TokenId> =
-            (0..rng.below(40)).map(|_| rng.below(vocab as u64 + 5) as TokenId).collect();
+            (0..rng.below(40)).map(|_| TokenId(rng.below(vocab as u64 + 5) as u32)).collect();
         let mut s = SamplerState::new(&SamplingParams { seed: Some(rng.next()), ..p.clone() }, &prompt);
         for _ in 0..rng.below(12) {
-            s.record(rng.below(vocab as u64 + 3) as TokenId);
+            s.record(TokenId(rng.below(vocab as u64 + 3) as u32));
         }
         s
     }
@@ -302,14 +303,14 @@ mod tests {
             let vocab = 64 + case % 7;
             let p = params(&mut rng, vocab);
             let s = state(&mut rng, &p, vocab);
-            let eos = [rng.below(vocab as u64) as TokenId, vocab as TokenId + 1];
+            let eos = [TokenId(rng.below(vocab as u64) as u32), TokenId(vocab as u32 + 1)];
             let mut want = row(&mut rng, vocab, true);
             sanitize(&mut want);
             let mut got = want.clone();
             apply_adjustments(&mut want, &p, &s, &eos);
             let mut edits = Vec::new();
             adjustment_edits(&p, &s, &eos, vocab, &mut edits);
-            let mut tokens: Vec<TokenId> = edits.iter().map(|e| e.token).collect();
+            let mut tokens: Vec<TokenId> = edits.iter().map(|e| TokenId(e.token)).collect();
             tokens.sort_unstable();
             assert!(tokens.windows(2).all(|w| w[0] < w[1]), "one edit per token");
             assert!(edits.iter().all(|e| (e.token as usize) < vocab));
@@ -364,15 +365,25 @@ mod tests {
                 if case % 10 == 9 {
                     logits.fill(f32::NEG_INFINITY);
                 }
-                let eos = [7 as TokenId];
+                let eos = [TokenId(7)];
                 let mut a = state(&mut rng, p, vocab);
                 let mut b = a.clone();
                 let mut hl = logits.clone();
-                let mut rows =
-                    [SampleRow { request_id: 1, params: p, state: &mut a, eos_token_ids: &eos, mask: None }];
+                let mut rows = [SampleRow {
+                    request_id: RequestId(1),
+                    params: p,
+                    state: &mut a,
+                    eos_token_ids: &eos,
+                    mask: None,
+                }];
                 let want = host.sample(&mut hl, vocab, &mut rows).unwrap().remove(0);
-                let mut row =
-                    SampleRow { request_id: 1, params: p, state: &mut b, eos_token_ids: &eos, mask: None };
+                let mut row = SampleRow {
+                    request_id: RequestId(1),
+                    params: p,
+                    state: &mut b,
+                    eos_token_ids: &eos,
+                    mask: None,
+                };
                 let mut edits = Vec::new();
                 let spec = plan_row(&mut row, vocab, 0, &mut edits);
                 let mut dl = logits.clone();
@@ -381,8 +392,13 @@ mod tests {
                 assert_eq!(got, want, "shape {n} case {case}");
                 // The spilled path draws the same from the adjusted row.
                 let mut c = a.clone();
-                let mut row =
-                    SampleRow { request_id: 1, params: p, state: &mut c, eos_token_ids: &eos, mask: None };
+                let mut row = SampleRow {
+                    request_id: RequestId(1),
+                    params: p,
+                    state: &mut c,
+                    eos_token_ids: &eos,
+                    mask: None,
+                };
                 if summary.argmax != NO_TOKEN && !summary.is_broken() {
                     let spilled = RowSummary { status: ROW_TOO_MANY_CANDIDATES, token: NO_TOKEN, ..summary };
                     let again =
@@ -409,8 +425,8 @@ mod tests {
     #[test]
     fn a_device_answer_is_checked_like_a_host_draw() {
         let ok = settle_summary(&summary(3, 1, 0.5), 10).unwrap();
-        assert_eq!((ok.token, ok.fallback), (3, None));
-        let fell = |s: RowSummary| settle_summary(&s, 10).map(|s| (s.token, s.fallback));
+        assert_eq!((ok.token, ok.fallback), (TokenId(3), None));
+        let fell = |s: RowSummary| settle_summary(&s, 10).map(|s| (s.token.get(), s.fallback));
         assert_eq!(fell(summary(NO_TOKEN, 1, 0.0)), Ok((1, Some(FallbackKind::NoCandidate))));
         assert_eq!(fell(summary(10, 1, 0.5)), Ok((1, Some(FallbackKind::OutOfVocab))));
         assert_eq!(fell(summary(4, 1, f32::NEG_INFINITY)), Ok((1, Some(FallbackKind::MaskedToken))));

@@ -29,7 +29,7 @@ pub struct Settled {
 /// `None` when it found no candidate. `nan`: how many of the model's logits
 /// were NaN, for the error message.
 pub fn settle_draw(row: &[f32], drawn: Option<TokenId>, nan: usize) -> Result<Settled, SampleError> {
-    match (verdict(drawn, |token| row.get(token as usize).copied()), drawn) {
+    match (verdict(drawn, |token| row.get(token.index()).copied()), drawn) {
         (None, Some(token)) => Ok(Settled { token, fallback: None }),
         (fallback, _) => fall_back(row, fallback, nan),
     }
@@ -58,14 +58,14 @@ fn verdict(drawn: Option<TokenId>, value_of: impl FnOnce(TokenId) -> Option<f32>
 /// invalid token.
 pub fn settle_summary(summary: &RowSummary, vocab: usize) -> Result<Settled, SampleError> {
     let nan = summary.nan as usize;
-    let Some(argmax) = summary.fallback_argmax().filter(|&t| (t as usize) < vocab) else {
+    let Some(argmax) = summary.fallback_argmax().map(TokenId).filter(|t| t.index() < vocab) else {
         return Err(SampleError::AllLogitsInvalid { vocab, nan });
     };
     let fallback = if summary.is_broken() {
         Some(FallbackKind::NonFiniteLogits)
     } else {
-        let drawn = summary.drawn();
-        match verdict(drawn, |token| ((token as usize) < vocab).then(|| summary.value())) {
+        let drawn = summary.drawn().map(TokenId);
+        match verdict(drawn, |token| (token.index() < vocab).then(|| summary.value())) {
             None => {
                 return Ok(Settled { token: drawn.expect("a verdict of None means a draw"), fallback: None })
             }

@@ -156,17 +156,17 @@ fn draw_untruncated(row: &[f32], max: f32, inv_t: f32, uniform: f64) -> Option<T
                     cum += w;
                     last = Some(i);
                     if cum > target {
-                        return Some(i);
+                        return Some(TokenId(i));
                     }
                 }
             }
             // Rounding inside the block: the draw belongs to its last candidate.
-            return last;
+            return last.map(TokenId);
         }
         cum += sum;
     }
     // Rounding left `target` at or past the total: the last candidate.
-    (0..row.len() as u32).rev().find(|&i| weight(i) > 0.0)
+    (0..row.len() as u32).rev().find(|&i| weight(i) > 0.0).map(TokenId)
 }
 
 impl DrawKernel for CpuDrawKernel {
@@ -175,7 +175,7 @@ impl DrawKernel for CpuDrawKernel {
             return argmax(row);
         }
         let top = argmax_wide(row)?;
-        let max = row[top as usize];
+        let max = row[top.index()];
         let inv_t = 1.0 / spec.temperature;
         let weight = |i: u32| weight_of(row[i as usize], max, inv_t) as f64;
         let min_p = spec.min_p as f64;
@@ -284,12 +284,12 @@ fn draw_from(cands: &[(u32, f64)], uniform: f64) -> Option<TokenId> {
     for &(token, w) in cands {
         cum += w;
         if cum > target {
-            return Some(token);
+            return Some(TokenId(token));
         }
     }
     // Rounding left `target` at or past the last partial sum: the draw
     // belongs to the last candidate.
-    cands.last().map(|c| c.0)
+    cands.last().map(|c| TokenId(c.0))
 }
 
 #[cfg(test)]
@@ -351,21 +351,21 @@ mod tests {
                 for (i, &wi) in w.iter().enumerate() {
                     cum += wi;
                     if wi > 0.0 && cum > target {
-                        want = Some(i as u32);
+                        want = Some(TokenId(i as u32));
                         break;
                     }
                 }
                 let got = draw_untruncated(&row, max, inv_t, u);
                 // Summation order differs: only a draw within rounding of a boundary may differ.
                 if got != want {
-                    let g = got.unwrap() as usize;
+                    let g = got.unwrap().index();
                     let before: f64 = w[..g].iter().sum();
                     assert!(
                         (before - target).abs() < 1e-9 * total
                             || (before + w[g] - target).abs() < 1e-9 * total
                     );
                 }
-                assert!(got.is_some_and(|g| row[g as usize] > f32::NEG_INFINITY));
+                assert!(got.is_some_and(|g| row[g.index()] > f32::NEG_INFINITY));
             }
         }
     }

@@ -82,7 +82,7 @@ pub fn apply_adjustments(row: &mut [f32], params: &SamplingParams, state: &Sampl
     if rep != 1.0 {
         debug_assert!(state.prompt_tracked(), "state made without the repetition penalty's prompt tokens");
         let penalize = |row: &mut [f32], token: TokenId| {
-            if let Some(v) = row.get_mut(token as usize) {
+            if let Some(v) = row.get_mut(token.index()) {
                 *v = settle(if *v > 0.0 { *v / rep } else { *v * rep });
             }
         };
@@ -99,20 +99,20 @@ pub fn apply_adjustments(row: &mut [f32], params: &SamplingParams, state: &Sampl
     let (freq, pres) = (params.frequency_penalty, params.presence_penalty);
     if freq != 0.0 || pres != 0.0 {
         for (&token, &count) in state.output_counts() {
-            if let Some(v) = row.get_mut(token as usize) {
+            if let Some(v) = row.get_mut(token.index()) {
                 let presence = if count > 0 { pres } else { 0.0 };
                 *v = settle(*v - (count as f32 * freq + presence));
             }
         }
     }
     for (&token, &bias) in &params.logit_bias {
-        if let Some(v) = row.get_mut(token as usize) {
+        if let Some(v) = row.get_mut(token.index()) {
             *v = settle(*v + SamplingParams::clamped_bias(bias));
         }
     }
     let mask = |row: &mut [f32], ids: &[TokenId]| {
         for &token in ids {
-            if let Some(v) = row.get_mut(token as usize) {
+            if let Some(v) = row.get_mut(token.index()) {
                 *v = f32::NEG_INFINITY;
             }
         }
@@ -154,7 +154,7 @@ super::simd::multiversion! {
         if best == f32::NEG_INFINITY {
             return None;
         }
-        row.iter().position(|&v| v == best).map(|i| i as TokenId)
+        row.iter().position(|&v| v == best).map(|i| TokenId(i as u32))
     }
 }
 
@@ -184,9 +184,9 @@ pub fn argmax_wide(row: &[f32]) -> Option<TokenId> {
     }
     row.par_chunks(WIDE_SLICE)
         .enumerate()
-        .filter_map(|(i, c)| argmax(c).map(|j| (i * WIDE_SLICE + j as usize, c[j as usize])))
+        .filter_map(|(i, c)| argmax(c).map(|j| (i * WIDE_SLICE + j.index(), c[j.index()])))
         .reduce_with(|a, b| if b.1 > a.1 || (b.1 == a.1 && b.0 < a.0) { b } else { a })
-        .map(|(i, _)| i as TokenId)
+        .map(|(i, _)| TokenId(i as u32))
 }
 
 /// Natural-log normalizer of a sanitized row: `ln Σ exp(l_i)`, computed in
@@ -216,7 +216,7 @@ pub fn top_logprobs(row: &[f32], n: usize, lse: f64) -> Vec<TokenLogprob> {
     }
     ids.sort_unstable_by(|&a, &b| rank_order(row, a, b));
     ids.into_iter()
-        .map(|token| TokenLogprob { token, logprob: (row[token as usize] as f64 - lse) as f32 })
+        .map(|i| TokenLogprob { token: TokenId(i), logprob: (row[i as usize] as f64 - lse) as f32 })
         .filter(|t| t.logprob.is_finite())
         .collect()
 }
@@ -231,13 +231,13 @@ mod argmax_tests {
         let mut row = vec![0.5f32; 37];
         row[9] = 2.0;
         row[30] = 2.0;
-        assert_eq!(argmax(&row), Some(9));
+        assert_eq!(argmax(&row), Some(TokenId(9)));
         row[35] = 3.0; // in the remainder past the last whole chunk
-        assert_eq!(argmax(&row), Some(35));
+        assert_eq!(argmax(&row), Some(TokenId(35)));
         row[3] = f32::NAN; // NaN never wins
-        assert_eq!(argmax(&row), Some(35));
+        assert_eq!(argmax(&row), Some(TokenId(35)));
         assert_eq!(argmax(&[f32::NEG_INFINITY; 19]), None);
-        assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY, -1e30]), Some(2));
+        assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY, -1e30]), Some(TokenId(2)));
         assert_eq!(argmax(&[]), None);
     }
 
@@ -262,7 +262,7 @@ mod argmax_tests {
         assert_eq!(argmax_wide(&a), argmax(&a));
         // Without the +inf (now f32::MAX) the tie at 50 decides.
         a[WIDE_SLICE * 3 + 7] = 0.0;
-        assert_eq!(argmax_wide(&a), Some((WIDE_SLICE + 4) as TokenId));
+        assert_eq!(argmax_wide(&a), Some(TokenId((WIDE_SLICE + 4) as u32)));
         assert_eq!(argmax_wide(&a), argmax(&a));
         a.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
         assert_eq!(argmax_wide(&a), None);

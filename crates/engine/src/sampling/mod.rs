@@ -85,13 +85,13 @@ pub use params::{SamplingParamError, SamplingParams, LOGIT_BIAS_LIMIT, MAX_TOP_L
 pub use state::SamplerState;
 pub use stats::SamplerStats;
 
-use corridor_units::TokenId;
+use corridor_units::{RequestId, TokenId};
 
 /// One row of a batch: who it belongs to and how to sample it.
 #[derive(Debug)]
 pub struct SampleRow<'a> {
     /// The engine's id of the request, only used to name it in warnings.
-    pub request_id: u64,
+    pub request_id: RequestId,
     /// The request's parameters, validated at the edge.
     pub params: &'a SamplingParams,
     /// The sequence's random stream and token counts; updated with the

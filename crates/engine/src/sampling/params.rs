@@ -156,7 +156,7 @@ impl SamplingParams {
         check_closed("presence_penalty", self.presence_penalty, -2.0, 2.0)?;
         check_closed("frequency_penalty", self.frequency_penalty, -2.0, 2.0)?;
         for (&token, &bias) in &self.logit_bias {
-            if token as usize >= vocab_size {
+            if token.index() >= vocab_size {
                 return Err(SamplingParamError::new(
                     "logit_bias",
                     format!("token id {token} is not in the vocabulary (size {vocab_size})"),
@@ -168,7 +168,7 @@ impl SamplingParams {
                 return Err(SamplingParamError::new("logit_bias", format!("bias for token {token} is NaN")));
             }
         }
-        if let Some(&token) = self.stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
+        if let Some(&token) = self.stop_token_ids.iter().find(|&&t| t.index() >= vocab_size) {
             return Err(SamplingParamError::new(
                 "stop_token_ids",
                 format!("token id {token} is not in the vocabulary (size {vocab_size})"),

@@ -32,7 +32,7 @@ use corridor_engine::pages::PagePool;
 use corridor_engine::ranks::{Calibration, FlipParts, KvShare, LayoutOptions, MultiRank, RankParts};
 use corridor_model::layout::{self, CardRoom, CostModel, Layout, LayoutSpec, RankSlice, Split};
 use corridor_model::{Checkpoint, Model};
-use corridor_units::{Bytes, CardId, Pages};
+use corridor_units::{Bytes, CardId, Pages, Tokens};
 use corridor_vram::recorder::BootPhase;
 use corridor_vram::sizing::{solve, SizingInput, DEFAULT_MARGIN};
 use corridor_vram::{Allocation, Device, Governor, KvArena, Purpose, SystemClock, Urgency};
@@ -269,7 +269,7 @@ pub(super) fn start<K: RankKind>(
         }
         let mut rank = Vec::with_capacity(models.len());
         for (backend, model) in models {
-            let ws = model.workspace(&backend, limits.max_batched_tokens, limits.max_running)?;
+            let ws = model.workspace(&backend, Tokens(limits.max_batched_tokens), limits.max_running)?;
             rank.push((backend, model, ws));
         }
         with_ws.push(rank);
@@ -283,10 +283,10 @@ pub(super) fn start<K: RankKind>(
         link: plan.sim_link,
         microbatch_rows: kind.microbatch_rows(),
         ..LayoutOptions::new(ExecutorLimits {
-            max_rows: limits.max_batched_tokens,
+            max_rows: Tokens(limits.max_batched_tokens),
             max_logit_rows: limits.max_running,
-            page_size,
-            num_pages: arena.capacity().get(),
+            page_size: limits.page_size,
+            num_pages: arena.capacity(),
         })
     };
     let mut execs = Vec::with_capacity(with_ws.len());
@@ -295,11 +295,11 @@ pub(super) fn start<K: RankKind>(
         for (backend, model, ws) in rank {
             // A rank without layers holds no KV (and has no share of the arena).
             let placement = if model.slice().layers.is_empty() {
-                KvPlacement::Own { num_pages: 0 }
+                KvPlacement::Own { num_pages: Pages(0) }
             } else {
                 KvPlacement::Arena(arena.clone())
             };
-            let kv = model.kv_cache_at(&backend, page_size, &placement)?;
+            let kv = model.kv_cache_at(&backend, limits.page_size, &placement)?;
             pair.push(
                 SingleRank::from_parts(backend, model, ws, kv).with_device_sampling(plan.device_sampling),
             );
