@@ -103,6 +103,23 @@ impl<B: Backend> Model<B> {
         each!(self, m => m.workspace(backend, max_rows, max_logit_rows))
     }
 
+    /// [`Model::workspace`] holding `state_slots` recurrent-state slots (a
+    /// model with state; the others ignore it): the id space of a governed
+    /// state pool, which may exceed the running limit by the rounding to
+    /// whole chunks.
+    pub fn workspace_with_state(
+        &self,
+        backend: &B,
+        max_rows: usize,
+        max_logit_rows: usize,
+        state_slots: usize,
+    ) -> Result<Workspace<B>, ModelError> {
+        match self {
+            Model::Qwen35(m) => m.workspace_with_state(backend, max_rows, max_logit_rows, state_slots),
+            _ => self.workspace(backend, max_rows, max_logit_rows),
+        }
+    }
+
     pub fn kv_cache(
         &self,
         backend: &B,

@@ -251,13 +251,30 @@ impl<B: Backend> Model<B> {
         max_rows: usize,
         max_logit_rows: usize,
     ) -> Result<Workspace<B>, ModelError> {
+        self.workspace_with_state(backend, max_rows, max_logit_rows, max_logit_rows)
+    }
+
+    /// [`Model::workspace`] with `slots` state slots (at least one per logit
+    /// row): the id space of the governed pool the scheduler hands slots
+    /// out of, whatever of it the governor holds committed.
+    pub fn workspace_with_state(
+        &self,
+        backend: &B,
+        max_rows: usize,
+        max_logit_rows: usize,
+        slots: usize,
+    ) -> Result<Workspace<B>, ModelError> {
+        if slots < max_logit_rows {
+            return Err(ModelError::Step(format!(
+                "{slots} state slots for {max_logit_rows} running sequences: each needs one"
+            )));
+        }
         let (c, s) = (&self.config, &self.slice);
         let d = self.share.delta;
         let a = |rows: usize, cols: usize| backend.alloc_act(ActShape { rows, cols });
         let state = |rows: usize, cols: usize| backend.alloc_state(ActShape { rows, cols });
         let (q_out, kv_out, ffn) = (s.heads.len() * c.head_dim, s.kv_heads.len() * c.head_dim, s.ffn.len());
         let linear = self.local(LayerKind::Linear);
-        let slots = max_logit_rows;
         let scratch = Scratch {
             gate: a(max_rows, q_out)?,
             qkv: a(max_rows, d.conv_channels())?,
