@@ -182,6 +182,8 @@ impl CudaBackend {
                 .ptr(weight.ptr())
                 .i32(wdt)
                 .ptr(state.ptr())
+                // `[slots, width]`: a slot is one row.
+                .i64(state.cols as i64)
                 .ptr(st.delta_seqs.dev.ptr())
                 .i32(channels as i32);
             let dims = LaunchDims {
@@ -241,6 +243,7 @@ impl CudaBackend {
                 .ptr(decay)
                 .ptr(dt_bias)
                 .ptr(state.ptr())
+                .i64(state.cols as i64)
                 .ptr(st.delta_seqs.dev.ptr())
                 .ptr(out.ptr())
                 .i32(p.qkv.cols as i32)
