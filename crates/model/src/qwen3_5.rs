@@ -24,7 +24,10 @@
 //!
 //! A linear-attention layer keeps no KV: each running sequence holds a
 //! fixed-size state (the convolution's last inputs and the delta rule's
-//! matrices) in a slot of the workspace, one slot per sequence that may run
+//! matrices) in a slot of the workspace: the id space of the governed state
+//! pool the scheduler hands slots out of ([`Model::workspace_with_state`];
+//! the memory booked for them is the pool's, released and regrown by the
+//! governor while the ids stay valid), or one slot per sequence that may run
 //! at once; a step names each sequence's slot (`StepInput::state_slots`),
 //! and a sequence with nothing cached starts from a zero state. A decode
 //! step is captured as a device graph and replayed like a Llama-family one

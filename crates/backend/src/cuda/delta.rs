@@ -6,6 +6,9 @@
 //! v_dim]` f32 matrix per value head) is a row of a state activation, one row
 //! per slot: the model allocates them with `alloc_state`, reserved through
 //! the card's chokepoint like every other buffer and booked there as state.
+//! The kernels take the distance between slots as an argument (here the row
+//! width), so a slot-major pool holding every layer's state of one request
+//! side by side can be addressed by the same launches.
 //!
 //! The delta rule runs token by token over a sequence's rows in one launch
 //! for every (sequence, value head, 32 value columns), the state held in
