@@ -30,7 +30,7 @@
 use super::plan::{check_one_rank_per_card, several_cards_one_rank, CardsPlan, GroupPlan};
 use super::{new_arena, workspace_bytes, BootError, BootPlan};
 use corridor_backend::collective::{Collective, GroupShape, LinkModel, ThreadGroup};
-use corridor_backend::{Backend, KvPlacement};
+use corridor_backend::{Backend, KvPlacement, StatePlacement};
 use corridor_engine::engine::{spawn_with_state, EngineConfig, EngineHandle};
 use corridor_engine::executor::{Executor, ExecutorLimits, SingleRank};
 use corridor_engine::pages::PagePool;
@@ -266,10 +266,14 @@ pub(super) fn start<K: RankKind>(
         loaded.push(models);
     }
     (env.mark)(BootPhase::WeightsLoaded);
-    // CPU ranks hold their state in the slots of a governed pool; a GPU
-    // backend books its fixed block itself when it allocates it.
-    let state = if kind.books_by_size() { state_pool(env, &placement)? } else { None };
-    let state_ids = state.as_ref().map_or(limits.max_running, |p| p.capacity().get());
+    // A hybrid's state is a governed pool of slots: the CPU ranks keep each
+    // slot's state in host memory (the pool books it); a GPU backend reads
+    // it inside the pool's pages on the card.
+    let state = state_pool(env, &placement, !kind.books_by_size())?;
+    let state_at = match &state {
+        Some(pool) => StatePlacement::Arena(pool.clone()),
+        None => StatePlacement::Own { slots: limits.max_running },
+    };
     let mut with_ws = Vec::with_capacity(loaded.len());
     for (r, models) in placement.ranks.iter().zip(loaded) {
         if kind.books_by_size() {
@@ -277,12 +281,8 @@ pub(super) fn start<K: RankKind>(
         }
         let mut rank = Vec::with_capacity(models.len());
         for (backend, model) in models {
-            let ws = model.workspace_with_state(
-                &backend,
-                limits.max_batched_tokens,
-                limits.max_running,
-                state_ids,
-            )?;
+            let ws =
+                model.workspace_at(&backend, limits.max_batched_tokens, limits.max_running, &state_at)?;
             rank.push((backend, model, ws));
         }
         with_ws.push(rank);
@@ -636,19 +636,27 @@ fn group_arena(env: &BootEnv<'_>, placement: &Placement) -> Result<Arc<KvArena>,
     new_arena(env, &parts, host_cap)
 }
 
-/// The group's pool of recurrent-state slots on CPU ranks, committed for
-/// the running limit: one arena over the cards of the ranks that hold
-/// linear layers, one "page" a slot (each card holding its ranks' state of
-/// one request), booked as state. `None` for a model without state.
+/// The group's pool of recurrent-state slots, committed for the running
+/// limit: one arena over the cards of the ranks that hold linear layers,
+/// one "page" a slot (each card holding its ranks' state of one request),
+/// booked as state. `None` for a model without state.
 ///
-/// A chunk holds as many slots as fit in one granule of the card, but at
-/// most a quarter of the running limit, so the chunks of idle slots can be
-/// released while some requests run (a slot bigger than a granule is a
-/// chunk of its own). The id space is the running limit rounded up to whole
-/// chunks, all committed at boot, before KV is sized from what is left;
-/// the backend keeps a slot's state in memory of its own (as it keeps KV)
-/// and the arena books what it holds.
-fn state_pool(env: &BootEnv<'_>, placement: &Placement) -> Result<Option<Arc<KvArena>>, BootError> {
+/// On CPU ranks a chunk holds as many slots as fit in one granule of the
+/// card, but at most a quarter of the running limit, so the chunks of idle
+/// slots can be released while some requests run (a slot bigger than a
+/// granule is a chunk of its own); the backend keeps a slot's state in
+/// memory of its own (as it keeps KV) and the arena books what it holds.
+/// With `on_device` (GPU ranks, which read the state inside the pool's
+/// pages) a chunk is one slot, so slots sit a fixed stride apart — whole
+/// chunks, or whole pages where they pack granules exactly — and a
+/// kernel's slot stride reaches every one. The id space is the running
+/// limit rounded up to whole chunks, all committed at boot, before KV is
+/// sized from what is left.
+fn state_pool(
+    env: &BootEnv<'_>,
+    placement: &Placement,
+    on_device: bool,
+) -> Result<Option<Arc<KvArena>>, BootError> {
     let running = env.plan.limits.max_running.max(1);
     let mut parts: Vec<(Device, Bytes)> = Vec::new();
     for r in placement.ranks.iter().filter(|r| r.state > Bytes::ZERO) {
@@ -661,7 +669,8 @@ fn state_pool(env: &BootEnv<'_>, placement: &Placement) -> Result<Option<Arc<KvA
     }
     let Some(widest) = parts.iter().map(|(_, b)| *b).max() else { return Ok(None) };
     let granule = parts.iter().map(|(d, _)| d.card().granularity()).max().unwrap_or(widest);
-    let per_chunk = (granule.get() / widest.get()).clamp(1, (running / 4).max(1) as u64);
+    let per_chunk =
+        if on_device { 1 } else { (granule.get() / widest.get()).clamp(1, (running / 4).max(1) as u64) };
     let chunk_target = Bytes(widest.get() * per_chunk);
     let shapes: Vec<(Bytes, Bytes)> = parts.iter().map(|(d, b)| (*b, d.card().granularity())).collect();
     let geometry =
