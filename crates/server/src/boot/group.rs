@@ -13,11 +13,11 @@
 //! 4. Weights, then workspace, resident on every card: booked by size for
 //!    CPU ranks (their memory is the host's or simulated), the backend's own
 //!    allocations through the chokepoint on GPUs. A hybrid's recurrent state
-//!    on CPU ranks is a governed pool of slots ([`state_pool`]: an arena of
-//!    one slot a page over the ranks' cards, booked as state), committed for
-//!    the running limit before KV is sized, so a request needs pages and a
-//!    slot and the governor releases idle slots and grows them back like KV;
-//!    on GPUs the backend keeps a fixed block of slots, booked as state.
+//!    is a governed pool of slots ([`state_pool`]: an arena of one slot a
+//!    page over the ranks' cards, booked as state), committed for the
+//!    running limit before KV is sized, so a request needs pages and a slot
+//!    and the governor releases idle slots and grows them back like KV; CPU
+//!    ranks keep the state in host memory, GPUs inside the pool's pages.
 //! 5. The KV arena's address space over the cards (each holds its ranks'
 //!    share of every page), each rank's KV storage in it, and the executor:
 //!    the rank itself when there is one, rank threads in lockstep otherwise.
