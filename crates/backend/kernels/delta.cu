@@ -12,6 +12,11 @@
 // padded to its rows with entries whose slot is DELTA_NO_SLOT, which launch
 // blocks that do nothing: a captured step launches one per row it may be
 // replayed with, whatever number of sequences the replay brings.
+//
+// Slot s of a layer's state starts at state + s * slot_stride (floats): the
+// row width of a [slots, elems] buffer, or the size of a whole slot when
+// the slots hold every layer's state side by side (a slot-major pool, where
+// `state` points at this layer's offset inside slot 0).
 
 #define DELTA_SEQ_FIELDS 4
 #define DELTA_NO_SLOT 0xffffffffu
@@ -66,7 +71,8 @@ extern "C" __global__ void gated_rms_norm(float* x, const float* z, const float*
 
 template <int TAPS>
 __device__ __forceinline__ void conv_body(float* __restrict__ x, const u8* __restrict__ w, int wdt,
-                                          float* __restrict__ state, const u32* __restrict__ seqs, int channels) {
+                                          float* __restrict__ state, long long slot_stride,
+                                          const u32* __restrict__ seqs, int channels) {
     constexpr int KEEP = TAPS - 1;
     static_assert(KEEP >= 1 && KEEP <= CONV_CHUNK, "a chunk must hold a whole halo");
     __shared__ float tail[CONV_MAX_WARPS + 1][KEEP][32];
@@ -85,7 +91,7 @@ __device__ __forceinline__ void conv_body(float* __restrict__ x, const u8* __res
         long long at = (long long)c * TAPS + j;
         wt[j] = !live ? 0.f : wdt == DT_BF16 ? bf16_to_f32(((const bf16_t*)w)[at]) : ((const float*)w)[at];
     }
-    float* st = state + slot * KEEP * channels;
+    float* st = state + slot * slot_stride;
     if (ty == 0) {
 #pragma unroll
         for (int j = 0; j < KEEP; j++) {
@@ -142,9 +148,9 @@ __device__ __forceinline__ void conv_body(float* __restrict__ x, const u8* __res
 }
 
 #define CONV_KERNEL(T)                                                                                            \
-    extern "C" __global__ void causal_conv_silu_t##T(float* x, const u8* w, int wdt, float* state, const u32* seqs, \
-                                                     int channels) {                                              \
-        conv_body<T>(x, w, wdt, state, seqs, channels);                                                           \
+    extern "C" __global__ void causal_conv_silu_t##T(float* x, const u8* w, int wdt, float* state,               \
+                                                     long long slot_stride, const u32* seqs, int channels) {      \
+        conv_body<T>(x, w, wdt, state, slot_stride, seqs, channels);                                              \
     }
 CONV_KERNEL(2)
 CONV_KERNEL(3)
@@ -174,7 +180,7 @@ template <int NW>
 __device__ __forceinline__ void delta_body(const float* __restrict__ qkv, const float* __restrict__ a,
                                            const float* __restrict__ b, const float* __restrict__ decay,
                                            const float* __restrict__ dt_bias, float* __restrict__ state,
-                                           const u32* __restrict__ seqs, float* __restrict__ out, int qkv_cols,
+                                           long long slot_stride, const u32* __restrict__ seqs, float* __restrict__ out, int qkv_cols,
                                            int out_cols, int v_heads, int k_heads, int dk, int dv, int tiled,
                                            float scale) {
     constexpr int L = DELTA_CHUNK;
@@ -196,7 +202,7 @@ __device__ __forceinline__ void delta_body(const float* __restrict__ qkv, const 
     const bool jl = j < dv;
     const int kh = tiled ? h % k_heads : h / (v_heads / k_heads);
     const int key = k_heads * dk;
-    float* S = state + (slot * v_heads + h) * (long long)dk * dv;
+    float* S = state + slot * slot_stride + (long long)h * dk * dv;
     float s[32];
 #pragma unroll
     for (int r = 0; r < 32; r++) {
@@ -306,10 +312,10 @@ __device__ __forceinline__ void delta_body(const float* __restrict__ qkv, const 
 #define DELTA_KERNEL(NW)                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * NW) gated_delta_rule_w##NW(                                 \
         const float* qkv, const float* a, const float* b, const float* decay, const float* dt_bias, float* state, \
-        const u32* seqs, float* out, int qkv_cols, int out_cols, int v_heads, int k_heads, int dk, int dv,        \
-        int tiled, float scale) {                                                                                 \
-        delta_body<NW>(qkv, a, b, decay, dt_bias, state, seqs, out, qkv_cols, out_cols, v_heads, k_heads, dk, dv, \
-                       tiled, scale);                                                                             \
+        long long slot_stride, const u32* seqs, float* out, int qkv_cols, int out_cols, int v_heads, int k_heads, \
+        int dk, int dv, int tiled, float scale) {                                                                 \
+        delta_body<NW>(qkv, a, b, decay, dt_bias, state, slot_stride, seqs, out, qkv_cols, out_cols, v_heads,     \
+                       k_heads, dk, dv, tiled, scale);                                                            \
     }
 DELTA_KERNEL(1)
 DELTA_KERNEL(2)

@@ -99,6 +99,32 @@ impl KvPlacement {
     }
 }
 
+/// Where a model's recurrent state lives, decided at boot and handed to the
+/// model as a value (as [`KvPlacement`] is for KV): the model names the
+/// states one slot holds and the backend places them
+/// ([`Backend::alloc_state_at`]).
+#[derive(Clone, Debug)]
+pub enum StatePlacement {
+    /// Buffers of the backend's own, `[slots, elems]` each: a fixed block.
+    Own { slots: usize },
+    /// The slots of a governed state pool: an arena of one slot a page, each
+    /// slot holding every state of the rank side by side, so the memory the
+    /// governor commits and releases is the memory the delta-net ops read.
+    /// A backend that keeps state in memory of its own sizes its buffers to
+    /// the pool's whole id space instead, and the pool only books it.
+    Arena(Arc<KvArena>),
+}
+
+impl StatePlacement {
+    /// Slots the states address.
+    pub fn slots(&self) -> usize {
+        match self {
+            StatePlacement::Own { slots } => *slots,
+            StatePlacement::Arena(arena) => arena.capacity().get(),
+        }
+    }
+}
+
 /// The heads of a gated delta-net layer (linear attention with the gated
 /// delta rule, as in Qwen3.5) and the fixed-size state each sequence carries
 /// through it: the last `conv_kernel - 1` inputs of its short causal
@@ -426,6 +452,23 @@ pub trait Backend: Send + Sync + 'static {
     /// rather than workspace. The default is `alloc_act`.
     fn alloc_state(&self, shape: ActShape) -> Result<Self::Act> {
         self.alloc_act(shape)
+    }
+    /// One state buffer per entry of `widths` (f32 elements of one slot's
+    /// state) inside the slots of a governed state pool: slot `s` holds the
+    /// states side by side, in order, at the start of the pool's page `s`.
+    /// `Ok(None)`: this backend keeps state in memory of its own
+    /// (`alloc_state`), and the pool only books it.
+    fn state_in_arena(&self, _arena: &Arc<KvArena>, _widths: &[usize]) -> Result<Option<Vec<Self::Act>>> {
+        Ok(None)
+    }
+    /// State buffers of `widths` elements a slot where `placement` says.
+    fn alloc_state_at(&self, placement: &StatePlacement, widths: &[usize]) -> Result<Vec<Self::Act>> {
+        if let StatePlacement::Arena(arena) = placement {
+            if let Some(states) = self.state_in_arena(arena, widths)? {
+                return Ok(states);
+            }
+        }
+        widths.iter().map(|&cols| self.alloc_state(ActShape { rows: placement.slots(), cols })).collect()
     }
     /// Allocate one layer's KV storage.
     fn alloc_kv(&self, geometry: KvGeometry) -> Result<Self::Kv>;

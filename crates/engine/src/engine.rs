@@ -282,11 +282,25 @@ pub fn standalone_pool(pages: Pages, page_size: Tokens) -> PagePool {
     PagePool::standalone(pages, page_size)
 }
 
-/// Start the engine thread over any executor and page pool.
+/// Start the engine thread over any executor and page pool (a model with
+/// recurrent state takes its slots from a fixed block of `max_running`).
 pub fn spawn_with(
     exec: Box<dyn Executor>,
     config: EngineConfig,
     pool: PagePool,
+) -> Result<EngineHandle, EngineError> {
+    spawn_with_state(exec, config, pool, None)
+}
+
+/// [`spawn_with`], a model with recurrent state taking its slots from
+/// `state` when given: an arena of one slot a page (booked as state, slot
+/// `s` being page `s`), whose idle chunks the governor releases and grows
+/// back like KV. The executor must hold a slot for every id of its space.
+pub fn spawn_with_state(
+    exec: Box<dyn Executor>,
+    config: EngineConfig,
+    pool: PagePool,
+    state: Option<Arc<corridor_vram::KvArena>>,
 ) -> Result<EngineHandle, EngineError> {
     let sc = config.scheduler;
     let info = Arc::new(ModelInfo {
@@ -305,12 +319,34 @@ pub fn spawn_with(
                 "the model holds {held} recurrent-state slots for {slots} running requests"
             )));
         }
-        tracing::info!(
-            slots,
-            "the model carries recurrent state: each running request holds a state slot, prefix caching is off, \
-             and a preempted request is recomputed from its prompt"
-        );
-        sched = sched.with_state_slots(slots);
+        match state {
+            Some(arena) => {
+                let ids = arena.capacity().get();
+                if let Some(held) = exec.state_slots().filter(|&held| held < ids) {
+                    return Err(EngineError::Startup(format!(
+                        "the model holds {held} recurrent-state slots for a state pool of {ids}"
+                    )));
+                }
+                tracing::info!(
+                    slots,
+                    pool = ids,
+                    committed = arena.backed().get(),
+                    slot_bytes = %arena.geometry().page_bytes,
+                    "the model carries recurrent state: each running request holds a slot of the governed state pool \
+                     (idle chunks released and regrown like KV), prefix caching is off, and a preempted request is \
+                     recomputed from its prompt"
+                );
+                sched = sched.with_state_pool(arena);
+            }
+            None => {
+                tracing::info!(
+                    slots,
+                    "the model carries recurrent state: each running request holds a state slot, prefix caching is off, \
+                     and a preempted request is recomputed from its prompt"
+                );
+                sched = sched.with_state_slots(slots);
+            }
+        }
     }
     let (commands, rx) = mpsc::channel();
     let stats = Arc::new(StatsCell::default());

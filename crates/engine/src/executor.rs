@@ -385,7 +385,7 @@ impl<B: Backend> Executor for SingleRank<B> {
     }
 
     fn state_slots(&self) -> Option<usize> {
-        self.model.has_state().then(|| self.ws.max_logit_rows())
+        self.model.has_state().then(|| self.ws.state_slots())
     }
 }
 

@@ -27,19 +27,26 @@
 //! that ends, preempts or refuses a sequence can forget them.
 //!
 //! A model with recurrent state (a hybrid's linear-attention layers) also
-//! needs a state slot per running sequence ([`Scheduler::with_state_slots`]):
-//! a sequence is admitted only with a free slot, and gives it back when it
-//! ends or is preempted. Its state lives nowhere but in the slot, so prefix
-//! caching is off for such a model (cached pages would skip the rows that
-//! build the state) and a preempted sequence recomputes from its prompt.
+//! needs a state slot per running sequence: a sequence is admitted only with
+//! pages and a slot, and gives the slot back when it ends or is preempted.
+//! The slots come from a governed pool ([`Scheduler::with_state_pool`]: an
+//! arena of one slot a page, whose chunks of free slots the governor releases
+//! under pressure and grows back, and which admission grows without spending
+//! relief — no free slot, and the sequence waits, as it does for pages), or
+//! from a fixed block ([`Scheduler::with_state_slots`], a backend that keeps
+//! its state in one allocation). Its state lives nowhere but in the slot, so
+//! prefix caching is off for such a model (cached pages would skip the rows
+//! that build the state) and a preempted sequence recomputes from its prompt.
 //!
 //! The scheduler knows tokens, pages and slots only: not the model, the
 //! backend, the sampler or the client.
 
 use crate::pages::{page_hashes, PagePool, SeqPages};
 use crate::step_budget::{StepBudget, StepShape};
-use corridor_units::{Bytes, CardId, PageId, RequestId, StateSlot, TokenId, Tokens};
+use corridor_units::{Bytes, CardId, PageId, Pages, RequestId, StateSlot, TokenId, Tokens};
+use corridor_vram::{KvArena, Urgency};
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Limits of the scheduler, fixed at start-up.
@@ -156,8 +163,57 @@ pub struct Scheduler {
     running: Vec<Seq>,
     pub preemptions: u64,
     budget: StepBudget,
-    /// Free state slots of a model with recurrent state; `None`: no state.
-    slots: Option<Vec<StateSlot>>,
+    /// Where a model with recurrent state takes its slots; `None`: no state.
+    slots: Option<Slots>,
+}
+
+/// The state slots of a model with recurrent state.
+#[derive(Debug)]
+enum Slots {
+    /// A fixed block: the free ones, the lowest last (popped first).
+    Fixed(Vec<StateSlot>),
+    /// A governed arena, one slot a page: slot `s` is page `s`.
+    Pool(Arc<KvArena>),
+}
+
+impl Slots {
+    /// A free slot, the lowest first; a pool grows by a chunk if none is
+    /// free and the card has headroom above its floor and margin (admission
+    /// never spends relief: a sequence without a slot waits).
+    fn take(&mut self) -> Option<StateSlot> {
+        match self {
+            Slots::Fixed(free) => free.pop(),
+            Slots::Pool(arena) => {
+                let slot = arena.alloc().or_else(|| {
+                    let _ = arena.ensure_free(Pages(1), Urgency::Opportunistic);
+                    arena.alloc()
+                })?;
+                Some(StateSlot(slot.0))
+            }
+        }
+    }
+
+    fn give(&mut self, slot: StateSlot) {
+        match self {
+            Slots::Fixed(free) => free.push(slot),
+            Slots::Pool(arena) => {
+                if let Err(e) = arena.release(PageId(slot.0)) {
+                    // A bookkeeping bug: the slot stays out of use rather
+                    // than being handed to two sequences.
+                    tracing::error!("giving back {slot}: {e}");
+                    debug_assert!(false, "giving back {slot}: {e}");
+                }
+            }
+        }
+    }
+
+    /// Slots that can be handed out now without growing.
+    fn free(&self) -> usize {
+        match self {
+            Slots::Fixed(free) => free.len(),
+            Slots::Pool(arena) => arena.counts().free.get(),
+        }
+    }
 }
 
 impl Scheduler {
@@ -185,20 +241,29 @@ impl Scheduler {
     /// a cached prefix is nowhere to be found.
     pub fn with_state_slots(mut self, n: usize) -> Self {
         // Lowest first: popped from the end.
-        self.slots = Some((0..n as u32).rev().map(StateSlot).collect());
+        self.slots = Some(Slots::Fixed((0..n as u32).rev().map(StateSlot).collect()));
         self
     }
 
-    /// Free state slots (`None` for a model without state).
+    /// Give every running sequence a recurrent-state slot from `pool` (an
+    /// arena of one slot a page, booked as state), and turn prefix caching
+    /// off. The pool's chunks of free slots are the governor's to release;
+    /// admission grows them back when it needs a slot and the card has room.
+    pub fn with_state_pool(mut self, pool: Arc<KvArena>) -> Self {
+        self.slots = Some(Slots::Pool(pool));
+        self
+    }
+
+    /// State slots free now (`None` for a model without state).
     pub fn free_state_slots(&self) -> Option<usize> {
-        self.slots.as_ref().map(Vec::len)
+        self.slots.as_ref().map(Slots::free)
     }
 
     /// Give a sequence's state slot back (its pages go back when it, or
     /// they, are dropped).
     fn return_slot(&mut self, s: &mut Seq) {
-        if let (Some(free), Some(slot)) = (self.slots.as_mut(), s.slot.take()) {
-            free.push(slot);
+        if let (Some(slots), Some(slot)) = (self.slots.as_mut(), s.slot.take()) {
+            slots.give(slot);
         }
     }
 
@@ -350,9 +415,9 @@ impl Scheduler {
         // 2. Admit waiting sequences first-come first-served.
         while budget > 0 && prefill > 0 && self.running.len() < self.config.max_running {
             let Some(mut s) = self.waiting.pop_front() else { break };
-            if let Some(free) = self.slots.as_mut() {
+            if let Some(slots) = self.slots.as_mut() {
                 // A model with state: a slot first, and no prefix cache.
-                let Some(slot) = free.pop() else {
+                let Some(slot) = slots.take() else {
                     self.waiting.push_front(s);
                     break;
                 };

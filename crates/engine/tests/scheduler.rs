@@ -519,3 +519,67 @@ fn a_model_with_state_reuses_no_prefix() {
     assert_eq!((out.seqs[0].cached, out.seqs[0].rows), (0, 18));
     assert_eq!(s.pool().counts().cached, 0, "no page was offered to the prefix cache");
 }
+
+/// Slots from a governed state pool (an arena of one slot a page, chunks of
+/// four slots on a private sim card): the lowest free slot goes first, a
+/// pool with no free slot grows by a chunk when the card has room, and
+/// admission waits when it has none; ending a sequence gives its slot back
+/// to the pool, whose chunks of free slots can then be released.
+#[test]
+fn state_slots_come_from_a_governed_pool_that_grows_on_admission_and_gives_chunks_back() {
+    use corridor_units::{Bytes, CardId};
+    use corridor_vram::{
+        Card, CardSettings, Device, KvArena, KvArenaConfig, ManualClock, Purpose, SimCard, SimCardSpec,
+        Urgency,
+    };
+    use std::sync::Arc;
+    let clock = Arc::new(ManualClock::new());
+    let card = Arc::new(SimCard::new(SimCardSpec::new(CardId(0), Bytes::gib(2)), &[], clock.clone()));
+    let dev = Device::standalone(card.clone(), CardSettings::default());
+    let cfg = KvArenaConfig {
+        page_bytes: Bytes(512 * 1024),
+        max_pages: Pages(8),
+        chunk_target: Bytes::mib(2),
+        hold: Duration::ZERO,
+        margin: Bytes::ZERO,
+    };
+    let slots =
+        Arc::new(KvArena::spanning_as(&[(dev.clone(), cfg.page_bytes)], cfg, Purpose::State, clock).unwrap());
+    slots.commit_to(Pages(4), Urgency::Deferrable).unwrap();
+    let mut s = sched(64, 64, 8).with_state_pool(slots.clone());
+    assert_eq!(s.free_state_slots(), Some(4));
+    for id in 1..=6 {
+        s.add(RequestId(id), vec![TokenId(id as u32); 3]);
+    }
+    // Six sequences: the pool grows by its second chunk for the fifth.
+    let out = step(&mut s, 1);
+    let given: Vec<u32> = out.seqs.iter().map(|q| q.state_slot.unwrap().0).collect();
+    assert_eq!(given, vec![0, 1, 2, 3, 4, 5]);
+    assert_eq!(dev.books().state, Bytes::mib(4));
+    // Everything but the first ends: the second chunk holds no slot and goes.
+    for id in 2..=6 {
+        s.remove(RequestId(id));
+    }
+    assert_eq!(s.free_state_slots(), Some(7));
+    assert_eq!(slots.release_idle(Bytes::mib(4)).chunks, 1, "the chunk of slot 0 stays");
+    assert_eq!(dev.books().state, Bytes::mib(2));
+    // A foreign process leaves no room to grow: with the three free slots
+    // taken, the next sequence waits for one rather than pushing the card.
+    let floor = CardSettings::default().floor;
+    card.set_foreign(9, card.driver_free() - floor - Bytes::mib(1));
+    for id in 7..=10 {
+        s.add(RequestId(id), vec![TokenId(id as u32); 3]);
+    }
+    let out = step(&mut s, 1);
+    assert_eq!(out.seqs.iter().filter(|q| q.cached == 0).count(), 3, "three admitted");
+    assert_eq!((s.num_running(), s.num_waiting(), s.free_state_slots()), (4, 1, Some(0)));
+    assert_eq!(dev.books().state, Bytes::mib(2), "no growth into the floor");
+    // The first ends: its slot goes to the one that waited.
+    s.remove(RequestId(1));
+    let out = step(&mut s, 1);
+    assert_eq!(
+        out.seqs.iter().find(|q| q.id == RequestId(10)).and_then(|q| q.state_slot).map(|s| s.0),
+        Some(0)
+    );
+    slots.check_invariants().unwrap();
+}

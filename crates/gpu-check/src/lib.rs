@@ -28,7 +28,7 @@
 
 use corridor_backend::collective::Solo;
 use corridor_backend::cpu::{Bf16Rounding, CpuBackend, DecodeActivations, InputRounding};
-use corridor_backend::{Backend, GraphKey, SeqStep};
+use corridor_backend::{Backend, GraphKey, SeqStep, StatePlacement};
 use corridor_model::greedy::greedy;
 use corridor_model::Checkpoint;
 use corridor_model::{Model, StepInput};
@@ -242,10 +242,21 @@ const BATCHED: &str =
 /// step's logits of the three sequences, in their own order: `[steps, 3,
 /// vocab]`.
 pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Result<Vec<f32>, String> {
+    batched_decode_at(b, ckpt, steps, &StatePlacement::Own { slots: 4 })
+}
+
+/// [`batched_decode`] with the state slots where `state` says (a governed
+/// state pool of at least 4 slots: on a GPU inside the pool's pages).
+pub fn batched_decode_at<B: Backend>(
+    b: &B,
+    ckpt: &Checkpoint,
+    steps: usize,
+    state: &StatePlacement,
+) -> Result<Vec<f32>, String> {
     let err = |e: &dyn std::fmt::Display| e.to_string();
     let model = Model::load(b, ckpt, |_| {}).map_err(|e| err(&e))?;
     let vocab = model.config().vocab_size;
-    let mut ws = model.workspace(b, Tokens(16), 4).map_err(|e| err(&e))?;
+    let mut ws = model.workspace_at(b, Tokens(16), 4, state).map_err(|e| err(&e))?;
     let mut kv = model.kv_cache(b, Tokens(16), Pages(8)).map_err(|e| err(&e))?;
     let prompts: [Vec<u32>; 3] = [
         (0..7).map(|i| (i * 37 + 11) % 300).collect(),
@@ -306,6 +317,39 @@ pub fn batched_decode<B: Backend>(b: &B, ckpt: &Checkpoint, steps: usize) -> Res
         }
     }
     Ok(all)
+}
+
+/// The hybrid fixture (`dir`/qwen3_5) decoded as [`batched_decode`] with its
+/// state in the slots of `pool` (a governed state pool on `b`'s card, of at
+/// least 4 slots, as `corridor serve` places it) against the CPU with its own
+/// slots. Prints one PASS or FAIL line; returns the failures (0 or 1).
+pub fn check_state_pool<B: Backend>(
+    b: &B,
+    cpu: &CpuBackend,
+    dir: &Path,
+    pool: std::sync::Arc<corridor_vram::KvArena>,
+) -> usize {
+    let what = "qwen3_5: sequences decoded together, their state in a governed pool's slots";
+    let ckpt = match Checkpoint::open(&dir.join("qwen3_5")) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("FAIL {what}: {e}");
+            return 1;
+        }
+    };
+    let got = batched_decode_at(b, &ckpt, 6, &StatePlacement::Arena(pool));
+    match (got, batched_decode(cpu, &ckpt, 6)) {
+        (Ok(got), Ok(want)) => {
+            let (err, scale) = position_error(&got, &want);
+            let ok = err <= POSITION_TOL * scale;
+            println!("{} {what}: max error {err:.2e} of {scale:.2e}", if ok { "PASS" } else { "FAIL" });
+            usize::from(!ok)
+        }
+        (Err(e), _) | (_, Err(e)) => {
+            println!("FAIL {what}: {e}");
+            1
+        }
+    }
 }
 
 /// The uneven chunks the 21-token check prompt is fed in: a chunk shorter
@@ -497,6 +541,33 @@ mod tests {
             let (err, scale) = position_error(&together[..vocab], &together[vocab..2 * vocab]);
             assert!(err > POSITION_TOL * scale, "{name}: two sequences gave the same logits");
         }
+    }
+
+    /// The state-pool check runs the hybrid with its slots from a pool (here
+    /// on a sim card, the CPU keeping the state in host memory) and passes
+    /// against the CPU's own slots.
+    #[test]
+    fn the_state_pool_check_passes_on_the_cpu() {
+        use corridor_units::{Bytes, CardId, Pages};
+        use corridor_vram::{
+            CardSettings, Device, KvArena, KvArenaConfig, ManualClock, Purpose, SimCard, SimCardSpec, Urgency,
+        };
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+        let clock = std::sync::Arc::new(ManualClock::new());
+        let card =
+            std::sync::Arc::new(SimCard::new(SimCardSpec::new(CardId(0), Bytes::gib(2)), &[], clock.clone()));
+        let dev = Device::standalone(card, CardSettings::default());
+        let cfg = KvArenaConfig {
+            page_bytes: Bytes(16896),
+            max_pages: Pages(4),
+            chunk_target: Bytes(16896),
+            hold: std::time::Duration::ZERO,
+            margin: Bytes::ZERO,
+        };
+        let pool = KvArena::spanning_as(&[(dev, cfg.page_bytes)], cfg, Purpose::State, clock).unwrap();
+        pool.commit_to(Pages(4), Urgency::Deferrable).unwrap();
+        let cpu = reference_cpu();
+        assert_eq!(check_state_pool(&cpu, &cpu, &dir, std::sync::Arc::new(pool)), 0);
     }
 
     /// A copy of the GGUF at `src` in `dir` with every f16 and f32 matrix

@@ -44,9 +44,42 @@ fn main() {
         let held = if matches!(dtype, DType::F32 | DType::F16) { DType::BF16 } else { dtype };
         rounds_matmul_input(held, n, k, rows)
     }
-    let (_, failures) = check_fixtures(&gpu, &device_reference(like_cuda), Path::new(&dir));
+    let reference = device_reference(like_cuda);
+    let (_, mut failures) = check_fixtures(&gpu, &reference, Path::new(&dir));
+    failures += state_pool_on_card0(&reference, Path::new(&dir));
     println!("{failures} checkpoints failed");
     std::process::exit(i32::from(failures > 0));
+}
+
+/// The hybrid with its recurrent state inside a governed state pool on
+/// card 0 (as `corridor serve` places it on a GPU: one slot a chunk, the
+/// kernels stepping a whole slot), against the CPU.
+#[cfg(feature = "cuda")]
+fn state_pool_on_card0(reference: &corridor_backend::cpu::CpuBackend, dir: &std::path::Path) -> usize {
+    use corridor_backend::cuda::{CudaBackend, CudaBackendConfig};
+    use corridor_units::{Bytes, CardId, Pages};
+    use corridor_vram::{
+        CardSettings, CudaCard, Device, KvArena, KvArenaConfig, Purpose, SystemClock, Urgency,
+    };
+    use std::sync::Arc;
+    let card = Arc::new(CudaCard::open(CardId(0), 0).expect("card 0 opens"));
+    let dev = Device::standalone(card, CardSettings { floor: Bytes::ZERO, ..CardSettings::default() });
+    let gpu =
+        CudaBackend::on_device(CudaBackendConfig::default(), dev.clone()).expect("cuda backend on card 0");
+    let cfg =
+        corridor_model::ModelConfig::from_hf_dir(&dir.join("qwen3_5")).expect("the hybrid fixture's config");
+    let slot = corridor_model::qwen3_5::state_bytes_per_seq(cfg.hybrid.as_ref().expect("a hybrid"));
+    let config = KvArenaConfig {
+        page_bytes: slot,
+        max_pages: Pages(4),
+        chunk_target: slot,
+        hold: std::time::Duration::ZERO,
+        margin: Bytes::ZERO,
+    };
+    let pool = KvArena::spanning_as(&[(dev, slot)], config, Purpose::State, Arc::new(SystemClock::new()))
+        .expect("a state pool on card 0");
+    pool.commit_to(Pages(4), Urgency::Deferrable).expect("the pool commits");
+    corridor_gpu_check::check_state_pool(&gpu, reference, dir, Arc::new(pool))
 }
 
 #[cfg(not(feature = "cuda"))]

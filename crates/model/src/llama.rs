@@ -153,6 +153,11 @@ impl<B: Backend> Workspace<B> {
     pub fn max_logit_rows(&self) -> usize {
         self.max_logit_rows
     }
+    /// Recurrent-state slots the workspace holds (zero for a model without
+    /// state): a step may name any slot below this.
+    pub fn state_slots(&self) -> usize {
+        self.hybrid.as_ref().map_or(0, |sc| sc.slots())
+    }
 }
 
 /// The paged KV cache of every layer.

@@ -103,6 +103,23 @@ impl<B: Backend> Model<B> {
         each!(self, m => m.workspace(backend, max_rows, max_logit_rows))
     }
 
+    /// [`Model::workspace`] with its recurrent-state slots where `state`
+    /// says (a model with state; the others ignore it): a fixed block, or
+    /// the slots of a governed state pool, whose id space may exceed the
+    /// running limit by the rounding to whole chunks.
+    pub fn workspace_at(
+        &self,
+        backend: &B,
+        max_rows: Tokens,
+        max_logit_rows: usize,
+        state: &corridor_backend::StatePlacement,
+    ) -> Result<Workspace<B>, ModelError> {
+        match self {
+            Model::Qwen35(m) => m.workspace_at(backend, max_rows, max_logit_rows, state),
+            _ => self.workspace(backend, max_rows, max_logit_rows),
+        }
+    }
+
     pub fn kv_cache(
         &self,
         backend: &B,

@@ -24,7 +24,10 @@
 //!
 //! A linear-attention layer keeps no KV: each running sequence holds a
 //! fixed-size state (the convolution's last inputs and the delta rule's
-//! matrices) in a slot of the workspace, one slot per sequence that may run
+//! matrices) in a slot of the workspace: the id space of the governed state
+//! pool the scheduler hands slots out of ([`Model::workspace_with_state`];
+//! the memory booked for them is the pool's, released and regrown by the
+//! governor while the ids stay valid), or one slot per sequence that may run
 //! at once; a step names each sequence's slot (`StepInput::state_slots`),
 //! and a sequence with nothing cached starts from a zero state. A decode
 //! step is captured as a device graph and replayed like a Llama-family one
@@ -251,14 +254,45 @@ impl<B: Backend> Model<B> {
         max_rows: Tokens,
         max_logit_rows: usize,
     ) -> Result<Workspace<B>, ModelError> {
+        let own = corridor_backend::StatePlacement::Own { slots: max_logit_rows };
+        self.workspace_at(backend, max_rows, max_logit_rows, &own)
+    }
+
+    /// [`Model::workspace`] with the state slots where `placement` says (at
+    /// least one per logit row): a fixed block, or the governed pool the
+    /// scheduler hands slots out of, whatever of it the governor holds
+    /// committed. A slot holds every linear layer's convolution state, then
+    /// its recurrent state, layer after layer.
+    pub fn workspace_at(
+        &self,
+        backend: &B,
+        max_rows: Tokens,
+        max_logit_rows: usize,
+        placement: &corridor_backend::StatePlacement,
+    ) -> Result<Workspace<B>, ModelError> {
+        let slots = placement.slots();
+        if slots < max_logit_rows {
+            return Err(ModelError::Step(format!(
+                "{slots} state slots for {max_logit_rows} running sequences: each needs one"
+            )));
+        }
         let max_rows = max_rows.get();
         let (c, s) = (&self.config, &self.slice);
         let d = self.share.delta;
         let a = |rows: usize, cols: usize| backend.alloc_act(ActShape { rows, cols });
-        let state = |rows: usize, cols: usize| backend.alloc_state(ActShape { rows, cols });
         let (q_out, kv_out, ffn) = (s.heads.len() * c.head_dim, s.kv_heads.len() * c.head_dim, s.ffn.len());
         let linear = self.local(LayerKind::Linear);
-        let slots = max_logit_rows;
+        let widths: Vec<usize> =
+            (0..linear).flat_map(|_| [d.conv_state_elems(), d.recurrent_state_elems()]).collect();
+        let mut states = backend.alloc_state_at(placement, &widths)?.into_iter();
+        let (mut conv, mut recurrent) = (Vec::with_capacity(linear), Vec::with_capacity(linear));
+        for _ in 0..linear {
+            let (Some(c), Some(r)) = (states.next(), states.next()) else {
+                return Err(ModelError::Step(format!("the backend placed fewer than {} states", 2 * linear)));
+            };
+            conv.push(c);
+            recurrent.push(r);
+        }
         let scratch = Scratch {
             gate: a(max_rows, q_out)?,
             qkv: a(max_rows, d.conv_channels())?,
@@ -266,10 +300,8 @@ impl<B: Backend> Model<B> {
             a: a(max_rows, d.v_heads)?,
             b: a(max_rows, d.v_heads)?,
             core: a(max_rows, d.value_width())?,
-            conv: (0..linear).map(|_| state(slots, d.conv_state_elems())).collect::<Result<_, _>>()?,
-            recurrent: (0..linear)
-                .map(|_| state(slots, d.recurrent_state_elems()))
-                .collect::<Result<_, _>>()?,
+            conv,
+            recurrent,
             slots,
         };
         Ok(Workspace {
@@ -1080,6 +1112,16 @@ mod tests {
         let outside = run(&[StateSlot(0), StateSlot(2)], &mut ws, &mut kv).unwrap_err();
         assert!(outside.contains("outside the workspace's 2 state slots"), "{outside}");
         run(&[StateSlot(1), StateSlot(0)], &mut ws, &mut kv).unwrap();
+
+        // Slots of a state pool: any id of its space is a slot the step may
+        // name, beyond the running limit; fewer slots than logit rows is refused.
+        use corridor_backend::StatePlacement;
+        let few =
+            model.workspace_at(&b, Tokens(4), 2, &StatePlacement::Own { slots: 1 }).err().expect("refused");
+        assert!(few.to_string().contains("1 state slots for 2 running sequences"), "{few}");
+        let mut pooled = model.workspace_at(&b, Tokens(4), 2, &StatePlacement::Own { slots: 6 }).unwrap();
+        assert_eq!(pooled.state_slots(), 6);
+        run(&[StateSlot(5), StateSlot(3)], &mut pooled, &mut kv).unwrap();
     }
 
     fn cost() -> CostModel {

@@ -3,7 +3,9 @@
 //! corridor itself (idle KV released, cached prefixes evicted, requests
 //! preempted) within a second, with zero breaches; every request ends
 //! cleanly; the serving marks name the intruder; and KV grows back once the
-//! intruder exits.
+//! intruder exits. On the hybrid, the recurrent-state slots no request holds
+//! are given back too (the state pool's idle chunks, right after idle KV)
+//! and grow back with the KV.
 
 use corridor_engine::engine::{Event, FinishReason, GenerateRequest};
 use corridor_engine::sampling::SamplingParams;
@@ -23,9 +25,11 @@ fn an_intruder_is_answered_without_a_breach_and_kv_grows_back() {
     intrusion("llama-f32", &[1300], None);
 }
 
-/// The hybrid, whose running requests also hold recurrent-state slots (booked
-/// at boot, counted in the rest above the floor): KV is released and regrown
-/// the same way, every request still completes.
+/// The hybrid, whose running requests also hold recurrent-state slots (a
+/// pool committed at boot, counted in the rest above the floor): KV and the
+/// chunks of idle slots are released and regrown, every request still
+/// completes. (A fixed block of slots would keep its bytes booked through
+/// the intrusion.)
 #[test]
 fn an_intruder_is_answered_without_a_breach_on_the_hybrid() {
     intrusion("qwen3_5", &[1300], None);
@@ -79,6 +83,10 @@ fn intrusion(model: &str, sizes_mib: &[u64], layout: Option<LayoutSpec>) {
     let kv = |card: usize| gov.memory_report().cards[card].books.kv_committed;
     let kv_at_boot: Vec<Bytes> = (0..cards).map(kv).collect();
     assert!(kv_at_boot[target] >= Bytes::mib(32), "KV sized to {kv_at_boot:?}");
+    let state = |card: usize| gov.memory_report().cards[card].books.state;
+    let state_at_boot: Vec<Bytes> = (0..cards).map(state).collect();
+    let hybrid = model.starts_with("qwen3_5");
+    assert_eq!(state_at_boot[target] > Bytes::ZERO, hybrid, "state booked: {state_at_boot:?}");
 
     // Clients: keep requests flowing for 4.5 s.
     let start = Instant::now();
@@ -115,16 +123,20 @@ fn intrusion(model: &str, sizes_mib: &[u64], layout: Option<LayoutSpec>) {
         })
         .collect();
     let mut kv_during = vec![Bytes(u64::MAX); cards];
+    let mut state_during = vec![Bytes(u64::MAX); cards];
     while start.elapsed() < Duration::from_millis(2900) {
-        for (c, low) in kv_during.iter_mut().enumerate() {
-            *low = (*low).min(kv(c));
+        for c in 0..cards {
+            kv_during[c] = kv_during[c].min(kv(c));
+            state_during[c] = state_during[c].min(state(c));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     let outcomes: Vec<FinishReason> = clients.into_iter().flat_map(|c| c.join().unwrap()).collect();
     // Give KV time to grow back after the intruder left at 3.0 s.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while (0..cards).any(|c| kv(c) < kv_at_boot[c]) && Instant::now() < deadline {
+    while (0..cards).any(|c| kv(c) < kv_at_boot[c] || state(c) < state_at_boot[c])
+        && Instant::now() < deadline
+    {
         std::thread::sleep(Duration::from_millis(50));
     }
     let report = gov.memory_report();
@@ -148,6 +160,18 @@ fn intrusion(model: &str, sizes_mib: &[u64], layout: Option<LayoutSpec>) {
             card.books.kv_committed >= kv_at_boot[c],
             "card{c}: KV grew back after the intruder left: {card:?}"
         );
+        if hybrid {
+            assert!(
+                state_during[c] < state_at_boot[c],
+                "card{c}: idle state slots gave memory back during the intrusion ({} vs {})",
+                state_during[c],
+                state_at_boot[c]
+            );
+            assert!(
+                card.books.state >= state_at_boot[c],
+                "card{c}: the state pool grew back after the intruder left: {card:?}"
+            );
+        }
     }
     let pool = booted.engine.stats().pages;
     assert_eq!(pool.free + pool.cached + pool.in_use + pool.withheld, pool.capacity);

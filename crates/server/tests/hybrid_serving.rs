@@ -136,7 +136,9 @@ fn a_share_without_a_delta_net_head_is_refused_with_a_reason() {
 }
 
 /// The recurrent state of every slot is booked, as state, before KV is
-/// sized, so the card's books (and /v1/memory) count KV and state both.
+/// sized, so the card's books (and /v1/memory) count KV and state both: the
+/// slots are a governed pool of one slot a page, committed in whole chunks
+/// for the running limit.
 #[test]
 fn the_state_slots_are_booked_on_the_card() {
     let mut opts = BootOptions::new(fixture("qwen3_5"));
@@ -157,7 +159,14 @@ fn the_state_slots_are_booked_on_the_card() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let v = rt.block_on(app.get("/v1/memory")).json();
     let books = &v["cards"][0]["books"];
-    assert_eq!(books["state"].as_u64().unwrap(), (6 * per_seq) as u64, "6 slots of {per_seq}: {books}");
+    let arenas = booted.governor.arenas();
+    let pool = arenas.iter().find(|a| a.purpose() == corridor_vram::Purpose::State).expect("a state pool");
+    let g = pool.geometry();
+    assert_eq!(g.page_bytes.get(), per_seq as u64, "a slot holds every linear layer's state");
+    assert!(pool.backed().get() >= 6, "a slot for every running request");
+    let chunks = (pool.backed().get() / g.chunk_pages) as u64;
+    assert_eq!(books["state"].as_u64().unwrap(), chunks * g.chunk_bytes.get(), "{books}");
+    assert!(books["state"].as_u64().unwrap() >= (6 * per_seq) as u64, "6 slots of {per_seq}: {books}");
     assert!(books["kv_committed"].as_u64().unwrap() > 0, "{books}");
     booted.engine.shutdown();
 }

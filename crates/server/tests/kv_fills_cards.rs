@@ -7,6 +7,7 @@ use corridor_model::layout::{LayoutSpec, Split};
 use corridor_server::boot::{boot, BootOptions, Devices};
 use corridor_units::{Bytes, TokenId};
 use corridor_vram::sizing::DEFAULT_MARGIN;
+use corridor_vram::Purpose;
 use std::path::Path;
 
 fn fixture(name: &str) -> std::path::PathBuf {
@@ -26,8 +27,23 @@ fn fills(model: &str, sizes: &[Bytes], layout: Option<LayoutSpec>) {
     let booted = boot(&opts, |_, _| {}).unwrap();
     let gov = booted.governor.clone();
     let arenas = gov.arenas();
-    assert_eq!(arenas.len(), 1, "{model}: one KV arena");
-    let arena = &arenas[0];
+    let kv: Vec<_> = arenas.iter().filter(|a| a.purpose() == Purpose::Kv).collect();
+    assert_eq!(kv.len(), 1, "{model}: one KV arena");
+    let arena = kv[0];
+    // A hybrid's state is a pool of its own, committed for the running
+    // limit before KV took the rest: the rest below counts both.
+    let state = arenas.iter().find(|a| a.purpose() == Purpose::State);
+    assert_eq!(state.is_some(), model.starts_with("qwen3_5"), "{model}: a state pool for the hybrid only");
+    if let Some(state) = state {
+        assert!(state.backed().get() >= 8, "{model}: a slot for each of the 8 running requests");
+        let g = state.geometry();
+        let committed = Bytes((state.backed().get() / g.chunk_pages) as u64 * g.chunk_bytes.get());
+        assert_eq!(
+            gov.devices()[0].books().state,
+            committed,
+            "{model}: the pool's chunks are booked as state"
+        );
+    }
     assert_eq!(arena.cards().len(), sizes.len(), "{model}: the arena spans every card");
     for dev in gov.devices() {
         let part = arena.part_on(dev.id()).expect("a share on every card");
@@ -62,8 +78,9 @@ fn kv_fills_a_card_of_any_size_for_the_llama_family() {
     fills("qwen3", &[Bytes::gib(4)], None);
 }
 
-/// The hybrid's recurrent state is booked beside the workspace; KV still
-/// fills what is left.
+/// The hybrid's recurrent state is a pool of slots committed before KV is
+/// sized; KV still fills what is left, so the card rests within a KV chunk
+/// of floor + margin with KV and state both counted.
 #[test]
 fn kv_fills_a_card_beside_the_hybrids_state() {
     for gib in [1, 8] {

@@ -27,7 +27,15 @@
 //! release (so an intrusion that comes and goes does not make KV thrash),
 //! and growth that spends no relief stops where boot sizing stopped: at the
 //! arming floor plus the sizing margin.
+//!
+//! The same arena holds a hybrid model's recurrent state
+//! ([`KvArena::spanning_as`] with [`Purpose::State`]): one "page" is one
+//! request's state slot (every linear layer of a rank), the scheduler hands
+//! slots out and takes them back as it does pages, and the governor releases
+//! the chunks of slots no request holds and grows them back exactly as it
+//! does KV; its commits are booked as state.
 
+use crate::books::Purpose;
 use crate::clock::Clock;
 use crate::config::CardSettings;
 use crate::device::{lock, Commit, Device, VaReservation};
@@ -324,6 +332,8 @@ pub struct KvArena {
     max_pages: usize,
     hold: Duration,
     margin: Bytes,
+    /// What the commits are booked as: KV, or recurrent state.
+    purpose: Purpose,
     clock: Arc<dyn Clock>,
     state: Mutex<ArenaState>,
 }
@@ -366,6 +376,18 @@ impl KvArena {
         config: KvArenaConfig,
         clock: Arc<dyn Clock>,
     ) -> Result<KvArena, ArenaError> {
+        Self::spanning_as(parts, config, Purpose::Kv, clock)
+    }
+
+    /// [`KvArena::spanning`] for an arena whose commits are booked as
+    /// `purpose`: [`Purpose::State`] for a pool of recurrent-state slots,
+    /// one slot a page.
+    pub fn spanning_as(
+        parts: &[(Device, Bytes)],
+        config: KvArenaConfig,
+        purpose: Purpose,
+        clock: Arc<dyn Clock>,
+    ) -> Result<KvArena, ArenaError> {
         let shapes: Vec<(Bytes, Bytes)> = parts.iter().map(|(d, pb)| (*pb, d.card().granularity())).collect();
         let geometries = ChunkGeometry::common(&shapes, config.chunk_target)?;
         let geometry = geometries[0];
@@ -391,6 +413,7 @@ impl KvArena {
             max_pages,
             hold: config.hold,
             margin: config.margin,
+            purpose,
             clock,
             state: Mutex::new(ArenaState {
                 slots: (0..max_chunks).map(|_| Slot::Hole).collect(),
@@ -432,6 +455,10 @@ impl KvArena {
     }
     pub fn geometry(&self) -> ChunkGeometry {
         self.geometry
+    }
+    /// What the arena's commits are booked as.
+    pub fn purpose(&self) -> Purpose {
+        self.purpose
     }
     /// Where the reservation starts: a device address on a real card (pages
     /// are at `base_address() + page_offset(id)` once committed), an opaque
@@ -721,7 +748,7 @@ impl KvArena {
         let _ = self.grow_until(Urgency::Opportunistic, |st| st.committed * cp >= target);
         let after = self.backed().get();
         if after > before {
-            tracing::info!(card = %self.card(), added = after - before, backed = after, "KV grew back");
+            tracing::info!(card = %self.card(), added = after - before, backed = after, "{} grew back", self.purpose);
         }
         Pages(after.saturating_sub(before))
     }
@@ -793,7 +820,7 @@ impl KvArena {
         let mut commits = Vec::with_capacity(self.parts.len());
         for p in &self.parts {
             let offset = Bytes(slot as u64 * p.geometry.chunk_bytes.get());
-            let commit = p.device.commit(&p.va, offset, p.geometry.chunk_bytes, urgency)?;
+            let commit = p.device.commit_as(&p.va, offset, p.geometry.chunk_bytes, urgency, self.purpose)?;
             debug_assert_eq!(commit.offset(), offset);
             commits.push(commit);
         }
@@ -989,7 +1016,10 @@ fn wrong(page: PageId, state: PageState, expected: &'static str) -> ArenaError {
 /// hold nothing, wherever they sit.
 impl ReliefProvider for KvArena {
     fn name(&self) -> &str {
-        "release idle KV chunks"
+        match self.purpose {
+            Purpose::State => "release idle state chunks",
+            _ => "release idle KV chunks",
+        }
     }
     fn tier(&self) -> Tier {
         Tier::Local

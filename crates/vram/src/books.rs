@@ -14,7 +14,9 @@ pub enum Purpose {
     /// Captured graph pools.
     Graphs,
     /// Recurrent state of a hybrid model's linear-attention layers: one
-    /// fixed-size slot per request that may run, sized once with the KV.
+    /// fixed-size slot per running request, committed in chunks of slots by
+    /// a state arena (sized with the KV at boot, released and regrown like
+    /// it), or booked once where a backend keeps a fixed block.
     State,
     /// Committed KV pages (booked by the KV arena's commits).
     Kv,

@@ -223,6 +223,19 @@ impl Device {
         bytes: Bytes,
         urgency: Urgency,
     ) -> Result<Commit, Refusal> {
+        self.commit_as(va, offset, bytes, urgency, Purpose::Kv)
+    }
+
+    /// [`Device::commit`], booked as `purpose` (an arena of recurrent-state
+    /// slots books its chunks as state).
+    pub fn commit_as(
+        &self,
+        va: &VaReservation,
+        offset: Bytes,
+        bytes: Bytes,
+        urgency: Urgency,
+        purpose: Purpose,
+    ) -> Result<Commit, Refusal> {
         debug_assert!(Arc::ptr_eq(&va.inner.device, &self.shared), "committing another card's reservation");
         // Growth that spends no relief never waits on a guard decision in
         // progress: while relief runs on this card (and may be waiting for
@@ -251,9 +264,9 @@ impl Device {
             stats.refusals += 1;
             self.card_refusal(bytes, outcome.free_after, e)
         })?;
-        self.shared.book(Purpose::Kv, bytes);
-        self.shared.note_landing(bytes, &Purpose::Kv);
-        Ok(Commit { va: va.inner.clone(), offset, bytes })
+        self.shared.book(purpose, bytes);
+        self.shared.note_landing(bytes, &purpose);
+        Ok(Commit { va: va.inner.clone(), offset, bytes, purpose })
     }
 
     fn ensure_locked(
@@ -370,13 +383,14 @@ impl std::fmt::Debug for VaReservation {
     }
 }
 
-/// Physical memory committed under a reservation, booked as KV. Dropping it
-/// decommits.
+/// Physical memory committed under a reservation, booked as KV (or as the
+/// purpose it was committed for). Dropping it decommits.
 #[must_use = "dropping a commit releases it at once"]
 pub struct Commit {
     va: Arc<VaInner>,
     offset: Bytes,
     bytes: Bytes,
+    purpose: Purpose,
 }
 
 impl Commit {
@@ -398,7 +412,7 @@ impl Drop for Commit {
     fn drop(&mut self) {
         let dev = &self.va.device;
         match dev.card.decommit(&self.va.range, self.offset, self.bytes) {
-            Ok(()) => dev.unbook(Purpose::Kv, self.bytes),
+            Ok(()) => dev.unbook(self.purpose, self.bytes),
             // The memory is still held, so it stays booked; the drift report
             // would otherwise show it as unexplained.
             Err(e) => tracing::error!("decommit failed, memory stays booked: {e}"),

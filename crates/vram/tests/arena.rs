@@ -232,6 +232,45 @@ fn growth_without_relief_stops_at_the_margin_after_an_intrusion() {
     arena.check_invariants().unwrap();
 }
 
+/// An arena of recurrent-state slots books its chunks as state, not KV;
+/// relief releases the chunks of slots no request holds (never a held one)
+/// under the name of state, and they grow back after the hold time.
+#[test]
+fn a_state_arena_books_state_and_releases_idle_slots_under_relief() {
+    let c = clock();
+    let card = sim(&c, 0, Bytes::gib(2));
+    let dev = Device::standalone(card.clone(), CardSettings::default());
+    let cfg = KvArenaConfig {
+        page_bytes: PAGE,
+        max_pages: Pages(4 * CP),
+        chunk_target: Bytes::mib(2),
+        hold: HOLD,
+        margin: Bytes::ZERO,
+    };
+    let slots =
+        Arc::new(KvArena::spanning_as(&[(dev.clone(), PAGE)], cfg, Purpose::State, c.clone()).unwrap());
+    assert_eq!(slots.purpose(), Purpose::State);
+    assert_eq!(slots.name(), "release idle state chunks");
+    dev.register_provider(slots.clone());
+    slots.commit_to(Pages(4 * CP), Urgency::Deferrable).unwrap();
+    assert_eq!((dev.books().state, dev.books().kv_committed), (Bytes::mib(8), Bytes::ZERO));
+    // One request holds a slot in the first chunk; the other three chunks are idle.
+    let held = slots.alloc().unwrap();
+    assert_eq!(held, PageId(0));
+    let floor = CardSettings::default().floor;
+    card.set_foreign(7, Bytes::gib(2) - floor - Bytes::mib(8) + Bytes::mib(5));
+    dev.make_room(Bytes::ZERO, Urgency::Blocking).unwrap();
+    assert!(card.driver_free() >= floor);
+    assert_eq!(dev.books().state, Bytes::mib(2), "only the chunk of the held slot stays");
+    assert!(slots.is_backed(held));
+    slots.release(held).unwrap();
+    card.set_foreign(7, Bytes::ZERO);
+    c.advance(HOLD);
+    assert_eq!(slots.recover(), Pages(3 * CP));
+    assert_eq!(dev.books().state, Bytes::mib(8));
+    slots.check_invariants().unwrap();
+}
+
 #[test]
 fn a_refused_grow_leaves_a_consistent_arena() {
     let c = clock();

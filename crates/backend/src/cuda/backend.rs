@@ -144,7 +144,7 @@ impl Backend for CudaBackend {
         }
         drop(guard);
         self.synchronize()?;
-        Ok(CudaAct { buf, rows: shape.rows, cols: shape.cols })
+        Ok(CudaAct::own(buf, shape.rows, shape.cols))
     }
 
     fn alloc_state(&self, shape: ActShape) -> Result<CudaAct> {
@@ -157,7 +157,11 @@ impl Backend for CudaBackend {
         unsafe { cu::memset_d8_async(buf.ptr(), 0, bytes, self.stream.0) }
             .map_err(|e| cuda_err("cuMemsetD8Async", e))?;
         self.synchronize()?;
-        Ok(CudaAct { buf, rows: shape.rows, cols: shape.cols })
+        Ok(CudaAct::own(buf, shape.rows, shape.cols))
+    }
+
+    fn state_in_arena(&self, arena: &Arc<KvArena>, widths: &[usize]) -> Result<Option<Vec<CudaAct>>> {
+        self.states_of_pool(arena, widths).map(Some)
     }
 
     fn alloc_kv(&self, g: KvGeometry) -> Result<CudaKv> {

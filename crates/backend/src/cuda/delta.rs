@@ -6,6 +6,9 @@
 //! v_dim]` f32 matrix per value head) is a row of a state activation, one row
 //! per slot: the model allocates them with `alloc_state`, reserved through
 //! the card's chokepoint like every other buffer and booked there as state.
+//! The kernels take the distance between slots as an argument (here the row
+//! width), so a slot-major pool holding every layer's state of one request
+//! side by side can be addressed by the same launches.
 //!
 //! The delta rule runs token by token over a sequence's rows in one launch
 //! for every (sequence, value head, 32 value columns), the state held in
@@ -77,6 +80,52 @@ fn bad(op: &str, why: String) -> BackendError {
 }
 
 impl CudaBackend {
+    /// One state buffer per entry of `widths` inside the slots of a governed
+    /// state pool on this backend's card: slot `s` of state `j` at the pool's
+    /// page `s` plus the widths before `j`. The pool must put its slots a
+    /// fixed stride apart (one slot a chunk, or pages that pack chunks
+    /// exactly), since the kernels reach slot `s` at `s * stride`.
+    pub(super) fn states_of_pool(
+        &self,
+        pool: &std::sync::Arc<corridor_vram::KvArena>,
+        widths: &[usize],
+    ) -> Result<Vec<CudaAct>> {
+        let bad = |why: String| BackendError::Other(format!("recurrent state in a pool: {why}"));
+        let part = self.alloc.card().and_then(|c| pool.part_on(c)).ok_or_else(|| {
+            bad(format!(
+                "the pool spans {:?}; this backend's memory is not booked on any of them",
+                pool.cards()
+            ))
+        })?;
+        let g = part.geometry;
+        let (cp, chunk, page) = (g.chunk_pages as u64, g.chunk_bytes.get(), g.page_bytes.get());
+        if cp != 1 && chunk != cp * page {
+            return Err(bad(format!(
+                "chunks of {} hold {cp} slots of {} with a gap: slots are not a fixed stride apart",
+                g.chunk_bytes, g.page_bytes
+            )));
+        }
+        let stride = chunk / cp;
+        let need = widths.iter().sum::<usize>() as u64 * 4;
+        if stride % 4 != 0 || need > page {
+            return Err(bad(format!("a slot of {} cannot hold {need} bytes of f32 state", g.page_bytes)));
+        }
+        let mut offset = 0u64;
+        Ok(widths
+            .iter()
+            .map(|&cols| {
+                let act = CudaAct {
+                    mem: super::ActMem::Pool { ptr: part.base_address + offset, _pool: pool.clone() },
+                    rows: pool.capacity().get(),
+                    cols,
+                    stride: (stride / 4) as usize,
+                };
+                offset += cols as u64 * 4;
+                act
+            })
+            .collect())
+    }
+
     /// Run a delta-net op with the context bound and the state locked.
     fn delta_op(&self, name: &'static str, f: impl FnOnce(&mut State) -> Result<()>) -> Result<()> {
         let mut st = self.lock();
@@ -182,6 +231,8 @@ impl CudaBackend {
                 .ptr(weight.ptr())
                 .i32(wdt)
                 .ptr(state.ptr())
+                // Row width of a buffer of its own, or a whole slot of a pool.
+                .i64(state.stride as i64)
                 .ptr(st.delta_seqs.dev.ptr())
                 .i32(channels as i32);
             let dims = LaunchDims {
@@ -241,6 +292,7 @@ impl CudaBackend {
                 .ptr(decay)
                 .ptr(dt_bias)
                 .ptr(state.ptr())
+                .i64(state.stride as i64)
                 .ptr(st.delta_seqs.dev.ptr())
                 .ptr(out.ptr())
                 .i32(p.qkv.cols as i32)

@@ -104,14 +104,36 @@ impl Default for CudaBackendConfig {
 
 /// An activation matrix `[rows, cols]` f32 on the device.
 pub struct CudaAct {
-    buf: DeviceBuffer,
+    mem: ActMem,
     rows: usize,
     cols: usize,
+    /// f32 elements from one row to the next: `cols` in a buffer of its
+    /// own; a whole slot for a state inside a state pool's slots (only the
+    /// delta-net ops, which take the stride, read such a state).
+    stride: usize,
+}
+
+/// Where an activation's elements are.
+enum ActMem {
+    Own(DeviceBuffer),
+    /// One state of every slot of a governed state pool: row `s` at
+    /// `ptr + s * stride` inside the pool's reservation, which the pool
+    /// keeps reserved (its chunks committed while a slot in them is held).
+    Pool {
+        ptr: u64,
+        _pool: Arc<corridor_vram::KvArena>,
+    },
 }
 
 impl CudaAct {
+    fn own(buf: DeviceBuffer, rows: usize, cols: usize) -> CudaAct {
+        CudaAct { mem: ActMem::Own(buf), rows, cols, stride: cols }
+    }
     pub fn ptr(&self) -> u64 {
-        self.buf.ptr()
+        match &self.mem {
+            ActMem::Own(buf) => buf.ptr(),
+            ActMem::Pool { ptr, .. } => *ptr,
+        }
     }
     pub fn rows(&self) -> usize {
         self.rows

@@ -118,7 +118,13 @@ void compare(const std::string& what, const std::vector<float>& got, const std::
 // (slot, rows, cached) per sequence of a step.
 using Step = std::vector<std::array<int, 3>>;
 
-void run_case(const std::string& name, Geometry g, int slots, const std::vector<Step>& steps) {
+// `slot_major`: the kernels' state is one pool of slots holding both layers'
+// states side by side (the convolution's, then the recurrent one, then
+// padding), so each kernel steps over a whole slot between slots; otherwise
+// each state is its own [slots, elems] buffer. The references keep their own
+// [slots, elems] buffers either way.
+void run_case(const std::string& name, Geometry g, int slots, const std::vector<Step>& steps,
+              bool slot_major = false) {
     int C = g.channels(), keep = g.taps - 1;
     std::vector<float> w(C * g.taps);
     std::vector<bf16_t> wb(w.size());
@@ -130,10 +136,28 @@ void run_case(const std::string& name, Geometry g, int slots, const std::vector<
     for (auto& v : decay) v = 0.05f + 1.5f * std::fabs(rnd(1));
     for (auto& v : dt_bias) v = rnd(1);
     // The slots start out holding garbage: a sequence with nothing cached must ignore it.
-    std::vector<float> conv_k((size_t)slots * keep * C), rec_k((size_t)slots * g.v_heads * g.k_dim * g.v_dim);
-    for (auto& v : conv_k) v = rnd(3);
-    for (auto& v : rec_k) v = rnd(3);
-    auto conv_r = conv_k, rec_r = rec_k;
+    const size_t conv_w = (size_t)keep * C, rec_w = (size_t)g.v_heads * g.k_dim * g.v_dim;
+    std::vector<float> conv_r(slots * conv_w), rec_r(slots * rec_w);
+    for (auto& v : conv_r) v = rnd(3);
+    for (auto& v : rec_r) v = rnd(3);
+    // The kernels' buffers: the same garbage, laid out as the case says.
+    const size_t slot_w = slot_major ? conv_w + rec_w + 37 : 0;
+    std::vector<float> pool(slot_major ? slots * slot_w : 0);
+    for (auto& v : pool) v = rnd(3);
+    std::vector<float> conv_k = conv_r, rec_k = rec_r;
+    float* conv_base = conv_k.data();
+    float* rec_base = rec_k.data();
+    long long conv_stride = (long long)conv_w, rec_stride = (long long)rec_w;
+    if (slot_major) {
+        for (int sl = 0; sl < slots; sl++) {
+            std::copy_n(&conv_r[sl * conv_w], conv_w, &pool[sl * slot_w]);
+            std::copy_n(&rec_r[sl * rec_w], rec_w, &pool[sl * slot_w + conv_w]);
+        }
+        conv_base = pool.data();
+        rec_base = pool.data() + conv_w;
+        conv_stride = rec_stride = (long long)slot_w;
+    }
+    const std::vector<float> pool_start = pool;
     for (size_t si = 0; si < steps.size(); si++) {
         std::vector<Seq> seqs;
         int rows = 0, most = 0;
@@ -157,7 +181,7 @@ void run_case(const std::string& name, Geometry g, int slots, const std::vector<
         auto conv = g.taps == 2 ? causal_conv_silu_t2 : g.taps == 3 ? causal_conv_silu_t3 : g.taps == 4 ? causal_conv_silu_t4
                   : g.taps == 5 ? causal_conv_silu_t5 : causal_conv_silu_t6;
         launch({(unsigned)(C + 31) / 32, entries, 1}, 32 * warps,
-               [&] { conv(xk.data(), (const u8*)wb.data(), DT_BF16, conv_k.data(), table.data(), C); });
+               [&] { conv(xk.data(), (const u8*)wb.data(), DT_BF16, conv_base, conv_stride, table.data(), C); });
         ref_conv(xr, w, conv_r, seqs, g);
         std::string at = name + ", step " + std::to_string(si);
         compare("causal_conv_silu, " + at, xk, xr, 1e-5);
@@ -167,11 +191,25 @@ void run_case(const std::string& name, Geometry g, int slots, const std::vector<
         while (32 * nw < g.k_dim) nw *= 2;
         auto delta = nw == 1 ? gated_delta_rule_w1 : nw == 2 ? gated_delta_rule_w2 : nw == 4 ? gated_delta_rule_w4 : gated_delta_rule_w8;
         launch({(unsigned)(g.v_dim + 31) / 32, (unsigned)g.v_heads, entries}, 32 * nw, [&] {
-            delta(xr.data(), a.data(), b.data(), decay.data(), dt_bias.data(), rec_k.data(), table.data(), ok.data(), C,
+            delta(xr.data(), a.data(), b.data(), decay.data(), dt_bias.data(), rec_base, rec_stride, table.data(), ok.data(), C,
                   g.v_heads * g.v_dim, g.v_heads, g.k_heads, g.k_dim, g.v_dim, g.tiled, 1.0f / std::sqrt((float)g.k_dim));
         });
         ref_delta({xr, a, b, decay, dt_bias}, rec_r, seqs, orf, g);
         compare("gated_delta_rule, " + at, ok, orf, 1e-4);
+    }
+    if (slot_major) {
+        // Each slot's states back out of the pool; the padding between
+        // slots is left exactly as it was.
+        std::vector<float> pad_k, pad_r;
+        for (int sl = 0; sl < slots; sl++) {
+            std::copy_n(&pool[sl * slot_w], conv_w, &conv_k[sl * conv_w]);
+            std::copy_n(&pool[sl * slot_w + conv_w], rec_w, &rec_k[sl * rec_w]);
+            for (size_t i = conv_w + rec_w; i < slot_w; i++) {
+                pad_k.push_back(pool[sl * slot_w + i]);
+                pad_r.push_back(pool_start[sl * slot_w + i]);
+            }
+        }
+        compare("padding between slots, " + name, pad_k, pad_r, 0);
     }
     compare("convolution states, " + name, conv_k, conv_r, 1e-6);
     compare("recurrent states, " + name, rec_k, rec_r, 1e-4);
@@ -231,6 +269,12 @@ int main() {
     run_case("key heads of 64, 2 taps, a batch", {1, 3, 64, 40, 2, 0}, 6,
              {{{5, 3, 0}, {1, 1, 0}, {2, 6, 0}}, {{5, 1, 3}, {1, 1, 1}, {2, 1, 6}}});
     run_case("5 taps, one row after one row", {1, 2, 32, 32, 5, 0}, 1, {{{0, 1, 0}}, {{0, 1, 1}}, {{0, 9, 2}}});
+    // Slots of a pool holding both states side by side and padding, so the
+    // kernels step over a whole slot: the tiny fixture's batch and wide heads.
+    run_case("slot-major pool, tiny fixture, 3 sequences in slots 2, 0, 3", {2, 4, 16, 16, 4, 0}, 4,
+             {{{2, 7, 0}, {0, 12, 0}}, {{3, 3, 0}, {2, 1, 7}}, {{2, 1, 8}, {3, 1, 3}, {0, 1, 12}}}, true);
+    run_case("slot-major pool, key heads of 128, tiled, 3 taps", {2, 6, 128, 40, 3, 1}, 3,
+             {{{1, 20, 0}, {2, 9, 0}}, {{2, 1, 9}, {1, 1, 20}}}, true);
     printf("%d comparisons failed\n", failures);
     return failures != 0;
 }

@@ -12,7 +12,12 @@
 //!    the group's token capacity; one rank is the whole model).
 //! 4. Weights, then workspace, resident on every card: booked by size for
 //!    CPU ranks (their memory is the host's or simulated), the backend's own
-//!    allocations through the chokepoint on GPUs.
+//!    allocations through the chokepoint on GPUs. A hybrid's recurrent state
+//!    is a governed pool of slots ([`state_pool`]: an arena of one slot a
+//!    page over the ranks' cards, booked as state), committed for the
+//!    running limit before KV is sized, so a request needs pages and a slot
+//!    and the governor releases idle slots and grows them back like KV; CPU
+//!    ranks keep the state in host memory, GPUs inside the pool's pages.
 //! 5. The KV arena's address space over the cards (each holds its ranks'
 //!    share of every page), each rank's KV storage in it, and the executor:
 //!    the rank itself when there is one, rank threads in lockstep otherwise.
@@ -25,8 +30,8 @@
 use super::plan::{check_one_rank_per_card, several_cards_one_rank, CardsPlan, GroupPlan};
 use super::{new_arena, workspace_bytes, BootError, BootPlan};
 use corridor_backend::collective::{Collective, GroupShape, LinkModel, ThreadGroup};
-use corridor_backend::{Backend, KvPlacement};
-use corridor_engine::engine::{spawn_with, EngineConfig, EngineHandle};
+use corridor_backend::{Backend, KvPlacement, StatePlacement};
+use corridor_engine::engine::{spawn_with_state, EngineConfig, EngineHandle};
 use corridor_engine::executor::{Executor, ExecutorLimits, SingleRank};
 use corridor_engine::pages::PagePool;
 use corridor_engine::ranks::{Calibration, FlipParts, KvShare, LayoutOptions, MultiRank, RankParts};
@@ -35,7 +40,9 @@ use corridor_model::{Checkpoint, Model};
 use corridor_units::{Bytes, CardId, Pages, Tokens};
 use corridor_vram::recorder::BootPhase;
 use corridor_vram::sizing::{solve, SizingInput, DEFAULT_MARGIN};
-use corridor_vram::{Allocation, Device, Governor, KvArena, Purpose, SystemClock, Urgency};
+use corridor_vram::{
+    Allocation, ChunkGeometry, Device, Governor, KvArena, KvArenaConfig, Purpose, SystemClock, Urgency,
+};
 use std::sync::Arc;
 
 /// What the group's boot reads: the plan and what was opened before it.
@@ -259,17 +266,27 @@ pub(super) fn start<K: RankKind>(
         loaded.push(models);
     }
     (env.mark)(BootPhase::WeightsLoaded);
+    // A hybrid's state is a governed pool of slots: the CPU ranks keep each
+    // slot's state in host memory (the pool books it); a GPU backend reads
+    // it inside the pool's pages on the card.
+    let state = state_pool(env, &placement, !kind.books_by_size())?;
+    let state_at = match &state {
+        Some(pool) => StatePlacement::Arena(pool.clone()),
+        None => StatePlacement::Own { slots: limits.max_running },
+    };
     let mut with_ws = Vec::with_capacity(loaded.len());
     for (r, models) in placement.ranks.iter().zip(loaded) {
         if kind.books_by_size() {
             resident.push(book(&r.card, r.workspace, Purpose::Workspace, "workspace")?);
-            if r.state > Bytes::ZERO {
-                resident.push(book(&r.card, r.state, Purpose::State, "recurrent state")?);
-            }
         }
         let mut rank = Vec::with_capacity(models.len());
         for (backend, model) in models {
-            let ws = model.workspace(&backend, Tokens(limits.max_batched_tokens), limits.max_running)?;
+            let ws = model.workspace_at(
+                &backend,
+                Tokens(limits.max_batched_tokens),
+                limits.max_running,
+                &state_at,
+            )?;
             rank.push((backend, model, ws));
         }
         with_ws.push(rank);
@@ -361,8 +378,12 @@ pub(super) fn start<K: RankKind>(
     tracing::info!(graphs = ?captured, "warmed up");
     (env.mark)(BootPhase::GraphsCaptured);
 
-    // 7. KV sized and committed.
+    // 7. KV sized and committed; the state pool is the governor's from now
+    // on too (its idle chunks are relief after idle KV's, then regrown).
     commit_kv(env, &mut exec, &arena)?;
+    if let Some(state) = &state {
+        env.governor.attach_arena(state.clone());
+    }
     let mut calibration = None;
     if let (GroupPlan::Flipping { .. }, Group::Many(multi)) = (&plan.group, &mut exec) {
         let rows = limits.max_batched_tokens.min(env.context_len).min(arena.capacity().get() * page_size);
@@ -379,7 +400,7 @@ pub(super) fn start<K: RankKind>(
         Group::One(e) => Box::new(e),
         Group::Many(m) => Box::new(m),
     };
-    let engine = spawn_with(exec, config, pool)?;
+    let engine = spawn_with_state(exec, config, pool, state)?;
     Ok(Started { engine, resident, calibration })
 }
 
@@ -617,6 +638,71 @@ fn group_arena(env: &BootEnv<'_>, placement: &Placement) -> Result<Arc<KvArena>,
         _ => None,
     };
     new_arena(env, &parts, host_cap)
+}
+
+/// The group's pool of recurrent-state slots, committed for the running
+/// limit: one arena over the cards of the ranks that hold linear layers,
+/// one "page" a slot (each card holding its ranks' state of one request),
+/// booked as state. `None` for a model without state.
+///
+/// On CPU ranks a chunk holds as many slots as fit in one granule of the
+/// card, but at most a quarter of the running limit, so the chunks of idle
+/// slots can be released while some requests run (a slot bigger than a
+/// granule is a chunk of its own); the backend keeps a slot's state in
+/// memory of its own (as it keeps KV) and the arena books what it holds.
+/// With `on_device` (GPU ranks, which read the state inside the pool's
+/// pages) a chunk is one slot, so slots sit a fixed stride apart — whole
+/// chunks, or whole pages where they pack granules exactly — and a
+/// kernel's slot stride reaches every one. The id space is the running
+/// limit rounded up to whole chunks, all committed at boot, before KV is
+/// sized from what is left.
+fn state_pool(
+    env: &BootEnv<'_>,
+    placement: &Placement,
+    on_device: bool,
+) -> Result<Option<Arc<KvArena>>, BootError> {
+    let running = env.plan.limits.max_running.max(1);
+    let mut parts: Vec<(Device, Bytes)> = Vec::new();
+    for r in placement.ranks.iter().filter(|r| r.state > Bytes::ZERO) {
+        // `state` is the rank's slots for the running limit.
+        let slot = Bytes(r.state.get().div_ceil(running as u64));
+        match parts.iter_mut().find(|(d, _)| d.id() == r.card.id()) {
+            Some((_, bytes)) => *bytes += slot,
+            None => parts.push((r.card.clone(), slot)),
+        }
+    }
+    let Some(widest) = parts.iter().map(|(_, b)| *b).max() else { return Ok(None) };
+    let granule = parts.iter().map(|(d, _)| d.card().granularity()).max().unwrap_or(widest);
+    let per_chunk =
+        if on_device { 1 } else { (granule.get() / widest.get()).clamp(1, (running / 4).max(1) as u64) };
+    let chunk_target = Bytes(widest.get() * per_chunk);
+    let shapes: Vec<(Bytes, Bytes)> = parts.iter().map(|(d, b)| (*b, d.card().granularity())).collect();
+    let geometry =
+        ChunkGeometry::common(&shapes, chunk_target).map_err(|e| BootError::Memory(e.to_string()))?[0];
+    let ids = running.div_ceil(geometry.chunk_pages) * geometry.chunk_pages;
+    let config = KvArenaConfig {
+        page_bytes: parts[0].1,
+        max_pages: Pages(ids),
+        chunk_target,
+        hold: env.governor.config().kv_hold,
+        margin: DEFAULT_MARGIN,
+    };
+    let pool = KvArena::spanning_as(&parts, config, Purpose::State, env.clock.clone())
+        .map_err(|e| BootError::Memory(e.to_string()))?;
+    pool.commit_to(Pages(ids), Urgency::Deferrable).map_err(|e| {
+        BootError::Memory(format!(
+            "the recurrent state of {running} running requests ({widest} a slot) does not fit: {e}; \
+             lower --max-running-requests"
+        ))
+    })?;
+    tracing::info!(
+        slots = ids,
+        per_chunk = geometry.chunk_pages,
+        slot = %widest,
+        committed = %Bytes(pool.backed().get() as u64 / geometry.chunk_pages as u64 * geometry.chunk_bytes.get()),
+        "recurrent-state pool committed"
+    );
+    Ok(Some(Arc::new(pool)))
 }
 
 fn kv_share(arena: &KvArena, dev: &Device) -> Option<KvShare> {
