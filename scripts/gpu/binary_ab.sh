@@ -23,6 +23,14 @@ for side in ${SIDES:-A B}; do
     echo "status $?"
     for f in "$out/$side"/decode_[0-9]*.json "$out/$side"/prefill_[0-9]*.json; do
         case $f in *stats*) continue ;; esac
-        [ -s "$f" ] && python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split("/")[-1], "out tok/s %.1f" % d["output_tokens_per_s"], "in tok/s %.1f" % d["input_tokens_per_s"], "itl p50 %.2f ms" % d["itl_ms"]["p50"], "ttft p50 %.1f ms" % d["ttft_ms"]["p50"])' "$f"
+        [ -s "$f" ] && python3 -c '
+import json, sys
+d = json.load(open(sys.argv[1]))
+def num(v, fmt):
+    return fmt % v if isinstance(v, (int, float)) else "-"
+p50 = lambda k: (d.get(k) or {}).get("p50")
+print(sys.argv[1].split("/")[-1], "out tok/s", num(d.get("output_tokens_per_s"), "%.1f"), "in tok/s",
+      num(d.get("input_tokens_per_s"), "%.1f"), "itl p50", num(p50("itl_ms"), "%.2f ms"),
+      "ttft p50", num(p50("ttft_ms"), "%.1f ms"))' "$f"
     done
 done

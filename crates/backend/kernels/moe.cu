@@ -8,8 +8,7 @@
 //   moe_sort    one block: the (row, slot) pairs grouped by expert (a count,
 //               an offset and a position per pair), the list of experts in
 //               use and the work tiles of the grouped GEMM;
-//               (moe_route_sort: both in one block, for decode's few rows;
-//               moe_router_route: the router matmul too, for 1-2 rows)
+//               (moe_route_sort: both in one block, for decode's few rows)
 //   gate/up     per chosen expert, silu(gate x) * up x for each of its pairs;
 //   down        per chosen expert, down · act for each of its pairs;
 //   moe_combine per row, the weighted sum of its pairs' outputs in slot order
@@ -192,27 +191,14 @@ extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restric
     moe_sort_body(ids, P, E, pos_of_pair, pair_of_pos, n_active, active, n_tiles, tiles);
 }
 
-__device__ __forceinline__ void moe_unpack8(uint4 v, float (&f)[8]) {
-    u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
-
-__device__ __forceinline__ float moe_dot8(const float (&w)[8], const float* x) {
-    float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
-    return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
-}
-
-// Routing and grouping of `rows` rows by one block of 1024 threads (its 32
-// warps route the rows, then it groups the pairs).
-__device__ __forceinline__ void moe_route_sort_body(const float* logits, int rows, int E, int k, int norm,
-                                                    int* __restrict__ ids, float* __restrict__ wts,
-                                                    int* __restrict__ pos_of_pair, int* __restrict__ pair_of_pos,
-                                                    int* __restrict__ n_active, int* __restrict__ active,
-                                                    int* __restrict__ n_tiles, int* __restrict__ tiles) {
+// Routing and grouping in one launch, for decode's few rows: the block's 32
+// warps route the rows, then it groups the pairs. Grid: one block of 1024.
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_route_sort(const float* __restrict__ logits, int rows, int E, int k, int norm, int* __restrict__ ids,
+                   float* __restrict__ wts, int* __restrict__ pos_of_pair, int* __restrict__ pair_of_pos,
+                   int* __restrict__ n_active, int* __restrict__ active, int* __restrict__ n_tiles,
+                   int* __restrict__ tiles) {
+    pdl_enter();
     if (rows == 1) {
         // One row's k experts are distinct: pair s is expert ids[s] alone,
         // at position s, so the first warp groups them without the sort.
@@ -234,93 +220,18 @@ __device__ __forceinline__ void moe_route_sort_body(const float* logits, int row
     moe_sort_body(ids, rows * k, E, pos_of_pair, pair_of_pos, n_active, active, n_tiles, tiles);
 }
 
-// Routing and grouping in one launch, for decode's few rows.
-// Grid: one block of 1024.
-extern "C" __global__ void __launch_bounds__(1024)
-    moe_route_sort(const float* __restrict__ logits, int rows, int E, int k, int norm, int* __restrict__ ids,
-                   float* __restrict__ wts, int* __restrict__ pos_of_pair, int* __restrict__ pair_of_pos,
-                   int* __restrict__ n_active, int* __restrict__ active, int* __restrict__ n_tiles,
-                   int* __restrict__ tiles) {
-    pdl_enter();
-    moe_route_sort_body(logits, rows, E, k, norm, ids, wts, pos_of_pair, pair_of_pos, n_active, active, n_tiles,
-                        tiles);
+__device__ __forceinline__ void moe_unpack8(uint4 v, float (&f)[8]) {
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
 }
 
-#define MOE_ROUTER_ROWS 2     // token rows moe_router_route takes (MOE_ROUTER_ROWS in moe.rs)
-#define MOE_ROUTER_AHEAD 8    // 16-byte router loads a lane issues per pass
-#define MOE_ROUTER_MAX_E 1024 // experts whose logits the last block stages in shared memory
-
-// The router matmul, the routing and the grouping of 1..MOE_ROUTER_ROWS rows
-// in one launch, for decode: warp w of block b computes expert 32 b + w's
-// logit of every row from its bf16 router row (with `early`, the first pass
-// of that row is loaded before the wait, as the GEMVs do: the router's
-// weights are written by no kernel), writes the logits, and the last block to
-// finish (a counter in `done`, which it sets back to zero for the next
-// launch) routes and groups them as moe_route_sort does. The logits are the
-// f32 sums over 8-weight chunks in the order the per-row GEMV takes them
-// only up to reassociation, so near-ties between experts may break
-// differently from the unfused router; the routing rule itself is the same.
-// Grid: ceil(E / 32) blocks of 1024 threads.
-extern "C" __global__ void __launch_bounds__(1024)
-    moe_router_route(const bf16_t* __restrict__ rw, const float* __restrict__ x, int hidden,
-                     float* __restrict__ logits, int rows, int E, int k, int norm, int* __restrict__ done,
-                     int early, int* __restrict__ ids, float* __restrict__ wts, int* __restrict__ pos_of_pair,
-                     int* __restrict__ pair_of_pos, int* __restrict__ n_active, int* __restrict__ active,
-                     int* __restrict__ n_tiles, int* __restrict__ tiles) {
-    __shared__ float staged[MOE_ROUTER_ROWS * MOE_ROUTER_MAX_E];
-    __shared__ int last;
-    int lane = threadIdx.x & 31;
-    int e = blockIdx.x * 32 + (threadIdx.x >> 5);
-    const uint4* wr = (const uint4*)(rw + (long long)imin(e, E - 1) * hidden);
-    int chunks = hidden >> 3;
-    uint4 p[MOE_ROUTER_AHEAD];
-    auto load = [&](int base) {
-#pragma unroll
-        for (int u = 0; u < MOE_ROUTER_AHEAD; u++) {
-            int c = base + lane + 32 * u;
-            if (c < chunks) p[u] = *(const uint4*)(wr + c);
-            else p[u].x = p[u].y = p[u].z = p[u].w = 0u;
-        }
-    };
-    if (!early) pdl_enter();
-    load(0);
-    if (early) pdl_enter();
-    float acc[MOE_ROUTER_ROWS];
-#pragma unroll
-    for (int r = 0; r < MOE_ROUTER_ROWS; r++) acc[r] = 0.f;
-    for (int base = 0; base < chunks; base += 32 * MOE_ROUTER_AHEAD) {
-#pragma unroll
-        for (int u = 0; u < MOE_ROUTER_AHEAD; u++) {
-            int c = base + lane + 32 * u;
-            if (c < chunks) {
-                float wv[8];
-                moe_unpack8(p[u], wv);
-#pragma unroll
-                for (int r = 0; r < MOE_ROUTER_ROWS; r++)
-                    if (r < rows) acc[r] += moe_dot8(wv, x + (long long)r * hidden + 8 * c);
-            }
-        }
-        if (base + 32 * MOE_ROUTER_AHEAD < chunks) load(base + 32 * MOE_ROUTER_AHEAD);
-    }
-#pragma unroll
-    for (int r = 0; r < MOE_ROUTER_ROWS; r++) {
-        if (r < rows) {
-            float v = warp_sum(acc[r]);
-            if (lane == 0 && e < E) logits[(long long)r * E + e] = v;
-        }
-    }
-    // The last block to arrive sees every block's logits.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int i = threadIdx.x; i < rows * E; i += blockDim.x) staged[i] = __ldcg(logits + i);
-    if (threadIdx.x == 0) *done = 0;
-    __syncthreads();
-    moe_route_sort_body(staged, rows, E, k, norm, ids, wts, pos_of_pair, pair_of_pos, n_active, active, n_tiles,
-                        tiles);
+__device__ __forceinline__ float moe_dot8(const float (&w)[8], const float* x) {
+    float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
+    return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
 }
 
 // NP pairs of one expert through gate row g and up row u (a warp):
@@ -460,36 +371,16 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32)
 // out[r][i] = sum over slots s of w[r k + s] * (down_{e_s}[i] · act[pos of (r, s)]),
 // in slot order and with the same dot products as moe_gemv_down, so the
 // sums are those of moe_gemv_down + moe_combine, in the same order.
-//
-// `early` (set only when this kernel is launched ahead of its time, right
-// behind the gate/up GEMV): the first 16 bytes of the first four slots' down
-// rows are loaded before the wait, overlapping the gate/up kernel's tail.
-// That reads `ids`, written by the routing two kernels ahead, which has
-// finished by then: this kernel can only start once every block of the
-// gate/up kernel has passed its own wait (`pdl_enter` releases after it),
-// and that wait returns only when the routing has finished and its writes
-// are visible. The weights are written by no kernel. The arithmetic is the
-// same either way.
 // Grid: (ceil(hidden / MOE_GEMV_WARPS), rows).
 extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32)
     moe_gemv_down_combine(const u64* __restrict__ table, int dt, long long rb, const float* __restrict__ act,
                           int ef, int hidden, int k, const int* __restrict__ ids, const float* __restrict__ wts,
-                          const int* __restrict__ pos_of_pair, float* __restrict__ out, int early) {
+                          const int* __restrict__ pos_of_pair, float* __restrict__ out) {
+    pdl_enter();
     int r = blockIdx.y, lane = threadIdx.x & 31;
     int i = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
-    bool vec = dt == DT_BF16 && (ef & 7) == 0;
-    bool pre = early && vec && i < hidden && lane * 8 < ef;
-    uint4 first[4];
-    if (pre) {
-        int n = imin(4, k);
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const u8* w = (const u8*)table[3 * ids[r * k + imin(q, n - 1)] + 2] + (long long)i * rb;
-            first[q] = *(const uint4*)(w + 16 * lane);
-        }
-    }
-    pdl_enter();
     if (i >= hidden) return;
+    bool vec = dt == DT_BF16 && (ef & 7) == 0;
     float acc = 0.f;
     // Four slots at a time, their loads interleaved so that they are in
     // flight together (a slot past k repeats the last one, unused).
@@ -507,11 +398,10 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32)
         if (vec) {
 #pragma unroll 2
             for (int c = lane * 8; c < ef; c += 256) {
-                bool held = pre && s0 == 0 && c == lane * 8;
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
                     float wv[8];
-                    moe_unpack8(held ? first[q] : *(const uint4*)(w[q] + 2 * c), wv);
+                    moe_unpack8(*(const uint4*)(w[q] + 2 * c), wv);
                     d[q] += moe_dot8(wv, ar[q] + c);
                 }
             }

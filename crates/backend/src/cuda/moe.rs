@@ -14,9 +14,6 @@
 //!
 //! The routing metadata lives in the scratch's `meta` buffer, laid out by
 //! [`MetaLayout`] from the scratch's `MoeShape` (the same for every step).
-//! At one or two rows the router matmul, the routing and the grouping are
-//! one launch (`moe_router_route`), and the down GEMV's first weight loads
-//! are issued before it waits for the gate/up kernel ahead of it.
 
 use super::device::{Args, DeviceBuffer, LaunchDims, Purpose};
 use super::kernels::dtype_code;
@@ -33,13 +30,6 @@ pub const MOE_GEMV_MAX_ROWS: usize = 64;
 /// row's warps read their experts' down rows; beyond, rows would share
 /// experts and re-read them, so down runs per expert and a sum follows).
 const MOE_FUSED_DOWN_ROWS: usize = 2;
-
-/// Token rows up to which the router matmul, the routing and the grouping are
-/// one launch (kernels/moe.cu `moe_router_route`, MOE_ROUTER_ROWS).
-const MOE_ROUTER_ROWS: usize = 2;
-
-/// Experts `moe_router_route` stages in shared memory (MOE_ROUTER_MAX_E).
-const MOE_ROUTER_MAX_E: usize = 1024;
 
 /// Warps per block of the routed GEMVs (kernels/moe.cu MOE_GEMV_WARPS).
 const MOE_GEMV_WARPS: usize = 8;
@@ -97,8 +87,6 @@ struct MetaLayout {
     wts: usize,
     pos_of_pair: usize,
     pair_of_pos: usize,
-    /// `moe_router_route`'s arrival counter (zero between launches).
-    done: usize,
     n_active: usize,
     n_tiles: usize,
     active: usize,
@@ -114,12 +102,11 @@ impl MetaLayout {
         let wts = ids + p;
         let pos_of_pair = wts + p;
         let pair_of_pos = pos_of_pair + p;
-        let done = pair_of_pos + p;
         let n_active = pair_of_pos + p + 2 * (e + 1);
         let n_tiles = n_active + 1;
         let active = n_tiles + 1;
         let tiles = active + 3 * e;
-        MetaLayout { ids, wts, pos_of_pair, pair_of_pos, done, n_active, n_tiles, active, tiles }
+        MetaLayout { ids, wts, pos_of_pair, pair_of_pos, n_active, n_tiles, active, tiles }
     }
 }
 
@@ -214,16 +201,7 @@ impl CudaBackend {
         let (hidden, ffn) = (t.hidden, t.ffn);
         let slots = e.min(pairs) as u32;
 
-        // Decode's one or two rows: the router matmul joins the routing.
-        let fused_router = rows <= MOE_ROUTER_ROWS
-            && router.dtype == DType::BF16
-            && router.rows == e
-            && router.cols == hidden
-            && hidden.is_multiple_of(8)
-            && e <= MOE_ROUTER_MAX_E;
-        if !fused_router {
-            self.matmul(x, router, None, rows, &mut m.router);
-        }
+        self.matmul(x, router, None, rows, &mut m.router);
         let router_out: &CudaAct = &m.router;
         let sort_args = |a: Args| {
             a.ptr(w(l.pos_of_pair))
@@ -244,25 +222,7 @@ impl CudaBackend {
                 .ptr(w(l.wts))
         };
         let one_block = LaunchDims { grid: (1, 1, 1), block: 1024 };
-        if fused_router {
-            self.op("moe_router_route", |_| {
-                let a = Args::new()
-                    .ptr(router.ptr())
-                    .ptr(x.ptr())
-                    .i32(hidden as i32)
-                    .ptr(router_out.ptr())
-                    .i32(rows as i32)
-                    .i32(e as i32)
-                    .i32(k as i32)
-                    .i32(i32::from(routing.norm_topk_prob))
-                    .ptr(w(l.done))
-                    .i32(i32::from(self.pdl && self.config.tuning.early_weights))
-                    .ptr(w(l.ids))
-                    .ptr(w(l.wts));
-                let dims = LaunchDims { grid: (e.div_ceil(32) as u32, 1, 1), block: 1024 };
-                unsafe { self.launch(self.k.moe_router_route, dims, sort_args(a)) }
-            });
-        } else if rows <= MOE_GEMV_MAX_ROWS {
+        if rows <= MOE_GEMV_MAX_ROWS {
             self.op("moe_route_sort", |_| unsafe {
                 self.launch(self.k.moe_route_sort, one_block, sort_args(route_args()))
             });
@@ -305,8 +265,6 @@ impl CudaBackend {
                 let outputs = hidden.div_ceil(MOE_GEMV_WARPS) as u32;
                 if rows <= MOE_FUSED_DOWN_ROWS {
                     let a = a.i32(k as i32).ptr(w(l.ids)).ptr(w(l.wts)).ptr(w(l.pos_of_pair)).ptr(out.ptr());
-                    // Launched right behind the gate/up GEMV, two behind the routing.
-                    let a = a.i32(i32::from(self.pdl && self.config.tuning.early_weights));
                     let dims = LaunchDims { grid: (outputs, rows as u32, 1), block };
                     return unsafe { self.launch(self.k.moe_gemv_down_combine, dims, a) };
                 }
