@@ -735,6 +735,13 @@ pub trait Backend: Send + Sync + 'static {
     fn begin_step(&self, _plan: &StepPlan<'_>) -> Result<()> {
         Ok(())
     }
+    /// Run a whole forward pass (`step`, which calls the ops) where this
+    /// backend's ops run best. The CPU backend runs it on its thread pool,
+    /// so each op's parallel loop starts from a worker instead of waking the
+    /// pool from outside and sleeping until it is done, once per op.
+    fn run_step<R: Send>(&self, step: impl FnOnce() -> R + Send) -> R {
+        step()
+    }
     /// The first error any op hit since the last call (ops that return `()`
     /// cannot report device failures themselves). Call after `read_rows`.
     fn check(&self) -> Result<()> {

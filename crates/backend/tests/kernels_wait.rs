@@ -5,7 +5,7 @@
 //! own `pdl_enter()` (or `pdl_wait()`) orders it after that one. A kernel
 //! without the wait would read half-written activations. This test reads the
 //! kernel sources (it needs no GPU) and fails for any `__global__` kernel
-//! whose body, or a `__device__` function its body calls, never waits.
+//! whose body, and every `__device__` function its body reaches, never waits.
 
 use std::collections::HashMap;
 
@@ -60,6 +60,21 @@ fn every_kernel_waits_for_the_one_ahead() {
             device.insert(name, body);
         }
     }
+    // A device function waits when its body does or when it calls one that
+    // does (a kernel's body may reach the wait a few calls down).
+    let calls = |body: &str, f: &str| body.contains(&format!("{f}(")) || body.contains(&format!("{f}<"));
+    let mut waiting: Vec<&str> = device.iter().filter(|(_, b)| waits(b)).map(|(f, _)| *f).collect();
+    loop {
+        let more: Vec<&str> = device
+            .iter()
+            .filter(|(f, b)| !waiting.contains(f) && waiting.iter().any(|w| calls(b, w)))
+            .map(|(f, _)| *f)
+            .collect();
+        if more.is_empty() {
+            break;
+        }
+        waiting.extend(more);
+    }
     let mut kernels = 0;
     let mut missing = Vec::new();
     for (at, _) in src.match_indices("__global__") {
@@ -77,9 +92,7 @@ fn every_kernel_waits_for_the_one_ahead() {
         let name = ident_before(&src, paren);
         let body = block(&src, paren).expect("a kernel body");
         kernels += 1;
-        let calls_waiting = device
-            .iter()
-            .any(|(f, b)| waits(b) && (body.contains(&format!("{f}(")) || body.contains(&format!("{f}<"))));
+        let calls_waiting = waiting.iter().any(|f| calls(body, f));
         if !(waits(body) || calls_waiting) {
             missing.push(name.to_string());
         }

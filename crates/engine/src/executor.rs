@@ -417,6 +417,10 @@ impl<B: Backend> SingleRank<B> {
             state_slots: &self.slots,
             capture: None,
         };
+        // A rank alone runs its step where its backend's ops run best
+        // (`Backend::run_step`: the CPU's pool). A rank of a group does not:
+        // it blocks in collectives, and a pool worker blocked waiting for a
+        // peer whose step is queued behind it on the same pool never wakes.
         let replayable = self.model.replayable(&*self.comm);
         let target = match self.pad_limit {
             Some(limit) if input.is_decode() && rows > 0 => decode_bucket(rows).min(limit).max(rows),
@@ -424,15 +428,10 @@ impl<B: Backend> SingleRank<B> {
         };
         if target == rows {
             input.capture = capture_key(&input, replayable);
-            return self.model.forward_ranked_rows(
-                &self.backend,
-                &*self.comm,
-                &mut self.ws,
-                &mut self.kv,
-                &input,
-                logits,
-                host_rows,
-            );
+            let (backend, comm, model) = (&self.backend, &*self.comm, &self.model);
+            let (ws, kv) = (&mut self.ws, &mut self.kv);
+            let mut forward = || model.forward_ranked_rows(backend, comm, ws, kv, &input, logits, host_rows);
+            return if comm.world() == 1 { backend.run_step(forward) } else { forward() };
         }
         let p = &mut self.padded;
         p.tokens.clear();
@@ -453,16 +452,10 @@ impl<B: Backend> SingleRank<B> {
             capture: None,
         };
         input.capture = capture_key(&input, replayable);
-        let (backend, comm) = (&self.backend, &*self.comm);
-        self.model.forward_ranked_rows(
-            backend,
-            comm,
-            &mut self.ws,
-            &mut self.kv,
-            &input,
-            logits,
-            host_rows,
-        )?;
+        let (backend, comm, model) = (&self.backend, &*self.comm, &self.model);
+        let (ws, kv) = (&mut self.ws, &mut self.kv);
+        let mut forward = || model.forward_ranked_rows(backend, comm, ws, kv, &input, logits, host_rows);
+        if comm.world() == 1 { backend.run_step(forward) } else { forward() }?;
         // The padding rows' logits are dropped.
         logits.truncate(logit_rows.len() * self.model.config().vocab_size);
         Ok(())

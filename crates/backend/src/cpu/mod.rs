@@ -395,6 +395,15 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
 
+    /// The step runs on a worker of the global pool (one hand-over per step;
+    /// on a worker already, at once). Called from outside the pool, each
+    /// op's parallel loop would hand itself to the pool and put the calling
+    /// thread to sleep until it finished, two context switches per op,
+    /// hundreds per decode step of a small model.
+    fn run_step<R: Send>(&self, step: impl FnOnce() -> R + Send) -> R {
+        rayon::scope(|_| step())
+    }
+
     fn upload_weight(&self, t: &HostTensor) -> Result<CpuWeight> {
         let (rows, cols, want) = t.checked_matrix()?;
         if self.rounding.weights && rows > 1 && matches!(t.dtype, DType::F32 | DType::F16) {

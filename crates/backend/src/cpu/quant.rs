@@ -53,17 +53,19 @@ macro_rules! per_block_type {
 pub fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked above).
         return unsafe { dot_row_avx2(dtype, row, x) };
     }
     dot_row_generic(dtype, row, x)
 }
 
-/// Whether this CPU has AVX2 and FMA (cached by the standard library).
+/// Whether this CPU has AVX2, FMA and F16C (cached by the standard library).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 fn has_avx2() -> bool {
-    std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c")
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -125,7 +127,7 @@ fn tail_dot(dtype: DType, row: &[u8], x: &[f32], lanes: usize) -> f32 {
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked above).
         return unsafe { dot_f32_avx2(a, b) };
     }
     dot_f32_generic(a, b)
@@ -431,6 +433,8 @@ pub struct Q8Row {
     q: Vec<i8>,
     d: Vec<f32>,
     gsum: Vec<f32>,
+    /// `d · Σ q` over each 32-element block (Q4_1's offsets).
+    bsum: Vec<f32>,
 }
 
 impl Q8Row {
@@ -441,6 +445,7 @@ impl Q8Row {
         self.q.resize(x.len(), 0);
         self.d.resize(x.len() / QK, 0.0);
         self.gsum.resize(x.len() / GROUP, 0.0);
+        self.bsum.resize(x.len() / QK, 0.0);
         for (b, (xs, qs)) in x.chunks_exact(QK).zip(self.q.chunks_exact_mut(QK)).enumerate() {
             let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
             let d = amax / 127.0;
@@ -449,6 +454,7 @@ impl Q8Row {
                 *q = (v * inv).round() as i8;
             }
             self.d[b] = d;
+            self.bsum[b] = d * qs.iter().map(|&q| q as i32).sum::<i32>() as f32;
             for h in 0..2 {
                 let s: i32 = qs[h * GROUP..(h + 1) * GROUP].iter().map(|&q| q as i32).sum();
                 self.gsum[2 * b + h] = d * s as f32;
@@ -471,14 +477,14 @@ impl Q8Row {
 /// integer products within each 16-weight group (exact), scaled once per
 /// group by the weight's and the activation's scales.
 ///
-/// On x86-64 the same code is also compiled with AVX2 and FMA and chosen at
+/// On x86-64 the same code is also compiled with AVX2, FMA and F16C and chosen at
 /// run time. Both builds perform the same f32 operations in the same order
 /// (Rust never contracts or reassociates float arithmetic), so they return
 /// bit-identical results; the tests check that.
 pub fn dot_row_q8(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked above).
         return unsafe { dot_row_q8_avx2(dtype, row, x) };
     }
     dot_row_q8_portable(dtype, row, x)
@@ -487,11 +493,60 @@ pub fn dot_row_q8(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
 /// [`dot_row_q8`] without the run-time choice of instruction set: the build
 /// for the baseline CPU.
 pub fn dot_row_q8_portable(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
-    per_block_type!(dtype, q8_dot(row, x))
+    match dtype {
+        DType::Q4_1 => q8_dot_one_scale(DType::Q4_1, row, x),
+        DType::Q8_0 => q8_dot_one_scale(DType::Q8_0, row, x),
+        _ => per_block_type!(dtype, q8_dot(row, x)),
+    }
+}
+
+/// The code of element `i` of a Q4_1 or Q8_0 block (the nibble, 0..15, or
+/// the signed byte).
+#[inline(always)]
+fn one_scale_code(dtype: DType, blk: &[u8], i: usize) -> i32 {
+    if dtype == DType::Q4_1 {
+        let b = blk[4 + (i & 15)];
+        i32::from(if i < 16 { b & 0x0f } else { b >> 4 })
+    } else {
+        i32::from(blk[2 + i] as i8)
+    }
+}
+
+/// [`dot_row_q8`] for the formats with one scale per 32-weight block (Q4_1,
+/// Q8_0: the default model's matrices and its embedding/LM head), in the
+/// shape its AVX2 build computes: lane `k` of a block is the exact integer
+/// sum of its elements `4k..4k+3`, added into one of two sets of eight lane
+/// accumulators (even and odd blocks, so one block's fused multiply-add does
+/// not wait for the one before) as `scale · sum` in one rounding; Q4_1's
+/// offsets `m · Σ x` likewise into two scalars. The lanes are then summed in
+/// order. `mul_add` rounds once wherever it runs, so both builds give the
+/// same bits.
+#[inline(always)]
+fn q8_dot_one_scale(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
+    let bb = dtype.block_bytes();
+    let mut acc = [[0f32; 8]; 2];
+    let mut off = [0f32; 2];
+    for (b, blk) in row.chunks_exact(bb).take(x.len() / QK).enumerate() {
+        let xq = &x.q[b * QK..(b + 1) * QK];
+        let scale = f16_at(blk, 0) * x.d[b];
+        let a = &mut acc[b & 1];
+        for (k, lane) in a.iter_mut().enumerate() {
+            let p: i32 = (4 * k..4 * k + 4).map(|i| one_scale_code(dtype, blk, i) * i32::from(xq[i])).sum();
+            *lane = scale.mul_add(p as f32, *lane);
+        }
+        if dtype == DType::Q4_1 {
+            off[b & 1] = f16_at(blk, 2).mul_add(x.bsum[b], off[b & 1]);
+        }
+    }
+    let mut sum = 0f32;
+    for k in 0..8 {
+        sum += acc[0][k] + acc[1][k];
+    }
+    sum + (off[0] + off[1])
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_row_q8_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
     match dtype {
         DType::Q4_1 | DType::Q8_0 => q8_dot_blocks_avx2(dtype, row, x),
@@ -499,55 +554,82 @@ unsafe fn dot_row_q8_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
     }
 }
 
-/// [`q8_dot_avx2`] for Q4_1 and Q8_0 (the default model's matrices and its
-/// embedding/LM head) without unpacking each block into a [`Block`] first:
-/// the block's 32 codes are split (Q4_1 nibbles) or sign-folded (Q8_0) in
-/// registers and multiplied with the 32 activations by one `vpmaddubsw`,
-/// whose 16 pair sums are exactly the pairs the group product forms (no pair
-/// can saturate: 15 · 127 · 2 and 128 · 127 · 2 fit an i16). From there the
-/// same f32 operations run in the same order as in [`q8_dot`] (scales from
-/// the same f16 values, each group scaled and added, then its offset), so
-/// the result is bit for bit the portable one; the unpacking it skips was
-/// most of the decode's time.
+/// [`q8_dot_one_scale`] in AVX2 (Q4_1 and Q8_0): the block's 32 codes are
+/// split (Q4_1 nibbles) or sign-folded (Q8_0) in registers and multiplied
+/// with the 32 activations by one `vpmaddubsw`, whose 16 pair sums no pair
+/// can saturate (15 · 127 · 2 and 128 · 127 · 2 fit an i16); `vpmaddwd` by
+/// ones adds neighbouring pairs into the 8 lanes of 4 elements, and one FMA
+/// per block scales them into the even or odd blocks' accumulator. The same
+/// roundings in the same order as the portable loop, so the same bits; its
+/// latency chain is one FMA every other block instead of two dependent adds
+/// every block.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn q8_dot_blocks_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
     use std::arch::x86_64::*;
     let bb = dtype.block_bytes();
-    let mut acc = _mm256_setzero_ps();
-    let mut offsets = 0f32;
-    for (b, blk) in row.chunks_exact(bb).take(x.len() / QK).enumerate() {
-        let xq = &x.q[b * QK..(b + 1) * QK];
-        // SAFETY: 32 activation bytes at xq, and 16 (Q4_1) or 32 (Q8_0) code
-        // bytes inside the block (checked by the slice indexing); unaligned loads.
-        let xv = _mm256_loadu_si256(xq.as_ptr() as *const __m256i);
-        let (d, m, pairs) = if dtype == DType::Q4_1 {
-            let qs = &blk[4..20];
-            let bytes = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
-            let mask = _mm_set1_epi8(0x0f);
-            let lo = _mm_and_si128(bytes, mask);
-            let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-            let w = _mm256_set_m128i(hi, lo);
-            (f16_at(blk, 0), f16_at(blk, 2), _mm256_maddubs_epi16(w, xv))
-        } else {
-            let qs = &blk[2..34];
-            let w = _mm256_loadu_si256(qs.as_ptr() as *const __m256i);
-            let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
-            (f16_at(blk, 0), 0.0, pairs)
-        };
-        let scale = d * x.d[b];
-        for (g, half) in
-            [_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1)].into_iter().enumerate()
-        {
-            let p = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(half));
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(scale), p));
-            offsets += m * x.gsum[2 * b + g];
-        }
+    let nb = x.len() / QK;
+    let ones = _mm256_set1_epi16(1);
+    let mask = _mm_set1_epi8(0x0f);
+    // Block `b` into an accumulator and an offset sum (the even or odd
+    // pair). A macro, not a closure: a closure would not inherit this
+    // function's target features, so it would be called per block.
+    macro_rules! block {
+        ($b:expr, $acc:expr, $off:expr) => {{
+            let b = $b;
+            let blk = &row[b * bb..(b + 1) * bb];
+            let xq = &x.q[b * QK..(b + 1) * QK];
+            // SAFETY: 32 activation bytes at xq, and 16 (Q4_1) or 32 (Q8_0)
+            // code bytes inside the block (checked by the slice indexing);
+            // unaligned loads. The prefetch only hints at bytes ahead (it
+            // never faults).
+            _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(8 * 64) as *const i8);
+            let xv = _mm256_loadu_si256(xq.as_ptr() as *const __m256i);
+            let pairs = if dtype == DType::Q4_1 {
+                let qs = &blk[4..20];
+                let bytes = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
+                let lo = _mm_and_si128(bytes, mask);
+                let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+                _mm256_maddubs_epi16(_mm256_set_m128i(hi, lo), xv)
+            } else {
+                let qs = &blk[2..34];
+                let w = _mm256_loadu_si256(qs.as_ptr() as *const __m256i);
+                _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))
+            };
+            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            // The block's f16 scale (and Q4_1's offset) by F16C, in registers:
+            // a call per value would spill the accumulators every block. The
+            // conversion is exact, so these are the portable loop's values.
+            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]])));
+            let scale = _mm_cvtss_f32(dm) * x.d[b];
+            if dtype == DType::Q4_1 {
+                let m = _mm_cvtss_f32(_mm_shuffle_ps(dm, dm, 1));
+                $off = m.mul_add(x.bsum[b], $off);
+            }
+            $acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), p, $acc);
+        }};
+    }
+    assert!(row.len() >= nb * bb, "a row of {} bytes for {nb} blocks", row.len());
+    // Even and odd blocks in two registers, as the portable loop's acc[b & 1].
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let (mut off0, mut off1) = (0f32, 0f32);
+    let mut b = 0;
+    while b + 1 < nb {
+        block!(b, acc0, off0);
+        block!(b + 1, acc1, off1);
+        b += 2;
+    }
+    if b < nb {
+        block!(b, acc0, off0);
     }
     let mut lanes = [0f32; 8];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-    lanes.iter().sum::<f32>() + offsets
+    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc0, acc1));
+    let mut sum = 0f32;
+    for v in lanes {
+        sum += v;
+    }
+    sum + (off0 + off1)
 }
 
 /// [`q8_dot`] with the group product written in AVX2: the 16 codes and 16
@@ -556,7 +638,7 @@ unsafe fn q8_dot_blocks_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
 /// The scale is applied with a multiply then an add (not an FMA) and the
 /// lanes summed in order, so the result is the portable one bit for bit.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn q8_dot_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
     use std::arch::x86_64::*;
