@@ -941,3 +941,17 @@ mod storage_tests {
         }
     }
 }
+
+#[cfg(test)]
+mod step_tests {
+    use super::*;
+
+    /// A step handed to `run_step` from outside the pool runs on one of its
+    /// workers, so the ops' parallel loops inside it start there.
+    #[test]
+    fn a_step_runs_on_a_worker_of_the_pool() {
+        assert_eq!(rayon::current_thread_index(), None, "the test thread is not a worker");
+        let at = CpuBackend::new().run_step(rayon::current_thread_index);
+        assert!(at.is_some(), "the step ran outside the pool");
+    }
+}
