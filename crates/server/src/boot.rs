@@ -448,6 +448,29 @@ fn flip_event(r: &corridor_engine::flips::FlipRecord) -> corridor_vram::recorder
 /// one card unless a layout spans several): an address reservation for as
 /// many pages as the smallest share could ever hold (on the host card, at
 /// most what the scheduler could ever use), nothing committed yet.
+/// The config of an arena over `parts` (each card's page bytes) in chunks of
+/// about `chunk_target`, its id space `pages` rounded up to whole chunks (so
+/// even a tiny pool holds one), and the chunks' geometry.
+fn whole_chunks(
+    env: &BootEnv<'_>,
+    parts: &[(Device, Bytes)],
+    pages: usize,
+    chunk_target: Bytes,
+) -> Result<(KvArenaConfig, ChunkGeometry), BootError> {
+    let shapes: Vec<(Bytes, Bytes)> = parts.iter().map(|(d, pb)| (*pb, d.card().granularity())).collect();
+    let geometry =
+        ChunkGeometry::common(&shapes, chunk_target).map_err(|e| BootError::Memory(e.to_string()))?[0];
+    let ids = pages.max(1).div_ceil(geometry.chunk_pages) * geometry.chunk_pages;
+    let config = KvArenaConfig {
+        page_bytes: parts[0].1,
+        max_pages: Pages(ids),
+        chunk_target,
+        hold: env.governor.config().kv_hold,
+        margin: DEFAULT_MARGIN,
+    };
+    Ok((config, geometry))
+}
+
 fn new_arena(
     env: &BootEnv<'_>,
     parts: &[(Device, Bytes)],
@@ -478,18 +501,7 @@ fn new_arena(
     // a quarter of the pool, so a small pool still shrinks and grows in steps.
     let pool_bytes = Bytes(widest.get() * max_pages.max(1) as u64);
     let chunk_target = Bytes::mib(2).min(Bytes(pool_bytes.get() / 4)).max(widest);
-    let shapes: Vec<(Bytes, Bytes)> = parts.iter().map(|(d, pb)| (*pb, d.card().granularity())).collect();
-    let geometry =
-        ChunkGeometry::common(&shapes, chunk_target).map_err(|e| BootError::Memory(e.to_string()))?[0];
-    // The id space is whole chunks: round up, so even a tiny pool holds one.
-    let max_pages = max_pages.max(1).div_ceil(geometry.chunk_pages) * geometry.chunk_pages;
-    let arena_cfg = KvArenaConfig {
-        page_bytes: parts[0].1,
-        max_pages: Pages(max_pages),
-        chunk_target,
-        hold: env.governor.config().kv_hold,
-        margin: DEFAULT_MARGIN,
-    };
+    let (arena_cfg, _) = whole_chunks(env, parts, max_pages, chunk_target)?;
     let arena = KvArena::spanning(parts, arena_cfg, env.clock.clone())
         .map_err(|e| BootError::Memory(e.to_string()))?;
     Ok(Arc::new(arena))

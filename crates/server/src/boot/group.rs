@@ -40,9 +40,7 @@ use corridor_model::{Checkpoint, Model};
 use corridor_units::{Bytes, CardId, Pages, Tokens};
 use corridor_vram::recorder::BootPhase;
 use corridor_vram::sizing::{solve, SizingInput, DEFAULT_MARGIN};
-use corridor_vram::{
-    Allocation, ChunkGeometry, Device, Governor, KvArena, KvArenaConfig, Purpose, SystemClock, Urgency,
-};
+use corridor_vram::{Allocation, Device, Governor, KvArena, Purpose, SystemClock, Urgency};
 use std::sync::Arc;
 
 /// What the group's boot reads: the plan and what was opened before it.
@@ -676,17 +674,8 @@ fn state_pool(
     let per_chunk =
         if on_device { 1 } else { (granule.get() / widest.get()).clamp(1, (running / 4).max(1) as u64) };
     let chunk_target = Bytes(widest.get() * per_chunk);
-    let shapes: Vec<(Bytes, Bytes)> = parts.iter().map(|(d, b)| (*b, d.card().granularity())).collect();
-    let geometry =
-        ChunkGeometry::common(&shapes, chunk_target).map_err(|e| BootError::Memory(e.to_string()))?[0];
-    let ids = running.div_ceil(geometry.chunk_pages) * geometry.chunk_pages;
-    let config = KvArenaConfig {
-        page_bytes: parts[0].1,
-        max_pages: Pages(ids),
-        chunk_target,
-        hold: env.governor.config().kv_hold,
-        margin: DEFAULT_MARGIN,
-    };
+    let (config, geometry) = super::whole_chunks(env, &parts, running, chunk_target)?;
+    let ids = config.max_pages.get();
     let pool = KvArena::spanning_as(&parts, config, Purpose::State, env.clock.clone())
         .map_err(|e| BootError::Memory(e.to_string()))?;
     pool.commit_to(Pages(ids), Urgency::Deferrable).map_err(|e| {
