@@ -8,7 +8,9 @@
 //! smallest subnormal, zero and negative. Dequantization must match exactly
 //! (the same f32 products); the f32 dot product within its summation order.
 
-use corridor_backend::cpu::quant::{dequantize_row, dot_row, dot_row_q8, dot_row_q8_portable, Q8Row};
+use corridor_backend::cpu::quant::{
+    dequantize_row, dot_row, dot_row_q8, dot_row_q8_portable, dot_rows_q8, Q8Row,
+};
 use corridor_backend::DType;
 use half::f16;
 
@@ -286,6 +288,42 @@ fn q8_activation_dot_is_within_the_rounding_bound_for_every_block_format() {
             // The AVX2 build and the portable build agree bit for bit.
             let portable = dot_row_q8_portable(dtype, &bytes, &xq);
             assert_eq!(portable.to_bits(), (got as f32).to_bits(), "{dtype}: portable {portable} vs {got}");
+        }
+    }
+}
+
+/// Several activation rows against one weight row at once give each row
+/// exactly what one row alone gives, for every block format and every count
+/// of rows a decode step takes.
+#[test]
+fn q8_dot_of_several_rows_is_each_rows_own_dot() {
+    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    for dtype in BLOCK_TYPES {
+        let be = dtype.block_elems();
+        let bs = blocks(dtype, &mut rng);
+        let bytes: Vec<u8> = bs[..3].concat();
+        let n = 3 * be;
+        for rows in 1..=8 {
+            let xs: Vec<Q8Row> = (0..rows)
+                .map(|r| {
+                    let x: Vec<f32> =
+                        (0..n).map(|i| rng.unit() * [0.01f32, 3.0, 0.5, 40.0][(i / 32 + r) % 4]).collect();
+                    let mut q = Q8Row::default();
+                    q.quantize(&x);
+                    q
+                })
+                .collect();
+            let mut got = vec![0f32; rows];
+            dot_rows_q8(dtype, &bytes, &xs, &mut got);
+            for (r, x) in xs.iter().enumerate() {
+                let one = dot_row_q8(dtype, &bytes, x);
+                assert_eq!(
+                    got[r].to_bits(),
+                    one.to_bits(),
+                    "{dtype}, row {r} of {rows}: {} vs {one}",
+                    got[r]
+                );
+            }
         }
     }
 }

@@ -490,6 +490,33 @@ pub fn dot_row_q8(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
     dot_row_q8_portable(dtype, row, x)
 }
 
+/// [`dot_row_q8`] of one stored row with each of `xs`, into `out` (one
+/// value per row of `xs`), bit for bit what [`dot_row_q8`] gives each. For
+/// Q4_1 and Q8_0 the AVX2 build loads and unpacks each weight block once
+/// for up to four activation rows, so a decode step of several sequences
+/// reads the weights once rather than once per sequence.
+pub fn dot_rows_q8(dtype: DType, row: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    assert_eq!(xs.len(), out.len(), "one output per activation row");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && matches!(dtype, DType::Q4_1 | DType::Q8_0) {
+        for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
+            // SAFETY: the CPU supports AVX2, FMA and F16C (checked above).
+            unsafe {
+                match xs.len() {
+                    4 => q8_dot_rows_avx2::<4>(dtype, row, xs, out),
+                    3 => q8_dot_rows_avx2::<3>(dtype, row, xs, out),
+                    2 => q8_dot_rows_avx2::<2>(dtype, row, xs, out),
+                    _ => out[0] = q8_dot_blocks_avx2(dtype, row, &xs[0]),
+                }
+            }
+        }
+        return;
+    }
+    for (x, o) in xs.iter().zip(out.iter_mut()) {
+        *o = dot_row_q8(dtype, row, x);
+    }
+}
+
 /// [`dot_row_q8`] without the run-time choice of instruction set: the build
 /// for the baseline CPU.
 pub fn dot_row_q8_portable(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
@@ -630,6 +657,79 @@ unsafe fn q8_dot_blocks_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
         sum += v;
     }
     sum + (off0 + off1)
+}
+
+/// [`q8_dot_blocks_avx2`] for `R` activation rows at once: each weight
+/// block is loaded, split and its scales converted once, then multiplied
+/// with every row, each row keeping its own even and odd accumulators and
+/// offsets, so each row's result is the one-row function's, bit for bit.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_dot_rows_avx2<const R: usize>(dtype: DType, row: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let bb = dtype.block_bytes();
+    let nb = xs[0].len() / QK;
+    assert!(xs.len() == R && out.len() == R && xs.iter().all(|x| x.len() == xs[0].len()));
+    assert!(row.len() >= nb * bb, "a row of {} bytes for {nb} blocks", row.len());
+    let ones = _mm256_set1_epi16(1);
+    let mask = _mm_set1_epi8(0x0f);
+    let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+    let (mut off0, mut off1) = ([0f32; R], [0f32; R]);
+    // Block `b` into the even or odd accumulators (a macro so that which
+    // is a constant and they stay in registers).
+    macro_rules! block {
+        ($b:expr, $acc:ident, $off:ident) => {{
+            let b = $b;
+            let blk = &row[b * bb..(b + 1) * bb];
+            // SAFETY: as in q8_dot_blocks_avx2: the slices hold the bytes read.
+            _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(8 * 64) as *const i8);
+            let (w, signs) = if dtype == DType::Q4_1 {
+                let bytes = _mm_loadu_si128(blk[4..20].as_ptr() as *const __m128i);
+                let lo = _mm_and_si128(bytes, mask);
+                let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+                (_mm256_set_m128i(hi, lo), _mm256_setzero_si256())
+            } else {
+                let w = _mm256_loadu_si256(blk[2..34].as_ptr() as *const __m256i);
+                (_mm256_sign_epi8(w, w), w)
+            };
+            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]])));
+            let (d, m) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_shuffle_ps(dm, dm, 1)));
+            for r in 0..R {
+                let x = &xs[r];
+                let xv = _mm256_loadu_si256(x.q[b * QK..(b + 1) * QK].as_ptr() as *const __m256i);
+                let pairs = if dtype == DType::Q4_1 {
+                    _mm256_maddubs_epi16(w, xv)
+                } else {
+                    _mm256_maddubs_epi16(w, _mm256_sign_epi8(xv, signs))
+                };
+                let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                let scale = d * x.d[b];
+                if dtype == DType::Q4_1 {
+                    $off[r] = m.mul_add(x.bsum[b], $off[r]);
+                }
+                $acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), p, $acc[r]);
+            }
+        }};
+    }
+    let mut b = 0;
+    while b + 1 < nb {
+        block!(b, acc0, off0);
+        block!(b + 1, acc1, off1);
+        b += 2;
+    }
+    if b < nb {
+        block!(b, acc0, off0);
+    }
+    let (acc, off) = ([acc0, acc1], [off0, off1]);
+    for r in 0..R {
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc[0][r], acc[1][r]));
+        let mut sum = 0f32;
+        for v in lanes {
+            sum += v;
+        }
+        out[r] = sum + (off[0][r] + off[1][r]);
+    }
 }
 
 /// [`q8_dot`] with the group product written in AVX2: the 16 codes and 16
