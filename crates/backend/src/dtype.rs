@@ -94,6 +94,21 @@ impl DType {
         DType::IQ4_NL,
         DType::IQ4_XS,
     ];
+    /// Every block format (the storage types of `ALL` but the three floats).
+    pub const BLOCK_FORMATS: [DType; 12] = [
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::IQ4_NL,
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::IQ4_XS,
+    ];
     pub const fn is_quantized(self) -> bool {
         self.block_elems() > 1
     }

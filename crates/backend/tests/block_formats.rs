@@ -148,20 +148,7 @@ fn f16_fields(dtype: DType) -> &'static [usize] {
     }
 }
 
-const BLOCK_TYPES: [DType; 12] = [
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::IQ4_NL,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-    DType::IQ4_XS,
-];
+const BLOCK_TYPES: [DType; 12] = DType::BLOCK_FORMATS;
 
 /// Blocks of `dtype`: random and edge, each as its bytes.
 fn blocks(dtype: DType, rng: &mut Rng) -> Vec<Vec<u8>> {

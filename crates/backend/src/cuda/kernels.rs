@@ -230,20 +230,7 @@ pub(super) fn block_gemv_index(d: DType) -> Option<usize> {
 }
 
 /// Every block format with `mmq_*` kernels (kernels/mmq.cu), in the order of `Kernels::mmq`.
-pub(super) const MMQ_FORMATS: [DType; 12] = [
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::IQ4_NL,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-    DType::IQ4_XS,
-];
+pub(super) const MMQ_FORMATS: [DType; 12] = DType::BLOCK_FORMATS;
 
 pub(super) fn mmq_index(d: DType) -> Option<usize> {
     MMQ_FORMATS.iter().position(|t| *t == d)
