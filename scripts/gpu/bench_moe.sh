@@ -13,6 +13,8 @@
 #   b. corridor serve on cuda:0                                                 -> serve.log
 #   c. decode: 512 in / 256 out at concurrency 1 and 32                         -> decode_B.json
 #   d. prefill: 2048 prompt tokens, 1 out, one at a time                        -> prefill_2048.json
+#   f. (PROFILE=N) serve again with --cuda-profile N and decode one request of 512 in / 192 out:
+#      the op table of a batch-1 decode step, from the server's log                -> profile.log
 #   e. summary: decode at batch 1 as a fraction of the floor of the bytes a token reads (attention,
 #      router, 8 experts per layer, one embedding row, lm_head: 6.08 GB, printed by the maker; plus
 #      the KV it reads) at 4.3e12 B/s, the same yardstick as summarize_bench.py; decode at 32 in
@@ -20,7 +22,7 @@
 # A failed step is logged and the run goes on; the exit status is 1 when any step failed.
 #
 # Environment (all optional): OUT MODEL_DIR TOKENIZER_DIR CORRIDOR_BIN DEVICES PORT
-#   DECODE_BATCHES ("1 32") PREFILL_LENS ("2048") BENCH_TIMEOUT_S (180) SKIP_MAKE=1 LAYERS (48)
+#   DECODE_BATCHES ("1 32") PREFILL_LENS ("2048") BENCH_TIMEOUT_S (180) SKIP_MAKE=1 LAYERS (48) PROFILE
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
@@ -85,26 +87,31 @@ else
 fi
 du -sh "$MODEL_DIR" 2>/dev/null
 
-header "b. corridor serve --model $MODEL_DIR --devices $DEVICES"
-"$BIN" serve --model "$MODEL_DIR" --devices "$DEVICES" \
-    --max-running-requests 64 --max-batched-tokens 4096 --context-length 4096 \
-    --host 127.0.0.1 --port "$PORT" > "$out/serve.log" 2>&1 &
-server_pid=$!
-served=
-for _ in $(seq 400); do
-    kill -0 "$server_pid" 2>/dev/null || break
-    if curl -sf -m 2 "$URL/health" >/dev/null 2>&1; then
-        served=$(curl -sf -m 5 "$URL/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])' 2>/dev/null)
-        served=${served:-$(basename "$MODEL_DIR")}
-        break
+# serve LOG EXTRA_ARGS...: start the server, wait for /health; sets $served (empty when it failed).
+serve() {
+    local log=$1; shift
+    header "b. corridor serve --model $MODEL_DIR --devices $DEVICES $*"
+    "$BIN" serve --model "$MODEL_DIR" --devices "$DEVICES" \
+        --max-running-requests 64 --max-batched-tokens 4096 --context-length 4096 \
+        --host 127.0.0.1 --port "$PORT" "$@" > "$out/$log" 2>&1 &
+    server_pid=$!
+    served=
+    for _ in $(seq 400); do
+        kill -0 "$server_pid" 2>/dev/null || break
+        if curl -sf -m 2 "$URL/health" >/dev/null 2>&1; then
+            served=$(curl -sf -m 5 "$URL/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])' 2>/dev/null)
+            served=${served:-$(basename "$MODEL_DIR")}
+            break
+        fi
+        sleep 1
+    done
+    if [ -n "$served" ]; then
+        ok "serve ($served, healthy after ${SECONDS}s)"
+    else
+        fail serve "no answer on /health"; tail -n 40 "$out/$log"; stop_server
     fi
-    sleep 1
-done
-if [ -n "$served" ]; then
-    ok "serve ($served, healthy after ${SECONDS}s)"
-else
-    fail serve "no answer on /health"; tail -n 40 "$out/serve.log"; stop_server
-fi
+}
+serve serve.log
 
 # bench NAME ARGS... -> $out/NAME.json and NAME.txt
 bench() {
@@ -132,6 +139,16 @@ if [ -n "$served" ]; then
     curl -s -m 10 "$URL/v1/engine/stats" > "$out/engine_stats.json"
     stop_server
     echo "--- last lines of serve.log"; tail -n 15 "$out/serve.log"
+fi
+
+if [ -n "${PROFILE:-}" ]; then
+    serve profile_serve.log --cuda-profile "$PROFILE"
+    if [ -n "$served" ]; then
+        bench profile_decode --input-tokens 512 --output-tokens 192 --concurrency 1 --num-requests 1
+        stop_server
+        header "f. the op table of batch-1 decode steps (--cuda-profile $PROFILE)"
+        grep -A 40 "CUDA op profile" "$out/profile_serve.log" | tail -n 41 | tee "$out/profile.log"
+    fi
 fi
 
 header "e. summary"

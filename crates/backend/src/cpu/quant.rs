@@ -8,11 +8,14 @@
 //!
 //! Every block format (Q8_0, Q4_0/1, Q5_0/1, IQ4_NL and the 256-weight
 //! K-quants and IQ4_XS) is decoded by one function, [`unpack_block`], into
-//! integer codes with a scale and an offset per 16 weights ([`Block`]); the
-//! dequantizer and both dot products run over that shape. Decode dots the
-//! weights with activations quantized to 8 bits per 32 ([`Q8Row`], once per
-//! matmul), so the inner products are integer and the activations a quarter
-//! of their f32 size in cache.
+//! integer codes with a scale and an offset per 16 weights ([`Block`]; the
+//! scales alone by [`block_scales`]); the dequantizer and the portable dot
+//! products run over that shape. Decode dots the weights with activations
+//! quantized to 8 bits per 32 ([`Q8Row`], once per matmul), so the inner
+//! products are integer and the activations a quarter of their f32 size in
+//! cache; on x86-64 with AVX2 the codes of each 32 weights are unpacked in
+//! registers instead (`codes_avx2`) and multiplied by `vpmaddubsw`, with the
+//! same roundings as the portable loop, so both give the same bits.
 
 use crate::dtype::{DType, QK, QK_K};
 use half::{bf16, f16};
@@ -242,21 +245,18 @@ fn q3k_scale(g: usize, s: &[u8]) -> i32 {
 ///   × d, and codes `IQ4_LEVELS[q]` laid out per sub-block as in IQ4_NL.
 #[inline(always)]
 pub fn unpack_block(dtype: DType, b: &[u8], out: &mut Block) {
+    let (at, two) = f16_scales_at(dtype);
+    let m = if two { f16_at(b, at + 2) } else { 0.0 };
+    block_scales(dtype, b, f16_at(b, at), m, &mut out.d, &mut out.m);
     let q = &mut out.q;
     match dtype {
         DType::Q8_0 => {
-            let d = f16_at(b, 0);
             for i in 0..QK {
                 q[i] = b[2 + i] as i8;
             }
-            out.d[..2].fill(d);
-            out.m[..2].fill(0.0);
         }
         DType::Q4_0 | DType::Q4_1 | DType::IQ4_NL => {
-            let (d, m, qs) = match dtype {
-                DType::Q4_1 => (f16_at(b, 0), f16_at(b, 2), &b[4..20]),
-                _ => (f16_at(b, 0), 0.0, &b[2..18]),
-            };
+            let qs = if dtype == DType::Q4_1 { &b[4..20] } else { &b[2..18] };
             for j in 0..16 {
                 let (lo, hi) = (qs[j] & 0x0f, qs[j] >> 4);
                 (q[j], q[j + 16]) = match dtype {
@@ -265,14 +265,9 @@ pub fn unpack_block(dtype: DType, b: &[u8], out: &mut Block) {
                     _ => (IQ4_LEVELS[lo as usize], IQ4_LEVELS[hi as usize]),
                 };
             }
-            out.d[..2].fill(d);
-            out.m[..2].fill(m);
         }
         DType::Q5_0 | DType::Q5_1 => {
-            let (d, m, at, off) = match dtype {
-                DType::Q5_1 => (f16_at(b, 0), f16_at(b, 2), 4, 0),
-                _ => (f16_at(b, 0), 0.0, 2, 16),
-            };
+            let (at, off) = if dtype == DType::Q5_1 { (4, 0) } else { (2, 16) };
             let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
             let qs = &b[at + 4..at + 20];
             for j in 0..16 {
@@ -281,12 +276,9 @@ pub fn unpack_block(dtype: DType, b: &[u8], out: &mut Block) {
                 q[j] = lo as i8 - off;
                 q[j + 16] = hi as i8 - off;
             }
-            out.d[..2].fill(d);
-            out.m[..2].fill(m);
         }
         DType::Q2_K => {
-            let (sc, qs) = (&b[0..16], &b[16..80]);
-            let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+            let qs = &b[16..80];
             for h in 0..2 {
                 for j in 0..4 {
                     for l in 0..32 {
@@ -294,14 +286,9 @@ pub fn unpack_block(dtype: DType, b: &[u8], out: &mut Block) {
                     }
                 }
             }
-            for ((od, om), &s) in out.d.iter_mut().zip(out.m.iter_mut()).zip(sc) {
-                *od = d * (s & 0x0f) as f32;
-                *om = -dmin * (s >> 4) as f32;
-            }
         }
         DType::Q3_K => {
-            let (hmask, qs, sc) = (&b[0..32], &b[32..96], &b[96..108]);
-            let d = f16_at(b, 108);
+            let (hmask, qs) = (&b[0..32], &b[32..96]);
             for h in 0..2 {
                 for j in 0..4 {
                     let bit = 1u8 << (4 * h + j);
@@ -311,13 +298,8 @@ pub fn unpack_block(dtype: DType, b: &[u8], out: &mut Block) {
                     }
                 }
             }
-            for g in 0..16 {
-                out.d[g] = d * q3k_scale(g, sc) as f32;
-            }
-            out.m.fill(0.0);
         }
         DType::Q4_K | DType::Q5_K => {
-            let (d, dmin, sc) = (f16_at(b, 0), f16_at(b, 2), &b[4..16]);
             let (qh, qs) = match dtype {
                 DType::Q5_K => (Some(&b[16..48]), &b[48..176]),
                 _ => (None, &b[16..144]),
@@ -334,15 +316,9 @@ pub fn unpack_block(dtype: DType, b: &[u8], out: &mut Block) {
                     q[64 * c + 32 + l] = hi as i8;
                 }
             }
-            for s in 0..8 {
-                let (scale, min) = k4_scale_min(s, sc);
-                out.d[2 * s..2 * s + 2].fill(d * scale as f32);
-                out.m[2 * s..2 * s + 2].fill(-dmin * min as f32);
-            }
         }
         DType::Q6_K => {
-            let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
-            let d = f16_at(b, 208);
+            let (ql, qh) = (&b[0..128], &b[128..192]);
             for h in 0..2 {
                 for k in 0..4 {
                     for l in 0..32 {
@@ -353,25 +329,84 @@ pub fn unpack_block(dtype: DType, b: &[u8], out: &mut Block) {
                     }
                 }
             }
-            for (od, &s) in out.d.iter_mut().zip(sc) {
-                *od = d * (s as i8) as f32;
-            }
-            out.m.fill(0.0);
         }
         DType::IQ4_XS => {
-            let d = f16_at(b, 0);
-            let sh = u16::from_le_bytes([b[2], b[3]]);
-            let (sl, qs) = (&b[4..8], &b[8..136]);
+            let qs = &b[8..136];
             for s in 0..8 {
-                let ls = ((sl[s / 2] >> (4 * (s % 2))) & 0x0f) | ((((sh >> (2 * s)) & 3) as u8) << 4);
-                out.d[2 * s..2 * s + 2].fill(d * (ls as i32 - 32) as f32);
                 for j in 0..16 {
                     let v = qs[16 * s + j];
                     q[32 * s + j] = IQ4_LEVELS[(v & 0x0f) as usize];
                     q[32 * s + 16 + j] = IQ4_LEVELS[(v >> 4) as usize];
                 }
             }
-            out.m.fill(0.0);
+        }
+        DType::F32 | DType::F16 | DType::BF16 => unreachable!("{dtype} is not a block format"),
+    }
+}
+
+/// Where a block keeps its f16 scale `d`, and whether a second f16 follows
+/// it (Q4_1 and Q5_1's offset `m`, the `dmin` of Q2_K, Q4_K and Q5_K): the
+/// values [`block_scales`] is given, converted however the caller converts.
+#[inline(always)]
+const fn f16_scales_at(dtype: DType) -> (usize, bool) {
+    match dtype {
+        DType::Q2_K => (80, true),
+        DType::Q3_K => (108, false),
+        DType::Q6_K => (208, false),
+        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => (0, true),
+        _ => (0, false),
+    }
+}
+
+/// The scale and offset of each 16-weight group of one block (`Block::d`
+/// and `Block::m`; only the first two for the 32-weight formats), from the
+/// block's bytes and its f16 fields already widened (`d`, and `m` or
+/// `dmin` where [`f16_scales_at`] says the format has one): the layouts of
+/// [`unpack_block`]. Shared by the unpacking and the AVX2 dot, so both scale
+/// by the same values.
+#[inline(always)]
+fn block_scales(dtype: DType, b: &[u8], d: f32, m: f32, od: &mut [f32; 16], om: &mut [f32; 16]) {
+    match dtype {
+        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 | DType::IQ4_NL => {
+            od[..2].fill(d);
+            om[..2].fill(0.0);
+        }
+        DType::Q4_1 | DType::Q5_1 => {
+            od[..2].fill(d);
+            om[..2].fill(m);
+        }
+        DType::Q2_K => {
+            for ((od, om), &s) in od.iter_mut().zip(om.iter_mut()).zip(&b[0..16]) {
+                *od = d * (s & 0x0f) as f32;
+                *om = -m * (s >> 4) as f32;
+            }
+        }
+        DType::Q3_K => {
+            for (g, od) in od.iter_mut().enumerate() {
+                *od = d * q3k_scale(g, &b[96..108]) as f32;
+            }
+            om.fill(0.0);
+        }
+        DType::Q4_K | DType::Q5_K => {
+            for s in 0..8 {
+                let (scale, min) = k4_scale_min(s, &b[4..16]);
+                od[2 * s..2 * s + 2].fill(d * scale as f32);
+                om[2 * s..2 * s + 2].fill(-m * min as f32);
+            }
+        }
+        DType::Q6_K => {
+            for (od, &s) in od.iter_mut().zip(&b[192..208]) {
+                *od = d * (s as i8) as f32;
+            }
+            om.fill(0.0);
+        }
+        DType::IQ4_XS => {
+            let (sh, sl) = (u16::from_le_bytes([b[2], b[3]]), &b[4..8]);
+            for s in 0..8 {
+                let ls = ((sl[s / 2] >> (4 * (s % 2))) & 0x0f) | ((((sh >> (2 * s)) & 3) as u8) << 4);
+                od[2 * s..2 * s + 2].fill(d * (ls as i32 - 32) as f32);
+            }
+            om.fill(0.0);
         }
         DType::F32 | DType::F16 | DType::BF16 => unreachable!("{dtype} is not a block format"),
     }
@@ -474,8 +509,9 @@ impl Q8Row {
 }
 
 /// Dot product of one stored row of a block format with a Q8 activation row:
-/// integer products within each 16-weight group (exact), scaled once per
-/// group by the weight's and the activation's scales.
+/// exact integer products over each four weights, scaled once per 16- or
+/// 32-weight group by the weight's and the activation's scales (see
+/// [`q8_dot_lanes`] for the order of the roundings).
 ///
 /// On x86-64 the same code is also compiled with AVX2, FMA and F16C and chosen at
 /// run time. Both builds perform the same f32 operations in the same order
@@ -491,22 +527,27 @@ pub fn dot_row_q8(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
 }
 
 /// [`dot_row_q8`] of one stored row with each of `xs`, into `out` (one
-/// value per row of `xs`), bit for bit what [`dot_row_q8`] gives each. For
-/// Q4_1 and Q8_0 the AVX2 build loads and unpacks each weight block once
-/// for up to four activation rows, so a decode step of several sequences
-/// reads the weights once rather than once per sequence.
+/// value per row of `xs`), bit for bit what [`dot_row_q8`] gives each. The
+/// AVX2 build loads and unpacks each weight block once for up to four
+/// activation rows, so a decode step of several sequences reads the weights
+/// once rather than once per sequence.
 pub fn dot_rows_q8(dtype: DType, row: &[u8], xs: &[Q8Row], out: &mut [f32]) {
     assert_eq!(xs.len(), out.len(), "one output per activation row");
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() && matches!(dtype, DType::Q4_1 | DType::Q8_0) {
+    if has_avx2() {
+        let one_scale = matches!(dtype, DType::Q4_1 | DType::Q8_0);
         for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
             // SAFETY: the CPU supports AVX2, FMA and F16C (checked above).
             unsafe {
-                match xs.len() {
-                    4 => q8_dot_rows_avx2::<4>(dtype, row, xs, out),
-                    3 => q8_dot_rows_avx2::<3>(dtype, row, xs, out),
-                    2 => q8_dot_rows_avx2::<2>(dtype, row, xs, out),
-                    _ => out[0] = q8_dot_blocks_avx2(dtype, row, &xs[0]),
+                match (xs.len(), one_scale) {
+                    (4, true) => q8_dot_rows_avx2::<4>(dtype, row, xs, out),
+                    (3, true) => q8_dot_rows_avx2::<3>(dtype, row, xs, out),
+                    (2, true) => q8_dot_rows_avx2::<2>(dtype, row, xs, out),
+                    (_, true) => out[0] = q8_dot_blocks_avx2(dtype, row, &xs[0]),
+                    (4, false) => q8_dot_lanes_avx2::<4>(dtype, row, xs, out),
+                    (3, false) => q8_dot_lanes_avx2::<3>(dtype, row, xs, out),
+                    (2, false) => q8_dot_lanes_avx2::<2>(dtype, row, xs, out),
+                    (_, false) => q8_dot_lanes_avx2::<1>(dtype, row, xs, out),
                 }
             }
         }
@@ -523,7 +564,7 @@ pub fn dot_row_q8_portable(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
     match dtype {
         DType::Q4_1 => q8_dot_one_scale(DType::Q4_1, row, x),
         DType::Q8_0 => q8_dot_one_scale(DType::Q8_0, row, x),
-        _ => per_block_type!(dtype, q8_dot(row, x)),
+        _ => per_block_type!(dtype, q8_dot_lanes(row, x)),
     }
 }
 
@@ -577,7 +618,11 @@ fn q8_dot_one_scale(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
 unsafe fn dot_row_q8_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
     match dtype {
         DType::Q4_1 | DType::Q8_0 => q8_dot_blocks_avx2(dtype, row, x),
-        _ => per_block_type!(dtype, q8_dot_avx2(row, x)),
+        _ => {
+            let mut out = [0f32];
+            q8_dot_lanes_avx2::<1>(dtype, row, std::slice::from_ref(x), &mut out);
+            out[0]
+        }
     }
 }
 
@@ -734,55 +779,262 @@ unsafe fn q8_dot_rows_avx2<const R: usize>(dtype: DType, row: &[u8], xs: &[Q8Row
     }
 }
 
-/// [`q8_dot`] with the group product written in AVX2: the 16 codes and 16
-/// activations widened to i16, `vpmaddwd` into 8 lanes of i32 (lane `l` is
-/// the pair `2l, 2l + 1`, as in the portable loop), converted and scaled.
-/// The scale is applied with a multiply then an add (not an FMA) and the
-/// lanes summed in order, so the result is the portable one bit for bit.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn q8_dot_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
-    use std::arch::x86_64::*;
-    let mut acc = _mm256_setzero_ps();
-    let mut offsets = 0f32;
-    for_each_block(dtype, row, x.len(), |blk, elems, at| {
-        for g in 0..elems / GROUP {
-            let gi = at / GROUP + g;
-            let scale = blk.d[g] * x.d[gi / 2];
-            // SAFETY: both slices hold 16 bytes from these offsets (checked by
-            // the slice indexing), read unaligned.
-            let (wq, xq) = (&blk.q[g * GROUP..(g + 1) * GROUP], &x.q[gi * GROUP..(gi + 1) * GROUP]);
-            let a = _mm256_cvtepi8_epi16(_mm_loadu_si128(wq.as_ptr() as *const __m128i));
-            let b = _mm256_cvtepi8_epi16(_mm_loadu_si128(xq.as_ptr() as *const __m128i));
-            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(a, b));
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(scale), p));
-            offsets += blk.m[g] * x.gsum[gi];
-        }
-    });
-    let mut lanes = [0f32; 8];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-    lanes.iter().sum::<f32>() + offsets
+/// How a format's weights carry an offset, the `m · Σ x` term of a dot.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Offsets {
+    /// None: the codes are centred (signed).
+    None,
+    /// One per 32 weights (Q4_1, Q5_1, Q4_K, Q5_K): against the activation
+    /// block's sum, `Q8Row::bsum`.
+    Block,
+    /// One per 16 weights (Q2_K): against `Q8Row::gsum`.
+    Group,
 }
 
 #[inline(always)]
-fn q8_dot(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
-    let mut acc = [0f32; 8];
-    let mut offsets = 0f32;
-    for_each_block(dtype, row, x.len(), |blk, elems, at| {
-        for g in 0..elems / GROUP {
-            let gi = at / GROUP + g;
-            let scale = blk.d[g] * x.d[gi / 2];
-            let qs = &blk.q[g * GROUP..(g + 1) * GROUP];
-            let xs = &x.q[gi * GROUP..(gi + 1) * GROUP];
-            for l in 0..8 {
-                let p = qs[2 * l] as i32 * xs[2 * l] as i32 + qs[2 * l + 1] as i32 * xs[2 * l + 1] as i32;
-                acc[l] += scale * p as f32;
-            }
-            offsets += blk.m[g] * x.gsum[gi];
+const fn offsets(dtype: DType) -> Offsets {
+    match dtype {
+        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => Offsets::Block,
+        DType::Q2_K => Offsets::Group,
+        _ => Offsets::None,
+    }
+}
+
+/// `m · Σ x` of 32-weight sub-block `j` of a block (offsets `m` as
+/// [`block_scales`] gives them), the activation's block `b`, added to `off`
+/// by fused multiply-adds: the same roundings in both builds.
+#[inline(always)]
+fn add_offsets(dtype: DType, m: &[f32; 16], j: usize, x: &Q8Row, b: usize, off: &mut f32) {
+    match offsets(dtype) {
+        Offsets::None => {}
+        Offsets::Block => *off = m[2 * j].mul_add(x.bsum[b], *off),
+        Offsets::Group => {
+            *off = m[2 * j].mul_add(x.gsum[2 * b], *off);
+            *off = m[2 * j + 1].mul_add(x.gsum[2 * b + 1], *off);
         }
-    });
-    acc.iter().sum::<f32>() + offsets
+    }
+}
+
+/// [`dot_row_q8`] for every block format, in the shape its AVX2 build
+/// ([`q8_dot_lanes_avx2`]) computes: per 32 weights, lane `k` is the exact
+/// integer sum of elements `4k..4k+3`, scaled by its 16-weight group's scale
+/// times the activation block's (`d[2j + k / 4] · x.d[b]`, one rounding) and
+/// added into one of two sets of eight lane accumulators (even and odd
+/// 32-weight blocks) by one fused multiply-add; offsets likewise into two
+/// scalars; the lanes then summed in order. For Q4_1 and Q8_0 this is what
+/// [`q8_dot_one_scale`] computes, with the codes unpacked first.
+#[inline(always)]
+fn q8_dot_lanes(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
+    let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+    let mut acc = [[0f32; 8]; 2];
+    let mut off = [0f32; 2];
+    let mut blk = Block::new();
+    for (i, bytes) in row.chunks_exact(bb).take(x.len() / be).enumerate() {
+        unpack_block(dtype, bytes, &mut blk);
+        for j in 0..be / QK {
+            let b = i * (be / QK) + j;
+            let (q, xq) = (&blk.q[j * QK..(j + 1) * QK], &x.q[b * QK..(b + 1) * QK]);
+            for (k, lane) in acc[b & 1].iter_mut().enumerate() {
+                let p: i32 = (4 * k..4 * k + 4).map(|e| i32::from(q[e]) * i32::from(xq[e])).sum();
+                let scale = blk.d[2 * j + k / 4] * x.d[b];
+                *lane = scale.mul_add(p as f32, *lane);
+            }
+            add_offsets(dtype, &blk.m, j, x, b, &mut off[b & 1]);
+        }
+    }
+    let mut sum = 0f32;
+    for k in 0..8 {
+        sum += acc[0][k] + acc[1][k];
+    }
+    sum + (off[0] + off[1])
+}
+
+/// The 32 codes of 32-weight sub-block `j` of a block, unpacked in
+/// registers as [`unpack_block`] unpacks them: unsigned for the formats with
+/// offsets, signed otherwise (the caller folds the signs, as for Q8_0).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn codes_avx2(dtype: DType, b: &[u8], j: usize) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY (every load below): the slice indexing checks that the block
+    // holds the 16 or 32 bytes read; the loads are unaligned. Macros, not
+    // closures: a closure would not inherit this function's target features.
+    macro_rules! load32 {
+        ($at:expr) => {{
+            let at = $at;
+            _mm256_loadu_si256(b[at..at + 32].as_ptr() as *const __m256i)
+        }};
+    }
+    // 16 bytes of nibbles: weight i (low) and i + 16 (high) of byte i.
+    macro_rules! nibbles {
+        ($at:expr) => {{
+            let at = $at;
+            let v = _mm_loadu_si128(b[at..at + 16].as_ptr() as *const __m128i);
+            let m = _mm_set1_epi8(0x0f);
+            _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(v), m), _mm_and_si128(v, m))
+        }};
+    }
+    macro_rules! levels {
+        () => {
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_LEVELS.as_ptr() as *const __m128i))
+        };
+    }
+    // 0x10 in byte i where bit i of the little-endian u32 at `at` is set.
+    macro_rules! fifth_bits {
+        ($at:expr) => {{
+            let at = $at;
+            let qh = _mm256_set1_epi32(i32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]));
+            let spread = _mm256_setr_epi8(
+                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3,
+                3,
+            );
+            let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, spread), bit), bit);
+            _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+        }};
+    }
+    // Each byte of `v` shifted right by `shift` and masked.
+    macro_rules! field {
+        ($v:expr, $shift:expr, $mask:expr) => {
+            _mm256_and_si256(
+                _mm256_srl_epi16($v, _mm_cvtsi32_si128(($shift) as i32)),
+                _mm256_set1_epi8($mask),
+            )
+        };
+    }
+    match dtype {
+        DType::Q8_0 => load32!(2),
+        DType::Q4_0 => _mm256_sub_epi8(nibbles!(2), _mm256_set1_epi8(8)),
+        DType::Q4_1 => nibbles!(4),
+        DType::IQ4_NL => _mm256_shuffle_epi8(levels!(), nibbles!(2)),
+        DType::Q5_0 => _mm256_sub_epi8(_mm256_or_si256(nibbles!(6), fifth_bits!(2)), _mm256_set1_epi8(16)),
+        DType::Q5_1 => _mm256_or_si256(nibbles!(8), fifth_bits!(4)),
+        DType::Q2_K => field!(load32!(16 + 32 * (j / 4)), 2 * (j % 4), 3),
+        DType::Q3_K => {
+            let low = field!(load32!(32 + 32 * (j / 4)), 2 * (j % 4), 3);
+            let bit = _mm256_set1_epi8((1u8 << (4 * (j / 4) + j % 4)) as i8);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(load32!(0), bit), bit);
+            _mm256_sub_epi8(low, _mm256_andnot_si256(set, _mm256_set1_epi8(4)))
+        }
+        DType::Q4_K | DType::Q5_K => {
+            let at = if dtype == DType::Q5_K { 48 } else { 16 };
+            let nib = field!(load32!(at + 32 * (j / 2)), 4 * (j % 2), 0x0f);
+            if dtype == DType::Q4_K {
+                nib
+            } else {
+                _mm256_or_si256(nib, _mm256_slli_epi16::<4>(field!(load32!(16), j, 1)))
+            }
+        }
+        DType::Q6_K => {
+            let (h, k) = (j / 4, j % 4);
+            let nib = field!(load32!(64 * h + 32 * (k % 2)), 4 * (k / 2), 0x0f);
+            let high = _mm256_slli_epi16::<4>(field!(load32!(128 + 32 * h), 2 * k, 3));
+            _mm256_sub_epi8(_mm256_or_si256(nib, high), _mm256_set1_epi8(32))
+        }
+        DType::IQ4_XS => _mm256_shuffle_epi8(levels!(), nibbles!(8 + 16 * j)),
+        DType::F32 | DType::F16 | DType::BF16 => unreachable!("{dtype} is not a block format"),
+    }
+}
+
+/// [`q8_dot_lanes`] in AVX2 for `R` activation rows at once (every format;
+/// Q4_1 and Q8_0 have their own tuned loops): per block the f16 fields are
+/// widened by F16C and the group scales worked out once ([`block_scales`]),
+/// each 32-weight sub-block's codes unpacked once ([`codes_avx2`]), then
+/// multiplied with each row's activations by `vpmaddubsw` (signed codes
+/// through the sign fold, as Q8_0: no pair sum can saturate an i16) and
+/// `vpmaddwd` by ones into the 8 lanes of 4 weights, scaled by one FMA
+/// with the two groups' scales in the low and high lanes. The same
+/// roundings in the same order as the portable loop, so the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_dot_lanes_avx2<const R: usize>(dtype: DType, row: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+    let n = xs[0].len();
+    let blocks = n / be;
+    assert!(xs.len() == R && out.len() == R && xs.iter().all(|x| x.len() == n));
+    assert!(row.len() >= blocks * bb, "a row of {} bytes for {blocks} blocks", row.len());
+    let ones = _mm256_set1_epi16(1);
+    let signed = offsets(dtype) == Offsets::None;
+    let (at, two) = f16_scales_at(dtype);
+    let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+    let (mut off0, mut off1) = ([0f32; R], [0f32; R]);
+    let (mut d, mut m) = ([0f32; 16], [0f32; 16]);
+    // Sub-block `j` of block `blk` (the activations' block `b`) into the
+    // even or odd accumulators (a macro so that which is a constant and
+    // they stay in registers).
+    macro_rules! sub {
+        ($blk:expr, $j:expr, $b:expr, $acc:ident, $off:ident) => {{
+            let (blk, j, b) = ($blk, $j, $b);
+            let w = codes_avx2(dtype, blk, j);
+            let (w, signs) = if signed { (_mm256_sign_epi8(w, w), w) } else { (w, _mm256_setzero_si256()) };
+            for r in 0..R {
+                let x = &xs[r];
+                let xv = _mm256_loadu_si256(x.q[b * QK..(b + 1) * QK].as_ptr() as *const __m256i);
+                let xv = if signed { _mm256_sign_epi8(xv, signs) } else { xv };
+                let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
+                let xd = x.d[b];
+                let scale = _mm256_set_m128(_mm_set1_ps(d[2 * j + 1] * xd), _mm_set1_ps(d[2 * j] * xd));
+                $acc[r] = _mm256_fmadd_ps(scale, p, $acc[r]);
+                add_offsets(dtype, &m, j, x, b, &mut $off[r]);
+            }
+        }};
+    }
+    // A block's f16 fields by F16C, in registers (a call per value would
+    // spill the accumulators), then its group scales.
+    macro_rules! scales {
+        ($blk:expr) => {{
+            let blk = $blk;
+            let bits = if two {
+                i32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]])
+            } else {
+                i32::from(u16::from_le_bytes([blk[at], blk[at + 1]]))
+            };
+            let f = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+            block_scales(
+                dtype,
+                blk,
+                _mm_cvtss_f32(f),
+                _mm_cvtss_f32(_mm_shuffle_ps(f, f, 1)),
+                &mut d,
+                &mut m,
+            );
+        }};
+    }
+    if be == QK {
+        // One sub-block a block: even and odd blocks alternate.
+        let mut i = 0;
+        while i < blocks {
+            let blk = &row[i * bb..(i + 1) * bb];
+            scales!(blk);
+            if i % 2 == 0 {
+                sub!(blk, 0, i, acc0, off0);
+            } else {
+                sub!(blk, 0, i, acc1, off1);
+            }
+            i += 1;
+        }
+    } else {
+        for i in 0..blocks {
+            let blk = &row[i * bb..(i + 1) * bb];
+            _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(2 * bb) as *const i8);
+            scales!(blk);
+            for j in (0..be / QK).step_by(2) {
+                sub!(blk, j, i * (be / QK) + j, acc0, off0);
+                sub!(blk, j + 1, i * (be / QK) + j + 1, acc1, off1);
+            }
+        }
+    }
+    for r in 0..R {
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc0[r], acc1[r]));
+        let mut sum = 0f32;
+        for v in lanes {
+            sum += v;
+        }
+        out[r] = sum + (off0[r] + off1[r]);
+    }
 }
 
 #[cfg(test)]
