@@ -5,7 +5,9 @@
 //! device does, so a router's near tie goes the same way on both), and the greedy
 //! continuation equal token for token, with decode steps at batch 1. A
 //! mixture-of-experts checkpoint runs a second, 90-token prompt too, so a
-//! device that routes few rows one way and many another runs both.
+//! device that routes few rows one way and many another runs both; so does
+//! the hybrid, whose long prompts take the delta rule's chunked form, fed
+//! whole and in two parts.
 //!
 //! Greedy paths are compared up to the first genuine near tie: a step whose
 //! CPU top-1/top-2 logit gap is under the bf16 error bound, where either
@@ -206,8 +208,11 @@ pub fn check_fixtures<B: Backend>(b: &B, cpu: &CpuBackend, dir: &Path) -> (usize
         };
         failures += usize::from(!ok);
         // A mixture of experts also prefills a prompt longer than the routed
-        // GEMVs take (64 rows on CUDA), so its grouped GEMM runs too.
-        if ckpt.config().moe.is_some() {
+        // GEMVs take (64 rows on CUDA), so its grouped GEMM runs too; a
+        // hybrid, a prompt longer than a chunk of its delta rule's chunked
+        // prefill, whole and then as a continuation of cached state.
+        let hybrid = ckpt.config().hybrid.is_some();
+        if ckpt.config().moe.is_some() || hybrid {
             let long: Vec<u32> = (0..90).map(|i| (i * 53 + 7) % 300).collect();
             let (got, want) = match try_generate(b, &ckpt, &long, 4) {
                 Ok(run) => (run, generate(cpu, &ckpt, &long, 4)),
@@ -229,6 +234,31 @@ pub fn check_fixtures<B: Backend>(b: &B, cpu: &CpuBackend, dir: &Path) -> (usize
                 got.tokens,
                 want.tokens
             );
+            if hybrid {
+                let chunks = [70, 20];
+                let ok = match (
+                    chunked_logits(b, &ckpt, &long, &chunks),
+                    chunked_logits(cpu, &ckpt, &long, &chunks),
+                ) {
+                    (Ok(got), Ok(want)) => {
+                        let (err, scale) = position_error(&got, &want);
+                        let ok = err <= POSITION_TOL * scale;
+                        println!(
+                            "{} {name} (90-token prompt): every position, in chunks of {chunks:?}: max error {err:.2e} of {scale:.2e}",
+                            if ok { "PASS" } else { "FAIL" }
+                        );
+                        ok
+                    }
+                    (Err(e), _) | (_, Err(e)) => {
+                        println!(
+                            "FAIL {name} (90-token prompt): every position, in chunks of {chunks:?}: {e}"
+                        );
+                        false
+                    }
+                };
+                checked += 1;
+                failures += usize::from(!ok);
+            }
         }
     }
     (checked, failures)
