@@ -8,6 +8,9 @@
 #   scripts/gpu/session.sh serve    # kernel checks, tiny checkpoints, then `corridor serve` on the GPU vs the
 #                                   # CPU (scripts/gpu/serve_check.py) while the 8B checkpoint is written
 #   scripts/gpu/bench8b.sh          # then, on the same warm machine: the Llama-3-8B-shaped benchmark
+#   scripts/gpu/session.sh hybrid   # kernel checks, the tiny checkpoints, kernel timings, then the served
+#                                   # Qwen3.5-27B-shaped benchmark (bench_qwen35.sh), its 51 GB checkpoint
+#                                   # written while the checks run; one device call (about 9 minutes)
 # Logs go to $OUT (or /tmp) as they run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,6 +36,26 @@ case "${1:-checks}" in
         tests/fixtures/tiny/qwen3-moe tests/fixtures/tiny/qwen3-moe-f16.gguf 2>&1 \
         | tee "$out/serve_check.log"
     wait "$maker"; echo "8B checkpoint: exit $?"; tail -n 3 "$out/make_llama8b.log"
+    ;;
+  hybrid)
+    SECONDS=0
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
+    python3 scripts/gpu/make_qwen35_27b.py /tmp/qwen35_27b --tokenizer-dir .gpu/llama3-tokenizer --vocab 128256 \
+        > "$out/make_qwen35.log" 2>&1 &
+    maker=$!
+    echo "== [${SECONDS}s] kernels vs CPU"; timeout 240 ./.gpu/cuda_check > "$out/cuda_check.log" 2>&1
+    echo "exit $?"; grep -E "FAIL|passed|failed" "$out/cuda_check.log" | tail -n 25
+    echo "== [${SECONDS}s] tiny checkpoints GPU vs CPU"
+    timeout 180 ./.gpu/corridor-gpu-check tests/fixtures/tiny > "$out/e2e.log" 2>&1; echo "exit $?"
+    grep -E "FAIL|qwen3_5" "$out/e2e.log" | head -n 30; tail -n 2 "$out/e2e.log"
+    wait "$maker"; echo "== [${SECONDS}s] 27B checkpoint: exit $?"; tail -n 2 "$out/make_qwen35.log"
+    # Timed with the card otherwise idle (the maker is done).
+    echo "== [${SECONDS}s] kernel timings"; timeout 200 ./.gpu/cuda_check --bench-only > "$out/cuda_bench.log" 2>&1
+    echo "exit $?"; grep -iE "delta|linear|attention|attn|moe|q4_k|q6_k|dp4a|mmvq" "$out/cuda_bench.log" | head -n 60
+    echo "== [${SECONDS}s] served Qwen3.5-27B shape"
+    SKIP_MAKE=1 SKIP_LOGITS=1 DEADLINE_S=$((570 - SECONDS)) OUT="$out/qwen35" scripts/gpu/bench_qwen35.sh \
+        > "$out/bench_qwen35.out" 2>&1
+    echo "exit $?"; cat "$out/qwen35/summary.md" 2>/dev/null; grep -E "FAILED|skipped" "$out/bench_qwen35.out"
     ;;
   paris)
     # The GGUF travels in two halves (.gpu-a, then .gpu-b in a second call while the machine is

@@ -1,6 +1,8 @@
 //! GPU self-check: preflight, every kernel against the CPU backend, graph
 //! capture and replay, and micro-benchmarks. Run on a GPU machine by
 //! `scripts/gpu/check.sh`; exits non-zero when any comparison fails.
+//! `--bench` runs the micro-benchmarks after the checks, `--bench-only`
+//! without them.
 //!
 //! `CORRIDOR_CACHE_DIR` (optional) is where compiled kernels are cached.
 
@@ -36,6 +38,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         drop(CudaBackend::new(config)?);
         println!("second start (kernel cache hit): {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
     }
+    let flag = |f: &str| std::env::args().any(|a| a == f);
+    if flag("--bench-only") {
+        for l in check::bench(&be)? {
+            println!("{l}");
+        }
+        return Ok(());
+    }
     let mut rep = check::run_all(&be)?;
     check::graph_check(&be, &mut rep)?;
     check::delta_graph_check(&be, &mut rep)?;
@@ -44,7 +53,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         println!("{l}");
     }
     println!("{} comparisons, {} failed", rep.lines.len(), rep.failures);
-    if std::env::args().any(|a| a == "--bench") {
+    if flag("--bench") {
         for l in check::bench(&be)? {
             println!("{l}");
         }
