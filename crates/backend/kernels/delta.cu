@@ -408,7 +408,6 @@ extern "C" __global__ void __launch_bounds__(DELTA_C_THREADS)
         }
         __syncthreads();
         // Normalize the warp's tokens' q and k; one thread sums the log keeps.
-#pragma unroll
         for (int u = 0; u < TOK; u++) {
             const int t = wp * TOK + u;
             float q2 = 0.f, k2 = 0.f;
