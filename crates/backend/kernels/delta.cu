@@ -341,8 +341,8 @@ DELTA_KERNEL(8)
 // chunk's q and k rows beside it. Each chunk takes five barriers (the scan
 // takes two per token) and its products are blocked over registers: thread
 // (warp w, lane j) computes column j of tokens 4w .. 4w+3 of K S0 and Q S0
-// and of the output, and rows 4m .. 4m+3 (m = w mod 4) of column j of the
-// new state. k_dim up to DELTA_C_MAX_K; any v_dim.
+// and of the output, and rows 4w + 16m .. 4w + 16m + 3 (every m) of column
+// j of the new state. k_dim up to DELTA_C_MAX_K; any v_dim.
 #define DELTA_C 16
 #define DELTA_C_MAX_K 128
 #define DELTA_C_THREADS 128
@@ -493,8 +493,8 @@ extern "C" __global__ void __launch_bounds__(DELTA_C_THREADS)
             for (int s = 0; s < C; s++) o += Ps[t][s] * Rs[s][lane];
             if (c0 + t < n && jl) out[(long long)(row0 + c0 + t) * out_cols + h * dv + j] = o;
         }
-        // The state at the chunk's end: rows 4m .. 4m+3 of column j for the
-        // warp's m, each correction weighted by the decay from its token on.
+        // The state at the chunk's end: the warp's groups of four rows of
+        // column j, each correction weighted by the decay from its token on.
         {
             const float gc = G_s[C - 1], gamma_c = expf(gc);
             float d[C];
