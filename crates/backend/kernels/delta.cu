@@ -321,3 +321,204 @@ DELTA_KERNEL(1)
 DELTA_KERNEL(2)
 DELTA_KERNEL(4)
 DELTA_KERNEL(8)
+
+// ---------------------------------------------------------------- chunked gated delta rule (prefill)
+//
+// The same recurrence over DELTA_C tokens at a time. Inside a chunk, with
+// G_t the running sum of log keep from the chunk's start, gamma_t = exp(G_t),
+// S0 the state at its start and k, q normalized (q scaled):
+//   A[t][s] = beta_t exp(G_t - G_s) k_t.k_s for s < t, else 0
+//   (I + A) D = diag(beta) (V - diag(gamma) K S0)        (D's rows: the corrections d_t)
+//   O = diag(gamma) Q S0 + P D,  P[t][s] = exp(G_t - G_s) q_t.k_s for s <= t, else 0
+//   S_end = gamma_C S0 + sum_s exp(G_C - G_s) k_s d_s^T
+// (unrolling S_t = keep_t S_{t-1} + k_t d_t^T with d_t = beta_t (v_t -
+// (keep_t S_{t-1})^T k_t) over the chunk gives these; every exponent is a
+// difference G_t - G_s <= 0, so nothing overflows). The triangular system is
+// solved by forward substitution, a column per lane of one warp.
+//
+// Block (value-column tile of 32, value head, sequence), 4 warps: the
+// 32-column slice of the state lives in shared memory ([dk][32], f32), the
+// chunk's q and k rows beside it. Each chunk takes five barriers (the scan
+// takes two per token) and its products are blocked over registers: thread
+// (warp w, lane j) computes column j of tokens 4w .. 4w+3 of K S0 and Q S0
+// and of the output, and rows 4w + 16m .. 4w + 16m + 3 (every m) of column
+// j of the new state. k_dim up to DELTA_C_MAX_K; any v_dim.
+#define DELTA_C 16
+#define DELTA_C_MAX_K 128
+#define DELTA_C_THREADS 128
+
+extern "C" __global__ void __launch_bounds__(DELTA_C_THREADS)
+    gated_delta_rule_chunked(const float* __restrict__ qkv, const float* __restrict__ a,
+                             const float* __restrict__ b, const float* __restrict__ decay,
+                             const float* __restrict__ dt_bias, float* __restrict__ state, long long slot_stride,
+                             const u32* __restrict__ seqs, float* __restrict__ out, int qkv_cols, int out_cols,
+                             int v_heads, int k_heads, int dk, int dv, int tiled, float scale) {
+    constexpr int C = DELTA_C, KP = DELTA_C_MAX_K + 4;
+    constexpr int TOK = C / (DELTA_C_THREADS / 32);
+    static_assert(C * 8 == DELTA_C_THREADS, "thread t*8+p computes entries (t, 2p), (t, 2p+1) of K K^T and Q K^T");
+    static_assert(TOK == 4, "a warp's four tokens");
+    // The state slice [dk][32]; the chunk's normalized q (scaled) and k, rows
+    // padded to keep float4 reads aligned and rows on different banks.
+    __shared__ __align__(16) float Ss[DELTA_C_MAX_K][32];
+    __shared__ __align__(16) float Qs[C][KP], Ks[C][KP];
+    // A (strictly lower, with beta and decay folded in) and P (lower).
+    __shared__ float As[C][C], Ps[C][C];
+    // The right-hand side, then the solved corrections D.
+    __shared__ float Rs[C][32];
+    // beta, log keep, then G (running sum of log keep).
+    __shared__ float beta_s[C], G_s[C];
+    pdl_enter();
+    const u32* sq = seqs + DELTA_SEQ_FIELDS * blockIdx.z;
+    if (sq[3] == DELTA_NO_SLOT) return;
+    const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5, tid = threadIdx.x;
+    const int h = blockIdx.y;
+    const int row0 = (int)sq[0], n = (int)sq[1], cached = (int)sq[2];
+    const long long slot = sq[3];
+    const int j = blockIdx.x * 32 + lane;
+    const bool jl = j < dv;
+    const int kh = tiled ? h % k_heads : h / (v_heads / k_heads);
+    const int key = k_heads * dk;
+    // Rows rounded up to whole float4s; rows dk .. dk4-1 hold zeros.
+    const int dk4 = (dk + 3) & ~3;
+    float* S = state + slot * slot_stride + (long long)h * dk * dv;
+    for (int i = wp; i < dk4; i += 4) Ss[i][lane] = (cached > 0 && jl && i < dk) ? S[(long long)i * dv + j] : 0.f;
+    const float dec = decay[h], dtb = dt_bias[h];
+    for (int c0 = 0; c0 < n; c0 += C) {
+        // Load the chunk: q and k rows (zeros past the sequence), this thread's
+        // v, and (thread t) token t's gates; a token past the end keeps the
+        // state (log keep 0) and writes nothing (beta 0).
+        for (int e = tid; e < C * dk4; e += DELTA_C_THREADS) {
+            const int t = e / dk4, i = e - t * dk4;
+            const bool in = c0 + t < n && i < dk;
+            const float* row = qkv + (long long)(row0 + c0 + t) * qkv_cols;
+            Qs[t][i] = in ? row[kh * dk + i] : 0.f;
+            Ks[t][i] = in ? row[key + kh * dk + i] : 0.f;
+        }
+        float v[TOK];
+#pragma unroll
+        for (int u = 0; u < TOK; u++) {
+            const int t = c0 + wp * TOK + u;
+            v[u] = (t < n && jl) ? qkv[(long long)(row0 + t) * qkv_cols + 2 * key + h * dv + j] : 0.f;
+        }
+        if (tid < C) {
+            const bool in = c0 + tid < n;
+            const long long r = (long long)(row0 + c0 + tid) * v_heads + h;
+            beta_s[tid] = in ? delta_sigmoid(b[r]) : 0.f;
+            G_s[tid] = in ? -dec * delta_softplus(a[r] + dtb) : 0.f;
+        }
+        __syncthreads();
+        // Normalize the warp's tokens' q and k; one thread sums the log keeps.
+        for (int u = 0; u < TOK; u++) {
+            const int t = wp * TOK + u;
+            float q2 = 0.f, k2 = 0.f;
+            for (int i = lane; i < dk4; i += 32) {
+                q2 += Qs[t][i] * Qs[t][i];
+                k2 += Ks[t][i] * Ks[t][i];
+            }
+            q2 = warp_sum(q2);
+            k2 = warp_sum(k2);
+            const float qn = 1.0f / sqrtf(q2 + DELTA_L2_EPS) * scale;
+            const float kn = 1.0f / sqrtf(k2 + DELTA_L2_EPS);
+            for (int i = lane; i < dk4; i += 32) {
+                Qs[t][i] *= qn;
+                Ks[t][i] *= kn;
+            }
+        }
+        if (tid == 0)
+            for (int t = 1; t < C; t++) G_s[t] += G_s[t - 1];
+        __syncthreads();
+        // K K^T and Q K^T, two entries of each per thread, decays and beta folded in.
+        {
+            const int t = tid >> 3, s = (tid & 7) * 2;
+            float kk0 = 0.f, kk1 = 0.f, qk0 = 0.f, qk1 = 0.f;
+            for (int i = 0; i < dk4; i += 4) {
+                const float4 kt = *(const float4*)&Ks[t][i], qt = *(const float4*)&Qs[t][i];
+                const float4 k0 = *(const float4*)&Ks[s][i], k1 = *(const float4*)&Ks[s + 1][i];
+                kk0 += kt.x * k0.x + kt.y * k0.y + kt.z * k0.z + kt.w * k0.w;
+                kk1 += kt.x * k1.x + kt.y * k1.y + kt.z * k1.z + kt.w * k1.w;
+                qk0 += qt.x * k0.x + qt.y * k0.y + qt.z * k0.z + qt.w * k0.w;
+                qk1 += qt.x * k1.x + qt.y * k1.y + qt.z * k1.z + qt.w * k1.w;
+            }
+            const float gt = G_s[t], bt = beta_s[t];
+            const float e0 = s <= t ? expf(gt - G_s[s]) : 0.f, e1 = s + 1 <= t ? expf(gt - G_s[s + 1]) : 0.f;
+            As[t][s] = s < t ? bt * e0 * kk0 : 0.f;
+            As[t][s + 1] = s + 1 < t ? bt * e1 * kk1 : 0.f;
+            Ps[t][s] = e0 * qk0;
+            Ps[t][s + 1] = e1 * qk1;
+        }
+        // K S0 and Q S0 for the warp's tokens, column j.
+        float oq[TOK];
+        {
+            float ks[TOK], qs[TOK];
+#pragma unroll
+            for (int u = 0; u < TOK; u++) ks[u] = qs[u] = 0.f;
+            for (int i = 0; i < dk4; i += 4) {
+                const float s0 = Ss[i][lane], s1 = Ss[i + 1][lane], s2 = Ss[i + 2][lane], s3 = Ss[i + 3][lane];
+#pragma unroll
+                for (int u = 0; u < TOK; u++) {
+                    const float4 k4 = *(const float4*)&Ks[wp * TOK + u][i];
+                    const float4 q4 = *(const float4*)&Qs[wp * TOK + u][i];
+                    ks[u] += k4.x * s0 + k4.y * s1 + k4.z * s2 + k4.w * s3;
+                    qs[u] += q4.x * s0 + q4.y * s1 + q4.z * s2 + q4.w * s3;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < TOK; u++) {
+                const int t = wp * TOK + u;
+                const float gamma = expf(G_s[t]);
+                Rs[t][lane] = beta_s[t] * (v[u] - gamma * ks[u]);
+                oq[u] = gamma * qs[u];
+            }
+        }
+        __syncthreads();
+        // (I + A) D = R by forward substitution, column j on lane j of warp 0.
+        if (wp == 0) {
+            float d[C];
+#pragma unroll
+            for (int t = 0; t < C; t++) {
+                float x = Rs[t][lane];
+#pragma unroll
+                for (int s = 0; s < t; s++) x -= As[t][s] * d[s];
+                d[t] = x;
+                Rs[t][lane] = x;
+            }
+        }
+        __syncthreads();
+        // The warp's tokens' output, column j.
+#pragma unroll
+        for (int u = 0; u < TOK; u++) {
+            const int t = wp * TOK + u;
+            float o = oq[u];
+#pragma unroll
+            for (int s = 0; s < C; s++) o += Ps[t][s] * Rs[s][lane];
+            if (c0 + t < n && jl) out[(long long)(row0 + c0 + t) * out_cols + h * dv + j] = o;
+        }
+        // The state at the chunk's end: the warp's groups of four rows of
+        // column j, each correction weighted by the decay from its token on.
+        {
+            const float gc = G_s[C - 1], gamma_c = expf(gc);
+            float d[C];
+#pragma unroll
+            for (int s = 0; s < C; s++) d[s] = expf(gc - G_s[s]) * Rs[s][lane];
+            for (int i = wp * 4; i < dk4; i += 16) {
+                float s0 = Ss[i][lane] * gamma_c, s1 = Ss[i + 1][lane] * gamma_c;
+                float s2 = Ss[i + 2][lane] * gamma_c, s3 = Ss[i + 3][lane] * gamma_c;
+#pragma unroll
+                for (int s = 0; s < C; s++) {
+                    const float4 k4 = *(const float4*)&Ks[s][i];
+                    s0 += k4.x * d[s];
+                    s1 += k4.y * d[s];
+                    s2 += k4.z * d[s];
+                    s3 += k4.w * d[s];
+                }
+                Ss[i][lane] = s0;
+                Ss[i + 1][lane] = s1;
+                Ss[i + 2][lane] = s2;
+                Ss[i + 3][lane] = s3;
+            }
+        }
+        __syncthreads();
+    }
+    for (int i = wp; i < dk; i += 4)
+        if (jl) S[(long long)i * dv + j] = Ss[i][lane];
+}

@@ -13,11 +13,12 @@
 //!   ten times that, while a wrong index or a missing term is an O(1) error;
 //! - `SCAN` (1e-3) for the gated delta rule and the states it leaves: both
 //!   sides are f32, but each token's result feeds the next through the state,
-//!   so different summation orders compound over a few hundred tokens.
+//!   so different summation orders compound over a few hundred tokens (the
+//!   chunked form of the rule sums in yet another order: by chunks of 16).
 
 use super::device::{cuda_err, Purpose, Stream};
 use super::matmul::GEMV_MAX_ROWS;
-use super::{CudaAct, CudaBackend, CudaKv, CudaWeight, PrefillPath};
+use super::{CudaAct, CudaBackend, CudaKv, CudaWeight, DeltaPrefill, PrefillPath};
 use crate::cpu::{CpuAct, CpuBackend};
 use crate::dtype::{DType, HostTensor, TensorBytes};
 use crate::{
@@ -1315,6 +1316,48 @@ fn delta_bench(be: &CudaBackend, rng: &mut Rng, lines: &mut Vec<String>) -> Resu
             ms as f64 * 1e3 / rows_each as f64
         ));
     }
+    // The delta rule alone on a prompt continuing a cached state, by the scan
+    // and by the chunked form (what a prefill step takes).
+    for rows in [2048usize, 8192] {
+        let mut put = |cols: usize, scale: f32| -> Result<CudaAct> {
+            let act = be.alloc_act(ActShape { rows, cols })?;
+            put_gpu(be, &act, &rng.vec(rows * cols, scale))?;
+            Ok(act)
+        };
+        let (x, a, b) = (put(g.conv_channels(), 1.0)?, put(g.v_heads, 1.0)?, put(g.v_heads, 1.0)?);
+        let mut out = be.alloc_act(ActShape { rows, cols: g.value_width() })?;
+        let seqs = [SeqStep { row_start: 0, rows, cached: 100, pages: &pages }];
+        let slots = [StateSlot(0)];
+        let mut per_token = Vec::new();
+        for path in [DeltaPrefill::Scan, DeltaPrefill::Chunked] {
+            be.lock().delta_prefill = path;
+            let ms = time_ms(be, if rows > 2048 { 3 } else { 10 }, || {
+                let r = be.gated_delta_rule(DeltaRule {
+                    qkv: &x,
+                    a: &a,
+                    b: &b,
+                    decay: &l.decay,
+                    dt_bias: &l.dt_bias,
+                    geometry: g,
+                    state: &mut l.rec,
+                    seqs: &seqs,
+                    slots: &slots,
+                    out: &mut out,
+                });
+                if let Err(e) = r {
+                    be.lock().error.get_or_insert(e);
+                }
+            });
+            be.lock().delta_prefill = DeltaPrefill::Chunked;
+            per_token.push(ms? as f64 * 1e3 / rows as f64);
+        }
+        lines.push(format!(
+            "delta rule (27B heads) prompt of {rows}: scan {:.3} us, chunked {:.3} us per token ({:.1}x)",
+            per_token[0],
+            per_token[1],
+            per_token[0] / per_token[1]
+        ));
+    }
     Ok(())
 }
 
@@ -1499,6 +1542,23 @@ fn delta_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: 
             slots: 1,
             steps: &[&[(0, 150, 0)], &[(0, 67, 150)], &[(0, 1, 217)], &[(0, 1, 218)]],
         },
+        // The chunked form's edges (chunks of DELTA_CHUNK_ROWS = 16): prompts of 1,
+        // 15, 16, 17 and 53 rows in one launch, from zeros and on a cached state.
+        DeltaCase {
+            name: "Qwen3.5-27B heads, prompts of 1, 15, 16, 17, 53 rows in one step, each continued",
+            geometry: geo(16, 48, 128, 128, 4, VHeadOrder::Grouped),
+            slots: 5,
+            steps: &[
+                &[(0, 1, 0), (1, 15, 0), (2, 16, 0), (3, 17, 0), (4, 53, 0)],
+                &[(4, 1, 53), (0, 53, 1), (1, 17, 15), (2, 16, 16), (3, 15, 17)],
+            ],
+        },
+        DeltaCase {
+            name: "Qwen3.5-27B heads, a 2048-token prompt, 300 more on its state, then decode",
+            geometry: geo(16, 48, 128, 128, 4, VHeadOrder::Grouped),
+            slots: 2,
+            steps: &[&[(1, 2048, 0)], &[(1, 300, 2048)], &[(1, 1, 2348)]],
+        },
         DeltaCase {
             name: "key heads of 256, tiled value heads, v_dim 96 (a partial tile), 3 taps",
             geometry: geo(2, 6, 256, 96, 3, VHeadOrder::Tiled),
@@ -1522,9 +1582,20 @@ fn delta_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: 
             steps: &[&[(1, 2, 0)], &[(1, 1, 2)], &[(1, 70, 3)], &[(1, 3, 73)]],
         },
     ];
-    for c in &cases {
-        delta_case(be, cpu, rep, rng, c)?;
+    // Every case through both kernels of the delta rule: the chunked form (for
+    // steps with a sequence of CHUNKED_MIN_ROWS rows or more; k_dim up to 128)
+    // and the scan for everything.
+    for path in [DeltaPrefill::Chunked, DeltaPrefill::Scan] {
+        be.lock().delta_prefill = path;
+        for c in &cases {
+            let r = delta_case(be, cpu, rep, rng, c, path);
+            if r.is_err() {
+                be.lock().delta_prefill = DeltaPrefill::Chunked;
+            }
+            r?;
+        }
     }
+    be.lock().delta_prefill = DeltaPrefill::Chunked;
 
     // Refusals: a slot shared by two sequences, a slot outside the pool.
     let g = cases[0].geometry;
@@ -1566,6 +1637,7 @@ fn delta_case(
     rep: &mut CheckReport,
     rng: &mut Rng,
     c: &DeltaCase<'_>,
+    path: DeltaPrefill,
 ) -> Result<()> {
     let g = c.geometry;
     let w = delta_weights(rng, g);
@@ -1600,12 +1672,12 @@ fn delta_case(
             &xc,
             EXACT,
         );
-        rep.compare(&format!("gated_delta_rule, {}, step {i}", c.name), &og, &oc, SCAN);
+        rep.compare(&format!("gated_delta_rule ({path:?}), {}, step {i}", c.name), &og, &oc, SCAN);
     }
     let (cg, rg) = lg.states(be, c.slots)?;
     let (cc, rc) = lc.states(cpu, c.slots)?;
     rep.compare(&format!("convolution states left, {}", c.name), &cg, &cc, EXACT);
-    rep.compare(&format!("recurrent states left, {}", c.name), &rg, &rc, SCAN);
+    rep.compare(&format!("recurrent states left ({path:?}), {}", c.name), &rg, &rc, SCAN);
     Ok(())
 }
 

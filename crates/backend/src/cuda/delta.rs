@@ -10,11 +10,17 @@
 //! width), so a slot-major pool holding every layer's state of one request
 //! side by side can be addressed by the same launches.
 //!
-//! The delta rule runs token by token over a sequence's rows in one launch
-//! for every (sequence, value head, 32 value columns), the state held in
-//! registers: the recurrent update for decode and an exact scan for prefill
-//! (the chunked form, whose intra-chunk work would go to tensor cores, is
-//! not written yet: a prompt's tokens take one short step each).
+//! The delta rule has two kernels, each launched once for every (sequence,
+//! value head, 32 value columns). The scan runs token by token with the
+//! state in registers: the recurrent update of decode, and the path of any
+//! step in which no sequence brings a chunk's worth of rows. A prefill step
+//! (some sequence brings at least [`CHUNKED_MIN_ROWS`]) takes the chunked
+//! form instead: [`DELTA_CHUNK_ROWS`] tokens at a time, the intra-chunk
+//! products (K Kᵀ, Q Kᵀ, K S₀, the triangular solve for the corrections,
+//! the state update) in f32 FMA over shared memory, five barriers a chunk
+//! where the scan takes two a token. Both leave the state in the same slot
+//! layout and write the output to the same place, so decode continues from
+//! either.
 //!
 //! Each launch reads its sequences (first row, rows, cached, slot) from one
 //! device table that `begin_step` uploads from the [`crate::StepPlan`]'s
@@ -37,6 +43,44 @@ pub const CONV_TAPS: std::ops::RangeInclusive<usize> = 2..=6;
 /// Largest key head dimension of the delta-rule kernel: 32 state rows per
 /// thread, at most 8 warps (`gated_delta_rule_w{1,2,4,8}`).
 pub const MAX_DELTA_K_DIM: usize = 256;
+
+/// Tokens of one chunk of the chunked delta rule (kernels/delta.cu DELTA_C).
+pub const DELTA_CHUNK_ROWS: usize = 16;
+
+/// Largest key head dimension of the chunked delta rule: the state slice and
+/// a chunk's q and k rows must fit in a block's 48 KB of static shared
+/// memory (kernels/delta.cu DELTA_C_MAX_K). Wider heads keep the scan.
+pub const MAX_CHUNKED_K_DIM: usize = 128;
+
+/// A step takes the chunked delta rule when some sequence brings at least
+/// this many rows: one whole chunk. Below it the chunked kernel would spend
+/// a chunk's fixed work (its products over 16 tokens, the solve) on fewer
+/// tokens while the scan's cost per token is small, and a decode step
+/// (every sequence one row) must stay on the scan, the kernel its captured
+/// graphs are recorded with.
+pub const CHUNKED_MIN_ROWS: usize = DELTA_CHUNK_ROWS;
+
+/// Which delta-rule kernel a prefill step takes. `Chunked` (for steps with a
+/// sequence of at least [`CHUNKED_MIN_ROWS`] rows) is what the backend uses;
+/// `Scan` exists so the self-check and the benchmark can run the scan on the
+/// same inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum DeltaPrefill {
+    Chunked,
+    Scan,
+}
+
+impl DeltaPrefill {
+    /// Whether a step of these sequences, over heads of `k_dim`, runs chunked.
+    fn chunks(self, seqs: &[SeqStep<'_>], k_dim: usize) -> bool {
+        self == DeltaPrefill::Chunked
+            && k_dim <= MAX_CHUNKED_K_DIM
+            && seqs.iter().any(|s| s.rows >= CHUNKED_MIN_ROWS)
+    }
+}
+
+/// Threads of a chunked delta-rule block (kernels/delta.cu DELTA_C_THREADS).
+const CHUNKED_THREADS: u32 = 128;
 
 /// The slot of a table entry that stands for no sequence (kernels/delta.cu DELTA_NO_SLOT).
 const NO_SLOT: u32 = u32::MAX;
@@ -282,9 +326,14 @@ impl CudaBackend {
             let (seqs, slots) = (p.seqs, p.slots);
             let entries =
                 self.sync_delta_seqs(st, SeqSlots { op, seqs, slots, state, width, x_rows: rows })?;
-            // Warps of 32 state rows each, enough for k_dim.
+            let chunked = st.delta_prefill.chunks(seqs, dk);
+            // The scan: warps of 32 state rows each, enough for k_dim.
             let warps = dk.div_ceil(32).next_power_of_two();
-            let kernel = self.k.gated_delta_rule[warps.trailing_zeros() as usize];
+            let (kernel, threads) = if chunked {
+                (self.k.gated_delta_rule_chunked, CHUNKED_THREADS)
+            } else {
+                (self.k.gated_delta_rule[warps.trailing_zeros() as usize], (32 * warps) as u32)
+            };
             let a = Args::new()
                 .ptr(p.qkv.ptr())
                 .ptr(p.a.ptr())
@@ -303,10 +352,8 @@ impl CudaBackend {
                 .i32(dv as i32)
                 .i32(i32::from(g.v_order == VHeadOrder::Tiled))
                 .f32(1.0 / (dk as f32).sqrt());
-            let dims = LaunchDims {
-                grid: (dv.div_ceil(32) as u32, vh as u32, entries as u32),
-                block: (32 * warps) as u32,
-            };
+            let dims =
+                LaunchDims { grid: (dv.div_ceil(32) as u32, vh as u32, entries as u32), block: threads };
             unsafe { self.launch(kernel, dims, a) }
         })
     }
@@ -364,5 +411,20 @@ mod tests {
         assert_eq!(delta_table(&prefill, &[StateSlot(1), StateSlot(2)], 6).len(), 8);
         // Padding never shortens the table.
         assert_eq!(delta_table(&decode, &[StateSlot(3), StateSlot(0)], 1).len(), 8);
+    }
+
+    #[test]
+    fn a_step_runs_chunked_only_with_a_whole_chunk_of_some_sequence() {
+        let pages = [PageId(0)];
+        let seq = |rows| SeqStep { row_start: 0, rows, cached: 0, pages: &pages };
+        let auto = DeltaPrefill::Chunked;
+        // Decode, and prompts shorter than a chunk, keep the scan.
+        assert!(!auto.chunks(&[seq(1), seq(1), seq(0)], 128));
+        assert!(!auto.chunks(&[seq(CHUNKED_MIN_ROWS - 1), seq(1)], 128));
+        // One sequence with a whole chunk takes the whole step chunked.
+        assert!(auto.chunks(&[seq(1), seq(CHUNKED_MIN_ROWS)], 128));
+        // Heads wider than the chunked kernel's shared memory, or the scan asked for.
+        assert!(!auto.chunks(&[seq(500)], MAX_CHUNKED_K_DIM + 1));
+        assert!(!DeltaPrefill::Scan.chunks(&[seq(500)], 128));
     }
 }

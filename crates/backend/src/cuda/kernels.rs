@@ -58,6 +58,8 @@ pub(super) struct Kernels {
     pub(super) causal_conv_silu: [Kernel; 5],
     /// Indexed by log2 of the warps (1, 2, 4, 8: key heads of up to 32, 64, 128, 256).
     pub(super) gated_delta_rule: [Kernel; 4],
+    /// The chunked form of the delta rule for prefill (`delta::DELTA_CHUNK_ROWS` tokens a chunk).
+    pub(super) gated_delta_rule_chunked: Kernel,
     /// The routed expert FFN (kernels/moe.cu, launched from `moe.rs`).
     pub(super) moe_route: Kernel,
     pub(super) moe_sort: Kernel,
@@ -177,6 +179,7 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
             f("gated_delta_rule_w4")?,
             f("gated_delta_rule_w8")?,
         ],
+        gated_delta_rule_chunked: f("gated_delta_rule_chunked")?,
         moe_route: f("moe_route")?,
         moe_sort: f("moe_sort")?,
         moe_route_sort: f("moe_route_sort")?,

@@ -53,6 +53,7 @@ use crate::{BackendError, CudaTuning, GraphKey, Result, RopeTable};
 use attention::{PrefillPath, SeqMaps};
 use corridor_units::Bytes;
 use cudarc::driver::{result as cu, sys};
+use delta::DeltaPrefill;
 use device::{cuda_err, Args, Ctx, DeviceAlloc, DeviceBuffer, Kernel, LaunchDims, Purpose, Stream};
 use gemm::Gemm;
 use graphs::{drop_graphs, Captured};
@@ -166,6 +167,7 @@ struct State {
     /// Per sequence of a delta-net op: first row, rows, cached, state slot.
     delta_seqs: Meta,
     prefill: PrefillPath,
+    delta_prefill: DeltaPrefill,
     maps: SeqMaps,
     maps_scratch: SeqMaps,
     inv_freq: DeviceBuffer,
@@ -277,6 +279,7 @@ impl CudaBackend {
             rest_seq: meta(rows)?,
             delta_seqs: meta(4 * config.max_seqs)?,
             prefill: PrefillPath::Tiled,
+            delta_prefill: DeltaPrefill::Chunked,
             maps: SeqMaps::default(),
             maps_scratch: SeqMaps::default(),
             inv_freq: DeviceBuffer::new(

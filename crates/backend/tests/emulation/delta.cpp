@@ -6,6 +6,9 @@
 // slot that held another, a padding entry of no slot, and prompts of whole
 // and partial chunks of the delta rule's staging (DELTA_CHUNK tokens), and
 // the hybrid tiny fixture's geometry under the model's own call pattern.
+// The chunked delta rule (gated_delta_rule_chunked, k_dim up to
+// DELTA_C_MAX_K) runs every step of every case beside the scan, on its own
+// copy of the states, against the same reference.
 // Built and run by crates/backend/tests/delta_kernels_emulated.rs; exits 1
 // when a comparison fails.
 #include "shim.h"
@@ -123,8 +126,12 @@ using Step = std::vector<std::array<int, 3>>;
 // padding), so each kernel steps over a whole slot between slots; otherwise
 // each state is its own [slots, elems] buffer. The references keep their own
 // [slots, elems] buffers either way.
+// Which delta-rule kernels a case runs: the chunked one beside the scan
+// wherever k_dim allows, or (a shape too costly to emulate twice) the scan alone.
+enum class Rule { Both, ScanOnly };
+
 void run_case(const std::string& name, Geometry g, int slots, const std::vector<Step>& steps,
-              bool slot_major = false) {
+              bool slot_major = false, Rule rule = Rule::Both) {
     int C = g.channels(), keep = g.taps - 1;
     std::vector<float> w(C * g.taps);
     std::vector<bf16_t> wb(w.size());
@@ -158,6 +165,10 @@ void run_case(const std::string& name, Geometry g, int slots, const std::vector<
         conv_stride = rec_stride = (long long)slot_w;
     }
     const std::vector<float> pool_start = pool;
+    // The chunked kernel's own states: the same start, the same layout.
+    const bool chunked = rule == Rule::Both && g.k_dim <= DELTA_C_MAX_K;
+    std::vector<float> rec_c = rec_r, pool_c = pool;
+    float* rec_base_c = slot_major ? pool_c.data() + conv_w : rec_c.data();
     for (size_t si = 0; si < steps.size(); si++) {
         std::vector<Seq> seqs;
         int rows = 0, most = 0;
@@ -196,6 +207,15 @@ void run_case(const std::string& name, Geometry g, int slots, const std::vector<
         });
         ref_delta({xr, a, b, decay, dt_bias}, rec_r, seqs, orf, g);
         compare("gated_delta_rule, " + at, ok, orf, 1e-4);
+        if (chunked) {
+            std::vector<float> oc(orf.size());
+            launch({(unsigned)(g.v_dim + 31) / 32, (unsigned)g.v_heads, entries}, DELTA_C_THREADS, [&] {
+                gated_delta_rule_chunked(xr.data(), a.data(), b.data(), decay.data(), dt_bias.data(), rec_base_c,
+                                         rec_stride, table.data(), oc.data(), C, g.v_heads * g.v_dim, g.v_heads,
+                                         g.k_heads, g.k_dim, g.v_dim, g.tiled, 1.0f / std::sqrt((float)g.k_dim));
+            });
+            compare("gated_delta_rule_chunked, " + at, oc, orf, 1e-4);
+        }
     }
     if (slot_major) {
         // Each slot's states back out of the pool; the padding between
@@ -210,9 +230,20 @@ void run_case(const std::string& name, Geometry g, int slots, const std::vector<
             }
         }
         compare("padding between slots, " + name, pad_k, pad_r, 0);
+        if (chunked) {
+            std::vector<float> pad_c;
+            for (int sl = 0; sl < slots; sl++) {
+                std::copy_n(&pool_c[sl * slot_w + conv_w], rec_w, &rec_c[sl * rec_w]);
+                // The chunked kernel touches nothing but the recurrent state.
+                for (size_t i = 0; i < slot_w; i++)
+                    if (i < conv_w || i >= conv_w + rec_w) pad_c.push_back(pool_c[sl * slot_w + i] - pool_start[sl * slot_w + i]);
+            }
+            compare("chunked: the rest of each slot untouched, " + name, pad_c, std::vector<float>(pad_c.size(), 0.f), 0);
+        }
     }
     compare("convolution states, " + name, conv_k, conv_r, 1e-6);
     compare("recurrent states, " + name, rec_k, rec_r, 1e-4);
+    if (chunked) compare("recurrent states (chunked), " + name, rec_c, rec_r, 1e-4);
 }
 
 void norm_and_gate() {
@@ -258,8 +289,9 @@ int main() {
               {{2, 1, 8}, {3, 1, 4}, {0, 1, 13}},
               {{3, 1, 5}, {2, 1, 9}, {0, 1, 14}},
               {{3, 1, 6}, {0, 1, 15}, {2, 1, 10}}});
+    // The scan alone: the chunked kernel's run of this shape (with fewer heads) is below.
     run_case("Qwen3.5-27B heads, two prompts then decode", {16, 48, 128, 128, 4, 0}, 3,
-             {{{0, 3, 0}, {2, 2, 0}}, {{2, 1, 2}, {0, 1, 3}}});
+             {{{0, 3, 0}, {2, 2, 0}}, {{2, 1, 2}, {0, 1, 3}}}, false, Rule::ScanOnly);
     run_case("key heads of 128, long chunks (several convolution passes), a used slot", {2, 6, 128, 40, 4, 0}, 4,
              {{{0, 37, 0}, {3, 20, 0}}, {{0, 1, 37}, {3, 1, 20}}, {{3, 9, 0}, {0, 1, 38}}, {{0, 70, 39}}});
     run_case("key heads of 256, tiled value heads, 3 taps", {2, 4, 256, 33, 3, 1}, 3,
@@ -275,6 +307,17 @@ int main() {
              {{{2, 7, 0}, {0, 12, 0}}, {{3, 3, 0}, {2, 1, 7}}, {{2, 1, 8}, {3, 1, 3}, {0, 1, 12}}}, true);
     run_case("slot-major pool, key heads of 128, tiled, 3 taps", {2, 6, 128, 40, 3, 1}, 3,
              {{{1, 20, 0}, {2, 9, 0}}, {{2, 1, 9}, {1, 1, 20}}}, true);
+    // The chunked delta rule (DELTA_C = 16 tokens a chunk) at the chunk's
+    // edges: prompts of 1, C-1, C, C+1 and 3C+5 rows, from a zero state and
+    // continuing a cached one, several sequences in one launch.
+    run_case("chunk edges: prompts of 1, 15, 16, 17, 53 rows, then each continued", {2, 4, 32, 40, 4, 0}, 5,
+             {{{0, 1, 0}, {1, 15, 0}, {2, 16, 0}},
+              {{3, 17, 0}, {4, 53, 0}},
+              {{4, 1, 53}, {0, 53, 1}, {1, 17, 15}, {2, 16, 16}, {3, 15, 17}}});
+    // The 27B head shape (k_dim = v_dim = 128: four value tiles) with fewer heads: a
+    // prompt of 3C+5 split in two launches (the state carried), then decode.
+    run_case("27B head shape, 6 value heads, a 53-row prompt as 37 + 16, decode", {2, 6, 128, 128, 4, 0}, 2,
+             {{{1, 37, 0}}, {{1, 16, 37}}, {{1, 1, 53}}});
     printf("%d comparisons failed\n", failures);
     return failures != 0;
 }

@@ -2,9 +2,9 @@
 // run on a machine without a GPU (crates/backend/tests/delta_kernels_emulated.rs):
 // one std::thread per CUDA thread, the blocks of a grid one after another,
 // __syncthreads as a barrier of the block's threads and warp_sum as a
-// barrier-separated exchange among a warp's 32 threads. Shared memory is a
-// function-local static: every thread of the block sees the same array, and
-// blocks never overlap in time. What this cannot show is a missing barrier's
+// barrier-separated exchange among a warp's 32 threads; float4 is an aligned
+// struct of four floats. Shared memory is a function-local static: every
+// thread of the block sees the same array, and blocks never overlap in time. What this cannot show is a missing barrier's
 // race (threads interleave, but rarely at the bad moment) or a device limit;
 // the GPU check (cuda/check.rs) covers those.
 #include <barrier>
@@ -34,6 +34,12 @@ Dim3 blockDim, gridDim;
 #define __forceinline__ inline
 #define __launch_bounds__(x)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+
+// CUDA's vector type, as the kernels read four floats of shared memory at once.
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
 
 namespace emu {
 std::barrier<>* block_barrier;
