@@ -425,7 +425,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
 //
 // One block of FA_WARPS warps takes a tile of up to FA_BM consecutive query
 // rows of one sequence and one query head; each warp owns 16 rows. K and V are
-// streamed from the paged cache through shared memory FA_BN tokens at a time
+// streamed from the paged cache through shared memory BN tokens at a time
 // (cp.async, K of the next tile loading while P.V of this one runs), S = Q.K^T
 // and O += P.V run as bf16 mma.sync m16n8k16 with f32 accumulators, and the
 // softmax is online (running max and sum per row), so nothing of size
@@ -436,66 +436,63 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
 // every sequence that is prefilled in this step; every row carries its own
 // position, so a tile that follows a prefix-cached part attends to the whole
 // cached history. Tiles are taken longest-first so the long ones start early.
+//
+// A block writes DV of the head's HD output dimensions and reads BN tokens per
+// K/V tile. Head dims 64 and 128 take the whole head (DV = HD, BN = FA_BN).
+// Head dim 256 does not fit that way: its Q fragments (64 registers) and O
+// accumulators (128) leave no room for S, and 64-token K and V tiles take
+// 67 KB of shared memory (the static limit is 48 KB). So HD 256 splits the
+// output in two halves, each its own block (blockIdx.x = tile * 2 + half, so
+// both halves of a tile run side by side and share the K tile in L2): each
+// computes the full-width S = Q.K^T and P.V for its 128 dimensions of V, over
+// tiles of 32 tokens (K 16.5 KB + half V 8.5 KB). The S recompute costs 1.5x
+// the FLOPs of one block per head, all of it on the tensor cores.
 
 #define FA_BM 64
 #define FA_BN 64
 #define FA_WARPS 4
 
-// c += a (16x16, row-major) . b (16x8, column-major), bf16 in, f32 accumulate.
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Four 8x8 b16 matrices from shared memory; lane l gives the address of row
-// l % 8 of matrix l / 8.
-__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-
-// Tokens t0..t0+FA_BN-1 of one KV head into shared memory [FA_BN][HD + 8]
-// (the 8-element pad puts the rows of an 8x8 fragment on distinct banks).
-// Tokens at or past `ctx` are zero-filled and never read from the page table.
-template <int HD>
+// Tokens t0..t0+BN-1 of KV head kvh, its W dimensions from d0, into shared
+// memory [BN][W + 8] (the 8-element pad puts the rows of an 8x8 fragment on
+// distinct banks). Tokens at or past `ctx` are zero-filled and never read from
+// the page table.
+template <int HD, int W, int BN>
 __device__ __forceinline__ void fa_load_tile(bf16_t* dst, const bf16_t* __restrict__ cache,
                                              const u32* __restrict__ pt, int t0, int ctx, int page_size, int kvw,
-                                             int kvh) {
-    const int CH = HD / 8;
+                                             int kvh, int d0) {
+    const int CH = W / 8;
 #pragma unroll
-    for (int c = threadIdx.x; c < FA_BN * CH; c += FA_WARPS * 32) {
+    for (int c = threadIdx.x; c < BN * CH; c += FA_WARPS * 32) {
         int tok = c / CH, part = c % CH;
         int t = t0 + tok;
         const bf16_t* src = cache;
         int bytes = 0;
         if (t < ctx) {
-            src = cache + kv_page_elems(pt[t / page_size]) + (long long)(t % page_size) * kvw + kvh * HD + part * 8;
+            src = cache + kv_page_elems(pt[t / page_size]) + (long long)(t % page_size) * kvw + kvh * HD + d0 +
+                  part * 8;
             bytes = 16;
         }
-        cp_async16(smem_u32(dst + tok * (HD + 8) + part * 8), src, bytes);
+        cp_async16(smem_u32(dst + tok * (W + 8) + part * 8), src, bytes);
     }
 }
 
-template <int HD>
+// Q and K are HD wide; this block writes output dimensions [d0, d0 + DV) of
+// its head, d0 = (blockIdx.x % (HD / DV)) * DV.
+template <int HD, int DV, int BN>
 __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, const bf16_t* __restrict__ kc,
                                                   const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,
                                                   const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,
                                                   const u32* __restrict__ page_table, const u32* __restrict__ tiles,
                                                   float* __restrict__ out, int heads, int kv_heads, int page_size,
                                                   float scale_log2, int ntiles) {
+    static_assert(HD % DV == 0 && DV % 16 == 0 && BN % 16 == 0, "whole mma fragments");
+    const int PARTS = HD / DV;
     pdl_enter();
-    __shared__ __align__(16) bf16_t ks[FA_BN * (HD + 8)];
-    __shared__ __align__(16) bf16_t vs[FA_BN * (HD + 8)];
-    const int LD = HD + 8;
-    int tile = ntiles - 1 - (int)blockIdx.x;
+    __shared__ __align__(16) bf16_t ks[BN * (HD + 8)];
+    __shared__ __align__(16) bf16_t vs[BN * (DV + 8)];
+    const int LD = HD + 8, LDV = DV + 8;
+    int tile = ntiles - 1 - (int)blockIdx.x / PARTS;
+    int d0 = (int)blockIdx.x % PARTS * DV;
     int h = blockIdx.y;
     int row0 = (int)tiles[2 * tile], nrows = (int)tiles[2 * tile + 1];
     const u32* pt = page_table + seq_pt_off[row_seq[row0]];
@@ -526,9 +523,9 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
             qf[kk][3] = pack_bf16x2(x3.x * scale_log2, x3.y * scale_log2);
         }
     }
-    float o[HD / 8][4];
+    float o[DV / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < HD / 8; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    for (int nt = 0; nt < DV / 8; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
     float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.f, l_b = 0.f;
 
     // ldmatrix addressing: lane l reads row l % 8 of matrix l / 8.
@@ -536,36 +533,36 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
     // K (non-transposed): matrices (tokens nt*8.., d kk*16), (nt*8.., kk*16+8), ((nt+1)*8.., kk*16), ((nt+1)*8.., kk*16+8).
     u32 k_addr = smem_u32(ks + ((mi >> 1) * 8 + ri) * LD + (mi & 1) * 8);
     // V (transposed): matrices (tokens kk*16.., d nt*8), (kk*16+8.., nt*8), (kk*16.., (nt+1)*8), (kk*16+8.., (nt+1)*8).
-    u32 v_addr = smem_u32(vs + ((mi & 1) * 8 + ri) * LD + (mi >> 1) * 8);
+    u32 v_addr = smem_u32(vs + ((mi & 1) * 8 + ri) * LDV + (mi >> 1) * 8);
 
-    int nkt = (ctx + FA_BN - 1) / FA_BN;
-    fa_load_tile<HD>(ks, kc, pt, 0, ctx, page_size, kvw, kvh);
+    int nkt = (ctx + BN - 1) / BN;
+    fa_load_tile<HD, HD, BN>(ks, kc, pt, 0, ctx, page_size, kvw, kvh, 0);
     cp_async_commit();
     for (int j = 0; j < nkt; j++) {
-        int t0 = j * FA_BN;
-        fa_load_tile<HD>(vs, vc, pt, t0, ctx, page_size, kvw, kvh);
+        int t0 = j * BN;
+        fa_load_tile<HD, DV, BN>(vs, vc, pt, t0, ctx, page_size, kvw, kvh, d0);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
         // Tiles wholly after this warp's last row are masked for all its rows.
         bool active = t0 <= w_last;
-        float s[FA_BN / 8][4];
+        float s[BN / 8][4];
         if (active) {
 #pragma unroll
-            for (int nt = 0; nt < FA_BN / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            for (int nt = 0; nt < BN / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk++) {
 #pragma unroll
-                for (int nt = 0; nt < FA_BN / 8; nt += 2) {
+                for (int nt = 0; nt < BN / 8; nt += 2) {
                     u32 b0, b1, b2, b3;
                     ldsm_x4(k_addr + (u32)((nt * 8 * LD + kk * 16) * 2), b0, b1, b2, b3);
                     mma_bf16_16816(s[nt], qf[kk], b0, b1);
                     mma_bf16_16816(s[nt + 1], qf[kk], b2, b3);
                 }
             }
-            if (t0 + FA_BN - 1 > w_first) {
+            if (t0 + BN - 1 > w_first) {
 #pragma unroll
-                for (int nt = 0; nt < FA_BN / 8; nt++) {
+                for (int nt = 0; nt < BN / 8; nt++) {
                     int key = t0 + nt * 8 + 2 * t4;
                     if (key > pa) s[nt][0] = NEG_INF;
                     if (key + 1 > pa) s[nt][1] = NEG_INF;
@@ -575,7 +572,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
             }
             float mxa = m_a, mxb = m_b;
 #pragma unroll
-            for (int nt = 0; nt < FA_BN / 8; nt++) {
+            for (int nt = 0; nt < BN / 8; nt++) {
                 mxa = fmaxf(mxa, fmaxf(s[nt][0], s[nt][1]));
                 mxb = fmaxf(mxb, fmaxf(s[nt][2], s[nt][3]));
             }
@@ -592,14 +589,14 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
             l_a *= ca;
             l_b *= cb;
 #pragma unroll
-            for (int nt = 0; nt < HD / 8; nt++) {
+            for (int nt = 0; nt < DV / 8; nt++) {
                 o[nt][0] *= ca;
                 o[nt][1] *= ca;
                 o[nt][2] *= cb;
                 o[nt][3] *= cb;
             }
 #pragma unroll
-            for (int nt = 0; nt < FA_BN / 8; nt++) {
+            for (int nt = 0; nt < BN / 8; nt++) {
                 s[nt][0] = exp2f(s[nt][0] - ba);
                 s[nt][1] = exp2f(s[nt][1] - ba);
                 s[nt][2] = exp2f(s[nt][2] - bb);
@@ -611,7 +608,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
         // Every warp is done with K: load the next tile's K while P.V runs.
         __syncthreads();
         if (j + 1 < nkt) {
-            fa_load_tile<HD>(ks, kc, pt, t0 + FA_BN, ctx, page_size, kvw, kvh);
+            fa_load_tile<HD, HD, BN>(ks, kc, pt, t0 + BN, ctx, page_size, kvw, kvh, 0);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -620,15 +617,15 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
         __syncthreads();
         if (active) {
 #pragma unroll
-            for (int kk = 0; kk < FA_BN / 16; kk++) {
+            for (int kk = 0; kk < BN / 16; kk++) {
                 // The S accumulators of tokens kk*16..kk*16+15 are exactly P's A fragment.
                 u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
                             pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                             pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
-                for (int nt = 0; nt < HD / 8; nt += 2) {
+                for (int nt = 0; nt < DV / 8; nt += 2) {
                     u32 b0, b1, b2, b3;
-                    ldsm_x4_t(v_addr + (u32)((kk * 16 * LD + nt * 8) * 2), b0, b1, b2, b3);
+                    ldsm_x4_t(v_addr + (u32)((kk * 16 * LDV + nt * 8) * 2), b0, b1, b2, b3);
                     mma_bf16_16816(o[nt], a, b0, b1);
                     mma_bf16_16816(o[nt + 1], a, b2, b3);
                 }
@@ -644,18 +641,19 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
     float ia = l_a > 0.f ? 1.f / l_a : 0.f, ib = l_b > 0.f ? 1.f / l_b : 0.f;
     int wa = wid * 16 + g, wb = wa + 8;
     if (wa < nrows) {
-        float* oa = out + ((long long)(row0 + wa) * heads + h) * HD + 2 * t4;
+        float* oa = out + ((long long)(row0 + wa) * heads + h) * HD + d0 + 2 * t4;
 #pragma unroll
-        for (int nt = 0; nt < HD / 8; nt++) *(float2*)(oa + nt * 8) = make_float2(o[nt][0] * ia, o[nt][1] * ia);
+        for (int nt = 0; nt < DV / 8; nt++) *(float2*)(oa + nt * 8) = make_float2(o[nt][0] * ia, o[nt][1] * ia);
     }
     if (wb < nrows) {
-        float* ob = out + ((long long)(row0 + wb) * heads + h) * HD + 2 * t4;
+        float* ob = out + ((long long)(row0 + wb) * heads + h) * HD + d0 + 2 * t4;
 #pragma unroll
-        for (int nt = 0; nt < HD / 8; nt++) *(float2*)(ob + nt * 8) = make_float2(o[nt][2] * ib, o[nt][3] * ib);
+        for (int nt = 0; nt < DV / 8; nt++) *(float2*)(ob + nt * 8) = make_float2(o[nt][2] * ib, o[nt][3] * ib);
     }
 }
 
-#define ATTN_PREFILL(HD)                                                                                          \
+// attn_prefill_hd{HD}: grid (tiles * HD / DV, heads); HD / DV blocks per tile and head.
+#define ATTN_PREFILL(HD, DV, BN)                                                                                  \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                   \
         attn_prefill_hd##HD(const float* __restrict__ q, const bf16_t* __restrict__ kc,                          \
                             const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,                      \
@@ -663,8 +661,9 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
                             const u32* __restrict__ page_table, const u32* __restrict__ tiles,                   \
                             float* __restrict__ out, int heads, int kv_heads, int page_size, float scale_log2,   \
                             int ntiles) {                                                                         \
-        attn_prefill_body<HD>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, tiles, out, heads, kv_heads, \
-                              page_size, scale_log2, ntiles);                                                     \
+        attn_prefill_body<HD, DV, BN>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, tiles, out, heads,   \
+                                      kv_heads, page_size, scale_log2, ntiles);                                   \
     }
-ATTN_PREFILL(64)
-ATTN_PREFILL(128)
+ATTN_PREFILL(64, 64, FA_BN)
+ATTN_PREFILL(128, 128, FA_BN)
+ATTN_PREFILL(256, 128, 32)

@@ -7,9 +7,10 @@
 //! V. Attention is causal per row and grouped-query. Sequences that bring at
 //! least `TILED_MIN_ROWS` rows to a step go through the tiled tensor-core
 //! kernel (64 query rows per block, K/V streamed through shared memory,
-//! online softmax); every other row (decode, short chunks, and everything
-//! inside a graph capture) through the split-K kernel over the context
-//! (flash-decoding) with a combine pass.
+//! online softmax; head dims 64, 128 and 256, the last as two blocks per tile
+//! that each write half of the output); every other row (decode, short
+//! chunks, other head dims, and everything inside a graph capture) through
+//! the split-K kernel over the context (flash-decoding) with a combine pass.
 
 use super::device::{cuda_err, Args, DeviceBuffer, Kernel, LaunchDims, Purpose};
 use super::graphs::drop_graphs;
@@ -30,6 +31,18 @@ pub(super) const TILE_ROWS: usize = 64;
 
 /// Threads per block of the tiled prefill kernel (FA_WARPS warps).
 pub(super) const TILE_THREADS: u32 = 128;
+
+/// Blocks per tile and head of the head_dim-256 prefill kernel, each writing
+/// 256 / 2 output dimensions (kernels/attention.cu `ATTN_PREFILL(256, 128, 32)`):
+/// the whole head's Q fragments and O accumulators do not fit one thread's registers.
+pub(super) const TILE_PARTS_HD256: u32 = 2;
+
+/// A tiled prefill kernel and how many blocks share each tile of a head.
+#[derive(Clone, Copy)]
+pub(super) struct TiledKernel {
+    pub(super) kernel: Kernel,
+    pub(super) parts: u32,
+}
 
 /// Fewest tokens in one split of the split-K attention; each row's split
 /// length is its context over the splits, at least this (kernels/attention.cu
@@ -261,8 +274,19 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The tiled prefill kernel for heads of `head_dim`; None: those heads take split-K.
+    pub(super) fn tiled_kernel(&self, head_dim: usize) -> Option<TiledKernel> {
+        let whole = |kernel| Some(TiledKernel { kernel, parts: 1 });
+        match head_dim {
+            64 => whole(self.k.attn_prefill_hd64),
+            128 => whole(self.k.attn_prefill_hd128),
+            256 => Some(TiledKernel { kernel: self.k.attn_prefill_hd256, parts: TILE_PARTS_HD256 }),
+            _ => None,
+        }
+    }
+
     /// The tiled prefill kernel over every tile of `st.maps.tiles`.
-    pub(super) fn attn_tiled(&self, st: &State, a: &AttnLaunch<'_>, kernel: Kernel) -> Result<()> {
+    pub(super) fn attn_tiled(&self, st: &State, a: &AttnLaunch<'_>, tk: TiledKernel) -> Result<()> {
         let g = a.kv.geometry;
         let ntiles = st.maps.tiles.len() / 2;
         let scale_log2 = std::f32::consts::LOG2_E / (g.head_dim as f32).sqrt();
@@ -281,8 +305,9 @@ impl CudaBackend {
             .i32(g.page_size.get() as i32)
             .f32(scale_log2)
             .i32(ntiles as i32);
-        let dims = LaunchDims { grid: (ntiles as u32, a.heads as u32, 1), block: TILE_THREADS };
-        unsafe { self.launch(kernel, dims, args) }
+        // The parts of one tile are neighbours in x, so they run together and share its K in L2.
+        let dims = LaunchDims { grid: (ntiles as u32 * tk.parts, a.heads as u32, 1), block: TILE_THREADS };
+        unsafe { self.launch(tk.kernel, dims, args) }
     }
 
     /// How many context splits attention uses for `rows × heads` queries over at most `max_ctx` tokens.
@@ -473,11 +498,7 @@ impl CudaBackend {
                 return Err(BackendError::Other(format!("{heads} heads over {} KV heads", g.kv_heads)));
             }
             let a = AttnLaunch { q, kv, heads, out: out.ptr() };
-            let tiled = match g.head_dim {
-                64 => Some(self.k.attn_prefill_hd64),
-                128 => Some(self.k.attn_prefill_hd128),
-                _ => None,
-            };
+            let tiled = self.tiled_kernel(g.head_dim);
             // A captured step must stay valid for any rows and contexts, which
             // only the split-K kernel's fixed grid allows; it also splits for
             // the longest context the backend was sized for.
@@ -486,8 +507,8 @@ impl CudaBackend {
                 return self.attn_split(st, &a, st.row_seq.dev.ptr(), max_ctx);
             }
             match tiled {
-                Some(kernel) if st.prefill == PrefillPath::Tiled && !st.maps.tiles.is_empty() => {
-                    self.attn_tiled(st, &a, kernel)?;
+                Some(tk) if st.prefill == PrefillPath::Tiled && !st.maps.tiles.is_empty() => {
+                    self.attn_tiled(st, &a, tk)?;
                     if st.maps.rest_max_ctx > 0 {
                         self.attn_split(st, &a, st.rest_seq.dev.ptr(), st.maps.rest_max_ctx)?;
                     }

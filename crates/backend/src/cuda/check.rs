@@ -589,7 +589,35 @@ fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, r
             geometry: g(32, 4, 64),
             seqs: &[(33, 64), (0, 130)],
         },
+        // Head dim 256 (Qwen3.5's full-attention layers, 24 query heads on 4
+        // KV heads): two blocks per tile, each writing half of the output
+        // dimensions, K/V tiles of 32 tokens.
+        AttnCase {
+            name: "fresh prefill of 1000 rows (16 tiles, the last of 40 rows), hd 256, GQA 24/4",
+            heads: 24,
+            geometry: g(16, 4, 256),
+            seqs: &[(0, 1000)],
+        },
+        AttnCase {
+            name: "prefix-cached prefill + decode + short chunk, hd 256, GQA 24/4",
+            heads: 24,
+            geometry: g(16, 4, 256),
+            seqs: &[(300, 1), (700, 77), (0, 16), (5, 15)],
+        },
+        AttnCase {
+            name: "prefill hd 256, no GQA, page 32",
+            heads: 2,
+            geometry: g(32, 2, 256),
+            seqs: &[(33, 64), (0, 130)],
+        },
     ];
+    // A head dim without a tiled kernel falls back to split-K, which would
+    // pass the comparisons below as well.
+    for hd in [64, 128, 256] {
+        let has =
+            be.tiled_kernel(hd).map(|_| ()).ok_or_else(|| crate::BackendError::Other("split-K only".into()));
+        rep.refused(&format!("a tiled prefill kernel for head_dim {hd}"), has);
+    }
     // Every case through both prefill paths: the tiled kernel (for sequences
     // of at least TILED_MIN_ROWS rows) and the split-K kernel for everything.
     for path in [PrefillPath::Tiled, PrefillPath::SplitK] {
@@ -1162,47 +1190,20 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
         ));
     }
     // Attention: Llama-3-8B shapes (32 heads, 8 KV heads, head_dim 128).
-    let geo = KvGeometry { page_size: Tokens(16), num_pages: Pages(600), kv_heads: 8, head_dim: 128 };
-    let mut kv = be.alloc_kv(geo)?;
-    let pages: Vec<PageId> = (0..512u32).map(|i| PageId((i * 7) % 600)).collect();
+    let llama = AttnBenchShape { name: "hd 128, 32/8 heads", heads: 32, kv_heads: 8, head_dim: 128 };
+    let both: &[PrefillPath] = &[PrefillPath::Tiled, PrefillPath::SplitK];
     let cases: [(usize, usize, &[PrefillPath]); 6] = [
         (4095, 1, &[PrefillPath::Tiled]),
         (6000, 1, &[PrefillPath::Tiled]),
-        (0, 2048, &[PrefillPath::Tiled, PrefillPath::SplitK]),
-        (0, 8192, &[PrefillPath::Tiled, PrefillPath::SplitK]),
-        (4096, 1024, &[PrefillPath::Tiled, PrefillPath::SplitK]),
+        (0, 2048, both),
+        (0, 8192, both),
+        (4096, 1024, both),
         (0, 512, &[PrefillPath::Tiled]),
     ];
-    for &(cached, rows, paths) in &cases {
-        let q = be.alloc_act(ActShape { rows, cols: 32 * 128 })?;
-        put_gpu(be, &q, &rng.vec(rows * 32 * 128, 1.0))?;
-        let seqs = [SeqStep { row_start: 0, rows, cached, pages: &pages }];
-        // The whole context in the cache: the cached part and this step's rows.
-        let ctx = cached + rows;
-        let kvv = be.alloc_act(ActShape { rows: ctx, cols: 8 * 128 })?;
-        put_gpu(be, &kvv, &rng.vec(ctx * 8 * 128, 1.0))?;
-        be.write_kv(&mut kv, &kvv, &kvv, &[SeqStep { row_start: 0, rows: ctx, cached: 0, pages: &pages }]);
-        let mut out = be.alloc_act(ActShape { rows, cols: 32 * 128 })?;
-        for &path in paths {
-            be.lock().prefill = path;
-            let reps = if path == PrefillPath::SplitK && rows > 2048 { 3 } else { 20 };
-            let ms = time_ms(be, reps, || be.attention(&q, &kv, 32, &seqs, &mut out));
-            be.lock().prefill = PrefillPath::Tiled;
-            let ms = ms?;
-            if rows == 1 {
-                let gbs = (ctx * 8 * 128 * 2 * 2) as f64 / (ms as f64 * 1e-3) / 1e9;
-                lines.push(format!("decode attention ctx {ctx}: {ms:.4} ms, KV read {gbs:.0} GB/s"));
-            } else {
-                // Causal: row i (position cached + i) attends to cached + i + 1 keys.
-                let pairs = (rows * cached + rows * (rows + 1) / 2) as f64;
-                let flops = 4.0 * 32.0 * 128.0 * pairs;
-                lines.push(format!(
-                    "prefill attention {rows} tokens after {cached} cached ({path:?}): {ms:.3} ms, {:.1} TFLOP/s",
-                    flops / (ms as f64 * 1e-3) / 1e12
-                ));
-            }
-        }
-    }
+    attention_bench(be, &mut rng, &mut lines, &llama, &cases)?;
+    // One full-attention layer of Qwen3.5-27B (24 heads, 4 KV heads, head_dim 256).
+    let qwen = AttnBenchShape { name: "hd 256, 24/4 heads", heads: 24, kv_heads: 4, head_dim: 256 };
+    attention_bench(be, &mut rng, &mut lines, &qwen, &[(0, 2048, both), (0, 8192, both)])?;
     delta_bench(be, &mut rng, &mut lines)?;
     moe_bench(be, &mut rng, &mut lines)?;
     // Sampling on the device: the kernel alone (device time by events, no
@@ -1254,6 +1255,64 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
         }
     }
     Ok(lines)
+}
+
+/// The attention shape of one model's layer, for `attention_bench`.
+struct AttnBenchShape {
+    name: &'static str,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+/// Attention of one layer of `shape` for each (cached, rows) case, through
+/// each of its prefill paths: one row is a decode step (KV read bandwidth),
+/// more rows a prefill (useful TFLOP/s: the causal pairs' Q.K^T and P.V, not
+/// what a kernel recomputes).
+fn attention_bench(
+    be: &CudaBackend,
+    rng: &mut Rng,
+    lines: &mut Vec<String>,
+    shape: &AttnBenchShape,
+    cases: &[(usize, usize, &[PrefillPath])],
+) -> Result<()> {
+    let (heads, kvw, hd) = (shape.heads, shape.kv_heads * shape.head_dim, shape.head_dim);
+    let geo =
+        KvGeometry { page_size: Tokens(16), num_pages: Pages(600), kv_heads: shape.kv_heads, head_dim: hd };
+    let mut kv = be.alloc_kv(geo)?;
+    let pages: Vec<PageId> = (0..512u32).map(|i| PageId((i * 7) % 600)).collect();
+    for &(cached, rows, paths) in cases {
+        let q = be.alloc_act(ActShape { rows, cols: heads * hd })?;
+        put_gpu(be, &q, &rng.vec(rows * heads * hd, 1.0))?;
+        let seqs = [SeqStep { row_start: 0, rows, cached, pages: &pages }];
+        // The whole context in the cache: the cached part and this step's rows.
+        let ctx = cached + rows;
+        let kvv = be.alloc_act(ActShape { rows: ctx, cols: kvw })?;
+        put_gpu(be, &kvv, &rng.vec(ctx * kvw, 1.0))?;
+        be.write_kv(&mut kv, &kvv, &kvv, &[SeqStep { row_start: 0, rows: ctx, cached: 0, pages: &pages }]);
+        let mut out = be.alloc_act(ActShape { rows, cols: heads * hd })?;
+        for &path in paths {
+            be.lock().prefill = path;
+            let reps = if path == PrefillPath::SplitK && rows > 2048 { 3 } else { 20 };
+            let ms = time_ms(be, reps, || be.attention(&q, &kv, heads, &seqs, &mut out));
+            be.lock().prefill = PrefillPath::Tiled;
+            let ms = ms?;
+            let name = shape.name;
+            if rows == 1 {
+                let gbs = (ctx * kvw * 2 * 2) as f64 / (ms as f64 * 1e-3) / 1e9;
+                lines.push(format!("decode attention ({name}) ctx {ctx}: {ms:.4} ms, KV read {gbs:.0} GB/s"));
+            } else {
+                // Causal: row i (position cached + i) attends to cached + i + 1 keys.
+                let pairs = (rows * cached + rows * (rows + 1) / 2) as f64;
+                let flops = 4.0 * (heads * hd) as f64 * pairs;
+                lines.push(format!(
+                    "prefill attention ({name}) {rows} tokens after {cached} cached ({path:?}): {ms:.3} ms, {:.1} TFLOP/s",
+                    flops / (ms as f64 * 1e-3) / 1e12
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One Qwen3.5-27B linear-attention layer's state path (the convolution and

@@ -52,6 +52,8 @@ pub(super) struct Kernels {
     pub(super) attn_combine: Kernel,
     pub(super) attn_prefill_hd64: Kernel,
     pub(super) attn_prefill_hd128: Kernel,
+    /// Two blocks per tile, each half of the output (`attention::TILE_PARTS_HD256`).
+    pub(super) attn_prefill_hd256: Kernel,
     pub(super) sigmoid_mul: Kernel,
     pub(super) gated_rms_norm: Kernel,
     /// Indexed by taps - 2 (2..=6 taps: `delta::CONV_TAPS`).
@@ -164,6 +166,7 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         attn_combine: f("attn_combine")?,
         attn_prefill_hd64: f("attn_prefill_hd64")?,
         attn_prefill_hd128: f("attn_prefill_hd128")?,
+        attn_prefill_hd256: f("attn_prefill_hd256")?,
         sigmoid_mul: f("sigmoid_mul")?,
         gated_rms_norm: f("gated_rms_norm")?,
         causal_conv_silu: [

@@ -1,5 +1,6 @@
-// A host emulation of the CUDA features kernels/delta.cu uses, so its kernels
-// run on a machine without a GPU (crates/backend/tests/delta_kernels_emulated.rs):
+// A host emulation of the CUDA features kernels/delta.cu uses (and, with the
+// warp-wide instructions of emulation/attention.cpp, kernels/attention.cu), so
+// those kernels run on a machine without a GPU (tests/*_kernels_emulated.rs):
 // one std::thread per CUDA thread, the blocks of a grid one after another,
 // __syncthreads as a barrier of the block's threads and warp_sum as a
 // barrier-separated exchange among a warp's 32 threads; float4 is an aligned

@@ -1,0 +1,269 @@
+// The tiled prefill kernels of kernels/attention.cu (attn_prefill_hd64,
+// hd128 and hd256), run under the host emulation of shim.h, against causal
+// attention over the same paged bf16 cache in double precision. The warp-wide
+// tensor-core instructions (mma.sync m16n8k16, ldmatrix with and without
+// .trans), the shuffles and cp.async are emulated below from their PTX
+// definitions, so a wrong fragment index, tile stride, output offset or block
+// decomposition fails here; what the emulation cannot show (a missing
+// cp.async wait: copies land at once) the GPU check in cuda/check.rs covers.
+// Built and run by crates/backend/tests/attention_kernels_emulated.rs; exits 1
+// when a comparison fails.
+#include "shim.h"
+#include <cstdio>
+#include <random>
+
+struct uint2 {
+    u32 x, y;
+};
+struct alignas(16) uint4 {
+    u32 x, y, z, w;
+};
+struct float2 {
+    float x, y;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
+#define __align__(n) __attribute__((aligned(n)))
+using std::max;
+#define NEG_INF (-INFINITY)
+inline int imin(int a, int b) { return a < b ? a : b; }
+#define KV_UNIT_SHIFT 7 // as kernels/common.cu
+inline long long kv_page_elems(u32 unit) { return (long long)unit << KV_UNIT_SHIFT; }
+inline float __uint_as_float(u32 u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+inline u32 __float_as_uint(float f) {
+    u32 u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+inline bf16_t to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (bf16_t)(u >> 16);
+}
+inline u32 pack_bf16x2(float lo, float hi) { return (u32)to_bf16(lo) | ((u32)to_bf16(hi) << 16); }
+
+namespace emu {
+// One 64-byte slot per lane of each warp for the warp-wide exchanges.
+alignas(16) unsigned char board[32][32][64];
+inline void warp_sync() { (*warp_barriers)[threadIdx.x >> 5]->arrive_and_wait(); }
+// Publish this lane's `v`, then let `read` look at every lane's.
+template <class T, class F>
+void exchange(const T& v, F read) {
+    static_assert(sizeof(T) <= 64);
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    memcpy(board[w][lane], &v, sizeof(T));
+    warp_sync();
+    read([w](int l) {
+        T x;
+        memcpy(&x, board[w][l], sizeof(T));
+        return x;
+    });
+    warp_sync();
+}
+// Shared memory addresses are 32-bit offsets from an anchor in the same
+// image as the kernels' function-local statics (integer arithmetic: the
+// statics are other objects).
+unsigned char anchor;
+inline unsigned char* smem(u32 addr) { return (unsigned char*)((intptr_t)&anchor + (int32_t)addr); }
+} // namespace emu
+
+inline void __syncwarp() { emu::warp_sync(); }
+template <class T>
+T __shfl_sync(u32, T v, int src) {
+    T r;
+    emu::exchange(v, [&](auto at) { r = at(src & 31); });
+    return r;
+}
+template <class T>
+T __shfl_xor_sync(u32, T v, int o) {
+    T r;
+    emu::exchange(v, [&](auto at) { r = at((threadIdx.x & 31) ^ o); });
+    return r;
+}
+inline float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// The split-K combine pass needs this to compile; nothing here runs it.
+inline float block_sum(float, float*) { abort(); }
+
+inline u32 smem_u32(const void* p) { return (u32)((intptr_t)p - (intptr_t)&emu::anchor); }
+// The copy lands at once, so the commit and wait have nothing to do.
+inline void cp_async16(u32 dst, const void* src, int bytes) {
+    memset(emu::smem(dst), 0, 16);
+    memcpy(emu::smem(dst), src, bytes);
+}
+inline void cp_async_commit() {}
+template <int N>
+void cp_async_wait() {}
+
+inline float bf16_lo(u32 w) { return bf16_to_f32((bf16_t)(w & 0xffff)); }
+inline float bf16_hi(u32 w) { return bf16_to_f32((bf16_t)(w >> 16)); }
+inline float bf16_half(u32 w, int hi) { return hi ? bf16_hi(w) : bf16_lo(w); }
+
+// mma.m16n8k16.row.col: lane = 4 * group + t. A: a0 (row group, cols 2t..2t+1),
+// a1 (row group + 8), a2 (cols + 8), a3 (both); B: b0 (rows 2t..2t+1 of column
+// group), b1 (rows + 8); C: c0, c1 (row group, cols 2t, 2t+1), c2, c3 (row + 8).
+inline void mma_bf16_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    struct Frag {
+        u32 a[4], b[2];
+    } mine = {{a[0], a[1], a[2], a[3]}, {b0, b1}};
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    emu::exchange(mine, [&](auto at) {
+        for (int i = 0; i < 4; i++) {
+            int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+            float acc = c[i];
+            for (int k = 0; k < 16; k++) {
+                Frag fa = at((row % 8) * 4 + (k % 8) / 2), fb = at(col * 4 + (k % 8) / 2);
+                float x = bf16_half(fa.a[row / 8 + 2 * (k / 8)], k & 1);
+                float y = bf16_half(fb.b[k / 8], k & 1);
+                acc += x * y;
+            }
+            c[i] = acc;
+        }
+    });
+}
+
+// ldmatrix.x4: lane l gives the address of row l % 8 of matrix l / 8; register
+// i receives matrix i's row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1, or with
+// .trans its elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4).
+template <bool TRANS>
+void ldsm(u32 addr, u32 (&r)[4]) {
+    int lane = threadIdx.x & 31;
+    emu::exchange(addr, [&](auto at) {
+        for (int i = 0; i < 4; i++) {
+            if (!TRANS) {
+                memcpy(&r[i], emu::smem(at(i * 8 + lane / 4)) + (lane % 4) * 4, 4);
+            } else {
+                bf16_t lo, hi;
+                memcpy(&lo, emu::smem(at(i * 8 + 2 * (lane % 4))) + (lane / 4) * 2, 2);
+                memcpy(&hi, emu::smem(at(i * 8 + 2 * (lane % 4) + 1)) + (lane / 4) * 2, 2);
+                r[i] = (u32)lo | ((u32)hi << 16);
+            }
+        }
+    });
+}
+inline void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    u32 r[4];
+    ldsm<false>(addr, r);
+    r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
+}
+inline void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    u32 r[4];
+    ldsm<true>(addr, r);
+    r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
+}
+
+#include "../../kernels/attention.cu"
+
+namespace {
+
+std::mt19937 rng(11);
+float rnd(float s) { return std::uniform_real_distribution<float>(-s, s)(rng); }
+
+struct Seq {
+    int cached, rows;
+};
+struct Case {
+    const char* name;
+    int head_dim, heads, kv_heads, page_size;
+    std::vector<Seq> seqs;
+};
+
+using Prefill = void (*)(const float*, const bf16_t*, const bf16_t*, const u32*, const u32*, const u32*,
+                         const u32*, const u32*, float*, int, int, int, float, int);
+
+// Blocks per tile and head, as the host launches them (attention.rs TILE_PARTS_HD256).
+int parts_of(int head_dim) { return head_dim == 256 ? 2 : 1; }
+Prefill kernel_of(int head_dim) {
+    switch (head_dim) {
+    case 64: return attn_prefill_hd64;
+    case 128: return attn_prefill_hd128;
+    default: return attn_prefill_hd256;
+    }
+}
+
+bool run(const Case& c) {
+    const int hd = c.head_dim, kvw = c.kv_heads * hd, ps = c.page_size;
+    // Pages of the cache in a scrambled order, each starting on a KV unit.
+    const int unit_elems = 1 << KV_UNIT_SHIFT, page_elems = ps * kvw;
+    const int page_units = (page_elems + unit_elems - 1) / unit_elems;
+    std::vector<u32> page_table, seq_pt_off, row_pos, row_seq, tiles;
+    int npages = 0;
+    for (auto& s : c.seqs) npages += (s.cached + s.rows + ps - 1) / ps;
+    std::vector<int> order(npages);
+    for (int i = 0; i < npages; i++) order[i] = (i * 7 + 3) % npages;
+    std::vector<bf16_t> kc((size_t)npages * page_units * unit_elems), vc(kc.size());
+    for (auto& x : kc) x = to_bf16(rnd(1.f));
+    for (auto& x : vc) x = to_bf16(rnd(1.f));
+    int next = 0, rows = 0;
+    for (size_t si = 0; si < c.seqs.size(); si++) {
+        auto& s = c.seqs[si];
+        seq_pt_off.push_back(page_table.size());
+        for (int p = 0; p < (s.cached + s.rows + ps - 1) / ps; p++) page_table.push_back(order[next++] * page_units);
+        for (int t0 = 0; t0 < s.rows; t0 += 64) tiles.push_back(rows + t0), tiles.push_back(std::min(64, s.rows - t0));
+        for (int i = 0; i < s.rows; i++) row_pos.push_back(s.cached + i), row_seq.push_back(si);
+        rows += s.rows;
+    }
+    std::vector<float> q((size_t)rows * c.heads * hd), out(q.size(), NAN);
+    for (auto& x : q) x = rnd(2.f);
+    const int ntiles = tiles.size() / 2;
+    const float scale = 1.f / std::sqrt((float)hd);
+    Prefill k = kernel_of(hd);
+    launch({(unsigned)(ntiles * parts_of(hd)), (unsigned)c.heads, 1}, 128, [&] {
+        k(q.data(), kc.data(), vc.data(), row_pos.data(), row_seq.data(), seq_pt_off.data(), page_table.data(),
+          tiles.data(), out.data(), c.heads, c.kv_heads, ps, scale * 1.4426950408889634f, ntiles);
+    });
+    // The reference: each row over keys 0..=its position, from the same cache.
+    auto at = [&](const std::vector<bf16_t>& cache, int si, int t, int kvh, int d) {
+        u32 unit = page_table[seq_pt_off[si] + t / ps];
+        return bf16_to_f32(cache[kv_page_elems(unit) + (size_t)(t % ps) * kvw + kvh * hd + d]);
+    };
+    double err = 0, ref_max = 0;
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < c.heads; h++) {
+            int si = row_seq[r], ctx = row_pos[r] + 1, kvh = h / (c.heads / c.kv_heads);
+            const float* qr = &q[((size_t)r * c.heads + h) * hd];
+            std::vector<double> sc(ctx);
+            double mx = -INFINITY, sum = 0;
+            for (int t = 0; t < ctx; t++) {
+                double d = 0;
+                for (int e = 0; e < hd; e++) d += (double)qr[e] * at(kc, si, t, kvh, e);
+                sc[t] = d * scale;
+                mx = std::max(mx, sc[t]);
+            }
+            for (int t = 0; t < ctx; t++) sum += sc[t] = std::exp(sc[t] - mx);
+            for (int e = 0; e < hd; e++) {
+                double o = 0;
+                for (int t = 0; t < ctx; t++) o += sc[t] * at(vc, si, t, kvh, e);
+                o /= sum;
+                double got = out[((size_t)r * c.heads + h) * hd + e];
+                ref_max = std::max(ref_max, std::fabs(o));
+                err = std::isnan(got) ? INFINITY : std::max(err, std::fabs(got - o));
+            }
+        }
+    // Q and P are rounded to bf16 before their products, as on the GPU (check.rs BF16).
+    bool ok = err <= 2e-2 * ref_max;
+    printf("%s %s: max error %.2e of max |ref| %.2e\n", ok ? "PASS" : "FAIL", c.name, err, ref_max);
+    return ok;
+}
+
+} // namespace
+
+int main() {
+    std::vector<Case> cases = {
+        {"hd 64, two sequences, a prefix-cached one", 64, 2, 1, 16, {{33, 64}, {0, 20}}},
+        {"hd 128, GQA 2, a partial tile", 128, 4, 2, 16, {{0, 70}}},
+        {"hd 256, GQA 2, prefix-cached tiles and a partial one", 256, 4, 2, 16, {{40, 70}, {0, 17}}},
+        {"hd 256, no GQA, page 32, a tile tail of 2 rows", 256, 2, 2, 32, {{0, 130}}},
+    };
+    int failed = 0;
+    for (auto& c : cases) failed += !run(c);
+    return failed ? 1 : 0;
+}
