@@ -6,7 +6,7 @@
 // definitions, so a wrong fragment index, tile stride, output offset or block
 // decomposition fails here; what the emulation cannot show (a missing
 // cp.async wait: copies land at once) the GPU check in cuda/check.rs covers.
-// Built and run by crates/backend/tests/attention_kernels_emulated.rs; exits 1
+// Built and run by crates/backend/tests/kernels_emulated.rs; exits 1
 // when a comparison fails.
 #include "shim.h"
 #include <cstdio>

@@ -9,7 +9,7 @@
 // The chunked delta rule (gated_delta_rule_chunked, k_dim up to
 // DELTA_C_MAX_K) runs every step of every case beside the scan, on its own
 // copy of the states, against the same reference.
-// Built and run by crates/backend/tests/delta_kernels_emulated.rs; exits 1
+// Built and run by crates/backend/tests/kernels_emulated.rs; exits 1
 // when a comparison fails.
 #include "shim.h"
 #include <array>
