@@ -21,11 +21,7 @@ struct alignas(16) uint4 {
 struct float2 {
     float x, y;
 };
-struct alignas(16) float4 {
-    float x, y, z, w;
-};
 inline float2 make_float2(float x, float y) { return {x, y}; }
-#define __align__(n) __attribute__((aligned(n)))
 using std::max;
 #define NEG_INF (-INFINITY)
 inline int imin(int a, int b) { return a < b ? a : b; }
