@@ -11,6 +11,9 @@
 #   scripts/gpu/session.sh hybrid   # kernel checks, the tiny checkpoints, kernel timings, then the served
 #                                   # Qwen3.5-27B-shaped benchmark (bench_qwen35.sh), its 51 GB checkpoint
 #                                   # written while the checks run; one device call (about 9 minutes)
+#   scripts/gpu/session.sh moe      # kernel checks, the tiny checkpoints (scan and chunked delta rule),
+#                                   # then the served Qwen3-30B-A3B-shaped benchmark with a profiled
+#                                   # batch-1 decode (bench_moe.sh), its 61 GB checkpoint in /dev/shm
 # Logs go to $OUT (or /tmp) as they run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -56,6 +59,27 @@ case "${1:-checks}" in
     SKIP_MAKE=1 SKIP_LOGITS=1 DEADLINE_S=$((570 - SECONDS)) OUT="$out/qwen35" scripts/gpu/bench_qwen35.sh \
         > "$out/bench_qwen35.out" 2>&1
     echo "exit $?"; cat "$out/qwen35/summary.md" 2>/dev/null; grep -E "FAILED|skipped" "$out/bench_qwen35.out"
+    ;;
+  moe)
+    SECONDS=0
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
+    tok=.gpu/qwen3-tokenizer; [ -d "$tok" ] || tok=.gpu/llama3-tokenizer
+    python3 scripts/gpu/make_qwen3moe.py /dev/shm/qwen3moe --tokenizer-dir "$tok" > "$out/make_qwen3moe.log" 2>&1 &
+    maker=$!
+    echo "== [${SECONDS}s] kernels vs CPU"; timeout 240 ./.gpu/cuda_check > "$out/cuda_check.log" 2>&1
+    echo "exit $?"; grep -E "FAIL|comparisons" "$out/cuda_check.log" | tail -n 25; tail -n 1 "$out/cuda_check.log"
+    for mode in scan chunked; do
+        echo "== [${SECONDS}s] tiny checkpoints GPU vs CPU, delta rule: $mode"
+        flag=; [ $mode = chunked ] && flag=--delta-chunked
+        timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny $flag > "$out/e2e_$mode.log" 2>&1; echo "exit $?"
+        grep -E "FAIL" "$out/e2e_$mode.log" | head -n 10; tail -n 1 "$out/e2e_$mode.log"
+    done
+    wait "$maker"; echo "== [${SECONDS}s] MoE checkpoint: exit $?"; tail -n 2 "$out/make_qwen3moe.log"
+    echo "== [${SECONDS}s] served Qwen3-30B-A3B shape"
+    SKIP_MAKE=1 MODEL_DIR=/dev/shm/qwen3moe PROFILE=${PROFILE:-64} BENCH_TIMEOUT_S=120 OUT="$out/moe" \
+        scripts/gpu/bench_moe.sh > "$out/bench_moe.out" 2>&1
+    echo "exit $?"; cat "$out/moe/summary.md" 2>/dev/null; cat "$out/moe/profile.log" 2>/dev/null
+    grep -E "FAILED" "$out/bench_moe.out"
     ;;
   paris)
     # The GGUF travels in two halves (.gpu-a, then .gpu-b in a second call while the machine is

@@ -35,6 +35,12 @@ pub struct CudaTuning {
     /// Decode steps with NCCL calls may be captured as graphs
     /// (`--nccl-graphs off`, `CORRIDOR_NCCL_GRAPHS=0`, rules graphs out).
     pub nccl_graphs: bool,
+    /// Prefill steps run the gated delta rule in its chunked form
+    /// (`--cuda-delta-chunked on`, `CORRIDOR_DELTA_CHUNKED=1`) instead of the
+    /// token-by-token scan. Off by default: on the H200 the chunked kernel,
+    /// on CUDA cores, measured 0.9 times the scan's speed at the Qwen3.5-27B
+    /// shape (`cuda_check --bench`, BENCHMARKS.md).
+    pub delta_chunked: bool,
 }
 
 impl Default for CudaTuning {
@@ -46,6 +52,7 @@ impl Default for CudaTuning {
             lane_attention: true,
             profile_every: None,
             nccl_graphs: true,
+            delta_chunked: false,
         }
     }
 }

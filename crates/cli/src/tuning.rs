@@ -52,6 +52,10 @@ pub struct CudaFlags {
     /// those steps run op by op, to rule graphs out).
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_NCCL_GRAPHS", value_name = "on|off")]
     nccl_graphs: Switch,
+    /// Prefill the gated delta rule of a hybrid model (Qwen3.5) in its chunked form on the GPU
+    /// instead of token by token (off: the scan, which measured faster on the H200).
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_DELTA_CHUNKED", value_name = "on|off")]
+    cuda_delta_chunked: Switch,
 }
 
 impl CudaFlags {
@@ -63,6 +67,7 @@ impl CudaFlags {
             lane_attention: self.cuda_attn_lanes.on(),
             profile_every: self.cuda_profile,
             nccl_graphs: self.nccl_graphs.on(),
+            delta_chunked: self.cuda_delta_chunked.on(),
         }
     }
 }
@@ -112,6 +117,7 @@ mod tests {
         assert_eq!(parse(&["--cuda-attn-lanes", "false"]), CudaTuning { lane_attention: false, ..d });
         assert_eq!(parse(&["--cuda-profile", "100"]), CudaTuning { profile_every: Some(100), ..d });
         assert_eq!(parse(&["--nccl-graphs", "off"]), CudaTuning { nccl_graphs: false, ..d });
+        assert_eq!(parse(&["--cuda-delta-chunked", "on"]), CudaTuning { delta_chunked: true, ..d });
         assert_eq!(parse(&["--cuda-fuse", "1"]), d);
     }
 

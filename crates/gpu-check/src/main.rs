@@ -8,6 +8,9 @@
 //!        as raw little-endian f32 `[positions, vocab]`
 //!        (scripts/gpu/compare_logits.py compares them with transformers).
 //!
+//! `--delta-chunked` (anywhere after the fixtures dir) runs the hybrid's
+//! prefill through the chunked delta-rule kernel (`CudaTuning::delta_chunked`).
+//!
 //! Built with `--features cuda` for the GPU machine (scripts/gpu/check.sh);
 //! without it the binary says so and exits with status 2.
 
@@ -20,7 +23,11 @@ fn main() {
     use std::path::Path;
 
     let dir = std::env::args().nth(1).unwrap_or_else(|| "tests/fixtures/tiny".into());
-    let gpu = CudaBackend::new(CudaBackendConfig::default()).expect("cuda backend");
+    let tuning = corridor_backend::CudaTuning {
+        delta_chunked: std::env::args().any(|a| a == "--delta-chunked"),
+        ..Default::default()
+    };
+    let gpu = CudaBackend::new(CudaBackendConfig { tuning, ..Default::default() }).expect("cuda backend");
     if dir == "logits" {
         let a: Vec<String> = std::env::args().skip(2).collect();
         let [model, ids, out] = &a[..] else {

@@ -815,6 +815,10 @@ pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
         let step = LayerStep { table: &table, positions: &positions, seqs: &seqs, heads };
         let replayed = be.graph_replay(key)?;
         if !replayed {
+            // The rotary table goes up outside the capture, as a served
+            // model's first, uncaptured step leaves it (an earlier check may
+            // have left another head size's); q is overwritten by the step.
+            be.rope(&mut q.g, &table, hd, &positions);
             let capturing = be.graph_capture_begin(key)?;
             step.run(
                 be,
@@ -1388,6 +1392,7 @@ fn delta_bench(be: &CudaBackend, rng: &mut Rng, lines: &mut Vec<String>) -> Resu
         let seqs = [SeqStep { row_start: 0, rows, cached: 100, pages: &pages }];
         let slots = [StateSlot(0)];
         let mut per_token = Vec::new();
+        let configured = be.lock().delta_prefill;
         for path in [DeltaPrefill::Scan, DeltaPrefill::Chunked] {
             be.lock().delta_prefill = path;
             let ms = time_ms(be, if rows > 2048 { 3 } else { 10 }, || {
@@ -1407,7 +1412,7 @@ fn delta_bench(be: &CudaBackend, rng: &mut Rng, lines: &mut Vec<String>) -> Resu
                     be.lock().error.get_or_insert(e);
                 }
             });
-            be.lock().delta_prefill = DeltaPrefill::Chunked;
+            be.lock().delta_prefill = configured;
             per_token.push(ms? as f64 * 1e3 / rows as f64);
         }
         lines.push(format!(
@@ -1644,17 +1649,18 @@ fn delta_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: 
     // Every case through both kernels of the delta rule: the chunked form (for
     // steps with a sequence of CHUNKED_MIN_ROWS rows or more; k_dim up to 128)
     // and the scan for everything.
+    let configured = be.lock().delta_prefill;
     for path in [DeltaPrefill::Chunked, DeltaPrefill::Scan] {
         be.lock().delta_prefill = path;
         for c in &cases {
             let r = delta_case(be, cpu, rep, rng, c, path);
             if r.is_err() {
-                be.lock().delta_prefill = DeltaPrefill::Chunked;
+                be.lock().delta_prefill = configured;
             }
             r?;
         }
     }
-    be.lock().delta_prefill = DeltaPrefill::Chunked;
+    be.lock().delta_prefill = configured;
 
     // Refusals: a slot shared by two sequences, a slot outside the pool.
     let g = cases[0].geometry;

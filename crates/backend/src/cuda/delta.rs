@@ -13,14 +13,19 @@
 //! The delta rule has two kernels, each launched once for every (sequence,
 //! value head, 32 value columns). The scan runs token by token with the
 //! state in registers: the recurrent update of decode, and the path of any
-//! step in which no sequence brings a chunk's worth of rows. A prefill step
-//! (some sequence brings at least [`CHUNKED_MIN_ROWS`]) takes the chunked
-//! form instead: [`DELTA_CHUNK_ROWS`] tokens at a time, the intra-chunk
-//! products (K Kᵀ, Q Kᵀ, K S₀, the triangular solve for the corrections,
-//! the state update) in f32 FMA over shared memory, five barriers a chunk
-//! where the scan takes two a token. Both leave the state in the same slot
-//! layout and write the output to the same place, so decode continues from
-//! either.
+//! step in which no sequence brings a chunk's worth of rows. With
+//! `CudaTuning::delta_chunked` a prefill step (some sequence brings at
+//! least [`CHUNKED_MIN_ROWS`]) takes the chunked form instead:
+//! [`DELTA_CHUNK_ROWS`] tokens at a time, the intra-chunk products (K Kᵀ,
+//! Q Kᵀ, K S₀, the triangular solve for the corrections, the state update)
+//! in f32 FMA over shared memory, five barriers a chunk where the scan takes
+//! two a token. It is off by default: on the H200 at the Qwen3.5-27B shape
+//! it ran at 0.9 times the scan's speed (0.88 against 0.77 µs a prompt
+//! token), both limited by 192 blocks of 128 threads doing dependent work;
+//! a form whose intra-chunk products go to the tensor cores, with the
+//! chunks' independent parts spread over the whole card, is what would beat
+//! the scan. Both leave the state in the same slot layout and write the
+//! output to the same place, so decode continues from either.
 //!
 //! Each launch reads its sequences (first row, rows, cached, slot) from one
 //! device table that `begin_step` uploads from the [`crate::StepPlan`]'s
@@ -60,10 +65,10 @@ pub const MAX_CHUNKED_K_DIM: usize = 128;
 /// graphs are recorded with.
 pub const CHUNKED_MIN_ROWS: usize = DELTA_CHUNK_ROWS;
 
-/// Which delta-rule kernel a prefill step takes. `Chunked` (for steps with a
-/// sequence of at least [`CHUNKED_MIN_ROWS`] rows) is what the backend uses;
-/// `Scan` exists so the self-check and the benchmark can run the scan on the
-/// same inputs.
+/// Which delta-rule kernel a prefill step takes: `Scan` by default,
+/// `Chunked` (for steps with a sequence of at least [`CHUNKED_MIN_ROWS`]
+/// rows) with `CudaTuning::delta_chunked`; the self-check and the benchmark
+/// set either to run both on the same inputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum DeltaPrefill {
     Chunked,

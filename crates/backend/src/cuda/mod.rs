@@ -279,7 +279,11 @@ impl CudaBackend {
             rest_seq: meta(rows)?,
             delta_seqs: meta(4 * config.max_seqs)?,
             prefill: PrefillPath::Tiled,
-            delta_prefill: DeltaPrefill::Chunked,
+            delta_prefill: if config.tuning.delta_chunked {
+                DeltaPrefill::Chunked
+            } else {
+                DeltaPrefill::Scan
+            },
             maps: SeqMaps::default(),
             maps_scratch: SeqMaps::default(),
             inv_freq: DeviceBuffer::new(
