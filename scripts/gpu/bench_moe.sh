@@ -82,7 +82,9 @@ header "a. checkpoint $MODEL_DIR (Qwen3-30B-A3B shape, random bf16, $LAYERS laye
 if [ "${SKIP_MAKE:-0}" = 1 ]; then
     echo "SKIP_MAKE=1"
 else
-    python3 scripts/gpu/make_qwen3moe.py "$MODEL_DIR" --tokenizer-dir "$TOKENIZER_DIR" --layers "$LAYERS" 2>&1 | tee "$out/make.log"
+    # As many vocabulary rows as the tokenizer has ids (see make_qwen3moe.py --vocab).
+    vocab=$(python3 -c 'import json,sys; t=json.load(open(sys.argv[1])); print(1 + max(list(t["model"]["vocab"].values()) + [a["id"] for a in t.get("added_tokens", [])]))' "$TOKENIZER_DIR/tokenizer.json")
+    python3 scripts/gpu/make_qwen3moe.py "$MODEL_DIR" --tokenizer-dir "$TOKENIZER_DIR" --layers "$LAYERS" --vocab "$vocab" 2>&1 | tee "$out/make.log"
     if [ "${PIPESTATUS[0]}" = 0 ]; then ok checkpoint; else fail checkpoint "see make.log"; fi
 fi
 du -sh "$MODEL_DIR" 2>/dev/null
@@ -152,12 +154,14 @@ if [ -n "${PROFILE:-}" ]; then
 fi
 
 header "e. summary"
-python3 - "$out" "$LAYERS" <<'EOF' | tee "$out/summary.md"
+python3 - "$out" "$LAYERS" "$MODEL_DIR" <<'EOF' | tee "$out/summary.md"
 import glob, json, os, re, sys
 sys.path.insert(0, "scripts/gpu")
 import make_qwen3moe as shape
 
-out, layers = sys.argv[1], int(sys.argv[2])
+out, layers, model_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+with open(os.path.join(model_dir, "config.json")) as f:
+    shape.SHAPE["vocab_size"] = json.load(f)["vocab_size"]
 HBM = 4.3e12  # B/s, the yardstick of summarize_bench.py
 read = shape.token_read_bytes(layers)
 kv_per_token = layers * 2 * shape.SHAPE["num_key_value_heads"] * shape.SHAPE["head_dim"] * 2

@@ -160,7 +160,15 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="layers (default 48; fewer for a quick try)")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        help="vocabulary rows (default 151936): a server detokenizes every sampled id, and random logits "
+        "pick the padding rows past a tokenizer's ids, so serve with no more rows than the tokenizer has ids",
+    )
     args = parser.parse_args()
+    if args.vocab:
+        SHAPE["vocab_size"] = args.vocab
 
     os.makedirs(args.outdir, exist_ok=True)
     tensors = tensor_list(args.layers)

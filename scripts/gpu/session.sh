@@ -64,7 +64,8 @@ case "${1:-checks}" in
     SECONDS=0
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
     tok=.gpu/qwen3-tokenizer; [ -d "$tok" ] || tok=.gpu/llama3-tokenizer
-    python3 scripts/gpu/make_qwen3moe.py /dev/shm/qwen3moe --tokenizer-dir "$tok" > "$out/make_qwen3moe.log" 2>&1 &
+    vocab=$(python3 -c 'import json,sys; t=json.load(open(sys.argv[1])); print(1 + max(list(t["model"]["vocab"].values()) + [a["id"] for a in t.get("added_tokens", [])]))' "$tok/tokenizer.json")
+    python3 scripts/gpu/make_qwen3moe.py /dev/shm/qwen3moe --tokenizer-dir "$tok" --vocab "$vocab" > "$out/make_qwen3moe.log" 2>&1 &
     maker=$!
     echo "== [${SECONDS}s] kernels vs CPU"; timeout 240 ./.gpu/cuda_check > "$out/cuda_check.log" 2>&1
     echo "exit $?"; grep -E "FAIL|comparisons" "$out/cuda_check.log" | tail -n 25; tail -n 1 "$out/cuda_check.log"
@@ -76,7 +77,7 @@ case "${1:-checks}" in
     done
     wait "$maker"; echo "== [${SECONDS}s] MoE checkpoint: exit $?"; tail -n 2 "$out/make_qwen3moe.log"
     echo "== [${SECONDS}s] served Qwen3-30B-A3B shape"
-    SKIP_MAKE=1 MODEL_DIR=/dev/shm/qwen3moe PROFILE=${PROFILE:-64} BENCH_TIMEOUT_S=120 OUT="$out/moe" \
+    SKIP_MAKE=1 MODEL_DIR=/dev/shm/qwen3moe TOKENIZER_DIR="$tok" PROFILE=${PROFILE:-64} BENCH_TIMEOUT_S=120 OUT="$out/moe" \
         scripts/gpu/bench_moe.sh > "$out/bench_moe.out" 2>&1
     echo "exit $?"; cat "$out/moe/summary.md" 2>/dev/null; cat "$out/moe/profile.log" 2>/dev/null
     grep -E "FAILED" "$out/bench_moe.out"
