@@ -83,8 +83,7 @@ if [ "${SKIP_MAKE:-0}" = 1 ]; then
     echo "SKIP_MAKE=1"
 else
     # As many vocabulary rows as the tokenizer has ids (see make_qwen3moe.py --vocab).
-    vocab=$(python3 -c 'import json,sys; t=json.load(open(sys.argv[1])); print(1 + max(list(t["model"]["vocab"].values()) + [a["id"] for a in t.get("added_tokens", [])]))' "$TOKENIZER_DIR/tokenizer.json")
-    python3 scripts/gpu/make_qwen3moe.py "$MODEL_DIR" --tokenizer-dir "$TOKENIZER_DIR" --layers "$LAYERS" --vocab "$vocab" 2>&1 | tee "$out/make.log"
+    python3 scripts/gpu/make_qwen3moe.py "$MODEL_DIR" --tokenizer-dir "$TOKENIZER_DIR" --layers "$LAYERS" --vocab tokenizer 2>&1 | tee "$out/make.log"
     if [ "${PIPESTATUS[0]}" = 0 ]; then ok checkpoint; else fail checkpoint "see make.log"; fi
 fi
 du -sh "$MODEL_DIR" 2>/dev/null

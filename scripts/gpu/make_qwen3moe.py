@@ -140,6 +140,13 @@ def copy_tokenizer(tokenizer_dir, outdir):
         shutil.copyfile(src, dst)
 
 
+def tokenizer_ids(tokenizer_dir):
+    """How many ids the tokenizer in TOKENIZER_DIR has: one past its largest, added tokens included."""
+    with open(os.path.join(tokenizer_dir, "tokenizer.json")) as f:
+        t = json.load(f)
+    return 1 + max(list(t["model"]["vocab"].values()) + [a["id"] for a in t.get("added_tokens", [])])
+
+
 def special_ids(tokenizer_dir):
     """(bos, eos) ids from the tokenizer's added tokens: Qwen's or Llama 3's, else Qwen's defaults."""
     try:
@@ -162,13 +169,13 @@ def main():
     parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="layers (default 48; fewer for a quick try)")
     parser.add_argument(
         "--vocab",
-        type=int,
-        help="vocabulary rows (default 151936): a server detokenizes every sampled id, and random logits "
-        "pick the padding rows past a tokenizer's ids, so serve with no more rows than the tokenizer has ids",
+        help="vocabulary rows (default 151936), or `tokenizer`: as many as --tokenizer-dir has ids. A server "
+        "detokenizes every sampled id, and random logits pick the padding rows past a tokenizer's ids, so "
+        "serve with no more rows than the tokenizer has ids",
     )
     args = parser.parse_args()
     if args.vocab:
-        SHAPE["vocab_size"] = args.vocab
+        SHAPE["vocab_size"] = tokenizer_ids(args.tokenizer_dir) if args.vocab == "tokenizer" else int(args.vocab)
 
     os.makedirs(args.outdir, exist_ok=True)
     tensors = tensor_list(args.layers)

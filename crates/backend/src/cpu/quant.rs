@@ -558,6 +558,29 @@ pub fn dot_rows_q8(dtype: DType, row: &[u8], xs: &[Q8Row], out: &mut [f32]) {
     }
 }
 
+/// The end of every 8-bit dot: the eight lanes (the even and odd blocks'
+/// accumulators already added lane by lane) summed in order, then the two
+/// offset sums. Both builds end here, so they round alike.
+#[inline(always)]
+fn total(lanes: [f32; 8], off: [f32; 2]) -> f32 {
+    let mut sum = 0f32;
+    for v in lanes {
+        sum += v;
+    }
+    sum + (off[0] + off[1])
+}
+
+/// [`total`] of the even and odd blocks' AVX2 accumulators.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn total_avx2(acc0: std::arch::x86_64::__m256, acc1: std::arch::x86_64::__m256, off: [f32; 2]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc0, acc1));
+    total(lanes, off)
+}
+
 /// [`dot_row_q8`] without the run-time choice of instruction set: the build
 /// for the baseline CPU.
 pub fn dot_row_q8_portable(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
@@ -606,11 +629,7 @@ fn q8_dot_one_scale(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
             off[b & 1] = f16_at(blk, 2).mul_add(x.bsum[b], off[b & 1]);
         }
     }
-    let mut sum = 0f32;
-    for k in 0..8 {
-        sum += acc[0][k] + acc[1][k];
-    }
-    sum + (off[0] + off[1])
+    total(std::array::from_fn(|k| acc[0][k] + acc[1][k]), off)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -695,13 +714,7 @@ unsafe fn q8_dot_blocks_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
     if b < nb {
         block!(b, acc0, off0);
     }
-    let mut lanes = [0f32; 8];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc0, acc1));
-    let mut sum = 0f32;
-    for v in lanes {
-        sum += v;
-    }
-    sum + (off0 + off1)
+    total_avx2(acc0, acc1, [off0, off1])
 }
 
 /// [`q8_dot_blocks_avx2`] for `R` activation rows at once: each weight
@@ -769,13 +782,7 @@ unsafe fn q8_dot_rows_avx2<const R: usize>(dtype: DType, row: &[u8], xs: &[Q8Row
     }
     let (acc, off) = ([acc0, acc1], [off0, off1]);
     for r in 0..R {
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc[0][r], acc[1][r]));
-        let mut sum = 0f32;
-        for v in lanes {
-            sum += v;
-        }
-        out[r] = sum + (off[0][r] + off[1][r]);
+        out[r] = total_avx2(acc[0][r], acc[1][r], [off[0][r], off[1][r]]);
     }
 }
 
@@ -842,11 +849,7 @@ fn q8_dot_lanes(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
             add_offsets(dtype, &blk.m, j, x, b, &mut off[b & 1]);
         }
     }
-    let mut sum = 0f32;
-    for k in 0..8 {
-        sum += acc[0][k] + acc[1][k];
-    }
-    sum + (off[0] + off[1])
+    total(std::array::from_fn(|k| acc[0][k] + acc[1][k]), off)
 }
 
 /// The 32 codes of 32-weight sub-block `j` of a block, unpacked in
@@ -1027,13 +1030,7 @@ unsafe fn q8_dot_lanes_avx2<const R: usize>(dtype: DType, row: &[u8], xs: &[Q8Ro
         }
     }
     for r in 0..R {
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc0[r], acc1[r]));
-        let mut sum = 0f32;
-        for v in lanes {
-            sum += v;
-        }
-        out[r] = sum + (off0[r] + off1[r]);
+        out[r] = total_avx2(acc0[r], acc1[r], [off0[r], off1[r]]);
     }
 }
 
