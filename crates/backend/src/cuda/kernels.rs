@@ -133,7 +133,7 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
                 ])
             };
             let mut sets = Vec::with_capacity(BLOCK_GEMVS.len());
-            for d in BLOCK_GEMVS {
+            for &d in BLOCK_GEMVS {
                 sets.push(set(&kernel_stem(d))?);
             }
             sets.try_into().map_err(|_| BackendError::Other("block GEMV kernel table".into()))?
@@ -218,18 +218,9 @@ pub(super) fn dtype_code(d: DType) -> i32 {
 }
 
 /// The block formats with a `gemv_bq_body` kernel set (kernels/gemv.cu), in
-/// the order of `Kernels::gemv_blocks`.
-pub(super) const BLOCK_GEMVS: [DType; 9] = [
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::IQ4_NL,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-    DType::IQ4_XS,
-];
+/// the order of `Kernels::gemv_blocks`: all but Q8_0, Q4_0 and Q4_1, the first
+/// three of `DType::BLOCK_FORMATS`, which have per-row GEMVs of their own.
+pub(super) const BLOCK_GEMVS: &[DType] = DType::BLOCK_FORMATS.split_at(3).1;
 
 pub(super) fn block_gemv_index(d: DType) -> Option<usize> {
     BLOCK_GEMVS.iter().position(|t| *t == d)
