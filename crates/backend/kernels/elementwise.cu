@@ -204,12 +204,18 @@ extern "C" __global__ void write_kv(const float* k, const float* v, bf16_t* kc, 
 // decode row's heads all run at once (each thread one rotary pair) instead of
 // one after another in one block. Rows at or past `npos` (the step's
 // positions) are not rotated, rows at or past `nkv` (the rows the step's maps
-// cover) or of no sequence not stored.
+// cover) or of no sequence not stored. With `qn` given (Qwen3's per-head
+// q/k norm, `kn` and `eps` beside it), each q and k head is first normalized
+// as head_rms_norm does (x * inv * w), so the two norm launches of a layer
+// become none: at batch 1 each was a few microseconds of a step that moves
+// almost no bytes.
 extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, bf16_t* kc, bf16_t* vc,
                                          const float* inv_freq, const u32* positions, int npos, int nkv,
                                          const u32* row_pos, const u32* row_seq, const u32* seq_pt_off,
                                          const u32* page_table, int page_size, int heads, int kv_heads,
-                                         int head_dim, int half, int interleaved) {
+                                         int head_dim, int half, int interleaved, const float* qn,
+                                         const float* kn, float eps) {
+    __shared__ float partial[32];
     pdl_enter();
     int r = blockIdx.x, h = blockIdx.y;
     int kvw = kv_heads * head_dim;
@@ -227,6 +233,14 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, bf1
     if (is_q || is_k) {
         float* hp = is_q ? q + ((long long)r * heads + h) * head_dim : k + (long long)r * kvw + kvh * head_dim;
         bf16_t* cache = kc + dst;
+        // The head's norm (block-uniform: every thread of the block serves this head).
+        const float* nw = qn ? (is_q ? qn : kn) : nullptr;
+        float inv = 1.f;
+        if (nw) {
+            float s = 0.f;
+            for (int e = threadIdx.x; e < head_dim; e += blockDim.x) s += hp[e] * hp[e];
+            inv = 1.0f / sqrtf(block_sum(s, partial) / (float)head_dim + eps); // its barrier: read before written
+        }
         if (r < npos) {
             float pos = (float)positions[r];
             for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -235,6 +249,7 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, bf1
                 int a = interleaved ? 2 * i : i;
                 int b = interleaved ? 2 * i + 1 : i + half;
                 float x0 = hp[a], x1 = hp[b];
+                if (nw) x0 = x0 * inv * nw[a], x1 = x1 * inv * nw[b];
                 float y0 = x0 * cs - x1 * sn, y1 = x0 * sn + x1 * cs;
                 hp[a] = y0;
                 hp[b] = y1;
@@ -245,9 +260,13 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, bf1
             }
         }
         // The dimensions past the rotary ones (partial rotary), or all of
-        // them for a row without a position, are stored as they are.
+        // them for a row without a position, are stored as they are (after
+        // the norm, which also leaves them normalized in place; a thread
+        // stores the elements it normalized itself).
+        int from = r < npos ? 2 * half : 0;
+        if (nw)
+            for (int e = from + threadIdx.x; e < head_dim; e += blockDim.x) hp[e] = hp[e] * inv * nw[e];
         if (is_k && dst >= 0) {
-            int from = r < npos ? 2 * half : 0;
             for (int e = from + threadIdx.x; e < head_dim; e += blockDim.x) cache[e] = f32_to_bf16(hp[e]);
         }
     } else if (dst >= 0) {

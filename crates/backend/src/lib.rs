@@ -315,6 +315,16 @@ pub fn run_captured<G: GraphCapture + ?Sized, E: From<BackendError>>(
     ran
 }
 
+/// Qwen3's per-head RMS norm of q and k, which [`Backend::rope_write_kv`] applies
+/// first when given: `head_rms_norm` of the `rows` rows of q with `q`'s weight
+/// and of k with `k`'s, both over heads of the call's `head_dim`.
+pub struct QkNorm<'a, B: Backend + ?Sized> {
+    pub q: &'a B::Weight,
+    pub k: &'a B::Weight,
+    pub eps: f32,
+    pub rows: usize,
+}
+
 /// One product of [`Backend::matmul_many`]: `out = x · wᵀ (+ bias)`.
 pub struct MatmulPart<'a, B: Backend + ?Sized> {
     pub w: &'a B::Weight,
@@ -327,7 +337,7 @@ pub struct MatmulPart<'a, B: Backend + ?Sized> {
 /// launch does not apply.
 pub mod unfused {
     use super::{
-        Backend, BackendError, DType, HostTensor, MatmulPart, Result, RopeTable, SeqStep, TensorBytes,
+        Backend, BackendError, DType, HostTensor, MatmulPart, QkNorm, Result, RopeTable, SeqStep, TensorBytes,
     };
 
     /// [`Backend::matmul_many`]: one `matmul` per part.
@@ -396,19 +406,25 @@ pub mod unfused {
         b.synchronize()
     }
 
-    /// [`Backend::rope_write_kv`]: `rope` of q and of k, then `write_kv`.
+    /// [`Backend::rope_write_kv`]: the q and k head norms when given, `rope`
+    /// of q and of k, then `write_kv`.
     #[allow(clippy::too_many_arguments)]
     pub fn rope_write_kv<B: Backend + ?Sized>(
         b: &B,
         q: &mut B::Act,
         k: &mut B::Act,
         v: &B::Act,
+        norm: Option<QkNorm<'_, B>>,
         table: &RopeTable,
         head_dim: usize,
         positions: &[u32],
         kv: &mut B::Kv,
         seqs: &[SeqStep<'_>],
     ) {
+        if let Some(n) = norm {
+            b.head_rms_norm(q, n.q, n.eps, head_dim, n.rows);
+            b.head_rms_norm(k, n.k, n.eps, head_dim, n.rows);
+        }
         b.rope(q, table, head_dim, positions);
         b.rope(k, table, head_dim, positions);
         b.write_kv(kv, k, v, seqs);
@@ -569,21 +585,23 @@ pub trait Backend: Send + Sync + 'static {
     ) {
         unfused::gate_up_silu(self, x, gate, up, rows, gate_out, up_out, out)
     }
-    /// Rotate q and k by their rows' positions (in place), then store the
-    /// step's k and v rows in the cache: `rope`, `rope`, `write_kv`.
+    /// Normalize q's and k's heads when `norm` is given, rotate q and k by
+    /// their rows' positions (in place), then store the step's k and v rows
+    /// in the cache: `head_rms_norm` twice, `rope`, `rope`, `write_kv`.
     #[allow(clippy::too_many_arguments)]
     fn rope_write_kv(
         &self,
         q: &mut Self::Act,
         k: &mut Self::Act,
         v: &Self::Act,
+        norm: Option<QkNorm<'_, Self>>,
         table: &RopeTable,
         head_dim: usize,
         positions: &[u32],
         kv: &mut Self::Kv,
         seqs: &[SeqStep<'_>],
     ) {
-        unfused::rope_write_kv(self, q, k, v, table, head_dim, positions, kv, seqs)
+        unfused::rope_write_kv(self, q, k, v, norm, table, head_dim, positions, kv, seqs)
     }
     /// Copy chosen rows: `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Act, rows: &[usize], out: &mut Self::Act);

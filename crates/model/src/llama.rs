@@ -33,7 +33,7 @@ use corridor_backend::collective::{gather_logits, Collective, CollectiveError, S
 use corridor_backend::sample::{LogitEdit, SampleRowSpec, SampledRows};
 use corridor_backend::{
     ActShape, Backend, BackendError, DType, Expert, GraphKey, HostTensor, KvGeometry, KvPlacement,
-    MatmulPart, MoeFfn, MoeScratch, MoeShape, RopeTable, Routing, SeqStep, StepPlan, TensorBytes,
+    MatmulPart, MoeFfn, MoeScratch, MoeShape, QkNorm, RopeTable, Routing, SeqStep, StepPlan, TensorBytes,
 };
 use corridor_units::{Pages, StateSlot, TokenId, Tokens};
 use std::ops::Range;
@@ -576,14 +576,12 @@ impl<B: Backend> Model<B> {
                 ],
                 rows,
             );
-            if let Some([qn, kn]) = &layer.qk_norm {
-                b.head_rms_norm(&mut ws.q, qn, eps, cfg.head_dim, rows);
-                b.head_rms_norm(&mut ws.k, kn, eps, cfg.head_dim, rows);
-            }
+            let norm = layer.qk_norm.as_ref().map(|[q, k]| QkNorm { q, k, eps, rows });
             b.rope_write_kv(
                 &mut ws.q,
                 &mut ws.k,
                 &ws.v,
+                norm,
                 &self.rope,
                 cfg.head_dim,
                 step.positions,

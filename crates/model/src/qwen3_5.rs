@@ -52,8 +52,8 @@ use crate::layout::{CostModel, RankSlice};
 use crate::llama::{check_shape, select, KvCache, ModelError, StepInput, Workspace};
 use corridor_backend::collective::{gather_logits, Collective, Solo};
 use corridor_backend::{
-    ActShape, Backend, DType, DeltaGeometry, DeltaRule, HostTensor, KvGeometry, MatmulPart, RopeStyle,
-    RopeTable, StepPlan, TensorBytes, VHeadOrder,
+    ActShape, Backend, DType, DeltaGeometry, DeltaRule, HostTensor, KvGeometry, MatmulPart, QkNorm,
+    RopeStyle, RopeTable, StepPlan, TensorBytes, VHeadOrder,
 };
 use corridor_units::{Bytes, Pages, TokenId, Tokens};
 use std::ops::Range;
@@ -532,13 +532,12 @@ impl<B: Backend> Model<B> {
                         ],
                         rows,
                     );
-                    b.head_rms_norm(&mut ws.q, q_norm, eps, cfg.head_dim, rows);
-                    b.head_rms_norm(&mut ws.k, k_norm, eps, cfg.head_dim, rows);
                     let kv_layer = &mut kv.layers[*kv_index];
                     b.rope_write_kv(
                         &mut ws.q,
                         &mut ws.k,
                         &ws.v,
+                        Some(QkNorm { q: q_norm, k: k_norm, eps, rows }),
                         &self.rope,
                         cfg.head_dim,
                         step.positions,

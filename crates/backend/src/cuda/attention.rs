@@ -16,7 +16,7 @@ use super::device::{cuda_err, Args, DeviceBuffer, Kernel, LaunchDims, Purpose};
 use super::graphs::drop_graphs;
 use super::{CudaAct, CudaBackend, State};
 use crate::kv_units::KvAddressing;
-use crate::{BackendError, KvGeometry, Result, RopeStyle, RopeTable, SeqStep};
+use crate::{BackendError, KvGeometry, QkNorm, Result, RopeStyle, RopeTable, SeqStep};
 use corridor_units::PageId;
 use corridor_vram::KvArena;
 use cudarc::driver::result as cu;
@@ -420,6 +420,7 @@ impl CudaBackend {
         q: &mut CudaAct,
         k: &mut CudaAct,
         v: &CudaAct,
+        norm: Option<QkNorm<'_, Self>>,
         table: &RopeTable,
         head_dim: usize,
         positions: &[u32],
@@ -427,9 +428,13 @@ impl CudaBackend {
         seqs: &[SeqStep<'_>],
     ) {
         if !self.config.tuning.fuse {
-            return crate::unfused::rope_write_kv(self, q, k, v, table, head_dim, positions, kv, seqs);
+            return crate::unfused::rope_write_kv(self, q, k, v, norm, table, head_dim, positions, kv, seqs);
         }
         self.op("rope_write_kv", |st| {
+            let norms = match &norm {
+                Some(n) => (self.vector_ptr(n.q, "q norm")?, self.vector_ptr(n.k, "k norm")?, n.eps, n.rows),
+                None => (0, 0, 0.0, 0),
+            };
             self.sync_rope(st, table)?;
             let cap = st.capturing.is_some();
             self.sync_meta(&mut st.positions, positions, "positions", cap)?;
@@ -471,9 +476,12 @@ impl CudaBackend {
                 .i32(g.kv_heads as i32)
                 .i32(head_dim as i32)
                 .i32(half as i32)
-                .i32(interleaved);
+                .i32(interleaved)
+                .ptr(norms.0)
+                .ptr(norms.1)
+                .f32(norms.2);
             // A block per (row, head): q heads, then the KV heads' k, then their v.
-            let rows = st.maps.rows.max(positions.len());
+            let rows = st.maps.rows.max(positions.len()).max(norms.3);
             let dims = LaunchDims {
                 grid: (rows as u32, (heads + 2 * g.kv_heads) as u32, 1),
                 block: half.next_power_of_two().clamp(32, 256) as u32,

@@ -10,8 +10,8 @@ use super::matmul::{Arena, CudaWeight, ARENA_ALIGN, DEQUANT_TILE};
 use super::{CudaAct, CudaBackend, CudaExperts, CudaKv};
 use crate::dtype::{DType, HostTensor};
 use crate::{
-    ActShape, Backend, BackendError, DeltaRule, Expert, GraphKey, KvGeometry, MatmulPart, MoeFfn, Result,
-    RopeStyle, RopeTable, SeqStep, StepPlan,
+    ActShape, Backend, BackendError, DeltaRule, Expert, GraphKey, KvGeometry, MatmulPart, MoeFfn, QkNorm,
+    Result, RopeStyle, RopeTable, SeqStep, StepPlan,
 };
 use corridor_units::{PageId, StateSlot, TokenId};
 use corridor_vram::KvArena;
@@ -264,13 +264,14 @@ impl Backend for CudaBackend {
         q: &mut CudaAct,
         k: &mut CudaAct,
         v: &CudaAct,
+        norm: Option<QkNorm<'_, Self>>,
         table: &RopeTable,
         head_dim: usize,
         positions: &[u32],
         kv: &mut CudaKv,
         seqs: &[SeqStep<'_>],
     ) {
-        self.enqueue_rope_write_kv(q, k, v, table, head_dim, positions, kv, seqs)
+        self.enqueue_rope_write_kv(q, k, v, norm, table, head_dim, positions, kv, seqs)
     }
 
     fn rope(&self, x: &mut CudaAct, table: &RopeTable, head_dim: usize, positions: &[u32]) {

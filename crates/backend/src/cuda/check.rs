@@ -22,7 +22,7 @@ use super::{CudaAct, CudaBackend, CudaKv, CudaWeight, DeltaPrefill, PrefillPath}
 use crate::cpu::{CpuAct, CpuBackend};
 use crate::dtype::{DType, HostTensor, TensorBytes};
 use crate::{
-    ActShape, Backend, DeltaGeometry, DeltaRule, GraphKey, KvGeometry, MatmulPart, Result, RopeStyle,
+    ActShape, Backend, DeltaGeometry, DeltaRule, GraphKey, KvGeometry, MatmulPart, QkNorm, Result, RopeStyle,
     RopeTable, SeqStep, StepPlan, VHeadOrder,
 };
 use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
@@ -514,6 +514,8 @@ struct AttnCase<'a> {
     geometry: KvGeometry,
     /// (cached, rows) per sequence.
     seqs: &'a [(usize, usize)],
+    /// Whether the fused RoPE + KV store also applies Qwen3's q/k head norms.
+    qk_norm: bool,
 }
 
 fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
@@ -529,24 +531,28 @@ fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, r
             heads: 8,
             geometry: g(16, 2, 64),
             seqs: &[(37, 1), (20, 13), (0, 7)],
+            qk_norm: false,
         },
         AttnCase {
             name: "tiny heads (hd 16, GQA 2)",
             heads: 4,
             geometry: g(16, 2, 16),
             seqs: &[(5, 1), (0, 9)],
+            qk_norm: false,
         },
         AttnCase {
             name: "long decode, split-K (ctx 3001, hd 128, GQA 4)",
             heads: 32,
             geometry: g(16, 8, 128),
             seqs: &[(3000, 1)],
+            qk_norm: false,
         },
         AttnCase {
             name: "decode + short prefill, hd 256, GQA 2",
             heads: 4,
             geometry: g(16, 2, 256),
             seqs: &[(150, 1), (0, 21)],
+            qk_norm: false,
         },
         // Batches of decode rows take the token-per-lane kernel: tiles of 32
         // tokens, partial last tiles, contexts shorter than one tile.
@@ -555,18 +561,21 @@ fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, r
             heads: 16,
             geometry: g(16, 4, 128),
             seqs: &[(700, 1), (31, 1), (32, 1), (33, 1), (129, 1), (0, 1), (255, 1), (256, 1), (1000, 1)],
+            qk_norm: true,
         },
         AttnCase {
             name: "batch-8 decode, hd 128, GQA 8",
             heads: 16,
             geometry: g(16, 2, 128),
             seqs: &[(300, 1), (17, 1), (64, 1), (5, 1), (511, 1), (90, 1), (2, 1), (160, 1)],
+            qk_norm: false,
         },
         AttnCase {
             name: "batch-4 decode, hd 128",
             heads: 16,
             geometry: g(32, 4, 128),
             seqs: &[(100, 1), (1000, 1), (7, 1), (63, 1)],
+            qk_norm: false,
         },
         // The tiled prefill kernel: several tiles and a partial one, GQA.
         AttnCase {
@@ -574,6 +583,7 @@ fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, r
             heads: 8,
             geometry: g(16, 2, 128),
             seqs: &[(0, 200)],
+            qk_norm: false,
         },
         // Tiles after a long cached prefix, a one-tile sequence at the
         // threshold, and rows below it (decode, 15 rows) in the same step.
@@ -582,12 +592,14 @@ fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, r
             heads: 16,
             geometry: g(16, 4, 128),
             seqs: &[(300, 1), (700, 77), (0, 16), (5, 15)],
+            qk_norm: true,
         },
         AttnCase {
             name: "prefill hd 64, no GQA, page 32",
             heads: 4,
             geometry: g(32, 4, 64),
             seqs: &[(33, 64), (0, 130)],
+            qk_norm: false,
         },
         // Head dim 256 (Qwen3.5's full-attention layers, 24 query heads on 4
         // KV heads): two blocks per tile, each writing half of the output
@@ -597,18 +609,21 @@ fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, r
             heads: 24,
             geometry: g(16, 4, 256),
             seqs: &[(0, 1000)],
+            qk_norm: false,
         },
         AttnCase {
             name: "prefix-cached prefill + decode + short chunk, hd 256, GQA 24/4",
             heads: 24,
             geometry: g(16, 4, 256),
             seqs: &[(300, 1), (700, 77), (0, 16), (5, 15)],
+            qk_norm: true,
         },
         AttnCase {
             name: "prefill hd 256, no GQA, page 32",
             heads: 2,
             geometry: g(32, 2, 256),
             seqs: &[(33, 64), (0, 130)],
+            qk_norm: false,
         },
     ];
     // A head dim without a tiled kernel falls back to split-K, which would
@@ -707,10 +722,30 @@ fn attention_case(
         };
         let positions: Vec<u32> =
             c.seqs.iter().flat_map(|&(cached, rows)| (cached..cached + rows).map(|p| p as u32)).collect();
-        be.rope_write_kv(&mut q.g, &mut k.g, &v.g, &table, geo.head_dim, &positions, &mut kg, &step);
-        cpu.rope_write_kv(&mut q.c, &mut k.c, &v.c, &table, geo.head_dim, &positions, &mut kc, &step);
+        // With the q/k norms, against the CPU's two head_rms_norm first.
+        let norms = match c.qk_norm {
+            true => {
+                let w = [rng.vec(geo.head_dim, 1.0), rng.vec(geo.head_dim, 1.0)];
+                let t = |i: usize| float_tensor("qk norm", DType::F32, 1, geo.head_dim, &w[i]);
+                let dev = [be.upload_weight(&t(0))?, be.upload_weight(&t(1))?];
+                Some((dev, [cpu.upload_weight(&t(0))?, cpu.upload_weight(&t(1))?]))
+            }
+            false => None,
+        };
+        let (ng, nc) = match &norms {
+            Some(([gq, gk], [cq, ck])) => (
+                Some(QkNorm { q: gq, k: gk, eps: 1e-6, rows }),
+                Some(QkNorm { q: cq, k: ck, eps: 1e-6, rows }),
+            ),
+            None => (None, None),
+        };
+        be.rope_write_kv(&mut q.g, &mut k.g, &v.g, ng, &table, geo.head_dim, &positions, &mut kg, &step);
+        cpu.rope_write_kv(&mut q.c, &mut k.c, &v.c, nc, &table, geo.head_dim, &positions, &mut kc, &step);
+        let normed = if c.qk_norm { " with q/k norms" } else { "" };
         let (a, b) = read_both(be, cpu, &q, rows)?;
-        rep.compare(&format!("rope_write_kv: q of {}", c.name), &a, &b, EXACT);
+        rep.compare(&format!("rope_write_kv{normed}: q of {}", c.name), &a, &b, EXACT);
+        let (a, b) = read_both(be, cpu, &k, rows)?;
+        rep.compare(&format!("rope_write_kv{normed}: k of {}", c.name), &a, &b, EXACT);
     } else {
         be.write_kv(&mut kg, &k.g, &v.g, &step);
         cpu.write_kv(&mut kc, &k.c, &v.c, &step);
@@ -762,7 +797,7 @@ impl LayerStep<'_> {
             ],
             2,
         );
-        b.rope_write_kv(q, k, v, self.table, self.table.rot_dim, self.positions, kv, self.seqs);
+        b.rope_write_kv(q, k, v, None, self.table, self.table.rot_dim, self.positions, kv, self.seqs);
         b.attention(q, kv, self.heads, self.seqs, o);
     }
 }
