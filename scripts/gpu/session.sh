@@ -13,7 +13,8 @@
 #                                   # written while the checks run; one device call (about 9 minutes)
 #   scripts/gpu/session.sh moe      # kernel checks, the tiny checkpoints (scan and chunked delta rule),
 #                                   # then the served Qwen3-30B-A3B-shaped benchmark with a profiled
-#                                   # batch-1 decode (bench_moe.sh), its 61 GB checkpoint in /dev/shm
+#                                   # batch-1 decode (bench_moe.sh), its 61 GB checkpoint in /dev/shm,
+#                                   # and the decode kernels by Nsight Compute (ncu_decode.sh, 4 layers)
 # Logs go to $OUT (or /tmp) as they run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -80,6 +81,10 @@ case "${1:-checks}" in
         scripts/gpu/bench_moe.sh > "$out/bench_moe.out" 2>&1
     echo "exit $?"; cat "$out/moe/summary.md" 2>/dev/null; cat "$out/moe/profile.log" 2>/dev/null
     grep -E "FAILED" "$out/bench_moe.out"
+    # The kernels of batch-1 decode steps by Nsight Compute, on a 4-layer checkpoint of the same shape.
+    echo "== [${SECONDS}s] decode kernels by ncu (4 layers)"
+    python3 scripts/gpu/make_qwen3moe.py /dev/shm/moe4 --tokenizer-dir "$tok" --layers 4 --vocab tokenizer > /dev/null 2>&1
+    OUT="$out" SHOW=16 timeout 150 scripts/gpu/ncu_decode.sh /dev/shm/moe4
     ;;
   paris)
     # The GGUF travels in two halves (.gpu-a, then .gpu-b in a second call while the machine is
