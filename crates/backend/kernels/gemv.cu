@@ -190,6 +190,10 @@ __device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ w0, co
         gemv_bf16_body<R, U, NW>(w0, w1, w2, o0, o1, o2, b0, b1, b2, n0, n1, n2, x, k, rows, early);              \
     }
 GEMV_BF16(gemv_bf16_r1, 1, 2, GEMV_NW, 8)
+// Two rows a block, for matrices whose four-row blocks would fill under half
+// of one wave (attention.rs-sized projections of a MoE model: 2048 x 4096 is
+// 512 blocks against 8 x 132 slots); the same 8 loads in flight per thread.
+GEMV_BF16(gemv_bf16_r1_nw2, 1, 4, 2, 8)
 GEMV_BF16(gemv_bf16_r2, 2, 4, GEMV_NW, 1)
 GEMV_BF16(gemv_bf16_r4, 4, 2, GEMV_NW, 1)
 GEMV_BF16(gemv_bf16_r8, 8, 2, GEMV_NW, 1)

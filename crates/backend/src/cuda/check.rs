@@ -1118,6 +1118,29 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
         lines.push(format!("device copy 1 GiB: {ms:.3} ms, {gbs:.0} GB/s (read + write)"));
     }
     let copy_gbs = 4300.0;
+    // One row against the small bf16 matrices of Qwen3-30B-A3B's attention (o_proj, q/k/v as one,
+    // k, the router), with four-row and two-row blocks (`gemv_bf16_parts`).
+    for &(n, k) in &[(2048usize, 4096usize), (5120, 2048), (512, 2048), (128, 2048)] {
+        let ws = weight_copies(be, &bench_weight(&mut rng, n, k))?;
+        let x = be.alloc_act(ActShape { rows: 1, cols: k })?;
+        put_gpu(be, &x, &rng.vec(k, 1.0))?;
+        let out = be.alloc_act(ActShape { rows: 1, cols: n })?;
+        let mut line = format!("gemv bf16 {n}x{k} 1 row (graph)");
+        for narrow in [false, true] {
+            be.gemv_narrow.store(narrow, std::sync::atomic::Ordering::Relaxed);
+            graph_id += 1;
+            let ms = graph_time_ms(be, graph_id, 20, || {
+                for w in &ws {
+                    be.op("bench", |_| be.gemv_simt(&x, w, 1, &out));
+                }
+            })? / ws.len() as f32;
+            let gbs = (n * k * 2) as f64 / (ms as f64 * 1e-3) / 1e9;
+            let name = if narrow { "as picked" } else { "4-row blocks" };
+            line += &format!(" | {name} {:.2} us {gbs:.0} GB/s ({:.0}%)", ms * 1e3, gbs / copy_gbs * 100.0);
+        }
+        lines.push(line);
+    }
+    be.gemv_narrow.store(true, std::sync::atomic::Ordering::Relaxed);
     // Llama-3-8B decode shapes: q/o, k/v, gate/up, down, lm_head.
     for &(n, k) in &[(4096usize, 4096usize), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)] {
         let ws = weight_copies(be, &bench_weight(&mut rng, n, k))?;
@@ -1240,6 +1263,16 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
         (0, 512, &[PrefillPath::Tiled]),
     ];
     attention_bench(be, &mut rng, &mut lines, &llama, &cases)?;
+    // Decode attention of Qwen3-30B-A3B (32 heads, 4 KV heads, head_dim 128) at the contexts of
+    // its benchmark (512-token prompts) and a longer one.
+    let moe = AttnBenchShape { name: "hd 128, 32/4 heads", heads: 32, kv_heads: 4, head_dim: 128 };
+    attention_bench(
+        be,
+        &mut rng,
+        &mut lines,
+        &moe,
+        &[(599, 1, &[PrefillPath::Tiled]), (3999, 1, &[PrefillPath::Tiled])],
+    )?;
     // One full-attention layer of Qwen3.5-27B (24 heads, 4 KV heads, head_dim 256).
     let qwen = AttnBenchShape { name: "hd 256, 24/4 heads", heads: 24, kv_heads: 4, head_dim: 256 };
     attention_bench(be, &mut rng, &mut lines, &qwen, &[(0, 2048, both), (0, 8192, both)])?;

@@ -29,6 +29,7 @@ pub(super) struct Kernels {
     pub(super) rope_write_kv: Kernel,
     /// Indexed by log2 of the row-count instantiation (1, 2, 4, 8 rows).
     pub(super) gemv_bf16: [Kernel; 4],
+    pub(super) gemv_bf16_r1_nw2: Kernel,
     /// gate/up/SiLU for 1 and 2 rows.
     pub(super) gemv_bf16_glu: [Kernel; 2],
     pub(super) gemv_q8_0: [Kernel; 4],
@@ -119,6 +120,7 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         write_kv: f("write_kv")?,
         rope_write_kv: f("rope_write_kv")?,
         gemv_bf16: [f("gemv_bf16_r1")?, f("gemv_bf16_r2")?, f("gemv_bf16_r4")?, f("gemv_bf16_r8")?],
+        gemv_bf16_r1_nw2: f("gemv_bf16_r1_nw2")?,
         gemv_bf16_glu: [f("gemv_bf16_glu_r1")?, f("gemv_bf16_glu_r2")?],
         gemv_q8_0: [f("gemv_q8_0_r1")?, f("gemv_q8_0_r2")?, f("gemv_q8_0_r4")?, f("gemv_q8_0_r8")?],
         gemv_q4_0: [f("gemv_q4_0_r1")?, f("gemv_q4_0_r2")?, f("gemv_q4_0_r4")?, f("gemv_q4_0_r8")?],

@@ -356,8 +356,15 @@ impl CudaBackend {
         for (i, (wt, bias, out)) in parts.iter().enumerate() {
             (w[i], b[i], o[i], n[i]) = (wt.ptr(), *bias, *out, wt.rows);
         }
-        let blocks: usize = n.iter().map(|n| n.div_ceil(GEMV_NW)).sum();
-        let dims = LaunchDims { grid: (blocks as u32, 1, 1), block: 32 * GEMV_WARPS };
+        let blocks_of = |nw: usize| -> usize { n.iter().map(|n| n.div_ceil(nw)).sum() };
+        // One row against matrices too small to fill half a wave of four-row
+        // blocks (8 blocks per SM: kernels/gemv.cu MINB) takes two-row blocks.
+        let narrow = rows == 1
+            && self.gemv_narrow.load(std::sync::atomic::Ordering::Relaxed)
+            && blocks_of(GEMV_NW) * 2 < self.sm_count * 8;
+        let (kernel, nw) =
+            if narrow { (self.k.gemv_bf16_r1_nw2, 2) } else { (self.k.gemv_bf16[inst], GEMV_NW) };
+        let dims = LaunchDims { grid: (blocks_of(nw) as u32, 1, 1), block: 32 * GEMV_WARPS };
         let mut a = Args::new();
         for p in w.iter().chain(&o).chain(&b) {
             a = a.ptr(*p);
@@ -366,7 +373,7 @@ impl CudaBackend {
             a = a.i32(n as i32);
         }
         let a = a.ptr(x.ptr()).i32(x.cols as i32).i32(rows as i32).i32(self.early_weights());
-        unsafe { self.launch(self.k.gemv_bf16[inst], dims, a) }
+        unsafe { self.launch(kernel, dims, a) }
     }
 
     /// Whether `rows` rows against bf16 `w` take the per-row kernel, the one

@@ -210,6 +210,9 @@ pub struct CudaBackend {
     config: CudaBackendConfig,
     /// Kernels are launched with programmatic dependent launch (`CudaTuning::pdl` on sm_90+).
     pdl: bool,
+    /// One-row bf16 GEMVs of small matrices take two-row blocks (`gemv_bf16_parts`);
+    /// off only for the self-check's benchmark of both.
+    gemv_narrow: std::sync::atomic::AtomicBool,
     state: Mutex<State>,
     /// Per-op timing when `CudaTuning::profile_every` is set (a report every N steps).
     profile: Option<Mutex<OpProfile>>,
@@ -321,6 +324,7 @@ impl CudaBackend {
             sm_count,
             arch,
             pdl: config.tuning.pdl && major >= 9,
+            gemv_narrow: std::sync::atomic::AtomicBool::new(true),
             profile: config.tuning.profile_every.map(|every| Mutex::new(OpProfile::new(every))),
             config,
             state: Mutex::new(state),
