@@ -355,6 +355,144 @@ ATTN_LANES_ALL_G(2)
 ATTN_LANES_ALL_G(4)
 ATTN_LANES_ALL_G(8)
 
+// Decode rows in tiles of 32 tokens, for steps of few rows (the batch-1
+// decode of a model whose layers move few bytes, where attention's latency
+// is the step's): the same splits, output and combine as attn_partial, but a
+// block issues every load of a tile at once. Thread t takes token t / 4 of the
+// tile and a quarter of its K and V rows (one round of 16-byte loads after
+// one round of page-table loads, where attn_partial waits on a round per four
+// tokens of a warp), scores the quarter against the G query heads (q in
+// shared memory), and the four quarters meet in two shuffles; V goes to
+// shared memory, and then thread t owns OPT output elements of one head and
+// adds the tile's 32 weighted V rows into them with its head's online
+// softmax. Splits are at least one tile (ATT_TILE_SPLIT in attention.rs).
+#define ATT_TILE 32
+template <int G, int D>
+__device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, const bf16_t* __restrict__ kc,
+                                               const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,
+                                               const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,
+                                               const u32* __restrict__ page_table, float* __restrict__ out,
+                                               float* __restrict__ part_o, float* __restrict__ part_ml, int heads,
+                                               int kv_heads, int page_size, float scale, int min_chunk,
+                                               int nsplit) {
+    pdl_enter();
+    const int HD = 32 * D, QD = HD / 4;        // a thread's quarter of a K or V row
+    const int QC = QD / 8;                     // its 16-byte chunks
+    const int QP = QD + 4;                     // padded quarter stride of q in shared memory
+    const int OPT = (G * HD + 127) / 128;      // output elements per thread
+    const int TPH = HD / OPT;                  // threads per head
+    __shared__ __align__(16) float qs[G][4 * QP];
+    __shared__ __align__(16) bf16_t vs[ATT_TILE][HD];
+    __shared__ float ss[G][ATT_TILE];
+    int s = blockIdx.x, h0 = blockIdx.y * G, r = blockIdx.z;
+    Split sp;
+    if (!split_of(sp, r, s, h0, heads, kv_heads, row_pos, row_seq, seq_pt_off, page_table, min_chunk, nsplit))
+        return;
+    const int t = threadIdx.x, j = t >> 2, qd = t & 3;
+    for (int i = t; i < G * HD; i += blockDim.x) {
+        int g = i / HD, e = i % HD;
+        qs[g][(e / QD) * QP + e % QD] = q[((long long)r * heads + h0 + g) * HD + e] * scale;
+    }
+    // This thread's outputs: head og, elements [oe, oe + OPT).
+    const int og = t / TPH, oe = (t % TPH) * OPT;
+    const bool owner = t < G * TPH;
+    float o[OPT], m = NEG_INF, l = 0.f;
+#pragma unroll
+    for (int i = 0; i < OPT; i++) o[i] = 0.f;
+    const int kvw = kv_heads * HD;
+    for (int t0 = sp.start; t0 < sp.end; t0 += ATT_TILE) {
+        int tok = t0 + j;
+        bool valid = tok < sp.end;
+        uint4 kq[QC], vq[QC];
+        if (valid) {
+            long long base = kv_page_elems(sp.pt[tok / page_size]) + (long long)(tok % page_size) * kvw +
+                             (long long)sp.kvh * HD + qd * QD;
+            const uint4* kr = (const uint4*)(kc + base);
+            const uint4* vr = (const uint4*)(vc + base);
+#pragma unroll
+            for (int c = 0; c < QC; c++) kq[c] = kr[c], vq[c] = vr[c];
+        } else {
+#pragma unroll
+            for (int c = 0; c < QC; c++) kq[c] = vq[c] = make_uint4(0u, 0u, 0u, 0u);
+        }
+        __syncthreads(); // q is in place; the previous tile's V and scores are used up
+#pragma unroll
+        for (int c = 0; c < QC; c++) *(uint4*)&vs[j][qd * QD + 8 * c] = vq[c];
+        float sc[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) sc[g] = 0.f;
+#pragma unroll
+        for (int c = 0; c < QC; c++) {
+            u32 w[4] = {kq[c].x, kq[c].y, kq[c].z, kq[c].w};
+            float kf[8];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                kf[2 * i] = __uint_as_float(w[i] << 16), kf[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                float4 a = *(const float4*)&qs[g][qd * QP + 8 * c];
+                float4 b = *(const float4*)&qs[g][qd * QP + 8 * c + 4];
+                sc[g] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3] + b.x * kf[4] + b.y * kf[5] +
+                         b.z * kf[6] + b.w * kf[7];
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            sc[g] += __shfl_xor_sync(0xffffffffu, sc[g], 1);
+            sc[g] += __shfl_xor_sync(0xffffffffu, sc[g], 2);
+            if (qd == 0) ss[g][j] = valid ? sc[g] : NEG_INF;
+        }
+        __syncthreads();
+        if (owner) {
+            // The tile's softmax update for head og (every thread of the head
+            // computes the same m and l), then its weighted V rows.
+            float mx = m;
+#pragma unroll 8
+            for (int i = 0; i < ATT_TILE; i++) mx = fmaxf(mx, ss[og][i]);
+            float corr = expf(m - mx);
+            l *= corr;
+#pragma unroll
+            for (int i = 0; i < OPT; i++) o[i] *= corr;
+            int nv = imin(ATT_TILE, sp.end - t0);
+            for (int i = 0; i < nv; i++) {
+                float p = expf(ss[og][i] - mx);
+                l += p;
+#pragma unroll
+                for (int e = 0; e < OPT; e++) o[e] += p * bf16_to_f32(vs[i][oe + e]);
+            }
+            m = mx;
+        }
+    }
+    if (!owner) return;
+    int h = h0 + og;
+    long long pidx = ((long long)r * heads + h) * nsplit + s;
+#pragma unroll
+    for (int e = 0; e < OPT; e++) {
+        if (nsplit == 1) out[((long long)r * heads + h) * HD + oe + e] = l > 0.f ? o[e] / l : 0.f;
+        else part_o[pidx * HD + oe + e] = o[e];
+    }
+    if (nsplit > 1 && t % TPH == 0) {
+        part_ml[2 * pidx] = m;
+        part_ml[2 * pidx + 1] = l;
+    }
+}
+
+#define ATTN_TILE(G, D)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128)                                                           \
+        attn_tile_g##G##_d##D(const float* __restrict__ q, const bf16_t* __restrict__ kc,                      \
+                              const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,                  \
+                              const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,             \
+                              const u32* __restrict__ page_table, float* __restrict__ out,                     \
+                              float* __restrict__ part_o, float* __restrict__ part_ml, int heads, int kv_heads, \
+                              int head_dim, int page_size, float scale, int min_chunk, int nsplit) {            \
+        attn_tile_body<G, D>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, out, part_o, part_ml, heads,   \
+                             kv_heads, page_size, scale, min_chunk, nsplit);                                    \
+    }
+#define ATTN_TILE_ALL_G(D) ATTN_TILE(1, D) ATTN_TILE(2, D) ATTN_TILE(4, D) ATTN_TILE(8, D)
+ATTN_TILE_ALL_G(2)
+ATTN_TILE_ALL_G(4)
+ATTN_TILE_ALL_G(8)
+
 // The largest `v` over the block (every thread gets it); `partial` holds 32 floats.
 __device__ __forceinline__ float block_max(float v, float* partial) {
     v = warp_max(v);

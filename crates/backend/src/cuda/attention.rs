@@ -55,6 +55,10 @@ pub(super) const ATT_MIN_SPLIT: usize = 16;
 pub(super) const ATT_LANES_MIN_ROWS: usize = 8;
 pub(super) const ATT_LANES_SPLIT: usize = 128;
 
+/// Steps of fewer rows take the 32-token-tile kernel (`attn_tile_*`), each
+/// split at least one tile; kernels/attention.cu ATT_TILE.
+pub(super) const ATT_TILE_SPLIT: usize = 32;
+
 /// Largest head dimension the attention kernel holds in registers.
 pub const MAX_HEAD_DIM: usize = 256;
 
@@ -228,7 +232,12 @@ impl CudaBackend {
             _ => None,
         };
         let lanes = self.config.tuning.lane_attention && rows >= ATT_LANES_MIN_ROWS && exact.is_some();
-        let min_split = if lanes { ATT_LANES_SPLIT } else { ATT_MIN_SPLIT };
+        let tile = st.decode_tiles && !lanes && exact.is_some();
+        let min_split = match (lanes, tile) {
+            (true, _) => ATT_LANES_SPLIT,
+            (false, true) => ATT_TILE_SPLIT,
+            (false, false) => ATT_MIN_SPLIT,
+        };
         let nsplit = self.splits(rows, a.heads, per_block, max_ctx, min_split);
         let scale = 1.0 / (g.head_dim as f32).sqrt();
         let args = Args::new()
@@ -253,6 +262,7 @@ impl CudaBackend {
             LaunchDims { grid: (nsplit as u32, (a.heads / per_block) as u32, rows as u32), block: 128 };
         let kernel = match exact {
             Some(d) if lanes => self.k.attn_lanes[d][g_idx],
+            Some(d) if tile => self.k.attn_tile[d][g_idx],
             Some(d) => self.k.attn_partial_exact[d][g_idx],
             None => self.k.attn_partial[g_idx],
         };

@@ -635,17 +635,24 @@ fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, r
     }
     // Every case through both prefill paths: the tiled kernel (for sequences
     // of at least TILED_MIN_ROWS rows) and the split-K kernel for everything.
-    for path in [PrefillPath::Tiled, PrefillPath::SplitK] {
-        be.lock().prefill = path;
+    // Decode rows take the tile kernel; once more through the per-warp split-K kernel.
+    let set = |path, tiles| {
+        let mut st = be.lock();
+        (st.prefill, st.decode_tiles) = (path, tiles);
+    };
+    for (path, tiles) in
+        [(PrefillPath::Tiled, true), (PrefillPath::SplitK, true), (PrefillPath::Tiled, false)]
+    {
+        set(path, tiles);
         for c in &cases {
             let r = attention_case(be, cpu, rep, rng, c, path);
             if r.is_err() {
-                be.lock().prefill = PrefillPath::Tiled;
+                set(PrefillPath::Tiled, true);
             }
             r?;
         }
     }
-    be.lock().prefill = PrefillPath::Tiled;
+    set(PrefillPath::Tiled, true);
     Ok(())
 }
 
@@ -754,7 +761,8 @@ fn attention_case(
     be.attention(&q.g, &kg, c.heads, &step, &mut out.g);
     cpu.attention(&q.c, &kc, c.heads, &step, &mut out.c);
     let (a, b) = read_both(be, cpu, &out, rows)?;
-    rep.compare(&format!("attention ({path:?}): {}", c.name), &a, &b, BF16);
+    let decode = if be.lock().decode_tiles { "" } else { ", per-warp decode" };
+    rep.compare(&format!("attention ({path:?}{decode}): {}", c.name), &a, &b, BF16);
 
     // Copy-on-write of the first sequence's first page, then attend through the copy.
     let mut moved = tables[0].clone();
@@ -769,7 +777,7 @@ fn attention_case(
     be.attention(&q.g, &kg, c.heads, &step2, &mut out2.g);
     cpu.attention(&q.c, &kc, c.heads, &step2, &mut out2.c);
     let (a2, b2) = read_both(be, cpu, &out2, rows)?;
-    rep.compare(&format!("attention ({path:?}) after copy_page: {}", c.name), &a2, &b2, BF16);
+    rep.compare(&format!("attention ({path:?}{decode}) after copy_page: {}", c.name), &a2, &b2, BF16);
     Ok(())
 }
 
@@ -1363,6 +1371,21 @@ fn attention_bench(
         put_gpu(be, &kvv, &rng.vec(ctx * kvw, 1.0))?;
         be.write_kv(&mut kv, &kvv, &kvv, &[SeqStep { row_start: 0, rows: ctx, cached: 0, pages: &pages }]);
         let mut out = be.alloc_act(ActShape { rows, cols: heads * hd })?;
+        if rows == 1 {
+            // Replayed as a captured step replays it, through the tile kernel and the per-warp one.
+            let mut line = format!("decode attention ({}) ctx {ctx} (graph)", shape.name);
+            for tiles in [true, false] {
+                be.lock().decode_tiles = tiles;
+                let id = 1 << 20 | ctx << 1 | usize::from(tiles);
+                let ms = graph_time_ms(be, id, 50, || be.attention(&q, &kv, heads, &seqs, &mut out));
+                be.lock().decode_tiles = true;
+                let ms = ms?;
+                let gbs = (ctx * kvw * 2 * 2) as f64 / (ms as f64 * 1e-3) / 1e9;
+                let kind = if tiles { "tiles" } else { "per warp" };
+                line += &format!(" | {kind} {:.2} us, KV {gbs:.0} GB/s", ms * 1e3);
+            }
+            lines.push(line);
+        }
         for &path in paths {
             be.lock().prefill = path;
             let reps = if path == PrefillPath::SplitK && rows > 2048 { 3 } else { 20 };

@@ -167,6 +167,10 @@ struct State {
     /// Per sequence of a delta-net op: first row, rows, cached, state slot.
     delta_seqs: Meta,
     prefill: PrefillPath,
+    /// Split-K steps of fewer than `ATT_LANES_MIN_ROWS` rows take the
+    /// 32-token-tile kernel (`attn_tile_*`); off only for the self-check's
+    /// comparisons and benchmark of the per-warp kernel it replaces.
+    decode_tiles: bool,
     delta_prefill: DeltaPrefill,
     maps: SeqMaps,
     maps_scratch: SeqMaps,
@@ -282,6 +286,7 @@ impl CudaBackend {
             rest_seq: meta(rows)?,
             delta_seqs: meta(4 * config.max_seqs)?,
             prefill: PrefillPath::Tiled,
+            decode_tiles: true,
             delta_prefill: if config.tuning.delta_chunked {
                 DeltaPrefill::Chunked
             } else {

@@ -18,6 +18,7 @@ struct uint2 {
 struct alignas(16) uint4 {
     u32 x, y, z, w;
 };
+inline uint4 make_uint4(u32 x, u32 y, u32 z, u32 w) { return {x, y, z, w}; }
 struct float2 {
     float x, y;
 };
@@ -186,16 +187,22 @@ struct Case {
     // 0: the tiled prefill kernel. Otherwise the split-K kernels (attn_partial
     // over this many splits, then attn_combine), as decode rows take them.
     int nsplit = 0;
+    // Split-K through the 32-token-tile kernels (attn_tile_*) instead of attn_partial.
+    bool tile = false;
 };
 
 using Partial = void (*)(const float*, const bf16_t*, const bf16_t*, const u32*, const u32*, const u32*,
                          const u32*, float*, float*, float*, int, int, int, int, float, int, int);
 // The instantiation attention.rs picks: heads per block the largest of 8, 4,
 // 2, 1 dividing the group; the vector-load kernels for head_dim 64, 128, 256.
-Partial partial_of(int head_dim, int g) {
+Partial partial_of(int head_dim, int g, bool tile) {
     Partial exact[3][4] = {{attn_partial_g1_d2, attn_partial_g2_d2, attn_partial_g4_d2, attn_partial_g8_d2},
                            {attn_partial_g1_d4, attn_partial_g2_d4, attn_partial_g4_d4, attn_partial_g8_d4},
                            {attn_partial_g1_d8, attn_partial_g2_d8, attn_partial_g4_d8, attn_partial_g8_d8}};
+    Partial tiles[3][4] = {{attn_tile_g1_d2, attn_tile_g2_d2, attn_tile_g4_d2, attn_tile_g8_d2},
+                           {attn_tile_g1_d4, attn_tile_g2_d4, attn_tile_g4_d4, attn_tile_g8_d4},
+                           {attn_tile_g1_d8, attn_tile_g2_d8, attn_tile_g4_d8, attn_tile_g8_d8}};
+    if (tile) return tiles[head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2][g == 8 ? 3 : g == 4 ? 2 : g == 2 ? 1 : 0];
     Partial any[4] = {attn_partial_g1, attn_partial_g2, attn_partial_g4, attn_partial_g8};
     int gi = g == 8 ? 3 : g == 4 ? 2 : g == 2 ? 1 : 0;
     switch (head_dim) {
@@ -253,9 +260,9 @@ bool run(const Case& c) {
         });
     } else {
         int group = c.heads / c.kv_heads, g = group % 8 == 0 ? 8 : group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
-        const int min_chunk = 16; // attention.rs ATT_MIN_SPLIT
+        const int min_chunk = c.tile ? 32 : 16; // attention.rs ATT_TILE_SPLIT, ATT_MIN_SPLIT
         std::vector<float> part_o((size_t)rows * c.heads * c.nsplit * hd, NAN), part_ml(part_o.size() / hd * 2, NAN);
-        Partial k = partial_of(hd, g);
+        Partial k = partial_of(hd, g, c.tile);
         launch({(unsigned)c.nsplit, (unsigned)(c.heads / g), (unsigned)rows}, 128, [&] {
             k(q.data(), kc.data(), vc.data(), row_pos.data(), row_seq.data(), seq_pt_off.data(), page_table.data(),
               out.data(), part_o.data(), part_ml.data(), c.heads, c.kv_heads, hd, ps, scale, min_chunk, c.nsplit);
@@ -316,6 +323,13 @@ int main() {
         {"split-K decode, hd 128, GQA 8, contexts 600 and 17", 128, 16, 2, 16, {{599, 1}, {16, 1}}, 64},
         {"split-K decode, hd 64, GQA 4, one split", 64, 4, 1, 16, {{40, 1}}, 1},
         {"split-K decode, hd 18, GQA 2", 18, 4, 2, 16, {{70, 1}, {300, 1}}, 32},
+        // The tile kernels: a split of several tiles and a partial last one,
+        // one split (normalized in the kernel), few heads per block (threads
+        // without an output), and hd 256 with 8 heads per block.
+        {"tiles, hd 128, GQA 8, contexts 600 and 17", 128, 16, 2, 16, {{599, 1}, {16, 1}}, 8, true},
+        {"tiles, hd 64, no GQA, one split", 64, 2, 2, 16, {{70, 1}}, 1, true},
+        {"tiles, hd 128, GQA 4, three rows, page 32", 128, 8, 2, 32, {{40, 1}, {200, 2}}, 5, true},
+        {"tiles, hd 256, GQA 8", 256, 8, 1, 16, {{100, 1}}, 3, true},
     };
     int failed = 0;
     for (auto& c : cases) failed += !run(c);
