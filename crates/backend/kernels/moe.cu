@@ -12,24 +12,37 @@
 //   gate/up     per chosen expert, silu(gate x) * up x for each of its pairs;
 //   down        per chosen expert, down · act for each of its pairs;
 //   moe_combine per row, the weighted sum of its pairs' outputs in slot order
-//               (moe_gemv_down_combine: down and the sum in one, for 1-2 rows).
-// gate/up and down come in two forms: a routed GEMV for decode (a warp per
-// weight row, every pair of the expert against that row, so each chosen
-// expert's weights are read once and no other expert's at all) and a
+//               (moe_gemv_down_combine[_bf16]: down and the sum in one, for
+//               1-2 rows).
+// gate/up and down come in two forms: routed GEMVs for decode, which read
+// each chosen expert's weights once and no other expert's at all, and a
 // grouped GEMM for prefill (bf16 mma.sync tiles of MOE_BM pairs of one
-// expert, all experts' tiles in one launch).
+// expert, all experts' tiles in one launch). The routed GEMVs of bf16
+// experts keep many 16-byte loads in flight per thread, a block's threads
+// splitting the K range of a few weight rows (and, for down at few rows,
+// the row's experts) as the dense GEMVs of gemv.cu do; other types take a
+// warp per weight row.
 //
 // Experts are addressed through a table of device pointers per layer,
 // `table[3 e + {0, 1, 2}]` = gate, up, down of expert e. gate and up share a
 // storage type and row stride, down has its own (GGUF files often keep it
-// wider). bf16 takes 16-byte loads; every other type goes through
-// `load_elem` (common.cu), which is correct for all and fast for none.
+// wider). bf16 rows of a multiple of 8 weights take 16-byte loads; every
+// other type, and bf16 of other widths, goes through `load_elem`
+// (common.cu), which is correct for all and fast for none.
 //
 // Every pair's result depends only on its own row and its expert's weights,
 // computed in a fixed order, so the order `moe_sort` gives pairs within an
 // expert (atomics) does not change any value.
 
-#define MOE_GEMV_WARPS 8 // warps per block of the routed GEMVs (MOE_GEMV_WARPS in moe.rs)
+// The bf16 routed GEMVs (see their section below).
+#define MOE_GU_WARPS 4 // warps per gate/up block (MOE_GU_WARPS in moe.rs)
+#define MOE_GU_COLS 4  // outputs per gate/up block (MOE_GU_COLS in moe.rs)
+#define MOE_GU_U 1     // passes of 128 chunks of K a gate/up thread loads at once
+#define MOE_DN_ROWS 4  // down rows per warp (MOE_DN_ROWS in moe.rs)
+#define MOE_DN_U 3     // passes of 32 chunks of K a down lane loads at once: all of ffn 768
+#define MOE_DN_WARPS 8 // warps per down block (MOE_DN_WARPS in moe.rs)
+// The routed GEMVs of any storage type.
+#define MOE_GEMV_WARPS 8 // warps per block (MOE_GEMV_WARPS in moe.rs)
 #define MOE_GEMV_PAIRS 4 // pairs one warp carries through a weight row at a time
 #define MOE_MAX_EXPERTS 1024
 #define MOE_BM 64 // pairs per grouped-GEMM tile (MOE_TILE_ROWS in moe.rs)
@@ -252,6 +265,326 @@ extern "C" __global__ void __launch_bounds__(1024)
     moe_sort_body(ids, rows * k, E, pos_of_pair, pair_of_pos, n_active, active, n_tiles, tiles);
 }
 
+// ---- Routed GEMVs of bf16 experts (decode) ----
+//
+// A decode step reads each chosen expert's weights once, so these kernels
+// are limited by the bytes each SM keeps in flight: at 4.3 TB/s and about
+// 1 us of memory latency an H200 SM (of 132) needs ~32 KB outstanding. A warp
+// per weight row with a few loads per lane keeps far less (the any-type
+// kernels below: ~2 KB per SM at Qwen3-30B-A3B's 1 row). So, as the dense
+// GEMVs of gemv.cu: every thread issues all of a pass's 16-byte weight loads
+// (`ld_stream`, gemv.cu: L1 no-allocate, so the activations keep L1) before
+// any arithmetic, uses each activation value it reads for every weight row
+// it holds, and accumulates in f32; partial sums meet over the warp and then
+// in shared memory, in a fixed order. Weight rows are addressed as 32-bit
+// offsets in 16-byte units from their matrix (rows of a multiple of 16
+// bytes): a 64-bit pointer per row would not fit the register budgets below.
+// No weight load is issued before `pdl_enter`: which expert a block reads is
+// written by the routing kernel ahead.
+//
+// gate/up/SiLU (moe_gemv_gate_up_bf16_p{1,4}): a block of MOE_GU_WARPS warps
+// owns MOE_GU_COLS outputs j of one expert in use, i.e. 2 x MOE_GU_COLS
+// weight rows (gate and up), and splits K = hidden between all its threads,
+// interleaved so that each load instruction of the block reads one
+// contiguous 2 KB span. A thread holds MOE_GU_U x 8 loads (128 B) in flight
+// and uses each x value for all 8 rows: the layout of the dense GLU of
+// gemv.cu (where, for the plain GEMV, 8 loads per thread at 8 blocks per SM
+// measured faster than 16 at 5). _p1 fits 64 registers, so 8 blocks (32
+// warps) per SM: 128 KB in flight per SM. Qwen3-30B-A3B at 1 row: 192 blocks
+// per expert, 1536 in all.
+//
+// down (moe_gemv_down_combine_bf16 for few rows, moe_gemv_down_bf16_p{1,4}
+// per expert): a warp holds MOE_DN_ROWS down rows and splits K = ffn between
+// its lanes, each lane MOE_DN_U x MOE_DN_ROWS loads (192 B) in flight, each
+// act value used for all its rows. Down rows are short (ffn 768: 96 chunks,
+// 3 per lane), so the K split stops at the warp; the fused form instead gives
+// a block's warps the k experts of one token row for the same MOE_DN_ROWS
+// outputs, so all of a row's experts are read at once and their products
+// meet in shared memory, weighted and summed in slot order. 80 registers, 3
+// blocks (24 warps) per SM: 144 KB in flight per SM. Qwen3-30B-A3B at 1 row:
+// 512 blocks, each of its warps 6 KB of loads at once.
+//
+// _p1 takes an expert's pairs one at a time, re-reading its weights (from
+// L2) for a second pair: a decode step's experts mostly have one. _p4 takes
+// four at a time, sharing each weight load between them, at the cost of the
+// registers of four accumulator sets (half the blocks per SM).
+
+// The dot product of 8 bf16 weights (one 16-byte chunk) with 8 f32 values.
+__device__ __forceinline__ float moe_dot8_bf16(uint4 w, float4 a, float4 b) {
+    float s = __uint_as_float(w.x << 16) * a.x;
+    s += __uint_as_float(w.x & 0xffff0000u) * a.y;
+    s += __uint_as_float(w.y << 16) * a.z;
+    s += __uint_as_float(w.y & 0xffff0000u) * a.w;
+    s += __uint_as_float(w.z << 16) * b.x;
+    s += __uint_as_float(w.z & 0xffff0000u) * b.y;
+    s += __uint_as_float(w.w << 16) * b.z;
+    s += __uint_as_float(w.w & 0xffff0000u) * b.w;
+    return s;
+}
+
+// NP pairs of one expert at a time through the block's gate and up rows:
+// act[pos][j] = silu(gate_e[j] · x[row]) * (up_e[j] · x[row]). With NP > 1
+// the pairs share every weight load; pairs past the expert's last are skipped.
+template <int NP>
+__device__ __forceinline__ void moe_gate_up_bf16(const u64* __restrict__ table, long long rb,
+                                                 const float* __restrict__ x, int hidden, int ef, int k,
+                                                 const int* __restrict__ pair_of_pos,
+                                                 const int* __restrict__ n_active, const int* __restrict__ active,
+                                                 float* __restrict__ act) {
+    const int NR = 2 * MOE_GU_COLS; // gate rows j0.., then up rows j0..
+    const int step = MOE_GU_WARPS * 32;
+    __shared__ float red[MOE_GU_WARPS][NP * NR];
+    pdl_enter();
+    int y = blockIdx.y;
+    if (y >= *n_active) return;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    int e = active[3 * y], p = active[3 * y + 1], end = active[3 * y + 2];
+    int j0 = blockIdx.x * MOE_GU_COLS;
+    const uint4* gate = (const uint4*)table[3 * e];
+    const uint4* up = (const uint4*)table[3 * e + 1];
+    unsigned off[MOE_GU_COLS];
+#pragma unroll
+    for (int i = 0; i < MOE_GU_COLS; i++) off[i] = (unsigned)(imin(j0 + i, ef - 1) * (rb >> 4));
+    int chunks = hidden >> 3;
+    for (; p < end; p += NP) {
+        int np = imin(NP, end - p);
+        const float4* xr[NP];
+#pragma unroll
+        for (int q = 0; q < NP; q++) xr[q] = (const float4*)(x + (long long)(pair_of_pos[p + imin(q, np - 1)] / k) * hidden);
+        float acc[NP][NR];
+#pragma unroll
+        for (int q = 0; q < NP; q++)
+#pragma unroll
+            for (int i = 0; i < NR; i++) acc[q][i] = 0.f;
+        for (int base = wid * 32 + lane; base < chunks; base += step * MOE_GU_U) {
+            uint4 v[MOE_GU_U][NR];
+#pragma unroll
+            for (int u = 0; u < MOE_GU_U; u++) {
+                int c = base + u * step;
+#pragma unroll
+                for (int i = 0; i < NR; i++) {
+                    const uint4* row = (i < MOE_GU_COLS ? gate : up) + off[i % MOE_GU_COLS] + c;
+                    if (c < chunks) v[u][i] = ld_stream(row);
+                    else v[u][i].x = v[u][i].y = v[u][i].z = v[u][i].w = 0u;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < MOE_GU_U; u++) {
+                int c = base + u * step;
+                if (c < chunks) {
+#pragma unroll
+                    for (int q = 0; q < NP; q++) {
+                        if (q < np) {
+                            float4 a = __ldg(xr[q] + 2 * c), b = __ldg(xr[q] + 2 * c + 1);
+#pragma unroll
+                            for (int i = 0; i < NR; i++) acc[q][i] += moe_dot8_bf16(v[u][i], a, b);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < NP; q++) {
+            if (q < np) {
+#pragma unroll
+                for (int i = 0; i < NR; i++) {
+                    float s = warp_sum(acc[q][i]);
+                    if (lane == 0) red[wid][q * NR + i] = s;
+                }
+            }
+        }
+        __syncthreads();
+        int t = threadIdx.x;
+        if (t < np * MOE_GU_COLS) {
+            int q = t / MOE_GU_COLS, i = t % MOE_GU_COLS, j = j0 + i;
+            if (j < ef) {
+                float g = 0.f, u = 0.f;
+#pragma unroll
+                for (int w = 0; w < MOE_GU_WARPS; w++) {
+                    g += red[w][q * NR + i];
+                    u += red[w][q * NR + MOE_GU_COLS + i];
+                }
+                act[(long long)(p + q) * ef + j] = moe_silu(g) * u;
+            }
+        }
+        __syncthreads(); // `red` is read before the next pairs overwrite it
+    }
+}
+
+// Grid: (ceil(ef / MOE_GU_COLS), min(E, P)) blocks of MOE_GU_WARPS warps;
+// block y serves the y-th expert in use. hidden a multiple of 8, rows
+// 16-byte aligned. _p1 takes an expert's pairs one at a time (decode's
+// experts mostly have one), _p4 four at a time.
+extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 8)
+    moe_gemv_gate_up_bf16_p1(const u64* __restrict__ table, long long rb, const float* __restrict__ x, int hidden,
+                             int ef, int k, const int* __restrict__ pair_of_pos, const int* __restrict__ n_active,
+                             const int* __restrict__ active, float* __restrict__ act) {
+    moe_gate_up_bf16<1>(table, rb, x, hidden, ef, k, pair_of_pos, n_active, active, act);
+}
+extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 4)
+    moe_gemv_gate_up_bf16_p4(const u64* __restrict__ table, long long rb, const float* __restrict__ x, int hidden,
+                             int ef, int k, const int* __restrict__ pair_of_pos, const int* __restrict__ n_active,
+                             const int* __restrict__ active, float* __restrict__ act) {
+    moe_gate_up_bf16<4>(table, rb, x, hidden, ef, k, pair_of_pos, n_active, active, act);
+}
+
+// d[q][i] = (bf16 row w[i]) · (f32 row a[q]) for q < np, over a row of
+// `chunks` 16-byte chunks of which this lane takes first, first + stride,
+// ...; summed over the warp (every lane gets the sums).
+template <int NP>
+__device__ __forceinline__ void moe_down_dots_bf16(const uint4* w, const unsigned (&off)[MOE_DN_ROWS],
+                                                   const float4* const (&a)[NP], int np, int chunks, int first,
+                                                   int stride, float (&d)[NP][MOE_DN_ROWS]) {
+#pragma unroll
+    for (int q = 0; q < NP; q++)
+#pragma unroll
+        for (int i = 0; i < MOE_DN_ROWS; i++) d[q][i] = 0.f;
+    for (int base = first; base < chunks; base += stride * MOE_DN_U) {
+        uint4 v[MOE_DN_U][MOE_DN_ROWS];
+#pragma unroll
+        for (int u = 0; u < MOE_DN_U; u++) {
+            int c = base + u * stride;
+#pragma unroll
+            for (int i = 0; i < MOE_DN_ROWS; i++) {
+                if (c < chunks) v[u][i] = ld_stream(w + off[i] + c);
+                else v[u][i].x = v[u][i].y = v[u][i].z = v[u][i].w = 0u;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MOE_DN_U; u++) {
+            int c = base + u * stride;
+            if (c < chunks) {
+#pragma unroll
+                for (int q = 0; q < NP; q++) {
+                    if (q < np) {
+                        float4 x0 = __ldg(a[q] + 2 * c), x1 = __ldg(a[q] + 2 * c + 1);
+#pragma unroll
+                        for (int i = 0; i < MOE_DN_ROWS; i++) d[q][i] += moe_dot8_bf16(v[u][i], x0, x1);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < NP; q++)
+        if (q < np)
+#pragma unroll
+            for (int i = 0; i < MOE_DN_ROWS; i++) d[q][i] = warp_sum(d[q][i]);
+}
+
+// Down and the weighted sum in one launch, for few token rows:
+// out[r][i] = sum over slots s = 0..k-1, in order, of
+// w[r k + s] * (down_{e_s}[i] · act[pos of (r, s)]).
+// Block (x, r) computes outputs x*MOE_DN_ROWS.. of row r. Its warps take the
+// row's slots ks = min(k, MOE_DN_WARPS) at a time: warp w slot w % ks of the
+// round and part w / ks of the K range (with fewer slots than warps, a slot's
+// K is split between MOE_DN_WARPS / ks warps; warps past those idle). Every
+// sum has a fixed order, so the result does not depend on scheduling.
+// Grid: (ceil(hidden / MOE_DN_ROWS), rows) blocks of MOE_DN_WARPS warps;
+// ffn a multiple of 8, rows 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(MOE_DN_WARPS * 32, 3)
+    moe_gemv_down_combine_bf16(const u64* __restrict__ table, long long rb, const float* __restrict__ act, int ef,
+                               int hidden, int k, const int* __restrict__ ids, const float* __restrict__ wts,
+                               const int* __restrict__ pos_of_pair, float* __restrict__ out) {
+    __shared__ float red[MOE_DN_WARPS][MOE_DN_ROWS];
+    pdl_enter();
+    int r = blockIdx.y, lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    int i0 = blockIdx.x * MOE_DN_ROWS;
+    int ks = imin(k, MOE_DN_WARPS), parts = MOE_DN_WARPS / ks;
+    int slot = wid % ks, part = wid / ks;
+    int chunks = ef >> 3;
+    float acc = 0.f; // thread t < MOE_DN_ROWS: output i0 + t
+    for (int s0 = 0; s0 < k; s0 += ks) {
+        int s = s0 + slot;
+        float d[1][MOE_DN_ROWS];
+#pragma unroll
+        for (int i = 0; i < MOE_DN_ROWS; i++) d[0][i] = 0.f;
+        if (part < parts && s < k) {
+            int pr = r * k + s;
+            const uint4* down = (const uint4*)table[3 * ids[pr] + 2];
+            unsigned off[MOE_DN_ROWS];
+#pragma unroll
+            for (int i = 0; i < MOE_DN_ROWS; i++) off[i] = (unsigned)(imin(i0 + i, hidden - 1) * (rb >> 4));
+            const float4* a[1] = {(const float4*)(act + (long long)pos_of_pair[pr] * ef)};
+            moe_down_dots_bf16<1>(down, off, a, 1, chunks, part * 32 + lane, parts * 32, d);
+        }
+        if (lane == 0)
+#pragma unroll
+            for (int i = 0; i < MOE_DN_ROWS; i++) red[wid][i] = d[0][i];
+        __syncthreads();
+        if (threadIdx.x < MOE_DN_ROWS) {
+            int t = threadIdx.x;
+            for (int q = 0; q < ks && s0 + q < k; q++) {
+                float v = 0.f;
+                for (int pt = 0; pt < parts; pt++) v += red[pt * ks + q][t];
+                acc += wts[r * k + s0 + q] * v;
+            }
+        }
+        __syncthreads(); // `red` is read before the next round overwrites it
+    }
+    int t = threadIdx.x;
+    if (t < MOE_DN_ROWS && i0 + t < hidden) out[(long long)r * hidden + i0 + t] = acc;
+}
+
+// Down per expert in use: ys[pos][i] = down_e[i] · act[pos] for every pair
+// of the y-th expert, NP pairs at a time (sharing the weight loads). Warp w
+// of block x holds rows (x MOE_DN_WARPS + w) MOE_DN_ROWS..
+template <int NP>
+__device__ __forceinline__ void moe_down_bf16(const u64* __restrict__ table, long long rb,
+                                              const float* __restrict__ act, int ef, int hidden,
+                                              const int* __restrict__ n_active, const int* __restrict__ active,
+                                              float* __restrict__ ys) {
+    pdl_enter();
+    int y = blockIdx.y;
+    if (y >= *n_active) return;
+    int lane = threadIdx.x & 31;
+    int i0 = (blockIdx.x * MOE_DN_WARPS + (threadIdx.x >> 5)) * MOE_DN_ROWS;
+    if (i0 >= hidden) return;
+    int e = active[3 * y], p = active[3 * y + 1], end = active[3 * y + 2];
+    const uint4* down = (const uint4*)table[3 * e + 2];
+    unsigned off[MOE_DN_ROWS];
+#pragma unroll
+    for (int i = 0; i < MOE_DN_ROWS; i++) off[i] = (unsigned)(imin(i0 + i, hidden - 1) * (rb >> 4));
+    int chunks = ef >> 3;
+    for (; p < end; p += NP) {
+        int np = imin(NP, end - p);
+        const float4* a[NP];
+#pragma unroll
+        for (int q = 0; q < NP; q++) a[q] = (const float4*)(act + (long long)(p + imin(q, np - 1)) * ef);
+        float d[NP][MOE_DN_ROWS];
+        moe_down_dots_bf16<NP>(down, off, a, np, chunks, lane, 32, d);
+        if (lane == 0)
+#pragma unroll
+            for (int q = 0; q < NP; q++)
+                if (q < np)
+#pragma unroll
+                    for (int i = 0; i < MOE_DN_ROWS; i++)
+                        if (i0 + i < hidden) ys[(long long)(p + q) * hidden + i0 + i] = d[q][i];
+    }
+}
+
+// Grid: (ceil(hidden / (MOE_DN_WARPS MOE_DN_ROWS)), min(E, P)) blocks of
+// MOE_DN_WARPS warps; ffn a multiple of 8, rows 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(MOE_DN_WARPS * 32, 3)
+    moe_gemv_down_bf16_p1(const u64* __restrict__ table, long long rb, const float* __restrict__ act, int ef,
+                          int hidden, const int* __restrict__ n_active, const int* __restrict__ active,
+                          float* __restrict__ ys) {
+    moe_down_bf16<1>(table, rb, act, ef, hidden, n_active, active, ys);
+}
+extern "C" __global__ void __launch_bounds__(MOE_DN_WARPS * 32, 2)
+    moe_gemv_down_bf16_p4(const u64* __restrict__ table, long long rb, const float* __restrict__ act, int ef,
+                          int hidden, const int* __restrict__ n_active, const int* __restrict__ active,
+                          float* __restrict__ ys) {
+    moe_down_bf16<4>(table, rb, act, ef, hidden, n_active, active, ys);
+}
+
+// ---- Routed GEMVs of any storage type (decode) ----
+//
+// The experts the bf16 kernels above do not take (the block formats, bf16
+// rows whose width is not a multiple of 8): a warp per weight row, every pair
+// of the expert against that row (MOE_GEMV_PAIRS at a time), so each chosen
+// expert's weights are read once; weights through `load_elem`.
+
 __device__ __forceinline__ void moe_unpack8(uint4 v, float (&f)[8]) {
     u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -468,13 +801,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ ys, const float
     }
 }
 
-__device__ __forceinline__ void moe_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ u32 moe_pack2(float a, float b) {
     return (u32)f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
 }
@@ -622,12 +948,12 @@ __device__ __forceinline__ void moe_gemm_body(const u64* __restrict__ table, int
                 const bf16_t* bp = Bs + (wn + ni * 8 + g) * MOE_LDS + kk + tq * 2;
                 u32 b0 = *(const u32*)bp, b1 = *(const u32*)(bp + 8);
 #pragma unroll
-                for (int mi = 0; mi < 2; mi++) moe_mma(c0[mi][ni], a[mi], b0, b1);
+                for (int mi = 0; mi < 2; mi++) mma_bf16_16816(c0[mi][ni], a[mi], b0, b1);
                 if (GLU) {
                     const bf16_t* bq = bp + MOE_BN * MOE_LDS;
                     u32 q0 = *(const u32*)bq, q1 = *(const u32*)(bq + 8);
 #pragma unroll
-                    for (int mi = 0; mi < 2; mi++) moe_mma(c1[mi][ni], a[mi], q0, q1);
+                    for (int mi = 0; mi < 2; mi++) mma_bf16_16816(c1[mi][ni], a[mi], q0, q1);
                 }
             }
         }

@@ -13,6 +13,9 @@
 //!   ldmatrix) emulated from their PTX definitions, and the split-K decode
 //!   kernels (per warp and in 32-token tiles, then the combine), against
 //!   causal attention over the same paged cache.
+//! - `moe.cpp`: the routed expert FFN's decode kernels (kernels/moe.cu):
+//!   routing and grouping, and the bf16 gate/up and down GEMVs, fused with
+//!   the weighted sum and per expert, against the op from its definition.
 //!
 //! Needs a C++20 compiler: `$CXX`, or `c++` on the PATH.
 
@@ -48,4 +51,10 @@ fn delta_kernels_match_the_cpu_arithmetic_under_emulation() {
 fn attention_kernels_match_the_reference_under_emulation() {
     let report = run_emulated("attention");
     assert_eq!(report.matches("PASS").count(), 11, "fewer comparisons than written:\n{report}");
+}
+
+#[test]
+fn moe_decode_kernels_match_the_reference_under_emulation() {
+    let report = run_emulated("moe");
+    assert_eq!(report.matches("PASS").count(), 32, "fewer comparisons than written:\n{report}");
 }

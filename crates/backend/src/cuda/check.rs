@@ -2074,10 +2074,13 @@ fn moe_case(
 }
 
 /// The routed expert FFN against the CPU's unfused op: the tiny fixture's
-/// shape, odd widths (scalar tails), Qwen3-30B-A3B's layer (hidden 2048, 128
-/// experts, top 8, expert FFN 768), block-format experts, ties in the
-/// router, each at 1, 3, 8, 64 and 300 rows on both kernel paths; then a
-/// captured decode step replayed with new inputs.
+/// shape, odd widths (scalar tails), widths that send gate/up and down to
+/// different GEMVs (the bf16 ones take rows of a multiple of 8),
+/// Qwen3-30B-A3B's layer (hidden 2048, 128 experts, top 8, expert FFN 768),
+/// block-format experts, ties in the router, each at 1, 2, 3, 8, 64 and 300
+/// rows on both kernel paths (the bf16 GEMVs' fused down at 1 and 2, their
+/// one-pair kernels to 8, their four-pair ones beyond); then a captured
+/// decode step replayed with new inputs.
 /// A case that fails to run (a refused argument, a device fault) is counted
 /// as a failure and the next one runs, so one run reports every case.
 pub fn moe_checks(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
@@ -2089,6 +2092,9 @@ pub fn moe_checks(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
         ((64, 32), r(4, 2, true), DType::BF16, RouterKind::Spread),
         ((64, 32), r(4, 2, true), DType::BF16, RouterKind::Triples),
         ((100, 36), r(6, 3, false), DType::BF16, RouterKind::Spread),
+        // gate/up on the bf16 GEMV and down on the any-type one, then the other way round.
+        ((64, 36), r(4, 2, true), DType::BF16, RouterKind::Spread),
+        ((102, 40), r(6, 3, false), DType::BF16, RouterKind::Triples),
         ((2048, 768), r(128, 8, true), DType::BF16, RouterKind::Spread),
         ((2048, 768), r(128, 8, true), DType::BF16, RouterKind::Triples),
         ((256, 96), r(16, 4, true), DType::BF16, RouterKind::Flat),

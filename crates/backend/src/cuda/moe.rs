@@ -9,8 +9,12 @@
 //! grouped by expert, and `moe_combine`. Up to [`MOE_GEMV_MAX_ROWS`] rows
 //! take the routed GEMVs (every chosen expert's weights read once, in f32
 //! arithmetic, nothing of the other experts); more rows take the grouped
-//! bf16 tensor-core GEMM. Layers whose experts mix storage types, or whose
-//! sizes the kernels do not take, fall back to the unfused op.
+//! bf16 tensor-core GEMM. The routed GEMVs of bf16 experts whose rows are
+//! whole 16-byte chunks keep many loads in flight per thread (kernels/moe.cu,
+//! "Routed GEMVs of bf16 experts"); gate/up and down choose them each on its
+//! own, and other types and widths take the kernels of any storage type.
+//! Layers whose experts mix storage types, or whose sizes the kernels do not
+//! take, fall back to the unfused op.
 //!
 //! The routing metadata lives in the scratch's `meta` buffer, laid out by
 //! [`MetaLayout`] from the scratch's `MoeShape` (the same for every step).
@@ -31,8 +35,25 @@ pub const MOE_GEMV_MAX_ROWS: usize = 64;
 /// experts and re-read them, so down runs per expert and a sum follows).
 const MOE_FUSED_DOWN_ROWS: usize = 2;
 
-/// Warps per block of the routed GEMVs (kernels/moe.cu MOE_GEMV_WARPS).
+/// Warps per block of the routed GEMVs of any storage type (kernels/moe.cu MOE_GEMV_WARPS).
 const MOE_GEMV_WARPS: usize = 8;
+
+/// The bf16 gate/up GEMV: warps per block and the outputs a block owns
+/// (kernels/moe.cu MOE_GU_WARPS, MOE_GU_COLS).
+const MOE_GU_WARPS: usize = 4;
+const MOE_GU_COLS: usize = 4;
+
+/// The bf16 down GEMVs: warps per block and the down rows a warp holds
+/// (kernels/moe.cu MOE_DN_WARPS, MOE_DN_ROWS).
+const MOE_DN_WARPS: usize = 8;
+const MOE_DN_ROWS: usize = 4;
+
+/// Token rows up to which the bf16 GEMVs take an expert's pairs one at a
+/// time (`_p1`: the fewer registers, twice the blocks per SM; a second pair
+/// re-reads the expert's weights from L2). At 8 rows of 128 experts top 8,
+/// routed uniformly, an expert in use has 1.24 pairs on average; beyond,
+/// `_p4` shares each weight load between four pairs.
+const MOE_GEMV_SINGLE_ROWS: usize = 8;
 
 /// Outputs per block of the grouped GEMM (kernels/moe.cu MOE_BN).
 const MOE_BN: usize = 64;
@@ -71,6 +92,10 @@ pub struct CudaExperts {
     down: (DType, usize),
     ffn: usize,
     hidden: usize,
+    /// gate/up and down take the bf16 routed GEMVs: bf16 rows of whole
+    /// 16-byte chunks (a multiple of 8 weights, 16-byte strides and starts).
+    bf16_gate_up: bool,
+    bf16_down: bool,
 }
 
 impl CudaExperts {
@@ -148,7 +173,24 @@ impl CudaBackend {
         } else {
             None
         };
-        Ok(CudaExperts { table, num_experts: experts.len(), gate_up, down, ffn, hidden })
+        let chunked = |w: &CudaWeight| {
+            w.dtype == DType::BF16
+                && w.cols.is_multiple_of(8)
+                && w.row_bytes.is_multiple_of(16)
+                && w.ptr().is_multiple_of(16)
+        };
+        let bf16_gate_up = experts.iter().all(|x| chunked(&x.gate_proj) && chunked(&x.up_proj));
+        let bf16_down = experts.iter().all(|x| chunked(&x.down_proj));
+        Ok(CudaExperts {
+            table,
+            num_experts: experts.len(),
+            gate_up,
+            down,
+            ffn,
+            hidden,
+            bf16_gate_up,
+            bf16_down,
+        })
     }
 
     pub(super) fn enqueue_moe_ffn(&self, p: MoeFfn<'_, Self>) -> Result<()> {
@@ -237,10 +279,21 @@ impl CudaBackend {
         let (act, ys) = (m.act.ptr(), m.y.ptr());
         match path {
             MoePath::Gemv => self.op("moe experts (routed gemv)", |_| {
-                let a = Args::new()
-                    .ptr(table.ptr())
-                    .i32(gu_dt)
-                    .i64(gu_rb)
+                // Which instantiation of the bf16 GEMVs: `_p1` or `_p4`.
+                let np = usize::from(rows > MOE_GEMV_SINGLE_ROWS);
+                let dims = |x: usize, y: u32, warps: usize| LaunchDims {
+                    grid: (x as u32, y, 1),
+                    block: (warps * 32) as u32,
+                };
+                let a = Args::new().ptr(table.ptr());
+                let (kernel, a, d) = if t.bf16_gate_up {
+                    let d = dims(ffn.div_ceil(MOE_GU_COLS), slots, MOE_GU_WARPS);
+                    (self.k.moe_gemv_gate_up_bf16[np], a.i64(gu_rb), d)
+                } else {
+                    let d = dims(ffn.div_ceil(MOE_GEMV_WARPS), slots, MOE_GEMV_WARPS);
+                    (self.k.moe_gemv_gate_up, a.i32(gu_dt).i64(gu_rb), d)
+                };
+                let a = a
                     .ptr(x.ptr())
                     .i32(hidden as i32)
                     .i32(ffn as i32)
@@ -249,28 +302,30 @@ impl CudaBackend {
                     .ptr(w(l.n_active))
                     .ptr(w(l.active))
                     .ptr(act);
-                let dims = LaunchDims {
-                    grid: (ffn.div_ceil(MOE_GEMV_WARPS) as u32, slots, 1),
-                    block: (MOE_GEMV_WARPS * 32) as u32,
-                };
-                unsafe { self.launch(self.k.moe_gemv_gate_up, dims, a)? };
-                let a = Args::new()
-                    .ptr(table.ptr())
-                    .i32(dn_dt)
-                    .i64(dn_rb)
-                    .ptr(act)
-                    .i32(ffn as i32)
-                    .i32(hidden as i32);
-                let block = (MOE_GEMV_WARPS * 32) as u32;
-                let outputs = hidden.div_ceil(MOE_GEMV_WARPS) as u32;
+                unsafe { self.launch(kernel, d, a)? };
+                let a = Args::new().ptr(table.ptr());
+                let a = if t.bf16_down { a } else { a.i32(dn_dt) };
+                let a = a.i64(dn_rb).ptr(act).i32(ffn as i32).i32(hidden as i32);
+                let rows_y = rows as u32;
                 if rows <= MOE_FUSED_DOWN_ROWS {
                     let a = a.i32(k as i32).ptr(w(l.ids)).ptr(w(l.wts)).ptr(w(l.pos_of_pair)).ptr(out.ptr());
-                    let dims = LaunchDims { grid: (outputs, rows as u32, 1), block };
-                    return unsafe { self.launch(self.k.moe_gemv_down_combine, dims, a) };
+                    let (kernel, d) = if t.bf16_down {
+                        let d = dims(hidden.div_ceil(MOE_DN_ROWS), rows_y, MOE_DN_WARPS);
+                        (self.k.moe_gemv_down_combine_bf16, d)
+                    } else {
+                        let d = dims(hidden.div_ceil(MOE_GEMV_WARPS), rows_y, MOE_GEMV_WARPS);
+                        (self.k.moe_gemv_down_combine, d)
+                    };
+                    return unsafe { self.launch(kernel, d, a) };
                 }
                 let a = a.ptr(w(l.n_active)).ptr(w(l.active)).ptr(ys);
-                let dims = LaunchDims { grid: (outputs, slots, 1), block };
-                unsafe { self.launch(self.k.moe_gemv_down, dims, a)? };
+                let (kernel, d) = if t.bf16_down {
+                    let d = dims(hidden.div_ceil(MOE_DN_WARPS * MOE_DN_ROWS), slots, MOE_DN_WARPS);
+                    (self.k.moe_gemv_down_bf16[np], d)
+                } else {
+                    (self.k.moe_gemv_down, dims(hidden.div_ceil(MOE_GEMV_WARPS), slots, MOE_GEMV_WARPS))
+                };
+                unsafe { self.launch(kernel, d, a)? };
                 self.combine(ys, w(l.wts), w(l.pos_of_pair), k, hidden, rows, out.ptr())
             }),
             MoePath::Gemm => self.op("moe experts (grouped gemm)", |_| {

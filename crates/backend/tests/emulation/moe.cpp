@@ -1,0 +1,315 @@
+// The routed expert FFN's decode kernels of kernels/moe.cu, run under the
+// host emulation of shim.h, against the op written out from its definition
+// in double precision: routing and grouping (moe_route_sort, one row and
+// several), the bf16 gate/up/SiLU GEMVs (moe_gemv_gate_up_bf16_p1, _p4) and
+// the bf16 down GEMVs, fused with the weighted sum (moe_gemv_down_combine_bf16)
+// and per expert (moe_gemv_down_bf16_p1, _p4, then moe_combine). The cases
+// cover K ranges of several passes and partial ones, output counts that are
+// not a multiple of a block's, experts with more pairs than a group of four,
+// and fewer, as many and more slots than a down block has warps. The warp
+// shuffles are emulated from their PTX definitions and the streaming loads as
+// plain loads; what the emulation cannot show (a missing barrier's race,
+// register spills, the speed) the GPU check in cuda/check.rs and
+// scripts/check_kernels.py cover. Built and run by
+// crates/backend/tests/kernels_emulated.rs; exits 1 when a comparison fails.
+#include "shim.h"
+#include <algorithm>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+
+// What moe.cu takes from kernels/common.cu and kernels/gemv.cu (compiled
+// ahead of it in one program) and from the CUDA built-ins.
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+struct uint2 {
+    u32 x, y;
+};
+struct alignas(16) uint4 {
+    u32 x, y, z, w;
+};
+inline uint2 make_uint2(u32 x, u32 y) { return {x, y}; }
+inline uint4 make_uint4(u32 x, u32 y, u32 z, u32 w) { return {x, y, z, w}; }
+#define NEG_INF (-INFINITY)
+inline int imin(int a, int b) { return a < b ? a : b; }
+inline float __uint_as_float(u32 u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+inline u32 __float_as_uint(float f) {
+    u32 u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+inline int __float_as_int(float f) { return (int)__float_as_uint(f); }
+inline float __int_as_float(int i) { return __uint_as_float((u32)i); }
+inline bf16_t f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+// The any-type kernels and the grouped GEMM need these to compile; nothing
+// here runs them.
+inline float load_elem(const u8*, int, int) { abort(); }
+inline void mma_bf16_16816(float (&)[4], const u32 (&)[4], u32, u32) { abort(); }
+// ld.global.nc (with or without L1 allocation) reads memory nobody writes
+// during the kernel: a plain load.
+inline uint4 ld_stream(const uint4* p) { return *p; }
+inline float4 __ldg(const float4* p) { return *p; }
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+
+namespace emu {
+// One 8-byte slot per lane of each warp for the warp-wide exchanges.
+unsigned char board[32][32][8];
+inline void warp_sync() { (*warp_barriers)[threadIdx.x >> 5]->arrive_and_wait(); }
+// Publish this lane's `v`, then let `read` look at every lane's.
+template <class T, class F>
+void exchange(const T& v, F read) {
+    static_assert(sizeof(T) <= 8);
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    memcpy(board[w][lane], &v, sizeof(T));
+    warp_sync();
+    read([w](int l) {
+        T x;
+        memcpy(&x, board[w][l], sizeof(T));
+        return x;
+    });
+    warp_sync();
+}
+} // namespace emu
+
+inline void __syncwarp() { emu::warp_sync(); }
+// shfl.sync.bfly: lane l reads lane l ^ o.
+template <class T>
+T __shfl_xor_sync(u32, T v, int o) {
+    T r;
+    emu::exchange(v, [&](auto at) { r = at((threadIdx.x & 31) ^ o); });
+    return r;
+}
+// shfl.sync.up: lane l reads lane l - o, lanes below o keep their own value.
+template <class T>
+T __shfl_up_sync(u32, T v, int o) {
+    T r = v;
+    int lane = threadIdx.x & 31;
+    emu::exchange(v, [&](auto at) {
+        if (lane >= o) r = at(lane - o);
+    });
+    return r;
+}
+inline float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+#include "../../kernels/moe.cu"
+
+namespace {
+
+std::mt19937 rng(5);
+float rnd(float s) { return std::uniform_real_distribution<float>(-s, s)(rng); }
+double silu(double v) { return v / (1 + std::exp(-v)); }
+
+struct Case {
+    const char* name;
+    int hidden, ffn, experts, k, norm, rows;
+    // Added to experts 0 and 1 in every row's logits, so that rows share them.
+    float shared;
+    bool gate_up, down;
+};
+
+// Max |got - want| over max |want|, against `tol`; NaN (never written) fails.
+bool compare(const std::string& what, const std::vector<float>& got, const std::vector<double>& want,
+             double tol) {
+    double err = 0, scale = 1e-30;
+    for (size_t i = 0; i < want.size(); i++) {
+        scale = std::max(scale, std::fabs(want[i]));
+        err = std::isnan(got[i]) ? INFINITY : std::max(err, std::fabs(got[i] - want[i]));
+    }
+    bool ok = err <= tol * scale;
+    printf("%s %s: rel %.2e (tol %.0e)\n", ok ? "PASS" : "FAIL", what.c_str(), err / scale, tol);
+    return ok;
+}
+
+bool check(const std::string& what, bool ok) {
+    printf("%s %s\n", ok ? "PASS" : "FAIL", what.c_str());
+    return ok;
+}
+
+std::vector<bf16_t> bf16_matrix(int rows, int cols) {
+    std::vector<bf16_t> m((size_t)rows * cols);
+    float s = 0.5f / std::sqrt((float)cols);
+    for (auto& v : m) v = f32_to_bf16(rnd(s));
+    return m;
+}
+
+// f32 results agree with the double reference to rounding (K up to ~1200
+// terms); a lost or misplaced chunk is off by percents.
+const double TOL = 1e-5;
+
+bool run(const Case& c) {
+    const int H = c.hidden, F = c.ffn, E = c.experts, k = c.k, rows = c.rows, P = rows * k;
+    const std::string name = std::string(c.name) + ": ";
+    int failed = 0;
+    std::vector<std::vector<bf16_t>> gate, up, down;
+    std::vector<u64> table;
+    for (int e = 0; e < E; e++) {
+        gate.push_back(bf16_matrix(F, H));
+        up.push_back(bf16_matrix(F, H));
+        down.push_back(bf16_matrix(H, F));
+        table.push_back((u64)(uintptr_t)gate[e].data());
+        table.push_back((u64)(uintptr_t)up[e].data());
+        table.push_back((u64)(uintptr_t)down[e].data());
+    }
+    auto wt = [](const std::vector<bf16_t>& m, int cols, int r, int c) {
+        return (double)bf16_to_f32(m[(size_t)r * cols + c]);
+    };
+    std::vector<float> x((size_t)rows * H), logits((size_t)rows * E);
+    for (auto& v : x) v = rnd(1.f);
+    for (int r = 0; r < rows; r++)
+        for (int e = 0; e < E; e++) logits[(size_t)r * E + e] = rnd(2.f) + (e < 2 ? c.shared : 0.f);
+
+    // Routing from its definition: softmax over every expert, the top k
+    // (ties to the lower index), renormalized when asked.
+    std::vector<int> ref_ids(P);
+    std::vector<double> ref_wts(P);
+    for (int r = 0; r < rows; r++) {
+        const float* l = &logits[(size_t)r * E];
+        double m = *std::max_element(l, l + E), sum = 0;
+        for (int e = 0; e < E; e++) sum += std::exp(l[e] - m);
+        std::vector<int> order(E);
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
+        double kept = 0;
+        for (int s = 0; s < k; s++) kept += std::exp(l[order[s]] - m) / sum;
+        for (int s = 0; s < k; s++) {
+            ref_ids[r * k + s] = order[s];
+            ref_wts[r * k + s] = std::exp(l[order[s]] - m) / sum / (c.norm ? kept : 1.0);
+        }
+    }
+
+    std::vector<int> ids(P, -1), pos_of_pair(P, -1), pair_of_pos(P, -1), active(3 * E, -1);
+    std::vector<int> tiles(3 * (P + E), -1);
+    std::vector<float> wts(P, NAN);
+    int n_active = -1, n_tiles = -1;
+    launch({1, 1, 1}, 1024, [&] {
+        moe_route_sort(logits.data(), rows, E, k, c.norm, ids.data(), wts.data(), pos_of_pair.data(),
+                       pair_of_pos.data(), &n_active, active.data(), &n_tiles, tiles.data());
+    });
+    failed += !check(name + "moe_route_sort ids", ids == ref_ids);
+    failed += !compare(name + "moe_route_sort weights", wts, ref_wts, TOL);
+    // The grouping: a permutation of the pairs, and the experts in use, each
+    // once, over consecutive ranges of the positions of exactly its pairs.
+    bool grouped = n_active > 0 && n_active <= E;
+    for (int p = 0; p < P && grouped; p++)
+        grouped = pos_of_pair[p] >= 0 && pos_of_pair[p] < P && pair_of_pos[pos_of_pair[p]] == p;
+    std::vector<bool> seen(E, false);
+    for (int a = 0, next = 0; a < n_active && grouped; a++) {
+        int e = active[3 * a], first = active[3 * a + 1], end = active[3 * a + 2];
+        grouped = e >= 0 && e < E && !seen[e] && first == next && end > first;
+        for (int pos = first; pos < end && grouped; pos++) grouped = ids[pair_of_pos[pos]] == e;
+        seen[e] = true;
+        next = end;
+        if (a == n_active - 1) grouped = grouped && end == P;
+    }
+    failed += !check(name + "moe_route_sort grouping", grouped);
+    if (!grouped) return false;
+    const unsigned slots = std::min(E, P);
+
+    // act[pos] by position; its reference from the definition.
+    std::vector<float> act((size_t)P * F);
+    if (c.gate_up) {
+        std::vector<double> want((size_t)P * F);
+        for (int p = 0; p < P; p++) {
+            int e = ref_ids[p];
+            const float* xr = &x[(size_t)(p / k) * H];
+            for (int j = 0; j < F; j++) {
+                double g = 0, u = 0;
+                for (int h = 0; h < H; h++) {
+                    g += wt(gate[e], H, j, h) * xr[h];
+                    u += wt(up[e], H, j, h) * xr[h];
+                }
+                want[(size_t)pos_of_pair[p] * F + j] = silu(g) * u;
+            }
+        }
+        using GateUp = void (*)(const u64*, long long, const float*, int, int, int, const int*, const int*,
+                                const int*, float*);
+        const GateUp kernels[2] = {moe_gemv_gate_up_bf16_p4, moe_gemv_gate_up_bf16_p1};
+        const char* names[2] = {"moe_gemv_gate_up_bf16_p4", "moe_gemv_gate_up_bf16_p1"};
+        for (int v = 0; v < 2; v++) {
+            std::fill(act.begin(), act.end(), NAN);
+            launch({(unsigned)((F + MOE_GU_COLS - 1) / MOE_GU_COLS), slots, 1}, MOE_GU_WARPS * 32, [&] {
+                kernels[v](table.data(), 2LL * H, x.data(), H, F, k, pair_of_pos.data(), &n_active, active.data(),
+                           act.data());
+            });
+            failed += !compare(name + names[v], act, want, TOL);
+        }
+    } else {
+        for (auto& v : act) v = rnd(1.f);
+    }
+    if (!c.down) return failed == 0;
+
+    // out[r][i] = sum over slots of w * (down_e[i] · act[pos]), from whatever act holds.
+    std::vector<double> want((size_t)rows * H, 0.0);
+    for (int r = 0; r < rows; r++)
+        for (int s = 0; s < k; s++) {
+            int p = r * k + s, e = ref_ids[p];
+            const float* a = &act[(size_t)pos_of_pair[p] * F];
+            for (int i = 0; i < H; i++) {
+                double d = 0;
+                for (int j = 0; j < F; j++) d += wt(down[e], F, i, j) * a[j];
+                want[(size_t)r * H + i] += ref_wts[p] * d;
+            }
+        }
+    std::vector<float> out((size_t)rows * H, NAN);
+    // The fused form is for few rows (a block per MOE_DN_ROWS outputs of a row).
+    if (rows <= 3) {
+        launch({(unsigned)((H + MOE_DN_ROWS - 1) / MOE_DN_ROWS), (unsigned)rows, 1}, MOE_DN_WARPS * 32, [&] {
+            moe_gemv_down_combine_bf16(table.data(), 2LL * F, act.data(), F, H, k, ids.data(), wts.data(),
+                                       pos_of_pair.data(), out.data());
+        });
+        failed += !compare(name + "moe_gemv_down_combine_bf16", out, want, TOL);
+    }
+    using Down = void (*)(const u64*, long long, const float*, int, int, const int*, const int*, float*);
+    const Down kernels[2] = {moe_gemv_down_bf16_p4, moe_gemv_down_bf16_p1};
+    const char* names[2] = {"moe_gemv_down_bf16_p4 + moe_combine", "moe_gemv_down_bf16_p1 + moe_combine"};
+    const int per_block = MOE_DN_WARPS * MOE_DN_ROWS;
+    for (int v = 0; v < 2; v++) {
+        std::vector<float> ys((size_t)P * H, NAN);
+        std::fill(out.begin(), out.end(), NAN);
+        launch({(unsigned)((H + per_block - 1) / per_block), slots, 1}, MOE_DN_WARPS * 32, [&] {
+            kernels[v](table.data(), 2LL * F, act.data(), F, H, &n_active, active.data(), ys.data());
+        });
+        launch({(unsigned)rows, 1, 1}, 256,
+               [&] { moe_combine(ys.data(), wts.data(), pos_of_pair.data(), k, H, out.data()); });
+        failed += !compare(name + names[v], out, want, TOL);
+    }
+    return failed == 0;
+}
+
+} // namespace
+
+int main() {
+    // name, hidden, ffn, experts, top k, normed, rows, shared, gate/up, down
+    std::vector<Case> cases = {
+        // One decode row, Qwen3-30B-A3B's top 8 of many experts (one pair each).
+        {"1 row, top 8 of 16", 128, 32, 16, 8, 1, 1, 0.f, true, true},
+        // gate/up K of two passes, the second partial (145 chunks over 128
+        // threads); 42 outputs, not a multiple of a block's 4.
+        {"2 rows, hidden 1160, ffn 42", 1160, 42, 16, 4, 0, 2, 0.f, true, false},
+        // Every row takes experts 0 and 1: six pairs each, a group of four
+        // and a tail of two in the _p4 kernels.
+        {"6 rows sharing two experts", 64, 16, 8, 4, 1, 6, 8.f, true, true},
+        // Down rows of 101 chunks (two passes of a lane's 96), 66 outputs (a
+        // partial warp and block), 3 slots: each split over two warps, two
+        // warps idle.
+        {"3 rows, ffn 808, top 3", 66, 808, 8, 3, 1, 3, 0.f, false, true},
+        // 10 slots: two rounds of a down block's 8 warps, the second of 2.
+        {"2 rows, top 10", 40, 808, 12, 10, 1, 2, 0.f, false, true},
+    };
+    int failed = 0;
+    for (auto& c : cases) failed += !run(c);
+    return failed ? 1 : 0;
+}
