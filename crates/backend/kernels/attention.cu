@@ -385,13 +385,21 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, cons
     __shared__ __align__(16) bf16_t vs[ATT_TILE][HD];
     __shared__ float ss[G][ATT_TILE];
     int s = blockIdx.x, h0 = blockIdx.y * G, r = blockIdx.z;
+    const int t = threadIdx.x, j = t >> 2, qd = t & 3;
+    // q is loaded before the split's metadata, so the two loads overlap (the
+    // rows of a step without a sequence still have q rows to read).
+    const int QT = (G * HD + 127) / 128;
+    float qv[QT];
+#pragma unroll
+    for (int i = 0; i < QT; i++)
+        if (t + 128 * i < G * HD) qv[i] = q[((long long)r * heads + h0) * HD + t + 128 * i];
     Split sp;
     if (!split_of(sp, r, s, h0, heads, kv_heads, row_pos, row_seq, seq_pt_off, page_table, min_chunk, nsplit))
         return;
-    const int t = threadIdx.x, j = t >> 2, qd = t & 3;
-    for (int i = t; i < G * HD; i += blockDim.x) {
-        int g = i / HD, e = i % HD;
-        qs[g][(e / QD) * QP + e % QD] = q[((long long)r * heads + h0 + g) * HD + e] * scale;
+#pragma unroll
+    for (int i = 0; i < QT; i++) {
+        int x = t + 128 * i, g = x / HD, e = x % HD;
+        if (x < G * HD) qs[g][(e / QD) * QP + e % QD] = qv[i] * scale;
     }
     // This thread's outputs: head og, elements [oe, oe + OPT).
     const int og = t / TPH, oe = (t % TPH) * OPT;
@@ -520,6 +528,25 @@ __device__ __forceinline__ float block_max(float v, float* partial) {
 // took 9 µs on the H200.)
 #define ATT_MAX_SPLITS 256 // the host never splits further
 #define ATT_COMBINE_ILP 16
+// The weighted-output loads of one batch of splits: v[i] = part_o of split
+// s0 + i * per at element W * c (splits past `used` are not read).
+template <int W>
+__device__ __forceinline__ void attn_combine_load(const float* __restrict__ po, int head_dim, int s0, int per,
+                                                  int used, float (&v)[ATT_COMBINE_ILP][W]) {
+#pragma unroll
+    for (int i = 0; i < ATT_COMBINE_ILP; i++) {
+        int s = s0 + i * per;
+        if (s < used) {
+            if (W == 4) {
+                float4 x = *(const float4*)(po + (long long)s * head_dim);
+                v[i][0] = x.x, v[i][1] = x.y, v[i][2] = x.z, v[i][3] = x.w;
+            } else {
+                v[i][0] = po[(long long)s * head_dim];
+            }
+        }
+    }
+}
+
 template <int W>
 __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part_o,
                                                   const float* __restrict__ part_ml, const u32* __restrict__ row_pos,
@@ -535,6 +562,13 @@ __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part
     int ctx = (int)row_pos[r] + 1;
     int len = split_len(ctx, nsplit, min_chunk);
     int used = imin(imin(nsplit, ATT_MAX_SPLITS), (ctx + len - 1) / len);
+    // Thread t: the W elements of chunk c0 + t % span, the splits s = t / span (mod per).
+    int chunks = (head_dim + W - 1) / W;
+    int span = imin(chunks, (int)blockDim.x), per = (int)blockDim.x / span;
+    int ci = (int)threadIdx.x % span, sl = (int)threadIdx.x / span;
+    // The first batch of outputs is loaded with the splits' (m, l) below, not after them.
+    float v[ATT_COMBINE_ILP][W];
+    if (sl < per) attn_combine_load<W>(part_o + p0 * head_dim + W * ci, head_dim, sl, per, used, v);
     float m = NEG_INF;
     for (int s = threadIdx.x; s < used; s += blockDim.x)
         if (part_ml[2 * (p0 + s) + 1] > 0.f) m = fmaxf(m, part_ml[2 * (p0 + s)]);
@@ -547,10 +581,6 @@ __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part
         l += w * ls;
     }
     float L = block_sum(l, partial); // its barrier also publishes `weight`
-    // Thread t: the W elements of chunk c0 + t % span, the splits s = t / span (mod per).
-    int chunks = (head_dim + W - 1) / W;
-    int span = imin(chunks, (int)blockDim.x), per = (int)blockDim.x / span;
-    int ci = (int)threadIdx.x % span, sl = (int)threadIdx.x / span;
     for (int c0 = 0; c0 < chunks; c0 += span) {
         int c = c0 + ci;
         bool mine = sl < per && c < chunks;
@@ -560,19 +590,7 @@ __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part
         if (mine) {
             const float* po = part_o + p0 * head_dim + W * c;
             for (int s0 = sl; s0 < used; s0 += per * ATT_COMBINE_ILP) {
-                float v[ATT_COMBINE_ILP][W];
-#pragma unroll
-                for (int i = 0; i < ATT_COMBINE_ILP; i++) {
-                    int s = s0 + i * per;
-                    if (s < used) {
-                        if (W == 4) {
-                            float4 x = *(const float4*)(po + (long long)s * head_dim);
-                            v[i][0] = x.x, v[i][1] = x.y, v[i][2] = x.z, v[i][3] = x.w;
-                        } else {
-                            v[i][0] = po[(long long)s * head_dim];
-                        }
-                    }
-                }
+                if (c0 > 0 || s0 > sl) attn_combine_load<W>(po, head_dim, s0, per, used, v);
 #pragma unroll
                 for (int i = 0; i < ATT_COMBINE_ILP; i++) {
                     int s = s0 + i * per;
