@@ -12,6 +12,10 @@
 //!   head dims 64, 128 and 256), with the tensor-core instructions (mma.sync,
 //!   ldmatrix) emulated from their PTX definitions, against causal attention
 //!   over the same paged cache.
+//! - `mmvq.cpp`: the integer decode GEMVs (kernels/mmvq.cu): the 8-bit
+//!   quantization of the input rows bit for bit against the CPU's rule, and
+//!   every format's GEMV at every row-count instantiation against the weights
+//!   dequantized in double from the format's definition.
 //!
 //! Needs a C++20 compiler: `$CXX`, or `c++` on the PATH.
 
@@ -47,4 +51,10 @@ fn delta_kernels_match_the_cpu_arithmetic_under_emulation() {
 fn tiled_attention_kernels_match_the_reference_under_emulation() {
     let report = run_emulated("attention");
     assert_eq!(report.matches("PASS").count(), 4, "fewer comparisons than written:\n{report}");
+}
+
+#[test]
+fn integer_decode_gemvs_match_the_block_definitions_under_emulation() {
+    let report = run_emulated("mmvq");
+    assert_eq!(report.matches("PASS").count(), 48, "fewer comparisons than written:\n{report}");
 }
