@@ -41,6 +41,10 @@ pub struct CudaTuning {
     /// on CUDA cores, measured 0.9 times the scan's speed at the Qwen3.5-27B
     /// shape (`cuda_check --bench`, BENCHMARKS.md).
     pub delta_chunked: bool,
+    /// Block-format matmuls of up to 8 rows quantize their input to 8 bits
+    /// per 32 and take the integer GEMVs (`--cuda-q8-gemv off`,
+    /// `CORRIDOR_Q8_GEMV=0`, keeps the f32 GEMVs and the tensor-core mmq).
+    pub q8_gemv: bool,
 }
 
 impl Default for CudaTuning {
@@ -53,6 +57,7 @@ impl Default for CudaTuning {
             profile_every: None,
             nccl_graphs: true,
             delta_chunked: false,
+            q8_gemv: true,
         }
     }
 }

@@ -1,11 +1,12 @@
 //! The CPU backend's opt-in bf16 rounding (`cpu::Bf16Rounding`), with which
-//! a device that holds matrices in bf16 and feeds its GEMMs bf16 inputs is
-//! compared with the CPU arithmetic it should match: rounded matrices and
-//! inputs give exactly what pre-rounded operands give, vectors and the
+//! a device that holds matrices in bf16, feeds its GEMMs bf16 inputs and its
+//! integer GEMVs 8-bit ones is compared with the CPU arithmetic it should
+//! match: rounded matrices and inputs give exactly what pre-rounded operands
+//! give, 8-bit inputs exactly the CPU's own 8-bit decode, vectors and the
 //! matmuls the rule leaves alone stay exact, and a backend without the
 //! option computes as before.
 
-use corridor_backend::cpu::{Bf16Rounding, CpuBackend};
+use corridor_backend::cpu::{Bf16Rounding, CpuBackend, DecodeActivations, InputRounding, MatmulInput};
 use corridor_backend::{ActShape, Backend, DType, HostTensor, TensorBytes};
 use half::{bf16, f16};
 
@@ -79,7 +80,13 @@ fn inputs_are_rounded_where_the_rule_says() {
     let b = CpuBackend::new().with_bf16_rounding(Bf16Rounding {
         weights: false,
         kv: false,
-        inputs: Some(|dtype, wn, wk, rows| dtype == DType::F32 && (wn, wk) == (24, 48) && rows > 2),
+        inputs: Some(|dtype, wn, wk, rows| {
+            if dtype == DType::F32 && (wn, wk) == (24, 48) && rows > 2 {
+                MatmulInput::Bf16
+            } else {
+                MatmulInput::F32
+            }
+        }),
     });
     for rows in [1, 2, 3, 9, 40] {
         let x = values(rows * k, rows as u32);
@@ -91,4 +98,77 @@ fn inputs_are_rounded_where_the_rule_says() {
             assert_ne!(got, matmul(&exact, &x, rows, &w), "{rows} rows: the input was not rounded");
         }
     }
+}
+
+/// 8 bits for a block format, f32 for the rest.
+fn q8(dtype: DType) -> MatmulInput {
+    if dtype.is_quantized() {
+        MatmulInput::Q8
+    } else {
+        MatmulInput::F32
+    }
+}
+
+/// Random Q4_K rows: random quant and 6-bit scale bytes, small f16 scales.
+fn q4_k(rows: usize, cols: usize) -> HostTensor {
+    let mut data = Vec::new();
+    let mut seed = 0x2545f4914f6cdd1du64;
+    for _ in 0..rows * cols / 256 {
+        let mut blk: Vec<u8> = (0..144)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 56) as u8
+            })
+            .collect();
+        blk[0..2].copy_from_slice(&f16::from_f32(0.003).to_le_bytes());
+        blk[2..4].copy_from_slice(&f16::from_f32(0.001).to_le_bytes());
+        data.extend(blk);
+    }
+    HostTensor {
+        name: "w".into(),
+        dtype: DType::Q4_K,
+        shape: vec![rows, cols],
+        data: TensorBytes::from_vec(data),
+    }
+}
+
+/// The reference of a device whose decode GEMVs quantize their input to 8
+/// bits (CUDA's integer GEMVs): it keeps f32 activations everywhere else, and
+/// where the rule says `Q8` computes exactly what the CPU's own 8-bit decode
+/// does (`quant::Q8Row` and the integer dot), at any number of rows.
+#[test]
+fn q8_inputs_take_the_cpus_8_bit_dot_where_the_rule_says() {
+    let (n, k) = (40, 512);
+    let w = q4_k(n, k);
+    let f32_acts = CpuBackend::with_decode_activations(DecodeActivations::F32);
+    let q8_acts = CpuBackend::new();
+    let reference = |rule: InputRounding| {
+        CpuBackend::with_decode_activations(DecodeActivations::F32).with_bf16_rounding(Bf16Rounding {
+            weights: true,
+            kv: false,
+            inputs: Some(rule),
+        })
+    };
+    let decode = reference(|dtype, _, _, rows| if rows <= 8 { q8(dtype) } else { MatmulInput::F32 });
+    let every = reference(|dtype, _, _, _| q8(dtype));
+    for rows in [1, 3, 8, 9] {
+        let x = values(rows * k, 7 + rows as u32);
+        let got = matmul(&decode, &x, rows, &w);
+        if rows <= 8 {
+            assert_eq!(got, matmul(&q8_acts, &x, rows, &w), "{rows} rows: not the CPU's 8-bit decode");
+            assert_ne!(got, matmul(&f32_acts, &x, rows, &w), "{rows} rows: the input stayed f32");
+        } else {
+            assert_eq!(got, matmul(&f32_acts, &x, rows, &w), "{rows} rows: the rule said f32");
+        }
+    }
+    // Past 8 rows the 8-bit dot runs 8 rows at a time, each row as alone.
+    let rows = 11;
+    let x = values(rows * k, 99);
+    let got = matmul(&every, &x, rows, &w);
+    let (head, tail) = x.split_at(8 * k);
+    let mut want = matmul(&q8_acts, head, 8, &w);
+    want.extend(matmul(&q8_acts, tail, 3, &w));
+    assert_eq!(got, want);
 }

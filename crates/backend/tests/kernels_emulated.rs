@@ -16,6 +16,10 @@
 //! - `moe.cpp`: the routed expert FFN's decode kernels (kernels/moe.cu):
 //!   routing and grouping, and the bf16 gate/up and down GEMVs, fused with
 //!   the weighted sum and per expert, against the op from its definition.
+//! - `mmvq.cpp`: the integer decode GEMVs (kernels/mmvq.cu): the 8-bit
+//!   quantization of the input rows bit for bit against the CPU's rule, and
+//!   every format's GEMV at every row-count instantiation against the weights
+//!   dequantized in double from the format's definition.
 //!
 //! Needs a C++20 compiler: `$CXX`, or `c++` on the PATH.
 
@@ -57,4 +61,10 @@ fn attention_kernels_match_the_reference_under_emulation() {
 fn moe_decode_kernels_match_the_reference_under_emulation() {
     let report = run_emulated("moe");
     assert_eq!(report.matches("PASS").count(), 43, "fewer comparisons than written:\n{report}");
+}
+
+#[test]
+fn integer_decode_gemvs_match_the_block_definitions_under_emulation() {
+    let report = run_emulated("mmvq");
+    assert_eq!(report.matches("PASS").count(), 48, "fewer comparisons than written:\n{report}");
 }

@@ -56,6 +56,10 @@ pub struct CudaFlags {
     /// instead of token by token (off: the scan, which measured faster on the H200).
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_DELTA_CHUNKED", value_name = "on|off")]
     cuda_delta_chunked: Switch,
+    /// Block-format matmuls of up to 8 rows quantize their input to 8 bits and take the integer
+    /// GEMVs (off: the f32 GEMVs and the tensor-core kernel, with f32 or bf16 inputs).
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_Q8_GEMV", value_name = "on|off")]
+    cuda_q8_gemv: Switch,
 }
 
 impl CudaFlags {
@@ -68,6 +72,7 @@ impl CudaFlags {
             profile_every: self.cuda_profile,
             nccl_graphs: self.nccl_graphs.on(),
             delta_chunked: self.cuda_delta_chunked.on(),
+            q8_gemv: self.cuda_q8_gemv.on(),
         }
     }
 }
@@ -118,6 +123,7 @@ mod tests {
         assert_eq!(parse(&["--cuda-profile", "100"]), CudaTuning { profile_every: Some(100), ..d });
         assert_eq!(parse(&["--nccl-graphs", "off"]), CudaTuning { nccl_graphs: false, ..d });
         assert_eq!(parse(&["--cuda-delta-chunked", "on"]), CudaTuning { delta_chunked: true, ..d });
+        assert_eq!(parse(&["--cuda-q8-gemv", "off"]), CudaTuning { q8_gemv: false, ..d });
         assert_eq!(parse(&["--cuda-fuse", "1"]), d);
     }
 

@@ -22,8 +22,9 @@
 //! pages and state slot.
 //!
 //! The CPU reference rounds as the device does ([`device_reference`]: bf16
-//! matrices, and bf16 inputs to the matmuls the device computes from bf16),
-//! so what is left to the tolerance is the bf16 KV and the order of sums.
+//! matrices, bf16 inputs to the matmuls the device computes from bf16, and
+//! 8-bit inputs to those it computes from 8 bits), so what is left to the
+//! tolerance is the bf16 KV and the order of sums.
 //!
 //! The binary (`src/main.rs`, feature `cuda`) runs this with the CUDA backend
 //! on the GPU machine; without a GPU the comparison is tested CPU against CPU.
@@ -491,7 +492,9 @@ pub fn reference_cpu() -> CpuBackend {
 /// and the input of each matmul that `rounds` says the device computes from
 /// bf16 (its tensor-core GEMMs) rounded to bf16 too (the tiny hybrid
 /// amplifies the rounding of its prefill GEMMs' inputs past [`TOL`] of exact
-/// f32, see the test below). Only a reference that rounds the same tells a
+/// f32, see the test below), or from 8 bits (the integer GEMVs of block
+/// formats) quantized as the CPU's own decode quantizes it. Only a reference
+/// that rounds the same tells a
 /// wrong kernel from a rounded one. K and V are not rounded here
 /// ([`Bf16Rounding::kv`]): on the H200 (2026-12-01) a reference rounding
 /// every stored K and V put the hybrid's prompts fed in short chunks 6% away
@@ -524,6 +527,7 @@ pub fn all_logits<B: Backend>(b: &B, ckpt: &Checkpoint, ids: &[u32]) -> Vec<f32>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use corridor_backend::cpu::MatmulInput;
 
     fn run(logits: &[f32], tokens: &[u32], gaps: &[f32]) -> Run {
         Run { first_logits: logits.to_vec(), tokens: tokens.to_vec(), gaps: gaps.to_vec() }
@@ -678,7 +682,7 @@ mod tests {
         let (err, scale) = position_error(&batched_decode(&f32_acts, &ckpt, 6).unwrap(), &device_weights);
         assert!(err > TOL * scale, "the f16 weights route as the bf16 ones do ({err} of {scale})");
         let (err, scale) = position_error(
-            &batched_decode(&device_reference(|_, _, _, _| false), &ckpt, 6).unwrap(),
+            &batched_decode(&device_reference(|_, _, _, _| MatmulInput::F32), &ckpt, 6).unwrap(),
             &device_weights,
         );
         assert!(err <= TOL * scale / 2.0, "the reference: {err} of {scale}");
@@ -699,7 +703,7 @@ mod tests {
         let rounding = reference_cpu().with_bf16_rounding(Bf16Rounding {
             weights: true,
             kv: false,
-            inputs: Some(|_, _, _, rows| rows > 8),
+            inputs: Some(|_, _, _, rows| if rows > 8 { MatmulInput::Bf16 } else { MatmulInput::F32 }),
         });
         let whole = chunked_logits(&rounding, &ckpt, &prompt, &[21]).unwrap();
         let (err, scale) = position_error(&whole, &exact);

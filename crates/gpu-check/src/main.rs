@@ -46,8 +46,9 @@ fn main() {
         std::process::exit(i32::from(!paris(&gpu, Path::new(&dir))));
     }
     // The reference rounds what this backend rounds: a checkpoint's f32 and
-    // f16 matrices are bf16 on the device, and its GEMMs take bf16 inputs.
-    fn like_cuda(dtype: DType, n: usize, k: usize, rows: usize) -> bool {
+    // f16 matrices are bf16 on the device, its GEMMs take bf16 inputs and its
+    // integer GEMVs 8-bit ones (the default tuning's, as `gpu` runs).
+    fn like_cuda(dtype: DType, n: usize, k: usize, rows: usize) -> corridor_backend::cpu::MatmulInput {
         let held = if matches!(dtype, DType::F32 | DType::F16) { DType::BF16 } else { dtype };
         rounds_matmul_input(held, n, k, rows)
     }

@@ -36,11 +36,23 @@ const DOT_MAX_ROWS: usize = 2;
 /// through the GEMM.
 const Q8_DOT_MAX_ROWS: usize = 8;
 
-/// Whether a matmul rounds its input rows to bf16 before multiplying, given
-/// the weight's type as held (after [`Bf16Rounding::weights`]), its
-/// `[n, k]` shape and the input rows: a device's choice of kernel, which the
-/// device backend exposes (CUDA: `cuda::rounds_matmul_input`).
-pub type InputRounding = fn(dtype: DType, n: usize, k: usize, rows: usize) -> bool;
+/// What a matmul multiplies its weights with: its f32 input rows as they
+/// are, rounded to bf16 (a bf16 tensor-core GEMM's operand), or quantized to
+/// 8 bits per 32 ([`quant::Q8Row`]: an integer GEMV's, dotted with the
+/// weight blocks as the CPU's decode does, [`DecodeActivations::Q8`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulInput {
+    F32,
+    Bf16,
+    Q8,
+}
+
+/// How a matmul takes its input rows, given the weight's type as held (after
+/// [`Bf16Rounding::weights`]), its `[n, k]` shape and the input rows: a
+/// device's choice of kernel, which the device backend exposes (CUDA:
+/// `cuda::rounds_matmul_input`). `Q8` only for a block format: no other
+/// storage has an 8-bit dot product here.
+pub type InputRounding = fn(dtype: DType, n: usize, k: usize, rows: usize) -> MatmulInput;
 
 /// Roundings a device applies that the CPU can apply too, so the device can
 /// be compared with the CPU arithmetic it should match rather than only with
@@ -59,8 +71,9 @@ pub struct Bf16Rounding {
     /// weights and the KV alone decides which expert a token gets, a
     /// difference no tolerance on the logits absorbs.)
     pub kv: bool,
-    /// Which matmuls take their input rounded to bf16 (a bf16 tensor-core
-    /// GEMM's operand); none when unset.
+    /// How each matmul takes its input (f32, rounded to bf16, or quantized
+    /// to 8 bits), overriding [`DecodeActivations`]; when unset, decode
+    /// follows it and every other matmul takes f32.
     pub inputs: Option<InputRounding>,
 }
 
@@ -118,6 +131,26 @@ impl CpuBackend {
     /// larger than the host) they are left lazy.
     pub fn resident() -> Self {
         CpuBackend { resident: true, ..CpuBackend::default() }
+    }
+
+    /// How a matmul of `rows` rows against `w` takes its input: as
+    /// [`Bf16Rounding::inputs`] says when it is set (a device's rule),
+    /// otherwise quantized to 8 bits for decode over a block format under
+    /// [`DecodeActivations::Q8`], and f32 for everything else.
+    fn matmul_input(&self, w: &CpuWeight, rows: usize) -> MatmulInput {
+        let (n, k) = w.shape();
+        let decode_q8 = self.decode == DecodeActivations::Q8 && rows <= Q8_DOT_MAX_ROWS;
+        let input = match self.rounding.inputs {
+            Some(rule) => rule(w.dtype(), n, k, rows),
+            None if decode_q8 && w.block_dtype().is_some() => MatmulInput::Q8,
+            None => MatmulInput::F32,
+        };
+        assert!(
+            input != MatmulInput::Q8 || w.block_dtype().is_some(),
+            "a {} weight has no 8-bit dot product (the input rule asked for one)",
+            w.dtype()
+        );
+        input
     }
 
     fn zeroed(&self, n: usize) -> Vec<f32> {
@@ -506,20 +539,21 @@ impl Backend for CpuBackend {
         let (n, k) = w.shape();
         assert_eq!(x.cols, k, "matmul: x has {} columns, weight expects {}", x.cols, k);
         assert_eq!(out.cols, n, "matmul: out has {} columns, weight gives {}", out.cols, n);
+        let input = self.matmul_input(w, rows);
         let rounded: Vec<f32>;
-        let xs = match self.rounding.inputs {
-            Some(rounds) if rounds(w.dtype(), n, k, rows) => {
+        let xs = match input {
+            MatmulInput::Bf16 => {
                 rounded = x.live(rows).iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
                 &rounded[..]
             }
-            _ => x.live(rows),
+            MatmulInput::F32 | MatmulInput::Q8 => x.live(rows),
         };
         let optr = SendPtr(out.data.as_mut_ptr());
         let tasks = n.div_ceil(ROWS_PER_TASK);
         // Decode over a block format: each activation row is quantized once
         // here, then read by every task.
-        let q8_rows: Vec<quant::Q8Row> = match w.block_dtype() {
-            Some(_) if rows <= Q8_DOT_MAX_ROWS && self.decode == DecodeActivations::Q8 => xs
+        let q8_rows: Vec<quant::Q8Row> = match input {
+            MatmulInput::Q8 => xs
                 .chunks_exact(k)
                 .map(|r| {
                     let mut q = quant::Q8Row::default();
@@ -535,12 +569,14 @@ impl Backend for CpuBackend {
             let nb = ROWS_PER_TASK.min(n - j0);
             if !q8_rows.is_empty() {
                 let mut vals = [0f32; Q8_DOT_MAX_ROWS];
-                let vals = &mut vals[..q8_rows.len()];
-                for j in j0..j0 + nb {
-                    w.dot_q8_rows(j, &q8_rows, vals);
-                    for (r, &v) in vals.iter().enumerate() {
-                        // SAFETY: task t alone writes columns j0..j0+nb.
-                        unsafe { *optr.0.add(r * n + j) = v };
+                for (c, xs) in q8_rows.chunks(Q8_DOT_MAX_ROWS).enumerate() {
+                    let vals = &mut vals[..xs.len()];
+                    for j in j0..j0 + nb {
+                        w.dot_q8_rows(j, xs, vals);
+                        for (r, &v) in vals.iter().enumerate() {
+                            // SAFETY: task t alone writes columns j0..j0+nb.
+                            unsafe { *optr.0.add((c * Q8_DOT_MAX_ROWS + r) * n + j) = v };
+                        }
                     }
                 }
                 return;

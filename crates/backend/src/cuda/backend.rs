@@ -6,7 +6,7 @@
 use super::device::{cuda_err, Args, LaunchDims, Purpose};
 use super::graphs::drop_graphs;
 use super::kernels::{dtype_code, grid_for, norm_dims};
-use super::matmul::{Arena, CudaWeight, ARENA_ALIGN, DEQUANT_TILE};
+use super::matmul::{q8_layout, Arena, CudaWeight, ARENA_ALIGN, DEQUANT_TILE, GEMV_MAX_ROWS};
 use super::{CudaAct, CudaBackend, CudaExperts, CudaKv};
 use crate::dtype::{DType, HostTensor};
 use crate::{
@@ -125,6 +125,11 @@ impl Backend for CudaBackend {
         let mut slot = st.xbf.take();
         let r = self.ensure_scratch(&mut slot, shape.rows * shape.cols * 2);
         st.xbf = slot;
+        r?;
+        // And the 8-bit copy of the decode rows the integer GEMVs take.
+        let mut slot = st.xq.take();
+        let r = self.ensure_scratch(&mut slot, q8_layout(shape.rows.min(GEMV_MAX_ROWS), shape.cols).bytes);
+        st.xq = slot;
         r?;
         // Row-indexed metadata grows with the largest workspace too.
         for m in [

@@ -11,15 +11,22 @@
 //!   attention (the KV cache is bf16 on the device, f32 on the CPU). One bf16
 //!   rounding is a relative error of at most 2^-9 ≈ 2e-3 per element; 2e-2 is
 //!   ten times that, while a wrong index or a missing term is an O(1) error;
+//! - `EXACT` too where the device quantizes a matmul's input to 8 bits per 32
+//!   (the integer GEMVs of block formats at 1..8 rows): the CPU reference then
+//!   takes its own 8-bit decode (`DecodeActivations::Q8`), which quantizes
+//!   bit for bit alike (`q8_quantize` is `Q8Row::quantize`'s arithmetic) and
+//!   multiplies codes exactly, so only the f32 scaling and summation order
+//!   differ, as for the f32 GEMVs;
 //! - `SCAN` (1e-3) for the gated delta rule and the states it leaves: both
 //!   sides are f32, but each token's result feeds the next through the state,
 //!   so different summation orders compound over a few hundred tokens (the
 //!   chunked form of the rule sums in yet another order: by chunks of 16).
 
 use super::device::{cuda_err, Purpose, Stream};
+use super::kernels::mmvq_index;
 use super::matmul::GEMV_MAX_ROWS;
 use super::{CudaAct, CudaBackend, CudaKv, CudaWeight, DeltaPrefill, PrefillPath};
-use crate::cpu::{CpuAct, CpuBackend};
+use crate::cpu::{CpuAct, CpuBackend, MatmulInput};
 use crate::dtype::{DType, HostTensor, TensorBytes};
 use crate::{
     ActShape, Backend, DeltaGeometry, DeltaRule, GraphKey, KvGeometry, MatmulPart, QkNorm, Result, RopeStyle,
@@ -268,10 +275,37 @@ fn read_both(be: &CudaBackend, cpu: &CpuBackend, p: &Pair, rows: usize) -> Resul
     Ok((a, b))
 }
 
+/// The CPU references of a matmul: f32 activations (`f32`, the GPU's f32
+/// GEMVs; its bf16 paths against it at `BF16`) and 8-bit ones (`q8`, the
+/// GPU's integer GEMVs), the same weights serving both.
+struct References {
+    f32: CpuBackend,
+    q8: CpuBackend,
+}
+
+impl References {
+    fn new() -> Self {
+        References {
+            f32: CpuBackend::with_decode_activations(crate::cpu::DecodeActivations::F32),
+            q8: CpuBackend::with_decode_activations(crate::cpu::DecodeActivations::Q8),
+        }
+    }
+    /// The reference of a matmul whose input the device takes as `input`, and the tolerance.
+    fn of(&self, input: MatmulInput) -> (&CpuBackend, f32) {
+        match input {
+            MatmulInput::F32 => (&self.f32, EXACT),
+            MatmulInput::Bf16 => (&self.f32, BF16),
+            MatmulInput::Q8 => (&self.q8, EXACT),
+        }
+    }
+}
+
 /// Run every op on both backends and compare.
 pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
-    // Decode in f32 on the CPU too: the GPU's GEMVs keep activations in f32.
-    let cpu = CpuBackend::with_decode_activations(crate::cpu::DecodeActivations::F32);
+    // Decode in f32 on the CPU too where the GPU's GEMVs keep activations in
+    // f32; in 8 bits where its integer GEMVs take them so (`References`).
+    let refs = References::new();
+    let cpu = refs.f32.clone();
     let mut rep = CheckReport::default();
     let mut rng = Rng(0x9e3779b97f4a7c15);
 
@@ -311,6 +345,24 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
         (DType::Q5_K, 51, 9216),
         (DType::Q6_K, 51, 9216),
         (DType::IQ4_XS, 51, 9216),
+        // The integer GEMVs' steps of 1024 weights: a second, partial step
+        // (1280: 5 super-blocks, 40 blocks of 32) and a warp's second step
+        // (4352: 5 steps, 4 warps). Rows of 4128 and 96 put the 32-weight
+        // formats' rows at every 2-byte alignment, rows of 1280 Q6_K's.
+        (DType::Q8_0, 37, 1280),
+        (DType::Q4_0, 37, 1280),
+        (DType::Q4_1, 37, 1280),
+        (DType::Q5_0, 37, 1280),
+        (DType::Q5_1, 37, 1280),
+        (DType::IQ4_NL, 37, 1280),
+        (DType::Q4_K, 37, 1280),
+        (DType::Q5_K, 37, 1280),
+        (DType::Q6_K, 37, 1280),
+        (DType::IQ4_XS, 37, 1280),
+        (DType::Q8_0, 19, 4352),
+        (DType::Q4_K, 19, 4352),
+        (DType::Q6_K, 19, 4352),
+        (DType::IQ4_XS, 19, 4352),
     ] {
         let t = if dtype.is_quantized() {
             quant_tensor(&mut rng, dtype, n, k)
@@ -328,24 +380,39 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
             let mut out = pair(be, &cpu, rows, n, None)?;
             let with_bias = rows == 3 || rows == 40;
             be.matmul(&x.g, &wg, with_bias.then_some(&bg), rows, &mut out.g);
-            cpu.matmul(&x.c, &wc, with_bias.then_some(&bc), rows, &mut out.c);
-            let (a, b) = read_both(be, &cpu, &out, rows)?;
-            // f16 weights become bf16 on the device; where cuBLASLt takes the rows the input is bf16 too.
-            let tol = if dtype == DType::F16 || dtype == DType::F32 || be.rounds_input(&wg, rows) {
-                BF16
-            } else {
-                EXACT
-            };
-            rep.compare(
-                &format!("matmul {dtype} {rows}x{k} · {n}x{k}{}", if with_bias { " + bias" } else { "" }),
-                &a,
-                &b,
-                tol,
-            );
+            let input = be.rounds_input(&wg, rows);
+            let (reference, tol) = refs.of(input);
+            reference.matmul(&x.c, &wc, with_bias.then_some(&bc), rows, &mut out.c);
+            let (a, b) = read_both(be, reference, &out, rows)?;
+            // f16 weights become bf16 on the device.
+            let tol = if dtype == DType::F16 || dtype == DType::F32 { BF16 } else { tol };
+            let bias = if with_bias { " + bias" } else { "" };
+            rep.compare(&format!("matmul {dtype} {rows}x{k} · {n}x{k}{bias} ({input:?} input)"), &a, &b, tol);
+            if input == MatmulInput::Q8 {
+                // What `--cuda-q8-gemv off` takes for these rows: mmq, or the f32 GEMV.
+                let mut off = pair(be, &cpu, rows, n, None)?;
+                let via_mmq = be.takes_mmq(&wg, rows);
+                be.op("check", |st| {
+                    if via_mmq {
+                        be.mmq(st, &x.g, &wg, rows, &off.g)
+                    } else {
+                        be.gemv(&x.g, &wg, rows, &off.g)
+                    }
+                });
+                let (name, tol) = if via_mmq { ("mmq", BF16) } else { ("gemv", EXACT) };
+                cpu.matmul(&x.c, &wc, None, rows, &mut off.c);
+                let (a, b) = read_both(be, &cpu, &off, rows)?;
+                rep.compare(
+                    &format!("matmul {dtype} {rows}x{k} · {n}x{k} without the integer GEMV ({name})"),
+                    &a,
+                    &b,
+                    tol,
+                );
+            }
         }
     }
 
-    fused_matmul_checks(be, &cpu, &mut rep, &mut rng)?;
+    fused_matmul_checks(be, &refs, &mut rep, &mut rng)?;
 
     // Embedding from bf16, Q8_0 and K-quant tables (the lookup dequantizes rows).
     for dtype in [DType::BF16, DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::IQ4_XS, DType::Q5_0] {
@@ -435,22 +502,33 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
 
 /// The fused launches of a decode layer against the CPU's separate ops: q/k/v
 /// in one GEMV launch (with and without biases) and gate/up/SiLU in one, at
-/// the row counts that take them (1, 2) and one that falls back (3).
+/// the row counts that take them (1, 2) and one that falls back (3); and the
+/// same ops over block formats (a Q4_K_M layer's Q4_K and Q6_K), whose
+/// integer GEMVs share one 8-bit copy of the input.
 fn fused_matmul_checks(
     be: &CudaBackend,
-    cpu: &CpuBackend,
+    refs: &References,
     rep: &mut CheckReport,
     rng: &mut Rng,
 ) -> Result<()> {
-    for &(k, nq, nkv) in &[(64usize, 96usize, 32usize), (4104, 37, 13)] {
-        let mk = |rng: &mut Rng, n: usize| float_tensor("w", DType::BF16, n, k, &rng.vec(n * k, 0.5));
-        let ws = [mk(rng, nq), mk(rng, nkv), mk(rng, nkv)];
+    let cpu = &refs.f32;
+    let bf16 = [DType::BF16; 3];
+    let kquants = [DType::Q4_K, DType::Q4_K, DType::Q6_K];
+    for &(k, nq, nkv, dtypes) in
+        &[(64usize, 96usize, 32usize, bf16), (4104, 37, 13, bf16), (1280, 37, 13, kquants)]
+    {
+        let mk = |rng: &mut Rng, dtype: DType, n: usize| match dtype {
+            DType::BF16 => float_tensor("w", dtype, n, k, &rng.vec(n * k, 0.5)),
+            q => quant_tensor(rng, q, n, k),
+        };
+        let ws = [mk(rng, dtypes[0], nq), mk(rng, dtypes[1], nkv), mk(rng, dtypes[2], nkv)];
         let bs: Vec<HostTensor> =
             [nq, nkv, nkv].iter().map(|&n| float_tensor("b", DType::F32, 1, n, &rng.vec(n, 0.5))).collect();
         let wg = ws.iter().map(|t| be.upload_weight(t)).collect::<Result<Vec<_>>>()?;
         let wc = ws.iter().map(|t| cpu.upload_weight(t)).collect::<Result<Vec<_>>>()?;
         let bg = bs.iter().map(|t| be.upload_weight(t)).collect::<Result<Vec<_>>>()?;
         let bc = bs.iter().map(|t| cpu.upload_weight(t)).collect::<Result<Vec<_>>>()?;
+        let kind = dtypes[0];
         for rows in [1usize, 2, 3] {
             for with_bias in [false, true] {
                 let x = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 1.0)))?;
@@ -473,20 +551,11 @@ fn fused_matmul_checks(
                     );
                 }
                 for (i, o) in outs.iter_mut().enumerate() {
-                    cpu.matmul(&x.c, &wc[i], with_bias.then(|| &bc[i]), rows, &mut o.c);
-                }
-                for (i, o) in outs.iter().enumerate() {
-                    let (a, b) = read_both(be, cpu, o, rows)?;
-                    let tol = if be.takes_gemv(&wg[i], rows) { EXACT } else { BF16 };
-                    rep.compare(
-                        &format!(
-                            "matmul_many part {i} {rows}x{k} ({}bias)",
-                            if with_bias { "" } else { "no " }
-                        ),
-                        &a,
-                        &b,
-                        tol,
-                    );
+                    let (reference, tol) = refs.of(be.rounds_input(&wg[i], rows));
+                    reference.matmul(&x.c, &wc[i], with_bias.then(|| &bc[i]), rows, &mut o.c);
+                    let (a, b) = read_both(be, reference, o, rows)?;
+                    let bias = if with_bias { "" } else { "no " };
+                    rep.compare(&format!("matmul_many {kind} part {i} {rows}x{k} ({bias}bias)"), &a, &b, tol);
                 }
             }
             let x = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 1.0)))?;
@@ -495,13 +564,13 @@ fn fused_matmul_checks(
                 pair(be, cpu, rows, nq, None)?,
                 pair(be, cpu, rows, nq, None)?,
             );
-            let up = mk(rng, nq);
+            let up = mk(rng, dtypes[0], nq);
             let (ug, uc) = (be.upload_weight(&up)?, cpu.upload_weight(&up)?);
             be.gate_up_silu(&x.g, &wg[0], &ug, rows, &mut g.g, &mut u.g, &mut o.g);
-            cpu.gate_up_silu(&x.c, &wc[0], &uc, rows, &mut g.c, &mut u.c, &mut o.c);
-            let (a, b) = read_both(be, cpu, &o, rows)?;
-            let tol = if be.takes_gemv(&wg[0], rows) { EXACT } else { BF16 };
-            rep.compare(&format!("gate_up_silu {rows}x{k} · 2x{nq}x{k}"), &a, &b, tol);
+            let (reference, tol) = refs.of(be.rounds_input(&wg[0], rows));
+            reference.gate_up_silu(&x.c, &wc[0], &uc, rows, &mut g.c, &mut u.c, &mut o.c);
+            let (a, b) = read_both(be, reference, &o, rows)?;
+            rep.compare(&format!("gate_up_silu {kind} {rows}x{k} · 2x{nq}x{k}"), &a, &b, tol);
         }
     }
     Ok(())
@@ -1203,8 +1272,10 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
         }
     }
     // Block formats: bytes are the quantized bytes read. At each row count, what
-    // `matmul` picks, and beside it the alternatives: the per-row GEMV (up to
-    // 8 rows), the mmq kernel (3..128 rows) and widening + cuBLASLt.
+    // `matmul` picks, and beside it the alternatives: the integer GEMV (up to
+    // 8 rows; with the input's quantization, as a matmul runs it, and alone),
+    // the per-row f32 GEMV (up to 8 rows), the mmq kernel and widening +
+    // cuBLASLt.
     for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
         for &(n, k) in &[(4096usize, 4096usize), (14336, 4096), (4096, 14336)] {
             let t = quant_tensor(&mut rng, dtype, n, k);
@@ -1230,6 +1301,27 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
                     pct(picked),
                     tflops(picked)
                 );
+                if rows <= GEMV_MAX_ROWS && mmvq_index(dtype).is_some() {
+                    let q = time(&mut |w, out| {
+                        be.op("bench", |st| {
+                            let input = be.q8_input(st, &x, rows)?;
+                            be.gemv_q8(input, w, rows, out)
+                        })
+                    })?;
+                    let mut input = None;
+                    be.op("bench", |st| {
+                        input = Some(be.q8_input(st, &x, rows)?);
+                        Ok(())
+                    });
+                    be.check()?;
+                    let input = input.ok_or_else(|| crate::BackendError::Other("8-bit input".into()))?;
+                    let alone = time(&mut |w, out| be.op("bench", |_| be.gemv_q8(input, w, rows, out)))?;
+                    line += &format!(
+                        " | q8-gemv {q:.4} ms {:.0}% (alone {alone:.4} ms {:.0}%)",
+                        pct(q),
+                        pct(alone)
+                    );
+                }
                 if rows <= GEMV_MAX_ROWS {
                     let g = time(&mut |w, out| be.op("bench", |_| be.gemv_simt(&x, w, rows, out)))?;
                     line += &format!(" | gemv {g:.4} ms {:.0}%", pct(g));

@@ -38,6 +38,11 @@ pub(super) struct Kernels {
     /// The `gemv_bq_body` kernels, one set per entry of `BLOCK_GEMVS`.
     pub(super) gemv_blocks: [[Kernel; 4]; 9],
     pub(super) gemv_bf16_tc: Kernel,
+    /// Input rows to 8 bits per 32 for the integer GEMVs (mmvq.cu).
+    pub(super) q8_quantize: Kernel,
+    /// The integer GEMVs of block formats (mmvq.cu), one set per entry of
+    /// `MMVQ_FORMATS`, indexed by log2 of the row-count instantiation (1, 2, 4, 8).
+    pub(super) mmvq: [[Kernel; 4]; 10],
     pub(super) gemv_any: Kernel,
     /// The tensor-core matmuls of block formats (mmq.cu), one set per entry of
     /// `MMQ_FORMATS`, indexed by the input-row instantiation (8, 16, 32, 64, 128).
@@ -149,6 +154,20 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
             sets.try_into().map_err(|_| BackendError::Other("block GEMV kernel table".into()))?
         },
         gemv_bf16_tc: f("gemv_bf16_tc")?,
+        q8_quantize: f("q8_quantize")?,
+        mmvq: {
+            let mut sets = Vec::with_capacity(MMVQ_FORMATS.len());
+            for d in MMVQ_FORMATS {
+                let stem = kernel_stem(d);
+                sets.push([
+                    f(&format!("mmvq_{stem}_r1"))?,
+                    f(&format!("mmvq_{stem}_r2"))?,
+                    f(&format!("mmvq_{stem}_r4"))?,
+                    f(&format!("mmvq_{stem}_r8"))?,
+                ]);
+            }
+            sets.try_into().map_err(|_| BackendError::Other("mmvq kernel table".into()))?
+        },
         gemv_any: f("gemv_any")?,
         mmq: {
             let mut sets = Vec::with_capacity(MMQ_FORMATS.len());
@@ -246,6 +265,26 @@ pub(super) const MMQ_FORMATS: [DType; 12] = DType::BLOCK_FORMATS;
 
 pub(super) fn mmq_index(d: DType) -> Option<usize> {
     MMQ_FORMATS.iter().position(|t| *t == d)
+}
+
+/// The block formats with `mmvq_*` integer GEMVs (kernels/mmvq.cu), in the
+/// order of `Kernels::mmvq`: all but Q2_K and Q3_K (whose offsets per 16
+/// weights the 8-bit input's per-32 sums do not serve), which keep mmq.
+pub(super) const MMVQ_FORMATS: [DType; 10] = [
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::IQ4_NL,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_XS,
+];
+
+pub(super) fn mmvq_index(d: DType) -> Option<usize> {
+    MMVQ_FORMATS.iter().position(|t| *t == d)
 }
 
 /// A block format's name in kernel names (`gemv_q4_k_r1`, `mmq_q4_k_n8`): its lower-case type name.

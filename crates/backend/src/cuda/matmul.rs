@@ -11,17 +11,20 @@
 //! activations into two bf16 parts and so stays exact. cuBLASLt (bf16 ×
 //! bf16 → f32, `gemm.rs`) takes prefill rows, and 3..8 rows on large bf16
 //! matrices where it measured faster (`takes_gemv`). Block-format weights at
-//! 3..=`MMQ_MAX_ROWS` rows take the tensor-core kernels of kernels/mmq.cu,
-//! which decode the blocks in shared memory and never widen the matrix; past
-//! that, quantized weights are widened to bf16 a tile of rows at a time for
-//! cuBLASLt.
+//! 1..=8 rows take the integer GEMVs of kernels/mmvq.cu (`takes_q8_gemv`:
+//! the input rows quantized to 8 bits per 32 once, then `__dp4a` on the
+//! weights' codes), then up to `MMQ_MAX_ROWS` rows the tensor-core kernels of
+//! kernels/mmq.cu, which decode the blocks in shared memory and never widen
+//! the matrix; past that, quantized weights are widened to bf16 a tile of
+//! rows at a time for cuBLASLt.
 
 use super::device::{Args, DeviceBuffer, LaunchDims, Purpose};
 use super::gemm::GemmShape;
-use super::kernels::{block_gemv_index, dtype_code, grid_for, mmq_index};
+use super::kernels::{block_gemv_index, dtype_code, grid_for, mmq_index, mmvq_index};
 use super::{CudaAct, CudaBackend, State};
+use crate::cpu::MatmulInput;
 use crate::dtype::DType;
-use crate::{BackendError, MatmulPart, Result};
+use crate::{BackendError, CudaTuning, MatmulPart, Result};
 use std::sync::Arc;
 
 /// Rows up to which matmuls use the GEMV kernels (kernels/gemv.cu GEMV_MAX_ROWS).
@@ -77,6 +80,60 @@ pub(super) fn mmq_split(n: usize, k: usize, rows: usize, sms: usize, part_bytes:
     (supers.div_ceil(per), per * 256)
 }
 
+/// Warps per block of the integer GEMVs (kernels/mmvq.cu MMVQ_WARPS).
+pub(super) const MMVQ_WARPS: u32 = 4;
+
+/// Weight rows per block of the integer GEMVs, by row-count instantiation
+/// (1, 2, 4, 8 input rows; kernels/mmvq.cu MMVQ_ALL).
+pub(super) const MMVQ_NW: [usize; 4] = [2, 2, 4, 4];
+
+/// Input rows up to which the 256-weight formats (Q4_K, Q5_K, Q6_K, IQ4_XS)
+/// and the 32-weight ones take the integer GEMV instead of mmq: all of the
+/// GEMV's rows. The argument, to be checked against `cuda_check --bench`:
+/// mmq reads a Q4_K matrix at 17-21% of the copy bandwidth at one row (Q6_K
+/// 21-30%), and its work up to 8 rows is one 8-column tile, so it is no
+/// faster at 8 rows; the integer GEMV issues about 0.8 instructions per
+/// weight to decode plus 0.5 per weight and input row (4 `dp4a` and 3-4
+/// float ops per 16 weights), about 4.8 at 8 rows, which at the SM's 128
+/// per clock still covers 91% of the copy bandwidth for Q4_K (29 weights a
+/// clock per SM) and more for the wider formats: it keeps a lead over mmq
+/// at 8 rows unless it runs at under a quarter of its issue limit.
+pub const Q8_GEMV_ROWS_K: usize = 8;
+pub const Q8_GEMV_ROWS_32: usize = 8;
+
+/// Rows up to which `dtype` takes the integer GEMV (0: it has none).
+fn q8_gemv_rows(dtype: DType) -> usize {
+    match dtype {
+        _ if mmvq_index(dtype).is_none() => 0,
+        DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => Q8_GEMV_ROWS_K,
+        _ => Q8_GEMV_ROWS_32,
+    }
+}
+
+/// Where the 8-bit copy of a matmul's input rows lies in its scratch
+/// (`State::xq`): the codes `[rows, k]` as i8 from the start, then from the
+/// next 16-byte boundary `scales_at` the (d, d·Σq) pairs `[rows, k / 32]` as
+/// f32, `bytes` in all (kernels/mmvq.cu `q8_quantize`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Q8Layout {
+    pub(super) scales_at: usize,
+    pub(super) bytes: usize,
+}
+
+pub(super) fn q8_layout(rows: usize, k: usize) -> Q8Layout {
+    let scales_at = (rows * k).next_multiple_of(16);
+    Q8Layout { scales_at, bytes: scales_at + rows * k.div_ceil(32) * 8 }
+}
+
+/// The 8-bit copy of a matmul's input, quantized in the scratch: device
+/// pointers to its codes and scales, for the integer GEMVs.
+#[derive(Clone, Copy)]
+pub(super) struct Q8Input {
+    codes: u64,
+    scales: u64,
+    k: usize,
+}
+
 /// Bytes of the bf16 tile a quantized weight is widened into for prefill.
 pub(super) const DEQUANT_TILE: usize = 32 << 20;
 /// Alignment of weights inside the weight arena (cuBLASLt wants 16, the
@@ -100,6 +157,11 @@ fn takes_gemv(dtype: DType, n: usize, k: usize, rows: usize) -> bool {
     }
 }
 
+/// [`CudaBackend::takes_q8_gemv`] for a matrix of `k` columns held as `dtype`.
+fn takes_q8_gemv(tuning: &CudaTuning, dtype: DType, k: usize, rows: usize) -> bool {
+    tuning.q8_gemv && k.is_multiple_of(dtype.block_elems()) && (1..=q8_gemv_rows(dtype)).contains(&rows)
+}
+
 /// [`CudaBackend::takes_mmq`] for a matrix of `k` columns held as `dtype`.
 fn takes_mmq(dtype: DType, k: usize, rows: usize) -> bool {
     // The 32-weight formats with a per-row GEMV of their own keep it at 1
@@ -110,13 +172,27 @@ fn takes_mmq(dtype: DType, k: usize, rows: usize) -> bool {
     mmq_index(dtype).is_some() && k.is_multiple_of(32) && (first..=MMQ_TAKES_ROWS).contains(&rows)
 }
 
-/// Whether a matmul of `rows` rows against an `[n, k]` matrix held on the
+/// How a matmul of `rows` rows against an `[n, k]` matrix held on the device
+/// as `dtype` takes its input under `tuning`: quantized to 8 bits (the
+/// integer GEMVs), rounded to bf16 (mmq, cuBLASLt) or as f32 (the other
+/// GEMVs). The order of `matmul_inner`'s choice.
+fn matmul_input(tuning: &CudaTuning, dtype: DType, n: usize, k: usize, rows: usize) -> MatmulInput {
+    if takes_q8_gemv(tuning, dtype, k, rows) {
+        MatmulInput::Q8
+    } else if takes_mmq(dtype, k, rows) || !takes_gemv(dtype, n, k, rows) {
+        MatmulInput::Bf16
+    } else {
+        MatmulInput::F32
+    }
+}
+
+/// How a matmul of `rows` rows against an `[n, k]` matrix held on the
 /// device as `dtype` (bf16 for a checkpoint's f32 and f16 matrices, see
-/// `upload_weight`) computes from its input rounded to bf16: what a CPU
-/// reference must round to compute as this backend does
+/// `upload_weight`) takes its input under the default tuning: what a CPU
+/// reference must do to its input to compute as this backend does
 /// (`cpu::Bf16Rounding::inputs`).
-pub fn rounds_matmul_input(dtype: DType, n: usize, k: usize, rows: usize) -> bool {
-    takes_mmq(dtype, k, rows) || !takes_gemv(dtype, n, k, rows)
+pub fn rounds_matmul_input(dtype: DType, n: usize, k: usize, rows: usize) -> MatmulInput {
+    matmul_input(&CudaTuning::default(), dtype, n, k, rows)
 }
 
 /// A weight on the device: `[rows, cols]` in `dtype` (BF16, F32 for vectors, or a ggml block type).
@@ -179,6 +255,10 @@ impl CudaBackend {
         if rows == 0 {
             return Ok(());
         }
+        if self.takes_q8_gemv(w, rows) {
+            let input = self.q8_input(st, x, rows)?;
+            return self.gemv_q8(input, w, rows, out);
+        }
         if self.takes_mmq(w, rows) {
             return self.mmq(st, x, w, rows, out);
         }
@@ -211,10 +291,60 @@ impl CudaBackend {
         takes_mmq(w.dtype, w.cols, rows)
     }
 
-    /// Whether the result of `rows` rows against `w` is computed from the
-    /// input rounded to bf16 (cuBLASLt or the mmq kernels) rather than in f32.
-    pub fn rounds_input(&self, w: &CudaWeight, rows: usize) -> bool {
-        rounds_matmul_input(w.dtype, w.rows, w.cols, rows)
+    /// Whether `rows` rows against `w` take the integer GEMV of its block
+    /// format (kernels/mmvq.cu), ahead of mmq: with `CudaTuning::q8_gemv`,
+    /// up to the format's `q8_gemv_rows`. The input is quantized to 8 bits
+    /// there, as the CPU's decode quantizes it.
+    pub(super) fn takes_q8_gemv(&self, w: &CudaWeight, rows: usize) -> bool {
+        takes_q8_gemv(&self.config.tuning, w.dtype, w.cols, rows)
+    }
+
+    /// How the result of `rows` rows against `w` is computed from the input:
+    /// quantized to 8 bits (the integer GEMVs), rounded to bf16 (cuBLASLt or
+    /// the mmq kernels), or in f32.
+    pub fn rounds_input(&self, w: &CudaWeight, rows: usize) -> MatmulInput {
+        matmul_input(&self.config.tuning, w.dtype, w.rows, w.cols, rows)
+    }
+
+    /// `rows` rows of `x` (`x.cols` a multiple of 32) quantized to 8 bits per
+    /// 32 into the scratch (kernels/mmvq.cu `q8_quantize`), for one or more
+    /// integer GEMVs of that input.
+    pub(super) fn q8_input(&self, st: &mut State, x: &CudaAct, rows: usize) -> Result<Q8Input> {
+        let k = x.cols;
+        let layout = q8_layout(rows, k);
+        let buf = st.xq.as_ref().filter(|b| b.bytes().0 as usize >= layout.bytes).ok_or_else(|| {
+            BackendError::Other(format!(
+                "8-bit input of {rows}x{k}: scratch not sized (allocate activations first)"
+            ))
+        })?;
+        if !k.is_multiple_of(32) {
+            return Err(BackendError::Other(format!("8-bit input of {k} columns: not whole blocks of 32")));
+        }
+        let input = Q8Input { codes: buf.ptr(), scales: buf.ptr() + layout.scales_at as u64, k };
+        let blocks = rows * k / 32;
+        let a = Args::new().ptr(x.ptr()).ptr(input.codes).ptr(input.scales).i64(blocks as i64);
+        unsafe { self.launch(self.k.q8_quantize, grid_for(blocks * 8, 256), a)? };
+        Ok(input)
+    }
+
+    /// The integer GEMV of `w`'s block format on an input quantized by
+    /// `q8_input`: the instantiation for the smallest of 1, 2, 4, 8 rows that
+    /// holds `rows`, `MMVQ_NW` weight rows per block.
+    pub(super) fn gemv_q8(&self, x: Q8Input, w: &CudaWeight, rows: usize, out: &CudaAct) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
+        let set = mmvq_index(w.dtype)
+            .ok_or_else(|| BackendError::Other(format!("gemv_q8: {} has no integer GEMV", w.dtype)))?;
+        if k != x.k || !(1..=GEMV_MAX_ROWS).contains(&rows) {
+            return Err(BackendError::Other(format!(
+                "gemv_q8: {rows} rows of {} columns against {n}x{k}",
+                x.k
+            )));
+        }
+        let inst = rows.next_power_of_two().trailing_zeros() as usize;
+        let dims = LaunchDims { grid: (n.div_ceil(MMVQ_NW[inst]) as u32, 1, 1), block: 32 * MMVQ_WARPS };
+        let a = Args::new().ptr(w.ptr()).i64(w.row_bytes as i64).ptr(x.codes).ptr(x.scales).ptr(out.ptr());
+        let a = a.i32(n as i32).i32(k as i32).i32(rows as i32).i32(self.early_weights());
+        unsafe { self.launch(self.k.mmvq[set][inst], dims, a) }
     }
 
     /// The tensor-core matmul of a block-format weight (kernels/mmq.cu): the
@@ -480,14 +610,33 @@ impl CudaBackend {
                 )));
             }
             self.matmul_inner(st, x, w, rows, out)?;
-            if let Some(b) = bias {
-                let bp = self.vector_ptr(b, "bias")?;
-                let n = rows * out.cols;
-                let a = Args::new().ptr(out.ptr()).ptr(bp).i32(out.cols as i32).i64(n as i64);
-                unsafe { self.launch(self.k.add_bias, grid_for(n, 256), a)? };
+            match bias {
+                Some(b) => self.add_bias(out, b, rows),
+                None => Ok(()),
             }
-            Ok(())
         })
+    }
+
+    /// `out[r] += bias` for the first `rows` rows.
+    fn add_bias(&self, out: &CudaAct, bias: &CudaWeight, rows: usize) -> Result<()> {
+        let bp = self.vector_ptr(bias, "bias")?;
+        let n = rows * out.cols;
+        let a = Args::new().ptr(out.ptr()).ptr(bp).i32(out.cols as i32).i64(n as i64);
+        unsafe { self.launch(self.k.add_bias, grid_for(n, 256), a) }
+    }
+
+    /// Whether every weight of `ws` takes the integer GEMV on `rows` rows of
+    /// `x` (with a matching shape), so their matmuls can share one 8-bit copy
+    /// of the input: a layer's q/k/v, its gate and up.
+    fn share_q8_input<'w>(
+        &self,
+        x: &CudaAct,
+        ws: impl ExactSizeIterator<Item = (&'w CudaWeight, usize)>,
+        rows: usize,
+    ) -> bool {
+        let mut ws = ws;
+        ws.len() > 1
+            && ws.all(|(w, out_cols)| w.cols == x.cols && out_cols == w.rows && self.takes_q8_gemv(w, rows))
     }
 
     pub(super) fn enqueue_matmul_many(&self, x: &CudaAct, parts: &mut [MatmulPart<'_, Self>], rows: usize) {
@@ -496,6 +645,19 @@ impl CudaBackend {
             && parts
                 .iter()
                 .all(|p| p.bias.is_none_or(|b| b.dtype == DType::F32 && b.rows * b.cols == p.w.rows));
+        if !fused && self.share_q8_input(x, parts.iter().map(|p| (p.w, p.out.cols)), rows) {
+            // One quantization of the input for every part.
+            return self.op("matmul_many (8-bit input)", |st| {
+                let input = self.q8_input(st, x, rows)?;
+                for p in parts.iter() {
+                    self.gemv_q8(input, p.w, rows, p.out)?;
+                    if let Some(b) = p.bias {
+                        self.add_bias(p.out, b, rows)?;
+                    }
+                }
+                Ok(())
+            });
+        }
         if !fused {
             return crate::unfused::matmul_many(self, x, parts, rows);
         }
@@ -528,6 +690,15 @@ impl CudaBackend {
             && self.fusable_gemv(x, up, rows)
             && gate.rows == up.rows
             && out.cols == gate.rows;
+        if !fused && self.share_q8_input(x, [(gate, gate_out.cols), (up, up_out.cols)].into_iter(), rows) {
+            // One quantization of the input for both GEMVs, then the SiLU product.
+            self.op("gate_up (8-bit input)", |st| {
+                let input = self.q8_input(st, x, rows)?;
+                self.gemv_q8(input, gate, rows, gate_out)?;
+                self.gemv_q8(input, up, rows, up_out)
+            });
+            return crate::Backend::silu_mul(self, gate_out, up_out, rows, out);
+        }
         if !fused {
             return crate::unfused::gate_up_silu(self, x, gate, up, rows, gate_out, up_out, out);
         }
@@ -545,5 +716,40 @@ impl CudaBackend {
                 .i32(self.early_weights());
             unsafe { self.launch(self.k.gemv_bf16_glu[rows - 1], dims, a) }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::kernels::MMVQ_FORMATS;
+    use super::*;
+
+    /// Block formats with an integer GEMV take it, and an 8-bit input, for
+    /// every decode row count; past it, and for the formats without one,
+    /// mmq's bf16 input; bf16 matrices keep their f32 GEMVs. Switched off,
+    /// the formats fall back to mmq or their f32 GEMVs.
+    #[test]
+    fn decode_rows_of_block_formats_take_8_bit_inputs() {
+        let on = CudaTuning::default();
+        let off = CudaTuning { q8_gemv: false, ..on };
+        for &d in &MMVQ_FORMATS {
+            for rows in 1..=GEMV_MAX_ROWS {
+                assert_eq!(rounds_matmul_input(d, 4096, 4096, rows), MatmulInput::Q8, "{d} {rows} rows");
+            }
+            assert_eq!(rounds_matmul_input(d, 4096, 4096, GEMV_MAX_ROWS + 1), MatmulInput::Bf16, "{d}");
+        }
+        assert_eq!(rounds_matmul_input(DType::Q2_K, 4096, 4096, 1), MatmulInput::Bf16);
+        assert_eq!(rounds_matmul_input(DType::BF16, 4096, 4096, 1), MatmulInput::F32);
+        assert_eq!(matmul_input(&off, DType::Q4_K, 4096, 4096, 1), MatmulInput::Bf16);
+        assert_eq!(matmul_input(&off, DType::Q8_0, 4096, 4096, 2), MatmulInput::F32);
+        assert_eq!(matmul_input(&off, DType::Q8_0, 4096, 4096, 3), MatmulInput::Bf16);
+    }
+
+    #[test]
+    fn the_8_bit_scales_start_on_16_bytes_after_the_codes() {
+        let l = q8_layout(3, 4128);
+        assert_eq!(l.scales_at, (3 * 4128usize).next_multiple_of(16));
+        assert_eq!(l.bytes, l.scales_at + 3 * 129 * 8);
+        assert!(l.scales_at >= 3 * 4128 && l.scales_at.is_multiple_of(16));
     }
 }

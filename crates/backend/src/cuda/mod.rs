@@ -178,6 +178,9 @@ struct State {
     inv_freq_host: Vec<f32>,
     /// f32 → bf16 copy of a matmul's input rows.
     xbf: Option<DeviceBuffer>,
+    /// 8-bit copy of a decode matmul's input rows (at most `GEMV_MAX_ROWS`),
+    /// laid out as `matmul::q8_layout` says.
+    xq: Option<DeviceBuffer>,
     /// bf16 tile of a quantized weight, widened for a prefill GEMM.
     tile: Option<DeviceBuffer>,
     part_o: DeviceBuffer,
@@ -302,6 +305,7 @@ impl CudaBackend {
             )?,
             inv_freq_host: Vec::new(),
             xbf: None,
+            xq: None,
             tile: None,
             part_o: DeviceBuffer::new(
                 &alloc,

@@ -17,6 +17,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("../../kernels/blocks.cu"),
     include_str!("../../kernels/elementwise.cu"),
     include_str!("../../kernels/gemv.cu"),
+    include_str!("../../kernels/mmvq.cu"),
     include_str!("../../kernels/mmq.cu"),
     include_str!("../../kernels/attention.cu"),
     include_str!("../../kernels/delta.cu"),

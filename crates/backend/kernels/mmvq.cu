@@ -1,0 +1,623 @@
+// Integer decode GEMVs of the ggml block formats: out[r][j] = x[r] . w[j] for
+// up to GEMV_MAX_ROWS input rows, from the input rows quantized to 8 bits per
+// 32 values (`q8_quantize`: d = max|x| / 127, q = round(x / d), rounding half
+// away from zero, exactly the CPU's `quant::Q8Row`), every 4 products of a
+// weight code and an activation code taken by one `__dp4a`.
+//
+// Why: the f32 GEMVs of gemv.cu dequantize every weight and read 4 bytes of
+// activation per weight (against 0.56 bytes of a Q4_K weight), so L1 traffic
+// and FMAs, not DRAM, are their limit. Here an input row costs 1.25 bytes per
+// weight (32 codes and the 8 bytes of (d, d * sum q) per 32) and a quarter of
+// an instruction per weight.
+//
+// Layout. A block of MMVQ_WARPS warps owns NW weight rows; its warps take
+// turns over the rows' steps of MMVQ_STEP = 1024 weights (warp w: steps w,
+// w + 4, ...) and meet in shared memory at the end (`mmvq_finish`). In a
+// step each lane holds 32 weights of each of its NW rows as two halves of 16
+// consecutive weights (`MvUnit`), and dots each half with 16 activation codes
+// of every input row (one 16-byte load through L1, so a load serves the NW
+// weight rows). The halves are placed so that the 32 lanes' loads of one half
+// read whole 128-byte lines: in the 32-weight formats lane l's halves are
+// weights 16 l and 512 + 16 l of the step; in the 256-weight formats (4
+// super-blocks a step, 8 lanes each) lane 8 s + i's are weights 16 i and
+// 128 + 16 i of super-block s (`mv_pos`).
+//
+// Weights are read once, by streaming loads (gemv.cu `ld_stream`), the next
+// step's issued before the current step's arithmetic where registers allow
+// (`PF`). Q4_K and Q5_K super-blocks are 16-byte aligned (rows of whole
+// super-blocks in a 256-byte aligned arena), so they go straight into
+// registers: each lane loads one 16-byte piece of quants per super-block (its
+// 8 lanes together the whole 128 bytes), the header its 8 lanes share (one
+// sector per instruction) and, for Q5_K, the high bits; the nibbles a lane
+// needs that its pair loaded are exchanged by shuffles. Every other format is
+// only 2-byte aligned: each warp copies its step's bytes of a row as aligned
+// 16-byte pieces, contiguous across the lanes, into shared memory and decodes
+// from there (`mv_stage_load`, `mv_stage_store`).
+//
+// Each half's integer dot (at most 16 * 128 * 127 in magnitude) starts from
+// the bits of 1.5 * 2^23 (`MMVQ_MAGIC`), so the sum read as a float is
+// 1.5 * 2^23 plus the dot exactly, and one subtraction converts it (the
+// integer conversion runs at a quarter of the FMA rate). Then
+// acc += (d_w * d_x) * dot + m_w * (d_x sum q_x), with d_w and m_w the scale
+// and offset of the half's weights (cpu/quant.rs `Block::d` and `Block::m`),
+// the offset added by the lane holding the first half of each 32 weights.
+
+#define MMVQ_WARPS 4
+#define MMVQ_STEP 1024
+#define MMVQ_MAGIC 0x4B400000
+
+// The code of one activation: round half away from zero (Rust's `f32::round`)
+// and saturate as Rust's `as i8` does (NaN to 0: the conversion gives 0).
+__device__ __forceinline__ int q8_code(float v) {
+    int q = (int)roundf(v);
+    return q < -128 ? -128 : (q > 127 ? 127 : q);
+}
+
+// `blocks` blocks of 32 values of x (input rows of k a multiple of 32, back
+// to back) to 8 bits: codes `q` (i8, four to a word, in x's order) and per
+// block (d, d * sum q) in `s`. Eight lanes per block, a float4 each.
+extern "C" __global__ void __launch_bounds__(256) q8_quantize(const float* __restrict__ x, u32* __restrict__ q,
+                                                              float2* __restrict__ s, long long blocks) {
+    pdl_enter();
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long b = t >> 3;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (b < blocks) v = __ldg((const float4*)x + t);
+    // max is exact in any order, so this is the CPU's fold.
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float d = amax / 127.0f;
+    float inv = d > 0.f ? 1.0f / d : 0.f;
+    int q0 = q8_code(v.x * inv), q1 = q8_code(v.y * inv), q2 = q8_code(v.z * inv), q3 = q8_code(v.w * inv);
+    int sum = q0 + q1 + q2 + q3;
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (b < blocks) {
+        q[t] = (u32)(q0 & 0xff) | ((u32)(q1 & 0xff) << 8) | ((u32)(q2 & 0xff) << 16) | ((u32)(q3 & 0xff) << 24);
+        if ((t & 7) == 0) s[b] = make_float2(d, d * (float)sum);
+    }
+}
+
+// One lane's 32 weights of one row in one step: two halves of 16, each as
+// four words of signed byte codes, a scale and an offset (zero where the
+// format has none, or where the other half of the 32 weights adds it).
+struct MvUnit {
+    int q[2][4];
+    float d[2], m[2];
+};
+
+// Where half h of `lane` starts in the row, in step t: the 256-weight formats
+// (`kq`) lay out 8 lanes per super-block, the 32-weight formats 16 weights a
+// lane across the step.
+template <bool KQ>
+__device__ __forceinline__ int mv_pos(int t, int lane, int h) {
+    return KQ ? t * MMVQ_STEP + 256 * (lane >> 3) + 128 * h + 16 * (lane & 7) : t * MMVQ_STEP + 512 * h + 16 * lane;
+}
+
+__device__ __forceinline__ uint4 mv_zero4() { return make_uint4(0u, 0u, 0u, 0u); }
+
+// Per byte x - o (o: the same offset in every byte, x below 128 + o): the
+// centred codes of Q4_0, Q5_0 and Q6_K as signed bytes. Adding 128 - o never
+// carries out of a byte, and flipping the top bit subtracts 128 modulo 256.
+__device__ __forceinline__ int mv_less(u32 x, u32 o) { return (int)((x + (0x80808080u - o)) ^ 0x80808080u); }
+
+// The fifth bits of four weights as 0x10 in their bytes, from four bits.
+__device__ __forceinline__ u32 mv_fifth(u32 bits4) { return ((bits4 * 0x00204081u) & 0x01010101u) << 4; }
+
+// Four IQ4 nibble codes (one per byte) to their levels (common.cu kIQ4Levels)
+// by byte permutes: the low three bits pick within each half of the table,
+// the fourth bit which half.
+__device__ __forceinline__ int mv_iq4(u32 x) {
+    const u32 t0 = 0xBFAD9881u, t1 = 0xF6EADDCFu, t2 = 0x26190D01u, t3 = 0x71594535u;
+    u32 y = x & 0x07070707u;
+    u32 sel = __byte_perm(y | (y >> 4), 0u, 0x0020u);
+    u32 lo = __byte_perm(t0, t1, sel), hi = __byte_perm(t2, t3, sel);
+    u32 hi_mask = ((x >> 3) & 0x01010101u) * 0xffu;
+    return (int)((hi & hi_mask) | (lo & ~hi_mask));
+}
+
+// The stage of one row's step in shared memory, read at byte offsets: words
+// at 2-byte aligned offsets (read as the aligned words around them and
+// shifted), halves and bytes.
+__device__ __forceinline__ void mv_words(const u32* st, int off, u32 (&w)[4]) {
+    const u32* a = st + (off >> 2);
+    int sh = (off & 3) * 8;
+    u32 v0 = a[0], v1 = a[1], v2 = a[2], v3 = a[3], v4 = a[4];
+    w[0] = __funnelshift_r(v0, v1, sh);
+    w[1] = __funnelshift_r(v1, v2, sh);
+    w[2] = __funnelshift_r(v2, v3, sh);
+    w[3] = __funnelshift_r(v3, v4, sh);
+}
+__device__ __forceinline__ unsigned short mv_half(const u32* st, int off) {
+    return ((const unsigned short*)st)[off >> 1];
+}
+__device__ __forceinline__ int mv_byte(const u32* st, int off) { return ((const u8*)st)[off]; }
+
+// A staged format's raw registers: P aligned 16-byte pieces and where the
+// step starts in the first one.
+template <int P>
+struct MvPieces {
+    uint4 p[P];
+    int sh;
+};
+
+// Load step t of a row of `row_bytes` bytes: every piece of the row's bytes
+// [t * STEP_BYTES, ...) from the 16-byte boundary at or below its start, lane
+// l taking pieces l, l + 32, ...; pieces past the row's end are not read.
+template <int P, int STEP_BYTES>
+__device__ __forceinline__ void mv_stage_load(const u8* row, long long row_bytes, int t, int lane, MvPieces<P>& r) {
+    long long off = (long long)t * STEP_BYTES;
+    long long left = row_bytes - off;
+    int bytes = left < STEP_BYTES ? (int)left : STEP_BYTES;
+    const u8* a = row + off;
+    int sh = (int)((unsigned long long)a & 15ull);
+    const uint4* base = (const uint4*)(a - sh);
+    int pieces = (sh + bytes + 15) >> 4;
+    r.sh = sh;
+#pragma unroll
+    for (int u = 0; u < P; u++) {
+        int p = lane + 32 * u;
+        r.p[u] = p < pieces ? ld_stream(base + p) : mv_zero4();
+    }
+}
+
+// Store the pieces to the warp's stage for this row (PIECES slots) once every
+// lane is done reading the previous step there, and wait for the whole warp's.
+template <int P, int PIECES>
+__device__ __forceinline__ void mv_stage_store(const MvPieces<P>& r, u32* st, int lane) {
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < P; u++) {
+        int p = lane + 32 * u;
+        if (p < PIECES) ((uint4*)st)[p] = r.p[u];
+    }
+    __syncwarp();
+}
+
+
+// What a format tells the body: `staged` (decoded from shared memory) and
+// its stage's size in words, `kq` (the 256-weight lane layout of `mv_pos`),
+// `offsets` (weights with an offset, m * sum x), its raw registers `Raw`,
+// `load` (step t of a row into them) and `decode` (them into the lane's
+// `MvUnit`, every lane of the warp together: shuffles or the stage).
+template <int DT>
+struct Mv;
+
+// A format staged through shared memory: steps of BYTES bytes.
+template <int BYTES>
+struct MvStaged {
+    static const bool staged = true;
+    static const int pieces = (BYTES + 30) / 16, loads = (pieces + 31) / 32;
+    // The pieces and 16 bytes more: a word read at the last bytes may take
+    // the aligned word after them.
+    static const int stage_words = pieces * 4 + 4;
+    typedef MvPieces<loads> Raw;
+    static __device__ __forceinline__ void load(const u8* row, long long row_bytes, int t, int lane, int, Raw& r) {
+        mv_stage_load<loads, BYTES>(row, row_bytes, t, lane, r);
+    }
+    static __device__ __forceinline__ void store(const Raw& r, u32* st, int lane) {
+        mv_stage_store<loads, pieces>(r, st, lane);
+    }
+};
+
+// The 16-byte aligned K-quants, loaded into registers. Lane 8 s + i of a
+// step (super-block s) holds sub-blocks i / 2 and 4 + i / 2 (its halves 0
+// and 1, weights 16 (i % 2) .. + 15 of each). Chunk c of the quants (32
+// bytes) holds sub-block 2 c in its low nibbles and 2 c + 1 in its high ones,
+// so lanes i and i ^ 2 need the same two 16-byte pieces, 2 (i / 4) + i % 2
+// and the one 4 after it, at nibble (i / 2) % 2 and its other: each loads
+// one (`kq4_piece`) and they swap what the other needs.
+__device__ __forceinline__ int kq4_piece(int i) { return 2 * (i >> 2) + (i & 1) + 4 * ((i >> 1) & 1); }
+
+__device__ __forceinline__ void kq4_nibbles(const uint4& q, int i, MvUnit& u) {
+    int n = (i >> 1) & 1;
+    u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        u32 keep = (w[m] >> (4 * n)) & 0x0f0f0f0fu;
+        u32 send = (w[m] >> (4 - 4 * n)) & 0x0f0f0f0fu;
+        u32 got = __shfl_xor_sync(0xffffffffu, send, 2);
+        u.q[0][m] = (int)(n ? got : keep);
+        u.q[1][m] = (int)(n ? keep : got);
+    }
+}
+
+// Q4_K / Q5_K scales and offsets of sub-blocks s and s + 4 (s = i / 2 < 4)
+// from the header (d, dmin, 12 bytes of 6-bit scales and mins laid out as
+// cpu/quant.rs `k4_scale_min` reads them); the offsets on the lane of each
+// sub-block's first 16 weights.
+__device__ __forceinline__ void kq4_scales(const uint4& h, int i, MvUnit& u) {
+    int s = i >> 1;
+    u32 by = h.y >> (8 * s), bz = h.z >> (8 * s), bw = h.w >> (8 * s);
+    int sc0 = (int)(by & 63u), m0 = (int)(bz & 63u);
+    int sc1 = (int)((bw & 15u) | ((by >> 2) & 48u)), m1 = (int)(((bw >> 4) & 15u) | ((bz >> 2) & 48u));
+    float d = f16_to_f32((unsigned short)(h.x & 0xffffu)), dmin = f16_to_f32((unsigned short)(h.x >> 16));
+    bool first = (i & 1) == 0;
+    u.d[0] = d * (float)sc0;
+    u.d[1] = d * (float)sc1;
+    u.m[0] = first ? -dmin * (float)m0 : 0.f;
+    u.m[1] = first ? -dmin * (float)m1 : 0.f;
+}
+
+// Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 bytes of quants).
+template <>
+struct Mv<DT_Q4_K> {
+    static const bool staged = false, kq = true, offsets = true;
+    static const int stage_words = 4;
+    struct Raw {
+        uint4 h, q;
+    };
+    static __device__ __forceinline__ void load(const u8* row, long long, int t, int lane, int k, Raw& r) {
+        int sb = 4 * t + (lane >> 3);
+        const u8* b = row + (long long)sb * 144;
+        bool live = sb < (k >> 8);
+        r.h = live ? ld_stream((const uint4*)b) : mv_zero4();
+        r.q = live ? ld_stream((const uint4*)(b + 16) + kq4_piece(lane & 7)) : mv_zero4();
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, u32*, int lane, MvUnit& u) {
+        kq4_nibbles(r.q, lane & 7, u);
+        kq4_scales(r.h, lane & 7, u);
+    }
+};
+
+// Q5_K (176 bytes: Q4_K's header, 32 bytes of high bits, then the quants):
+// the fifth bit of weight 32 s + l is bit s of qh[l], so both halves of a
+// lane take the same 16 bytes of qh (piece i % 2), bits s and s + 4.
+template <>
+struct Mv<DT_Q5_K> {
+    static const bool staged = false, kq = true, offsets = true;
+    static const int stage_words = 4;
+    struct Raw {
+        uint4 h, qh, q;
+    };
+    static __device__ __forceinline__ void load(const u8* row, long long, int t, int lane, int k, Raw& r) {
+        int sb = 4 * t + (lane >> 3), i = lane & 7;
+        const u8* b = row + (long long)sb * 176;
+        bool live = sb < (k >> 8);
+        r.h = live ? ld_stream((const uint4*)b) : mv_zero4();
+        r.qh = live ? ld_stream((const uint4*)(b + 16) + (i & 1)) : mv_zero4();
+        r.q = live ? ld_stream((const uint4*)(b + 48) + kq4_piece(i)) : mv_zero4();
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, u32*, int lane, MvUnit& u) {
+        int i = lane & 7, s = i >> 1;
+        kq4_nibbles(r.q, i, u);
+        u32 qh[4] = {r.qh.x, r.qh.y, r.qh.z, r.qh.w};
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            u.q[0][m] |= (int)(((qh[m] >> s) & 0x01010101u) << 4);
+            u.q[1][m] |= (int)(((qh[m] >> (s + 4)) & 0x01010101u) << 4);
+        }
+        kq4_scales(r.h, i, u);
+    }
+};
+
+// Q6_K (210 bytes: ql[128], qh[64], 16 i8 scales, d). Half h of lane 8 s + i
+// is weights 128 h + 16 i .. + 15 of super-block s: nibble i / 4 of
+// ql[64 h + 16 (i % 4) ..] below bits 2 (i / 2) of qh[32 h + 16 (i % 2) ..],
+// minus 32, group scale scales[8 h + i] * d.
+template <>
+struct Mv<DT_Q6_K> : MvStaged<4 * 210> {
+    static const bool kq = true, offsets = false;
+    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
+        store(r, st, lane);
+        int i = lane & 7, b = r.sh + 210 * (lane >> 3);
+        float d = f16_to_f32(mv_half(st, b + 208));
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u32 lw[4], hw[4];
+            mv_words(st, b + 64 * h + 16 * (i & 3), lw);
+            mv_words(st, b + 128 + 32 * h + 16 * (i & 1), hw);
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                u32 lo = (lw[m] >> (4 * (i >> 2))) & 0x0f0f0f0fu, hi = (hw[m] >> (2 * (i >> 1))) & 0x03030303u;
+                u.q[h][m] = mv_less(lo | (hi << 4), 0x20202020u);
+            }
+            u.d[h] = d * (float)(signed char)mv_byte(st, b + 192 + 8 * h + i);
+            u.m[h] = 0.f;
+        }
+    }
+};
+
+// IQ4_XS (136 bytes: d, u16 of high scale bits, 4 bytes of low scale
+// nibbles, 16 bytes of quants per sub-block, weight 32 s + j the low nibble
+// of byte 16 s + j and 32 s + 16 + j the high one). Half h of lane 8 s + i:
+// sub-block 4 h + i / 2, nibble i % 2.
+template <>
+struct Mv<DT_IQ4_XS> : MvStaged<4 * 136> {
+    static const bool kq = true, offsets = false;
+    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
+        store(r, st, lane);
+        int i = lane & 7, b = r.sh + 136 * (lane >> 3);
+        float d = f16_to_f32(mv_half(st, b));
+        u32 high = mv_half(st, b + 2);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int sub = 4 * h + (i >> 1);
+            u32 w[4];
+            mv_words(st, b + 8 + 16 * sub, w);
+#pragma unroll
+            for (int m = 0; m < 4; m++) u.q[h][m] = mv_iq4((w[m] >> (4 * (i & 1))) & 0x0f0f0f0fu);
+            int low = (mv_byte(st, b + 4 + (sub >> 1)) >> (4 * (sub & 1))) & 15;
+            int ls = low | (int)(((high >> (2 * sub)) & 3u) << 4);
+            u.d[h] = d * (float)(ls - 32);
+            u.m[h] = 0.f;
+        }
+    }
+};
+
+// The 32-weight formats, staged: half h of lane l is weights 16 (l % 2) ..
+// + 15 of block 16 h + l / 2 of the step (`mv_block`: its byte offset in the
+// stage). In the nibble formats byte j of a block's 16 holds weight j (low
+// nibble) and j + 16 (high), so half l % 2 takes nibble l % 2 of all 16.
+template <int BYTES>
+struct MvBlock32 : MvStaged<32 * BYTES> {
+    static const bool kq = false;
+    static __device__ __forceinline__ int block(const MvPieces<MvStaged<32 * BYTES>::loads>& r, int lane, int h) {
+        return r.sh + BYTES * (16 * h + (lane >> 1));
+    }
+};
+
+// Nibble j of each byte of w, in place.
+__device__ __forceinline__ void mv_nibbles(u32 (&w)[4], int j) {
+#pragma unroll
+    for (int m = 0; m < 4; m++) w[m] = (w[m] >> (4 * j)) & 0x0f0f0f0fu;
+}
+
+// The fifth bits of weights 16 j + 4 m .. + 3 (word m of half j) from a
+// block's u32 of high bits, into w.
+__device__ __forceinline__ void mv_add_fifth(u32 (&w)[4], u32 qh, int j) {
+#pragma unroll
+    for (int m = 0; m < 4; m++) w[m] |= mv_fifth((qh >> (16 * j + 4 * m)) & 15u);
+}
+
+// Q8_0: d, 32 i8.
+template <>
+struct Mv<DT_Q8_0> : MvBlock32<34> {
+    static const bool offsets = false;
+    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
+        store(r, st, lane);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int b = block(r, lane, h);
+            u32 w[4];
+            mv_words(st, b + 2 + 16 * (lane & 1), w);
+#pragma unroll
+            for (int m = 0; m < 4; m++) u.q[h][m] = (int)w[m];
+            u.d[h] = f16_to_f32(mv_half(st, b));
+            u.m[h] = 0.f;
+        }
+    }
+};
+
+// Q4_0: d, 16 bytes of nibbles, codes q - 8.
+template <>
+struct Mv<DT_Q4_0> : MvBlock32<18> {
+    static const bool offsets = false;
+    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
+        store(r, st, lane);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int b = block(r, lane, h);
+            u32 w[4];
+            mv_words(st, b + 2, w);
+            mv_nibbles(w, lane & 1);
+#pragma unroll
+            for (int m = 0; m < 4; m++) u.q[h][m] = mv_less(w[m], 0x08080808u);
+            u.d[h] = f16_to_f32(mv_half(st, b));
+            u.m[h] = 0.f;
+        }
+    }
+};
+
+// Q4_1: d, m, 16 bytes of nibbles; weight d q + m.
+template <>
+struct Mv<DT_Q4_1> : MvBlock32<20> {
+    static const bool offsets = true;
+    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
+        store(r, st, lane);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int b = block(r, lane, h);
+            u32 w[4];
+            mv_words(st, b + 4, w);
+            mv_nibbles(w, lane & 1);
+#pragma unroll
+            for (int m = 0; m < 4; m++) u.q[h][m] = (int)w[m];
+            u.d[h] = f16_to_f32(mv_half(st, b));
+            u.m[h] = (lane & 1) ? 0.f : f16_to_f32(mv_half(st, b + 2));
+        }
+    }
+};
+
+// Q5_0: d, u32 of fifth bits (bit i for weight i), 16 bytes of nibbles, codes q - 16.
+template <>
+struct Mv<DT_Q5_0> : MvBlock32<22> {
+    static const bool offsets = false;
+    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
+        store(r, st, lane);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int b = block(r, lane, h);
+            u32 w[4];
+            u32 qh = (u32)mv_half(st, b + 2) | ((u32)mv_half(st, b + 4) << 16);
+            mv_words(st, b + 6, w);
+            mv_nibbles(w, lane & 1);
+            mv_add_fifth(w, qh, lane & 1);
+#pragma unroll
+            for (int m = 0; m < 4; m++) u.q[h][m] = mv_less(w[m], 0x10101010u);
+            u.d[h] = f16_to_f32(mv_half(st, b));
+            u.m[h] = 0.f;
+        }
+    }
+};
+
+// Q5_1: d, m, u32 of fifth bits, 16 bytes of nibbles; weight d q + m.
+template <>
+struct Mv<DT_Q5_1> : MvBlock32<24> {
+    static const bool offsets = true;
+    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
+        store(r, st, lane);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int b = block(r, lane, h);
+            u32 w[4];
+            u32 qh = (u32)mv_half(st, b + 4) | ((u32)mv_half(st, b + 6) << 16);
+            mv_words(st, b + 8, w);
+            mv_nibbles(w, lane & 1);
+            mv_add_fifth(w, qh, lane & 1);
+#pragma unroll
+            for (int m = 0; m < 4; m++) u.q[h][m] = (int)w[m];
+            u.d[h] = f16_to_f32(mv_half(st, b));
+            u.m[h] = (lane & 1) ? 0.f : f16_to_f32(mv_half(st, b + 2));
+        }
+    }
+};
+
+// IQ4_NL: Q4_0's layout, codes the levels of the nibbles.
+template <>
+struct Mv<DT_IQ4_NL> : MvBlock32<18> {
+    static const bool offsets = false;
+    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
+        store(r, st, lane);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int b = block(r, lane, h);
+            u32 w[4];
+            mv_words(st, b + 2, w);
+            mv_nibbles(w, lane & 1);
+#pragma unroll
+            for (int m = 0; m < 4; m++) u.q[h][m] = mv_iq4(w[m]);
+            u.d[h] = f16_to_f32(mv_half(st, b));
+            u.m[h] = 0.f;
+        }
+    }
+};
+
+// Sum each warp's partials over the block and store the NW x R results.
+template <int R, int NW>
+__device__ __forceinline__ void mmvq_finish(float (&acc)[R][NW], float* __restrict__ out, int n, int j0, int rows) {
+    __shared__ float red[MMVQ_WARPS][R * NW];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (r < rows) {
+#pragma unroll
+            for (int i = 0; i < NW; i++) {
+                float s = warp_sum(acc[r][i]);
+                if (lane == 0) red[wid][r * NW + i] = s;
+            }
+        }
+    }
+    __syncthreads();
+    int t = threadIdx.x;
+    if (t < R * NW) {
+        int r = t / NW, j = j0 + t % NW;
+        if (r < rows && j < n) {
+            float s = 0.f;
+#pragma unroll
+            for (int w = 0; w < MMVQ_WARPS; w++) s += red[w][t];
+            out[(long long)r * n + j] = s;
+        }
+    }
+}
+
+// out[r][j] = x[r] . w[j] for the block's NW weight rows, x given as `xq`
+// (i8 codes [rows][k]) and `xs` ((d, d * sum q) [rows][k / 32]) of
+// `q8_quantize`. PF: the next step's weights are loaded before this step's
+// arithmetic (more registers: off where R x NW accumulators already take
+// many). `early`: the first step's weights are loaded before `pdl_enter`, as
+// in gemv.cu `gemv_bf16_acc` (weights are written by no kernel).
+template <int DT, int R, int NW, bool PF>
+__device__ __forceinline__ void mmvq_body(const u8* __restrict__ w, long long row_bytes,
+                                          const signed char* __restrict__ xq, const float2* __restrict__ xs,
+                                          float* __restrict__ out, int n, int k, int rows, int early) {
+    typedef Mv<DT> F;
+    __shared__ __align__(16) u32 stage[MMVQ_WARPS][NW][F::stage_words];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    int j0 = blockIdx.x * NW;
+    const u8* wr[NW];
+#pragma unroll
+    for (int i = 0; i < NW; i++) wr[i] = w + (long long)imin(j0 + i, n - 1) * row_bytes;
+    float acc[R][NW];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int i = 0; i < NW; i++) acc[r][i] = 0.f;
+    int steps = (k + MMVQ_STEP - 1) / MMVQ_STEP;
+    typename F::Raw raw[NW];
+    int t = wid;
+    if (!early) pdl_enter();
+    if (t < steps) {
+#pragma unroll
+        for (int i = 0; i < NW; i++) F::load(wr[i], row_bytes, t, lane, k, raw[i]);
+    }
+    if (early) pdl_enter();
+    for (; t < steps; t += MMVQ_WARPS) {
+        MvUnit u[NW];
+#pragma unroll
+        for (int i = 0; i < NW; i++) F::decode(raw[i], stage[wid][i], lane, u[i]);
+        int next = t + MMVQ_WARPS;
+        if (PF && next < steps) {
+#pragma unroll
+            for (int i = 0; i < NW; i++) F::load(wr[i], row_bytes, next, lane, k, raw[i]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int pos = mv_pos<F::kq>(t, lane, h);
+            if (pos < k) {
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    if (r < rows) {
+                        int4 a = __ldg((const int4*)(xq + (long long)r * k + pos));
+                        float2 sx = __ldg(xs + (long long)r * (k >> 5) + (pos >> 5));
+#pragma unroll
+                        for (int i = 0; i < NW; i++) {
+                            int dot = __dp4a(u[i].q[h][0], a.x, MMVQ_MAGIC);
+                            dot = __dp4a(u[i].q[h][1], a.y, dot);
+                            dot = __dp4a(u[i].q[h][2], a.z, dot);
+                            dot = __dp4a(u[i].q[h][3], a.w, dot);
+                            float f = __int_as_float(dot) - 12582912.f;
+                            float v = fmaf(u[i].d[h] * sx.x, f, acc[r][i]);
+                            acc[r][i] = F::offsets ? fmaf(u[i].m[h], sx.y, v) : v;
+                        }
+                    }
+                }
+            }
+        }
+        if (!PF && next < steps) {
+#pragma unroll
+            for (int i = 0; i < NW; i++) F::load(wr[i], row_bytes, next, lane, k, raw[i]);
+        }
+    }
+    mmvq_finish<R, NW>(acc, out, n, j0, rows);
+}
+
+// Instantiations for 1, 2, 4 and 8 input rows; NW weight rows per block (the
+// host's matmul.rs MMVQ_NW): two for 1 and 2 rows, four for 4 and 8, where
+// an activation load would otherwise cost L1 more than the weights do. MINB:
+// blocks per SM the register budget must allow (left to itself this NVRTC
+// picks smaller budgets and spills): 8 at one row (64 registers, a full SM of
+// 1024 threads), fewer where a format needs more (Q5_K holds three 16-byte
+// pieces a row: without spills at 6 for one row and 3 for four, on every
+// architecture scripts/check_kernels.py compiles for).
+#define MMVQ(NAME, DT, R, NW, PF, MINB)                                                                                \
+    extern "C" __global__ void __launch_bounds__(MMVQ_WARPS * 32, MINB)                                           \
+        mmvq_##NAME##_r##R(const u8* __restrict__ w, long long row_bytes, const signed char* __restrict__ xq,     \
+                           const float2* __restrict__ xs, float* __restrict__ out, int n, int k, int rows,        \
+                           int early) {                                                                           \
+        mmvq_body<DT, R, NW, PF>(w, row_bytes, xq, xs, out, n, k, rows, early);                                   \
+    }
+#define MMVQ_ALL(NAME, DT, MINB1, MINB4)                                                                           \
+    MMVQ(NAME, DT, 1, 2, true, MINB1)                                                                              \
+    MMVQ(NAME, DT, 2, 2, true, 6) MMVQ(NAME, DT, 4, 4, false, MINB4) MMVQ(NAME, DT, 8, 4, false, 3)
+MMVQ_ALL(q8_0, DT_Q8_0, 8, 4)
+MMVQ_ALL(q4_0, DT_Q4_0, 8, 4)
+MMVQ_ALL(q4_1, DT_Q4_1, 8, 4)
+MMVQ_ALL(q5_0, DT_Q5_0, 8, 4)
+MMVQ_ALL(q5_1, DT_Q5_1, 8, 4)
+MMVQ_ALL(iq4_nl, DT_IQ4_NL, 8, 4)
+MMVQ_ALL(q4_k, DT_Q4_K, 8, 4)
+MMVQ_ALL(q5_k, DT_Q5_K, 6, 3)
+MMVQ_ALL(q6_k, DT_Q6_K, 8, 4)
+MMVQ_ALL(iq4_xs, DT_IQ4_XS, 8, 4)
