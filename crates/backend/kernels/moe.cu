@@ -9,9 +9,7 @@
 //               an offset and a position per pair), the list of experts in
 //               use and the work tiles of the grouped GEMM;
 //               (moe_route_sort: both in one block, for decode's few rows)
-//   gate/up     per chosen expert, silu(gate x) * up x for each of its pairs
-//               (moe_gemv_gate_up_bf16_routed: one row, routed by every
-//               block itself, so routing is no launch of its own);
+//   gate/up     per chosen expert, silu(gate x) * up x for each of its pairs;
 //   down        per chosen expert, down · act for each of its pairs;
 //   moe_combine per row, the weighted sum of its pairs' outputs in slot order
 //               (moe_gemv_down_combine[_bf16]: down and the sum in one, for
@@ -74,9 +72,8 @@ __device__ __forceinline__ bool moe_before(int ka, int ea, int kb, int eb) {
 // one decode row the routing is a serial chain that the step waits on
 // (8.9 µs a layer for 128 experts when every round re-read the row).
 #define MOE_ROUTE_REGS 8 // logits per lane in registers: up to 256 experts; more take the loop below
-// Returns (in every lane) the expert of slot `want`; with ids null, nothing is written.
-__device__ __forceinline__ int moe_route_row(const float* __restrict__ logits, int r, int E, int k, int norm,
-                                             int* __restrict__ ids, float* __restrict__ wts, int want = 0) {
+__device__ __forceinline__ void moe_route_row(const float* __restrict__ logits, int r, int E, int k, int norm,
+                                              int* __restrict__ ids, float* __restrict__ wts) {
     int lane = threadIdx.x & 31;
     const float* l = logits + (long long)r * E;
     bool regs = E <= 32 * MOE_ROUTE_REGS;
@@ -103,7 +100,6 @@ __device__ __forceinline__ int moe_route_row(const float* __restrict__ logits, i
     s = warp_sum(s);
     u32 used = 0; // bit i: this lane's expert lane + 32 i is taken
     float kept = 0.f;
-    int chosen = 0;
     for (int t = 0; t < k; t++) {
         int bk = 0, be = E; // be == E: nothing yet
         if (regs) {
@@ -135,17 +131,15 @@ __device__ __forceinline__ int moe_route_row(const float* __restrict__ logits, i
             }
         }
         if ((be & 31) == lane) used |= 1u << (be >> 5);
-        if (t == want) chosen = be;
-        if (lane == 0 && ids) {
+        if (lane == 0) {
             float p = expf(l[be] - m) / s;
             ids[r * k + t] = be;
             wts[r * k + t] = p;
             kept += p;
         }
     }
-    if (lane == 0 && ids && norm)
+    if (lane == 0 && norm)
         for (int t = 0; t < k; t++) wts[r * k + t] /= kept;
-    return chosen;
 }
 
 // Grid: rows / 4 blocks of 128 threads, a warp per row.
@@ -242,26 +236,6 @@ extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restric
     moe_sort_body(ids, P, E, pos_of_pair, pair_of_pos, n_active, active, n_tiles, tiles);
 }
 
-// Route and group the one row of a step with one warp (the first of its
-// block): one row's k experts are distinct, so pair s is expert ids[s] alone,
-// at position s, and nothing needs sorting.
-__device__ __forceinline__ void moe_route_one(const float* __restrict__ logits, int E, int k, int norm,
-                                              int* __restrict__ ids, float* __restrict__ wts,
-                                              int* __restrict__ pos_of_pair, int* __restrict__ pair_of_pos,
-                                              int* __restrict__ n_active, int* __restrict__ active,
-                                              int* __restrict__ n_tiles, int* __restrict__ tiles) {
-    moe_route_row(logits, 0, E, k, norm, ids, wts);
-    __syncwarp();
-    for (int s = threadIdx.x; s < k; s += 32) {
-        pos_of_pair[s] = s;
-        pair_of_pos[s] = s;
-        active[3 * s] = tiles[3 * s] = ids[s];
-        active[3 * s + 1] = tiles[3 * s + 1] = s;
-        active[3 * s + 2] = tiles[3 * s + 2] = s + 1;
-    }
-    if (threadIdx.x == 0) *n_active = *n_tiles = k;
-}
-
 // Routing and grouping in one launch, for decode's few rows: the block's 32
 // warps route the rows, then it groups the pairs. Grid: one block of 1024.
 extern "C" __global__ void __launch_bounds__(1024)
@@ -271,8 +245,19 @@ extern "C" __global__ void __launch_bounds__(1024)
                    int* __restrict__ tiles) {
     pdl_enter();
     if (rows == 1) {
-        if (threadIdx.x < 32)
-            moe_route_one(logits, E, k, norm, ids, wts, pos_of_pair, pair_of_pos, n_active, active, n_tiles, tiles);
+        // One row's k experts are distinct: pair s is expert ids[s] alone,
+        // at position s, so the first warp groups them without the sort.
+        if (threadIdx.x >= 32) return;
+        moe_route_row(logits, 0, E, k, norm, ids, wts);
+        __syncwarp();
+        for (int s = threadIdx.x; s < k; s += 32) {
+            pos_of_pair[s] = s;
+            pair_of_pos[s] = s;
+            active[3 * s] = tiles[3 * s] = ids[s];
+            active[3 * s + 1] = tiles[3 * s + 1] = s;
+            active[3 * s + 2] = tiles[3 * s + 2] = s + 1;
+        }
+        if (threadIdx.x == 0) *n_active = *n_tiles = k;
         return;
     }
     for (int r = threadIdx.x >> 5; r < rows; r += 32) moe_route_row(logits, r, E, k, norm, ids, wts);
@@ -340,17 +325,20 @@ __device__ __forceinline__ float moe_dot8_bf16(uint4 w, float4 a, float4 b) {
 // NP pairs of one expert at a time through the block's gate and up rows:
 // act[pos][j] = silu(gate_e[j] · x[row]) * (up_e[j] · x[row]). With NP > 1
 // the pairs share every weight load; pairs past the expert's last are skipped.
-// Pairs [p, end) at positions p.., all of expert e; pair_of_pos null: one
-// token row, row 0 (the routed form below, where the table is being written).
 template <int NP>
-__device__ __forceinline__ void moe_gate_up_bf16_expert(const u64* __restrict__ table, long long rb,
-                                                        const float* __restrict__ x, int hidden, int ef, int k,
-                                                        const int* __restrict__ pair_of_pos, int e, int p, int end,
-                                                        float* __restrict__ act) {
+__device__ __forceinline__ void moe_gate_up_bf16(const u64* __restrict__ table, long long rb,
+                                                 const float* __restrict__ x, int hidden, int ef, int k,
+                                                 const int* __restrict__ pair_of_pos,
+                                                 const int* __restrict__ n_active, const int* __restrict__ active,
+                                                 float* __restrict__ act) {
     const int NR = 2 * MOE_GU_COLS; // gate rows j0.., then up rows j0..
     const int step = MOE_GU_WARPS * 32;
     __shared__ float red[MOE_GU_WARPS][NP * NR];
+    pdl_enter();
+    int y = blockIdx.y;
+    if (y >= *n_active) return;
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    int e = active[3 * y], p = active[3 * y + 1], end = active[3 * y + 2];
     int j0 = blockIdx.x * MOE_GU_COLS;
     const uint4* gate = (const uint4*)table[3 * e];
     const uint4* up = (const uint4*)table[3 * e + 1];
@@ -362,8 +350,7 @@ __device__ __forceinline__ void moe_gate_up_bf16_expert(const u64* __restrict__ 
         int np = imin(NP, end - p);
         const float4* xr[NP];
 #pragma unroll
-        for (int q = 0; q < NP; q++)
-            xr[q] = (const float4*)(x + (pair_of_pos ? (long long)(pair_of_pos[p + imin(q, np - 1)] / k) * hidden : 0));
+        for (int q = 0; q < NP; q++) xr[q] = (const float4*)(x + (long long)(pair_of_pos[p + imin(q, np - 1)] / k) * hidden);
         float acc[NP][NR];
 #pragma unroll
         for (int q = 0; q < NP; q++)
@@ -424,19 +411,6 @@ __device__ __forceinline__ void moe_gate_up_bf16_expert(const u64* __restrict__ 
     }
 }
 
-template <int NP>
-__device__ __forceinline__ void moe_gate_up_bf16(const u64* __restrict__ table, long long rb,
-                                                 const float* __restrict__ x, int hidden, int ef, int k,
-                                                 const int* __restrict__ pair_of_pos,
-                                                 const int* __restrict__ n_active, const int* __restrict__ active,
-                                                 float* __restrict__ act) {
-    pdl_enter();
-    int y = blockIdx.y;
-    if (y >= *n_active) return;
-    moe_gate_up_bf16_expert<NP>(table, rb, x, hidden, ef, k, pair_of_pos, active[3 * y], active[3 * y + 1],
-                                active[3 * y + 2], act);
-}
-
 // Grid: (ceil(ef / MOE_GU_COLS), min(E, P)) blocks of MOE_GU_WARPS warps;
 // block y serves the y-th expert in use. hidden a multiple of 8, rows
 // 16-byte aligned. _p1 takes an expert's pairs one at a time (decode's
@@ -452,36 +426,6 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 4)
                              int ef, int k, const int* __restrict__ pair_of_pos, const int* __restrict__ n_active,
                              const int* __restrict__ active, float* __restrict__ act) {
     moe_gate_up_bf16<4>(table, rb, x, hidden, ef, k, pair_of_pos, n_active, active, act);
-}
-
-// One token row: routing and gate/up/SiLU in one launch. Every block routes
-// the row itself (its first warp, from the router logits) and serves the
-// expert of slot blockIdx.y; block (0, 0) also writes the routing and the
-// grouping for the down kernel. The routing launch it replaces was a serial
-// chain of its own between the router and the experts (8.2 µs a layer on the
-// H200 for 128 experts, top 8). Grid: (ceil(ef / MOE_GU_COLS), k).
-extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 8)
-    moe_gemv_gate_up_bf16_routed(const float* __restrict__ logits, int E, int norm, int* __restrict__ ids,
-                                 float* __restrict__ wts, int* __restrict__ pos_of_pair,
-                                 int* __restrict__ pair_of_pos, int* __restrict__ n_active,
-                                 int* __restrict__ active, int* __restrict__ n_tiles, int* __restrict__ tiles,
-                                 const u64* __restrict__ table, long long rb, const float* __restrict__ x, int hidden,
-                                 int ef, int k, float* __restrict__ act) {
-    __shared__ int expert;
-    pdl_enter();
-    int y = blockIdx.y;
-    if (threadIdx.x < 32) {
-        int e;
-        if (blockIdx.x == 0 && y == 0) {
-            moe_route_one(logits, E, k, norm, ids, wts, pos_of_pair, pair_of_pos, n_active, active, n_tiles, tiles);
-            e = ids[0];
-        } else {
-            e = moe_route_row(logits, 0, E, k, norm, nullptr, nullptr, y);
-        }
-        if (threadIdx.x == 0) expert = e;
-    }
-    __syncthreads();
-    moe_gate_up_bf16_expert<1>(table, rb, x, hidden, ef, k, nullptr, expert, y, y + 1, act);
 }
 
 // d[q][i] = (bf16 row w[i]) · (f32 row a[q]) for q < np, over a row of

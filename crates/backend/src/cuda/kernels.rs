@@ -80,7 +80,6 @@ pub(super) struct Kernels {
     /// The bf16 routed GEMVs: gate/up and down per expert taking one pair at
     /// a time and four (`_p1`, `_p4`), and down with the weighted sum.
     pub(super) moe_gemv_gate_up_bf16: [Kernel; 2],
-    pub(super) moe_gemv_gate_up_bf16_routed: Kernel,
     pub(super) moe_gemv_down_bf16: [Kernel; 2],
     pub(super) moe_gemv_down_combine_bf16: Kernel,
     pub(super) moe_gemm_gate_up: Kernel,
@@ -220,7 +219,6 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         moe_gemv_down: f("moe_gemv_down")?,
         moe_gemv_down_combine: f("moe_gemv_down_combine")?,
         moe_gemv_gate_up_bf16: [f("moe_gemv_gate_up_bf16_p1")?, f("moe_gemv_gate_up_bf16_p4")?],
-        moe_gemv_gate_up_bf16_routed: f("moe_gemv_gate_up_bf16_routed")?,
         moe_gemv_down_bf16: [f("moe_gemv_down_bf16_p1")?, f("moe_gemv_down_bf16_p4")?],
         moe_gemv_down_combine_bf16: f("moe_gemv_down_combine_bf16")?,
         moe_gemm_gate_up: f("moe_gemm_gate_up")?,

@@ -264,11 +264,7 @@ impl CudaBackend {
                 .ptr(w(l.wts))
         };
         let one_block = LaunchDims { grid: (1, 1, 1), block: 1024 };
-        // One row of bf16 experts: the gate/up launch routes the row itself.
-        let routed_gate_up = path == MoePath::Gemv && rows == 1 && t.bf16_gate_up;
-        if routed_gate_up {
-            // Routed and grouped by the gate/up launch below.
-        } else if rows <= MOE_GEMV_MAX_ROWS {
+        if rows <= MOE_GEMV_MAX_ROWS {
             // One row is routed by one warp with nothing to group (kernels/moe.cu).
             let dims = if rows == 1 { LaunchDims { grid: (1, 1, 1), block: 32 } } else { one_block };
             self.op("moe_route_sort", |_| unsafe {
@@ -291,37 +287,24 @@ impl CudaBackend {
                     grid: (x as u32, y, 1),
                     block: (warps * 32) as u32,
                 };
-                if routed_gate_up {
-                    let d = dims(ffn.div_ceil(MOE_GU_COLS), k as u32, MOE_GU_WARPS);
-                    let a = Args::new()
-                        .ptr(router_out.ptr())
-                        .i32(e as i32)
-                        .i32(i32::from(routing.norm_topk_prob))
-                        .ptr(w(l.ids))
-                        .ptr(w(l.wts));
-                    let a = sort_args(a).ptr(table.ptr()).i64(gu_rb).ptr(x.ptr()).i32(hidden as i32);
-                    let a = a.i32(ffn as i32).i32(k as i32).ptr(act);
-                    unsafe { self.launch(self.k.moe_gemv_gate_up_bf16_routed, d, a)? };
+                let a = Args::new().ptr(table.ptr());
+                let (kernel, a, d) = if t.bf16_gate_up {
+                    let d = dims(ffn.div_ceil(MOE_GU_COLS), slots, MOE_GU_WARPS);
+                    (self.k.moe_gemv_gate_up_bf16[np], a.i64(gu_rb), d)
                 } else {
-                    let a = Args::new().ptr(table.ptr());
-                    let (kernel, a, d) = if t.bf16_gate_up {
-                        let d = dims(ffn.div_ceil(MOE_GU_COLS), slots, MOE_GU_WARPS);
-                        (self.k.moe_gemv_gate_up_bf16[np], a.i64(gu_rb), d)
-                    } else {
-                        let d = dims(ffn.div_ceil(MOE_GEMV_WARPS), slots, MOE_GEMV_WARPS);
-                        (self.k.moe_gemv_gate_up, a.i32(gu_dt).i64(gu_rb), d)
-                    };
-                    let a = a
-                        .ptr(x.ptr())
-                        .i32(hidden as i32)
-                        .i32(ffn as i32)
-                        .i32(k as i32)
-                        .ptr(w(l.pair_of_pos))
-                        .ptr(w(l.n_active))
-                        .ptr(w(l.active))
-                        .ptr(act);
-                    unsafe { self.launch(kernel, d, a)? };
-                }
+                    let d = dims(ffn.div_ceil(MOE_GEMV_WARPS), slots, MOE_GEMV_WARPS);
+                    (self.k.moe_gemv_gate_up, a.i32(gu_dt).i64(gu_rb), d)
+                };
+                let a = a
+                    .ptr(x.ptr())
+                    .i32(hidden as i32)
+                    .i32(ffn as i32)
+                    .i32(k as i32)
+                    .ptr(w(l.pair_of_pos))
+                    .ptr(w(l.n_active))
+                    .ptr(w(l.active))
+                    .ptr(act);
+                unsafe { self.launch(kernel, d, a)? };
                 // At one row the warp-per-output down + sum measured faster than the
                 // bf16 kernel's blocks of experts (H200, 30B-A3B: 12.3 against 14.3 µs).
                 let bf16_down = t.bf16_down && rows > 1;
