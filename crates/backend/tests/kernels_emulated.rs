@@ -60,7 +60,7 @@ fn attention_kernels_match_the_reference_under_emulation() {
 #[test]
 fn moe_decode_kernels_match_the_reference_under_emulation() {
     let report = run_emulated("moe");
-    assert_eq!(report.matches("PASS").count(), 32, "fewer comparisons than written:\n{report}");
+    assert_eq!(report.matches("PASS").count(), 37, "fewer comparisons than written:\n{report}");
 }
 
 #[test]

@@ -296,6 +296,8 @@ int main() {
     std::vector<Case> cases = {
         // One decode row, Qwen3-30B-A3B's top 8 of many experts (one pair each).
         {"1 row, top 8 of 16", 128, 32, 16, 8, 1, 1, 0.f, true, true},
+        // More experts than a lane holds in registers (the routing's loop), not renormalized.
+        {"1 row, top 4 of 300, not renormalized", 64, 20, 300, 4, 0, 1, 0.f, true, false},
         // gate/up K of two passes, the second partial (145 chunks over 128
         // threads); 42 outputs, not a multiple of a block's 4.
         {"2 rows, hidden 1160, ffn 42", 1160, 42, 16, 4, 0, 2, 0.f, true, false},
