@@ -22,6 +22,9 @@
 // super-blocks a step, 8 lanes each) lane 8 s + i's are weights 16 i and
 // 128 + 16 i of super-block s (`mv_pos`).
 //
+// Every block format has its kernels here (`Mv`, one specialization a
+// format, decoding as cpu/quant.rs `unpack_block` does).
+//
 // Weights are read once, by streaming loads (gemv.cu `ld_stream`), the next
 // step's issued before the current step's arithmetic where registers allow
 // (`PF`). Q4_K and Q5_K super-blocks are 16-byte aligned (rows of whole
@@ -40,7 +43,8 @@
 // integer conversion runs at a quarter of the FMA rate). Then
 // acc += (d_w * d_x) * dot + m_w * (d_x sum q_x), with d_w and m_w the scale
 // and offset of the half's weights (cpu/quant.rs `Block::d` and `Block::m`),
-// the offset added by the lane holding the first half of each 32 weights.
+// an offset per 32 weights added by the lane holding their first half (Q2_K's
+// per 16: `MV_GROUP_OFFSETS`).
 
 #define MMVQ_WARPS 4
 #define MMVQ_STEP 1024
@@ -176,9 +180,18 @@ __device__ __forceinline__ void mv_stage_store(const MvPieces<P>& r, u32* st, in
 }
 
 
+// How a format's weights carry an offset, the m * sum x term of a dot (as
+// cpu/quant.rs `Offsets`): none; one per 32 weights (Q4_1, Q5_1, Q4_K, Q5_K),
+// against the activation block's d * sum q, added by the lane of the first
+// half; one per 16 (Q2_K), against the half's own sum of codes, which one
+// more `dp4a` chain per input row takes.
+#define MV_NO_OFFSETS 0
+#define MV_BLOCK_OFFSETS 1
+#define MV_GROUP_OFFSETS 2
+
 // What a format tells the body: `staged` (decoded from shared memory) and
 // its stage's size in words, `kq` (the 256-weight lane layout of `mv_pos`),
-// `offsets` (weights with an offset, m * sum x), its raw registers `Raw`,
+// `offsets` (`MV_*_OFFSETS`), its raw registers `Raw`,
 // `load` (step t of a row into them) and `decode` (them into the lane's
 // `MvUnit`, every lane of the warp together: shuffles or the stage).
 template <int DT>
@@ -243,7 +256,8 @@ __device__ __forceinline__ void kq4_scales(const uint4& h, int i, MvUnit& u) {
 // Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 bytes of quants).
 template <>
 struct Mv<DT_Q4_K> {
-    static const bool staged = false, kq = true, offsets = true;
+    static const bool staged = false, kq = true;
+    static const int offsets = MV_BLOCK_OFFSETS;
     static const int stage_words = 4;
     struct Raw {
         uint4 h, q;
@@ -266,7 +280,8 @@ struct Mv<DT_Q4_K> {
 // lane take the same 16 bytes of qh (piece i % 2), bits s and s + 4.
 template <>
 struct Mv<DT_Q5_K> {
-    static const bool staged = false, kq = true, offsets = true;
+    static const bool staged = false, kq = true;
+    static const int offsets = MV_BLOCK_OFFSETS;
     static const int stage_words = 4;
     struct Raw {
         uint4 h, qh, q;
@@ -298,7 +313,8 @@ struct Mv<DT_Q5_K> {
 // minus 32, group scale scales[8 h + i] * d.
 template <>
 struct Mv<DT_Q6_K> : MvStaged<4 * 210> {
-    static const bool kq = true, offsets = false;
+    static const bool kq = true;
+    static const int offsets = MV_NO_OFFSETS;
     static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
         store(r, st, lane);
         int i = lane & 7, b = r.sh + 210 * (lane >> 3);
@@ -325,7 +341,8 @@ struct Mv<DT_Q6_K> : MvStaged<4 * 210> {
 // sub-block 4 h + i / 2, nibble i % 2.
 template <>
 struct Mv<DT_IQ4_XS> : MvStaged<4 * 136> {
-    static const bool kq = true, offsets = false;
+    static const bool kq = true;
+    static const int offsets = MV_NO_OFFSETS;
     static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
         store(r, st, lane);
         int i = lane & 7, b = r.sh + 136 * (lane >> 3);
@@ -341,6 +358,64 @@ struct Mv<DT_IQ4_XS> : MvStaged<4 * 136> {
             int low = (mv_byte(st, b + 4 + (sub >> 1)) >> (4 * (sub & 1))) & 15;
             int ls = low | (int)(((high >> (2 * sub)) & 3u) << 4);
             u.d[h] = d * (float)(ls - 32);
+            u.m[h] = 0.f;
+        }
+    }
+};
+
+// Q2_K (84 bytes: 16 bytes of group scales, the low nibble the scale (x d)
+// and the high one the min (x dmin, subtracted), 64 bytes of 2-bit quants,
+// d, dmin; weight 128 h + 32 j + l bits 2 j of qs[32 h + l]). Half h of lane
+// 8 s + i is group 8 h + i: bits 2 (i / 2) of qs[32 h + 16 (i % 2) ..].
+template <>
+struct Mv<DT_Q2_K> : MvStaged<4 * 84> {
+    static const bool kq = true;
+    static const int offsets = MV_GROUP_OFFSETS;
+    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
+        store(r, st, lane);
+        int i = lane & 7, b = r.sh + 84 * (lane >> 3);
+        float d = f16_to_f32(mv_half(st, b + 80)), dmin = f16_to_f32(mv_half(st, b + 82));
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u32 w[4];
+            mv_words(st, b + 16 + 32 * h + 16 * (i & 1), w);
+#pragma unroll
+            for (int m = 0; m < 4; m++) u.q[h][m] = (int)((w[m] >> (2 * (i >> 1))) & 0x03030303u);
+            int sc = mv_byte(st, b + 8 * h + i);
+            u.d[h] = d * (float)(sc & 15);
+            u.m[h] = -dmin * (float)(sc >> 4);
+        }
+    }
+};
+
+// Q3_K (110 bytes: 32 bytes of high bits, 64 of 2-bit quants as Q2_K's, 12
+// bytes of 6-bit group scales, d; a weight's code is its two bits, less 4
+// unless bit 4 h + j of hmask[l] is set; the scales as cpu/quant.rs
+// `q3k_scale` reads them, less 32). Half h of lane 8 s + i: group 8 h + i,
+// high bits from hmask[16 (i % 2) ..].
+template <>
+struct Mv<DT_Q3_K> : MvStaged<4 * 110> {
+    static const bool kq = true;
+    static const int offsets = MV_NO_OFFSETS;
+    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
+        store(r, st, lane);
+        int i = lane & 7, j = i >> 1, b = r.sh + 110 * (lane >> 3);
+        float d = f16_to_f32(mv_half(st, b + 108));
+        u32 hm[4];
+        mv_words(st, b + 16 * (i & 1), hm);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u32 w[4];
+            mv_words(st, b + 32 + 32 * h + 16 * (i & 1), w);
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                u32 low = (w[m] >> (2 * j)) & 0x03030303u, high = (hm[m] >> (4 * h + j)) & 0x01010101u;
+                u.q[h][m] = mv_less(low | (high << 2), 0x04040404u);
+            }
+            int g = 8 * h + i;
+            int lo = (mv_byte(st, b + 96 + (g & 7)) >> (4 * (g >> 3))) & 15;
+            int hi = (mv_byte(st, b + 104 + (g & 3)) >> (2 * (g >> 2))) & 3;
+            u.d[h] = d * (float)((lo | (hi << 4)) - 32);
             u.m[h] = 0.f;
         }
     }
@@ -374,7 +449,7 @@ __device__ __forceinline__ void mv_add_fifth(u32 (&w)[4], u32 qh, int j) {
 // Q8_0: d, 32 i8.
 template <>
 struct Mv<DT_Q8_0> : MvBlock32<34> {
-    static const bool offsets = false;
+    static const int offsets = MV_NO_OFFSETS;
     static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
         store(r, st, lane);
 #pragma unroll
@@ -393,7 +468,7 @@ struct Mv<DT_Q8_0> : MvBlock32<34> {
 // Q4_0: d, 16 bytes of nibbles, codes q - 8.
 template <>
 struct Mv<DT_Q4_0> : MvBlock32<18> {
-    static const bool offsets = false;
+    static const int offsets = MV_NO_OFFSETS;
     static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
         store(r, st, lane);
 #pragma unroll
@@ -413,7 +488,7 @@ struct Mv<DT_Q4_0> : MvBlock32<18> {
 // Q4_1: d, m, 16 bytes of nibbles; weight d q + m.
 template <>
 struct Mv<DT_Q4_1> : MvBlock32<20> {
-    static const bool offsets = true;
+    static const int offsets = MV_BLOCK_OFFSETS;
     static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
         store(r, st, lane);
 #pragma unroll
@@ -433,7 +508,7 @@ struct Mv<DT_Q4_1> : MvBlock32<20> {
 // Q5_0: d, u32 of fifth bits (bit i for weight i), 16 bytes of nibbles, codes q - 16.
 template <>
 struct Mv<DT_Q5_0> : MvBlock32<22> {
-    static const bool offsets = false;
+    static const int offsets = MV_NO_OFFSETS;
     static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
         store(r, st, lane);
 #pragma unroll
@@ -455,7 +530,7 @@ struct Mv<DT_Q5_0> : MvBlock32<22> {
 // Q5_1: d, m, u32 of fifth bits, 16 bytes of nibbles; weight d q + m.
 template <>
 struct Mv<DT_Q5_1> : MvBlock32<24> {
-    static const bool offsets = true;
+    static const int offsets = MV_BLOCK_OFFSETS;
     static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
         store(r, st, lane);
 #pragma unroll
@@ -477,7 +552,7 @@ struct Mv<DT_Q5_1> : MvBlock32<24> {
 // IQ4_NL: Q4_0's layout, codes the levels of the nibbles.
 template <>
 struct Mv<DT_IQ4_NL> : MvBlock32<18> {
-    static const bool offsets = false;
+    static const int offsets = MV_NO_OFFSETS;
     static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
         store(r, st, lane);
 #pragma unroll
@@ -571,6 +646,15 @@ __device__ __forceinline__ void mmvq_body(const u8* __restrict__ w, long long ro
                     if (r < rows) {
                         int4 a = __ldg((const int4*)(xq + (long long)r * k + pos));
                         float2 sx = __ldg(xs + (long long)r * (k >> 5) + (pos >> 5));
+                        // The half's sum of activation codes, for offsets per 16.
+                        float sq = 0.f;
+                        if (F::offsets == MV_GROUP_OFFSETS) {
+                            int s = __dp4a(0x01010101, a.x, MMVQ_MAGIC);
+                            s = __dp4a(0x01010101, a.y, s);
+                            s = __dp4a(0x01010101, a.z, s);
+                            s = __dp4a(0x01010101, a.w, s);
+                            sq = (__int_as_float(s) - 12582912.f) * sx.x;
+                        }
 #pragma unroll
                         for (int i = 0; i < NW; i++) {
                             int dot = __dp4a(u[i].q[h][0], a.x, MMVQ_MAGIC);
@@ -579,7 +663,9 @@ __device__ __forceinline__ void mmvq_body(const u8* __restrict__ w, long long ro
                             dot = __dp4a(u[i].q[h][3], a.w, dot);
                             float f = __int_as_float(dot) - 12582912.f;
                             float v = fmaf(u[i].d[h] * sx.x, f, acc[r][i]);
-                            acc[r][i] = F::offsets ? fmaf(u[i].m[h], sx.y, v) : v;
+                            if (F::offsets == MV_BLOCK_OFFSETS) v = fmaf(u[i].m[h], sx.y, v);
+                            if (F::offsets == MV_GROUP_OFFSETS) v = fmaf(u[i].m[h], sq, v);
+                            acc[r][i] = v;
                         }
                     }
                 }
@@ -617,6 +703,8 @@ MMVQ_ALL(q4_1, DT_Q4_1, 8, 4)
 MMVQ_ALL(q5_0, DT_Q5_0, 8, 4)
 MMVQ_ALL(q5_1, DT_Q5_1, 8, 4)
 MMVQ_ALL(iq4_nl, DT_IQ4_NL, 8, 4)
+MMVQ_ALL(q2_k, DT_Q2_K, 8, 4)
+MMVQ_ALL(q3_k, DT_Q3_K, 8, 4)
 MMVQ_ALL(q4_k, DT_Q4_K, 8, 4)
 MMVQ_ALL(q5_k, DT_Q5_K, 6, 3)
 MMVQ_ALL(q6_k, DT_Q6_K, 8, 4)

@@ -355,6 +355,8 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
         (DType::Q5_0, 37, 1280),
         (DType::Q5_1, 37, 1280),
         (DType::IQ4_NL, 37, 1280),
+        (DType::Q2_K, 37, 1280),
+        (DType::Q3_K, 37, 1280),
         (DType::Q4_K, 37, 1280),
         (DType::Q5_K, 37, 1280),
         (DType::Q6_K, 37, 1280),
@@ -1295,10 +1297,12 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
                 };
                 let picked = time(&mut |w, out| be.matmul(&x, w, None, rows, out))?;
                 let pct = |ms: f32| bytes / (ms as f64 * 1e-3) / 1e9 / copy_gbs * 100.0;
+                // "GB/s = % of the copy bandwidth".
+                let bw = |ms: f32| format!("{:.0} GB/s = {:.0}%", bytes / (ms as f64 * 1e-3) / 1e9, pct(ms));
                 let tflops = |ms: f32| 2.0 * (rows * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
                 let mut line = format!(
-                    "quant {dtype} {n}x{k} rows {rows}: matmul {picked:.4} ms = {:.0}% of bandwidth, {:.1} TFLOP/s",
-                    pct(picked),
+                    "quant {dtype} {n}x{k} rows {rows}: matmul {picked:.4} ms {} of {copy_gbs:.0}, {:.1} TFLOP/s",
+                    bw(picked),
                     tflops(picked)
                 );
                 if rows <= GEMV_MAX_ROWS && mmvq_index(dtype).is_some() {
@@ -1316,19 +1320,15 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
                     be.check()?;
                     let input = input.ok_or_else(|| crate::BackendError::Other("8-bit input".into()))?;
                     let alone = time(&mut |w, out| be.op("bench", |_| be.gemv_q8(input, w, rows, out)))?;
-                    line += &format!(
-                        " | q8-gemv {q:.4} ms {:.0}% (alone {alone:.4} ms {:.0}%)",
-                        pct(q),
-                        pct(alone)
-                    );
+                    line += &format!(" | q8-gemv {q:.4} ms {} (alone {alone:.4} ms {})", bw(q), bw(alone));
                 }
                 if rows <= GEMV_MAX_ROWS {
                     let g = time(&mut |w, out| be.op("bench", |_| be.gemv_simt(&x, w, rows, out)))?;
-                    line += &format!(" | gemv {g:.4} ms {:.0}%", pct(g));
+                    line += &format!(" | gemv {g:.4} ms {}", bw(g));
                 }
                 {
                     let m = time(&mut |w, out| be.op("bench", |st| be.mmq(st, &x, w, rows, out)))?;
-                    line += &format!(" | mmq {m:.4} ms {:.0}% {:.1} TFLOP/s", pct(m), tflops(m));
+                    line += &format!(" | mmq {m:.4} ms {} {:.1} TFLOP/s", bw(m), tflops(m));
                 }
                 if rows >= 16 {
                     let lt = time(&mut |w, out| be.op("bench", |st| be.matmul_lt(st, &x, w, rows, out)))?;

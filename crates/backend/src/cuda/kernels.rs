@@ -42,7 +42,7 @@ pub(super) struct Kernels {
     pub(super) q8_quantize: Kernel,
     /// The integer GEMVs of block formats (mmvq.cu), one set per entry of
     /// `MMVQ_FORMATS`, indexed by log2 of the row-count instantiation (1, 2, 4, 8).
-    pub(super) mmvq: [[Kernel; 4]; 10],
+    pub(super) mmvq: [[Kernel; 4]; 12],
     pub(super) gemv_any: Kernel,
     /// The tensor-core matmuls of block formats (mmq.cu), one set per entry of
     /// `MMQ_FORMATS`, indexed by the input-row instantiation (8, 16, 32, 64, 128).
@@ -266,20 +266,8 @@ pub(super) fn mmq_index(d: DType) -> Option<usize> {
 }
 
 /// The block formats with `mmvq_*` integer GEMVs (kernels/mmvq.cu), in the
-/// order of `Kernels::mmvq`: all but Q2_K and Q3_K (whose offsets per 16
-/// weights the 8-bit input's per-32 sums do not serve), which keep mmq.
-pub(super) const MMVQ_FORMATS: [DType; 10] = [
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::IQ4_NL,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-    DType::IQ4_XS,
-];
+/// order of `Kernels::mmvq`: every one.
+pub(super) const MMVQ_FORMATS: [DType; 12] = DType::BLOCK_FORMATS;
 
 pub(super) fn mmvq_index(d: DType) -> Option<usize> {
     MMVQ_FORMATS.iter().position(|t| *t == d)

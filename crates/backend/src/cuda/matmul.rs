@@ -87,7 +87,7 @@ pub(super) const MMVQ_WARPS: u32 = 4;
 /// (1, 2, 4, 8 input rows; kernels/mmvq.cu MMVQ_ALL).
 pub(super) const MMVQ_NW: [usize; 4] = [2, 2, 4, 4];
 
-/// Input rows up to which the 256-weight formats (Q4_K, Q5_K, Q6_K, IQ4_XS)
+/// Input rows up to which the 256-weight formats (the K-quants, IQ4_XS)
 /// and the 32-weight ones take the integer GEMV instead of mmq: all of the
 /// GEMV's rows. The argument, to be checked against `cuda_check --bench`:
 /// mmq reads a Q4_K matrix at 17-21% of the copy bandwidth at one row (Q6_K
@@ -105,7 +105,7 @@ pub const Q8_GEMV_ROWS_32: usize = 8;
 fn q8_gemv_rows(dtype: DType) -> usize {
     match dtype {
         _ if mmvq_index(dtype).is_none() => 0,
-        DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => Q8_GEMV_ROWS_K,
+        DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => Q8_GEMV_ROWS_K,
         _ => Q8_GEMV_ROWS_32,
     }
 }
@@ -738,7 +738,6 @@ mod tests {
             }
             assert_eq!(rounds_matmul_input(d, 4096, 4096, GEMV_MAX_ROWS + 1), MatmulInput::Bf16, "{d}");
         }
-        assert_eq!(rounds_matmul_input(DType::Q2_K, 4096, 4096, 1), MatmulInput::Bf16);
         assert_eq!(rounds_matmul_input(DType::BF16, 4096, 4096, 1), MatmulInput::F32);
         assert_eq!(matmul_input(&off, DType::Q4_K, 4096, 4096, 1), MatmulInput::Bf16);
         assert_eq!(matmul_input(&off, DType::Q8_0, 4096, 4096, 2), MatmulInput::F32);

@@ -28,6 +28,8 @@
 #define DT_Q5_0 5
 #define DT_Q5_1 6
 #define DT_IQ4_NL 7
+#define DT_Q2_K 8
+#define DT_Q3_K 9
 #define DT_Q4_K 10
 #define DT_Q5_K 11
 #define DT_Q6_K 12
@@ -199,6 +201,25 @@ void dec_q6_k(const u8* b, double* o) {
                 o[e] = hd(b + 208) * (signed char)b[192 + e / 16] * ((low | (high << 4)) - 32);
             }
 }
+void dec_q2_k(const u8* b, double* o) {
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                int e = 128 * h + 32 * j + l, sc = b[e / 16];
+                int q = (b[16 + 32 * h + l] >> (2 * j)) & 3;
+                o[e] = hd(b + 80) * (sc & 15) * q - hd(b + 82) * (sc >> 4);
+            }
+}
+void dec_q3_k(const u8* b, double* o) {
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                int e = 128 * h + 32 * j + l, g = e / 16;
+                int q = ((b[32 + 32 * h + l] >> (2 * j)) & 3) - ((b[l] >> (4 * h + j)) & 1 ? 0 : 4);
+                int lo = g < 8 ? b[96 + g] & 15 : b[96 + g - 8] >> 4, hi = (b[104 + g % 4] >> (2 * (g / 4))) & 3;
+                o[e] = hd(b + 108) * ((lo | (hi << 4)) - 32) * q;
+            }
+}
 void dec_iq4_xs(const u8* b, double* o) {
     int sh = b[2] | (b[3] << 8);
     for (int s = 0; s < 8; s++) {
@@ -220,6 +241,8 @@ std::vector<Format> formats() {
         {"Q5_0", DT_Q5_0, 22, 32, {0}, dec_q5_0, KERNELS(q5_0)},
         {"Q5_1", DT_Q5_1, 24, 32, {0, 2}, dec_q5_1, KERNELS(q5_1)},
         {"IQ4_NL", DT_IQ4_NL, 18, 32, {0}, dec_iq4_nl, KERNELS(iq4_nl)},
+        {"Q2_K", DT_Q2_K, 84, 256, {80, 82}, dec_q2_k, KERNELS(q2_k)},
+        {"Q3_K", DT_Q3_K, 110, 256, {108}, dec_q3_k, KERNELS(q3_k)},
         {"Q4_K", DT_Q4_K, 144, 256, {0, 2}, dec_q4_k, KERNELS(q4_k)},
         {"Q5_K", DT_Q5_K, 176, 256, {0, 2}, dec_q5_k, KERNELS(q5_k)},
         {"Q6_K", DT_Q6_K, 210, 256, {208}, dec_q6_k, KERNELS(q6_k)},
