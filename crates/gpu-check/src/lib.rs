@@ -47,6 +47,24 @@ pub const TOL: f32 = 2e-2;
 /// scale (f32 checkpoints, whose weights become bf16 on the device, the highest).
 pub const POSITION_TOL: f32 = 3e-2;
 
+/// [`POSITION_TOL`] for a checkpoint of block-format matrices, whose steps of up to a few rows
+/// take their inputs quantized to 8 bits on both sides. Quantized alike, the two still sum in other
+/// orders, and where a value lands on the other side of a rounding boundary one code moves by a
+/// whole step of 1/127 of its block's largest value, so device and reference drift apart by about
+/// the rounding itself. Measured on the H200 (2026-12-02): the tiny Llama GGUF fed in chunks of
+/// 1-7 rows was 0.211 of 6.70 from its reference and 0.302 from exact f32; whole (mmq, bf16
+/// inputs) 0.114 and 0.123.
+pub const POSITION_TOL_Q8: f32 = 5e-2;
+
+/// The per-position bound for `ckpt`: [`POSITION_TOL_Q8`] when it holds block-format matrices.
+fn position_tol(ckpt: &Checkpoint) -> f32 {
+    let block = |t: &corridor_model::gguf::GgufTensorInfo| t.dtype().is_some_and(|d| d.block_elems() > 1);
+    match ckpt.gguf() {
+        Some(g) if g.tensors().iter().any(block) => POSITION_TOL_Q8,
+        _ => POSITION_TOL,
+    }
+}
+
 /// One greedy run: the first step's logits, the tokens, and the top-1/top-2 gap at each step.
 pub struct Run {
     pub first_logits: Vec<f32>,
@@ -176,7 +194,7 @@ pub fn check_fixtures<B: Backend>(b: &B, cpu: &CpuBackend, dir: &Path) -> (usize
             let ok = match chunked_logits(b, &ckpt, &prompt, chunks) {
                 Ok(l) => {
                     let (err, scale) = position_error(&l, &reference);
-                    let ok = err <= POSITION_TOL * scale;
+                    let ok = err <= position_tol(&ckpt) * scale;
                     let f32_err = exact.as_ref().map_or(f32::NAN, |e| position_error(&l, e).0);
                     println!(
                         "{} {name}: every position, prompt in chunks of {chunks:?}: max error {err:.2e} of {scale:.2e} (exact f32: {f32_err:.2e})",
@@ -195,7 +213,7 @@ pub fn check_fixtures<B: Backend>(b: &B, cpu: &CpuBackend, dir: &Path) -> (usize
         let ok = match (batched_decode(b, &ckpt, 6), batched_decode(cpu, &ckpt, 6)) {
             (Ok(got), Ok(want)) => {
                 let (err, scale) = position_error(&got, &want);
-                let ok = err <= POSITION_TOL * scale;
+                let ok = err <= position_tol(&ckpt) * scale;
                 println!(
                     "{} {name}: {BATCHED}: max error {err:.2e} of {scale:.2e}",
                     if ok { "PASS" } else { "FAIL" }
@@ -531,6 +549,15 @@ mod tests {
 
     fn run(logits: &[f32], tokens: &[u32], gaps: &[f32]) -> Run {
         Run { first_logits: logits.to_vec(), tokens: tokens.to_vec(), gaps: gaps.to_vec() }
+    }
+
+    #[test]
+    fn block_format_checkpoints_take_the_8_bit_input_bound() {
+        let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+        let tol = |name: &str| position_tol(&Checkpoint::open(&tiny.join(name)).expect("fixture opens"));
+        assert_eq!(tol("llama-q.gguf"), POSITION_TOL_Q8);
+        assert_eq!(tol("qwen2-f16.gguf"), POSITION_TOL);
+        assert_eq!(tol("llama-f32"), POSITION_TOL);
     }
 
     #[test]

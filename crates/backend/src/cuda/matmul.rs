@@ -87,26 +87,22 @@ pub(super) const MMVQ_WARPS: u32 = 4;
 /// (1, 2, 4, 8 input rows; kernels/mmvq.cu MMVQ_ALL).
 pub(super) const MMVQ_NW: [usize; 4] = [2, 2, 4, 4];
 
-/// Input rows up to which the 256-weight formats (the K-quants, IQ4_XS)
-/// and the 32-weight ones take the integer GEMV instead of mmq: all of the
-/// GEMV's rows. The argument, to be checked against `cuda_check --bench`:
-/// mmq reads a Q4_K matrix at 17-21% of the copy bandwidth at one row (Q6_K
-/// 21-30%), and its work up to 8 rows is one 8-column tile, so it is no
-/// faster at 8 rows; the integer GEMV issues about 0.8 instructions per
-/// weight to decode plus 0.5 per weight and input row (4 `dp4a` and 3-4
-/// float ops per 16 weights), about 4.8 at 8 rows, which at the SM's 128
-/// per clock still covers 91% of the copy bandwidth for Q4_K (29 weights a
-/// clock per SM) and more for the wider formats: it keeps a lead over mmq
-/// at 8 rows unless it runs at under a quarter of its issue limit.
-pub const Q8_GEMV_ROWS_K: usize = 8;
-pub const Q8_GEMV_ROWS_32: usize = 8;
+/// Input rows up to which a block format with an integer GEMV takes it
+/// instead of mmq. Measured on the H200 (`cuda_check --bench`, 2026-12-02,
+/// Llama-3-8B shapes): the integer GEMV leads at 1, 2 and 4 rows for every
+/// format (Q4_K at one row 32-49% of the copy bandwidth against mmq's
+/// 17-21%, Q6_K 41-57% against 21-30%, at four rows Q4_K 21-30% against
+/// 16-20%), and mmq leads at 8 (Q4_K 11-15% against 16-20%, Q4_0 12-17%
+/// against 15-19%): past 4 rows the GEMV's dp4a and scaling per input row,
+/// not the bytes, are its limit.
+pub const Q8_GEMV_MAX_ROWS: usize = 4;
 
 /// Rows up to which `dtype` takes the integer GEMV (0: it has none).
 fn q8_gemv_rows(dtype: DType) -> usize {
-    match dtype {
-        _ if mmvq_index(dtype).is_none() => 0,
-        DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => Q8_GEMV_ROWS_K,
-        _ => Q8_GEMV_ROWS_32,
+    if mmvq_index(dtype).is_some() {
+        Q8_GEMV_MAX_ROWS
+    } else {
+        0
     }
 }
 
@@ -724,8 +720,8 @@ mod tests {
     use super::super::kernels::MMVQ_FORMATS;
     use super::*;
 
-    /// Block formats with an integer GEMV take it, and an 8-bit input, for
-    /// every decode row count; past it, and for the formats without one,
+    /// Block formats with an integer GEMV take it, and an 8-bit input, up to
+    /// `Q8_GEMV_MAX_ROWS` rows; past it, and for the formats without one,
     /// mmq's bf16 input; bf16 matrices keep their f32 GEMVs. Switched off,
     /// the formats fall back to mmq or their f32 GEMVs.
     #[test]
@@ -733,10 +729,12 @@ mod tests {
         let on = CudaTuning::default();
         let off = CudaTuning { q8_gemv: false, ..on };
         for &d in &MMVQ_FORMATS {
-            for rows in 1..=GEMV_MAX_ROWS {
+            for rows in 1..=Q8_GEMV_MAX_ROWS {
                 assert_eq!(rounds_matmul_input(d, 4096, 4096, rows), MatmulInput::Q8, "{d} {rows} rows");
             }
-            assert_eq!(rounds_matmul_input(d, 4096, 4096, GEMV_MAX_ROWS + 1), MatmulInput::Bf16, "{d}");
+            for rows in Q8_GEMV_MAX_ROWS + 1..=GEMV_MAX_ROWS + 1 {
+                assert_eq!(rounds_matmul_input(d, 4096, 4096, rows), MatmulInput::Bf16, "{d} {rows} rows");
+            }
         }
         assert_eq!(rounds_matmul_input(DType::BF16, 4096, 4096, 1), MatmulInput::F32);
         assert_eq!(matmul_input(&off, DType::Q4_K, 4096, 4096, 1), MatmulInput::Bf16);
