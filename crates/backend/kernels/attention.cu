@@ -47,6 +47,19 @@ __device__ __forceinline__ void load_bf16_lane(const bf16_t* __restrict__ p, flo
     }
 }
 
+// A 16-byte chunk of a bf16 K row (8 elements) dotted with 8 f32 q values at `qp`
+// (shared memory, 16-byte aligned): the score step of the token-per-lane and tile kernels.
+__device__ __forceinline__ float dot8_k_q(uint4 k, const float* qp) {
+    u32 w[4] = {k.x, k.y, k.z, k.w};
+    float kf[8];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        kf[2 * i] = __uint_as_float(w[i] << 16), kf[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    float4 a = *(const float4*)qp, b = *(const float4*)(qp + 4);
+    return a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3] + b.x * kf[4] + b.y * kf[5] + b.z * kf[6] +
+           b.w * kf[7];
+}
+
 // Split s of row r for the query heads from h0: the KV head they read, the
 // row's page table and the tokens [start, end) of its context. False when the
 // block has nothing to do: a row of no sequence, or a split past the context
@@ -288,20 +301,9 @@ __device__ __forceinline__ void attn_lanes_body(const float* __restrict__ q, con
 #pragma unroll
                 for (int c = 0; c < 8; c++) kw[c] = kr[c0 + c];
 #pragma unroll
-                for (int c = 0; c < 8; c++) {
-                    u32 w[4] = {kw[c].x, kw[c].y, kw[c].z, kw[c].w};
-                    float kf[8];
+                for (int c = 0; c < 8; c++)
 #pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        kf[2 * i] = __uint_as_float(w[i] << 16), kf[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-#pragma unroll
-                    for (int g = 0; g < G; g++) {
-                        float4 qa = *(const float4*)&qs[g][(c0 + c) * 8];
-                        float4 qb = *(const float4*)&qs[g][(c0 + c) * 8 + 4];
-                        sc[g] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] +
-                                 qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
-                    }
-                }
+                    for (int g = 0; g < G; g++) sc[g] += dot8_k_q(kw[c], &qs[g][(c0 + c) * 8]);
             }
         }
         // The tile's softmax update: lane 0's token is always in range, so the
@@ -430,20 +432,9 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, cons
 #pragma unroll
         for (int g = 0; g < G; g++) sc[g] = 0.f;
 #pragma unroll
-        for (int c = 0; c < QC; c++) {
-            u32 w[4] = {kq[c].x, kq[c].y, kq[c].z, kq[c].w};
-            float kf[8];
+        for (int c = 0; c < QC; c++)
 #pragma unroll
-            for (int i = 0; i < 4; i++)
-                kf[2 * i] = __uint_as_float(w[i] << 16), kf[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-#pragma unroll
-            for (int g = 0; g < G; g++) {
-                float4 a = *(const float4*)&qs[g][qd * QP + 8 * c];
-                float4 b = *(const float4*)&qs[g][qd * QP + 8 * c + 4];
-                sc[g] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3] + b.x * kf[4] + b.y * kf[5] +
-                         b.z * kf[6] + b.w * kf[7];
-            }
-        }
+            for (int g = 0; g < G; g++) sc[g] += dot8_k_q(kq[c], &qs[g][qd * QP + 8 * c]);
 #pragma unroll
         for (int g = 0; g < G; g++) {
             sc[g] += __shfl_xor_sync(0xffffffffu, sc[g], 1);
