@@ -32,49 +32,108 @@ pub fn run(a: &GenerateArgs, cache: &std::path::Path) -> Result<()> {
     params
         .validate(booted.tokenizer.vocab_size().max(booted.engine.info().config.vocab_size))
         .map_err(|e| anyhow::anyhow!("--{}: {}", e.param.replace('_', "-"), e.message))?;
-    let started = Instant::now();
-    let mut stream = booted.engine.submit(GenerateRequest {
+    let eos_ids = TokenId::vec(booted.tokenizer.eos_ids());
+    let request = |copy: u32| GenerateRequest {
         prompt: TokenId::vec(&prompt),
-        params,
+        params: SamplingParams { seed: params.seed.map(|s| s.wrapping_add(copy as u64)), ..params.clone() },
         max_new_tokens: a.max_tokens,
-        eos_ids: TokenId::vec(booted.tokenizer.eos_ids()),
+        eos_ids: eos_ids.clone(),
         constraint: None,
-    })?;
-    let mut decoder = booted.tokenizer.decode_stream(true);
-    let mut out = std::io::stdout().lock();
-    let mut first: Option<Instant> = None;
-    let mut n = 0usize;
-    let reason = loop {
-        match stream.next_blocking() {
-            Some(Event::Token { token, .. }) => {
-                first.get_or_insert_with(Instant::now);
-                n += 1;
-                if let Some(piece) = decoder.push(&booted.tokenizer, token.get())? {
-                    write!(out, "{piece}")?;
-                    out.flush()?;
-                }
-            }
-            Some(Event::Done { reason, .. }) => break reason,
-            None => break FinishReason::Aborted,
-        }
     };
-    write!(out, "{}", decoder.finish(&booted.tokenizer)?)?;
-    writeln!(out)?;
+    let started = Instant::now();
+    let mut stream = booted.engine.submit(request(0))?;
+    // The other copies, each drained by a thread of its own: (tokens, first token, end, reason).
+    let others = (1..a.batch).map(|c| booted.engine.submit(request(c))).collect::<Result<Vec<_>, _>>()?;
+    let copies = std::thread::scope(|scope| -> Result<Vec<Run>> {
+        let drains: Vec<_> = others.into_iter().map(|s| scope.spawn(move || drain(s))).collect();
+        let mut decoder = booted.tokenizer.decode_stream(true);
+        let mut out = std::io::stdout().lock();
+        let mut first = Run::new();
+        let reason = loop {
+            match stream.next_blocking() {
+                Some(Event::Token { token, .. }) => {
+                    first.token();
+                    if let Some(piece) = decoder.push(&booted.tokenizer, token.get())? {
+                        write!(out, "{piece}")?;
+                        out.flush()?;
+                    }
+                }
+                Some(Event::Done { reason, .. }) => break reason,
+                None => break FinishReason::Aborted,
+            }
+        };
+        write!(out, "{}", decoder.finish(&booted.tokenizer)?)?;
+        writeln!(out)?;
+        first.end(reason);
+        let mut all = vec![first];
+        all.extend(drains.into_iter().map(|d| d.join().expect("a drain thread panicked")));
+        Ok(all)
+    })?;
     let total = started.elapsed().as_secs_f64();
-    let ttft = first.map(|f| (f - started).as_secs_f64()).unwrap_or(total);
-    let decode_tps = if n > 1 { (n - 1) as f64 / (total - ttft).max(1e-9) } else { 0.0 };
+    let n = copies[0].tokens;
+    let ttft = copies[0].first.map(|f| (f - started).as_secs_f64()).unwrap_or(total);
+    let decode_tps = decode_rate(&copies);
+    let batch = if a.batch > 1 { format!(" over {} sequences", a.batch) } else { String::new() };
     eprintln!(
-        "[{} prompt tokens, {} generated, first token {:.0} ms ({:.1} prompt tok/s), decode {:.1} tok/s, finish: {:?}]",
+        "[{} prompt tokens, {} generated, first token {:.0} ms ({:.1} prompt tok/s), decode {:.1} tok/s{batch}, finish: {:?}]",
         prompt.len(),
         n,
         ttft * 1e3,
         prompt.len() as f64 / ttft.max(1e-9),
         decode_tps,
-        reason
+        copies[0].reason
     );
+    let reason = copies.iter().map(|c| c.reason.clone()).find(|r| matches!(r, FinishReason::Error(_)));
     booted.engine.shutdown();
-    if let FinishReason::Error(e) = reason {
+    if let Some(FinishReason::Error(e)) = reason {
         anyhow::bail!("generation failed: {e}");
     }
     Ok(())
+}
+
+/// What one copy of the prompt did.
+struct Run {
+    tokens: usize,
+    first: Option<Instant>,
+    end: Instant,
+    reason: FinishReason,
+}
+
+impl Run {
+    fn new() -> Self {
+        Run { tokens: 0, first: None, end: Instant::now(), reason: FinishReason::Aborted }
+    }
+    fn token(&mut self) {
+        self.first.get_or_insert_with(Instant::now);
+        self.tokens += 1;
+    }
+    fn end(&mut self, reason: FinishReason) {
+        self.end = Instant::now();
+        self.reason = reason;
+    }
+}
+
+fn drain(mut stream: corridor_engine::engine::RequestStream) -> Run {
+    let mut c = Run::new();
+    let reason = loop {
+        match stream.next_blocking() {
+            Some(Event::Token { .. }) => c.token(),
+            Some(Event::Done { reason, .. }) => break reason,
+            None => break FinishReason::Aborted,
+        }
+    };
+    c.end(reason);
+    c
+}
+
+/// Decode tokens per second over every copy: the tokens after each copy's
+/// first, over the span from the earliest first token to the last end.
+fn decode_rate(copies: &[Run]) -> f64 {
+    let tokens: usize = copies.iter().map(|c| c.tokens.saturating_sub(1)).sum();
+    let Some(from) = copies.iter().filter_map(|c| c.first).min() else { return 0.0 };
+    let to = copies.iter().map(|c| c.end).max().unwrap_or(from);
+    if tokens == 0 {
+        return 0.0;
+    }
+    tokens as f64 / (to - from).as_secs_f64().max(1e-9)
 }

@@ -238,6 +238,11 @@ struct GenerateArgs {
     /// Keep generating past end-of-sequence tokens (for measuring speed at a fixed length).
     #[arg(long)]
     ignore_eos: bool,
+    /// Run this many copies of the prompt at once (decode at a batch, without HTTP); the first
+    /// copy's text is printed, the rate counts every copy's tokens. Copies after the first draw from
+    /// seeds after `--seed`'s.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    batch: u32,
 }
 
 #[derive(Args, Debug)]
