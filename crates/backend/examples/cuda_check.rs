@@ -2,7 +2,7 @@
 //! capture and replay, and micro-benchmarks. Run on a GPU machine by
 //! `scripts/gpu/check.sh`; exits non-zero when any comparison fails.
 //! `--bench` runs the micro-benchmarks after the checks, `--bench-only`
-//! without them.
+//! without them, `--bench-gemm` only cuBLASLt's split-K schemes at decode batches.
 //!
 //! `CORRIDOR_CACHE_DIR` (optional) is where compiled kernels are cached.
 
@@ -39,6 +39,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         println!("second start (kernel cache hit): {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
     }
     let flag = |f: &str| std::env::args().any(|a| a == f);
+    if flag("--bench-gemm") {
+        for l in check::bench_gemm_schemes(&be, &mut 0)? {
+            println!("{l}");
+        }
+        return Ok(());
+    }
     if flag("--bench-only") {
         for l in check::bench(&be)? {
             println!("{l}");

@@ -28,13 +28,18 @@ __device__ __forceinline__ float block_sum(float v, float* partial) {
 // given. Sum of squares in f32, as the CPU backend does. Rows of whole float4s
 // that fit NORM_V4 per thread are held in registers: every load of the row is
 // in flight at once, which is what a decode step's one-row norm waits on.
+// With `out_bf` the result is also stored rounded to bf16 (as f32_to_bf16_rows
+// rounds it): the input the next matmuls take on the tensor cores, so they
+// need no conversion launch of their own.
 #define NORM_V4 4
 __device__ __forceinline__ void norm_row(float* __restrict__ x, const float* __restrict__ y,
-                                         const float* __restrict__ w, float* __restrict__ out, int cols, float eps) {
+                                         const float* __restrict__ w, float* __restrict__ out,
+                                         bf16_t* __restrict__ out_bf, int cols, float eps) {
     __shared__ float partial[32];
     float* xr = x + (long long)blockIdx.x * cols;
     const float* yr = y ? y + (long long)blockIdx.x * cols : nullptr;
     float* o = out + (long long)blockIdx.x * cols;
+    bf16_t* ob = out_bf ? out_bf + (long long)blockIdx.x * cols : nullptr;
     int n4 = cols >> 2;
     if ((cols & 3) == 0 && n4 <= NORM_V4 * (int)blockDim.x) {
         float4 v[NORM_V4], wv[NORM_V4];
@@ -63,9 +68,17 @@ __device__ __forceinline__ void norm_row(float* __restrict__ x, const float* __r
 #pragma unroll
         for (int i = 0; i < NORM_V4; i++) {
             int c = threadIdx.x + i * blockDim.x;
-            if (c < n4)
-                ((float4*)o)[c] = make_float4(v[i].x * inv * wv[i].x, v[i].y * inv * wv[i].y,
-                                              v[i].z * inv * wv[i].z, v[i].w * inv * wv[i].w);
+            if (c < n4) {
+                float4 r = make_float4(v[i].x * inv * wv[i].x, v[i].y * inv * wv[i].y, v[i].z * inv * wv[i].z,
+                                       v[i].w * inv * wv[i].w);
+                ((float4*)o)[c] = r;
+                if (ob) {
+                    uint2 b;
+                    b.x = (u32)f32_to_bf16(r.x) | ((u32)f32_to_bf16(r.y) << 16);
+                    b.y = (u32)f32_to_bf16(r.z) | ((u32)f32_to_bf16(r.w) << 16);
+                    ((uint2*)ob)[c] = b;
+                }
+            }
         }
         return;
     }
@@ -76,19 +89,25 @@ __device__ __forceinline__ void norm_row(float* __restrict__ x, const float* __r
         s += v * v;
     }
     float inv = 1.0f / sqrtf(block_sum(s, partial) / (float)cols + eps);
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = xr[j] * inv * w[j];
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+        float r = xr[j] * inv * w[j];
+        o[j] = r;
+        if (ob) ob[j] = f32_to_bf16(r);
+    }
 }
 
 // One block per row.
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int cols, float eps) {
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, bf16_t* out_bf, int cols,
+                                    float eps) {
     pdl_enter();
-    norm_row((float*)x, nullptr, w, out, cols, eps);
+    norm_row((float*)x, nullptr, w, out, out_bf, cols, eps);
 }
 
 // The residual add and the next RMSNorm in one pass: x += y, out = norm(x) * w.
-extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int cols, float eps) {
+extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, bf16_t* out_bf,
+                                        int cols, float eps) {
     pdl_enter();
-    norm_row(x, y, w, out, cols, eps);
+    norm_row(x, y, w, out, out_bf, cols, eps);
 }
 
 // One warp per head, in place (Qwen3's per-head q/k norm).
@@ -132,11 +151,14 @@ extern "C" __global__ void rope(float* x, const float* inv_freq, const u32* posi
              interleaved);
 }
 
-extern "C" __global__ void silu_mul(const float* g, const float* u, float* out, long long n) {
+// With `out_bf`, the product is also stored rounded to bf16, as `norm_row` does.
+extern "C" __global__ void silu_mul(const float* g, const float* u, float* out, bf16_t* out_bf, long long n) {
     pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         float v = g[i];
-        out[i] = v / (1.0f + expf(-v)) * u[i];
+        float r = v / (1.0f + expf(-v)) * u[i];
+        out[i] = r;
+        if (out_bf) out_bf[i] = f32_to_bf16(r);
     }
 }
 

@@ -33,8 +33,18 @@ pub fn run(a: &GenerateArgs, cache: &std::path::Path) -> Result<()> {
         .validate(booted.tokenizer.vocab_size().max(booted.engine.info().config.vocab_size))
         .map_err(|e| anyhow::anyhow!("--{}: {}", e.param.replace('_', "-"), e.message))?;
     let eos_ids = TokenId::vec(booted.tokenizer.eos_ids());
+    // Copies after the first differ in their second token, so they share no
+    // cached prefix: each decodes over KV of its own, as distinct requests do.
+    let vocab = booted.tokenizer.vocab_size().min(booted.engine.info().config.vocab_size).max(1) as u32;
+    let prompt_of = |copy: u32| {
+        let mut p = prompt.clone();
+        if copy > 0 && p.len() > 1 {
+            p[1] = (p[1] + copy) % vocab;
+        }
+        p
+    };
     let request = |copy: u32| GenerateRequest {
-        prompt: TokenId::vec(&prompt),
+        prompt: TokenId::vec(&prompt_of(copy)),
         params: SamplingParams { seed: params.seed.map(|s| s.wrapping_add(copy as u64)), ..params.clone() },
         max_new_tokens: a.max_tokens,
         eos_ids: eos_ids.clone(),

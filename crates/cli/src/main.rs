@@ -239,8 +239,9 @@ struct GenerateArgs {
     #[arg(long)]
     ignore_eos: bool,
     /// Run this many copies of the prompt at once (decode at a batch, without HTTP); the first
-    /// copy's text is printed, the rate counts every copy's tokens. Copies after the first draw from
-    /// seeds after `--seed`'s.
+    /// copy's text is printed, the rate counts every copy's tokens. Copies after the first differ
+    /// in the prompt's second token (so they share no cached prefix and each reads KV of its own)
+    /// and draw from seeds after `--seed`'s.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
     batch: u32,
 }

@@ -211,9 +211,10 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaAct, weight: &CudaWeight, eps: f32, rows: usize, out: &mut CudaAct) {
-        self.op("rms_norm", |_| {
+        self.op("rms_norm", |st| {
             let w = self.vector_ptr(weight, "rms_norm")?;
-            let a = Args::new().ptr(x.ptr()).ptr(w).ptr(out.ptr()).i32(x.cols as i32).f32(eps);
+            let bf = self.bf16_output(st, out, rows);
+            let a = Args::new().ptr(x.ptr()).ptr(w).ptr(out.ptr()).ptr(bf).i32(x.cols as i32).f32(eps);
             unsafe { self.launch(self.k.rms_norm, norm_dims(rows, x.cols), a) }
         })
     }
@@ -227,9 +228,11 @@ impl Backend for CudaBackend {
         rows: usize,
         out: &mut CudaAct,
     ) {
-        self.op("add_rms_norm", |_| {
+        self.op("add_rms_norm", |st| {
             let w = self.vector_ptr(weight, "add_rms_norm")?;
-            let a = Args::new().ptr(x.ptr()).ptr(y.ptr()).ptr(w).ptr(out.ptr()).i32(x.cols as i32).f32(eps);
+            let bf = self.bf16_output(st, out, rows);
+            let a = Args::new().ptr(x.ptr()).ptr(y.ptr()).ptr(w).ptr(out.ptr()).ptr(bf);
+            let a = a.i32(x.cols as i32).f32(eps);
             unsafe { self.launch(self.k.add_rms_norm, norm_dims(rows, x.cols), a) }
         })
     }
@@ -300,9 +303,10 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul(&self, gate: &CudaAct, up: &CudaAct, rows: usize, out: &mut CudaAct) {
-        self.op("silu_mul", |_| {
+        self.op("silu_mul", |st| {
             let n = rows * gate.cols;
-            let a = Args::new().ptr(gate.ptr()).ptr(up.ptr()).ptr(out.ptr()).i64(n as i64);
+            let bf = self.bf16_output(st, out, rows);
+            let a = Args::new().ptr(gate.ptr()).ptr(up.ptr()).ptr(out.ptr()).ptr(bf).i64(n as i64);
             unsafe { self.launch(self.k.silu_mul, grid_for(n, 256), a) }
         })
     }

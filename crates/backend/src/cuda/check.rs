@@ -415,6 +415,7 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
     }
 
     fused_matmul_checks(be, &refs, &mut rep, &mut rng)?;
+    bf16_input_checks(be, &cpu, &mut rep, &mut rng)?;
 
     // Embedding from bf16, Q8_0 and K-quant tables (the lookup dequantizes rows).
     for dtype in [DType::BF16, DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::IQ4_XS, DType::Q5_0] {
@@ -507,6 +508,77 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
 /// the row counts that take them (1, 2) and one that falls back (3); and the
 /// same ops over block formats (a Q4_K_M layer's Q4_K and Q6_K), whose
 /// integer GEMVs share one 8-bit copy of the input.
+/// The bf16 inputs that norms and the SiLU product store for the matmuls
+/// after them (`State::xbf_holds`): the matmul that reads one gives the same
+/// bits as a matmul of a fresh copy of its input (which converts), and any
+/// op that writes the input after, or a matmul whose output it is, makes the
+/// next matmul convert again (a stale copy would give the old product).
+fn bf16_input_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
+    // 16 rows: past the GEMVs, so every matmul here takes a bf16 input.
+    let (rows, k, n) = (16usize, 256usize, 192usize);
+    let w = float_tensor("w", DType::BF16, n, k, &rng.vec(n * k, 0.5));
+    let sq = float_tensor("s", DType::BF16, k, k, &rng.vec(k * k, 0.5));
+    let nw = float_tensor("n", DType::BF16, 1, k, &rng.vec(k, 1.0));
+    let [(wg, wc), (sg, sc), (ng, nc)] =
+        [&w, &sq, &nw].map(|t| (be.upload_weight(t).expect("upload"), cpu.upload_weight(t).expect("upload")));
+    let x = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 2.0)))?;
+    let mut normed = pair(be, cpu, rows, k, None)?;
+    let mut y = pair(be, cpu, rows, n, None)?;
+    let mut fresh = pair(be, cpu, rows, n, None)?;
+    // The norm's copy against a fresh conversion of the same values.
+    be.rms_norm(&x.g, &ng, 1e-5, rows, &mut normed.g);
+    cpu.rms_norm(&x.c, &nc, 1e-5, rows, &mut normed.c);
+    be.matmul(&normed.g, &wg, None, rows, &mut y.g);
+    let mut vals = Vec::new();
+    be.read_rows(&normed.g, rows, &mut vals);
+    be.check()?;
+    let copy = pair(be, cpu, rows, k, Some(&vals))?;
+    be.matmul(&copy.g, &wg, None, rows, &mut fresh.g);
+    let (a, b) = (read_both(be, cpu, &y, rows)?.0, read_both(be, cpu, &fresh, rows)?.0);
+    rep.compare("matmul after rms_norm: its bf16 input as a conversion of the same rows gives", &a, &b, EXACT);
+    cpu.matmul(&normed.c, &wc, None, rows, &mut y.c);
+    let (a, b) = read_both(be, cpu, &y, rows)?;
+    rep.compare("matmul after rms_norm (bf16 input stored by the norm)", &a, &b, BF16);
+    // An op that writes the input after the norm stored its copy: the next
+    // matmul must see the new rows.
+    let z = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 3.0)))?;
+    be.rms_norm(&x.g, &ng, 1e-5, rows, &mut normed.g);
+    cpu.rms_norm(&x.c, &nc, 1e-5, rows, &mut normed.c);
+    be.add_assign(&mut normed.g, &z.g, rows);
+    cpu.add_assign(&mut normed.c, &z.c, rows);
+    be.matmul(&normed.g, &wg, None, rows, &mut y.g);
+    cpu.matmul(&normed.c, &wc, None, rows, &mut y.c);
+    let (a, b) = read_both(be, cpu, &y, rows)?;
+    rep.compare("matmul after an add to its input (the stored copy is stale)", &a, &b, BF16);
+    // A matmul whose output is the input held.
+    be.rms_norm(&x.g, &ng, 1e-5, rows, &mut normed.g);
+    cpu.rms_norm(&x.c, &nc, 1e-5, rows, &mut normed.c);
+    be.matmul(&z.g, &sg, None, rows, &mut normed.g);
+    cpu.matmul(&z.c, &sc, None, rows, &mut normed.c);
+    be.matmul(&normed.g, &wg, None, rows, &mut y.g);
+    cpu.matmul(&normed.c, &wc, None, rows, &mut y.c);
+    let (a, b) = read_both(be, cpu, &y, rows)?;
+    rep.compare("matmul of a matmul's output that overwrote a norm's (stored copy stale)", &a, &b, BF16);
+    // The SiLU product's copy, read by the next matmul.
+    let g = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 2.0)))?;
+    let u = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 2.0)))?;
+    let mut act = pair(be, cpu, rows, k, None)?;
+    be.silu_mul(&g.g, &u.g, rows, &mut act.g);
+    cpu.silu_mul(&g.c, &u.c, rows, &mut act.c);
+    be.matmul(&act.g, &wg, None, rows, &mut y.g);
+    let mut vals = Vec::new();
+    be.read_rows(&act.g, rows, &mut vals);
+    be.check()?;
+    let copy = pair(be, cpu, rows, k, Some(&vals))?;
+    be.matmul(&copy.g, &wg, None, rows, &mut fresh.g);
+    let (a, b) = (read_both(be, cpu, &y, rows)?.0, read_both(be, cpu, &fresh, rows)?.0);
+    rep.compare("matmul after silu_mul: its bf16 input as a conversion of the same rows gives", &a, &b, EXACT);
+    cpu.matmul(&act.c, &wc, None, rows, &mut y.c);
+    let (a, b) = read_both(be, cpu, &y, rows)?;
+    rep.compare("matmul after silu_mul (bf16 input stored by the product)", &a, &b, BF16);
+    Ok(())
+}
+
 fn fused_matmul_checks(
     be: &CudaBackend,
     refs: &References,
@@ -1171,6 +1243,51 @@ fn graph_time_ms(be: &CudaBackend, id: usize, reps: usize, mut f: impl FnMut()) 
     })
 }
 
+/// cuBLASLt at decode batches of the Llama-3-8B shapes, under each split-K
+/// reduction scheme its heuristic may pick (`cuda_check --bench-gemm` runs
+/// only this): graph replays over weight copies larger than L2, the input
+/// converted once, as a layer's norm stores it.
+pub fn bench_gemm_schemes(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let rng = &mut Rng(11);
+    let copy_gbs = 4300.0;
+    for &(n, k) in &[(4096usize, 4096usize), (1024, 4096), (14336, 4096), (4096, 14336)] {
+        let ws = weight_copies(be, &bench_weight(rng, n, k))?;
+        let x = be.alloc_act(ActShape { rows: 128, cols: k })?;
+        put_gpu(be, &x, &rng.vec(128 * k, 1.0))?;
+        let out = be.alloc_act(ActShape { rows: 128, cols: n })?;
+        for rows in [16usize, 32, 64, 128] {
+            let mut line = format!("cublasLt bf16 {n}x{k} {rows} rows (graph)");
+            for (name, mask) in [("any scheme", None), ("in place", Some(1u32)), ("no split", Some(0u32))] {
+                be.lock().gemm.set_reduction_mask(mask);
+                *graph_id += 1;
+                let r = graph_time_ms(be, *graph_id, 20, || {
+                    be.matmul_op("bench", |st| {
+                        for w in &ws {
+                            be.matmul_lt(st, &x, w, rows, &out)?;
+                        }
+                        Ok(())
+                    })
+                });
+                match r {
+                    Ok(ms) => {
+                        let us = ms * 1e3 / ws.len() as f32;
+                        let gbs = (n * k * 2) as f64 / (us as f64 * 1e-6) / 1e9;
+                        line += &format!(" | {name} {us:.2} us {gbs:.0} GB/s ({:.0}%)", gbs / copy_gbs * 100.0);
+                    }
+                    Err(e) => {
+                        line += &format!(" | {name}: {e}");
+                        be.lock().error.take();
+                    }
+                }
+            }
+            lines.push(line);
+        }
+    }
+    be.lock().gemm.set_reduction_mask(None);
+    Ok(lines)
+}
+
 /// Micro-benchmarks against the H200 ceilings (~4.3 TB/s copy, ~800 TFLOP/s
 /// bf16), measured again here: the copy bandwidth first.
 ///
@@ -1220,6 +1337,7 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
         lines.push(line);
     }
     be.gemv_narrow.store(true, std::sync::atomic::Ordering::Relaxed);
+    lines.extend(bench_gemm_schemes(be, &mut graph_id)?);
     // Llama-3-8B decode shapes: q/o, k/v, gate/up, down, lm_head.
     for &(n, k) in &[(4096usize, 4096usize), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)] {
         let ws = weight_copies(be, &bench_weight(&mut rng, n, k))?;

@@ -62,6 +62,10 @@ pub struct Gemm {
     handle: ltsys::cublasLtHandle_t,
     workspace: DeviceBuffer,
     plans: HashMap<GemmShape, Plan>,
+    /// `CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK` of the heuristic query
+    /// (`None`: cuBLASLt's default, every scheme); the self-check's benchmark
+    /// compares the split-K schemes with it.
+    reduction_mask: Option<u32>,
 }
 
 // SAFETY: the handle and plans are only touched under the backend's mutex.
@@ -76,7 +80,7 @@ impl Gemm {
         ctx.bind()?;
         let handle = lt::create_handle().map_err(|e| lt_err("cublasLtCreate", e))?;
         let workspace = DeviceBuffer::new(alloc, ctx, WORKSPACE, Purpose::Workspace)?;
-        Ok(Gemm { handle, workspace, plans: HashMap::new() })
+        Ok(Gemm { handle, workspace, plans: HashMap::new(), reduction_mask: None })
     }
 
     fn plan(&mut self, s: GemmShape) -> Result<&Plan> {
@@ -114,6 +118,15 @@ impl Gemm {
                     std::mem::size_of::<usize>(),
                 )
                 .map_err(|e| lt_err("MAX_WORKSPACE", e))?;
+                if let Some(mask) = &self.reduction_mask {
+                    lt::set_matmul_pref_attribute(
+                        pref,
+                        ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                        mask as *const u32 as *const _,
+                        4,
+                    )
+                    .map_err(|e| lt_err("REDUCTION_SCHEME_MASK", e))?;
+                }
                 let h = lt::get_matmul_algo_heuristic(self.handle, desc, a, b, c, c, pref);
                 let _ = lt::destroy_matmul_pref(pref);
                 h.map_err(|e| lt_err("cublasLtMatmulAlgoGetHeuristic", e))?
@@ -122,6 +135,16 @@ impl Gemm {
             self.plans.insert(s, plan);
         }
         Ok(&self.plans[&s])
+    }
+
+    /// Restrict the split-K reduction schemes later plans may use (a mask of
+    /// `cublasLtReductionScheme_t` bits; `None`: all); the plans made so far
+    /// are dropped.
+    pub fn set_reduction_mask(&mut self, mask: Option<u32>) {
+        if self.reduction_mask != mask {
+            self.reduction_mask = mask;
+            self.plans.clear();
+        }
     }
 
     /// `out[m, n] (row stride ldc) = x[m, k] · w[n, k]ᵀ`, x and w bf16, out f32.

@@ -21,7 +21,7 @@
 use super::device::{Args, DeviceBuffer, LaunchDims, Purpose};
 use super::gemm::GemmShape;
 use super::kernels::{block_gemv_index, dtype_code, grid_for, mmq_index, mmvq_index};
-use super::{CudaAct, CudaBackend, State};
+use super::{CudaAct, CudaBackend, State, XbfView};
 use crate::cpu::MatmulInput;
 use crate::dtype::DType;
 use crate::{BackendError, CudaTuning, MatmulPart, Result};
@@ -380,8 +380,11 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `rows` rows of `x` rounded to bf16 into the scratch (`[rows, x.cols]`); its pointer.
-    fn bf16_input(&self, st: &mut State, x: &CudaAct, rows: usize) -> Result<u64> {
+    /// `rows` rows of `x` rounded to bf16 in the scratch (`[rows, x.cols]`);
+    /// its pointer. Converted here unless the scratch already holds them
+    /// (`State::xbf_holds`: the op that wrote `x` stored them, or a matmul of
+    /// the same input converted them).
+    pub(super) fn bf16_input(&self, st: &mut State, x: &CudaAct, rows: usize) -> Result<u64> {
         let k = x.cols;
         let xbf = st.xbf.as_ref().filter(|b| b.bytes().0 as usize >= rows * k * 2).ok_or_else(|| {
             BackendError::Other(format!(
@@ -389,10 +392,44 @@ impl CudaBackend {
             ))
         })?;
         let xbf_ptr = xbf.ptr();
+        if st.xbf_holds.is_some_and(|v| v.ptr == x.ptr() && v.cols == k && v.rows >= rows) {
+            return Ok(xbf_ptr);
+        }
         let total = rows * k;
         let a = Args::new().ptr(x.ptr()).ptr(xbf_ptr).i64(total as i64);
         unsafe { self.launch(self.k.f32_to_bf16_rows, grid_for(total, 256), a)? };
+        st.xbf_holds = Some(XbfView { ptr: x.ptr(), rows, cols: k });
         Ok(xbf_ptr)
+    }
+
+    /// Where an op that writes `rows` rows of `out` can also store them
+    /// rounded to bf16 for the matmuls that read `out` next: the scratch's
+    /// pointer, recorded in `State::xbf_holds`, or 0 (store nothing) when
+    /// the rows are too few to take a bf16 input or the scratch too small.
+    pub(super) fn bf16_output(&self, st: &mut State, out: &CudaAct, rows: usize) -> u64 {
+        let bytes = rows * out.cols * 2;
+        match st.xbf.as_ref() {
+            Some(b) if rows >= MMQ_MIN_ROWS && b.bytes().0 as usize >= bytes && out.stride == out.cols => {
+                st.xbf_holds = Some(XbfView { ptr: out.ptr(), rows, cols: out.cols });
+                b.ptr()
+            }
+            _ => 0,
+        }
+    }
+
+    /// A matmul op writes `outs`: if one of them is the activation `xbf`
+    /// holds, that copy is stale.
+    pub(super) fn forget_xbf_written(&self, st: &mut State, outs: &[&CudaAct]) {
+        if let Some(v) = st.xbf_holds {
+            let held = v.ptr..v.ptr + (v.rows * v.cols * 4) as u64;
+            let overlaps = |o: &&CudaAct| {
+                let len = (o.rows.max(1) * o.stride.max(o.cols) * 4) as u64;
+                o.ptr() < held.end && held.start < o.ptr() + len
+            };
+            if outs.iter().any(overlaps) {
+                st.xbf_holds = None;
+            }
+        }
     }
 
     /// Whether the tensor-core GEMV takes `rows` rows against `w` (bf16, k a
@@ -598,14 +635,16 @@ impl CudaBackend {
         rows: usize,
         out: &mut CudaAct,
     ) {
-        self.op(format_args!("matmul {}x{} {}", w.rows, w.cols, w.dtype), |st| {
+        self.matmul_op(format_args!("matmul {}x{} {}", w.rows, w.cols, w.dtype), |st| {
             if x.cols != w.cols || out.cols != w.rows {
                 return Err(BackendError::Other(format!(
                     "matmul: x has {} columns, weight is {}x{}, out has {} columns",
                     x.cols, w.rows, w.cols, out.cols
                 )));
             }
-            self.matmul_inner(st, x, w, rows, out)?;
+            let r = self.matmul_inner(st, x, w, rows, out);
+            self.forget_xbf_written(st, &[out]);
+            r?;
             match bias {
                 Some(b) => self.add_bias(out, b, rows),
                 None => Ok(()),
@@ -643,7 +682,9 @@ impl CudaBackend {
                 .all(|p| p.bias.is_none_or(|b| b.dtype == DType::F32 && b.rows * b.cols == p.w.rows));
         if !fused && self.share_q8_input(x, parts.iter().map(|p| (p.w, p.out.cols)), rows) {
             // One quantization of the input for every part.
-            return self.op("matmul_many (8-bit input)", |st| {
+            return self.matmul_op("matmul_many (8-bit input)", |st| {
+                let outs: Vec<&CudaAct> = parts.iter().map(|p| &*p.out).collect();
+                self.forget_xbf_written(st, &outs);
                 let input = self.q8_input(st, x, rows)?;
                 for p in parts.iter() {
                     self.gemv_q8(input, p.w, rows, p.out)?;
@@ -688,7 +729,8 @@ impl CudaBackend {
             && out.cols == gate.rows;
         if !fused && self.share_q8_input(x, [(gate, gate_out.cols), (up, up_out.cols)].into_iter(), rows) {
             // One quantization of the input for both GEMVs, then the SiLU product.
-            self.op("gate_up (8-bit input)", |st| {
+            self.matmul_op("gate_up (8-bit input)", |st| {
+                self.forget_xbf_written(st, &[gate_out, up_out]);
                 let input = self.q8_input(st, x, rows)?;
                 self.gemv_q8(input, gate, rows, gate_out)?;
                 self.gemv_q8(input, up, rows, up_out)

@@ -114,6 +114,15 @@ pub struct CudaAct {
     stride: usize,
 }
 
+/// The first `rows` rows of the activation at `ptr` (`cols` wide), as
+/// `State::xbf` may hold them rounded to bf16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct XbfView {
+    pub(super) ptr: u64,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+}
+
 /// Where an activation's elements are.
 enum ActMem {
     Own(DeviceBuffer),
@@ -178,6 +187,11 @@ struct State {
     inv_freq_host: Vec<f32>,
     /// f32 → bf16 copy of a matmul's input rows.
     xbf: Option<DeviceBuffer>,
+    /// The activation whose first rows `xbf` holds rounded to bf16, written
+    /// by the op that produced them (a norm, the SiLU product) or by the
+    /// first matmul that needed them: the matmuls of that input after it
+    /// launch no conversion. Any op but a matmul forgets it (see `lock`).
+    xbf_holds: Option<XbfView>,
     /// 8-bit copy of a decode matmul's input rows (at most `GEMV_MAX_ROWS`),
     /// laid out as `matmul::q8_layout` says.
     xq: Option<DeviceBuffer>,
@@ -305,6 +319,7 @@ impl CudaBackend {
             )?,
             inv_freq_host: Vec::new(),
             xbf: None,
+            xbf_holds: None,
             xq: None,
             tile: None,
             part_o: DeviceBuffer::new(
@@ -351,7 +366,18 @@ impl CudaBackend {
         unsafe { cu::stream::synchronize(self.stream.0) }.map_err(|e| cuda_err("cuStreamSynchronize", e))
     }
 
+    /// The state, locked for an op that may write any activation: what
+    /// `xbf` holds is forgotten, so only the matmuls (which write nothing
+    /// their inputs are; `lock_for_matmul`) ever reuse it.
     fn lock(&self) -> MutexGuard<'_, State> {
+        let mut st = self.lock_for_matmul();
+        st.xbf_holds = None;
+        st
+    }
+
+    /// The state, locked for a matmul, which keeps `xbf_holds` (it checks
+    /// that its outputs are not the activation held).
+    fn lock_for_matmul(&self) -> MutexGuard<'_, State> {
         // A poisoned lock means a panic mid-op; the state is still consistent
         // enough to report errors, so keep going.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -367,7 +393,21 @@ impl CudaBackend {
     /// error; when profiling (`CudaTuning::profile_every`) also wait for it and count its time.
     /// The name is only formatted when profiling.
     fn op(&self, name: impl std::fmt::Display, f: impl FnOnce(&mut State) -> Result<()>) {
-        let mut st = self.lock();
+        self.op_locked(self.lock(), name, f)
+    }
+
+    /// [`CudaBackend::op`] for a matmul: what `xbf` holds stays known.
+    fn matmul_op(&self, name: impl std::fmt::Display, f: impl FnOnce(&mut State) -> Result<()>) {
+        self.op_locked(self.lock_for_matmul(), name, f)
+    }
+
+    fn op_locked(
+        &self,
+        st: MutexGuard<'_, State>,
+        name: impl std::fmt::Display,
+        f: impl FnOnce(&mut State) -> Result<()>,
+    ) {
+        let mut st = st;
         let Some(profile) = &self.profile else {
             let r = self.ctx.bind().and_then(|_| f(&mut st));
             self.record(&mut st, r);
