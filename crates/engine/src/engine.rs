@@ -368,6 +368,7 @@ pub fn spawn_with_state(
         sampler: CpuSampler::new(sampler_stats.clone()),
         device_sampling,
         drawn: SampledRows::default(),
+        edits: Vec::new(),
         shutting_down: false,
         flips: FlipControl::default(),
     };
@@ -398,6 +399,9 @@ struct Core {
     device_sampling: bool,
     /// The device's answers of the last step, kept to reuse the buffers.
     drawn: SampledRows,
+    /// The device rows' edits of a step, kept between steps so a batch's
+    /// (a penalized prompt token each) is not a fresh allocation every step.
+    edits: Vec<LogitEdit>,
     shutting_down: bool,
     flips: FlipControl,
 }
@@ -557,7 +561,8 @@ impl Core {
         let logit_rows: Vec<usize> = host.iter().chain(&device).map(|s| s.row_start + s.rows - 1).collect();
         let host_ids: Vec<RequestId> = host.iter().map(|s| s.id).collect();
         let device_ids: Vec<RequestId> = device.iter().map(|s| s.id).collect();
-        let (specs, edits) = self.plan_device_rows(&device_ids, host_ids.len());
+        let mut edits = std::mem::take(&mut self.edits);
+        let specs = self.plan_device_rows(&device_ids, host_ids.len(), &mut edits);
         let scheduled = std::time::Instant::now();
         let ran = if device_ids.is_empty() {
             self.exec.execute(out, &logit_rows, &mut self.logits)
@@ -565,6 +570,7 @@ impl Core {
             let draw = DeviceDraw { host_rows: host_ids.len(), specs: &specs, edits: &edits };
             self.exec.execute_sampling(out, &logit_rows, &mut self.logits, &draw, &mut self.drawn)
         };
+        self.edits = edits;
         let forwarded = std::time::Instant::now();
         if let Some(phase) = self.exec.phase() {
             let shape = out.shape();
@@ -651,9 +657,14 @@ impl Core {
 
     /// The device's specs of the rows `ids` (logit rows `first..`, in
     /// order): each row's uniform drawn from its stream, and its edits.
-    fn plan_device_rows(&mut self, ids: &[RequestId], first: usize) -> (Vec<SampleRowSpec>, Vec<LogitEdit>) {
+    fn plan_device_rows(
+        &mut self,
+        ids: &[RequestId],
+        first: usize,
+        edits: &mut Vec<LogitEdit>,
+    ) -> Vec<SampleRowSpec> {
         let vocab = self.exec.config().vocab_size;
-        let mut edits = Vec::new();
+        edits.clear();
         let mut specs = Vec::with_capacity(ids.len());
         for (j, id) in ids.iter().enumerate() {
             let l = self.live.get_mut(id).expect("scheduled ids are live");
@@ -664,9 +675,9 @@ impl Core {
                 eos_token_ids: &l.eos_ids,
                 mask: None,
             };
-            specs.push(device::plan_row(&mut row, vocab, (first + j) as u32, &mut edits));
+            specs.push(device::plan_row(&mut row, vocab, (first + j) as u32, edits));
         }
-        (specs, edits)
+        specs
     }
 
     /// Settle the rows drawn on the device (`self.drawn`, one summary per

@@ -535,7 +535,12 @@ fn bf16_input_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, 
     let copy = pair(be, cpu, rows, k, Some(&vals))?;
     be.matmul(&copy.g, &wg, None, rows, &mut fresh.g);
     let (a, b) = (read_both(be, cpu, &y, rows)?.0, read_both(be, cpu, &fresh, rows)?.0);
-    rep.compare("matmul after rms_norm: its bf16 input as a conversion of the same rows gives", &a, &b, EXACT);
+    rep.compare(
+        "matmul after rms_norm: its bf16 input as a conversion of the same rows gives",
+        &a,
+        &b,
+        EXACT,
+    );
     cpu.matmul(&normed.c, &wc, None, rows, &mut y.c);
     let (a, b) = read_both(be, cpu, &y, rows)?;
     rep.compare("matmul after rms_norm (bf16 input stored by the norm)", &a, &b, BF16);
@@ -572,7 +577,12 @@ fn bf16_input_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, 
     let copy = pair(be, cpu, rows, k, Some(&vals))?;
     be.matmul(&copy.g, &wg, None, rows, &mut fresh.g);
     let (a, b) = (read_both(be, cpu, &y, rows)?.0, read_both(be, cpu, &fresh, rows)?.0);
-    rep.compare("matmul after silu_mul: its bf16 input as a conversion of the same rows gives", &a, &b, EXACT);
+    rep.compare(
+        "matmul after silu_mul: its bf16 input as a conversion of the same rows gives",
+        &a,
+        &b,
+        EXACT,
+    );
     cpu.matmul(&act.c, &wc, None, rows, &mut y.c);
     let (a, b) = read_both(be, cpu, &y, rows)?;
     rep.compare("matmul after silu_mul (bf16 input stored by the product)", &a, &b, BF16);
@@ -1273,7 +1283,8 @@ pub fn bench_gemm_schemes(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<
                     Ok(ms) => {
                         let us = ms * 1e3 / ws.len() as f32;
                         let gbs = (n * k * 2) as f64 / (us as f64 * 1e-6) / 1e9;
-                        line += &format!(" | {name} {us:.2} us {gbs:.0} GB/s ({:.0}%)", gbs / copy_gbs * 100.0);
+                        line +=
+                            &format!(" | {name} {us:.2} us {gbs:.0} GB/s ({:.0}%)", gbs / copy_gbs * 100.0);
                     }
                     Err(e) => {
                         line += &format!(" | {name}: {e}");

@@ -61,6 +61,24 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// One launch of `sample_rows` over `rows` specs already on the device.
+    fn launch_sample_rows(
+        &self,
+        logits: u64,
+        vocab: usize,
+        specs: u64,
+        edits: u64,
+        out: u64,
+        rows: usize,
+    ) -> Result<()> {
+        let args = Args::new().ptr(logits).i32(vocab as i32).ptr(specs).ptr(edits).ptr(out);
+        let dims = LaunchDims { grid: (rows as u32, 1, 1), block: THREADS };
+        // SAFETY: the callers checked that `logits` holds every row the specs
+        // name and that the buffers hold the specs, their edits and one
+        // summary per spec.
+        unsafe { self.launch(self.k.sample_rows, dims, args) }
+    }
+
     pub(super) fn sample_rows_on_device(
         &self,
         logits: &mut CudaAct,
@@ -107,7 +125,20 @@ impl CudaBackend {
         out.rows.resize(specs.len(), RowSummary::default());
         let mut done = 0;
         let (mut part, mut part_edits) = (Vec::new(), Vec::new());
+        // Everything in one launch when the buffers hold it (the usual case):
+        // the specs and edits go up as they are, unpacked.
+        let whole = specs.len() <= max_rows && edits.len() <= max_edits;
         while done < specs.len() {
+            if whole {
+                self.upload(specs_ptr, specs)?;
+                self.upload(edits_ptr, edits)?;
+                self.launch_sample_rows(logits.ptr(), vocab, specs_ptr, edits_ptr, out_ptr, specs.len())?;
+                // SAFETY: `out.rows` holds one summary per spec, as the buffer does.
+                unsafe { cu::memcpy_dtoh_async(&mut out.rows[..], out_ptr, self.stream.0) }
+                    .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
+                self.synchronize()?;
+                break;
+            }
             // The next launch: as many rows as the buffers hold, their edits
             // packed from 0.
             part.clear();
@@ -129,13 +160,7 @@ impl CudaBackend {
             }
             self.upload(specs_ptr, &part)?;
             self.upload(edits_ptr, &part_edits)?;
-            let args =
-                Args::new().ptr(logits.ptr()).i32(vocab as i32).ptr(specs_ptr).ptr(edits_ptr).ptr(out_ptr);
-            let dims = LaunchDims { grid: (part.len() as u32, 1, 1), block: THREADS };
-            // SAFETY: `logits` holds every row the specs name (checked above),
-            // the buffers hold this launch's specs, its edits and one summary
-            // per spec.
-            unsafe { self.launch(self.k.sample_rows, dims, args)? };
+            self.launch_sample_rows(logits.ptr(), vocab, specs_ptr, edits_ptr, out_ptr, part.len())?;
             let got = &mut out.rows[done..done + part.len()];
             // SAFETY: `got` holds one summary per spec of this launch, as the buffer does.
             unsafe { cu::memcpy_dtoh_async(got, out_ptr, self.stream.0) }

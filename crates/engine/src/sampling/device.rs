@@ -15,8 +15,6 @@
 //! written with the host sampler's own pieces, for tests and for checking a
 //! device against.
 
-use std::collections::HashMap;
-
 use corridor_backend::sample::{
     LogitEdit, RowSummary, SampleRowSpec, EDIT_BIAS, EDIT_MASK, NO_TOKEN, ROW_DRAWN, ROW_TOO_MANY_CANDIDATES,
 };
@@ -35,60 +33,61 @@ use super::SampleRow;
 /// Appends to `out` the edits [`super::logits::apply_adjustments`] would make
 /// to a row of `vocab` logits for `params` and `state`: one entry per token
 /// it touches, in no particular order (each token's edit is independent of
-/// the others'). Runs every step for every device row, so the prompt's
-/// tokens, the many, are pushed as they come and only the few others
-/// (output so far, `logit_bias`, masks) are merged through a map.
+/// the others'). Runs every step for every device row, so the penalties'
+/// edits, the many (a prompt token each), are the state's own list, kept up
+/// to date as tokens are recorded, and copied whole; only the few others
+/// (`logit_bias`, masks) are merged into them here.
 pub fn adjustment_edits(
     params: &SamplingParams,
-    state: &SamplerState,
+    state: &mut SamplerState,
     eos: &[TokenId],
     vocab: usize,
     out: &mut Vec<LogitEdit>,
 ) {
-    let rep = params.repetition_penalty;
-    let penalized = rep != 1.0;
-    let blank = |token: TokenId| LogitEdit { token: token.get(), rep: 1.0, sub: 0.0, bias: 0.0, flags: 0 };
-    let mut few: HashMap<TokenId, LogitEdit> = HashMap::new();
-    // A token in both prompt and output is penalized once: its entry here
-    // carries the prompt's penalty, and the prompt's pass skips it.
-    let prompt_rep =
-        |token: TokenId| if penalized && state.prompt_tokens().contains(&token) { rep } else { 1.0 };
-    fn at(few: &mut HashMap<TokenId, LogitEdit>, token: TokenId, rep: f32) -> &mut LogitEdit {
-        few.entry(token).or_insert(LogitEdit { token: token.get(), rep, sub: 0.0, bias: 0.0, flags: 0 })
-    }
-    if penalized {
-        for &token in state.output_counts().keys() {
-            at(&mut few, token, rep).rep = rep;
-        }
-    }
-    let (freq, pres) = (params.frequency_penalty, params.presence_penalty);
-    if freq != 0.0 || pres != 0.0 {
-        for (&token, &count) in state.output_counts() {
-            let presence = if count > 0 { pres } else { 0.0 };
-            at(&mut few, token, prompt_rep(token)).sub = count as f32 * freq + presence;
-        }
-    }
-    for (&token, &bias) in &params.logit_bias {
-        let e = at(&mut few, token, prompt_rep(token));
-        e.bias = SamplingParams::clamped_bias(bias);
-        e.flags |= EDIT_BIAS;
-    }
+    let start = out.len();
     let before_min = state.generated() < params.min_tokens;
+    let penalties = state.penalty_edits(params, vocab);
+    if let Some(p) = penalties {
+        out.extend_from_slice(&p.edits);
+    }
+    let held = penalties.map(|p| &p.at);
+    // The edits of `logit_bias` and the masks, merged with the penalties'
+    // edit of the same token, else with one made here before.
+    let edit = |out: &mut Vec<LogitEdit>, token: TokenId, f: &dyn Fn(&mut LogitEdit)| {
+        if token.index() >= vocab {
+            return;
+        }
+        let i = match held.and_then(|at| at.get(&token)) {
+            Some(&i) => start + i,
+            None => {
+                match out[start + held.map_or(0, |at| at.len())..].iter().position(|e| e.token == token.get())
+                {
+                    Some(j) => start + held.map_or(0, |at| at.len()) + j,
+                    None => {
+                        out.push(LogitEdit { token: token.get(), rep: 1.0, sub: 0.0, bias: 0.0, flags: 0 });
+                        out.len() - 1
+                    }
+                }
+            }
+        };
+        f(&mut out[i]);
+    };
+    for (&token, &bias) in &params.logit_bias {
+        edit(out, token, &|e| {
+            e.bias = SamplingParams::clamped_bias(bias);
+            e.flags |= EDIT_BIAS;
+        });
+    }
     if before_min || params.ignore_eos {
         for &token in eos {
-            at(&mut few, token, prompt_rep(token)).flags |= EDIT_MASK;
+            edit(out, token, &|e| e.flags |= EDIT_MASK);
         }
     }
     if before_min {
         for &token in &params.stop_token_ids {
-            at(&mut few, token, prompt_rep(token)).flags |= EDIT_MASK;
+            edit(out, token, &|e| e.flags |= EDIT_MASK);
         }
     }
-    if penalized {
-        let prompt = state.prompt_tokens().iter().filter(|&&t| t.index() < vocab && !few.contains_key(&t));
-        out.extend(prompt.map(|&token| LogitEdit { rep, ..blank(token) }));
-    }
-    out.extend(few.into_values().filter(|e| (e.token as usize) < vocab));
 }
 
 /// At least as many edits as [`adjustment_edits`] makes for this row, without
@@ -289,7 +288,14 @@ mod tests {
         let prompt: Vec<TokenId> =
             (0..rng.below(40)).map(|_| TokenId(rng.below(vocab as u64 + 5) as u32)).collect();
         let mut s = SamplerState::new(&SamplingParams { seed: Some(rng.next()), ..p.clone() }, &prompt);
-        for _ in 0..rng.below(12) {
+        // The penalties' edits are first made after `early` tokens (then kept
+        // up to date by `record`), or from the whole history when past the end.
+        let n = rng.below(12);
+        let early = rng.below(n + 2);
+        for i in 0..n {
+            if i == early {
+                adjustment_edits(p, &mut s, &[], vocab, &mut Vec::new());
+            }
             s.record(TokenId(rng.below(vocab as u64 + 3) as u32));
         }
         s
@@ -302,14 +308,14 @@ mod tests {
         for case in 0..400 {
             let vocab = 64 + case % 7;
             let p = params(&mut rng, vocab);
-            let s = state(&mut rng, &p, vocab);
+            let mut s = state(&mut rng, &p, vocab);
             let eos = [TokenId(rng.below(vocab as u64) as u32), TokenId(vocab as u32 + 1)];
             let mut want = row(&mut rng, vocab, true);
             sanitize(&mut want);
             let mut got = want.clone();
             apply_adjustments(&mut want, &p, &s, &eos);
             let mut edits = Vec::new();
-            adjustment_edits(&p, &s, &eos, vocab, &mut edits);
+            adjustment_edits(&p, &mut s, &eos, vocab, &mut edits);
             let mut tokens: Vec<TokenId> = edits.iter().map(|e| TokenId(e.token)).collect();
             tokens.sort_unstable();
             assert!(tokens.windows(2).all(|w| w[0] < w[1]), "one edit per token");

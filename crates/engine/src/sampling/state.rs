@@ -9,6 +9,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use corridor_backend::sample::LogitEdit;
 use corridor_units::{TokenId, Tokens};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha20Rng;
@@ -36,6 +37,98 @@ pub struct SamplerState {
     /// Whether a fallback warning was already logged for this request; later
     /// fallbacks are only counted.
     warned: bool,
+    /// The penalties' device edits, made the first time a row is sampled on
+    /// a device and kept up to date by `record` from then on.
+    penalty_edits: Option<PenaltyEdits>,
+}
+
+/// The penalties' part of a row's device edits (what
+/// [`super::device::adjustment_edits`] sends for the repetition, frequency
+/// and presence penalties): one edit per prompt or output token they touch.
+/// Kept up to date a token at a time by [`SamplerState::record`], so a step
+/// copies it instead of rebuilding it from the counts (a 512-token prompt
+/// is 512 edits a row, every step).
+#[derive(Clone, Debug)]
+pub(crate) struct PenaltyEdits {
+    rep: f32,
+    freq: f32,
+    pres: f32,
+    vocab: usize,
+    /// One edit per token, below `vocab`.
+    pub(crate) edits: Vec<LogitEdit>,
+    /// Where each token's edit is in `edits`.
+    pub(crate) at: HashMap<TokenId, usize>,
+}
+
+impl PenaltyEdits {
+    /// Whether these edits are the ones `params` asks for over `vocab` logits.
+    fn serves(&self, params: &SamplingParams, vocab: usize) -> bool {
+        let same = |a: f32, b: f32| a.to_bits() == b.to_bits();
+        same(self.rep, params.repetition_penalty)
+            && same(self.freq, params.frequency_penalty)
+            && same(self.pres, params.presence_penalty)
+            && self.vocab == vocab
+    }
+
+    /// The edits from the whole history, or `None` when no penalty is on.
+    fn build(
+        params: &SamplingParams,
+        vocab: usize,
+        prompt: &HashSet<TokenId>,
+        outputs: &HashMap<TokenId, u32>,
+    ) -> Option<Self> {
+        let (rep, freq, pres) =
+            (params.repetition_penalty, params.frequency_penalty, params.presence_penalty);
+        if rep == 1.0 && freq == 0.0 && pres == 0.0 {
+            return None;
+        }
+        // Room for the tokens still to come, so `note` rarely grows them.
+        let len = outputs.len() + if rep != 1.0 { prompt.len() } else { 0 };
+        let len = len + len / 2 + 64;
+        let mut p = PenaltyEdits {
+            rep,
+            freq,
+            pres,
+            vocab,
+            edits: Vec::with_capacity(len),
+            at: HashMap::with_capacity(len),
+        };
+        for (&token, &count) in outputs {
+            p.note(token, count);
+        }
+        if rep != 1.0 {
+            for &token in prompt {
+                if token.index() < vocab && !p.at.contains_key(&token) {
+                    p.at.insert(token, p.edits.len());
+                    p.edits.push(LogitEdit { token: token.get(), rep, sub: 0.0, bias: 0.0, flags: 0 });
+                }
+            }
+        }
+        Some(p)
+    }
+
+    /// `token` was generated `count` times so far: its edit takes the
+    /// repetition penalty (a prompt token's already has it) and the
+    /// frequency and presence penalties of that count.
+    fn note(&mut self, token: TokenId, count: u32) {
+        if token.index() >= self.vocab {
+            return;
+        }
+        let counted = self.freq != 0.0 || self.pres != 0.0;
+        let presence = if count > 0 { self.pres } else { 0.0 };
+        let sub = if counted { count as f32 * self.freq + presence } else { 0.0 };
+        let rep = self.rep;
+        match self.at.get(&token) {
+            Some(&i) => {
+                self.edits[i].rep = rep;
+                self.edits[i].sub = sub;
+            }
+            None => {
+                self.at.insert(token, self.edits.len());
+                self.edits.push(LogitEdit { token: token.get(), rep, sub, bias: 0.0, flags: 0 });
+            }
+        }
+    }
 }
 
 impl SamplerState {
@@ -53,6 +146,7 @@ impl SamplerState {
             output_counts: HashMap::new(),
             generated: Tokens(0),
             warned: false,
+            penalty_edits: None,
         }
     }
 
@@ -80,8 +174,22 @@ impl SamplerState {
     /// every token it returns; the engine calls it only for tokens it appends
     /// by other means (e.g. forced or replayed ones).
     pub fn record(&mut self, token: TokenId) {
-        *self.output_counts.entry(token).or_insert(0) += 1;
+        let count = self.output_counts.entry(token).or_insert(0);
+        *count += 1;
+        if let Some(p) = &mut self.penalty_edits {
+            p.note(token, *count);
+        }
         self.generated = self.generated + Tokens(1);
+    }
+
+    /// The penalties' device edits for `params` over `vocab` logits, made
+    /// from the history the first time (or when asked for other penalties),
+    /// then kept by `record`; `None` when no penalty is on.
+    pub(crate) fn penalty_edits(&mut self, params: &SamplingParams, vocab: usize) -> Option<&PenaltyEdits> {
+        if !self.penalty_edits.as_ref().is_some_and(|p| p.serves(params, vocab)) {
+            self.penalty_edits = PenaltyEdits::build(params, vocab, &self.prompt_tokens, &self.output_counts);
+        }
+        self.penalty_edits.as_ref()
     }
 
     /// The row's one uniform draw in `[0, 1)` for this token: the top 53 bits
