@@ -11,7 +11,9 @@ mod delta;
 pub mod quant;
 
 use crate::dtype::{DType, HostTensor, TensorBytes};
-use crate::{ActShape, Backend, BackendError, DeltaRule, KvGeometry, Result, RopeStyle, RopeTable, SeqStep};
+use crate::{
+    ActShape, Backend, BackendError, DeltaRule, KvGeometry, MatmulPart, Result, RopeStyle, RopeTable, SeqStep,
+};
 use corridor_units::PageId;
 use corridor_units::StateSlot;
 use rayon::prelude::*;
@@ -404,6 +406,71 @@ impl CpuKv {
     }
 }
 
+/// Columns `cols` of `out` (`[rows, n]`, at `out`) = `w`'s rows `cols`
+/// dotted with the 8-bit input rows `xs`.
+///
+/// # Safety
+/// `out` holds `xs.len()` rows of `n`, and nothing else writes columns
+/// `cols` of it meanwhile.
+unsafe fn q8_columns(
+    w: &CpuWeight,
+    xs: &[quant::Q8Row],
+    out: SendPtr,
+    n: usize,
+    cols: std::ops::Range<usize>,
+) {
+    let mut vals = [0f32; Q8_DOT_MAX_ROWS];
+    for (c, xs) in xs.chunks(Q8_DOT_MAX_ROWS).enumerate() {
+        let vals = &mut vals[..xs.len()];
+        for j in cols.clone() {
+            w.dot_q8_rows(j, xs, vals);
+            for (r, &v) in vals.iter().enumerate() {
+                // SAFETY: row c * Q8_DOT_MAX_ROWS + r of `out` exists, and column j is the caller's.
+                unsafe { *out.0.add((c * Q8_DOT_MAX_ROWS + r) * n + j) = v };
+            }
+        }
+    }
+}
+
+/// `silu(g) * u`, as every SiLU product of this backend computes it.
+#[inline]
+fn silu_times(g: f32, u: f32) -> f32 {
+    g / (1.0 + (-g).exp()) * u
+}
+
+/// `out[r] += bias` for the first `rows` rows.
+fn add_bias(out: &mut CpuAct, bias: &[f32], rows: usize) {
+    let n = out.cols;
+    out.live_mut(rows).par_chunks_mut(n).for_each(|o| {
+        for (o, b) in o.iter_mut().zip(bias.iter()) {
+            *o += b;
+        }
+    });
+}
+
+/// The input rows quantized to 8 bits, once for every matmul that reads them.
+fn q8_input(xs: &[f32], k: usize) -> Vec<quant::Q8Row> {
+    xs.chunks_exact(k)
+        .map(|r| {
+            let mut q = quant::Q8Row::default();
+            q.quantize(r);
+            q
+        })
+        .collect()
+}
+
+/// `f(t)` for every task of `ROWS_PER_TASK` columns of `ns` matrices side
+/// by side, in one parallel loop: `t` is (matrix, first column, columns).
+fn for_column_tasks(ns: &[usize], f: impl Fn(usize, usize, usize) + Sync + Send) {
+    let tasks: Vec<(usize, usize, usize)> = ns
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &n)| (0..n.div_ceil(ROWS_PER_TASK)).map(move |t| (i, t * ROWS_PER_TASK, n)))
+        .map(|(i, j0, n)| (i, j0, ROWS_PER_TASK.min(n - j0)))
+        .collect();
+    tasks.into_par_iter().for_each(|(i, j0, nb)| f(i, j0, nb));
+}
+
 /// A raw pointer that may cross into rayon tasks writing disjoint regions.
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
@@ -553,14 +620,7 @@ impl Backend for CpuBackend {
         // Decode over a block format: each activation row is quantized once
         // here, then read by every task.
         let q8_rows: Vec<quant::Q8Row> = match input {
-            MatmulInput::Q8 => xs
-                .chunks_exact(k)
-                .map(|r| {
-                    let mut q = quant::Q8Row::default();
-                    q.quantize(r);
-                    q
-                })
-                .collect(),
+            MatmulInput::Q8 => q8_input(xs, k),
             _ => Vec::new(),
         };
         (0..tasks).into_par_iter().for_each(|t| {
@@ -568,17 +628,8 @@ impl Backend for CpuBackend {
             let j0 = t * ROWS_PER_TASK;
             let nb = ROWS_PER_TASK.min(n - j0);
             if !q8_rows.is_empty() {
-                let mut vals = [0f32; Q8_DOT_MAX_ROWS];
-                for (c, xs) in q8_rows.chunks(Q8_DOT_MAX_ROWS).enumerate() {
-                    let vals = &mut vals[..xs.len()];
-                    for j in j0..j0 + nb {
-                        w.dot_q8_rows(j, xs, vals);
-                        for (r, &v) in vals.iter().enumerate() {
-                            // SAFETY: task t alone writes columns j0..j0+nb.
-                            unsafe { *optr.0.add((c * Q8_DOT_MAX_ROWS + r) * n + j) = v };
-                        }
-                    }
-                }
+                // SAFETY: task t alone writes columns j0..j0+nb of `out`.
+                unsafe { q8_columns(w, &q8_rows, optr, n, j0..j0 + nb) };
                 return;
             }
             if rows <= DOT_MAX_ROWS {
@@ -625,12 +676,7 @@ impl Backend for CpuBackend {
             }
         });
         if let Some(b) = bias {
-            let b = b.vector();
-            out.live_mut(rows).par_chunks_mut(n).for_each(|o| {
-                for (o, b) in o.iter_mut().zip(b.iter()) {
-                    *o += b;
-                }
-            });
+            add_bias(out, &b.vector(), rows);
         }
     }
 
@@ -657,6 +703,81 @@ impl Backend for CpuBackend {
         });
     }
 
+    /// Decode over block formats: the input quantized once and every part's
+    /// columns in one parallel loop (one fork and join where there were
+    /// three, the same products); anything else one matmul per part.
+    fn matmul_many(&self, x: &CpuAct, parts: &mut [MatmulPart<'_, Self>], rows: usize) {
+        let k = x.cols;
+        let fused = parts.len() > 1
+            && parts.iter().all(|p| {
+                let (n, kw) = p.w.shape();
+                kw == k && p.out.cols == n && self.matmul_input(p.w, rows) == MatmulInput::Q8
+            });
+        if !fused {
+            return crate::unfused::matmul_many(self, x, parts, rows);
+        }
+        let q8_rows = q8_input(x.live(rows), k);
+        let outs: Vec<(&CpuWeight, SendPtr, usize)> =
+            parts.iter_mut().map(|p| (p.w, SendPtr(p.out.data.as_mut_ptr()), p.out.cols)).collect();
+        let ns: Vec<usize> = outs.iter().map(|o| o.2).collect();
+        for_column_tasks(&ns, |i, j0, nb| {
+            let (w, optr, n) = outs[i];
+            // SAFETY: each task alone writes its columns of its part's output.
+            unsafe { q8_columns(w, &q8_rows, optr, n, j0..j0 + nb) };
+        });
+        for p in parts.iter_mut() {
+            if let Some(b) = p.bias {
+                add_bias(p.out, &b.vector(), rows);
+            }
+        }
+    }
+
+    /// Decode over block formats: gate and up from one 8-bit copy of the
+    /// input, each task's columns of both and their SiLU product in one
+    /// parallel loop; anything else as the plain ops.
+    fn gate_up_silu(
+        &self,
+        x: &CpuAct,
+        gate: &CpuWeight,
+        up: &CpuWeight,
+        rows: usize,
+        gate_out: &mut CpuAct,
+        up_out: &mut CpuAct,
+        out: &mut CpuAct,
+    ) {
+        let k = x.cols;
+        let n = gate.shape().0;
+        let fused = gate.shape() == (n, k)
+            && up.shape() == (n, k)
+            && [gate_out.cols, up_out.cols, out.cols] == [n; 3]
+            && self.matmul_input(gate, rows) == MatmulInput::Q8
+            && self.matmul_input(up, rows) == MatmulInput::Q8;
+        if !fused {
+            return crate::unfused::gate_up_silu(self, x, gate, up, rows, gate_out, up_out, out);
+        }
+        let q8_rows = q8_input(x.live(rows), k);
+        let (g, u, o) = (
+            SendPtr(gate_out.data.as_mut_ptr()),
+            SendPtr(up_out.data.as_mut_ptr()),
+            SendPtr(out.data.as_mut_ptr()),
+        );
+        for_column_tasks(&[n], |_, j0, nb| {
+            let (g, u, o) = (g, u, o);
+            // SAFETY: each task alone writes its columns of the three outputs,
+            // which hold `rows` rows of `n`.
+            unsafe {
+                q8_columns(gate, &q8_rows, g, n, j0..j0 + nb);
+                q8_columns(up, &q8_rows, u, n, j0..j0 + nb);
+                for r in 0..rows {
+                    for j in j0..j0 + nb {
+                        let (gv, uv) = (*g.0.add(r * n + j), *u.0.add(r * n + j));
+                        *o.0.add(r * n + j) = silu_times(gv, uv);
+                    }
+                }
+            }
+        });
+    }
+
     fn silu_mul(&self, gate: &CpuAct, up: &CpuAct, rows: usize, out: &mut CpuAct) {
         let cols = gate.cols;
         out.live_mut(rows)
@@ -665,7 +786,7 @@ impl Backend for CpuBackend {
             .zip(up.live(rows).par_chunks(cols))
             .for_each(|((o, g), u)| {
                 for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-                    *o = g / (1.0 + (-g).exp()) * u;
+                    *o = silu_times(*g, *u);
                 }
             });
     }
