@@ -59,6 +59,23 @@ fn read(b: &CpuBackend, a: &<CpuBackend as Backend>::Act, rows: usize) -> Vec<u3
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+type Weight = <CpuBackend as Backend>::Weight;
+type Act = <CpuBackend as Backend>::Act;
+
+/// The parts of a `matmul_many`: each weight into its output, with its bias or not.
+fn parts<'a>(
+    ws: &'a [Weight],
+    bs: &'a [Weight],
+    outs: &'a mut [Act],
+    bias: bool,
+) -> Vec<MatmulPart<'a, CpuBackend>> {
+    ws.iter()
+        .zip(bs)
+        .zip(outs.iter_mut())
+        .map(|((w, b), out)| MatmulPart { w, bias: bias.then_some(b), out })
+        .collect()
+}
+
 #[test]
 fn fused_q_k_v_and_gate_up_are_the_plain_ops_bit_for_bit() {
     let b = CpuBackend::new();
@@ -80,20 +97,8 @@ fn fused_q_k_v_and_gate_up_are_the_plain_ops_bit_for_bit() {
                     ns.iter().map(|&n| b.alloc_act(ActShape { rows, cols: n }).unwrap()).collect();
                 let mut plain: Vec<_> =
                     ns.iter().map(|&n| b.alloc_act(ActShape { rows, cols: n }).unwrap()).collect();
-                let mut parts: Vec<MatmulPart<'_, CpuBackend>> = ws
-                    .iter()
-                    .zip(&bs)
-                    .zip(fused.iter_mut())
-                    .map(|((w, bias), out)| MatmulPart { w, bias: with_bias.then_some(bias), out })
-                    .collect();
-                b.matmul_many(&x, &mut parts, rows);
-                let mut parts: Vec<MatmulPart<'_, CpuBackend>> = ws
-                    .iter()
-                    .zip(&bs)
-                    .zip(plain.iter_mut())
-                    .map(|((w, bias), out)| MatmulPart { w, bias: with_bias.then_some(bias), out })
-                    .collect();
-                unfused::matmul_many(&b, &x, &mut parts, rows);
+                b.matmul_many(&x, &mut parts(&ws, &bs, &mut fused, with_bias), rows);
+                unfused::matmul_many(&b, &x, &mut parts(&ws, &bs, &mut plain, with_bias), rows);
                 for (i, (f, p)) in fused.iter().zip(&plain).enumerate() {
                     assert_eq!(
                         read(&b, f, rows),

@@ -528,22 +528,29 @@ fn bf16_input_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, 
     // The norm's copy against a fresh conversion of the same values.
     be.rms_norm(&x.g, &ng, 1e-5, rows, &mut normed.g);
     cpu.rms_norm(&x.c, &nc, 1e-5, rows, &mut normed.c);
-    be.matmul(&normed.g, &wg, None, rows, &mut y.g);
-    let mut vals = Vec::new();
-    be.read_rows(&normed.g, rows, &mut vals);
-    be.check()?;
-    let copy = pair(be, cpu, rows, k, Some(&vals))?;
-    be.matmul(&copy.g, &wg, None, rows, &mut fresh.g);
-    let (a, b) = (read_both(be, cpu, &y, rows)?.0, read_both(be, cpu, &fresh, rows)?.0);
-    rep.compare(
-        "matmul after rms_norm: its bf16 input as a conversion of the same rows gives",
-        &a,
-        &b,
-        EXACT,
-    );
-    cpu.matmul(&normed.c, &wc, None, rows, &mut y.c);
-    let (a, b) = read_both(be, cpu, &y, rows)?;
-    rep.compare("matmul after rms_norm (bf16 input stored by the norm)", &a, &b, BF16);
+    // `made` was just written by `op`: the matmul that reads its stored copy
+    // against one of a fresh copy of its rows (which converts), and the CPU.
+    let stored_copy_checks =
+        |made: &Pair, y: &mut Pair, fresh: &mut Pair, op: &str, rep: &mut CheckReport| {
+            be.matmul(&made.g, &wg, None, rows, &mut y.g);
+            let mut vals = Vec::new();
+            be.read_rows(&made.g, rows, &mut vals);
+            be.check()?;
+            let copy = pair(be, cpu, rows, k, Some(&vals))?;
+            be.matmul(&copy.g, &wg, None, rows, &mut fresh.g);
+            let (a, b) = (read_both(be, cpu, y, rows)?.0, read_both(be, cpu, fresh, rows)?.0);
+            rep.compare(
+                &format!("matmul after {op}: its bf16 input as a conversion of the same rows gives"),
+                &a,
+                &b,
+                EXACT,
+            );
+            cpu.matmul(&made.c, &wc, None, rows, &mut y.c);
+            let (a, b) = read_both(be, cpu, y, rows)?;
+            rep.compare(&format!("matmul after {op} (bf16 input stored by it)"), &a, &b, BF16);
+            Ok::<(), crate::BackendError>(())
+        };
+    stored_copy_checks(&normed, &mut y, &mut fresh, "rms_norm", rep)?;
     // An op that writes the input after the norm stored its copy: the next
     // matmul must see the new rows.
     let z = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 3.0)))?;
@@ -570,22 +577,7 @@ fn bf16_input_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, 
     let mut act = pair(be, cpu, rows, k, None)?;
     be.silu_mul(&g.g, &u.g, rows, &mut act.g);
     cpu.silu_mul(&g.c, &u.c, rows, &mut act.c);
-    be.matmul(&act.g, &wg, None, rows, &mut y.g);
-    let mut vals = Vec::new();
-    be.read_rows(&act.g, rows, &mut vals);
-    be.check()?;
-    let copy = pair(be, cpu, rows, k, Some(&vals))?;
-    be.matmul(&copy.g, &wg, None, rows, &mut fresh.g);
-    let (a, b) = (read_both(be, cpu, &y, rows)?.0, read_both(be, cpu, &fresh, rows)?.0);
-    rep.compare(
-        "matmul after silu_mul: its bf16 input as a conversion of the same rows gives",
-        &a,
-        &b,
-        EXACT,
-    );
-    cpu.matmul(&act.c, &wc, None, rows, &mut y.c);
-    let (a, b) = read_both(be, cpu, &y, rows)?;
-    rep.compare("matmul after silu_mul (bf16 input stored by the product)", &a, &b, BF16);
+    stored_copy_checks(&act, &mut y, &mut fresh, "silu_mul", rep)?;
     Ok(())
 }
 
