@@ -52,31 +52,25 @@ pub fn run(a: &GenerateArgs, cache: &std::path::Path) -> Result<()> {
     };
     let started = Instant::now();
     let mut stream = booted.engine.submit(request(0))?;
-    // The other copies, each drained by a thread of its own: (tokens, first token, end, reason).
+    // The other copies, each drained by a thread of its own.
     let others = (1..a.batch).map(|c| booted.engine.submit(request(c))).collect::<Result<Vec<_>, _>>()?;
     let copies = std::thread::scope(|scope| -> Result<Vec<Run>> {
-        let drains: Vec<_> = others.into_iter().map(|s| scope.spawn(move || drain(s))).collect();
+        let drains: Vec<_> = others.into_iter().map(|s| scope.spawn(move || drain(s, |_| Ok(())))).collect();
         let mut decoder = booted.tokenizer.decode_stream(true);
         let mut out = std::io::stdout().lock();
-        let mut first = Run::new();
-        let reason = loop {
-            match stream.next_blocking() {
-                Some(Event::Token { token, .. }) => {
-                    first.token();
-                    if let Some(piece) = decoder.push(&booted.tokenizer, token.get())? {
-                        write!(out, "{piece}")?;
-                        out.flush()?;
-                    }
-                }
-                Some(Event::Done { reason, .. }) => break reason,
-                None => break FinishReason::Aborted,
+        let first = drain(&mut stream, |token| {
+            if let Some(piece) = decoder.push(&booted.tokenizer, token.get())? {
+                write!(out, "{piece}")?;
+                out.flush()?;
             }
-        };
+            Ok(())
+        })?;
         write!(out, "{}", decoder.finish(&booted.tokenizer)?)?;
         writeln!(out)?;
-        first.end(reason);
         let mut all = vec![first];
-        all.extend(drains.into_iter().map(|d| d.join().expect("a drain thread panicked")));
+        for d in drains {
+            all.push(d.join().expect("a drain thread panicked")?);
+        }
         Ok(all)
     })?;
     let total = started.elapsed().as_secs_f64();
@@ -123,17 +117,24 @@ impl Run {
     }
 }
 
-fn drain(mut stream: corridor_engine::engine::RequestStream) -> Run {
-    let mut c = Run::new();
+/// Read `stream` to its end, handing each token to `on_token`.
+fn drain(
+    mut stream: impl std::borrow::BorrowMut<corridor_engine::engine::RequestStream>,
+    mut on_token: impl FnMut(TokenId) -> Result<()>,
+) -> Result<Run> {
+    let mut run = Run::new();
     let reason = loop {
-        match stream.next_blocking() {
-            Some(Event::Token { .. }) => c.token(),
+        match stream.borrow_mut().next_blocking() {
+            Some(Event::Token { token, .. }) => {
+                run.token();
+                on_token(token)?;
+            }
             Some(Event::Done { reason, .. }) => break reason,
             None => break FinishReason::Aborted,
         }
     };
-    c.end(reason);
-    c
+    run.end(reason);
+    Ok(run)
 }
 
 /// Decode tokens per second over every copy: the tokens after each copy's

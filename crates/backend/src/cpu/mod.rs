@@ -462,13 +462,18 @@ fn q8_input(xs: &[f32], k: usize) -> Vec<quant::Q8Row> {
 /// `f(t)` for every task of `ROWS_PER_TASK` columns of `ns` matrices side
 /// by side, in one parallel loop: `t` is (matrix, first column, columns).
 fn for_column_tasks(ns: &[usize], f: impl Fn(usize, usize, usize) + Sync + Send) {
-    let tasks: Vec<(usize, usize, usize)> = ns
-        .iter()
-        .enumerate()
-        .flat_map(|(i, &n)| (0..n.div_ceil(ROWS_PER_TASK)).map(move |t| (i, t * ROWS_PER_TASK, n)))
-        .map(|(i, j0, n)| (i, j0, ROWS_PER_TASK.min(n - j0)))
-        .collect();
-    tasks.into_par_iter().for_each(|(i, j0, nb)| f(i, j0, nb));
+    let total: usize = ns.iter().map(|n| n.div_ceil(ROWS_PER_TASK)).sum();
+    (0..total).into_par_iter().for_each(|mut t| {
+        // Task t's matrix: the few matrices are walked, nothing is allocated.
+        for (i, &n) in ns.iter().enumerate() {
+            let tasks = n.div_ceil(ROWS_PER_TASK);
+            if t < tasks {
+                let j0 = t * ROWS_PER_TASK;
+                return f(i, j0, ROWS_PER_TASK.min(n - j0));
+            }
+            t -= tasks;
+        }
+    });
 }
 
 /// A raw pointer that may cross into rayon tasks writing disjoint regions.

@@ -419,14 +419,14 @@ impl CudaBackend {
 
     /// A matmul op writes `outs`: if one of them is the activation `xbf`
     /// holds, that copy is stale.
-    pub(super) fn forget_xbf_written(&self, st: &mut State, outs: &[&CudaAct]) {
+    pub(super) fn forget_xbf_written<'a>(&self, st: &mut State, outs: impl IntoIterator<Item = &'a CudaAct>) {
         if let Some(v) = st.xbf_holds {
             let held = v.ptr..v.ptr + (v.rows * v.cols * 4) as u64;
-            let overlaps = |o: &&CudaAct| {
+            let overlaps = |o: &CudaAct| {
                 let len = (o.rows.max(1) * o.stride.max(o.cols) * 4) as u64;
                 o.ptr() < held.end && held.start < o.ptr() + len
             };
-            if outs.iter().any(overlaps) {
+            if outs.into_iter().any(overlaps) {
                 st.xbf_holds = None;
             }
         }
@@ -643,7 +643,7 @@ impl CudaBackend {
                 )));
             }
             let r = self.matmul_inner(st, x, w, rows, out);
-            self.forget_xbf_written(st, &[out]);
+            self.forget_xbf_written(st, [&*out]);
             r?;
             match bias {
                 Some(b) => self.add_bias(out, b, rows),
@@ -683,8 +683,7 @@ impl CudaBackend {
         if !fused && self.share_q8_input(x, parts.iter().map(|p| (p.w, p.out.cols)), rows) {
             // One quantization of the input for every part.
             return self.matmul_op("matmul_many (8-bit input)", |st| {
-                let outs: Vec<&CudaAct> = parts.iter().map(|p| &*p.out).collect();
-                self.forget_xbf_written(st, &outs);
+                self.forget_xbf_written(st, parts.iter().map(|p| &*p.out));
                 let input = self.q8_input(st, x, rows)?;
                 for p in parts.iter() {
                     self.gemv_q8(input, p.w, rows, p.out)?;
@@ -730,7 +729,7 @@ impl CudaBackend {
         if !fused && self.share_q8_input(x, [(gate, gate_out.cols), (up, up_out.cols)].into_iter(), rows) {
             // One quantization of the input for both GEMVs, then the SiLU product.
             self.matmul_op("gate_up (8-bit input)", |st| {
-                self.forget_xbf_written(st, &[gate_out, up_out]);
+                self.forget_xbf_written(st, [&*gate_out, &*up_out]);
                 let input = self.q8_input(st, x, rows)?;
                 self.gemv_q8(input, gate, rows, gate_out)?;
                 self.gemv_q8(input, up, rows, up_out)

@@ -129,44 +129,39 @@ impl CudaBackend {
         // the specs and edits go up as they are, unpacked.
         let whole = specs.len() <= max_rows && edits.len() <= max_edits;
         while done < specs.len() {
-            if whole {
-                self.upload(specs_ptr, specs)?;
-                self.upload(edits_ptr, edits)?;
-                self.launch_sample_rows(logits.ptr(), vocab, specs_ptr, edits_ptr, out_ptr, specs.len())?;
-                // SAFETY: `out.rows` holds one summary per spec, as the buffer does.
-                unsafe { cu::memcpy_dtoh_async(&mut out.rows[..], out_ptr, self.stream.0) }
-                    .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
-                self.synchronize()?;
-                break;
-            }
-            // The next launch: as many rows as the buffers hold, their edits
-            // packed from 0.
-            part.clear();
-            part_edits.clear();
-            for s in &specs[done..] {
-                let len = s.edits_len as usize;
-                if part.len() == max_rows || (part_edits.len() + len > max_edits && !part.is_empty()) {
-                    break;
+            let (launch, launch_edits): (&[SampleRowSpec], &[LogitEdit]) = if whole {
+                (specs, edits)
+            } else {
+                // The next launch: as many rows as the buffers hold, their
+                // edits packed from 0.
+                part.clear();
+                part_edits.clear();
+                for s in &specs[done..] {
+                    let len = s.edits_len as usize;
+                    if part.len() == max_rows || (part_edits.len() + len > max_edits && !part.is_empty()) {
+                        break;
+                    }
+                    if len > max_edits {
+                        return bad(format!("a row with {len} edits; the device holds {max_edits}"));
+                    }
+                    let lo = s.edits_start as usize;
+                    part.push(SampleRowSpec { edits_start: part_edits.len() as u32, ..*s });
+                    part_edits.extend_from_slice(&edits[lo..lo + len]);
                 }
-                if len > max_edits {
-                    return bad(format!("a row with {len} edits; the device holds {max_edits}"));
+                if part.is_empty() {
+                    return bad("no device buffers for the rows".into());
                 }
-                let lo = s.edits_start as usize;
-                part.push(SampleRowSpec { edits_start: part_edits.len() as u32, ..*s });
-                part_edits.extend_from_slice(&edits[lo..lo + len]);
-            }
-            if part.is_empty() {
-                return bad("no device buffers for the rows".into());
-            }
-            self.upload(specs_ptr, &part)?;
-            self.upload(edits_ptr, &part_edits)?;
-            self.launch_sample_rows(logits.ptr(), vocab, specs_ptr, edits_ptr, out_ptr, part.len())?;
-            let got = &mut out.rows[done..done + part.len()];
+                (&part, &part_edits)
+            };
+            self.upload(specs_ptr, launch)?;
+            self.upload(edits_ptr, launch_edits)?;
+            self.launch_sample_rows(logits.ptr(), vocab, specs_ptr, edits_ptr, out_ptr, launch.len())?;
+            let got = &mut out.rows[done..done + launch.len()];
             // SAFETY: `got` holds one summary per spec of this launch, as the buffer does.
             unsafe { cu::memcpy_dtoh_async(got, out_ptr, self.stream.0) }
                 .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
             self.synchronize()?;
-            done += part.len();
+            done += launch.len();
         }
         let spilled: Vec<u32> = specs
             .iter()

@@ -52,23 +52,21 @@ pub fn adjustment_edits(
     }
     let held = penalties.map(|p| &p.at);
     // The edits of `logit_bias` and the masks, merged with the penalties'
-    // edit of the same token, else with one made here before.
+    // edit of the same token, else with one made here before (from `extra` on).
+    let extra = out.len();
     let edit = |out: &mut Vec<LogitEdit>, token: TokenId, f: &dyn Fn(&mut LogitEdit)| {
         if token.index() >= vocab {
             return;
         }
         let i = match held.and_then(|at| at.get(&token)) {
             Some(&i) => start + i,
-            None => {
-                match out[start + held.map_or(0, |at| at.len())..].iter().position(|e| e.token == token.get())
-                {
-                    Some(j) => start + held.map_or(0, |at| at.len()) + j,
-                    None => {
-                        out.push(LogitEdit { token: token.get(), rep: 1.0, sub: 0.0, bias: 0.0, flags: 0 });
-                        out.len() - 1
-                    }
+            None => match out[extra..].iter().position(|e| e.token == token.get()) {
+                Some(j) => extra + j,
+                None => {
+                    out.push(LogitEdit { token: token.get(), rep: 1.0, sub: 0.0, bias: 0.0, flags: 0 });
+                    out.len() - 1
                 }
-            }
+            },
         };
         f(&mut out[i]);
     };
