@@ -38,3 +38,6 @@ python3 scripts/check_kernels.py
 
 echo "== the CUDA build compiles (backend, card, server and cli; its checks run on a GPU machine)"
 cargo check --workspace --features cuda --all-targets
+
+echo "== the CUDA backend's host-side rules (kernel choice, launch shapes, the card's books; no GPU needed)"
+cargo test -p corridor-backend --features cuda --lib cuda::

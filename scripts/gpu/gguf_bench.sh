@@ -10,6 +10,9 @@
 #                                                   # check the tiny K-quant files GPU vs CPU
 #   OUT=DIR scripts/gpu/gguf_bench.sh bench Q8_0 Q4_K_M ...   # per file: llama-batched-bench, then
 #                                                   # corridor serve + corridor bench (bench8b.sh)
+#                                                   # for each NAME=BINARY of CORRIDORS (default
+#                                                   # new=.gpu/corridor), at CORRIDOR_BATCHES
+#                                                   # (default BATCHES)
 #
 # Files live in /tmp/gguf (llama8b-f16.gguf, llama8b-Q8_0.gguf, ...), kept between calls while the
 # machine stays warm. Q8_0 and Q4_0 are quantized --pure (one type throughout); Q4_K_M is the mixed
@@ -77,13 +80,19 @@ bench_file() {
     else
         header "$q: llama-batched-bench not built (LCPP_CUDA=0): llama.cpp not run"
     fi
-    header "$q: corridor serve + corridor bench"
-    mkdir -p "$out/corridor_$q"
-    OUT="$out/corridor_$q" MODEL_DIR="$f" SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 SKIP_LATENCY=1 \
-        DECODE_BATCHES="$BATCHES" DEADLINE_S=${FILE_DEADLINE_S:-240} scripts/gpu/bench8b.sh > "$out/corridor_$q.log" 2>&1
-    echo "status $?"
-    grep -hE "tokens/s|ITL|itl" "$out/corridor_$q"/decode_*.txt 2>/dev/null | head -n 12
-    grep -E "summary|decode" "$out/corridor_$q/summary.md" 2>/dev/null | head -n 20
+    # CORRIDORS: "NAME=BINARY ..." serves each binary in turn on the same file (a same-run A/B);
+    # the default is the one build in .gpu/.
+    local side name bin
+    for side in ${CORRIDORS:-new=.gpu/corridor}; do
+        name=${side%%=*} bin=${side#*=}
+        header "$q: corridor serve + corridor bench ($name: $bin)"
+        mkdir -p "$out/corridor_${q}_$name"
+        OUT="$out/corridor_${q}_$name" MODEL_DIR="$f" CORRIDOR_BIN="$bin" SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 \
+            SKIP_LATENCY=1 DECODE_BATCHES="${CORRIDOR_BATCHES:-$BATCHES}" DEADLINE_S=${FILE_DEADLINE_S:-240} \
+            scripts/gpu/bench8b.sh > "$out/corridor_${q}_$name.log" 2>&1
+        echo "status $?"
+        grep -E "summary|decode" "$out/corridor_${q}_$name/summary.md" 2>/dev/null | head -n 20
+    done
 }
 
 case "${1:-}" in

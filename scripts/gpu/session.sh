@@ -2,6 +2,8 @@
 # One GPU session's checks, in two steps so each call carries under the
 # device transfer limit (binaries built on the development machine into .gpu/):
 #   scripts/gpu/session.sh checks   # card + chokepoint check, kernel checks, tiny checkpoints GPU vs CPU
+#   scripts/gpu/session.sh quant    # kernel checks, tiny checkpoints, then the block-format matmuls
+#                                   # timed at 1 to 256 rows (cuda_check --bench-quant)
 #   scripts/gpu/session.sh paris    # SmolLM2 "Paris" on the GPU, by the model and through `corridor serve`;
 #                                   # first call: `cp .gpu-a/part /tmp/smol_a` (carry .gpu-a), second: this
 #                                   # (carry .gpu-b and .gpu-c = corridor + corridor-gpu-check)
@@ -85,6 +87,23 @@ case "${1:-checks}" in
     echo "== [${SECONDS}s] decode kernels by ncu (4 layers)"
     python3 scripts/gpu/make_qwen3moe.py /dev/shm/moe4 --tokenizer-dir "$tok" --layers 4 --vocab tokenizer > /dev/null 2>&1
     OUT="$out" SHOW=16 timeout 150 scripts/gpu/ncu_decode.sh /dev/shm/moe4
+    ;;
+  quant)
+    # The block-format matmuls: every kernel against the CPU, the tiny K-quant and other
+    # checkpoints GPU against CPU, then every path of the block-format matmuls timed at 1 to 256
+    # rows (`cuda_check --bench-quant`: what `matmul` picks, the integer GEMV, mmq, widening).
+    SECONDS=0
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
+    echo "== [${SECONDS}s] kernels vs CPU"; timeout 300 ./.gpu/cuda_check > "$out/cuda_check.log" 2>&1
+    echo "exit $?"; grep -E "FAIL" "$out/cuda_check.log" | head -n 25; tail -n 1 "$out/cuda_check.log"
+    echo "== [${SECONDS}s] tiny checkpoints GPU vs CPU"
+    timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny/kquant > "$out/e2e_kquant.log" 2>&1; echo "exit $?"
+    grep -E "FAIL" "$out/e2e_kquant.log" | head -n 10; tail -n 1 "$out/e2e_kquant.log"
+    timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny > "$out/e2e.log" 2>&1; echo "exit $?"
+    grep -E "FAIL" "$out/e2e.log" | head -n 10; tail -n 1 "$out/e2e.log"
+    echo "== [${SECONDS}s] block-format matmuls"
+    timeout 300 ./.gpu/cuda_check --bench-quant > "$out/bench_quant.log" 2>&1; echo "exit $?"
+    sed -e 's/ | /\n    /g' "$out/bench_quant.log" | grep -vE "gemv|q8-gemv" | head -n 400
     ;;
   paris)
     # The GGUF travels in two halves (.gpu-a, then .gpu-b in a second call while the machine is

@@ -2,7 +2,8 @@
 //! capture and replay, and micro-benchmarks. Run on a GPU machine by
 //! `scripts/gpu/check.sh`; exits non-zero when any comparison fails.
 //! `--bench` runs the micro-benchmarks after the checks, `--bench-only`
-//! without them, `--bench-gemm` only cuBLASLt's split-K schemes at decode batches.
+//! without them, `--bench-gemm` only cuBLASLt's split-K schemes at decode batches,
+//! `--bench-quant` only the block-format matmuls (every path at 1 to 256 rows).
 //!
 //! `CORRIDOR_CACHE_DIR` (optional) is where compiled kernels are cached.
 
@@ -41,6 +42,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let flag = |f: &str| std::env::args().any(|a| a == f);
     if flag("--bench-gemm") {
         for l in check::bench_gemm_schemes(&be, &mut 0)? {
+            println!("{l}");
+        }
+        return Ok(());
+    }
+    if flag("--bench-quant") {
+        for l in check::bench_quant(&be, &mut 0)? {
             println!("{l}");
         }
         return Ok(());

@@ -1,52 +1,70 @@
-// Block-format weights on the tensor cores, for a few to MMQ_MAX_ROWS input
+// Block-format weights on the tensor cores, for a few to a few hundred input
 // rows: out[r][j] = x[r] . w[j], the weights kept quantized in memory and
-// every weight byte read once per launch, however many rows share it.
+// every weight byte read once per launch for each group of input rows.
 //
 // Layout: a block of MMQ_WARPS warps owns MMQ_BN weight rows, 16 per warp
-// (the M of mma.m16n8k16), and one slice of K (blockIdx.y); every input row
-// is an N column (8 per mma, NT tiles). The block walks its slice in chunks
-// of 256 weights (one K-quant super-block, or 8 blocks of the 32-weight
-// formats): the raw bytes of the next chunk of all its rows are copied to
-// shared memory with cp.async while the threads decode the current one
+// (the M of mma.m16n8k16), one group of up to 8 NT input rows (NT = 1, 2, 4
+// or 8 tiles of 8, each an N of the mma) and one slice of K (blockIdx.y). blockIdx.x
+// counts the row groups fastest, so the blocks that share a weight tile run
+// side by side and its second read comes from L2. The block walks its slice
+// in chunks of 256 weights (one K-quant super-block, or 8 blocks of the
+// 32-weight formats): the raw bytes of the next chunk of all its weight
+// rows, and the same 256 k of all its input rows as bf16, are copied to
+// shared memory with cp.async while the threads decode the current chunk
 // (`deq8`: 8 consecutive weights of rows g and g + 8) straight into mma
-// fragments, so the copy engine keeps the loads in flight and every weight
-// is decoded exactly once. The input rows come as bf16 from global memory
-// through L1, which the block's warps share. Splitting K over the grid's y
-// (`kslice`) gives a card enough blocks even for a 1024-row projection; each
-// slice then writes its partial sums to `part[y]` and `mmq_reduce` adds the
-// slices in a fixed order, so the result does not depend on the scheduling.
+// fragments. Every weight is decoded once per block and every input value
+// read from global memory once per block; the warps share the staged input.
+// Splitting K over the grid's y (`kslice`) gives a card enough blocks even
+// for a 1024-row projection; each slice then writes its partial sums to
+// `part[y]` and `mmq_reduce` adds the slices in a fixed order, so the result
+// does not depend on the scheduling.
 //
 // K order inside a 32-weight group: thread (g, t) holds weights 32q + 8t ..
-// + 7 of its rows and the same 8 k of its input row (one 16-byte load), and
-// uses elements 0..3 for the first k-step of the group and 4..7 for the
-// second: the fragment's logical k (2t, 2t+1, 2t+8, 2t+9) maps to physical k
-// 32q + 8t + 4s + (0..3), the same for A and B, so the product is the plain
-// dot product (as in gemv.cu `gemv_tc_body`).
+// + 7 of its rows and the same 8 k of its input row (one 16-byte shared
+// load), and uses elements 0..3 for the first k-step of the group and 4..7
+// for the second: the fragment's logical k (2t, 2t+1, 2t+8, 2t+9) maps to
+// physical k 32q + 8t + 4s + (0..3), the same for A and B, so the product is
+// the plain dot product (as in gemv.cu `gemv_tc_body`).
+//
+// Shared memory is dynamic (its size is `mmq_smem_bytes` below, which the
+// host computes the same way, `matmul::mmq_smem_bytes`): two weight stages
+// [MMQ_BN][slot] bytes, then two input stages [8 NT][MMQ_XSTRIDE] bf16.
+// A staged input row is 576 bytes (256 k and a 64-byte pad), 64 mod 128, so
+// the eight lanes of a quarter-warp (rows g, g + 1, four 16-byte columns
+// t each) read eight distinct groups of four banks.
 //
 // The activations come as bf16 (the host rounds them, as for cuBLASLt); the
 // products accumulate in f32.
 
 #define MMQ_BN 64
 #define MMQ_WARPS 4
-#define MMQ_MAX_ROWS 128
+#define MMQ_XSTRIDE 288
 
 // Bytes of 256 weights of each format, and the shared-memory slot a row's
 // chunk takes: its bytes from the 16-byte boundary at or below their start
 // (blocks of 34, 18 or 210 bytes are not 16-byte aligned) to the one above
-// their end.
+// their end, made an odd number of 16-byte pieces so that the rows a warp
+// decodes together start in different banks.
 template <int DT>
 struct MmqFmt {
     static const int b256 = DT == DT_Q8_0 ? 272 : DT == DT_Q4_0 ? 144 : DT == DT_Q4_1 ? 160 : DT == DT_Q5_0 ? 176
                           : DT == DT_Q5_1 ? 192 : DT == DT_IQ4_NL ? 144 : DT == DT_Q2_K ? 84 : DT == DT_Q3_K ? 110
                           : DT == DT_Q4_K ? 144 : DT == DT_Q5_K ? 176 : DT == DT_Q6_K ? 210 : 136;
-    static const int slot = (b256 + 15) / 16 * 16 + 16;
+    static const int pieces0 = (b256 + 15) / 16 + 1;
+    static const int slot = 16 * (pieces0 | 1);
 };
 
-// Copy chunk `kc` (a multiple of 256, `kw` weights) of the block's rows to `dst`
-// ([MMQ_BN][slot]); bytes past a row's end are zero-filled, never read.
+template <int DT, int NT>
+__device__ __forceinline__ int mmq_smem_bytes() {
+    return 2 * MMQ_BN * MmqFmt<DT>::slot + 2 * 8 * NT * MMQ_XSTRIDE * 2;
+}
+
+// Copy chunk `kc` (a multiple of 256, `kw` weights) of the block's weight rows
+// to `dst` ([MMQ_BN][slot]); bytes past a row's end are zero-filled, never read
+// (a piece with none to copy names the aligned start as its source).
 template <int DT>
-__device__ __forceinline__ void mmq_stage(u8* dst, const u8* __restrict__ w, long long row_bytes, int n, int j0,
-                                          int kc, int kw) {
+__device__ __forceinline__ void mmq_stage_w(u8* dst, const u8* __restrict__ w, long long row_bytes, int n, int j0,
+                                            int kc, int kw) {
     const int slot = MmqFmt<DT>::slot, pieces = slot / 16;
     long long off = (long long)(kc / 256) * MmqFmt<DT>::b256;
     int bytes = (kw * MmqFmt<DT>::b256 + 255) / 256;
@@ -58,43 +76,74 @@ __device__ __forceinline__ void mmq_stage(u8* dst, const u8* __restrict__ w, lon
         const u8* src = base + 16 * i;
         long long left = (row + off + bytes) - src;
         int take = left >= 16 ? 16 : (left > 0 ? (int)left : 0);
-        cp_async16(smem_u32(dst + r * slot + 16 * i), take > 0 ? src : start, take);
+        cp_async16(smem_u32(dst + r * slot + 16 * i), take > 0 ? src : base, take);
     }
 }
 
-// NT: tiles of 8 input rows the launch covers (rows <= 8 NT).
+// Copy k = kc .. kc + kw - 1 of the group's input rows (`gr` of them, from
+// row r0 of xb, [rows, k] bf16) to `dst` ([8 NT][MMQ_XSTRIDE]); the rows
+// past the group's last are zero-filled. kw is a multiple of 8.
+template <int NT>
+__device__ __forceinline__ void mmq_stage_x(bf16_t* dst, const bf16_t* __restrict__ xb, int k, int r0, int gr, int kc,
+                                            int kw) {
+    int per_row = kw >> 3;
+    for (int p = threadIdx.x; p < 8 * NT * per_row; p += MMQ_WARPS * 32) {
+        int r = p / per_row, i = p - r * per_row;
+        const bf16_t* src = xb + (long long)(r0 + imin(r, gr - 1)) * k + kc + 8 * i;
+        cp_async16(smem_u32(dst + r * MMQ_XSTRIDE + 8 * i), src, r < gr ? 16 : 0);
+    }
+}
+
+// NT: tiles of 8 input rows one group holds; `groups`: the groups of 8 NT
+// input rows (blockIdx.x % groups), the last one possibly short.
 template <int DT, int NT>
 __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row_bytes, const bf16_t* __restrict__ xb,
-                                         float* __restrict__ out, int n, int k, int rows, int kslice) {
+                                         float* __restrict__ out, int n, int k, int rows, int kslice, int groups) {
     const int slot = MmqFmt<DT>::slot;
-    __shared__ __align__(16) u8 raw[2][MMQ_BN * MmqFmt<DT>::slot];
+    extern __shared__ __align__(16) u8 mmq_smem[];
+    u8* raw = mmq_smem;
+    bf16_t* xs = (bf16_t*)(mmq_smem + 2 * MMQ_BN * slot);
+    const int xstage = 8 * NT * MMQ_XSTRIDE;
+#ifdef __CUDA_ARCH__
+    // A launch with less shared memory than this layout would write past it.
+    u32 have;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < (u32)mmq_smem_bytes<DT, NT>()) __trap();
+#endif
     pdl_enter();
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int g = lane >> 2, t = lane & 3;
-    int jb0 = blockIdx.x * MMQ_BN;
+    int grp = blockIdx.x % groups;
+    int jb0 = (blockIdx.x / groups) * MMQ_BN;
+    int r0 = grp * 8 * NT, gr = imin(8 * NT, rows - r0);
     int k0 = blockIdx.y * kslice, k1 = imin(k, k0 + kslice);
-    // This thread's two rows in the slot layout.
+    // This thread's two weight rows in the slot layout.
     int ra = 16 * wid + g, rb = ra + 8;
     const u8* wa = w + (long long)imin(jb0 + ra, n - 1) * row_bytes;
     const u8* wb = w + (long long)imin(jb0 + rb, n - 1) * row_bytes;
-    const bf16_t* xt = xb + 8 * t;
     float c[NT][4];
 #pragma unroll
     for (int i = 0; i < NT; i++) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
-    mmq_stage<DT>(raw[0], w, row_bytes, n, jb0, k0, imin(256, k1 - k0));
+    mmq_stage_w<DT>(raw, w, row_bytes, n, jb0, k0, imin(256, k1 - k0));
+    mmq_stage_x<NT>(xs, xb, k, r0, gr, k0, imin(256, k1 - k0));
     cp_async_commit();
     int buf = 0;
     for (int kc = k0; kc < k1; kc += 256, buf ^= 1) {
         int kw = imin(256, k1 - kc);
-        if (kc + 256 < k1) mmq_stage<DT>(raw[buf ^ 1], w, row_bytes, n, jb0, kc + 256, imin(256, k1 - kc - 256));
+        if (kc + 256 < k1) {
+            int kn = imin(256, k1 - kc - 256);
+            mmq_stage_w<DT>(raw + (buf ^ 1) * MMQ_BN * slot, w, row_bytes, n, jb0, kc + 256, kn);
+            mmq_stage_x<NT>(xs + (buf ^ 1) * xstage, xb, k, r0, gr, kc + 256, kn);
+        }
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
         // Where each row's chunk starts past its 16-byte boundary (it moves
         // from chunk to chunk when 256 weights are not whole 16 bytes: Q6_K).
         long long off = (long long)(kc / 256) * MmqFmt<DT>::b256;
-        const u8* sa = raw[buf] + ra * slot + (int)((unsigned long long)(wa + off) & 15ull);
-        const u8* sb = raw[buf] + rb * slot + (int)((unsigned long long)(wb + off) & 15ull);
+        const u8* sa = raw + buf * MMQ_BN * slot + ra * slot + (int)((unsigned long long)(wa + off) & 15ull);
+        const u8* sb = raw + buf * MMQ_BN * slot + rb * slot + (int)((unsigned long long)(wb + off) & 15ull);
+        const bf16_t* xr = xs + buf * xstage + g * MMQ_XSTRIDE + 8 * t;
         // Unrolled so that each group's sub-block index is a constant and
         // the K-quants' scale unpacking folds to a few shifts.
 #pragma unroll
@@ -107,33 +156,30 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row
             u32 a2 = pack_bf16x2(va[4], va[5]), a3 = pack_bf16x2(va[6], va[7]);
             u32 b0 = pack_bf16x2(vb[0], vb[1]), b1 = pack_bf16x2(vb[2], vb[3]);
             u32 b2 = pack_bf16x2(vb[4], vb[5]), b3 = pack_bf16x2(vb[6], vb[7]);
-            int kk = kc + 32 * q;
 #pragma unroll
             for (int i = 0; i < NT; i++) {
-                if (8 * i < rows) {
-                    int xr = 8 * i + g;
-                    uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-                    if (xr < rows) xv = __ldg((const uint4*)(xt + (long long)xr * k + kk));
+                if (8 * i < gr) {
+                    uint4 xv = *(const uint4*)(xr + 8 * i * MMQ_XSTRIDE + 32 * q);
                     mma_bf16_m16n8k16(c[i], a0, b0, a1, b1, xv.x, xv.y);
                     mma_bf16_m16n8k16(c[i], a2, b2, a3, b3, xv.z, xv.w);
                 }
             }
         }
-        __syncthreads(); // every warp is done with raw[buf] before it is refilled
+        __syncthreads(); // every warp is done with this stage before it is refilled
     }
     // c0, c1: weight row g, input rows 2t, 2t + 1 of the tile; c2, c3: weight row g + 8.
-    float* o = out + (long long)blockIdx.y * rows * n;
+    float* o = out + (long long)blockIdx.y * rows * n + (long long)r0 * n;
     int ja = jb0 + ra, jb = jb0 + rb;
 #pragma unroll
     for (int i = 0; i < NT; i++) {
         int xr = 8 * i + 2 * t;
         if (ja < n) {
-            if (xr < rows) o[(long long)xr * n + ja] = c[i][0];
-            if (xr + 1 < rows) o[(long long)(xr + 1) * n + ja] = c[i][1];
+            if (xr < gr) o[(long long)xr * n + ja] = c[i][0];
+            if (xr + 1 < gr) o[(long long)(xr + 1) * n + ja] = c[i][1];
         }
         if (jb < n) {
-            if (xr < rows) o[(long long)xr * n + jb] = c[i][2];
-            if (xr + 1 < rows) o[(long long)(xr + 1) * n + jb] = c[i][3];
+            if (xr < gr) o[(long long)xr * n + jb] = c[i][2];
+            if (xr + 1 < gr) o[(long long)(xr + 1) * n + jb] = c[i][3];
         }
     }
 }
@@ -141,11 +187,11 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row
 #define MMQ(NAME, DT, NT)                                                                                         \
     extern "C" __global__ void __launch_bounds__(MMQ_WARPS * 32)                                                   \
         mmq_##NAME##_n##NT(const u8* __restrict__ w, long long row_bytes, const bf16_t* __restrict__ xb,          \
-                           float* __restrict__ out, int n, int k, int rows, int kslice) {                         \
-        mmq_body<DT, NT>(w, row_bytes, xb, out, n, k, rows, kslice);                                              \
+                           float* __restrict__ out, int n, int k, int rows, int kslice, int groups) {             \
+        mmq_body<DT, NT>(w, row_bytes, xb, out, n, k, rows, kslice, groups);                                      \
     }
-// Instantiations for up to 8, 16, 32, 64 and 128 input rows.
-#define MMQ_ALL(NAME, DT) MMQ(NAME, DT, 1) MMQ(NAME, DT, 2) MMQ(NAME, DT, 4) MMQ(NAME, DT, 8) MMQ(NAME, DT, 16)
+// Instantiations for groups of up to 8, 16, 32 and 64 input rows.
+#define MMQ_ALL(NAME, DT) MMQ(NAME, DT, 1) MMQ(NAME, DT, 2) MMQ(NAME, DT, 4) MMQ(NAME, DT, 8)
 MMQ_ALL(q8_0, DT_Q8_0)
 MMQ_ALL(q4_0, DT_Q4_0)
 MMQ_ALL(q4_1, DT_Q4_1)

@@ -20,6 +20,16 @@
 //!   quantization of the input rows bit for bit against the CPU's rule, and
 //!   every format's GEMV at every row-count instantiation against the weights
 //!   dequantized in double from the format's definition.
+//! - `mmq.cpp`: the tensor-core matmul of block-format weights
+//!   (kernels/mmq.cu, with the decoders of kernels/blocks.cu) for the formats
+//!   with word-wise decoders, at every group size, with K slices and their
+//!   reduction, against the weights dequantized in double; copies land at
+//!   their cp.async wait, reads past the weights or the input fail.
+//!
+//! Shared by the programs: `shim.h` (threads, barriers, vector types, warp
+//! shuffles), `mma.h` (shared-memory addresses, cp.async, mma.sync,
+//! ldmatrix) and `formats.h` (the block formats' reference decoders and
+//! random blocks).
 //!
 //! Needs a C++20 compiler: `$CXX`, or `c++` on the PATH.
 
@@ -67,4 +77,10 @@ fn moe_decode_kernels_match_the_reference_under_emulation() {
 fn integer_decode_gemvs_match_the_block_definitions_under_emulation() {
     let report = run_emulated("mmvq");
     assert_eq!(report.matches("PASS").count(), 56, "fewer comparisons than written:\n{report}");
+}
+
+#[test]
+fn mmq_kernels_match_the_reference_under_emulation() {
+    let report = run_emulated("mmq");
+    assert_eq!(report.matches("PASS").count(), 39, "fewer comparisons than written:\n{report}");
 }

@@ -1291,6 +1291,89 @@ pub fn bench_gemm_schemes(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<
     Ok(lines)
 }
 
+/// The block-format lines of [`bench`] alone (`cuda_check --bench-quant`).
+pub fn bench_quant(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let mut rng = Rng(11);
+    let copy_gbs = 4300.0;
+    // Block formats: bytes are the quantized bytes read. At each row count, what
+    // `matmul` picks, and beside it the alternatives: the integer GEMV (up to
+    // 8 rows; with the input's quantization, as a matmul runs it, and alone),
+    // the per-row f32 GEMV (up to 8 rows), the mmq kernel and widening +
+    // cuBLASLt.
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+        for &(n, k) in &[(4096usize, 4096usize), (1024, 4096), (14336, 4096), (4096, 14336)] {
+            let t = quant_tensor(&mut rng, dtype, n, k);
+            let bytes = t.data.len() as f64;
+            let ws = weight_copies(be, &t)?;
+            let x = be.alloc_act(ActShape { rows: 256, cols: k })?;
+            put_gpu(be, &x, &rng.vec(256 * k, 1.0))?;
+            let mut out = be.alloc_act(ActShape { rows: 256, cols: n })?;
+            for rows in [1usize, 2, 4, 8, 16, 32, 64, 128, 256] {
+                let mut time = |f: &mut dyn FnMut(&CudaWeight, &mut CudaAct)| -> Result<f32> {
+                    *graph_id += 1;
+                    Ok(graph_time_ms(be, *graph_id, 10, || {
+                        for w in &ws {
+                            f(w, &mut out);
+                        }
+                    })? / ws.len() as f32)
+                };
+                let picked = time(&mut |w, out| be.matmul(&x, w, None, rows, out))?;
+                let pct = |ms: f32| bytes / (ms as f64 * 1e-3) / 1e9 / copy_gbs * 100.0;
+                // "GB/s = % of the copy bandwidth".
+                let bw = |ms: f32| format!("{:.0} GB/s = {:.0}%", bytes / (ms as f64 * 1e-3) / 1e9, pct(ms));
+                let tflops = |ms: f32| 2.0 * (rows * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
+                let mut line = format!(
+                    "quant {dtype} {n}x{k} rows {rows}: matmul {picked:.4} ms {} of {copy_gbs:.0}, {:.1} TFLOP/s",
+                    bw(picked),
+                    tflops(picked)
+                );
+                if rows <= GEMV_MAX_ROWS && mmvq_index(dtype).is_some() {
+                    let q = time(&mut |w, out| {
+                        be.op("bench", |st| {
+                            let input = be.q8_input(st, &x, rows)?;
+                            be.gemv_q8(input, w, rows, out)
+                        })
+                    })?;
+                    let mut input = None;
+                    be.op("bench", |st| {
+                        input = Some(be.q8_input(st, &x, rows)?);
+                        Ok(())
+                    });
+                    be.check()?;
+                    let input = input.ok_or_else(|| crate::BackendError::Other("8-bit input".into()))?;
+                    let alone = time(&mut |w, out| be.op("bench", |_| be.gemv_q8(input, w, rows, out)))?;
+                    line += &format!(" | q8-gemv {q:.4} ms {} (alone {alone:.4} ms {})", bw(q), bw(alone));
+                }
+                if rows <= GEMV_MAX_ROWS {
+                    let g = time(&mut |w, out| be.op("bench", |_| be.gemv_simt(&x, w, rows, out)))?;
+                    line += &format!(" | gemv {g:.4} ms {}", bw(g));
+                }
+                {
+                    let m = time(&mut |w, out| be.op("bench", |st| be.mmq(st, &x, w, rows, out)))?;
+                    let part = be.lock().tile.as_ref().map_or(0, |t| t.bytes().0 as usize);
+                    let l = be.mmq_launch(&ws[0], rows, part)?;
+                    line += &format!(
+                        " | mmq {m:.4} ms {} {:.1} TFLOP/s ({} x {} rows, {}/SM, {} slices)",
+                        bw(m),
+                        tflops(m),
+                        l.groups,
+                        l.group_rows,
+                        l.kern.per_sm,
+                        l.slices
+                    );
+                }
+                if rows >= 16 {
+                    let lt = time(&mut |w, out| be.op("bench", |st| be.matmul_lt(st, &x, w, rows, out)))?;
+                    line += &format!(" | widen+cuBLASLt {lt:.4} ms {:.0}%", pct(lt));
+                }
+                lines.push(line);
+            }
+        }
+    }
+    Ok(lines)
+}
+
 /// Micro-benchmarks against the H200 ceilings (~4.3 TB/s copy, ~800 TFLOP/s
 /// bf16), measured again here: the copy bandwidth first.
 ///
@@ -1394,71 +1477,7 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
             ));
         }
     }
-    // Block formats: bytes are the quantized bytes read. At each row count, what
-    // `matmul` picks, and beside it the alternatives: the integer GEMV (up to
-    // 8 rows; with the input's quantization, as a matmul runs it, and alone),
-    // the per-row f32 GEMV (up to 8 rows), the mmq kernel and widening +
-    // cuBLASLt.
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
-        for &(n, k) in &[(4096usize, 4096usize), (14336, 4096), (4096, 14336)] {
-            let t = quant_tensor(&mut rng, dtype, n, k);
-            let bytes = t.data.len() as f64;
-            let ws = weight_copies(be, &t)?;
-            let x = be.alloc_act(ActShape { rows: 128, cols: k })?;
-            put_gpu(be, &x, &rng.vec(128 * k, 1.0))?;
-            let mut out = be.alloc_act(ActShape { rows: 128, cols: n })?;
-            for rows in [1usize, 2, 4, 8, 16, 32, 64, 128] {
-                let mut time = |f: &mut dyn FnMut(&CudaWeight, &mut CudaAct)| -> Result<f32> {
-                    graph_id += 1;
-                    Ok(graph_time_ms(be, graph_id, 10, || {
-                        for w in &ws {
-                            f(w, &mut out);
-                        }
-                    })? / ws.len() as f32)
-                };
-                let picked = time(&mut |w, out| be.matmul(&x, w, None, rows, out))?;
-                let pct = |ms: f32| bytes / (ms as f64 * 1e-3) / 1e9 / copy_gbs * 100.0;
-                // "GB/s = % of the copy bandwidth".
-                let bw = |ms: f32| format!("{:.0} GB/s = {:.0}%", bytes / (ms as f64 * 1e-3) / 1e9, pct(ms));
-                let tflops = |ms: f32| 2.0 * (rows * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
-                let mut line = format!(
-                    "quant {dtype} {n}x{k} rows {rows}: matmul {picked:.4} ms {} of {copy_gbs:.0}, {:.1} TFLOP/s",
-                    bw(picked),
-                    tflops(picked)
-                );
-                if rows <= GEMV_MAX_ROWS && mmvq_index(dtype).is_some() {
-                    let q = time(&mut |w, out| {
-                        be.op("bench", |st| {
-                            let input = be.q8_input(st, &x, rows)?;
-                            be.gemv_q8(input, w, rows, out)
-                        })
-                    })?;
-                    let mut input = None;
-                    be.op("bench", |st| {
-                        input = Some(be.q8_input(st, &x, rows)?);
-                        Ok(())
-                    });
-                    be.check()?;
-                    let input = input.ok_or_else(|| crate::BackendError::Other("8-bit input".into()))?;
-                    let alone = time(&mut |w, out| be.op("bench", |_| be.gemv_q8(input, w, rows, out)))?;
-                    line += &format!(" | q8-gemv {q:.4} ms {} (alone {alone:.4} ms {})", bw(q), bw(alone));
-                }
-                if rows <= GEMV_MAX_ROWS {
-                    let g = time(&mut |w, out| be.op("bench", |_| be.gemv_simt(&x, w, rows, out)))?;
-                    line += &format!(" | gemv {g:.4} ms {}", bw(g));
-                }
-                {
-                    let m = time(&mut |w, out| be.op("bench", |st| be.mmq(st, &x, w, rows, out)))?;
-                    line += &format!(" | mmq {m:.4} ms {} {:.1} TFLOP/s", bw(m), tflops(m));
-                }
-                if rows >= 16 {
-                    let lt = time(&mut |w, out| be.op("bench", |st| be.matmul_lt(st, &x, w, rows, out)))?;
-                    line += &format!(" | widen+cuBLASLt {lt:.4} ms {:.0}%", pct(lt));
-                }
-                lines.push(line);
-            }
-        }
-    }
+    lines.extend(bench_quant(be, &mut graph_id)?);
     {
         let (m, n, k) = (4096usize, 14336usize, 4096usize);
         let w = be.upload_weight(&bench_weight(&mut rng, n, k))?;

@@ -178,6 +178,22 @@ pub struct LaunchDims {
 }
 
 impl Kernel {
+    /// Let launches of this kernel take `bytes` of dynamic shared memory
+    /// (the driver refuses more than 48 KiB without it), and the blocks of
+    /// `threads` threads with that much that fit on one SM at once.
+    pub fn allow_shared(&self, bytes: u32, threads: u32) -> Result<u32> {
+        use sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYNAMIC;
+        // SAFETY: the function handle comes from a loaded module.
+        unsafe { cu::function::set_function_attribute(self.0, MAX_DYNAMIC, bytes as i32) }
+            .map_err(|e| cuda_err("cuFuncSetAttribute", e))?;
+        // SAFETY: as above.
+        let blocks = unsafe {
+            cu::occupancy::max_active_block_per_multiprocessor(self.0, threads as i32, bytes as usize)
+        }
+        .map_err(|e| cuda_err("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?;
+        Ok(blocks.max(0) as u32)
+    }
+
     /// Enqueue the kernel on `stream`. With `dependent`, the kernel may be
     /// started before the one ahead of it on the stream has finished
     /// (programmatic dependent launch, sm_90+): it must wait for it on the
@@ -194,6 +210,22 @@ impl Kernel {
         args: &mut Args,
         dependent: bool,
     ) -> Result<()> {
+        self.launch_shared(stream, dims, 0, args, dependent)
+    }
+
+    /// [`Kernel::launch`] with `shared` bytes of dynamic shared memory (past
+    /// 48 KiB the kernel must have been allowed them: [`Kernel::allow_shared`]).
+    ///
+    /// # Safety
+    /// As [`Kernel::launch`].
+    pub unsafe fn launch_shared(
+        &self,
+        stream: Stream,
+        dims: LaunchDims,
+        shared: u32,
+        args: &mut Args,
+        dependent: bool,
+    ) -> Result<()> {
         let mut params: [*mut std::ffi::c_void; 24] = [std::ptr::null_mut(); 24];
         for (i, p) in params.iter_mut().enumerate().take(args.n) {
             *p = (&mut args.vals[i]) as *mut u64 as *mut std::ffi::c_void;
@@ -206,7 +238,7 @@ impl Kernel {
                 self.0,
                 dims.grid,
                 (dims.block, 1, 1),
-                0,
+                shared,
                 stream.0,
                 &mut params[..args.n],
             )
@@ -223,7 +255,7 @@ impl Kernel {
             blockDimX: dims.block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: 0,
+            sharedMemBytes: shared,
             hStream: stream.0,
             attrs: &mut attr,
             numAttrs: 1,

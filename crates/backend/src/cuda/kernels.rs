@@ -5,6 +5,7 @@
 //! an op picks is in the module of its concern (`matmul.rs`, `attention.rs`).
 
 use super::device::{cuda_err, Kernel, LaunchDims};
+use super::matmul::{mmq_smem_bytes, MMQ_THREADS, MMQ_TILES};
 use super::nvrtc;
 use crate::dtype::DType;
 use crate::{BackendError, Result};
@@ -45,8 +46,9 @@ pub(super) struct Kernels {
     pub(super) mmvq: [[Kernel; 4]; 12],
     pub(super) gemv_any: Kernel,
     /// The tensor-core matmuls of block formats (mmq.cu), one set per entry of
-    /// `MMQ_FORMATS`, indexed by the input-row instantiation (8, 16, 32, 64, 128).
-    pub(super) mmq: [[Kernel; 5]; 12],
+    /// `MMQ_FORMATS`, indexed by the input-row instantiation (groups of 8, 16,
+    /// 32, 64 rows); `None` where the card cannot give a block its shared memory.
+    pub(super) mmq: [[Option<MmqKernel>; 4]; 12],
     /// Adds the K slices' partial sums of an mmq launch.
     pub(super) mmq_reduce: Kernel,
     /// Indexed by log2 of the query heads one block serves (1, 2, 4, 8).
@@ -87,6 +89,30 @@ pub(super) struct Kernels {
     pub(super) moe_combine: Kernel,
     /// One block per row: sanitize, edit and draw (kernels/sample.cu).
     pub(super) sample_rows: Kernel,
+}
+
+/// One instantiation of the mmq kernels: the kernel, the dynamic shared
+/// memory a block takes (`matmul::mmq_smem_bytes`) and how many such blocks
+/// fit on one SM at once.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct MmqKernel {
+    pub(super) k: Kernel,
+    pub(super) shared: u32,
+    pub(super) per_sm: usize,
+}
+
+impl MmqKernel {
+    /// `None` when the card cannot give a block that much shared memory (the
+    /// 64-row groups of the wider formats need about 110 KiB; cards of
+    /// compute capability 8.6 and 8.9 give 99): the launch then takes groups
+    /// of fewer rows.
+    fn new(k: Kernel, dtype: DType, tiles: usize) -> Option<MmqKernel> {
+        let shared = mmq_smem_bytes(dtype, tiles) as u32;
+        match k.allow_shared(shared, MMQ_THREADS) {
+            Ok(per_sm) if per_sm > 0 => Some(MmqKernel { k, shared, per_sm: per_sm as usize }),
+            _ => None,
+        }
+    }
 }
 
 /// Compile the kernel sources for `arch` (or read them from the cache in
@@ -172,13 +198,11 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
             let mut sets = Vec::with_capacity(MMQ_FORMATS.len());
             for d in MMQ_FORMATS {
                 let stem = kernel_stem(d);
-                sets.push([
-                    f(&format!("mmq_{stem}_n1"))?,
-                    f(&format!("mmq_{stem}_n2"))?,
-                    f(&format!("mmq_{stem}_n4"))?,
-                    f(&format!("mmq_{stem}_n8"))?,
-                    f(&format!("mmq_{stem}_n16"))?,
-                ]);
+                let mut set = [None; 4];
+                for (slot, nt) in set.iter_mut().zip(MMQ_TILES) {
+                    *slot = MmqKernel::new(f(&format!("mmq_{stem}_n{nt}"))?, d, nt);
+                }
+                sets.push(set);
             }
             sets.try_into().map_err(|_| BackendError::Other("mmq kernel table".into()))?
         },

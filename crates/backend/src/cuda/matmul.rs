@@ -13,14 +13,14 @@
 //! matrices where it measured faster (`takes_gemv`). Block-format weights at
 //! 1..=8 rows take the integer GEMVs of kernels/mmvq.cu (`takes_q8_gemv`:
 //! the input rows quantized to 8 bits per 32 once, then `__dp4a` on the
-//! weights' codes), then up to `MMQ_MAX_ROWS` rows the tensor-core kernels of
+//! weights' codes), then up to `MMQ_TAKES_ROWS` rows the tensor-core kernels of
 //! kernels/mmq.cu, which decode the blocks in shared memory and never widen
 //! the matrix; past that, quantized weights are widened to bf16 a tile of
 //! rows at a time for cuBLASLt.
 
 use super::device::{Args, DeviceBuffer, LaunchDims, Purpose};
 use super::gemm::GemmShape;
-use super::kernels::{block_gemv_index, dtype_code, grid_for, mmq_index, mmvq_index};
+use super::kernels::{block_gemv_index, dtype_code, grid_for, mmq_index, mmvq_index, MmqKernel};
 use super::{CudaAct, CudaBackend, State, XbfView};
 use crate::cpu::MatmulInput;
 use crate::dtype::DType;
@@ -46,33 +46,77 @@ pub(super) const GEMV_TC_WARPS: u32 = 8;
 /// Weight rows below which the tensor-core GEMV leaves 3 and 4 input rows to the per-row kernel.
 pub(super) const GEMV_TC_MIN_N: usize = 2048;
 
-/// Input rows up to which block-format weights take the tensor-core kernels
-/// of kernels/mmq.cu (its MMQ_MAX_ROWS), from `MMQ_MIN_ROWS` on.
-pub const MMQ_MAX_ROWS: usize = 128;
+/// Input rows from which block-format weights may take the tensor-core
+/// kernels of kernels/mmq.cu (the 32-weight formats with a per-row GEMV of
+/// their own keep it below).
 pub const MMQ_MIN_ROWS: usize = 3;
-/// Rows up to which `matmul` picks the mmq kernels: past 32 rows widening the
-/// matrix to bf16 for cuBLASLt measured faster on the H200 (PERF.md).
-pub const MMQ_TAKES_ROWS: usize = 32;
+/// Rows up to which `matmul` picks the mmq kernels; past them widening the
+/// matrix to bf16 for cuBLASLt, whose larger tiles then outrun decoding the
+/// blocks again for every group of rows (PERF.md, "Quantized matmuls").
+pub const MMQ_TAKES_ROWS: usize = 128;
 
 /// Weight rows per block of the mmq kernels (MMQ_BN) and threads per block.
 pub(super) const MMQ_BN: usize = 64;
 pub(super) const MMQ_THREADS: u32 = 128;
+/// Tiles of 8 input rows of the mmq instantiations (`mmq_*_n1` .. `_n8`):
+/// one block takes a group of up to 8, 16, 32 or 64 input rows.
+pub(super) const MMQ_TILES: [usize; 4] = [1, 2, 4, 8];
+/// bf16 elements of one staged input row in shared memory (MMQ_XSTRIDE).
+const MMQ_XSTRIDE: usize = 288;
+/// Chunks of 256 weights a K slice keeps at least, so that the copy of one
+/// overlaps the decoding of the one before.
+const MMQ_MIN_CHUNKS: usize = 2;
 
-/// Blocks per SM the mmq launch aims for (enough loads in flight to stream the weights).
-const MMQ_BLOCKS_PER_SM: usize = 8;
+/// The dynamic shared memory of an mmq block (kernels/mmq.cu
+/// `mmq_smem_bytes`): two stages of the raw blocks of 64 weight rows, each
+/// row's 256 weights in a slot of an odd number of 16-byte pieces, and two
+/// stages of the group's input rows.
+pub(super) fn mmq_smem_bytes(dtype: DType, tiles: usize) -> usize {
+    let b256 = dtype.block_bytes() * 256 / dtype.block_elems();
+    let slot = 16 * ((b256.div_ceil(16) + 1) | 1);
+    2 * MMQ_BN * slot + 2 * 8 * tiles * MMQ_XSTRIDE * 2
+}
 
-/// How the mmq launch splits K: (slices, weights per slice). Whole 256-weight
-/// super-blocks per slice, enough slices for `MMQ_BLOCKS_PER_SM` blocks per
-/// SM, and no more than the partial sums (`slices × rows × n` f32) that fit
-/// in `part_bytes` of scratch; one slice when K is not whole super-blocks.
-pub(super) fn mmq_split(n: usize, k: usize, rows: usize, sms: usize, part_bytes: usize) -> (usize, usize) {
-    let blocks = n.div_ceil(MMQ_BN);
-    if !k.is_multiple_of(256) || k < 512 {
+/// The instantiation (index into `MMQ_TILES`) and the number of row groups
+/// an mmq launch of `rows` rows takes, among the instantiations `fits` says
+/// the card runs: the smallest group that holds every row, else the largest
+/// one that runs, as many times as the rows need.
+pub(super) fn mmq_shape(rows: usize, fits: impl Fn(usize) -> bool) -> Option<(usize, usize)> {
+    let want = MMQ_TILES.iter().position(|&t| 8 * t >= rows).unwrap_or(MMQ_TILES.len() - 1);
+    let inst = (0..=want).rev().find(|&i| fits(i))?;
+    Some((inst, rows.div_ceil(8 * MMQ_TILES[inst])))
+}
+
+/// One mmq launch: the instantiation, its row groups, the blocks over the
+/// weight rows and groups (`tiles`) and the K slices.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct MmqLaunch {
+    pub(super) kern: MmqKernel,
+    pub(super) groups: usize,
+    pub(super) group_rows: usize,
+    pub(super) tiles: usize,
+    pub(super) slices: usize,
+    pub(super) kslice: usize,
+}
+
+/// How an mmq launch of `tiles` blocks over K splits K: (slices, weights per
+/// slice). Enough slices for about one wave of blocks (`resident` fit on the
+/// card at once), each with at least `MMQ_MIN_CHUNKS` super-blocks, and no
+/// more than the partial sums (`slices × out_elems` f32) that fit in
+/// `part_bytes` of scratch; one slice when K is not whole super-blocks.
+pub(super) fn mmq_split(
+    tiles: usize,
+    k: usize,
+    out_elems: usize,
+    resident: usize,
+    part_bytes: usize,
+) -> (usize, usize) {
+    if !k.is_multiple_of(256) || k < 256 * MMQ_MIN_CHUNKS {
         return (1, k);
     }
     let supers = k / 256;
-    let fit = part_bytes / (rows * n * 4).max(1);
-    let want = (MMQ_BLOCKS_PER_SM * sms).div_ceil(blocks).min(supers).min(fit);
+    let fit = part_bytes / (out_elems * 4).max(1);
+    let want = ((resident + tiles / 2) / tiles.max(1)).min(supers / MMQ_MIN_CHUNKS).min(fit);
     if want < 2 {
         return (1, k);
     }
@@ -282,7 +326,7 @@ impl CudaBackend {
     /// Whether `rows` rows against `w` take the tensor-core kernels of block
     /// formats (kernels/mmq.cu): every block format with rows of whole
     /// 32-weight groups, from 3 rows (where the per-row GEMVs' f32 FMAs become
-    /// their limit) to `MMQ_MAX_ROWS`. The input is rounded to bf16 there.
+    /// their limit) to `MMQ_TAKES_ROWS`. The input is rounded to bf16 there.
     pub(super) fn takes_mmq(&self, w: &CudaWeight, rows: usize) -> bool {
         takes_mmq(w.dtype, w.cols, rows)
     }
@@ -345,9 +389,9 @@ impl CudaBackend {
 
     /// The tensor-core matmul of a block-format weight (kernels/mmq.cu): the
     /// input rows rounded to bf16 in the scratch, then one launch of the
-    /// instantiation for the smallest of 8, 16, 32, 64, 128 rows that holds
-    /// them, K split into slices when the weight rows alone would leave the
-    /// card with too few blocks (the slices' partial sums go to the
+    /// instantiation whose group of 8, 16, 32 or 64 rows holds them (groups
+    /// of 64 side by side past that), K split into slices when the blocks
+    /// would not fill the card (the slices' partial sums go to the
     /// dequantization tile and `mmq_reduce` adds them).
     pub(super) fn mmq(
         &self,
@@ -358,26 +402,34 @@ impl CudaBackend {
         out: &CudaAct,
     ) -> Result<()> {
         let (n, k) = (w.rows, w.cols);
-        let set = mmq_index(w.dtype)
-            .ok_or_else(|| BackendError::Other(format!("mmq: {} is not a block format", w.dtype)))?;
-        if rows > MMQ_MAX_ROWS {
-            return Err(BackendError::Other(format!("mmq: {rows} rows, the kernels take {MMQ_MAX_ROWS}")));
-        }
-        let xbf = self.bf16_input(st, x, rows)?;
-        let inst = rows.div_ceil(8).next_power_of_two().trailing_zeros() as usize;
         let part = st.tile.as_ref().map(|t| (t.ptr(), t.bytes().0 as usize)).unwrap_or((0, 0));
-        let (slices, kslice) = mmq_split(n, k, rows, self.sm_count, part.1);
-        let dims = LaunchDims { grid: (n.div_ceil(MMQ_BN) as u32, slices as u32, 1), block: MMQ_THREADS };
+        let MmqLaunch { kern, groups, tiles, slices, kslice, .. } = self.mmq_launch(w, rows, part.1)?;
+        let xbf = self.bf16_input(st, x, rows)?;
+        let dims = LaunchDims { grid: (tiles as u32, slices as u32, 1), block: MMQ_THREADS };
         let dst = if slices > 1 { part.0 } else { out.ptr() };
         let a = Args::new().ptr(w.ptr()).i64(w.row_bytes as i64).ptr(xbf).ptr(dst);
-        let a = a.i32(n as i32).i32(k as i32).i32(rows as i32).i32(kslice as i32);
-        unsafe { self.launch(self.k.mmq[set][inst], dims, a)? };
+        let a = a.i32(n as i32).i32(k as i32).i32(rows as i32).i32(kslice as i32).i32(groups as i32);
+        unsafe { self.launch_shared(kern.k, dims, kern.shared, a)? };
         if slices > 1 {
             let len = rows * n;
             let a = Args::new().ptr(part.0).ptr(out.ptr()).i32(slices as i32).i64(len as i64);
             unsafe { self.launch(self.k.mmq_reduce, grid_for(len, 256), a)? };
         }
         Ok(())
+    }
+
+    /// How [`CudaBackend::mmq`] launches for `rows` rows of `w`, with
+    /// `part_bytes` of scratch for the slices' partial sums.
+    pub(super) fn mmq_launch(&self, w: &CudaWeight, rows: usize, part_bytes: usize) -> Result<MmqLaunch> {
+        let set = &self.k.mmq[mmq_index(w.dtype)
+            .ok_or_else(|| BackendError::Other(format!("mmq: {} is not a block format", w.dtype)))?];
+        let (inst, groups) = mmq_shape(rows, |i| set[i].is_some())
+            .ok_or_else(|| BackendError::Other(format!("mmq: no {} kernel fits this card", w.dtype)))?;
+        let kern = set[inst].ok_or_else(|| BackendError::Other("mmq: kernel table".into()))?;
+        let tiles = w.rows.div_ceil(MMQ_BN) * groups;
+        let (slices, kslice) =
+            mmq_split(tiles, w.cols, rows * w.rows, kern.per_sm * self.sm_count, part_bytes);
+        Ok(MmqLaunch { kern, groups, group_rows: 8 * MMQ_TILES[inst], tiles, slices, kslice })
     }
 
     /// `rows` rows of `x` rounded to bf16 in the scratch (`[rows, x.cols]`);
@@ -789,5 +841,56 @@ mod tests {
         assert_eq!(l.scales_at, (3 * 4128usize).next_multiple_of(16));
         assert_eq!(l.bytes, l.scales_at + 3 * 129 * 8);
         assert!(l.scales_at >= 3 * 4128 && l.scales_at.is_multiple_of(16));
+    }
+
+    /// The smallest group that holds the rows, groups of 64 side by side past
+    /// 64 rows, and groups of the largest instantiation the card runs when
+    /// the one wanted does not fit.
+    #[test]
+    fn mmq_groups_hold_every_row_with_the_kernels_the_card_runs() {
+        let all = |_: usize| true;
+        assert_eq!(mmq_shape(3, all), Some((0, 1)));
+        assert_eq!(mmq_shape(8, all), Some((0, 1)));
+        assert_eq!(mmq_shape(9, all), Some((1, 1)));
+        assert_eq!(mmq_shape(33, all), Some((3, 1)));
+        assert_eq!(mmq_shape(64, all), Some((3, 1)));
+        assert_eq!(mmq_shape(65, all), Some((3, 2)));
+        assert_eq!(mmq_shape(128, all), Some((3, 2)));
+        assert_eq!(mmq_shape(129, all), Some((3, 3)));
+        let no_64 = |i: usize| i < 3;
+        assert_eq!(mmq_shape(40, no_64), Some((2, 2)));
+        assert_eq!(mmq_shape(128, no_64), Some((2, 4)));
+        assert_eq!(mmq_shape(16, no_64), Some((1, 1)));
+        assert_eq!(mmq_shape(16, |_| false), None);
+        for rows in 1..300 {
+            let (i, groups) = mmq_shape(rows, no_64).unwrap();
+            let per = 8 * MMQ_TILES[i];
+            assert!(groups * per >= rows && (groups - 1) * per < rows, "{rows} rows: {groups} x {per}");
+        }
+    }
+
+    /// K slices: whole super-blocks, at least two a slice, about one wave of
+    /// blocks, no more partial sums than the scratch holds, and together
+    /// exactly K.
+    #[test]
+    fn mmq_slices_cover_k_in_whole_super_blocks() {
+        // 64 tiles, 264 resident blocks: 4 slices of 4 super-blocks.
+        assert_eq!(mmq_split(64, 4096, 32 * 4096, 264, 32 << 20), (4, 1024));
+        // 224 tiles, 396 resident: 2 slices.
+        assert_eq!(mmq_split(224, 4096, 32 * 14336, 396, 32 << 20), (2, 2048));
+        // As many tiles as fit: one slice.
+        assert_eq!(mmq_split(448, 4096, 64 * 14336, 396, 32 << 20), (1, 4096));
+        // The partial sums do not fit: one slice.
+        assert_eq!(mmq_split(16, 4096, 128 * 1024, 1000, 128 * 1024 * 4), (1, 4096));
+        // K of 32-weight blocks that are not whole super-blocks, or too short to split.
+        assert_eq!(mmq_split(4, 4128, 8 * 64, 1000, 32 << 20), (1, 4128));
+        assert_eq!(mmq_split(4, 256, 8 * 64, 1000, 32 << 20), (1, 256));
+        for k in (512..=16384).step_by(256) {
+            for tiles in [1, 16, 64, 224, 2004] {
+                let (slices, kslice) = mmq_split(tiles, k, 1024, 2 * 132, 32 << 20);
+                assert!(kslice.is_multiple_of(256) && kslice >= 512.min(k), "k {k}: {slices} x {kslice}");
+                assert!(slices * kslice >= k && (slices - 1) * kslice < k, "k {k}: {slices} x {kslice}");
+            }
+        }
     }
 }

@@ -429,8 +429,13 @@ impl CudaBackend {
     }
 
     unsafe fn launch(&self, k: Kernel, dims: LaunchDims, args: Args) -> Result<()> {
+        self.launch_shared(k, dims, 0, args)
+    }
+
+    /// [`CudaBackend::launch`] with `shared` bytes of dynamic shared memory.
+    unsafe fn launch_shared(&self, k: Kernel, dims: LaunchDims, shared: u32, args: Args) -> Result<()> {
         let mut args = args;
-        k.launch(self.stream, dims, &mut args, self.pdl)
+        k.launch_shared(self.stream, dims, shared, &mut args, self.pdl)
     }
 
     fn upload<T: Copy>(&self, dst: u64, src: &[T]) -> Result<()> {

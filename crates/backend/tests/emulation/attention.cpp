@@ -2,91 +2,18 @@
 // hd128 and hd256), run under the host emulation of shim.h, against causal
 // attention over the same paged bf16 cache in double precision. The warp-wide
 // tensor-core instructions (mma.sync m16n8k16, ldmatrix with and without
-// .trans), the shuffles and cp.async are emulated below from their PTX
-// definitions, so a wrong fragment index, tile stride, output offset or block
-// decomposition fails here; what the emulation cannot show (a missing
-// cp.async wait: copies land at once) the GPU check in cuda/check.rs covers.
+// .trans), the shuffles and cp.async are emulated from their PTX
+// definitions (emulation/mma.h), so a wrong fragment index, tile stride,
+// output offset, block decomposition or missing cp.async wait fails here.
 // Built and run by crates/backend/tests/kernels_emulated.rs; exits 1
 // when a comparison fails.
-#include "shim.h"
-#include <cstdio>
+#include "mma.h"
 #include <random>
 
-struct uint2 {
-    u32 x, y;
-};
-struct alignas(16) uint4 {
-    u32 x, y, z, w;
-};
-inline uint4 make_uint4(u32 x, u32 y, u32 z, u32 w) { return {x, y, z, w}; }
-struct float2 {
-    float x, y;
-};
-inline float2 make_float2(float x, float y) { return {x, y}; }
-using std::max;
 #define NEG_INF (-INFINITY)
-inline int imin(int a, int b) { return a < b ? a : b; }
+using std::max;
 #define KV_UNIT_SHIFT 7 // as kernels/common.cu
 inline long long kv_page_elems(u32 unit) { return (long long)unit << KV_UNIT_SHIFT; }
-inline float __uint_as_float(u32 u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-inline u32 __float_as_uint(float f) {
-    u32 u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-inline bf16_t to_bf16(float f) {
-    u32 u = __float_as_uint(f);
-    u += 0x7fff + ((u >> 16) & 1);
-    return (bf16_t)(u >> 16);
-}
-inline u32 pack_bf16x2(float lo, float hi) { return (u32)to_bf16(lo) | ((u32)to_bf16(hi) << 16); }
-
-namespace emu {
-// One 64-byte slot per lane of each warp for the warp-wide exchanges.
-alignas(16) unsigned char board[32][32][64];
-inline void warp_sync() { (*warp_barriers)[threadIdx.x >> 5]->arrive_and_wait(); }
-// Publish this lane's `v`, then let `read` look at every lane's.
-template <class T, class F>
-void exchange(const T& v, F read) {
-    static_assert(sizeof(T) <= 64);
-    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    memcpy(board[w][lane], &v, sizeof(T));
-    warp_sync();
-    read([w](int l) {
-        T x;
-        memcpy(&x, board[w][l], sizeof(T));
-        return x;
-    });
-    warp_sync();
-}
-// Shared memory addresses are 32-bit offsets from an anchor in the same
-// image as the kernels' function-local statics (integer arithmetic: the
-// statics are other objects).
-unsigned char anchor;
-inline unsigned char* smem(u32 addr) { return (unsigned char*)((intptr_t)&anchor + (int32_t)addr); }
-} // namespace emu
-
-inline void __syncwarp() { emu::warp_sync(); }
-template <class T>
-T __shfl_sync(u32, T v, int src) {
-    T r;
-    emu::exchange(v, [&](auto at) { r = at(src & 31); });
-    return r;
-}
-template <class T>
-T __shfl_xor_sync(u32, T v, int o) {
-    T r;
-    emu::exchange(v, [&](auto at) { r = at((threadIdx.x & 31) ^ o); });
-    return r;
-}
-inline float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 // The block-wide sum of the split-K combine, as kernels/elementwise.cu has it
 // (the real build compiles that file first).
 inline float block_sum(float v, float* partial) {
@@ -100,74 +27,6 @@ inline float block_sum(float v, float* partial) {
     }
     __syncthreads();
     return partial[0];
-}
-inline int imax(int a, int b) { return a > b ? a : b; }
-
-inline u32 smem_u32(const void* p) { return (u32)((intptr_t)p - (intptr_t)&emu::anchor); }
-// The copy lands at once, so the commit and wait have nothing to do.
-inline void cp_async16(u32 dst, const void* src, int bytes) {
-    memset(emu::smem(dst), 0, 16);
-    memcpy(emu::smem(dst), src, bytes);
-}
-inline void cp_async_commit() {}
-template <int N>
-void cp_async_wait() {}
-
-inline float bf16_lo(u32 w) { return bf16_to_f32((bf16_t)(w & 0xffff)); }
-inline float bf16_hi(u32 w) { return bf16_to_f32((bf16_t)(w >> 16)); }
-inline float bf16_half(u32 w, int hi) { return hi ? bf16_hi(w) : bf16_lo(w); }
-
-// mma.m16n8k16.row.col: lane = 4 * group + t. A: a0 (row group, cols 2t..2t+1),
-// a1 (row group + 8), a2 (cols + 8), a3 (both); B: b0 (rows 2t..2t+1 of column
-// group), b1 (rows + 8); C: c0, c1 (row group, cols 2t, 2t+1), c2, c3 (row + 8).
-inline void mma_bf16_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    struct Frag {
-        u32 a[4], b[2];
-    } mine = {{a[0], a[1], a[2], a[3]}, {b0, b1}};
-    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    emu::exchange(mine, [&](auto at) {
-        for (int i = 0; i < 4; i++) {
-            int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
-            float acc = c[i];
-            for (int k = 0; k < 16; k++) {
-                Frag fa = at((row % 8) * 4 + (k % 8) / 2), fb = at(col * 4 + (k % 8) / 2);
-                float x = bf16_half(fa.a[row / 8 + 2 * (k / 8)], k & 1);
-                float y = bf16_half(fb.b[k / 8], k & 1);
-                acc += x * y;
-            }
-            c[i] = acc;
-        }
-    });
-}
-
-// ldmatrix.x4: lane l gives the address of row l % 8 of matrix l / 8; register
-// i receives matrix i's row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1, or with
-// .trans its elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4).
-template <bool TRANS>
-void ldsm(u32 addr, u32 (&r)[4]) {
-    int lane = threadIdx.x & 31;
-    emu::exchange(addr, [&](auto at) {
-        for (int i = 0; i < 4; i++) {
-            if (!TRANS) {
-                memcpy(&r[i], emu::smem(at(i * 8 + lane / 4)) + (lane % 4) * 4, 4);
-            } else {
-                bf16_t lo, hi;
-                memcpy(&lo, emu::smem(at(i * 8 + 2 * (lane % 4))) + (lane / 4) * 2, 2);
-                memcpy(&hi, emu::smem(at(i * 8 + 2 * (lane % 4) + 1)) + (lane / 4) * 2, 2);
-                r[i] = (u32)lo | ((u32)hi << 16);
-            }
-        }
-    });
-}
-inline void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    u32 r[4];
-    ldsm<false>(addr, r);
-    r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
-}
-inline void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    u32 r[4];
-    ldsm<true>(addr, r);
-    r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
 }
 
 #include "../../kernels/attention.cu"

@@ -21,30 +21,8 @@
 
 // What moe.cu takes from kernels/common.cu and kernels/gemv.cu (compiled
 // ahead of it in one program) and from the CUDA built-ins.
-#undef __launch_bounds__
-#define __launch_bounds__(...)
-struct uint2 {
-    u32 x, y;
-};
-struct alignas(16) uint4 {
-    u32 x, y, z, w;
-};
-inline uint2 make_uint2(u32 x, u32 y) { return {x, y}; }
-inline uint4 make_uint4(u32 x, u32 y, u32 z, u32 w) { return {x, y, z, w}; }
 #define NEG_INF (-INFINITY)
-inline int imin(int a, int b) { return a < b ? a : b; }
-inline float __uint_as_float(u32 u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-inline u32 __float_as_uint(float f) {
-    u32 u;
-    memcpy(&u, &f, 4);
-    return u;
-}
 inline int __float_as_int(float f) { return (int)__float_as_uint(f); }
-inline float __int_as_float(int i) { return __uint_as_float((u32)i); }
 inline bf16_t f32_to_bf16(float f) {
     u32 u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)0x7fc0;
@@ -55,54 +33,7 @@ inline bf16_t f32_to_bf16(float f) {
 // here runs them.
 inline float load_elem(const u8*, int, int) { abort(); }
 inline void mma_bf16_16816(float (&)[4], const u32 (&)[4], u32, u32) { abort(); }
-// ld.global.nc (with or without L1 allocation) reads memory nobody writes
-// during the kernel: a plain load.
-inline uint4 ld_stream(const uint4* p) { return *p; }
-inline float4 __ldg(const float4* p) { return *p; }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
-
-namespace emu {
-// One 8-byte slot per lane of each warp for the warp-wide exchanges.
-unsigned char board[32][32][8];
-inline void warp_sync() { (*warp_barriers)[threadIdx.x >> 5]->arrive_and_wait(); }
-// Publish this lane's `v`, then let `read` look at every lane's.
-template <class T, class F>
-void exchange(const T& v, F read) {
-    static_assert(sizeof(T) <= 8);
-    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    memcpy(board[w][lane], &v, sizeof(T));
-    warp_sync();
-    read([w](int l) {
-        T x;
-        memcpy(&x, board[w][l], sizeof(T));
-        return x;
-    });
-    warp_sync();
-}
-} // namespace emu
-
-inline void __syncwarp() { emu::warp_sync(); }
-// shfl.sync.bfly: lane l reads lane l ^ o.
-template <class T>
-T __shfl_xor_sync(u32, T v, int o) {
-    T r;
-    emu::exchange(v, [&](auto at) { r = at((threadIdx.x & 31) ^ o); });
-    return r;
-}
-// shfl.sync.up: lane l reads lane l - o, lanes below o keep their own value.
-template <class T>
-T __shfl_up_sync(u32, T v, int o) {
-    T r = v;
-    int lane = threadIdx.x & 31;
-    emu::exchange(v, [&](auto at) {
-        if (lane >= o) r = at(lane - o);
-    });
-    return r;
-}
-inline float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 
 #include "../../kernels/moe.cu"
 
