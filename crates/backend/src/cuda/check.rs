@@ -1349,12 +1349,20 @@ pub fn bench_quant(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<String>
                     let g = time(&mut |w, out| be.op("bench", |_| be.gemv_simt(&x, w, rows, out)))?;
                     line += &format!(" | gemv {g:.4} ms {}", bw(g));
                 }
+                // mmq without the L2 prefetch, and prefetching 1 and 4 chunks ahead.
+                let configured = be.config.tuning.mmq_prefetch as usize;
+                for ahead in [0usize, 1, 4] {
+                    be.mmq_ahead.store(ahead, std::sync::atomic::Ordering::Relaxed);
+                    let m = time(&mut |w, out| be.op("bench", |st| be.mmq(st, &x, w, rows, out)))?;
+                    line += &format!(" | mmq ahead {ahead} {m:.4} ms");
+                }
+                be.mmq_ahead.store(configured, std::sync::atomic::Ordering::Relaxed);
                 {
                     let m = time(&mut |w, out| be.op("bench", |st| be.mmq(st, &x, w, rows, out)))?;
                     let part = be.lock().tile.as_ref().map_or(0, |t| t.bytes().0 as usize);
                     let l = be.mmq_launch(&ws[0], rows, part)?;
                     line += &format!(
-                        " | mmq {m:.4} ms {} {:.1} TFLOP/s ({} x {} rows, {}/SM, {} slices)",
+                        " | mmq (ahead {configured}) {m:.4} ms {} {:.1} TFLOP/s ({} x {} rows, {}/SM, {} slices)",
                         bw(m),
                         tflops(m),
                         l.groups,
