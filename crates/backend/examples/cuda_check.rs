@@ -3,7 +3,8 @@
 //! `scripts/gpu/check.sh`; exits non-zero when any comparison fails.
 //! `--bench` runs the micro-benchmarks after the checks, `--bench-only`
 //! without them, `--bench-gemm` only cuBLASLt's split-K schemes at decode batches,
-//! `--bench-quant` only the block-format matmuls (every path at 1 to 256 rows).
+//! `--bench-quant` only the block-format matmuls (every path at 1 to 256 rows;
+//! `--bench-quant-short` fewer formats and shapes).
 //!
 //! `CORRIDOR_CACHE_DIR` (optional) is where compiled kernels are cached.
 
@@ -46,8 +47,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         return Ok(());
     }
-    if flag("--bench-quant") {
-        for l in check::bench_quant(&be, &mut 0)? {
+    if flag("--bench-quant") || flag("--bench-quant-short") {
+        for l in check::bench_quant(&be, &mut 0, flag("--bench-quant-short"))? {
             println!("{l}");
         }
         return Ok(());

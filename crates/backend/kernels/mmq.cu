@@ -80,24 +80,6 @@ __device__ __forceinline__ void mmq_stage_w(u8* dst, const u8* __restrict__ w, l
     }
 }
 
-// Bring chunk `kc` of the block's weight rows into L2 ahead of its copy:
-// the copy of the next chunk is issued a chunk ahead of its use, which at a
-// few rows is less than the memory's latency under load.
-template <int DT>
-__device__ __forceinline__ void mmq_prefetch_w(const u8* __restrict__ w, long long row_bytes, int n, int j0, int kc,
-                                               int kw) {
-    const int lines = (MmqFmt<DT>::b256 + 127) / 128 + 1;
-    long long off = (long long)(kc / 256) * MmqFmt<DT>::b256;
-    int bytes = (kw * MmqFmt<DT>::b256 + 255) / 256;
-    for (int p = threadIdx.x; p < MMQ_BN * lines; p += MMQ_WARPS * 32) {
-        int r = p / lines, l = p - r * lines;
-        const u8* start = w + (long long)imin(j0 + r, n - 1) * row_bytes + off;
-        // The first line by the chunk's own start, the others by their own.
-        const u8* line = l == 0 ? start : (const u8*)((unsigned long long)start & ~127ull) + 128 * l;
-        if (line < start + bytes) prefetch_l2(line);
-    }
-}
-
 // Copy k = kc .. kc + kw - 1 of the group's input rows (`gr` of them, from
 // row r0 of xb, [rows, k] bf16) to `dst` ([8 NT][MMQ_XSTRIDE]); the rows
 // past the group's last are zero-filled. kw is a multiple of 8.
@@ -113,13 +95,10 @@ __device__ __forceinline__ void mmq_stage_x(bf16_t* dst, const bf16_t* __restric
 }
 
 // NT: tiles of 8 input rows one group holds; `groups`: the groups of 8 NT
-// input rows (blockIdx.x % groups), the last one possibly short; `ahead`:
-// how many chunks past the next one the weights are prefetched into L2 (0:
-// none).
+// input rows (blockIdx.x % groups), the last one possibly short.
 template <int DT, int NT>
 __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row_bytes, const bf16_t* __restrict__ xb,
-                                         float* __restrict__ out, int n, int k, int rows, int kslice, int groups,
-                                         int ahead) {
+                                         float* __restrict__ out, int n, int k, int rows, int kslice, int groups) {
     const int slot = MmqFmt<DT>::slot;
     extern __shared__ __align__(16) u8 mmq_smem[];
     u8* raw = mmq_smem;
@@ -148,8 +127,6 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row
     mmq_stage_w<DT>(raw, w, row_bytes, n, jb0, k0, imin(256, k1 - k0));
     mmq_stage_x<NT>(xs, xb, k, r0, gr, k0, imin(256, k1 - k0));
     cp_async_commit();
-    for (int a = 2; a <= ahead; a++)
-        if (k0 + 256 * a < k1) mmq_prefetch_w<DT>(w, row_bytes, n, jb0, k0 + 256 * a, imin(256, k1 - k0 - 256 * a));
     int buf = 0;
     for (int kc = k0; kc < k1; kc += 256, buf ^= 1) {
         int kw = imin(256, k1 - kc);
@@ -159,8 +136,6 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row
             mmq_stage_x<NT>(xs + (buf ^ 1) * xstage, xb, k, r0, gr, kc + 256, kn);
         }
         cp_async_commit();
-        int kp = kc + 256 * (ahead + 1);
-        if (ahead > 0 && kp < k1) mmq_prefetch_w<DT>(w, row_bytes, n, jb0, kp, imin(256, k1 - kp));
         cp_async_wait<1>();
         __syncthreads();
         // Where each row's chunk starts past its 16-byte boundary (it moves
@@ -212,8 +187,8 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row
 #define MMQ(NAME, DT, NT)                                                                                         \
     extern "C" __global__ void __launch_bounds__(MMQ_WARPS * 32)                                                   \
         mmq_##NAME##_n##NT(const u8* __restrict__ w, long long row_bytes, const bf16_t* __restrict__ xb,          \
-                           float* __restrict__ out, int n, int k, int rows, int kslice, int groups, int ahead) {  \
-        mmq_body<DT, NT>(w, row_bytes, xb, out, n, k, rows, kslice, groups, ahead);                               \
+                           float* __restrict__ out, int n, int k, int rows, int kslice, int groups) {             \
+        mmq_body<DT, NT>(w, row_bytes, xb, out, n, k, rows, kslice, groups);                                      \
     }
 // Instantiations for groups of up to 8, 16, 32 and 64 input rows.
 #define MMQ_ALL(NAME, DT) MMQ(NAME, DT, 1) MMQ(NAME, DT, 2) MMQ(NAME, DT, 4) MMQ(NAME, DT, 8)

@@ -45,10 +45,6 @@ pub struct CudaTuning {
     /// per 32 and take the integer GEMVs (`--cuda-q8-gemv off`,
     /// `CORRIDOR_Q8_GEMV=0`, keeps the f32 GEMVs and the tensor-core mmq).
     pub q8_gemv: bool,
-    /// How many 256-weight chunks past the next one a block of the
-    /// block-format tensor-core matmul (kernels/mmq.cu) prefetches into L2
-    /// (`--cuda-mmq-prefetch N`, `CORRIDOR_MMQ_PREFETCH=N`; 0: none).
-    pub mmq_prefetch: u32,
 }
 
 impl Default for CudaTuning {
@@ -62,7 +58,6 @@ impl Default for CudaTuning {
             nccl_graphs: true,
             delta_chunked: false,
             q8_gemv: true,
-            mmq_prefetch: 2,
         }
     }
 }

@@ -60,10 +60,6 @@ pub struct CudaFlags {
     /// GEMVs (off: the f32 GEMVs and the tensor-core kernel, with f32 or bf16 inputs).
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_Q8_GEMV", value_name = "on|off")]
     cuda_q8_gemv: Switch,
-    /// How many 256-weight chunks past the next one each block of the block-format tensor-core
-    /// matmul (5 to 128 rows of a GGUF file's quantized weights) prefetches into L2 (0: none).
-    #[arg(long, help_heading = H, default_value_t = CudaTuning::default().mmq_prefetch, env = "CORRIDOR_MMQ_PREFETCH", value_name = "N")]
-    cuda_mmq_prefetch: u32,
 }
 
 impl CudaFlags {
@@ -77,7 +73,6 @@ impl CudaFlags {
             nccl_graphs: self.nccl_graphs.on(),
             delta_chunked: self.cuda_delta_chunked.on(),
             q8_gemv: self.cuda_q8_gemv.on(),
-            mmq_prefetch: self.cuda_mmq_prefetch,
         }
     }
 }
@@ -129,7 +124,6 @@ mod tests {
         assert_eq!(parse(&["--nccl-graphs", "off"]), CudaTuning { nccl_graphs: false, ..d });
         assert_eq!(parse(&["--cuda-delta-chunked", "on"]), CudaTuning { delta_chunked: true, ..d });
         assert_eq!(parse(&["--cuda-q8-gemv", "off"]), CudaTuning { q8_gemv: false, ..d });
-        assert_eq!(parse(&["--cuda-mmq-prefetch", "0"]), CudaTuning { mmq_prefetch: 0, ..d });
         assert_eq!(parse(&["--cuda-fuse", "1"]), d);
     }
 

@@ -109,7 +109,6 @@ fn a_switch_in_the_environment_is_parsed_as_its_flag() {
         ("CORRIDOR_NCCL_GRAPHS", "--nccl-graphs"),
         ("CORRIDOR_DELTA_CHUNKED", "--cuda-delta-chunked"),
         ("CORRIDOR_Q8_GEMV", "--cuda-q8-gemv"),
-        ("CORRIDOR_MMQ_PREFETCH", "--cuda-mmq-prefetch"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_corridor"))
             .args(["generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf"])

@@ -1291,8 +1291,10 @@ pub fn bench_gemm_schemes(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<
     Ok(lines)
 }
 
-/// The block-format lines of [`bench`] alone (`cuda_check --bench-quant`).
-pub fn bench_quant(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<String>> {
+/// The block-format lines of [`bench`] alone (`cuda_check --bench-quant`);
+/// `short`: only the formats of llama.cpp's Q4_K_M and Q8_0 files, on the
+/// gate/up and k/v shapes (`--bench-quant-short`).
+pub fn bench_quant(be: &CudaBackend, graph_id: &mut usize, short: bool) -> Result<Vec<String>> {
     let mut lines = Vec::new();
     let mut rng = Rng(11);
     let copy_gbs = 4300.0;
@@ -1301,8 +1303,16 @@ pub fn bench_quant(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<String>
     // 8 rows; with the input's quantization, as a matmul runs it, and alone),
     // the per-row f32 GEMV (up to 8 rows), the mmq kernel and widening +
     // cuBLASLt.
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
-        for &(n, k) in &[(4096usize, 4096usize), (1024, 4096), (14336, 4096), (4096, 14336)] {
+    let (formats, shapes): (&[DType], &[(usize, usize)]) = if short {
+        (&[DType::Q8_0, DType::Q4_K, DType::Q6_K], &[(1024, 4096), (14336, 4096)])
+    } else {
+        (
+            &[DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q5_K, DType::Q6_K],
+            &[(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)],
+        )
+    };
+    for &dtype in formats {
+        for &(n, k) in shapes {
             let t = quant_tensor(&mut rng, dtype, n, k);
             let bytes = t.data.len() as f64;
             let ws = weight_copies(be, &t)?;
@@ -1349,20 +1359,12 @@ pub fn bench_quant(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<String>
                     let g = time(&mut |w, out| be.op("bench", |_| be.gemv_simt(&x, w, rows, out)))?;
                     line += &format!(" | gemv {g:.4} ms {}", bw(g));
                 }
-                // mmq without the L2 prefetch, and prefetching 1 and 4 chunks ahead.
-                let configured = be.config.tuning.mmq_prefetch as usize;
-                for ahead in [0usize, 1, 4] {
-                    be.mmq_ahead.store(ahead, std::sync::atomic::Ordering::Relaxed);
-                    let m = time(&mut |w, out| be.op("bench", |st| be.mmq(st, &x, w, rows, out)))?;
-                    line += &format!(" | mmq ahead {ahead} {m:.4} ms");
-                }
-                be.mmq_ahead.store(configured, std::sync::atomic::Ordering::Relaxed);
                 {
                     let m = time(&mut |w, out| be.op("bench", |st| be.mmq(st, &x, w, rows, out)))?;
                     let part = be.lock().tile.as_ref().map_or(0, |t| t.bytes().0 as usize);
                     let l = be.mmq_launch(&ws[0], rows, part)?;
                     line += &format!(
-                        " | mmq (ahead {configured}) {m:.4} ms {} {:.1} TFLOP/s ({} x {} rows, {}/SM, {} slices)",
+                        " | mmq {m:.4} ms {} {:.1} TFLOP/s ({} x {} rows, {}/SM, {} slices)",
                         bw(m),
                         tflops(m),
                         l.groups,
@@ -1485,7 +1487,7 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
             ));
         }
     }
-    lines.extend(bench_quant(be, &mut graph_id)?);
+    lines.extend(bench_quant(be, &mut graph_id, false)?);
     {
         let (m, n, k) = (4096usize, 14336usize, 4096usize);
         let w = be.upload_weight(&bench_weight(&mut rng, n, k))?;

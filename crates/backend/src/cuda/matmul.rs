@@ -408,8 +408,7 @@ impl CudaBackend {
         let dims = LaunchDims { grid: (tiles as u32, slices as u32, 1), block: MMQ_THREADS };
         let dst = if slices > 1 { part.0 } else { out.ptr() };
         let a = Args::new().ptr(w.ptr()).i64(w.row_bytes as i64).ptr(xbf).ptr(dst);
-        let ahead = self.mmq_ahead.load(std::sync::atomic::Ordering::Relaxed);
-        let a = a.i32(n as i32).i32(k as i32).i32(rows as i32).i32(kslice as i32).i32(groups as i32).i32(ahead as i32);
+        let a = a.i32(n as i32).i32(k as i32).i32(rows as i32).i32(kslice as i32).i32(groups as i32);
         unsafe { self.launch_shared(kern.k, dims, kern.shared, a)? };
         if slices > 1 {
             let len = rows * n;

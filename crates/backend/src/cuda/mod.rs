@@ -234,9 +234,6 @@ pub struct CudaBackend {
     /// One-row bf16 GEMVs of small matrices take two-row blocks (`gemv_bf16_parts`);
     /// off only for the self-check's benchmark of both.
     gemv_narrow: std::sync::atomic::AtomicBool,
-    /// Chunks past the next one whose weights an mmq block prefetches into L2
-    /// (`CudaTuning::mmq_prefetch`); other values only for the self-check's benchmark.
-    mmq_ahead: std::sync::atomic::AtomicUsize,
     state: Mutex<State>,
     /// Per-op timing when `CudaTuning::profile_every` is set (a report every N steps).
     profile: Option<Mutex<OpProfile>>,
@@ -352,7 +349,6 @@ impl CudaBackend {
             arch,
             pdl: config.tuning.pdl && major >= 9,
             gemv_narrow: std::sync::atomic::AtomicBool::new(true),
-            mmq_ahead: std::sync::atomic::AtomicUsize::new(config.tuning.mmq_prefetch as usize),
             profile: config.tuning.profile_every.map(|every| Mutex::new(OpProfile::new(every))),
             config,
             state: Mutex::new(state),

@@ -55,14 +55,6 @@ inline void cp_async16(u32 dst, const void* src, int bytes) {
     emu::copies.back().push_back(c);
 }
 inline void cp_async_commit() { emu::copies.emplace_back(); }
-// prefetch.global.L2: a hint with nothing to show, but it must name a line of
-// the kernel's buffers.
-inline void prefetch_l2(const void* p) {
-    bool inside = false;
-    for (auto& [b, len] : emu::global_buffers)
-        inside |= (uintptr_t)p + 128 > (uintptr_t)b && (uintptr_t)p < (uintptr_t)b + len;
-    if (!inside) emu::fault("prefetch: a line outside the kernel's buffers");
-}
 // cp.async.wait_group N: every committed group but the newest N lands.
 template <int N>
 void cp_async_wait() {

@@ -46,7 +46,7 @@ alignas(16) u8 mmq_smem[2 * 64 * 304 + 2 * 8 * 8 * 288 * 2];
 
 namespace {
 
-using Mmq = void (*)(const u8*, long long, const bf16_t*, float*, int, int, int, int, int, int);
+using Mmq = void (*)(const u8*, long long, const bf16_t*, float*, int, int, int, int, int);
 #define MMQS(stem) {mmq_##stem##_n1, mmq_##stem##_n2, mmq_##stem##_n4, mmq_##stem##_n8}
 // Each format's kernels for groups of 1, 2, 4 and 8 tiles, as formats() lists them.
 const Mmq kMmq[12][4] = {MMQS(q8_0), MMQS(q4_0), MMQS(q4_1), MMQS(q5_0), MMQS(q5_1), MMQS(iq4_nl),
@@ -104,7 +104,7 @@ bool check(const Format& f, int nt, int rows, int n, int k, int kslice) {
         // Nothing of the block before this one is left to read.
         if (threadIdx.x == 0) memset(mmq_smem, 0xff, need);
         __syncthreads();
-        kern(wp, row_bytes, xb.data(), dst, n, k, rows, kslice, groups, 2);
+        kern(wp, row_bytes, xb.data(), dst, n, k, rows, kslice, groups);
     });
     emu::global_buffers.clear();
     bool ok = guards_intact(out) && guards_intact(part);
