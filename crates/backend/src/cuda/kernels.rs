@@ -253,6 +253,7 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
     Ok((module, k))
 }
 
+/// A storage type as the kernels number it (kernels/dtypes.cu).
 pub(super) fn dtype_code(d: DType) -> i32 {
     match d {
         DType::F32 => 0,

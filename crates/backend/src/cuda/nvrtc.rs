@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 /// The kernel sources, concatenated into one program (one compile, one module).
 pub const SOURCES: &[&str] = &[
+    include_str!("../../kernels/dtypes.cu"),
     include_str!("../../kernels/common.cu"),
     include_str!("../../kernels/blocks.cu"),
     include_str!("../../kernels/elementwise.cu"),

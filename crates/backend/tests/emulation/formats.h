@@ -6,19 +6,6 @@
 #include "shim.h"
 #include <random>
 
-// Storage codes, as kernels/common.cu.
-#define DT_Q8_0 2
-#define DT_Q4_0 3
-#define DT_Q4_1 4
-#define DT_Q5_0 5
-#define DT_Q5_1 6
-#define DT_IQ4_NL 7
-#define DT_Q2_K 8
-#define DT_Q3_K 9
-#define DT_Q4_K 10
-#define DT_Q5_K 11
-#define DT_Q6_K 12
-#define DT_IQ4_XS 13
 
 // IEEE half to float (cvt.f32.f16), exactly.
 inline float half_to_float(unsigned short h) {

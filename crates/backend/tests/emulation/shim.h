@@ -23,9 +23,8 @@
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
 typedef unsigned char u8;
-// Storage codes, as in kernels/common.cu.
-#define DT_F32 0
-#define DT_BF16 1
+// Storage codes, the kernels' own table.
+#include "../../kernels/dtypes.cu"
 
 struct Dim3 {
     unsigned x = 0, y = 0, z = 0;
