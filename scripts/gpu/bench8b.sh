@@ -270,6 +270,8 @@ fi
 
 # ---------------------------------------------------------------- h. summary
 header "h. summary"
+# A GGUF file's ceilings are those of its own bytes, not the bf16 checkpoint's.
+case "$MODEL_DIR" in *.gguf) export WEIGHT_BYTES=$(stat -c %s "$MODEL_DIR") ;; esac
 python3 scripts/gpu/summarize_bench.py "$out" | tee "$out/summary.md"
 
 header "done in ${SECONDS}s"

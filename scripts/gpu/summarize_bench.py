@@ -13,14 +13,14 @@ Reads the `corridor bench --json` reports in OUTDIR:
 plus the `RESULT` line of logits.log (the logit comparison against transformers) and the step
 outcomes in steps.txt when present, and prints markdown tables. Missing or unreadable files become rows saying so; nothing here fails.
 
-Ceilings (one H200):
+Ceilings (one H200; an H100 named in nvidia-smi.txt takes 3.35 TB/s):
 - Decode is bound by memory bandwidth. One decode step of a batch of B reads every weight once and
   the KV cache of every sequence:
       weight_bytes   = 16.06e9 (Llama-3-8B in bf16: 8.03e9 parameters, embedding and lm_head included)
       kv_bytes_read  = B * avg_context * 32 layers * 2 (K and V) * 8 KV heads * 128 head_dim * 2 bytes
       avg_context    = mean prompt tokens (as the server counted them) + mean output tokens / 2
                        (512 + 128 for the 512-in / 256-out decode runs)
-      ceiling step   = (weight_bytes + kv_bytes_read) / 4.3e12 B/s
+      ceiling step   = (weight_bytes + kv_bytes_read) / 4.3e12 B/s (WEIGHT_BYTES, HBM_BYTES_PER_S override)
   The measured step is the ITL p50 (every gap between streamed tokens, all requests pooled), and the
   fraction of the ceiling is ceiling step / measured step.
 - Prefill is bound by tensor-core throughput:
@@ -38,14 +38,19 @@ import os
 import re
 import sys
 
-WEIGHT_BYTES = 16.06e9
+# The bf16 checkpoint's bytes; bench8b.sh sets WEIGHT_BYTES to a GGUF file's size when it serves one.
+WEIGHT_BYTES = float(os.environ.get("WEIGHT_BYTES", 16.06e9))
 PARAMS = 8.03e9
 LAYERS = 32
 KV_HEADS = 8
 HEAD_DIM = 128
 HIDDEN = 4096
 KV_BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # 131072 bytes, bf16 K and V
+# Memory bandwidth by card (the H200's measured copy rate; the H100's specification), for the card
+# named in OUTDIR/nvidia-smi.txt; HBM_BYTES_PER_S overrides.
+CARD_BYTES_PER_S = {"H200": 4.3e12, "H100": 3.35e12}
 HBM_BYTES_PER_S = 4.3e12
+CARD = "H200"
 GEMM_FLOP_PER_S = 800e12
 
 
@@ -198,7 +203,7 @@ def decode_table(outdir, notes, chunked):
     out += [
         "",
         f"Ceiling step = (weight bytes {WEIGHT_BYTES / 1e9:.2f} GB + B x avg context x {KV_BYTES_PER_TOKEN} KV bytes "
-        f"per token) / 4.3 TB/s; measured step = ITL p50; % of ceiling = ceiling / measured. "
+        f"per token) / {HBM_BYTES_PER_S / 1e12:.2f} TB/s ({CARD}); measured step = ITL p50; % of ceiling = ceiling / measured. "
         f"Achieved GB/s = the same bytes / ITL p50. TPOT = mean per request of (E2E - TTFT) / (tokens - 1), "
         f"a cross-check of the step time counted in tokens. Output tok/s is the aggregate over the whole run "
         f"(including prefill and the ramp-down of the last requests).",
@@ -290,14 +295,30 @@ def step_lines(outdir):
     return lines
 
 
+def card_bandwidth(outdir):
+    """(card, bytes/s): the card named in OUTDIR/nvidia-smi.txt and its bandwidth (H200 when unknown)."""
+    card = "H200"
+    try:
+        with open(os.path.join(outdir, "nvidia-smi.txt")) as f:
+            text = f.read()
+        card = next((c for c in CARD_BYTES_PER_S if c in text), card)
+    except OSError:
+        pass
+    bw = float(os.environ.get("HBM_BYTES_PER_S", CARD_BYTES_PER_S[card]))
+    return card, bw
+
+
 def main():
     if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         sys.exit(0 if len(sys.argv) == 2 else 2)
     outdir = sys.argv[1]
+    global CARD, HBM_BYTES_PER_S
+    CARD, HBM_BYTES_PER_S = card_bandwidth(outdir)
     notes, chunked = [], []
+    weights = "random bf16 weights" if WEIGHT_BYTES == 16.06e9 else f"weights of {WEIGHT_BYTES / 1e9:.2f} GB"
     lines = [
-        "# corridor on one H200: Llama-3-8B shape, random bf16 weights",
+        f"# corridor on one {CARD}: Llama-3-8B shape, {weights}",
         "",
         f"Reports from `{outdir}`.",
         "",
