@@ -375,7 +375,8 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
         let bias = float_tensor("b", DType::F32, 1, n, &rng.vec(n, 0.5));
         let (bg, bc) = (be.upload_weight(&bias)?, cpu.upload_weight(&bias)?);
         // 1, 2, 3 (4-row kernel), 5 (8-row kernel), 8: every GEMV instantiation;
-        // block formats also every mmq instantiation (16, 32, 64, 128 rows) and past it.
+        // block formats also mmq in groups of 32 and 64 rows, two groups (97, 128 rows) and
+        // past them (129 rows: widening).
         let many: &[usize] = if dtype.is_quantized() { &[17, 64, 97, 128, 129] } else { &[] };
         for &rows in [1usize, 2, 3, 5, 8, 9, 40].iter().chain(many) {
             let x = pair(be, &cpu, rows, k, Some(&rng.vec(rows * k, 1.0)))?;
