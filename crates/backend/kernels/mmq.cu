@@ -59,40 +59,81 @@ __device__ __forceinline__ int mmq_smem_bytes() {
     return 2 * MMQ_BN * MmqFmt<DT>::slot + 2 * 8 * NT * MMQ_XSTRIDE * 2;
 }
 
-// Copy chunk `kc` (a multiple of 256, `kw` weights) of the block's weight rows
-// to `dst` ([MMQ_BN][slot]); bytes past a row's end are zero-filled, never read
-// (a piece with none to copy names the aligned start as its source).
+// The copies of one chunk are issued by every thread with its addresses
+// worked out once per block (`MmqStageW`, `MmqStageX`): a chunk then costs a
+// thread a few integer operations per 16-byte piece. Worked out per piece
+// (divisions, clamps, 64-bit products) they took more instructions than the
+// decode and the mma together.
+//
+// Weights: two threads per row (MMQ_BN = 64 rows, 128 threads), thread
+// 2 r + h taking pieces h, h + 2, ... of row r's slot. The pieces of chunk
+// kc start at the 16-byte boundary at or below the chunk's first byte. Where
+// the row holds all of them (every chunk but a row's last) they are copied
+// whole, bytes past the chunk included (the decode reads none of those);
+// in the row's last chunk the piece with the chunk's last byte is copied up
+// to it (zero-filled after) and those past it are not copied.
 template <int DT>
-__device__ __forceinline__ void mmq_stage_w(u8* dst, const u8* __restrict__ w, long long row_bytes, int n, int j0,
-                                            int kc, int kw) {
-    const int slot = MmqFmt<DT>::slot, pieces = slot / 16;
-    long long off = (long long)(kc / 256) * MmqFmt<DT>::b256;
-    int bytes = (kw * MmqFmt<DT>::b256 + 255) / 256;
-    for (int p = threadIdx.x; p < MMQ_BN * pieces; p += MMQ_WARPS * 32) {
-        int r = p / pieces, i = p - r * pieces;
-        const u8* row = w + (long long)imin(j0 + r, n - 1) * row_bytes;
+struct MmqStageW {
+    const u8* row;  // this thread's row (clamped to the last), plus 16 h
+    long long left; // the row's bytes from there on
+    int dst;        // its slot's byte offset in a weight stage, plus 16 h
+    __device__ __forceinline__ MmqStageW(const u8* __restrict__ w, long long row_bytes, int n, int j0) {
+        int r = threadIdx.x >> 1, h = threadIdx.x & 1;
+        row = w + (long long)imin(j0 + r, n - 1) * row_bytes + 16 * h;
+        left = row_bytes - 16 * h;
+        dst = r * MmqFmt<DT>::slot + 16 * h;
+    }
+    // Chunk kc (a multiple of 256) of kw weights into the stage at `stage`.
+    __device__ __forceinline__ void copy(u8* stage, int kc, int kw) const {
+        const int pieces = MmqFmt<DT>::slot / 16, mine = (pieces + 1 - (threadIdx.x & 1)) / 2;
+        long long off = (long long)(kc / 256) * MmqFmt<DT>::b256;
         const u8* start = row + off;
-        const u8* base = (const u8*)((unsigned long long)start & ~15ull);
-        const u8* src = base + 16 * i;
-        long long left = (row + off + bytes) - src;
-        int take = left >= 16 ? 16 : (left > 0 ? (int)left : 0);
-        cp_async16(smem_u32(dst + r * slot + 16 * i), take > 0 ? src : base, take);
+        int sh = (int)((unsigned long long)start & 15ull);
+        const u8* src = start - sh;
+        u32 d = smem_u32(stage + dst);
+        if (left - off + sh >= 32 * mine - 16) {
+#pragma unroll
+            for (int v = 0; v < (pieces + 1) / 2; v++)
+                if (v < mine) cp_async16(d + 32 * v, src + 32 * v, 16);
+        } else {
+            int take0 = sh + (kw * MmqFmt<DT>::b256 + 255) / 256 - 16 * (threadIdx.x & 1);
+#pragma unroll
+            for (int v = 0; v < (pieces + 1) / 2; v++) {
+                int take = take0 - 32 * v;
+                if (v < mine && take > 0) cp_async16(d + 32 * v, src + 32 * v, imin(take, 16));
+            }
+        }
     }
-}
+};
 
-// Copy k = kc .. kc + kw - 1 of the group's input rows (`gr` of them, from
-// row r0 of xb, [rows, k] bf16) to `dst` ([8 NT][MMQ_XSTRIDE]); the rows
-// past the group's last are zero-filled. kw is a multiple of 8.
+// Input rows: 32 threads per row (256 k as 16-byte pieces of 8 bf16),
+// thread 32 u + i taking piece i of rows u, u + 4, ... of the group's 8 NT.
+// Rows past the group's last (`gr` rows, from r0) and pieces past a short
+// last chunk (kw a multiple of 8) are not copied: what their slots hold
+// reaches only products that are never stored (an output is the dot of one
+// input row) or k the decode loop stops before.
 template <int NT>
-__device__ __forceinline__ void mmq_stage_x(bf16_t* dst, const bf16_t* __restrict__ xb, int k, int r0, int gr, int kc,
-                                            int kw) {
-    int per_row = kw >> 3;
-    for (int p = threadIdx.x; p < 8 * NT * per_row; p += MMQ_WARPS * 32) {
-        int r = p / per_row, i = p - r * per_row;
-        const bf16_t* src = xb + (long long)(r0 + imin(r, gr - 1)) * k + kc + 8 * i;
-        cp_async16(smem_u32(dst + r * MMQ_XSTRIDE + 8 * i), src, r < gr ? 16 : 0);
+struct MmqStageX {
+    const bf16_t* src; // piece i of the group's row u at k = 0
+    long long step;    // 4 rows of xb
+    int dst, i, live;  // live: how many of this thread's rows (u + 4 v < gr) are the group's
+    __device__ __forceinline__ MmqStageX(const bf16_t* __restrict__ xb, int k, int r0, int gr) {
+        i = threadIdx.x & 31;
+        int u = threadIdx.x >> 5;
+        live = u < gr ? (gr - u + 3) / 4 : 0;
+        src = xb + (long long)(r0 + u) * k + 8 * i;
+        step = 4ll * k;
+        dst = (u * MMQ_XSTRIDE + 8 * i) * 2;
     }
-}
+    __device__ __forceinline__ void copy(bf16_t* stage, int kc, int kw) const {
+        u32 d = smem_u32(stage) + dst;
+        const bf16_t* s = src + kc;
+        int n = 8 * i < kw ? live : 0;
+#pragma unroll
+        for (int v = 0; v < 2 * NT; v++, s += step)
+            if (v < n) cp_async16(d + 4 * v * MMQ_XSTRIDE * 2, s, 16);
+    }
+};
 
 // NT: tiles of 8 input rows one group holds; `groups`: the groups of 8 NT
 // input rows (blockIdx.x % groups), the last one possibly short.
@@ -124,16 +165,18 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row
     float c[NT][4];
 #pragma unroll
     for (int i = 0; i < NT; i++) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
-    mmq_stage_w<DT>(raw, w, row_bytes, n, jb0, k0, imin(256, k1 - k0));
-    mmq_stage_x<NT>(xs, xb, k, r0, gr, k0, imin(256, k1 - k0));
+    const MmqStageW<DT> stage_w(w, row_bytes, n, jb0);
+    const MmqStageX<NT> stage_x(xb, k, r0, gr);
+    stage_w.copy(raw, k0, imin(256, k1 - k0));
+    stage_x.copy(xs, k0, imin(256, k1 - k0));
     cp_async_commit();
     int buf = 0;
     for (int kc = k0; kc < k1; kc += 256, buf ^= 1) {
         int kw = imin(256, k1 - kc);
         if (kc + 256 < k1) {
             int kn = imin(256, k1 - kc - 256);
-            mmq_stage_w<DT>(raw + (buf ^ 1) * MMQ_BN * slot, w, row_bytes, n, jb0, kc + 256, kn);
-            mmq_stage_x<NT>(xs + (buf ^ 1) * xstage, xb, k, r0, gr, kc + 256, kn);
+            stage_w.copy(raw + (buf ^ 1) * MMQ_BN * slot, kc + 256, kn);
+            stage_x.copy(xs + (buf ^ 1) * xstage, kc + 256, kn);
         }
         cp_async_commit();
         cp_async_wait<1>();
@@ -156,13 +199,14 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row
             u32 a2 = pack_bf16x2(va[4], va[5]), a3 = pack_bf16x2(va[6], va[7]);
             u32 b0 = pack_bf16x2(vb[0], vb[1]), b1 = pack_bf16x2(vb[2], vb[3]);
             u32 b2 = pack_bf16x2(vb[4], vb[5]), b3 = pack_bf16x2(vb[6], vb[7]);
+            // Every tile, also those past a short group's rows: their
+            // products are never stored, and a predicate per tile cost more
+            // than the mma it saved.
 #pragma unroll
             for (int i = 0; i < NT; i++) {
-                if (8 * i < gr) {
-                    uint4 xv = *(const uint4*)(xr + 8 * i * MMQ_XSTRIDE + 32 * q);
-                    mma_bf16_m16n8k16(c[i], a0, b0, a1, b1, xv.x, xv.y);
-                    mma_bf16_m16n8k16(c[i], a2, b2, a3, b3, xv.z, xv.w);
-                }
+                uint4 xv = *(const uint4*)(xr + 8 * i * MMQ_XSTRIDE + 32 * q);
+                mma_bf16_m16n8k16(c[i], a0, b0, a1, b1, xv.x, xv.y);
+                mma_bf16_m16n8k16(c[i], a2, b2, a3, b3, xv.z, xv.w);
             }
         }
         __syncthreads(); // every warp is done with this stage before it is refilled
@@ -184,14 +228,17 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row
     }
 }
 
-#define MMQ(NAME, DT, NT)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(MMQ_WARPS * 32)                                                   \
+// MINB: the blocks per SM the register budget must allow, about what shared
+// memory allows anyway (left to itself this NVRTC caps some at 128
+// registers, where the 64-row groups spill).
+#define MMQ(NAME, DT, NT, MINB)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(MMQ_WARPS * 32, MINB)                                             \
         mmq_##NAME##_n##NT(const u8* __restrict__ w, long long row_bytes, const bf16_t* __restrict__ xb,          \
                            float* __restrict__ out, int n, int k, int rows, int kslice, int groups) {             \
         mmq_body<DT, NT>(w, row_bytes, xb, out, n, k, rows, kslice, groups);                                      \
     }
 // Instantiations for groups of up to 8, 16, 32 and 64 input rows.
-#define MMQ_ALL(NAME, DT) MMQ(NAME, DT, 1) MMQ(NAME, DT, 2) MMQ(NAME, DT, 4) MMQ(NAME, DT, 8)
+#define MMQ_ALL(NAME, DT) MMQ(NAME, DT, 1, 6) MMQ(NAME, DT, 2, 4) MMQ(NAME, DT, 4, 3) MMQ(NAME, DT, 8, 2)
 MMQ_ALL(q8_0, DT_Q8_0)
 MMQ_ALL(q4_0, DT_Q4_0)
 MMQ_ALL(q4_1, DT_Q4_1)
