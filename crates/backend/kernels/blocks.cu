@@ -275,6 +275,86 @@ __device__ __forceinline__ void deq8<DT_Q4_1>(const u8* row, int e0, float (&v)[
     unpack8_affine((lo >> sh) & 0x0f0f0f0fu, (hi >> sh) & 0x0f0f0f0fu, d, -m, v);
 }
 
+// The same 8 weights as bf16 pairs for the mma, (e0, e0 + 1) in p[0] to
+// (e0 + 6, e0 + 7) in p[3]: by default `deq8` rounded pair by pair.
+template <int DT>
+__device__ __forceinline__ void deq8_bf16(const u8* row, int e0, u32 (&p)[4]) {
+    float v[8];
+    deq8<DT>(row, e0, v);
+#pragma unroll
+    for (int j = 0; j < 4; j++) p[j] = pack_bf16x2(v[2 * j], v[2 * j + 1]);
+}
+
+// a * (c - z) - b for the 8 codes c (bytes of lo, then hi, each below 128)
+// as bf16 pairs, computed in bf16 pairs: 0x4300 | c is exactly the bf16 of
+// 128 + c, less 128 + z exactly, then one fused multiply-add with a and -b
+// rounded to bf16. Three operations a pair where `unpack8_affine` and the
+// packing take seven; the cost is a and b rounded to bf16 first (each up to
+// 2^-9 of itself), besides the rounding of the result that both share.
+__device__ __forceinline__ void unpack8_bf16(u32 lo, u32 hi, float a, float b, float z, u32 (&p)[4]) {
+    const u32 one = 0x3f803f80u;
+    u32 A = pack_bf16x2(a, a), B = pack_bf16x2(-b, -b), Z = pack_bf16x2(-(128.f + z), -(128.f + z));
+    p[0] = bf16x2_fma(bf16x2_fma(__byte_perm(lo, 0x43434343u, 0x4140), one, Z), A, B);
+    p[1] = bf16x2_fma(bf16x2_fma(__byte_perm(lo, 0x43434343u, 0x4342), one, Z), A, B);
+    p[2] = bf16x2_fma(bf16x2_fma(__byte_perm(hi, 0x43434343u, 0x4140), one, Z), A, B);
+    p[3] = bf16x2_fma(bf16x2_fma(__byte_perm(hi, 0x43434343u, 0x4342), one, Z), A, B);
+}
+
+// The K-quants with codes below 64 and Q4_0 decode in bf16 pairs.
+template <>
+__device__ __forceinline__ void deq8_bf16<DT_Q4_K>(const u8* row, int e0, u32 (&p)[4]) {
+    const u8* b = row + (long long)(e0 >> 8) * 144;
+    int s = (e0 >> 5) & 7, l0 = e0 & 31;
+    u32 dm = ld_u32(b);
+    int sc, m;
+    kq_scale_min(ld_u32(b + 4), ld_u32(b + 8), ld_u32(b + 12), s, sc, m);
+    uint2 q = *(const uint2*)(b + 16 + 32 * (s >> 1) + l0);
+    int sh = 4 * (s & 1);
+    unpack8_bf16((q.x >> sh) & 0x0f0f0f0fu, (q.y >> sh) & 0x0f0f0f0fu,
+                 f16_to_f32((unsigned short)(dm & 0xffffu)) * (float)sc,
+                 f16_to_f32((unsigned short)(dm >> 16)) * (float)m, 0.f, p);
+}
+
+template <>
+__device__ __forceinline__ void deq8_bf16<DT_Q5_K>(const u8* row, int e0, u32 (&p)[4]) {
+    const u8* b = row + (long long)(e0 >> 8) * 176;
+    int s = (e0 >> 5) & 7, l0 = e0 & 31;
+    u32 dm = ld_u32(b);
+    int sc, m;
+    kq_scale_min(ld_u32(b + 4), ld_u32(b + 8), ld_u32(b + 12), s, sc, m);
+    uint2 h = *(const uint2*)(b + 16 + l0);
+    uint2 q = *(const uint2*)(b + 48 + 32 * (s >> 1) + l0);
+    int sh = 4 * (s & 1);
+    u32 lo = ((q.x >> sh) & 0x0f0f0f0fu) | (((h.x >> s) & 0x01010101u) << 4);
+    u32 hi = ((q.y >> sh) & 0x0f0f0f0fu) | (((h.y >> s) & 0x01010101u) << 4);
+    unpack8_bf16(lo, hi, f16_to_f32((unsigned short)(dm & 0xffffu)) * (float)sc,
+                 f16_to_f32((unsigned short)(dm >> 16)) * (float)m, 0.f, p);
+}
+
+template <>
+__device__ __forceinline__ void deq8_bf16<DT_Q6_K>(const u8* row, int e0, u32 (&p)[4]) {
+    const u8* b = row + (long long)(e0 >> 8) * 210;
+    int s = (e0 >> 5) & 7, l0 = e0 & 31, h = s >> 2, k4 = s & 3;
+    u32 l_lo, l_hi, h_lo, h_hi;
+    ld8_u16(b + 64 * h + 32 * (k4 & 1) + l0, l_lo, l_hi);
+    ld8_u16(b + 128 + 32 * h + l0, h_lo, h_hi);
+    int lsh = k4 >= 2 ? 4 : 0, hsh = 2 * k4;
+    u32 lo = ((l_lo >> lsh) & 0x0f0f0f0fu) | (((h_lo >> hsh) & 0x03030303u) << 4);
+    u32 hi = ((l_hi >> lsh) & 0x0f0f0f0fu) | (((h_hi >> hsh) & 0x03030303u) << 4);
+    float d = f16_to_f32(ld_u16(b + 208)) * (float)(signed char)b[192 + 2 * s + (l0 >> 4)];
+    unpack8_bf16(lo, hi, d, 0.f, 32.f, p);
+}
+
+template <>
+__device__ __forceinline__ void deq8_bf16<DT_Q4_0>(const u8* row, int e0, u32 (&p)[4]) {
+    const u8* b = row + (long long)(e0 >> 5) * 18;
+    int i = e0 & 31, sh = i >= 16 ? 4 : 0;
+    float d = f16_to_f32(ld_u16(b));
+    u32 lo, hi;
+    ld8_u16(b + 2 + (i & 15), lo, hi);
+    unpack8_bf16((lo >> sh) & 0x0f0f0f0fu, (hi >> sh) & 0x0f0f0f0fu, d, 0.f, 8.f, p);
+}
+
 // Widen stored rows row0 .. row0 + gridDim.x - 1 of a block format to a bf16
 // tile [rows, k] for cuBLASLt (prefill): a thread per 32-weight group. k is
 // a multiple of 32; the tile 16-byte aligned.

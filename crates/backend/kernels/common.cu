@@ -39,6 +39,13 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return r;
 }
 
+// a * b + c on two bf16 pairs, rounded once to nearest even (sm_80 on).
+__device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
 __device__ __forceinline__ float f16_to_f32(unsigned short h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));

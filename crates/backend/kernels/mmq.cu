@@ -11,7 +11,7 @@
 // 32-weight formats): the raw bytes of the next chunk of all its weight
 // rows, and the same 256 k of all its input rows as bf16, are copied to
 // shared memory with cp.async while the threads decode the current chunk
-// (`deq8`: 8 consecutive weights of rows g and g + 8) straight into mma
+// (`deq8_bf16`: 8 consecutive weights of rows g and g + 8) straight into mma
 // fragments. Every weight is decoded once per block and every input value
 // read from global memory once per block; the warps share the staged input.
 // Splitting K over the grid's y (`kslice`) gives a card enough blocks even
@@ -192,13 +192,11 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row
 #pragma unroll
         for (int q = 0; q < 8; q++) {
             if (q >= (kw >> 5)) break;
-            float va[8], vb[8];
-            deq8<DT>(sa, 32 * q + 8 * t, va);
-            deq8<DT>(sb, 32 * q + 8 * t, vb);
-            u32 a0 = pack_bf16x2(va[0], va[1]), a1 = pack_bf16x2(va[2], va[3]);
-            u32 a2 = pack_bf16x2(va[4], va[5]), a3 = pack_bf16x2(va[6], va[7]);
-            u32 b0 = pack_bf16x2(vb[0], vb[1]), b1 = pack_bf16x2(vb[2], vb[3]);
-            u32 b2 = pack_bf16x2(vb[4], vb[5]), b3 = pack_bf16x2(vb[6], vb[7]);
+            u32 pa[4], pb[4];
+            deq8_bf16<DT>(sa, 32 * q + 8 * t, pa);
+            deq8_bf16<DT>(sb, 32 * q + 8 * t, pb);
+            u32 a0 = pa[0], a1 = pa[1], a2 = pa[2], a3 = pa[3];
+            u32 b0 = pb[0], b1 = pb[1], b2 = pb[2], b3 = pb[3];
             // Every tile, also those past a short group's rows: their
             // products are never stored, and a predicate per tile cost more
             // than the mma it saved.

@@ -45,6 +45,16 @@ struct Format {
     void (*decode)(const u8* b, double* out);
 };
 
+// The weights of the formats whose tensor-core decode works in bf16 pairs
+// (blocks.cu `unpack8_bf16`), a * t - b: exact by default; with
+// `kernel_bf16` set, as that decode rounds them: a and b to bf16 first, then
+// the result once (mma.h defines the rounding; this file comes first).
+bool kernel_bf16 = false;
+double bf16_round(double v) { return bf16_to_f32(bf16_of_double(v)); }
+double affine(double a, double t, double b) {
+    return kernel_bf16 ? bf16_round(bf16_round(a) * t - bf16_round(b)) : a * t - b;
+}
+
 double hd(const u8* p) { return half_to_float((unsigned short)(p[0] | (p[1] << 8))); }
 const int kLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -52,7 +62,8 @@ void dec_q8_0(const u8* b, double* o) {
     for (int i = 0; i < 32; i++) o[i] = hd(b) * (signed char)b[2 + i];
 }
 void dec_q4_0(const u8* b, double* o) {
-    for (int j = 0; j < 16; j++) o[j] = hd(b) * ((b[2 + j] & 15) - 8), o[j + 16] = hd(b) * ((b[2 + j] >> 4) - 8);
+    for (int j = 0; j < 16; j++)
+        o[j] = affine(hd(b), (b[2 + j] & 15) - 8, 0), o[j + 16] = affine(hd(b), (b[2 + j] >> 4) - 8, 0);
 }
 void dec_q4_1(const u8* b, double* o) {
     for (int j = 0; j < 16; j++) o[j] = hd(b) * (b[4 + j] & 15) + hd(b + 2), o[j + 16] = hd(b) * (b[4 + j] >> 4) + hd(b + 2);
@@ -89,7 +100,7 @@ void dec_k45(const u8* b, double* o, bool five) {
                 k4_scale_min(s, b + 4, sc, m);
                 int q = hi ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 15;
                 if (five) q |= ((b[16 + l] >> s) & 1) << 4;
-                o[32 * s + l] = hd(b) * sc * q - hd(b + 2) * m;
+                o[32 * s + l] = affine(hd(b) * sc, q, hd(b + 2) * m);
             }
 }
 void dec_q4_k(const u8* b, double* o) { dec_k45(b, o, false); }
@@ -101,7 +112,7 @@ void dec_q6_k(const u8* b, double* o) {
                 int byte = b[64 * h + l + 32 * (k % 2)];
                 int low = k < 2 ? byte & 15 : byte >> 4, high = (b[128 + 32 * h + l] >> (2 * k)) & 3;
                 int e = 128 * h + 32 * k + l;
-                o[e] = hd(b + 208) * (signed char)b[192 + e / 16] * ((low | (high << 4)) - 32);
+                o[e] = affine(hd(b + 208) * (signed char)b[192 + e / 16], (low | (high << 4)) - 32, 0);
             }
 }
 void dec_q2_k(const u8* b, double* o) {

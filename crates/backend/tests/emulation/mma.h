@@ -77,6 +77,18 @@ inline float bf16_lo(u32 w) { return bf16_to_f32((bf16_t)(w & 0xffff)); }
 inline float bf16_hi(u32 w) { return bf16_to_f32((bf16_t)(w >> 16)); }
 inline float bf16_half(u32 w, int hi) { return hi ? bf16_hi(w) : bf16_lo(w); }
 
+// fma.rn.bf16x2: each half's a * b + c is exact in double (8-bit
+// significands), then rounded once.
+inline u32 bf16x2_fma(u32 a, u32 b, u32 c) {
+    u32 r = 0;
+    for (int h = 0; h < 2; h++) {
+        double v = (double)bf16_half(a, h) * bf16_half(b, h) + bf16_half(c, h);
+        r |= (u32)bf16_of_double(v) << (16 * h);
+    }
+    return r;
+}
+
+
 // mma.m16n8k16.row.col: lane = 4 * group + t. A: a0 (row group, cols 2t..2t+1),
 // a1 (row group + 8), a2 (cols + 8), a3 (both); B: b0 (rows 2t..2t+1 of column
 // group), b1 (rows + 8); C: c0, c1 (row group, cols 2t, 2t+1), c2, c3 (row + 8).

@@ -123,15 +123,22 @@ bool check(const Format& f, int nt, int rows, int n, int k, int kslice) {
     // near tie: 2^-8 of one term), so 2^-12 of sum |w x| holds it, and
     // weights lost, doubled or taken from another row, k or chunk exceed it.
     double worst = 0, worst_b = 0;
-    std::vector<double> wrow(k);
+    std::vector<double> wrow(k), wker(k);
+    const bool in_bf16 = f.dt == DT_Q4_0 || f.dt == DT_Q4_K || f.dt == DT_Q5_K || f.dt == DT_Q6_K;
     for (int j = 0; j < n; j++) {
-        for (int b = 0; b < per_row; b++) f.decode(wp + j * row_bytes + (size_t)b * f.bytes, &wrow[(size_t)b * f.elems]);
+        for (int b = 0; b < per_row; b++) {
+            const u8* blk = wp + j * row_bytes + (size_t)b * f.bytes;
+            f.decode(blk, &wrow[(size_t)b * f.elems]);
+            kernel_bf16 = in_bf16;
+            f.decode(blk, &wker[(size_t)b * f.elems]);
+            kernel_bf16 = false;
+        }
         for (int r = 0; r < rows; r++) {
             double ref = 0, mag = 0, refb = 0;
             for (int e = 0; e < k; e++) {
                 double xv = bf16_to_f32(xb[(size_t)r * k + e]), t = wrow[e] * xv;
                 ref += t, mag += std::fabs(t);
-                refb += bf16_to_f32(to_bf16((float)wrow[e])) * xv;
+                refb += (in_bf16 ? wker[e] : bf16_to_f32(to_bf16((float)wrow[e]))) * xv;
             }
             double got = out[kGuard + (size_t)r * n + j], err = std::fabs(got - ref), errb = std::fabs(got - refb);
             ok &= err <= std::ldexp(mag, -8) && errb <= std::ldexp(mag, -12); // false for NaN

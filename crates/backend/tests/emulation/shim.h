@@ -128,6 +128,24 @@ inline float bf16_to_f32(bf16_t v) {
     return f;
 }
 
+// A double rounded once to the nearest even bf16, by way of a float rounded
+// to odd (truncated, its last bit set when inexact: with 16 more bits than
+// bf16, rounding that float is rounding the double).
+inline bf16_t bf16_of_double(double v) {
+    float f = (float)v;
+    if ((double)f != v) {
+        if (std::fabs((double)f) > std::fabs(v)) f = std::nextafter(f, 0.0f);
+        u32 odd;
+        memcpy(&odd, &f, 4);
+        odd |= 1u;
+        memcpy(&f, &odd, 4);
+    }
+    u32 u;
+    memcpy(&u, &f, 4);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (bf16_t)(u >> 16);
+}
+
 inline float warp_sum(float v) {
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     auto& b = *(*emu::warp_barriers)[w];
