@@ -4,6 +4,13 @@
 #   scripts/gpu/session.sh checks   # card + chokepoint check, kernel checks, tiny checkpoints GPU vs CPU
 #   scripts/gpu/session.sh quant    # kernel checks, tiny checkpoints, then the block-format matmuls
 #                                   # timed at 1 to 256 rows (cuda_check --bench-quant)
+#   scripts/gpu/session.sh gguf     # the GGUF files against llama.cpp in one plan of calls on one warm
+#                                   # machine: in the background gguf_bench.sh prep (llama.cpp built
+#                                   # with CUDA, the 8B checkpoint, its f16 GGUF, Q4_K_M / Q8_0 / Q4_0)
+#                                   # then bench of every file once the card is free; in the
+#                                   # foreground the checks and the block-format matmuls of
+#                                   # .gpu/cuda_check-base against .gpu/cuda_check (--bench-quant-short)
+#   scripts/gpu/session.sh wait S   # the next calls: follow that plan for up to S seconds
 #   scripts/gpu/session.sh paris    # SmolLM2 "Paris" on the GPU, by the model and through `corridor serve`;
 #                                   # first call: `cp .gpu-a/part /tmp/smol_a` (carry .gpu-a), second: this
 #                                   # (carry .gpu-b and .gpu-c = corridor + corridor-gpu-check)
@@ -104,6 +111,39 @@ case "${1:-checks}" in
     echo "== [${SECONDS}s] block-format matmuls"
     timeout 300 ./.gpu/cuda_check --bench-quant > "$out/bench_quant.log" 2>&1; echo "exit $?"
     sed -e 's/ | /\n    /g' "$out/bench_quant.log" | grep -vE "gemv|q8-gemv" | head -n 400
+    ;;
+  gguf)
+    SECONDS=0
+    g=/tmp/gguf-plan; mkdir -p "$g"; rm -f "$g/card_free"
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt" "$g/nvidia-smi.txt"
+    setsid nohup bash -c "OUT=$g SKIP_KQUANT=1 QUANTS='${QUANTS:-Q4_K_M Q8_0 Q4_0}' scripts/gpu/gguf_bench.sh prep > $g/prep.log 2>&1;
+        while [ ! -f $g/card_free ]; do sleep 2; done;
+        OUT=$g scripts/gpu/gguf_bench.sh bench ${FILES:-Q4_K_M Q8_0 Q4_0 f16} > $g/bench.log 2>&1; touch $g/done" \
+        < /dev/null > /dev/null 2>&1 &
+    echo "== [${SECONDS}s] kernels vs CPU"; timeout 240 ./.gpu/cuda_check > "$out/cuda_check.log" 2>&1
+    echo "exit $?"; grep -E "FAIL" "$out/cuda_check.log" | head -n 25; tail -n 1 "$out/cuda_check.log"
+    echo "== [${SECONDS}s] tiny checkpoints GPU vs CPU"
+    timeout 120 ./.gpu/corridor-gpu-check tests/fixtures/tiny/kquant > "$out/e2e_kquant.log" 2>&1; echo "exit $?"
+    grep -E "FAIL" "$out/e2e_kquant.log" | head -n 10; tail -n 1 "$out/e2e_kquant.log"
+    timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny > "$out/e2e.log" 2>&1; echo "exit $?"
+    grep -E "FAIL" "$out/e2e.log" | head -n 10; tail -n 1 "$out/e2e.log"
+    for b in cuda_check-base cuda_check; do
+        echo "== [${SECONDS}s] block-format matmuls: $b"
+        timeout 200 "./.gpu/$b" --bench-quant-short > "$out/bench_quant_$b.log" 2>&1; echo "exit $?"
+        grep -oE "^quant [^:]*|mmq [0-9.]+ ms" "$out/bench_quant_$b.log" | paste -d' ' - - | grep -E "rows (8|32|64|128):"
+    done
+    touch "$g/card_free"
+    bash "$0" wait $(( ${LIMIT_S:-540} - SECONDS ))
+    ;;
+  wait)
+    g=/tmp/gguf-plan
+    end=$(( SECONDS + ${2:-500} ))
+    while [ ! -f "$g/done" ] && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
+    echo "== [$(date +%T)] plan: $( [ -f "$g/done" ] && echo done || echo running)"
+    tail -n 4 "$g/prep.log" 2>/dev/null; grep -E "^===|status|^\|" "$g/bench.log" 2>/dev/null | tail -n 40
+    mkdir -p "$out/plan"; cp -r "$g"/*.log "$g"/*.txt "$out/plan/" 2>/dev/null
+    for d in "$g"/corridor_*/; do [ -d "$d" ] && mkdir -p "$out/plan/$(basename "$d")" && cp "$d"/*.md "$d"/*.json "$out/plan/$(basename "$d")/" 2>/dev/null; done
+    true
     ;;
   paris)
     # The GGUF travels in two halves (.gpu-a, then .gpu-b in a second call while the machine is

@@ -200,12 +200,17 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row
             // Every tile, also those past a short group's rows: their
             // products are never stored, and a predicate per tile cost more
             // than the mma it saved.
+            // The first k-step of every tile, then the second: a tile's two
+            // mma are dependent (one accumulator), so they are not issued
+            // back to back.
+            uint4 xv[NT];
 #pragma unroll
             for (int i = 0; i < NT; i++) {
-                uint4 xv = *(const uint4*)(xr + 8 * i * MMQ_XSTRIDE + 32 * q);
-                mma_bf16_m16n8k16(c[i], a0, b0, a1, b1, xv.x, xv.y);
-                mma_bf16_m16n8k16(c[i], a2, b2, a3, b3, xv.z, xv.w);
+                xv[i] = *(const uint4*)(xr + 8 * i * MMQ_XSTRIDE + 32 * q);
+                mma_bf16_m16n8k16(c[i], a0, b0, a1, b1, xv[i].x, xv[i].y);
             }
+#pragma unroll
+            for (int i = 0; i < NT; i++) mma_bf16_m16n8k16(c[i], a2, b2, a3, b3, xv[i].z, xv[i].w);
         }
         __syncthreads(); // every warp is done with this stage before it is refilled
     }
