@@ -241,7 +241,7 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, long long row
         mmq_body<DT, NT>(w, row_bytes, xb, out, n, k, rows, kslice, groups);                                      \
     }
 // Instantiations for groups of up to 8, 16, 32 and 64 input rows.
-#define MMQ_ALL(NAME, DT) MMQ(NAME, DT, 1, 6) MMQ(NAME, DT, 2, 4) MMQ(NAME, DT, 4, 3) MMQ(NAME, DT, 8, 2)
+#define MMQ_ALL(NAME, DT) MMQ(NAME, DT, 1, 5) MMQ(NAME, DT, 2, 4) MMQ(NAME, DT, 4, 3) MMQ(NAME, DT, 8, 2)
 MMQ_ALL(q8_0, DT_Q8_0)
 MMQ_ALL(q4_0, DT_Q4_0)
 MMQ_ALL(q4_1, DT_Q4_1)
