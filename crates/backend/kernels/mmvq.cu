@@ -597,38 +597,12 @@ __device__ __forceinline__ void mmvq_finish(float (&acc)[R][NW], float* __restri
     }
 }
 
-// The activations a lane dots in step t, half by half: 16 codes and the
-// block's (d, d * sum q) of each input row (zero past k or `rows`).
-template <int R>
-struct MvX {
-    int4 a[2][R];
-    float2 s[2][R];
-};
-template <bool KQ, int R>
-__device__ __forceinline__ void mv_load_x(const signed char* __restrict__ xq, const float2* __restrict__ xs, int k,
-                                          int rows, int t, int lane, MvX<R>& x) {
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        int pos = mv_pos<KQ>(t, lane, h);
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            bool live = pos < k && r < rows;
-            x.a[h][r] = live ? __ldg((const int4*)(xq + (long long)r * k + pos)) : make_int4(0, 0, 0, 0);
-            x.s[h][r] = live ? __ldg(xs + (long long)r * (k >> 5) + (pos >> 5)) : make_float2(0.f, 0.f);
-        }
-    }
-}
-
 // out[r][j] = x[r] . w[j] for the block's NW weight rows, x given as `xq`
 // (i8 codes [rows][k]) and `xs` ((d, d * sum q) [rows][k / 32]) of
 // `q8_quantize`. PF: the next step's weights are loaded before this step's
-// arithmetic and its activations right after it, and the first step's
-// activations with its weights, so a step waits on one memory latency, not
-// on the weights' and then the activations' (more registers: off where R x
-// NW accumulators already take many; the activations are then loaded where
-// they are used). `early`: the first step's weights are loaded
-// before `pdl_enter`, as in gemv.cu `gemv_bf16_acc` (weights are written by
-// no kernel).
+// arithmetic (more registers: off where R x NW accumulators already take
+// many). `early`: the first step's weights are loaded before `pdl_enter`, as
+// in gemv.cu `gemv_bf16_acc` (weights are written by no kernel).
 template <int DT, int R, int NW, bool PF>
 __device__ __forceinline__ void mmvq_body(const u8* __restrict__ w, long long row_bytes,
                                           const signed char* __restrict__ xq, const float2* __restrict__ xs,
@@ -647,7 +621,6 @@ __device__ __forceinline__ void mmvq_body(const u8* __restrict__ w, long long ro
         for (int i = 0; i < NW; i++) acc[r][i] = 0.f;
     int steps = (k + MMVQ_STEP - 1) / MMVQ_STEP;
     typename F::Raw raw[NW];
-    MvX<R> x;
     int t = wid;
     if (!early) pdl_enter();
     if (t < steps) {
@@ -655,7 +628,6 @@ __device__ __forceinline__ void mmvq_body(const u8* __restrict__ w, long long ro
         for (int i = 0; i < NW; i++) F::load(wr[i], row_bytes, t, lane, k, raw[i]);
     }
     if (early) pdl_enter();
-    if (PF && t < steps) mv_load_x<F::kq, R>(xq, xs, k, rows, t, lane, x);
     for (; t < steps; t += MMVQ_WARPS) {
         MvUnit u[NW];
 #pragma unroll
@@ -672,8 +644,8 @@ __device__ __forceinline__ void mmvq_body(const u8* __restrict__ w, long long ro
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     if (r < rows) {
-                        int4 a = PF ? x.a[h][r] : __ldg((const int4*)(xq + (long long)r * k + pos));
-                        float2 sx = PF ? x.s[h][r] : __ldg(xs + (long long)r * (k >> 5) + (pos >> 5));
+                        int4 a = __ldg((const int4*)(xq + (long long)r * k + pos));
+                        float2 sx = __ldg(xs + (long long)r * (k >> 5) + (pos >> 5));
                         // The half's sum of activation codes, for offsets per 16.
                         float sq = 0.f;
                         if (F::offsets == MV_GROUP_OFFSETS) {
@@ -699,9 +671,6 @@ __device__ __forceinline__ void mmvq_body(const u8* __restrict__ w, long long ro
                 }
             }
         }
-        // The next step's activations once this step's are used: in the next
-        // iteration they and the weights loaded above are waited on together.
-        if (PF && next < steps) mv_load_x<F::kq, R>(xq, xs, k, rows, next, lane, x);
         if (!PF && next < steps) {
 #pragma unroll
             for (int i = 0; i < NW; i++) F::load(wr[i], row_bytes, next, lane, k, raw[i]);
@@ -716,9 +685,8 @@ __device__ __forceinline__ void mmvq_body(const u8* __restrict__ w, long long ro
 // blocks per SM the register budget must allow (left to itself this NVRTC
 // picks smaller budgets and spills): 8 at one row (64 registers, a full SM of
 // 1024 threads), fewer where a format needs more (Q5_K holds three 16-byte
-// pieces a row; Q8_0, Q5_1 and Q4_K at one row hold the step's activations
-// too), so that none spills on any architecture scripts/check_kernels.py
-// compiles for.
+// pieces a row: without spills at 6 for one row and 3 for four, on every
+// architecture scripts/check_kernels.py compiles for).
 #define MMVQ(NAME, DT, R, NW, PF, MINB)                                                                                \
     extern "C" __global__ void __launch_bounds__(MMVQ_WARPS * 32, MINB)                                           \
         mmvq_##NAME##_r##R(const u8* __restrict__ w, long long row_bytes, const signed char* __restrict__ xq,     \
@@ -726,18 +694,18 @@ __device__ __forceinline__ void mmvq_body(const u8* __restrict__ w, long long ro
                            int early) {                                                                           \
         mmvq_body<DT, R, NW, PF>(w, row_bytes, xq, xs, out, n, k, rows, early);                                   \
     }
-#define MMVQ_ALL(NAME, DT, MINB1, MINB2, MINB4)                                                                    \
+#define MMVQ_ALL(NAME, DT, MINB1, MINB4)                                                                           \
     MMVQ(NAME, DT, 1, 2, true, MINB1)                                                                              \
-    MMVQ(NAME, DT, 2, 2, true, MINB2) MMVQ(NAME, DT, 4, 4, false, MINB4) MMVQ(NAME, DT, 8, 4, false, 3)
-MMVQ_ALL(q8_0, DT_Q8_0, 7, 5, 4)
-MMVQ_ALL(q4_0, DT_Q4_0, 8, 6, 4)
-MMVQ_ALL(q4_1, DT_Q4_1, 7, 5, 4)
-MMVQ_ALL(q5_0, DT_Q5_0, 8, 6, 4)
-MMVQ_ALL(q5_1, DT_Q5_1, 7, 5, 4)
-MMVQ_ALL(iq4_nl, DT_IQ4_NL, 8, 6, 4)
-MMVQ_ALL(q2_k, DT_Q2_K, 8, 6, 4)
-MMVQ_ALL(q3_k, DT_Q3_K, 8, 6, 4)
-MMVQ_ALL(q4_k, DT_Q4_K, 7, 5, 4)
-MMVQ_ALL(q5_k, DT_Q5_K, 5, 4, 3)
-MMVQ_ALL(q6_k, DT_Q6_K, 8, 6, 4)
-MMVQ_ALL(iq4_xs, DT_IQ4_XS, 8, 6, 4)
+    MMVQ(NAME, DT, 2, 2, true, 6) MMVQ(NAME, DT, 4, 4, false, MINB4) MMVQ(NAME, DT, 8, 4, false, 3)
+MMVQ_ALL(q8_0, DT_Q8_0, 8, 4)
+MMVQ_ALL(q4_0, DT_Q4_0, 8, 4)
+MMVQ_ALL(q4_1, DT_Q4_1, 8, 4)
+MMVQ_ALL(q5_0, DT_Q5_0, 8, 4)
+MMVQ_ALL(q5_1, DT_Q5_1, 8, 4)
+MMVQ_ALL(iq4_nl, DT_IQ4_NL, 8, 4)
+MMVQ_ALL(q2_k, DT_Q2_K, 8, 4)
+MMVQ_ALL(q3_k, DT_Q3_K, 8, 4)
+MMVQ_ALL(q4_k, DT_Q4_K, 8, 4)
+MMVQ_ALL(q5_k, DT_Q5_K, 6, 3)
+MMVQ_ALL(q6_k, DT_Q6_K, 8, 4)
+MMVQ_ALL(iq4_xs, DT_IQ4_XS, 8, 4)
