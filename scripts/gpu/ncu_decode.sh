@@ -8,10 +8,10 @@
 #
 # Runs `corridor generate` (a 501-token prompt, 60 tokens) under ncu, skips the first SKIP kernels
 # (boot, prefill; default 1500), records COUNT (default 400), and prints per kernel name the total,
-# Mind what SKIP passes: the boot runs warm-up steps (three prefill-sized, then one of every decode batch size from 1 up,
-# `SingleRank::warm_up`), a few hundred kernels each on a 32-layer model, so 1500 suits a
-# few-layer checkpoint only; check the grids of the first kernels printed (rows) before reading it.
 # the calls and the mean, then the first kernels in launch order (one decode step, by its grid).
+# Mind what SKIP passes: the boot runs warm-up steps (three prefill-sized, then one of every decode
+# batch size from 1 up, `SingleRank::warm_up`), a few hundred kernels each on a 32-layer model, so
+# 1500 suits a few-layer checkpoint only; check the first kernels' grids (rows) before reading it.
 # Needs ncu (/usr/local/cuda-13.0/bin/ncu on the GPU machine). Output in $OUT (default /tmp):
 # ncu_decode.csv (raw), ncu_decode.txt (the summary).
 set -uo pipefail
