@@ -9,7 +9,7 @@
 //! (the same f32 products); the f32 dot product within its summation order.
 
 use corridor_backend::cpu::quant::{
-    dequantize_row, dot_row, dot_row_q8, dot_row_q8_portable, dot_rows_q8, Q8Row,
+    dequantize_row, dot_many_rows_q8, dot_row, dot_row_q8, dot_row_q8_portable, dot_rows_q8, Q8Row,
 };
 use corridor_backend::DType;
 use half::f16;
@@ -310,6 +310,60 @@ fn q8_dot_of_several_rows_is_each_rows_own_dot() {
                     "{dtype}, row {r} of {rows}: {} vs {one}",
                     got[r]
                 );
+            }
+        }
+    }
+}
+
+/// The decode matmul's kernel (`dot_many_rows_q8`: several weight rows
+/// against 1 to 8 activation rows, with the format chosen once) on rows long
+/// enough for every unrolled loop, with an odd count of 32-weight blocks
+/// (the even/odd pairs and the tail) and several super-blocks: every value
+/// is bit for bit the portable build's dot of that weight row with that
+/// activation row, for every block format, edge blocks included. On x86-64
+/// with AVX2 this checks the register kernels (`codes_avx2`, the F16C scale
+/// loads, the vector scale unpacking of Q4_K/Q5_K/Q6_K) against the scalar
+/// reference, so a wrong code, scale or order in any of them shows.
+#[test]
+fn q8_many_rows_are_the_portable_dot_bit_for_bit() {
+    let mut rng = Rng(0x7e57_0000_c0de_0042);
+    let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    for dtype in BLOCK_TYPES {
+        let be = dtype.block_elems();
+        let per_row = if be == 32 { 19 } else { 3 };
+        let n = per_row * be;
+        let row_bytes = per_row * dtype.block_bytes();
+        let bs = blocks(dtype, &mut rng);
+        // Five weight rows drawn from the random and edge blocks.
+        let nrows = 5;
+        let w: Vec<u8> = (0..nrows * per_row)
+            .flat_map(|i| bs[(i * 7 + (rng.next() as usize % 3)) % bs.len()].clone())
+            .collect();
+        assert_eq!(w.len(), nrows * row_bytes);
+        for count in 1..=8 {
+            let xs: Vec<Q8Row> = (0..count)
+                .map(|r| {
+                    let x: Vec<f32> =
+                        (0..n).map(|i| rng.unit() * [0.01f32, 3.0, 0.5, 40.0][(i / 32 + r) % 4]).collect();
+                    let mut q = Q8Row::default();
+                    q.quantize(&x);
+                    q
+                })
+                .collect();
+            let mut got = vec![0f32; nrows * count];
+            dot_many_rows_q8(dtype, &w, row_bytes, &xs, &mut got);
+            for i in 0..nrows {
+                let row = &w[i * row_bytes..(i + 1) * row_bytes];
+                for (r, x) in xs.iter().enumerate() {
+                    let want = dot_row_q8_portable(dtype, row, x);
+                    let g = got[i * count + r];
+                    assert!(
+                        same(g, want),
+                        "{dtype}, weight row {i}, {count} rows, row {r}: {g} vs portable {want}"
+                    );
+                    let one = dot_row_q8(dtype, row, x);
+                    assert!(same(one, want), "{dtype}, weight row {i}: dot_row_q8 {one} vs portable {want}");
+                }
             }
         }
     }

@@ -277,11 +277,12 @@ impl CpuWeight {
             _ => None,
         }
     }
-    /// Row `r` dotted with each Q8 activation row of `xs`, into `out`.
-    fn dot_q8_rows(&self, r: usize, xs: &[quant::Q8Row], out: &mut [f32]) {
+    /// Rows `r0..` (as many as `out` holds, `xs.len()` values each) dotted
+    /// with each Q8 activation row of `xs`, into `out` (row-major by weight row).
+    fn dot_q8_many(&self, r0: usize, xs: &[quant::Q8Row], out: &mut [f32]) {
         match self {
             CpuWeight::Packed { dtype, bytes, row_bytes, .. } => {
-                quant::dot_rows_q8(*dtype, &bytes.bytes()[r * row_bytes..(r + 1) * row_bytes], xs, out)
+                quant::dot_many_rows_q8(*dtype, &bytes.bytes()[r0 * row_bytes..], *row_bytes, xs, out)
             }
             CpuWeight::F32 { .. } => unreachable!("f32 weights are not dotted with Q8 rows"),
         }
@@ -419,15 +420,22 @@ unsafe fn q8_columns(
     n: usize,
     cols: std::ops::Range<usize>,
 ) {
-    let mut vals = [0f32; Q8_DOT_MAX_ROWS];
+    // Up to this many weight rows at a time: one call into the kernels each.
+    const AT_ONCE: usize = ROWS_PER_TASK;
+    let mut vals = [0f32; Q8_DOT_MAX_ROWS * AT_ONCE];
     for (c, xs) in xs.chunks(Q8_DOT_MAX_ROWS).enumerate() {
-        let vals = &mut vals[..xs.len()];
-        for j in cols.clone() {
-            w.dot_q8_rows(j, xs, vals);
-            for (r, &v) in vals.iter().enumerate() {
-                // SAFETY: row c * Q8_DOT_MAX_ROWS + r of `out` exists, and column j is the caller's.
-                unsafe { *out.0.add((c * Q8_DOT_MAX_ROWS + r) * n + j) = v };
+        let mut j0 = cols.start;
+        while j0 < cols.end {
+            let nj = AT_ONCE.min(cols.end - j0);
+            let vals = &mut vals[..nj * xs.len()];
+            w.dot_q8_many(j0, xs, vals);
+            for (i, vs) in vals.chunks_exact(xs.len()).enumerate() {
+                for (r, &v) in vs.iter().enumerate() {
+                    // SAFETY: row c * Q8_DOT_MAX_ROWS + r of `out` exists, and column j0 + i is the caller's.
+                    unsafe { *out.0.add((c * Q8_DOT_MAX_ROWS + r) * n + j0 + i) = v };
+                }
             }
+            j0 += nj;
         }
     }
 }

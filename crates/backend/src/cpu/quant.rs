@@ -15,7 +15,10 @@
 //! products are integer and the activations a quarter of their f32 size in
 //! cache; on x86-64 with AVX2 the codes of each 32 weights are unpacked in
 //! registers instead (`codes_avx2`) and multiplied by `vpmaddubsw`, with the
-//! same roundings as the portable loop, so both give the same bits.
+//! same roundings as the portable loop, so both give the same bits. The AVX2
+//! kernels are built once per format (a const generic, [`block_type`]), so
+//! the unpacking inlines into each loop instead of being a call through a
+//! jump on the format for every 32 weights.
 
 use crate::dtype::{DType, QK, QK_K};
 use half::{bf16, f16};
@@ -43,6 +46,65 @@ macro_rules! per_block_type {
             DType::Q5_K => $f(DType::Q5_K, $($arg),*),
             DType::Q6_K => $f(DType::Q6_K, $($arg),*),
             DType::IQ4_XS => $f(DType::IQ4_XS, $($arg),*),
+            DType::F32 | DType::F16 | DType::BF16 => unreachable!("{} is not a block format", $dtype),
+        }
+    };
+}
+
+/// Evaluates `$body` with `$t` a constant `u8` naming the block format
+/// `$dtype` (`DType::X as u8`), for the AVX2 kernels' const generic.
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_block_const {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            DType::Q8_0 => {
+                const $t: u8 = DType::Q8_0 as u8;
+                $body
+            }
+            DType::Q4_0 => {
+                const $t: u8 = DType::Q4_0 as u8;
+                $body
+            }
+            DType::Q4_1 => {
+                const $t: u8 = DType::Q4_1 as u8;
+                $body
+            }
+            DType::Q5_0 => {
+                const $t: u8 = DType::Q5_0 as u8;
+                $body
+            }
+            DType::Q5_1 => {
+                const $t: u8 = DType::Q5_1 as u8;
+                $body
+            }
+            DType::IQ4_NL => {
+                const $t: u8 = DType::IQ4_NL as u8;
+                $body
+            }
+            DType::Q2_K => {
+                const $t: u8 = DType::Q2_K as u8;
+                $body
+            }
+            DType::Q3_K => {
+                const $t: u8 = DType::Q3_K as u8;
+                $body
+            }
+            DType::Q4_K => {
+                const $t: u8 = DType::Q4_K as u8;
+                $body
+            }
+            DType::Q5_K => {
+                const $t: u8 = DType::Q5_K as u8;
+                $body
+            }
+            DType::Q6_K => {
+                const $t: u8 = DType::Q6_K as u8;
+                $body
+            }
+            DType::IQ4_XS => {
+                const $t: u8 = DType::IQ4_XS as u8;
+                $body
+            }
             DType::F32 | DType::F16 | DType::BF16 => unreachable!("{} is not a block format", $dtype),
         }
     };
@@ -502,6 +564,19 @@ impl Q8Row {
     pub fn is_empty(&self) -> bool {
         self.q.is_empty()
     }
+    /// Checks that the row holds `blocks` 32-element blocks with their
+    /// scales and sums, so the AVX2 loops may read them unchecked.
+    #[cfg(target_arch = "x86_64")]
+    fn check_blocks(&self, blocks: usize) {
+        assert!(
+            self.q.len() >= blocks * QK
+                && self.d.len() >= blocks
+                && self.bsum.len() >= blocks
+                && self.gsum.len() >= 2 * blocks,
+            "an 8-bit row of {} elements for {blocks} blocks",
+            self.q.len()
+        );
+    }
     /// The values the row stands for, `d · q` (for tests and bounds).
     pub fn dequantized(&self) -> Vec<f32> {
         self.q.iter().enumerate().map(|(i, &q)| self.d[i / QK] * q as f32).collect()
@@ -535,26 +610,59 @@ pub fn dot_rows_q8(dtype: DType, row: &[u8], xs: &[Q8Row], out: &mut [f32]) {
     assert_eq!(xs.len(), out.len(), "one output per activation row");
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        let one_scale = matches!(dtype, DType::Q4_1 | DType::Q8_0);
-        for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
-            // SAFETY: the CPU supports AVX2, FMA and F16C (checked above).
-            unsafe {
-                match (xs.len(), one_scale) {
-                    (4, true) => q8_dot_rows_avx2::<4>(dtype, row, xs, out),
-                    (3, true) => q8_dot_rows_avx2::<3>(dtype, row, xs, out),
-                    (2, true) => q8_dot_rows_avx2::<2>(dtype, row, xs, out),
-                    (_, true) => out[0] = q8_dot_blocks_avx2(dtype, row, &xs[0]),
-                    (4, false) => q8_dot_lanes_avx2::<4>(dtype, row, xs, out),
-                    (3, false) => q8_dot_lanes_avx2::<3>(dtype, row, xs, out),
-                    (2, false) => q8_dot_lanes_avx2::<2>(dtype, row, xs, out),
-                    (_, false) => q8_dot_lanes_avx2::<1>(dtype, row, xs, out),
-                }
-            }
-        }
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked above).
+        with_block_const!(dtype, T => unsafe { dot_rows_q8_avx2::<T>(row, xs, out) });
         return;
     }
     for (x, o) in xs.iter().zip(out.iter_mut()) {
         *o = dot_row_q8(dtype, row, x);
+    }
+}
+
+/// [`dot_rows_q8`] of each of the consecutive stored rows in `w` (`row_bytes`
+/// bytes each, as many as `out` has room for) with each of `xs`: value `r`
+/// of weight row `i` goes to `out[i * xs.len() + r]`, bit for bit what
+/// [`dot_rows_q8`] gives that row. A matmul's task of a few dozen rows
+/// calls this once: the choice of instruction set and of format is made
+/// once for all of them, not per row (a 576-weight row is only 18 blocks,
+/// where a per-row dispatch costs a tenth of the row's dot).
+pub fn dot_many_rows_q8(dtype: DType, w: &[u8], row_bytes: usize, xs: &[Q8Row], out: &mut [f32]) {
+    assert!(!xs.is_empty(), "at least one activation row");
+    let rows = out.len() / xs.len();
+    assert_eq!(rows * xs.len(), out.len(), "whole rows of outputs");
+    assert!(w.len() >= rows * row_bytes, "{rows} rows of {row_bytes} bytes in {}", w.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked above).
+        with_block_const!(dtype, T => unsafe { dot_many_rows_q8_avx2::<T>(w, row_bytes, xs, out) });
+        return;
+    }
+    for (i, o) in out.chunks_exact_mut(xs.len()).enumerate() {
+        dot_rows_q8(dtype, &w[i * row_bytes..(i + 1) * row_bytes], xs, o);
+    }
+}
+
+/// [`dot_many_rows_q8`] in AVX2 for the block format `T`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_many_rows_q8_avx2<const T: u8>(w: &[u8], row_bytes: usize, xs: &[Q8Row], out: &mut [f32]) {
+    let one_scale = const { block_type(T).block_elems() == QK };
+    if xs.len() == 1 {
+        let x = &xs[0];
+        for (i, o) in out.iter_mut().enumerate() {
+            let row = &w[i * row_bytes..(i + 1) * row_bytes];
+            *o = if one_scale {
+                q8_dot_blocks_avx2::<T>(row, x)
+            } else {
+                let mut v = [0f32];
+                q8_dot_lanes_avx2::<T, 1>(row, xs, &mut v);
+                v[0]
+            };
+        }
+        return;
+    }
+    for (i, o) in out.chunks_exact_mut(xs.len()).enumerate() {
+        dot_rows_q8_avx2::<T>(&w[i * row_bytes..(i + 1) * row_bytes], xs, o);
     }
 }
 
@@ -635,73 +743,162 @@ fn q8_dot_one_scale(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_row_q8_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
-    match dtype {
-        DType::Q4_1 | DType::Q8_0 => q8_dot_blocks_avx2(dtype, row, x),
-        _ => {
-            let mut out = [0f32];
-            q8_dot_lanes_avx2::<1>(dtype, row, std::slice::from_ref(x), &mut out);
-            out[0]
+    with_block_const!(dtype, T => dot_row_q8_avx2_of::<T>(row, x))
+}
+
+/// [`dot_row_q8_avx2`] for the block format `T` (`DType as u8`, see
+/// [`block_type`]): one build per format, so that every per-format choice
+/// in the loops below is a constant and the code unpacking (`codes_avx2`)
+/// is inlined into them rather than called, through a jump on the format,
+/// for every 32 weights.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_row_q8_avx2_of<const T: u8>(row: &[u8], x: &Q8Row) -> f32 {
+    if const { block_type(T).block_elems() == QK } {
+        q8_dot_blocks_avx2::<T>(row, x)
+    } else {
+        let mut out = [0f32];
+        q8_dot_lanes_avx2::<T, 1>(row, std::slice::from_ref(x), &mut out);
+        out[0]
+    }
+}
+
+/// [`dot_rows_q8`] in AVX2 for the block format `T`: up to four activation
+/// rows per pass over the weight row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_rows_q8_avx2<const T: u8>(row: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    let one_scale = const { block_type(T).block_elems() == QK };
+    for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
+        match (xs.len(), one_scale) {
+            (4, true) => q8_dot_rows_avx2::<T, 4>(row, xs, out),
+            (3, true) => q8_dot_rows_avx2::<T, 3>(row, xs, out),
+            (2, true) => q8_dot_rows_avx2::<T, 2>(row, xs, out),
+            (_, true) => out[0] = q8_dot_blocks_avx2::<T>(row, &xs[0]),
+            (4, false) => q8_dot_lanes_avx2::<T, 4>(row, xs, out),
+            (3, false) => q8_dot_lanes_avx2::<T, 3>(row, xs, out),
+            (2, false) => q8_dot_lanes_avx2::<T, 2>(row, xs, out),
+            (_, false) => q8_dot_lanes_avx2::<T, 1>(row, xs, out),
         }
     }
 }
 
-/// [`q8_dot_one_scale`] in AVX2 (Q4_1 and Q8_0): the block's 32 codes are
-/// split (Q4_1 nibbles) or sign-folded (Q8_0) in registers and multiplied
-/// with the 32 activations by one `vpmaddubsw`, whose 16 pair sums no pair
-/// can saturate (15 · 127 · 2 and 128 · 127 · 2 fit an i16); `vpmaddwd` by
-/// ones adds neighbouring pairs into the 8 lanes of 4 elements, and one FMA
-/// per block scales them into the even or odd blocks' accumulator. The same
-/// roundings in the same order as the portable loop, so the same bits; its
-/// latency chain is one FMA every other block instead of two dependent adds
-/// every block.
+/// The block format whose `DType as u8` is `t`: the AVX2 kernels take their
+/// format as a const generic `u8` (an enum cannot be one).
+#[cfg(target_arch = "x86_64")]
+const fn block_type(t: u8) -> DType {
+    let mut i = 0;
+    while i < DType::BLOCK_FORMATS.len() {
+        if DType::BLOCK_FORMATS[i] as u8 == t {
+            return DType::BLOCK_FORMATS[i];
+        }
+        i += 1;
+    }
+    panic!("not a block format")
+}
+
+/// The f16 at `p` (and, if `TWO`, the one after it) widened by F16C, in
+/// the low lanes. In assembly because the compiler, seeing that only the
+/// low lane of a lone scale is used, loads it with `vpinsrw` into whatever
+/// register it likes, often the accumulator the previous block's FMA is
+/// still writing: every block's scale then waits on that FMA, a chain of
+/// about 17 cycles per two blocks where the loads should take none. `vmovd`
+/// from memory writes the whole register and depends on nothing.
+///
+/// # Safety
+/// `p` points to 4 readable bytes if `TWO`, else 2; the CPU has F16C.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn f16_fields_avx2<const TWO: bool>(p: *const u8) -> std::arch::x86_64::__m128 {
+    use std::arch::asm;
+    let out: std::arch::x86_64::__m128;
+    // SAFETY: the caller's: the bytes read are readable, F16C is there.
+    unsafe {
+        if TWO {
+            asm!(
+                "vmovd {o}, dword ptr [{p}]",
+                "vcvtph2ps {o}, {o}",
+                p = in(reg) p,
+                o = out(xmm_reg) out,
+                options(pure, readonly, nostack, preserves_flags)
+            );
+        } else {
+            asm!(
+                "movzx {t:e}, word ptr [{p}]",
+                "vmovd {o}, {t:e}",
+                "vcvtph2ps {o}, {o}",
+                p = in(reg) p,
+                t = out(reg) _,
+                o = out(xmm_reg) out,
+                options(pure, readonly, nostack, preserves_flags)
+            );
+        }
+    }
+    out
+}
+
+/// [`q8_dot_one_scale`] in AVX2, for every format of one scale per 32
+/// weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; for those but Q4_1 and
+/// Q8_0 the portable build is [`q8_dot_lanes`], whose two group scales of a
+/// block are the same value, so the same products): the block's 32 codes are
+/// unpacked in registers ([`codes_avx2`]), sign-folded where they are signed
+/// (as Q8_0: the codes' magnitudes into the unsigned operand, their signs
+/// onto the activations), and multiplied with the 32 activations by one
+/// `vpmaddubsw`, whose 16 pair sums no pair can saturate (at most 128 · 127
+/// · 2 fits an i16); `vpmaddwd` by ones adds neighbouring pairs into the 8
+/// lanes of 4 elements, and one FMA per block scales them into the even or
+/// odd blocks' accumulator. The same roundings in the same order as the
+/// portable loop, so the same bits; its latency chain is one FMA every other
+/// block instead of two dependent adds every block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn q8_dot_blocks_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
+unsafe fn q8_dot_blocks_avx2<const T: u8>(row: &[u8], x: &Q8Row) -> f32 {
     use std::arch::x86_64::*;
+    let dtype = const { block_type(T) };
     let bb = dtype.block_bytes();
     let nb = x.len() / QK;
     let ones = _mm256_set1_epi16(1);
-    let mask = _mm_set1_epi8(0x0f);
+    let signed = offsets(dtype) == Offsets::None;
+    let two = f16_scales_at(dtype).1;
     // Block `b` into an accumulator and an offset sum (the even or odd
     // pair). A macro, not a closure: a closure would not inherit this
     // function's target features, so it would be called per block.
     macro_rules! block {
         ($b:expr, $acc:expr, $off:expr) => {{
             let b = $b;
-            let blk = &row[b * bb..(b + 1) * bb];
-            let xq = &x.q[b * QK..(b + 1) * QK];
-            // SAFETY: 32 activation bytes at xq, and 16 (Q4_1) or 32 (Q8_0)
-            // code bytes inside the block (checked by the slice indexing);
-            // unaligned loads. The prefetch only hints at bytes ahead (it
-            // never faults).
+            // SAFETY: block b < nb of the row and of the activations
+            // (checked before the loop: the row's bytes, the activations'
+            // 32 bytes, scale and sum); the code bytes are read inside the
+            // block (codes_avx2's slice indexing, on a slice of constant
+            // length); unaligned loads. The prefetch only hints at bytes
+            // ahead (it never faults).
+            let blk = row.get_unchecked(b * bb..(b + 1) * bb);
             _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(8 * 64) as *const i8);
-            let xv = _mm256_loadu_si256(xq.as_ptr() as *const __m256i);
-            let pairs = if dtype == DType::Q4_1 {
-                let qs = &blk[4..20];
-                let bytes = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
-                let lo = _mm_and_si128(bytes, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-                _mm256_maddubs_epi16(_mm256_set_m128i(hi, lo), xv)
-            } else {
-                let qs = &blk[2..34];
-                let w = _mm256_loadu_si256(qs.as_ptr() as *const __m256i);
+            let xv = _mm256_loadu_si256(x.q.as_ptr().add(b * QK) as *const __m256i);
+            let w = codes_avx2::<T>(blk, 0);
+            let pairs = if signed {
                 _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))
+            } else {
+                _mm256_maddubs_epi16(w, xv)
             };
             let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-            // The block's f16 scale (and Q4_1's offset) by F16C, in registers:
+            // The block's f16 scale (and an offset's) by F16C, in registers:
             // a call per value would spill the accumulators every block. The
             // conversion is exact, so these are the portable loop's values.
-            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]])));
-            let scale = _mm_cvtss_f32(dm) * x.d[b];
-            if dtype == DType::Q4_1 {
+            // Every one-scale block is at least 18 bytes, so the four read
+            // are inside it.
+            let dm = f16_fields_avx2::<true>(blk[..4].as_ptr());
+            let scale = _mm_cvtss_f32(dm) * *x.d.get_unchecked(b);
+            if two {
                 let m = _mm_cvtss_f32(_mm_shuffle_ps(dm, dm, 1));
-                $off = m.mul_add(x.bsum[b], $off);
+                $off = m.mul_add(*x.bsum.get_unchecked(b), $off);
             }
             $acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), p, $acc);
         }};
     }
     assert!(row.len() >= nb * bb, "a row of {} bytes for {nb} blocks", row.len());
+    x.check_blocks(nb);
     // Even and odd blocks in two registers, as the portable loop's acc[b & 1].
     let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let (mut off0, mut off1) = (0f32, 0f32);
@@ -718,21 +915,24 @@ unsafe fn q8_dot_blocks_avx2(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
 }
 
 /// [`q8_dot_blocks_avx2`] for `R` activation rows at once: each weight
-/// block is loaded, split and its scales converted once, then multiplied
+/// block is loaded, unpacked and its scales converted once, then multiplied
 /// with every row, each row keeping its own even and odd accumulators and
 /// offsets, so each row's result is the one-row function's, bit for bit.
 /// One row keeps its own function: this one at `R = 1` measured about 10%
 /// slower in batch-1 decode of the default model.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_dot_rows_avx2<const R: usize>(dtype: DType, row: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+unsafe fn q8_dot_rows_avx2<const T: u8, const R: usize>(row: &[u8], xs: &[Q8Row], out: &mut [f32]) {
     use std::arch::x86_64::*;
+    let dtype = const { block_type(T) };
     let bb = dtype.block_bytes();
     let nb = xs[0].len() / QK;
     assert!(xs.len() == R && out.len() == R && xs.iter().all(|x| x.len() == xs[0].len()));
     assert!(row.len() >= nb * bb, "a row of {} bytes for {nb} blocks", row.len());
+    xs.iter().for_each(|x| x.check_blocks(nb));
     let ones = _mm256_set1_epi16(1);
-    let mask = _mm_set1_epi8(0x0f);
+    let signed = offsets(dtype) == Offsets::None;
+    let two = f16_scales_at(dtype).1;
     let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
     let (mut off0, mut off1) = ([0f32; R], [0f32; R]);
     // Block `b` into the even or odd accumulators (a macro so that which
@@ -740,32 +940,30 @@ unsafe fn q8_dot_rows_avx2<const R: usize>(dtype: DType, row: &[u8], xs: &[Q8Row
     macro_rules! block {
         ($b:expr, $acc:ident, $off:ident) => {{
             let b = $b;
-            let blk = &row[b * bb..(b + 1) * bb];
-            // SAFETY: as in q8_dot_blocks_avx2: the slices hold the bytes read.
+            // SAFETY: as in q8_dot_blocks_avx2: b < nb, checked before the loop.
+            let blk = row.get_unchecked(b * bb..(b + 1) * bb);
             _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(8 * 64) as *const i8);
-            let (w, signs) = if dtype == DType::Q4_1 {
-                let bytes = _mm_loadu_si128(blk[4..20].as_ptr() as *const __m128i);
-                let lo = _mm_and_si128(bytes, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-                (_mm256_set_m128i(hi, lo), _mm256_setzero_si256())
+            let codes = codes_avx2::<T>(blk, 0);
+            let (w, signs) = if signed {
+                (_mm256_sign_epi8(codes, codes), codes)
             } else {
-                let w = _mm256_loadu_si256(blk[2..34].as_ptr() as *const __m256i);
-                (_mm256_sign_epi8(w, w), w)
+                (codes, _mm256_setzero_si256())
             };
-            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]])));
+            // SAFETY: every one-scale block is at least 18 bytes.
+            let dm = f16_fields_avx2::<true>(blk[..4].as_ptr());
             let (d, m) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_shuffle_ps(dm, dm, 1)));
             for r in 0..R {
-                let x = &xs[r];
-                let xv = _mm256_loadu_si256(x.q[b * QK..(b + 1) * QK].as_ptr() as *const __m256i);
-                let pairs = if dtype == DType::Q4_1 {
-                    _mm256_maddubs_epi16(w, xv)
-                } else {
+                let x = xs.get_unchecked(r);
+                let xv = _mm256_loadu_si256(x.q.as_ptr().add(b * QK) as *const __m256i);
+                let pairs = if signed {
                     _mm256_maddubs_epi16(w, _mm256_sign_epi8(xv, signs))
+                } else {
+                    _mm256_maddubs_epi16(w, xv)
                 };
                 let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                let scale = d * x.d[b];
-                if dtype == DType::Q4_1 {
-                    $off[r] = m.mul_add(x.bsum[b], $off[r]);
+                let scale = d * *x.d.get_unchecked(b);
+                if two {
+                    $off[r] = m.mul_add(*x.bsum.get_unchecked(b), $off[r]);
                 }
                 $acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), p, $acc[r]);
             }
@@ -855,11 +1053,13 @@ fn q8_dot_lanes(dtype: DType, row: &[u8], x: &Q8Row) -> f32 {
 /// The 32 codes of 32-weight sub-block `j` of a block, unpacked in
 /// registers as [`unpack_block`] unpacks them: unsigned for the formats with
 /// offsets, signed otherwise (the caller folds the signs, as for Q8_0).
+/// One build per format `T` (see [`block_type`]), small enough to inline.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn codes_avx2(dtype: DType, b: &[u8], j: usize) -> std::arch::x86_64::__m256i {
+unsafe fn codes_avx2<const T: u8>(b: &[u8], j: usize) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
+    let dtype = const { block_type(T) };
     // SAFETY (every load below): the slice indexing checks that the block
     // holds the 16 or 32 bytes read; the loads are unaligned. Macros, not
     // closures: a closure would not inherit this function's target features.
@@ -883,7 +1083,7 @@ unsafe fn codes_avx2(dtype: DType, b: &[u8], j: usize) -> std::arch::x86_64::__m
             _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_LEVELS.as_ptr() as *const __m128i))
         };
     }
-    // 0x10 in byte i where bit i of the little-endian u32 at `at` is set.
+    // 0xff in byte i where bit i of the little-endian u32 at `at` is set.
     macro_rules! fifth_bits {
         ($at:expr) => {{
             let at = $at;
@@ -893,8 +1093,7 @@ unsafe fn codes_avx2(dtype: DType, b: &[u8], j: usize) -> std::arch::x86_64::__m
                 3,
             );
             let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-            let set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, spread), bit), bit);
-            _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+            _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, spread), bit), bit)
         }};
     }
     // Each byte of `v` shifted right by `shift` and masked.
@@ -911,8 +1110,12 @@ unsafe fn codes_avx2(dtype: DType, b: &[u8], j: usize) -> std::arch::x86_64::__m
         DType::Q4_0 => _mm256_sub_epi8(nibbles!(2), _mm256_set1_epi8(8)),
         DType::Q4_1 => nibbles!(4),
         DType::IQ4_NL => _mm256_shuffle_epi8(levels!(), nibbles!(2)),
-        DType::Q5_0 => _mm256_sub_epi8(_mm256_or_si256(nibbles!(6), fifth_bits!(2)), _mm256_set1_epi8(16)),
-        DType::Q5_1 => _mm256_or_si256(nibbles!(8), fifth_bits!(4)),
+        // (nibble | 16) − 16 is the nibble where the fifth bit is set and
+        // the nibble − 16 (as an i8: the nibble with 0xf0 above it) where not.
+        DType::Q5_0 => {
+            _mm256_or_si256(nibbles!(6), _mm256_andnot_si256(fifth_bits!(2), _mm256_set1_epi8(-16)))
+        }
+        DType::Q5_1 => _mm256_or_si256(nibbles!(8), _mm256_and_si256(fifth_bits!(4), _mm256_set1_epi8(0x10))),
         DType::Q2_K => field!(load32!(16 + 32 * (j / 4)), 2 * (j % 4), 3),
         DType::Q3_K => {
             let low = field!(load32!(32 + 32 * (j / 4)), 2 * (j % 4), 3);
@@ -940,9 +1143,69 @@ unsafe fn codes_avx2(dtype: DType, b: &[u8], j: usize) -> std::arch::x86_64::__m
     }
 }
 
+/// [`block_scales`] of block `b` of format `T` whose f16 fields `f` (low
+/// lanes) are already widened: the same values, the 6-bit scales and mins
+/// of Q4_K and Q5_K and the 8-bit scales of Q6_K unpacked and converted in
+/// vector registers (each a product `d · scale` in one rounding, as the
+/// scalar code; `-dmin · min` likewise, the negation being exact), the other
+/// formats by `block_scales` itself.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn block_scales_avx2<const T: u8>(
+    b: &[u8],
+    f: std::arch::x86_64::__m128,
+    od: &mut [f32; 16],
+    om: &mut [f32; 16],
+) {
+    use std::arch::x86_64::*;
+    let dtype = const { block_type(T) };
+    match dtype {
+        DType::Q4_K | DType::Q5_K => {
+            // The 12 scale bytes into 8 scales then 8 mins, one byte each
+            // (k4_scale_min for every j at once, as ggml unpacks them).
+            let s = &b[4..16];
+            let u = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+            let (u0, u1, u2) = (u(0), u(1), u(2));
+            const M6: u32 = 0x3f3f_3f3f;
+            const M4: u32 = 0x0f0f_0f0f;
+            const M2: u32 = 0x0303_0303;
+            let scales_lo = u0 & M6;
+            let scales_hi = (u2 & M4) | (((u0 >> 6) & M2) << 4);
+            let mins_lo = u1 & M6;
+            let mins_hi = ((u2 >> 4) & M4) | (((u1 >> 6) & M2) << 4);
+            let sc = _mm_set_epi32(mins_hi as i32, mins_lo as i32, scales_hi as i32, scales_lo as i32);
+            let scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc));
+            let mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sc, sc)));
+            let d = _mm256_broadcastss_ps(f);
+            let dmin = _mm256_broadcastss_ps(_mm_shuffle_ps(f, f, 1));
+            let neg = _mm256_set1_ps(-0.0);
+            let (vd, vm) = (_mm256_mul_ps(d, scales), _mm256_mul_ps(_mm256_xor_ps(dmin, neg), mins));
+            // Each of the 8 values for its two groups of 16.
+            let lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+            let hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+            _mm256_storeu_ps(od.as_mut_ptr(), _mm256_permutevar8x32_ps(vd, lo));
+            _mm256_storeu_ps(od.as_mut_ptr().add(8), _mm256_permutevar8x32_ps(vd, hi));
+            _mm256_storeu_ps(om.as_mut_ptr(), _mm256_permutevar8x32_ps(vm, lo));
+            _mm256_storeu_ps(om.as_mut_ptr().add(8), _mm256_permutevar8x32_ps(vm, hi));
+        }
+        DType::Q6_K => {
+            let s = _mm_loadu_si128(b[192..208].as_ptr() as *const __m128i);
+            let d = _mm256_broadcastss_ps(f);
+            let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s));
+            let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(s, s)));
+            _mm256_storeu_ps(od.as_mut_ptr(), _mm256_mul_ps(d, lo));
+            _mm256_storeu_ps(od.as_mut_ptr().add(8), _mm256_mul_ps(d, hi));
+            // No offsets: `om` is never read for Q6_K.
+        }
+        _ => block_scales(dtype, b, _mm_cvtss_f32(f), _mm_cvtss_f32(_mm_shuffle_ps(f, f, 1)), od, om),
+    }
+}
+
 /// [`q8_dot_lanes`] in AVX2 for `R` activation rows at once (every format;
-/// Q4_1 and Q8_0 have their own tuned loops): per block the f16 fields are
-/// widened by F16C and the group scales worked out once ([`block_scales`]),
+/// the formats of one scale per 32 weights have their own loops,
+/// [`q8_dot_blocks_avx2`]): per block the f16 fields are widened by F16C
+/// and the group scales worked out once ([`block_scales_avx2`]),
 /// each 32-weight sub-block's codes unpacked once ([`codes_avx2`]), then
 /// multiplied with each row's activations by `vpmaddubsw` (signed codes
 /// through the sign fold, as Q8_0: no pair sum can saturate an i16) and
@@ -951,36 +1214,54 @@ unsafe fn codes_avx2(dtype: DType, b: &[u8], j: usize) -> std::arch::x86_64::__m
 /// roundings in the same order as the portable loop, so the same bits.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_dot_lanes_avx2<const R: usize>(dtype: DType, row: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+unsafe fn q8_dot_lanes_avx2<const T: u8, const R: usize>(row: &[u8], xs: &[Q8Row], out: &mut [f32]) {
     use std::arch::x86_64::*;
+    let dtype = const { block_type(T) };
     let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
     let n = xs[0].len();
     let blocks = n / be;
     assert!(xs.len() == R && out.len() == R && xs.iter().all(|x| x.len() == n));
     assert!(row.len() >= blocks * bb, "a row of {} bytes for {blocks} blocks", row.len());
+    xs.iter().for_each(|x| x.check_blocks(n / QK));
     let ones = _mm256_set1_epi16(1);
     let signed = offsets(dtype) == Offsets::None;
     let (at, two) = f16_scales_at(dtype);
     let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
     let (mut off0, mut off1) = ([0f32; R], [0f32; R]);
     let (mut d, mut m) = ([0f32; 16], [0f32; 16]);
+    let per32 = matches!(dtype, DType::Q4_K | DType::Q5_K | DType::IQ4_XS) || be == QK;
     // Sub-block `j` of block `blk` (the activations' block `b`) into the
     // even or odd accumulators (a macro so that which is a constant and
     // they stay in registers).
     macro_rules! sub {
         ($blk:expr, $j:expr, $b:expr, $acc:ident, $off:ident) => {{
             let (blk, j, b) = ($blk, $j, $b);
-            let w = codes_avx2(dtype, blk, j);
+            let w = codes_avx2::<T>(blk, j);
             let (w, signs) = if signed { (_mm256_sign_epi8(w, w), w) } else { (w, _mm256_setzero_si256()) };
             for r in 0..R {
-                let x = &xs[r];
-                let xv = _mm256_loadu_si256(x.q[b * QK..(b + 1) * QK].as_ptr() as *const __m256i);
+                // SAFETY: b < n / QK, checked before the loop.
+                let x = xs.get_unchecked(r);
+                let xv = _mm256_loadu_si256(x.q.as_ptr().add(b * QK) as *const __m256i);
                 let xv = if signed { _mm256_sign_epi8(xv, signs) } else { xv };
                 let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
-                let xd = x.d[b];
-                let scale = _mm256_set_m128(_mm_set1_ps(d[2 * j + 1] * xd), _mm_set1_ps(d[2 * j] * xd));
+                let xd = *x.d.get_unchecked(b);
+                // Formats scaled per 32 weights have equal group scales
+                // d[2j] = d[2j + 1] (block_scales fills both): one product.
+                let scale = if per32 {
+                    _mm256_set1_ps(d[2 * j] * xd)
+                } else {
+                    _mm256_set_m128(_mm_set1_ps(d[2 * j + 1] * xd), _mm_set1_ps(d[2 * j] * xd))
+                };
                 $acc[r] = _mm256_fmadd_ps(scale, p, $acc[r]);
-                add_offsets(dtype, &m, j, x, b, &mut $off[r]);
+                // add_offsets, reading the activations' sums unchecked.
+                match offsets(dtype) {
+                    Offsets::None => {}
+                    Offsets::Block => $off[r] = m[2 * j].mul_add(*x.bsum.get_unchecked(b), $off[r]),
+                    Offsets::Group => {
+                        $off[r] = m[2 * j].mul_add(*x.gsum.get_unchecked(2 * b), $off[r]);
+                        $off[r] = m[2 * j + 1].mul_add(*x.gsum.get_unchecked(2 * b + 1), $off[r]);
+                    }
+                }
             }
         }};
     }
@@ -989,27 +1270,21 @@ unsafe fn q8_dot_lanes_avx2<const R: usize>(dtype: DType, row: &[u8], xs: &[Q8Ro
     macro_rules! scales {
         ($blk:expr) => {{
             let blk = $blk;
-            let bits = if two {
-                i32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]])
+            // SAFETY: the slice holds the bytes read.
+            let f = if two {
+                f16_fields_avx2::<true>(blk[at..at + 4].as_ptr())
             } else {
-                i32::from(u16::from_le_bytes([blk[at], blk[at + 1]]))
+                f16_fields_avx2::<false>(blk[at..at + 2].as_ptr())
             };
-            let f = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
-            block_scales(
-                dtype,
-                blk,
-                _mm_cvtss_f32(f),
-                _mm_cvtss_f32(_mm_shuffle_ps(f, f, 1)),
-                &mut d,
-                &mut m,
-            );
+            block_scales_avx2::<T>(blk, f, &mut d, &mut m);
         }};
     }
     if be == QK {
         // One sub-block a block: even and odd blocks alternate.
         let mut i = 0;
         while i < blocks {
-            let blk = &row[i * bb..(i + 1) * bb];
+            // SAFETY: i < blocks, checked before the loop.
+            let blk = row.get_unchecked(i * bb..(i + 1) * bb);
             scales!(blk);
             if i % 2 == 0 {
                 sub!(blk, 0, i, acc0, off0);
@@ -1020,7 +1295,8 @@ unsafe fn q8_dot_lanes_avx2<const R: usize>(dtype: DType, row: &[u8], xs: &[Q8Ro
         }
     } else {
         for i in 0..blocks {
-            let blk = &row[i * bb..(i + 1) * bb];
+            // SAFETY: i < blocks, checked before the loop.
+            let blk = row.get_unchecked(i * bb..(i + 1) * bb);
             _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(2 * bb) as *const i8);
             scales!(blk);
             for j in (0..be / QK).step_by(2) {
