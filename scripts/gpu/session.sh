@@ -30,6 +30,16 @@ cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export CORRIDOR_CACHE_DIR=${CORRIDOR_CACHE_DIR:-/tmp/corridor-cache}
 out=${OUT:-/tmp}
+# Every kernel against the CPU, then the tiny K-quant and other checkpoints GPU against CPU.
+quant_checks() {
+    echo "== [${SECONDS}s] kernels vs CPU"; timeout 300 ./.gpu/cuda_check > "$out/cuda_check.log" 2>&1
+    echo "exit $?"; grep -E "FAIL" "$out/cuda_check.log" | head -n 25; tail -n 1 "$out/cuda_check.log"
+    echo "== [${SECONDS}s] tiny checkpoints GPU vs CPU"
+    timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny/kquant > "$out/e2e_kquant.log" 2>&1; echo "exit $?"
+    grep -E "FAIL" "$out/e2e_kquant.log" | head -n 10; tail -n 1 "$out/e2e_kquant.log"
+    timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny > "$out/e2e.log" 2>&1; echo "exit $?"
+    grep -E "FAIL" "$out/e2e.log" | head -n 10; tail -n 1 "$out/e2e.log"
+}
 case "${1:-checks}" in
   checks)
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
@@ -101,13 +111,7 @@ case "${1:-checks}" in
     # rows (`cuda_check --bench-quant`: what `matmul` picks, the integer GEMV, mmq, widening).
     SECONDS=0
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
-    echo "== [${SECONDS}s] kernels vs CPU"; timeout 300 ./.gpu/cuda_check > "$out/cuda_check.log" 2>&1
-    echo "exit $?"; grep -E "FAIL" "$out/cuda_check.log" | head -n 25; tail -n 1 "$out/cuda_check.log"
-    echo "== [${SECONDS}s] tiny checkpoints GPU vs CPU"
-    timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny/kquant > "$out/e2e_kquant.log" 2>&1; echo "exit $?"
-    grep -E "FAIL" "$out/e2e_kquant.log" | head -n 10; tail -n 1 "$out/e2e_kquant.log"
-    timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny > "$out/e2e.log" 2>&1; echo "exit $?"
-    grep -E "FAIL" "$out/e2e.log" | head -n 10; tail -n 1 "$out/e2e.log"
+    quant_checks
     echo "== [${SECONDS}s] block-format matmuls"
     timeout 300 ./.gpu/cuda_check --bench-quant > "$out/bench_quant.log" 2>&1; echo "exit $?"
     sed -e 's/ | /\n    /g' "$out/bench_quant.log" | grep -vE "gemv|q8-gemv" | head -n 400
@@ -120,13 +124,7 @@ case "${1:-checks}" in
         while [ ! -f $g/card_free ]; do sleep 2; done;
         OUT=$g scripts/gpu/gguf_bench.sh bench ${FILES:-Q4_K_M Q8_0 Q4_0 f16} > $g/bench.log 2>&1; touch $g/done" \
         < /dev/null > /dev/null 2>&1 &
-    echo "== [${SECONDS}s] kernels vs CPU"; timeout 240 ./.gpu/cuda_check > "$out/cuda_check.log" 2>&1
-    echo "exit $?"; grep -E "FAIL" "$out/cuda_check.log" | head -n 25; tail -n 1 "$out/cuda_check.log"
-    echo "== [${SECONDS}s] tiny checkpoints GPU vs CPU"
-    timeout 120 ./.gpu/corridor-gpu-check tests/fixtures/tiny/kquant > "$out/e2e_kquant.log" 2>&1; echo "exit $?"
-    grep -E "FAIL" "$out/e2e_kquant.log" | head -n 10; tail -n 1 "$out/e2e_kquant.log"
-    timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny > "$out/e2e.log" 2>&1; echo "exit $?"
-    grep -E "FAIL" "$out/e2e.log" | head -n 10; tail -n 1 "$out/e2e.log"
+    quant_checks
     for b in cuda_check-base cuda_check; do
         echo "== [${SECONDS}s] block-format matmuls: $b"
         timeout 200 "./.gpu/$b" --bench-quant-short > "$out/bench_quant_$b.log" 2>&1; echo "exit $?"

@@ -173,7 +173,9 @@ __device__ __forceinline__ void store_bf16x32(bf16_t* dst, const float (&v)[32])
 
 // Weights e0 .. e0 + 7 of a stored row (e0 a multiple of 8: a quarter of a
 // 32-weight group), for the tensor-core matmul, whose threads each hold 8
-// consecutive weights of a row (mmq.cu). Same values as `deq32`. The row is
+// consecutive weights of a row (mmq.cu), in f32; the matmul takes them as
+// bf16 pairs from `deq8_bf16` below, which decodes Q4_0 and the K-quants
+// itself and the others from these. Same values as `deq32`. The row is
 // read with generic loads: mmq passes blocks it staged in shared memory.
 template <int DT>
 __device__ __forceinline__ void deq8(const u8* row, int e0, float (&v)[8]) {
@@ -200,51 +202,6 @@ __device__ __forceinline__ void unpack8_affine(u32 lo, u32 hi, float a, float b,
 }
 
 template <>
-__device__ __forceinline__ void deq8<DT_Q4_K>(const u8* row, int e0, float (&v)[8]) {
-    const u8* b = row + (long long)(e0 >> 8) * 144;
-    int s = (e0 >> 5) & 7, l0 = e0 & 31;
-    u32 dm = ld_u32(b);
-    int sc, m;
-    kq_scale_min(ld_u32(b + 4), ld_u32(b + 8), ld_u32(b + 12), s, sc, m);
-    uint2 q = *(const uint2*)(b + 16 + 32 * (s >> 1) + l0);
-    int sh = 4 * (s & 1);
-    unpack8_affine((q.x >> sh) & 0x0f0f0f0fu, (q.y >> sh) & 0x0f0f0f0fu,
-                   f16_to_f32((unsigned short)(dm & 0xffffu)) * (float)sc,
-                   f16_to_f32((unsigned short)(dm >> 16)) * (float)m, v);
-}
-
-template <>
-__device__ __forceinline__ void deq8<DT_Q5_K>(const u8* row, int e0, float (&v)[8]) {
-    const u8* b = row + (long long)(e0 >> 8) * 176;
-    int s = (e0 >> 5) & 7, l0 = e0 & 31;
-    u32 dm = ld_u32(b);
-    int sc, m;
-    kq_scale_min(ld_u32(b + 4), ld_u32(b + 8), ld_u32(b + 12), s, sc, m);
-    uint2 h = *(const uint2*)(b + 16 + l0);
-    uint2 q = *(const uint2*)(b + 48 + 32 * (s >> 1) + l0);
-    int sh = 4 * (s & 1);
-    u32 lo = ((q.x >> sh) & 0x0f0f0f0fu) | (((h.x >> s) & 0x01010101u) << 4);
-    u32 hi = ((q.y >> sh) & 0x0f0f0f0fu) | (((h.y >> s) & 0x01010101u) << 4);
-    unpack8_affine(lo, hi, f16_to_f32((unsigned short)(dm & 0xffffu)) * (float)sc,
-                   f16_to_f32((unsigned short)(dm >> 16)) * (float)m, v);
-}
-
-template <>
-__device__ __forceinline__ void deq8<DT_Q6_K>(const u8* row, int e0, float (&v)[8]) {
-    const u8* b = row + (long long)(e0 >> 8) * 210;
-    int s = (e0 >> 5) & 7, l0 = e0 & 31, h = s >> 2, k4 = s & 3;
-    u32 l_lo, l_hi, h_lo, h_hi;
-    ld8_u16(b + 64 * h + 32 * (k4 & 1) + l0, l_lo, l_hi);
-    ld8_u16(b + 128 + 32 * h + l0, h_lo, h_hi);
-    int lsh = k4 >= 2 ? 4 : 0, hsh = 2 * k4;
-    u32 lo = ((l_lo >> lsh) & 0x0f0f0f0fu) | (((h_lo >> hsh) & 0x03030303u) << 4);
-    u32 hi = ((l_hi >> lsh) & 0x0f0f0f0fu) | (((h_hi >> hsh) & 0x03030303u) << 4);
-    // Weights 16 l .. 16 l + 15 of a sub-block share one of its two scales.
-    float d = f16_to_f32(ld_u16(b + 208)) * (float)(signed char)b[192 + 2 * s + (l0 >> 4)];
-    unpack8_affine(lo, hi, d, 0.f, v, 32.f);
-}
-
-template <>
 __device__ __forceinline__ void deq8<DT_Q8_0>(const u8* row, int e0, float (&v)[8]) {
     const u8* b = row + (long long)(e0 >> 5) * 34;
     float d = f16_to_f32(ld_u16(b));
@@ -254,17 +211,7 @@ __device__ __forceinline__ void deq8<DT_Q8_0>(const u8* row, int e0, float (&v)[
     unpack8_affine(lo ^ 0x80808080u, hi ^ 0x80808080u, d, 0.f, v, 128.f);
 }
 
-// Q4_0 / Q4_1: quants i < 16 are the low nibbles of bytes i, i + 16 the high ones.
-template <>
-__device__ __forceinline__ void deq8<DT_Q4_0>(const u8* row, int e0, float (&v)[8]) {
-    const u8* b = row + (long long)(e0 >> 5) * 18;
-    int i = e0 & 31, sh = i >= 16 ? 4 : 0;
-    float d = f16_to_f32(ld_u16(b));
-    u32 lo, hi;
-    ld8_u16(b + 2 + (i & 15), lo, hi);
-    unpack8_affine((lo >> sh) & 0x0f0f0f0fu, (hi >> sh) & 0x0f0f0f0fu, d, 8.f * d, v);
-}
-
+// Q4_1: quants i < 16 are the low nibbles of bytes i, i + 16 the high ones.
 template <>
 __device__ __forceinline__ void deq8<DT_Q4_1>(const u8* row, int e0, float (&v)[8]) {
     const u8* b = row + (long long)(e0 >> 5) * 20;

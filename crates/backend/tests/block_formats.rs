@@ -282,6 +282,20 @@ fn q8_activation_dot_is_within_the_rounding_bound_for_every_block_format() {
 /// Several activation rows against one weight row at once give each row
 /// exactly what one row alone gives, for every block format and every count
 /// of rows a decode step takes.
+/// `count` activation rows of n values quantized to 8 bits, each with
+/// blocks of four magnitudes (0.01 to 40) in a different order.
+fn q8_rows(rng: &mut Rng, count: usize, n: usize) -> Vec<Q8Row> {
+    (0..count)
+        .map(|r| {
+            let x: Vec<f32> =
+                (0..n).map(|i| rng.unit() * [0.01f32, 3.0, 0.5, 40.0][(i / 32 + r) % 4]).collect();
+            let mut q = Q8Row::default();
+            q.quantize(&x);
+            q
+        })
+        .collect()
+}
+
 #[test]
 fn q8_dot_of_several_rows_is_each_rows_own_dot() {
     let mut rng = Rng(0x5eed_1234_abcd_0001);
@@ -291,15 +305,7 @@ fn q8_dot_of_several_rows_is_each_rows_own_dot() {
         let bytes: Vec<u8> = bs[..3].concat();
         let n = 3 * be;
         for rows in 1..=8 {
-            let xs: Vec<Q8Row> = (0..rows)
-                .map(|r| {
-                    let x: Vec<f32> =
-                        (0..n).map(|i| rng.unit() * [0.01f32, 3.0, 0.5, 40.0][(i / 32 + r) % 4]).collect();
-                    let mut q = Q8Row::default();
-                    q.quantize(&x);
-                    q
-                })
-                .collect();
+            let xs = q8_rows(&mut rng, rows, n);
             let mut got = vec![0f32; rows];
             dot_rows_q8(dtype, &bytes, &xs, &mut got);
             for (r, x) in xs.iter().enumerate() {
@@ -341,15 +347,7 @@ fn q8_many_rows_are_the_portable_dot_bit_for_bit() {
             .collect();
         assert_eq!(w.len(), nrows * row_bytes);
         for count in 1..=8 {
-            let xs: Vec<Q8Row> = (0..count)
-                .map(|r| {
-                    let x: Vec<f32> =
-                        (0..n).map(|i| rng.unit() * [0.01f32, 3.0, 0.5, 40.0][(i / 32 + r) % 4]).collect();
-                    let mut q = Q8Row::default();
-                    q.quantize(&x);
-                    q
-                })
-                .collect();
+            let xs = q8_rows(&mut rng, count, n);
             let mut got = vec![0f32; nrows * count];
             dot_many_rows_q8(dtype, &w, row_bytes, &xs, &mut got);
             for i in 0..nrows {

@@ -3,8 +3,8 @@
 // the tensor-core instructions of mma.h, against out[r][j] = sum_k w[j][k]
 // x[r][k] in double, where w is every weight dequantized from the format's
 // definition (formats.h) and x the bf16 input. The formats are those whose
-// `deq8` in kernels/blocks.cu is word-wise (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
-// Q6_K); the others decode through common.cu's per-element `load_elem`,
+// `deq8_bf16` / `deq8` in kernels/blocks.cu is word-wise (Q8_0, Q4_0, Q4_1,
+// Q4_K, Q5_K, Q6_K); the others decode through common.cu's per-element `load_elem`,
 // stood in for here by the reference decoders, so they would test nothing of
 // the kernel that these do not. The cases cover every group size, one group
 // and two or three with a short last one, last weight tiles of 16 and 11
