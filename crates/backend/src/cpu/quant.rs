@@ -56,55 +56,14 @@ macro_rules! per_block_type {
 #[cfg(target_arch = "x86_64")]
 macro_rules! with_block_const {
     ($dtype:expr, $t:ident => $body:expr) => {
+        with_block_const!(@arms $dtype, $t => $body; Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 IQ4_NL Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_XS)
+    };
+    (@arms $dtype:expr, $t:ident => $body:expr; $($v:ident)*) => {
         match $dtype {
-            DType::Q8_0 => {
-                const $t: u8 = DType::Q8_0 as u8;
+            $(DType::$v => {
+                const $t: u8 = DType::$v as u8;
                 $body
-            }
-            DType::Q4_0 => {
-                const $t: u8 = DType::Q4_0 as u8;
-                $body
-            }
-            DType::Q4_1 => {
-                const $t: u8 = DType::Q4_1 as u8;
-                $body
-            }
-            DType::Q5_0 => {
-                const $t: u8 = DType::Q5_0 as u8;
-                $body
-            }
-            DType::Q5_1 => {
-                const $t: u8 = DType::Q5_1 as u8;
-                $body
-            }
-            DType::IQ4_NL => {
-                const $t: u8 = DType::IQ4_NL as u8;
-                $body
-            }
-            DType::Q2_K => {
-                const $t: u8 = DType::Q2_K as u8;
-                $body
-            }
-            DType::Q3_K => {
-                const $t: u8 = DType::Q3_K as u8;
-                $body
-            }
-            DType::Q4_K => {
-                const $t: u8 = DType::Q4_K as u8;
-                $body
-            }
-            DType::Q5_K => {
-                const $t: u8 = DType::Q5_K as u8;
-                $body
-            }
-            DType::Q6_K => {
-                const $t: u8 = DType::Q6_K as u8;
-                $body
-            }
-            DType::IQ4_XS => {
-                const $t: u8 = DType::IQ4_XS as u8;
-                $body
-            }
+            })*
             DType::F32 | DType::F16 | DType::BF16 => unreachable!("{} is not a block format", $dtype),
         }
     };
@@ -646,21 +605,6 @@ pub fn dot_many_rows_q8(dtype: DType, w: &[u8], row_bytes: usize, xs: &[Q8Row], 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_many_rows_q8_avx2<const T: u8>(w: &[u8], row_bytes: usize, xs: &[Q8Row], out: &mut [f32]) {
-    let one_scale = const { block_type(T).block_elems() == QK };
-    if xs.len() == 1 {
-        let x = &xs[0];
-        for (i, o) in out.iter_mut().enumerate() {
-            let row = &w[i * row_bytes..(i + 1) * row_bytes];
-            *o = if one_scale {
-                q8_dot_blocks_avx2::<T>(row, x)
-            } else {
-                let mut v = [0f32];
-                q8_dot_lanes_avx2::<T, 1>(row, xs, &mut v);
-                v[0]
-            };
-        }
-        return;
-    }
     for (i, o) in out.chunks_exact_mut(xs.len()).enumerate() {
         dot_rows_q8_avx2::<T>(&w[i * row_bytes..(i + 1) * row_bytes], xs, o);
     }

@@ -48,7 +48,7 @@ struct Format {
 // The weights of the formats whose tensor-core decode works in bf16 pairs
 // (blocks.cu `unpack8_bf16`), a * t - b: exact by default; with
 // `kernel_bf16` set, as that decode rounds them: a and b to bf16 first, then
-// the result once (mma.h defines the rounding; this file comes first).
+// the result once (`bf16_of_double`, shim.h).
 bool kernel_bf16 = false;
 double bf16_round(double v) { return bf16_to_f32(bf16_of_double(v)); }
 double affine(double a, double t, double b) {

@@ -88,7 +88,6 @@ inline u32 bf16x2_fma(u32 a, u32 b, u32 c) {
     return r;
 }
 
-
 // mma.m16n8k16.row.col: lane = 4 * group + t. A: a0 (row group, cols 2t..2t+1),
 // a1 (row group + 8), a2 (cols + 8), a3 (both); B: b0 (rows 2t..2t+1 of column
 // group), b1 (rows + 8); C: c0, c1 (row group, cols 2t, 2t+1), c2, c3 (row + 8).

@@ -143,8 +143,8 @@ int main() {
     failed += !check_quantize(3, 1280);
     for (const Format& f : formats()) {
         // k: a partial step (2 super-blocks), two warps' steps (5), and a
-        // warp's second step (17), with the next step's weights and
-        // activations loaded ahead (1 and 2 rows) and without (5 rows); for
+        // warp's second step (17), with the next step's weights loaded
+        // ahead (1 and 2 rows) and without (5 rows); for
         // the 32-weight formats also a step whose last block is alone in its
         // half (17 blocks).
         failed += !check_gemv(f, 5, 512, 1);

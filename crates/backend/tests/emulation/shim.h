@@ -59,7 +59,6 @@ inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 inline float2 make_float2(float x, float y) { return {x, y}; }
 inline uint2 make_uint2(u32 x, u32 y) { return {x, y}; }
 inline uint4 make_uint4(u32 x, u32 y, u32 z, u32 w) { return {x, y, z, w}; }
-inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
 
 // What kernels/common.cu defines ahead of the kernels, and CUDA built-ins.
 inline int imin(int a, int b) { return a < b ? a : b; }
