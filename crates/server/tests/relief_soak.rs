@@ -158,7 +158,7 @@ fn two_hundred_intrusions_never_preempt_while_free_kv_covers_them() {
     let stats = booted.engine.stats();
     eprintln!(
         "{} requests; {} intrusions into the floor, longest restore {:?} ms; KV {} at boot, {} lowest; \
-         {} pages moved; {} preemptions; {} chunks released, {} committed",
+         {} pages moved; {} preemptions; {} chunks released, {} committed; {} landings under the floor undone",
         outcomes.len(),
         card.intrusions,
         card.restore_ms_max,
@@ -168,6 +168,7 @@ fn two_hundred_intrusions_never_preempt_while_free_kv_covers_them() {
         stats.preemptions,
         arena.stats().chunks_released,
         arena.stats().chunks_committed,
+        gov.devices()[0].guard_stats().landings_undone,
     );
 
     assert!(outcomes.len() >= 100, "the load kept going: {} requests", outcomes.len());

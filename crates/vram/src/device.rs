@@ -58,6 +58,10 @@ impl FleetView {
     }
 }
 
+/// How often an allocation that landed under the floor is undone and asked
+/// for again before it is refused.
+const LANDING_TRIES: usize = 3;
+
 pub(crate) struct DeviceShared {
     pub(crate) card: Arc<dyn Card>,
     pub(crate) settings: CardSettings,
@@ -67,22 +71,9 @@ pub(crate) struct DeviceShared {
     decide: Mutex<GuardStats>,
     providers: Arc<ProviderRegistry>,
     fleet: Arc<FleetView>,
-    /// Allocations and commits after which the driver showed less than the
-    /// floor free: what the sampler calls a breach while a card is under.
-    landed_under: std::sync::atomic::AtomicU64,
 }
 
 impl DeviceShared {
-    /// Re-probe after an allocation landed: a grant judged above the floor
-    /// can still land under it when another process took memory between the
-    /// guard's probe and the driver's allocation.
-    fn note_landing(&self, want: Bytes, purpose: &dyn std::fmt::Display) {
-        let free = self.card.driver_free();
-        if free < self.settings.floor {
-            self.landed_under.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            tracing::warn!(card = %self.card.id(), %want, %free, floor = %self.settings.floor, "an allocation for {purpose} landed under the floor");
-        }
-    }
     fn book(&self, purpose: Purpose, bytes: Bytes) {
         *lock(&self.books).slot(purpose) += bytes;
     }
@@ -147,7 +138,6 @@ impl Device {
                 decide: Mutex::new(GuardStats::default()),
                 providers,
                 fleet,
-                landed_under: Default::default(),
             }),
         }
     }
@@ -168,11 +158,6 @@ impl Device {
     pub fn guard_stats(&self) -> GuardStats {
         *lock(&self.shared.decide)
     }
-    /// Allocations and commits of ours after which the card showed less
-    /// than its floor free.
-    pub fn allocations_under_floor(&self) -> u64 {
-        self.shared.landed_under.load(std::sync::atomic::Ordering::Relaxed)
-    }
     /// Add a relief provider (shared by every card of the fleet).
     pub fn register_provider(&self, provider: Arc<dyn ReliefProvider>) {
         self.shared.providers.register(provider);
@@ -186,13 +171,11 @@ impl Device {
     /// Reserve with an explicit urgency.
     pub fn reserve_with(&self, req: ReserveRequest) -> Result<Allocation, Refusal> {
         let mut stats = lock(&self.shared.decide);
-        let outcome = self.ensure_locked(req.want, req.urgency, &mut stats)?;
-        let block = self.shared.card.raw_alloc(req.want).map_err(|e| {
-            stats.refusals += 1;
-            self.card_refusal(req.want, outcome.free_after, e)
+        let card = &self.shared.card;
+        let block = self.take_above_floor(req.want, req.urgency, &mut stats, || card.raw_alloc(req.want), |b| {
+            card.raw_free(b)
         })?;
         self.shared.book(req.purpose, req.want);
-        self.shared.note_landing(req.want, &req.purpose);
         Ok(Allocation { device: self.shared.clone(), block: Some(block), purpose: req.purpose })
     }
 
@@ -259,14 +242,55 @@ impl Device {
         } else {
             lock(&self.shared.decide)
         };
-        let outcome = self.ensure_locked(bytes, urgency, &mut stats)?;
-        self.shared.card.commit(&va.inner.range, offset, bytes).map_err(|e| {
-            stats.refusals += 1;
-            self.card_refusal(bytes, outcome.free_after, e)
+        let (card, range) = (&self.shared.card, &va.inner.range);
+        self.take_above_floor(bytes, urgency, &mut stats, || card.commit(range, offset, bytes), |()| {
+            if let Err(e) = card.decommit(range, offset, bytes) {
+                tracing::error!("undoing a commit that landed under the floor failed: {e}");
+            }
         })?;
         self.shared.book(purpose, bytes);
-        self.shared.note_landing(bytes, &purpose);
         Ok(Commit { va: va.inner.clone(), offset, bytes, purpose })
+    }
+
+    /// Ask the guard for `want`, take it with `take`, then look at the card: a
+    /// grant judged above the floor lands under it when another process took
+    /// memory between the guard's probe and the driver's allocation. Such an
+    /// allocation is undone at once and the guard asked again, now seeing the
+    /// card as it is (it relieves, or refuses), so nothing of ours stays under
+    /// the floor.
+    fn take_above_floor<T>(
+        &self,
+        want: Bytes,
+        urgency: Urgency,
+        stats: &mut GuardStats,
+        mut take: impl FnMut() -> Result<T, crate::card::CardError>,
+        mut undo: impl FnMut(T),
+    ) -> Result<T, Refusal> {
+        let floor = self.shared.settings.floor;
+        for _ in 0..LANDING_TRIES {
+            let outcome = self.ensure_locked(want, urgency, stats)?;
+            let taken = take().map_err(|e| {
+                stats.refusals += 1;
+                self.card_refusal(want, outcome.free_after, e)
+            })?;
+            let free = self.shared.card.driver_free();
+            if free >= floor {
+                return Ok(taken);
+            }
+            undo(taken);
+            stats.landings_undone += 1;
+            tracing::warn!(card = %self.id(), %want, %free, %floor, "an allocation landed under the floor (another process took memory meanwhile); undone, asking the guard again");
+        }
+        stats.refusals += 1;
+        Err(Refusal {
+            card: self.id(),
+            want,
+            free: self.shared.card.driver_free(),
+            floor,
+            books: self.books().total(),
+            budget: self.shared.settings.budget,
+            reason: RefusalReason::Floor,
+        })
     }
 
     fn ensure_locked(

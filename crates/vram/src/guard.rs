@@ -144,6 +144,9 @@ pub struct GuardStats {
     pub overclaimed: Bytes,
     pub host_openings_level: u64,
     pub host_openings_deadlock: u64,
+    /// Allocations that landed under the floor (another process took memory
+    /// between the guard's probe and the driver's allocation) and were undone.
+    pub landings_undone: u64,
 }
 
 /// Readings the guard needs from its card.

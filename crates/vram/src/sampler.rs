@@ -7,12 +7,13 @@
 //!   processes grew since the previous sample, the card would have held, or
 //!   when nothing of corridor's grew (a process the driver does not list);
 //!   a **breach** otherwise (corridor's own allocation took it under);
-//! - while under: a **breach** if one of corridor's allocations landed
-//!   under the floor since the previous sample, or this process grew beyond
-//!   its books (corridor went deeper), else the episode's cause — a booked
-//!   allocation made while the card was above its floor, between two
-//!   samples of one episode, is not turned into a breach by another
-//!   process taking more after it.
+//! - while under: a **breach** if this process grew beyond its books
+//!   (corridor went deeper with memory the chokepoint never saw), else the
+//!   episode's cause. A booked allocation is never kept under the floor (the
+//!   chokepoint undoes one that lands there because another process took
+//!   memory meanwhile), so one made while the card was above its floor,
+//!   between two samples of one episode, is not turned into a breach by
+//!   another process taking more after it.
 //!
 //! Consecutive samples under the floor form an episode; the time from its
 //! first sample to the first sample back at the floor is its restore time.
@@ -98,10 +99,8 @@ struct Track {
     /// The previous sample: foreign processes and this process's bytes.
     prev_foreign: BTreeMap<u32, Bytes>,
     prev_self: Bytes,
-    /// Our books and the device's count of allocations that landed under
-    /// the floor, at the previous sample.
+    /// Our books at the previous sample.
     prev_books: Bytes,
-    prev_landed: u64,
 }
 
 /// The sampler of a fleet.
@@ -142,7 +141,6 @@ impl Sampler {
                 processes.into_iter().filter(|p| p.pid != me).map(|p| (p.pid, p.bytes)).collect();
             let floor = dev.settings().floor;
             let books = dev.books().total();
-            let landed = dev.allocations_under_floor();
             let s = &mut track.stats;
             s.samples += 1;
             s.last_free = Some(free);
@@ -172,16 +170,14 @@ impl Sampler {
                     .map(|(pid, bytes)| ProcessBytes { pid: *pid, bytes: *bytes })
                     .collect();
                 let cause = match &s.open {
-                    // Going deeper while under: ours if one of our
-                    // allocations landed under the floor, or this process
-                    // grew beyond its books (memory we took that the
-                    // guard never saw). A booked allocation made while the
-                    // card was above its floor, between two samples, is
-                    // not a breach because another process then took more.
+                    // Going deeper while under: ours if this process grew
+                    // beyond its books (memory we took that the guard never
+                    // saw). A booked allocation made while the card was
+                    // above its floor, between two samples, is not a breach
+                    // because another process then took more.
                     Some(_)
-                        if landed > track.prev_landed
-                            || self_bytes.saturating_sub(track.prev_self)
-                                > books.saturating_sub(track.prev_books) =>
+                        if self_bytes.saturating_sub(track.prev_self)
+                            > books.saturating_sub(track.prev_books) =>
                     {
                         Cause::Breach
                     }
@@ -189,14 +185,12 @@ impl Sampler {
                     None => {
                         // Entering: would the card have held without the
                         // foreign growth since the previous sample?
-                        // Ours only with evidence: our books, our
-                        // process or an allocation of ours grew. A drop
-                        // nobody listed (another container's process, or
-                        // one the driver lists late) is not a breach.
-                        let grew = net_growth(&track.prev_foreign, &foreign);
-                        let ours_grew = books > track.prev_books
-                            || self_bytes > track.prev_self
-                            || landed > track.prev_landed;
+                        // Ours only with evidence: our books or our process
+                        // grew. A drop nobody listed (another container's
+                        // process, or one the driver lists late) is not a
+                        // breach.
+                        let grew = foreign_growth(&track.prev_foreign, &foreign);
+                        let ours_grew = books > track.prev_books || self_bytes > track.prev_self;
                         if free + grew >= floor || !ours_grew {
                             Cause::Intrusion
                         } else {
@@ -229,7 +223,6 @@ impl Sampler {
             track.prev_foreign = foreign;
             track.prev_self = self_bytes;
             track.prev_books = books;
-            track.prev_landed = landed;
             let verdict = match under {
                 None => "ok",
                 Some(Cause::Breach) => "breach",
@@ -281,11 +274,15 @@ impl Sampler {
     }
 }
 
-/// How much more the foreign processes hold in `now` than in `before`.
-fn net_growth(before: &BTreeMap<u32, Bytes>, now: &BTreeMap<u32, Bytes>) -> Bytes {
-    let before_sum: Bytes = before.values().copied().sum();
-    let now_sum: Bytes = now.values().copied().sum();
-    now_sum.saturating_sub(before_sum)
+/// What the foreign processes that grew (or appeared) took between `before`
+/// and `now`, each counted alone: without their growth the card would hold
+/// at least this much more. A process that shrank or left in the same
+/// interval does not cancel another's growth (the memory it gave back may
+/// have gone to us, within the guard's grant).
+fn foreign_growth(before: &BTreeMap<u32, Bytes>, now: &BTreeMap<u32, Bytes>) -> Bytes {
+    now.iter()
+        .map(|(pid, bytes)| bytes.saturating_sub(before.get(pid).copied().unwrap_or(Bytes::ZERO)))
+        .sum()
 }
 
 fn spread_of(frees: impl Iterator<Item = Bytes>) -> Bytes {
@@ -392,13 +389,36 @@ mod tests {
         // again and takes the card under once more.
         card.set_foreign(7, Bytes::gib(6));
         let grant = dev.reserve(Bytes::mib(300), crate::Purpose::Kv).unwrap();
-        assert_eq!(dev.allocations_under_floor(), 0);
+        assert_eq!(dev.guard_stats().landings_undone, 0);
         card.set_foreign(7, Bytes::gib(7));
         clock.advance(Duration::from_millis(100));
         assert_eq!(sampler.sample()[0].under, Some(Cause::Intrusion), "the episode stays the intruder's");
         let s = sampler.stats(CardId(0)).unwrap();
         assert_eq!((s.intrusions, s.breaches), (2, 0));
         drop(grant);
+    }
+
+    #[test]
+    fn a_process_leaving_as_another_arrives_does_not_hide_the_arrival() {
+        let clock = Arc::new(ManualClock::new());
+        let card = Arc::new(SimCard::new(SimCardSpec::new(CardId(0), Bytes::gib(8)), &[], clock.clone()));
+        let dev = Device::standalone(card.clone(), CardSettings::default());
+        let sampler = Sampler::new(vec![dev.clone()], clock.clone());
+        // One intruder holds 6 GiB; the card holds its floor.
+        card.set_foreign(7, Bytes::gib(6));
+        assert_eq!(sampler.sample()[0].under, None);
+        // Between two samples: it leaves, corridor grows 4 GiB into what it
+        // gave back (above the floor), and a smaller one arrives and takes
+        // the card under. The foreign total fell (6 to 3.5 GiB), but the
+        // newcomer's growth is what crossed the floor.
+        card.set_foreign(7, Bytes::ZERO);
+        let grown = dev.reserve(Bytes::gib(4), crate::Purpose::Kv).unwrap();
+        card.set_foreign(8, Bytes::gib(3) + Bytes::mib(512));
+        clock.advance(Duration::from_millis(100));
+        assert_eq!(sampler.sample()[0].under, Some(Cause::Intrusion));
+        let s = sampler.stats(CardId(0)).unwrap();
+        assert_eq!((s.intrusions, s.breaches), (1, 0));
+        drop(grown);
     }
 
     #[test]

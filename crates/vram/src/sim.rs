@@ -103,6 +103,9 @@ struct SimState {
     next_event: usize,
     /// How many of the next allocations or commits fail.
     fail_next: u32,
+    /// A foreign process that grows during the next allocation or commit,
+    /// after the guard's probe and before the memory is taken.
+    intrude_next: Option<(u32, Bytes)>,
     /// Foreign processes the per-process list does not show (another
     /// container's, or ones the driver has not listed yet).
     unlisted: Vec<u32>,
@@ -173,6 +176,13 @@ impl SimCard {
         self.lock().fail_next = n;
     }
 
+    /// Let `pid` come to want `bytes` inside the next allocation or commit,
+    /// just before it takes memory: the race of a real card, where another
+    /// process allocates between the guard's probe and the driver's call.
+    pub fn intrude_during_next_take(&self, pid: u32, bytes: Bytes) {
+        self.lock().intrude_next = Some((pid, bytes));
+    }
+
     fn lock(&self) -> MutexGuard<'_, SimState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -221,6 +231,9 @@ impl SimCard {
     }
 
     fn take(&self, st: &mut SimState, want: Bytes) -> Result<(), CardError> {
+        if let Some((pid, bytes)) = st.intrude_next.take() {
+            Self::set_desire(st, pid, bytes);
+        }
         self.settle(st);
         if st.fail_next > 0 {
             st.fail_next -= 1;

@@ -154,6 +154,38 @@ fn opportunistic_requests_never_spend_providers() {
 
 /// Two sim cards of 8 GiB in one governor; the second is returned for the
 /// test to fill.
+#[test]
+fn an_allocation_that_lands_under_the_floor_is_undone_and_asked_for_again() {
+    // 8 GiB card, 1 GiB floor: 2 GiB of ours, then 4 GiB more asked for
+    // while another process takes 2 GiB between the guard's probe and the
+    // driver's allocation. The 4 GiB fit what the driver then had free, so
+    // the allocation succeeds and leaves 0 free: it must not stay.
+    let c = clock();
+    let card = sim(&c, 0, Bytes::gib(8));
+    let dev = Device::standalone(card.clone(), settings());
+    let _held = dev.reserve(Bytes::gib(2), Purpose::Weights).unwrap();
+    card.intrude_during_next_take(77, Bytes::gib(2));
+    let err = dev.reserve(Bytes::gib(4), Purpose::Workspace).unwrap_err();
+    assert_eq!(err.reason, RefusalReason::Floor, "{err}");
+    assert_eq!(dev.guard_stats().landings_undone, 1);
+    assert_eq!(dev.books().total(), Bytes::gib(2), "nothing of the undone allocation stays booked");
+    assert_eq!(card.our_bytes(), Bytes::gib(2), "nor held");
+    assert_eq!(card.driver_free(), Bytes::gib(4));
+
+    // A KV commit in the same race: undone; asked again, the guard sees the
+    // card as it is and grants what still fits above the floor.
+    let va = dev.reserve_va(Bytes::gib(4)).unwrap();
+    card.intrude_during_next_take(78, Bytes::mib(2560));
+    let err = dev.commit(&va, Bytes::ZERO, Bytes::gib(1), Urgency::Deferrable).unwrap_err();
+    assert_eq!(err.reason, RefusalReason::Floor, "{err}");
+    assert_eq!(dev.guard_stats().landings_undone, 2);
+    assert_eq!(dev.books().kv_committed, Bytes::ZERO);
+    assert!(card.driver_free() >= settings().floor);
+    let fits = dev.commit(&va, Bytes::ZERO, Bytes::mib(256), Urgency::Deferrable).unwrap();
+    assert_eq!(fits.bytes(), Bytes::mib(256));
+    assert!(card.driver_free() >= settings().floor);
+}
+
 fn two_cards() -> (Arc<corridor_vram::SimCard>, Governor) {
     let c = clock();
     let card1 = sim(&c, 1, Bytes::gib(8));
