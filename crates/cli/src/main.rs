@@ -82,6 +82,15 @@ pub struct ModelArgs {
     /// and lets them stall the streams.
     #[arg(long, default_value_t = 50)]
     itl_target_ms: u64,
+    /// A second bound beside --itl-target-ms, relative to the card's own pace: while streams
+    /// decode, a step that carries prompt rows is predicted to take at most this many times the
+    /// step those streams take without them (the stall they feel, as a multiple of their usual
+    /// token gap; 0 = no such bound). The smaller of the two bounds decides. At 2.5 an 8B model at
+    /// batch 128 (about 16 ms a step) keeps its gaps under 40 ms, and at batch 1 (about 5 ms) under
+    /// 13 ms, where 50 ms alone would allow a 10x stall; a long prompt that arrives while few
+    /// streams run then takes more, smaller steps.
+    #[arg(long, default_value_t = 2.5, value_parser = parse_stall_ratio)]
+    itl_stall_ratio: f64,
     /// Longest sequence (prompt + output) in tokens. Default: the model's trained context.
     #[arg(long)]
     context_length: Option<usize>,
@@ -274,7 +283,10 @@ impl ModelArgs {
         o.cuda_tuning = self.cuda.tuning();
         o.max_running = self.max_running_requests;
         o.max_batched_tokens = self.max_batched_tokens;
-        o.itl_target = (self.itl_target_ms > 0).then(|| std::time::Duration::from_millis(self.itl_target_ms));
+        o.itl = corridor_engine::step_budget::ItlBound {
+            target: (self.itl_target_ms > 0).then(|| std::time::Duration::from_millis(self.itl_target_ms)),
+            stall_ratio: (self.itl_stall_ratio > 0.0).then_some(self.itl_stall_ratio),
+        };
         o.context_len = self.context_length;
         o.kv_budget = corridor_units::Bytes::mib(self.kv_cache_mib);
         o.devices = corridor_server::boot::Devices::parse(&self.devices).map_err(anyhow::Error::msg)?;
@@ -399,5 +411,16 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", corridor_bench::render_table(&report));
             Ok(())
         }
+    }
+}
+
+/// `--itl-stall-ratio`: 0 (no such bound) or a finite ratio of at least 1 (no step with a prompt
+/// can take less than the decodes' step without one).
+fn parse_stall_ratio(s: &str) -> Result<f64, String> {
+    let r: f64 = s.parse().map_err(|e| format!("not a number: {e}"))?;
+    if r == 0.0 || (r.is_finite() && r >= 1.0) {
+        Ok(r)
+    } else {
+        Err(format!("{s}: use 0 (no bound) or a ratio of at least 1"))
     }
 }

@@ -159,3 +159,17 @@ fn a_bad_sim_link_is_a_one_line_error_naming_the_flag() {
     assert!(!err.contains("panicked"), "{err}");
     assert!(err.lines().any(|l| l.starts_with("error: ") && l.contains("--sim-link")), "{err}");
 }
+
+#[test]
+fn a_stall_ratio_no_step_could_keep_is_refused_by_name() {
+    for bad in ["0.5", "-1", "nan", "inf", "fast"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_corridor"))
+            .args(["--log", "error", "serve", &format!("--itl-stall-ratio={bad}"), "--model"])
+            .arg(fixtures().join("llama-f32"))
+            .output()
+            .expect("the binary runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {err}");
+        assert!(err.contains("--itl-stall-ratio"), "{bad}: {err}");
+    }
+}

@@ -825,6 +825,7 @@ impl Core {
             s.prefix_hit_tokens = pool.hit_tokens;
             s.preemptions = self.sched.preemptions;
             s.itl_target = self.sched.step_budget().target();
+            s.itl_stall_ratio = self.sched.step_budget().bound().stall_ratio;
         });
     }
 }

@@ -42,7 +42,7 @@
 //! backend, the sampler or the client.
 
 use crate::pages::{page_hashes, PagePool, SeqPages};
-use crate::step_budget::{StepBudget, StepShape};
+use crate::step_budget::{ItlBound, StepBudget, StepShape};
 use corridor_units::{Bytes, CardId, PageId, Pages, RequestId, StateSlot, TokenId, Tokens};
 use corridor_vram::{KvArena, Urgency};
 use std::collections::{HashMap, VecDeque};
@@ -58,10 +58,10 @@ pub struct SchedulerConfig {
     pub max_batched_tokens: usize,
     /// Longest sequence (prompt + output) the model may hold.
     pub context_len: usize,
-    /// The inter-token latency running decodes should keep: it bounds the
+    /// What running decodes' inter-token latency should keep: it bounds the
     /// prefill rows of a step that carries decodes (see [`crate::step_budget`]).
-    /// `None`: no bound, prompts take whatever rows the decodes leave.
-    pub itl_target: Option<Duration>,
+    /// [`ItlBound::NONE`]: no bound, prompts take whatever rows the decodes leave.
+    pub itl: ItlBound,
 }
 
 #[derive(Debug)]
@@ -218,7 +218,7 @@ impl Slots {
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig, pool: PagePool) -> Self {
-        let budget = StepBudget::new(config.itl_target);
+        let budget = StepBudget::new(config.itl);
         Scheduler::with_step_budget(config, pool, budget)
     }
 

@@ -36,6 +36,9 @@ pub struct EngineStats {
     /// decodes (`None`: no bound), the step-time model it works from, and the
     /// steps that model has measured (0: still the prior).
     pub itl_target: Option<std::time::Duration>,
+    /// The stall ratio beside it: a step with prompt rows at most this many
+    /// times the decodes' own step (`None`: none).
+    pub itl_stall_ratio: Option<f64>,
     pub step_cost: StepCost,
     pub step_cost_measured: u64,
     /// Phase flips of a group that holds two layouts.

@@ -7,9 +7,14 @@
 //! prompt over more steps, so its time to first token (TTFT) grows; more rows fill the GEMMs and
 //! finish prompts sooner, but stretch every running stream's token gap.
 //!
-//! The rule: predict a step's time with a linear model (a fixed cost per step, plus a cost per
-//! prefill token, plus a cost per decode row) and give prefill the most rows that keep the
-//! predicted step within the ITL target beside the decodes that are running. Never fewer than a
+//! The rule: predict a step's time with a linear model (a fixed cost per step, a further fixed cost
+//! for a step that carries prompt rows at all, plus a cost per prefill token, plus a cost per decode
+//! row) and give prefill the most rows that keep the predicted step within the bound beside the
+//! decodes that are running. The bound is the smaller of two: an absolute ITL target
+//! (`--itl-target-ms`), and a stall ratio (`--itl-stall-ratio`) times the predicted time of the same
+//! decodes stepping alone, so a stream's gap during a prompt stays within a multiple of its usual
+//! gap however fast or slow the card is (a 50 ms bound is 3 steps of an 8B model at batch 128, but
+//! 10 at batch 1). Never fewer than a
 //! floor, so a prompt always progresses however many decodes run (the target is then missed, by
 //! the floor's cost, rather than a prompt starved); and a step with no decode running takes the
 //! whole `max_batched_tokens`, since no stream waits on it and a prompt then prefills at the GEMM's
@@ -17,10 +22,13 @@
 //!
 //! The model is fitted to the measured step times by least squares, with old steps forgotten
 //! geometrically so it follows a card whose speed changes (clocks, a neighbour, longer contexts).
-//! Until steps are measured, a conservative prior stands in: it assumes slow steps, so the first
-//! mixed steps carry small chunks, and the fit loosens them as soon as it knows better. The prior
-//! stays in the fit as three imagined steps of small weight, which keeps the fit defined when the
-//! measured steps do not vary enough to tell the three costs apart (all decode, say).
+//! The fixed cost of a step with prompt rows is its own term because it differs: a decode-only
+//! step is a captured replay, a mixed one runs eagerly; folded into one fixed cost, it would make
+//! the decode-only prediction (the stall ratio's reference) too slow. Until steps are measured, a
+//! conservative prior stands in: it assumes slow steps, so the first mixed steps carry small
+//! chunks, and the fit loosens them as soon as it knows better. The prior stays in the fit as four
+//! imagined steps of small weight, which keeps the fit defined when the measured steps do not vary
+//! enough to tell the costs apart (all decode, say).
 //!
 //! Pure arithmetic: no clock, no engine; the engine hands in the measurements.
 
@@ -31,6 +39,10 @@ pub const MIN_PREFILL_ROWS: usize = 16;
 
 /// The default inter-token-latency target (the server's `--itl-target-ms`).
 pub const DEFAULT_ITL_TARGET: Duration = Duration::from_millis(50);
+
+/// The default stall ratio (the server's `--itl-stall-ratio`): a step that carries prompt rows is
+/// predicted at most this many times the decodes' step alone.
+pub const DEFAULT_STALL_RATIO: f64 = 2.5;
 
 /// Weight kept by a measurement per newer one: about the last 50 steps make the fit.
 const FORGET: f64 = 0.98;
@@ -44,6 +56,9 @@ const PRIOR_WEIGHT: f64 = 0.01;
 /// each cost of the prior is pinned by one of them.
 const PRIOR_PREFILL_ROWS: f64 = 256.0;
 const PRIOR_DECODE_ROWS: f64 = 32.0;
+
+/// Terms of the model: 1, carries prompt rows (0 or 1), prefill rows, decode rows.
+const TERMS: usize = 4;
 
 /// What a step carries, as the cost model sees it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -59,6 +74,9 @@ pub struct StepShape {
 pub struct StepCost {
     /// Paid by every step whatever it carries (weights read once, launches, host work).
     pub fixed: Duration,
+    /// Paid besides by a step that carries prompt rows (it runs eagerly where a decode-only step
+    /// replays a captured graph, and its prompts' attention and metadata cost their own start-up).
+    pub prefill_step: Duration,
     pub per_prefill_row: Duration,
     pub per_decode_row: Duration,
 }
@@ -69,40 +87,88 @@ impl StepCost {
     /// first mixed steps err on the side of the running streams.
     pub const CONSERVATIVE: StepCost = StepCost {
         fixed: Duration::from_millis(10),
+        prefill_step: Duration::ZERO,
         per_prefill_row: Duration::from_micros(200),
         per_decode_row: Duration::from_micros(200),
     };
 
     /// The predicted time of a step of this shape.
     pub fn predict(&self, shape: StepShape) -> Duration {
+        let prefill_step = if shape.prefill_rows > 0 { self.prefill_step } else { Duration::ZERO };
         self.fixed
+            + prefill_step
             + self.per_prefill_row * shape.prefill_rows as u32
             + self.per_decode_row * shape.decode_rows as u32
     }
 
-    fn as_secs(&self) -> [f64; 3] {
-        [self.fixed.as_secs_f64(), self.per_prefill_row.as_secs_f64(), self.per_decode_row.as_secs_f64()]
-    }
-
     /// From seconds; a cost the fit drove negative (noise, or a card that is not linear) is read
     /// as zero, never as time gained.
-    fn from_secs(secs: [f64; 3]) -> StepCost {
+    fn from_secs(secs: [f64; TERMS]) -> StepCost {
         let d = |s: f64| Duration::from_secs_f64(if s.is_finite() { s.max(0.0) } else { 0.0 });
-        StepCost { fixed: d(secs[0]), per_prefill_row: d(secs[1]), per_decode_row: d(secs[2]) }
+        StepCost {
+            fixed: d(secs[0]),
+            prefill_step: d(secs[1]),
+            per_prefill_row: d(secs[2]),
+            per_decode_row: d(secs[3]),
+        }
+    }
+}
+
+impl StepShape {
+    /// The model's terms of this shape.
+    fn terms(&self) -> [f64; TERMS] {
+        let carries = if self.prefill_rows > 0 { 1.0 } else { 0.0 };
+        [1.0, carries, self.prefill_rows as f64, self.decode_rows as f64]
+    }
+}
+
+/// What bounds a step that carries prompt rows beside decodes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ItlBound {
+    /// An absolute inter-token-latency target (`None`: none).
+    pub target: Option<Duration>,
+    /// The step at most this many times the decodes' own step (`None`: none).
+    pub stall_ratio: Option<f64>,
+}
+
+impl ItlBound {
+    /// No bound: every step may take the whole `max_batched_tokens`.
+    pub const NONE: ItlBound = ItlBound { target: None, stall_ratio: None };
+
+    /// The server's defaults: 50 ms, and 2.5 times the decodes' step.
+    pub const DEFAULT: ItlBound = ItlBound { target: Some(DEFAULT_ITL_TARGET), stall_ratio: Some(DEFAULT_STALL_RATIO) };
+
+    /// An absolute target alone.
+    pub fn absolute(target: Option<Duration>) -> ItlBound {
+        ItlBound { target, stall_ratio: None }
+    }
+
+    /// Zero targets and ratios (and ratios that are not finite or under 1, which no step could
+    /// keep) mean no bound of that kind.
+    fn normalized(self) -> ItlBound {
+        ItlBound {
+            target: self.target.filter(|t| !t.is_zero()),
+            stall_ratio: self.stall_ratio.filter(|r| r.is_finite() && *r >= 1.0),
+        }
+    }
+
+    pub fn is_none(&self) -> bool {
+        self.target.is_none() && self.stall_ratio.is_none()
     }
 }
 
 /// The step-budget rule and the cost model it learns.
 #[derive(Clone, Debug)]
 pub struct StepBudget {
-    /// `None`: no bound; every step may take the whole `max_batched_tokens`.
-    target: Option<Duration>,
+    /// No bound ([`ItlBound::NONE`]): every step may take the whole `max_batched_tokens`.
+    bound: ItlBound,
     floor: usize,
     prior: StepCost,
     /// Forgetting sums of the least-squares normal equations over measured steps, with
-    /// x = [1, prefill rows, decode rows] and y = seconds: `xx` = Σ w·x·xᵀ, `xy` = Σ w·x·y.
-    xx: [[f64; 3]; 3],
-    xy: [f64; 3],
+    /// x = [1, carries prompt rows, prefill rows, decode rows] and y = seconds: `xx` = Σ w·x·xᵀ,
+    /// `xy` = Σ w·x·y.
+    xx: [[f64; TERMS]; TERMS],
+    xy: [f64; TERMS],
     measured: u64,
     /// The fit of the sums above (the prior until a step is measured).
     cost: StepCost,
@@ -110,26 +176,44 @@ pub struct StepBudget {
 
 impl StepBudget {
     /// The rule with the conservative prior and the default floor.
-    pub fn new(target: Option<Duration>) -> StepBudget {
-        StepBudget::with_prior(target, MIN_PREFILL_ROWS, StepCost::CONSERVATIVE)
+    pub fn new(bound: ItlBound) -> StepBudget {
+        StepBudget::with_prior(bound, MIN_PREFILL_ROWS, StepCost::CONSERVATIVE)
     }
 
     /// The rule with a chosen floor and prior (tests, and a caller that knows its card). A zero
-    /// target means no bound, like `None`.
-    pub fn with_prior(target: Option<Duration>, floor: usize, prior: StepCost) -> StepBudget {
+    /// target or ratio means no bound of that kind.
+    pub fn with_prior(bound: ItlBound, floor: usize, prior: StepCost) -> StepBudget {
         StepBudget {
-            target: target.filter(|t| !t.is_zero()),
+            bound: bound.normalized(),
             floor,
             prior,
-            xx: [[0.0; 3]; 3],
-            xy: [0.0; 3],
+            xx: [[0.0; TERMS]; TERMS],
+            xy: [0.0; TERMS],
             measured: 0,
             cost: prior,
         }
     }
 
+    /// The absolute ITL target (`None`: none).
     pub fn target(&self) -> Option<Duration> {
-        self.target
+        self.bound.target
+    }
+
+    /// The bound in force.
+    pub fn bound(&self) -> ItlBound {
+        self.bound
+    }
+
+    /// The most a step with `decode_rows` decodes and some prompt rows may take: the smaller of
+    /// the absolute target and the stall ratio times the decodes' own predicted step; `None`
+    /// without a bound.
+    pub fn step_limit(&self, decode_rows: usize) -> Option<Duration> {
+        let alone = self.cost.predict(StepShape { prefill_rows: 0, decode_rows });
+        let by_ratio = self.bound.stall_ratio.map(|r| alone.mul_f64(r));
+        match (self.bound.target, by_ratio) {
+            (Some(t), Some(r)) => Some(t.min(r)),
+            (t, r) => t.or(r),
+        }
     }
 
     /// The current model of a step's time.
@@ -145,13 +229,14 @@ impl StepBudget {
     /// The most prefill rows the next step may carry beside `decode_rows` running decodes, out of
     /// a step of `max_batched_tokens` rows.
     pub fn prefill_rows(&self, decode_rows: usize, max_batched_tokens: usize) -> usize {
-        let Some(target) = self.target else { return max_batched_tokens };
         if decode_rows == 0 {
             return max_batched_tokens;
         }
+        let Some(limit) = self.step_limit(decode_rows) else { return max_batched_tokens };
         let room = max_batched_tokens.saturating_sub(decode_rows);
-        let decodes = self.cost.predict(StepShape { prefill_rows: 0, decode_rows });
-        let left = target.saturating_sub(decodes).as_nanos();
+        // The step with one prompt row: the decodes, the mixed step's own cost, that row.
+        let one = self.cost.predict(StepShape { prefill_rows: 1, decode_rows });
+        let left = (limit + self.cost.per_prefill_row).saturating_sub(one).as_nanos();
         // Rounded down: a row that would cross the target is not taken. A
         // prompt row the fit finds free (no division) fits without limit.
         let fits = match left.checked_div(self.cost.per_prefill_row.as_nanos()) {
@@ -167,10 +252,10 @@ impl StepBudget {
         if shape.prefill_rows + shape.decode_rows == 0 {
             return;
         }
-        let x = [1.0, shape.prefill_rows as f64, shape.decode_rows as f64];
+        let x = shape.terms();
         let y = took.as_secs_f64();
-        for i in 0..3 {
-            for j in 0..3 {
+        for i in 0..TERMS {
+            for j in 0..TERMS {
                 self.xx[i][j] = FORGET * self.xx[i][j] + x[i] * x[j];
             }
             self.xy[i] = FORGET * self.xy[i] + x[i] * y;
@@ -183,39 +268,42 @@ impl StepBudget {
     fn fit(&self) -> StepCost {
         let mut a = self.xx;
         let mut b = self.xy;
-        let p = self.prior.as_secs();
+        // One imagined step pins each cost of the prior: an empty one, a one-row prompt, a
+        // prompt chunk, a decode batch.
         let imagined = [
-            ([1.0, 0.0, 0.0], p[0]),
-            ([1.0, PRIOR_PREFILL_ROWS, 0.0], p[0] + PRIOR_PREFILL_ROWS * p[1]),
-            ([1.0, 0.0, PRIOR_DECODE_ROWS], p[0] + PRIOR_DECODE_ROWS * p[2]),
+            StepShape { prefill_rows: 0, decode_rows: 0 },
+            StepShape { prefill_rows: 1, decode_rows: 0 },
+            StepShape { prefill_rows: PRIOR_PREFILL_ROWS as usize, decode_rows: 0 },
+            StepShape { prefill_rows: 0, decode_rows: PRIOR_DECODE_ROWS as usize },
         ];
-        for (x, y) in imagined {
-            for i in 0..3 {
-                for j in 0..3 {
+        for shape in imagined {
+            let (x, y) = (shape.terms(), self.prior.predict(shape).as_secs_f64());
+            for i in 0..TERMS {
+                for j in 0..TERMS {
                     a[i][j] += PRIOR_WEIGHT * x[i] * x[j];
                 }
                 b[i] += PRIOR_WEIGHT * x[i] * y;
             }
         }
-        match solve3(a, b) {
+        match solve(a, b) {
             Some(secs) => StepCost::from_secs(secs),
             None => self.cost,
         }
     }
 }
 
-/// Solve `a · x = b` for a 3×3 system by Gaussian elimination with partial pivoting; `None` when
-/// it is singular (it is not, with the prior's steps in it, but the arithmetic says so itself).
-fn solve3(mut a: [[f64; 3]; 3], mut b: [f64; 3]) -> Option<[f64; 3]> {
-    for col in 0..3 {
-        let pivot = (col..3).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
+/// Solve `a · x = b` by Gaussian elimination with partial pivoting; `None` when it is singular
+/// (it is not, with the prior's steps in it, but the arithmetic says so itself).
+fn solve<const N: usize>(mut a: [[f64; N]; N], mut b: [f64; N]) -> Option<[f64; N]> {
+    for col in 0..N {
+        let pivot = (col..N).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
         if a[pivot][col].abs() < 1e-12 {
             return None;
         }
         a.swap(col, pivot);
         b.swap(col, pivot);
         let pivot_row = a[col];
-        for row in col + 1..3 {
+        for row in col + 1..N {
             let f = a[row][col] / pivot_row[col];
             for (k, v) in a[row].iter_mut().enumerate().skip(col) {
                 *v -= f * pivot_row[k];
@@ -223,9 +311,9 @@ fn solve3(mut a: [[f64; 3]; 3], mut b: [f64; 3]) -> Option<[f64; 3]> {
             b[row] -= f * b[col];
         }
     }
-    let mut x = [0.0; 3];
-    for row in (0..3).rev() {
-        let rest: f64 = (row + 1..3).map(|k| a[row][k] * x[k]).sum();
+    let mut x = [0.0; N];
+    for row in (0..N).rev() {
+        let rest: f64 = (row + 1..N).map(|k| a[row][k] * x[k]).sum();
         x[row] = (b[row] - rest) / a[row][row];
     }
     Some(x)
@@ -242,12 +330,13 @@ mod tests {
     /// 5 ms a step, 0.1 ms a prefill row, 0.5 ms a decode row.
     const KNOWN: StepCost = StepCost {
         fixed: Duration::from_millis(5),
+        prefill_step: Duration::ZERO,
         per_prefill_row: Duration::from_micros(100),
         per_decode_row: Duration::from_micros(500),
     };
 
     fn known(target_ms: u64) -> StepBudget {
-        StepBudget::with_prior(Some(ms(target_ms)), 16, KNOWN)
+        StepBudget::with_prior(ItlBound::absolute(Some(ms(target_ms))), 16, KNOWN)
     }
 
     #[test]
@@ -293,13 +382,13 @@ mod tests {
         // A fit that finds prompt rows cost nothing (say, measured steps all hid them in the fixed
         // cost) limits them only by the step's rows.
         let free = StepCost { per_prefill_row: Duration::ZERO, ..KNOWN };
-        assert_eq!(StepBudget::with_prior(Some(ms(50)), 16, free).prefill_rows(10, 512), 502);
+        assert_eq!(StepBudget::with_prior(ItlBound::absolute(Some(ms(50))), 16, free).prefill_rows(10, 512), 502);
     }
 
     #[test]
     fn no_target_is_todays_behaviour() {
         for target in [None, Some(Duration::ZERO)] {
-            let b = StepBudget::with_prior(target, 16, KNOWN);
+            let b = StepBudget::with_prior(ItlBound::absolute(target), 16, KNOWN);
             assert_eq!(b.target(), None);
             assert_eq!(b.prefill_rows(0, 512), 512);
             assert_eq!(b.prefill_rows(100, 512), 512);
@@ -308,7 +397,7 @@ mod tests {
 
     #[test]
     fn the_prior_is_conservative_until_steps_are_measured() {
-        let b = StepBudget::new(Some(DEFAULT_ITL_TARGET));
+        let b = StepBudget::new(ItlBound::absolute(Some(DEFAULT_ITL_TARGET)));
         assert_eq!(b.cost(), StepCost::CONSERVATIVE);
         assert_eq!(b.measured(), 0);
         // 50 - 10 - 32 × 0.2 = 33.6 ms: 168 rows of 0.2 ms.
@@ -318,7 +407,8 @@ mod tests {
     /// Steps of varied shapes timed exactly by `truth`.
     fn feed(b: &mut StepBudget, truth: StepCost, steps: usize) {
         for i in 0..steps {
-            let shape = StepShape { prefill_rows: (i * 37) % 300, decode_rows: 1 + (i * 11) % 64 };
+            let prefill_rows = if i % 3 == 0 { 0 } else { (i * 37) % 300 };
+            let shape = StepShape { prefill_rows, decode_rows: 1 + (i * 11) % 64 };
             b.observe(shape, truth.predict(shape));
         }
     }
@@ -332,10 +422,11 @@ mod tests {
         // A card four times faster than the prior fears.
         let truth = StepCost {
             fixed: Duration::from_micros(2500),
+            prefill_step: Duration::ZERO,
             per_prefill_row: Duration::from_micros(50),
             per_decode_row: Duration::from_micros(50),
         };
-        let mut b = StepBudget::new(Some(ms(50)));
+        let mut b = StepBudget::new(ItlBound::absolute(Some(ms(50))));
         let before = b.prefill_rows(32, 2048);
         feed(&mut b, truth, 200);
         assert_eq!(b.measured(), 200);
@@ -352,7 +443,7 @@ mod tests {
 
     #[test]
     fn the_model_follows_a_card_that_slows_down() {
-        let mut b = StepBudget::with_prior(Some(ms(50)), 16, KNOWN);
+        let mut b = StepBudget::with_prior(ItlBound::absolute(Some(ms(50))), 16, KNOWN);
         feed(&mut b, KNOWN, 200);
         let fast = b.prefill_rows(10, 512);
         let slow = StepCost { per_prefill_row: KNOWN.per_prefill_row * 2, ..KNOWN };
@@ -367,7 +458,7 @@ mod tests {
     fn decode_only_steps_leave_the_prefill_cost_to_the_prior() {
         // Steps that never carry a prompt say nothing about a prefill row's cost; the fit stays
         // defined and keeps the prior's.
-        let mut b = StepBudget::with_prior(Some(ms(50)), 16, KNOWN);
+        let mut b = StepBudget::with_prior(ItlBound::absolute(Some(ms(50))), 16, KNOWN);
         for d in 1..100 {
             let shape = StepShape { prefill_rows: 0, decode_rows: d % 40 + 1 };
             b.observe(shape, KNOWN.predict(shape));
@@ -383,11 +474,68 @@ mod tests {
     }
 
     #[test]
+    fn the_stall_ratio_bounds_a_step_by_the_decodes_own() {
+        let b = StepBudget::with_prior(ItlBound { target: Some(ms(50)), stall_ratio: Some(2.5) }, 16, KNOWN);
+        // 10 decodes step in 5 + 5 = 10 ms alone: at most 25 ms with a prompt, 150 rows of 0.1 ms
+        // (the absolute 50 ms would have allowed 400).
+        assert_eq!(b.step_limit(10), Some(ms(25)));
+        assert_eq!(b.prefill_rows(10, 512), 150);
+        // 80 decodes step in 45 ms: 2.5 times that is past 50 ms, so the absolute target decides.
+        assert_eq!(b.step_limit(80), Some(ms(50)));
+        assert_eq!(b.prefill_rows(80, 512), 50);
+        // A ratio alone.
+        let r = StepBudget::with_prior(ItlBound { target: None, stall_ratio: Some(2.0) }, 16, KNOWN);
+        assert_eq!(r.prefill_rows(10, 512), 100);
+        assert_eq!(r.prefill_rows(0, 512), 512, "nobody waits on a prefill-only step");
+    }
+
+    #[test]
+    fn a_mixed_steps_own_cost_comes_off_the_prompt_rows() {
+        let slow_mix = StepCost { prefill_step: ms(3), ..KNOWN };
+        let b = StepBudget::with_prior(ItlBound { target: Some(ms(50)), stall_ratio: Some(2.5) }, 16, slow_mix);
+        // The decodes alone: still 10 ms (a decode-only step pays no prefill_step). With a
+        // prompt: 25 - 10 - 3 = 12 ms for its rows.
+        assert_eq!(b.step_limit(10), Some(ms(25)));
+        assert_eq!(b.prefill_rows(10, 512), 120);
+        let shape = |p| StepShape { prefill_rows: p, decode_rows: 10 };
+        assert!(slow_mix.predict(shape(120)) <= ms(25));
+        assert!(slow_mix.predict(shape(121)) > ms(25));
+    }
+
+    #[test]
+    fn the_model_tells_a_mixed_steps_own_cost_from_the_fixed_one() {
+        // Decode-only steps replay a graph; mixed ones pay 4 ms more. Folded into one fixed cost,
+        // the decodes' own step (the stall ratio's reference) would read about 2 ms slow.
+        let truth = StepCost {
+            fixed: ms(3),
+            prefill_step: ms(4),
+            per_prefill_row: Duration::from_micros(50),
+            per_decode_row: Duration::from_micros(100),
+        };
+        let mut b = StepBudget::new(ItlBound::DEFAULT);
+        feed(&mut b, truth, 300);
+        let cost = b.cost();
+        assert!(close(cost.fixed, truth.fixed, 0.05), "{cost:?}");
+        assert!(close(cost.prefill_step, truth.prefill_step, 0.05), "{cost:?}");
+        assert!(close(cost.per_prefill_row, truth.per_prefill_row, 0.05), "{cost:?}");
+        assert!(close(cost.per_decode_row, truth.per_decode_row, 0.05), "{cost:?}");
+    }
+
+    #[test]
+    fn ratios_no_step_could_keep_are_no_bound() {
+        for ratio in [0.0, 0.5, f64::NAN, f64::INFINITY] {
+            let b = StepBudget::with_prior(ItlBound { target: None, stall_ratio: Some(ratio) }, 16, KNOWN);
+            assert!(b.bound().is_none(), "{ratio}");
+            assert_eq!(b.prefill_rows(10, 512), 512);
+        }
+    }
+
+    #[test]
     fn solves_a_known_system() {
-        let x = solve3([[2.0, 1.0, 0.0], [0.0, 0.0, 3.0], [1.0, 4.0, 1.0]], [4.0, 9.0, 12.0]).unwrap();
+        let x = solve([[2.0, 1.0, 0.0], [0.0, 0.0, 3.0], [1.0, 4.0, 1.0]], [4.0, 9.0, 12.0]).unwrap();
         for (got, want) in x.iter().zip([1.0, 2.0, 3.0]) {
             assert!((got - want).abs() < 1e-12, "{x:?}");
         }
-        assert!(solve3([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.0, 0.0, 1.0]], [1.0, 2.0, 3.0]).is_none());
+        assert!(solve([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.0, 0.0, 1.0]], [1.0, 2.0, 3.0]).is_none());
     }
 }

@@ -123,7 +123,7 @@ fn engine(exec: Box<dyn Executor>) -> EngineHandle {
             max_running: 8,
             max_batched_tokens: 64,
             context_len: 256,
-            itl_target: None,
+            itl: corridor_engine::step_budget::ItlBound::NONE,
         },
         page_size: Tokens(16),
     };

@@ -41,7 +41,7 @@ fn engine_of(pages: usize, budget: usize, itl_target: Option<Duration>, context_
                 max_running: 8,
                 max_batched_tokens: budget,
                 context_len,
-                itl_target,
+                itl: corridor_engine::step_budget::ItlBound::absolute(itl_target),
             },
             page_size: Tokens(16),
         },

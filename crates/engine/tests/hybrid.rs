@@ -32,7 +32,7 @@ fn engine(pages: usize, budget: usize, running: usize) -> EngineHandle {
                 max_running: running,
                 max_batched_tokens: budget,
                 context_len: 256,
-                itl_target: None,
+                itl: corridor_engine::step_budget::ItlBound::NONE,
             },
             page_size: Tokens(16),
         },

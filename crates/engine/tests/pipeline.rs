@@ -173,7 +173,7 @@ fn a_micro_batched_pipeline_serves_what_one_rank_serves() {
                 max_running: 4,
                 max_batched_tokens: 24,
                 context_len: 256,
-                itl_target: None,
+                itl: corridor_engine::step_budget::ItlBound::NONE,
             },
             page_size: Tokens(16),
         };

@@ -34,7 +34,7 @@ fn engine(exec: Box<dyn Executor>) -> EngineHandle {
                 max_running: l.max_logit_rows,
                 max_batched_tokens: l.max_rows.get(),
                 context_len: 256,
-                itl_target: None,
+                itl: corridor_engine::step_budget::ItlBound::NONE,
             },
             page_size: Tokens(16),
         },

@@ -3,7 +3,7 @@
 
 use corridor_engine::pages::{page_hashes, PagePool};
 use corridor_engine::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
-use corridor_engine::step_budget::{StepBudget, StepCost, StepShape};
+use corridor_engine::step_budget::{ItlBound, StepBudget, StepCost, StepShape};
 use corridor_units::{Pages, RequestId, TokenId, Tokens};
 use std::time::Duration;
 
@@ -116,7 +116,7 @@ fn sched(pages: usize, budget: usize, running: usize) -> Scheduler {
             max_running: running,
             max_batched_tokens: budget,
             context_len: 1024,
-            itl_target: None,
+            itl: ItlBound::NONE,
         },
         PagePool::standalone(Pages(pages), Tokens(4)),
     )
@@ -272,7 +272,7 @@ fn chunked(chunks: usize) -> Scheduler {
     arena.commit_to(Pages(4 * chunks), Urgency::Blocking).unwrap();
     assert_eq!(arena.geometry().chunk_pages, 4);
     let config =
-        SchedulerConfig { max_running: 16, max_batched_tokens: 256, context_len: 1024, itl_target: None };
+        SchedulerConfig { max_running: 16, max_batched_tokens: 256, context_len: 1024, itl: ItlBound::NONE };
     Scheduler::new(config, PagePool::new(arena, Tokens(4)))
 }
 
@@ -362,17 +362,18 @@ fn a_failed_copy_moves_nothing() {
 /// 5 ms a step, 0.1 ms a prompt row, 0.5 ms a decode row.
 const KNOWN: StepCost = StepCost {
     fixed: Duration::from_millis(5),
+    prefill_step: Duration::ZERO,
     per_prefill_row: Duration::from_micros(100),
     per_decode_row: Duration::from_micros(500),
 };
 
 fn bounded(target: Option<Duration>, cost: StepCost) -> Scheduler {
     let config =
-        SchedulerConfig { max_running: 16, max_batched_tokens: 512, context_len: 4096, itl_target: target };
+        SchedulerConfig { max_running: 16, max_batched_tokens: 512, context_len: 4096, itl: ItlBound::absolute(target) };
     Scheduler::with_step_budget(
         config,
         PagePool::standalone(Pages(2048), Tokens(4)),
-        StepBudget::with_prior(target, 16, cost),
+        StepBudget::with_prior(ItlBound::absolute(target), 16, cost),
     )
 }
 

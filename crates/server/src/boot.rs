@@ -81,10 +81,11 @@ pub struct BootOptions {
     pub max_running: usize,
     /// Token rows per step (chunked-prefill budget).
     pub max_batched_tokens: usize,
-    /// The inter-token latency running decodes should keep: it bounds the
-    /// prompt rows a step carries beside them, at the cost of a longer time
-    /// to first token for long prompts (`None`: no bound).
-    pub itl_target: Option<std::time::Duration>,
+    /// What running decodes' inter-token latency should keep (an absolute
+    /// target and a stall ratio): it bounds the prompt rows a step carries
+    /// beside them, at the cost of a longer time to first token for long
+    /// prompts ([`ItlBound::NONE`]: no bound).
+    pub itl: corridor_engine::step_budget::ItlBound,
     /// Longest sequence; `None` = the model's trained context.
     pub context_len: Option<usize>,
     /// On the CPU card: the most host memory the KV cache may take.
@@ -137,7 +138,7 @@ impl BootOptions {
             model,
             max_running: 32,
             max_batched_tokens: 512,
-            itl_target: Some(corridor_engine::step_budget::DEFAULT_ITL_TARGET),
+            itl: corridor_engine::step_budget::ItlBound::DEFAULT,
             context_len: None,
             kv_budget: Bytes::mib(1024),
             page_size: 16,
@@ -331,17 +332,20 @@ pub fn boot_plan(plan: &BootPlan, progress: &mut dyn FnMut(usize, usize)) -> Res
             max_running: limits.max_running,
             max_batched_tokens: limits.max_batched_tokens,
             context_len,
-            itl_target: limits.itl_target,
+            itl: limits.itl,
         },
         page_size: limits.page_size,
     };
-    match limits.itl_target {
-        Some(t) => tracing::info!(
-            itl_target_ms = t.as_millis() as u64,
+    if limits.itl.is_none() {
+        tracing::info!("no inter-token-latency bound: prompts take every row decodes leave");
+    } else {
+        tracing::info!(
+            itl_target_ms = limits.itl.target.map(|t| t.as_millis() as u64),
+            itl_stall_ratio = limits.itl.stall_ratio,
             max_batched_tokens = limits.max_batched_tokens,
-            "while requests decode, a step takes only the prompt rows predicted to keep this inter-token latency"
-        ),
-        None => tracing::info!("no inter-token-latency bound: prompts take every row decodes leave"),
+            "while requests decode, a step takes only the prompt rows predicted to keep their inter-token latency \
+             within the target and within the ratio times their step without a prompt"
+        );
     }
 
     // The rank group, on the backend of the cards' kind.

@@ -300,9 +300,11 @@ async fn engine_stats(State(state): State<AppState>) -> Response {
         // The bound on prompt rows beside decodes, and the step-time model
         // (learned from `measured` steps) it predicts with.
         "itl_target_ms": s.itl_target.map(|t| t.as_secs_f64() * 1000.0),
+        "itl_stall_ratio": s.itl_stall_ratio,
         "step_cost": {
             "measured": s.step_cost_measured,
             "fixed_s": s.step_cost.fixed.as_secs_f64(),
+            "prefill_step_s": s.step_cost.prefill_step.as_secs_f64(),
             "per_prefill_row_s": s.step_cost.per_prefill_row.as_secs_f64(),
             "per_decode_row_s": s.step_cost.per_decode_row.as_secs_f64(),
         },

@@ -102,7 +102,7 @@ pub enum GroupPlan {
 }
 
 /// The engine's limits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Limits {
     /// Sequences that may run at once.
     pub max_running: usize,
@@ -111,8 +111,8 @@ pub struct Limits {
     pub page_size: Tokens,
     /// Longest sequence; `None`: the model's trained context.
     pub context_len: Option<Tokens>,
-    /// The inter-token latency running decodes keep (`None`: no bound).
-    pub itl_target: Option<Duration>,
+    /// What running decodes' inter-token latency keeps.
+    pub itl: corridor_engine::step_budget::ItlBound,
 }
 
 /// The CUDA backend's settings.
@@ -193,7 +193,7 @@ impl BootPlan {
                 max_batched_tokens: opts.max_batched_tokens,
                 page_size: Tokens(opts.page_size),
                 context_len: opts.context_len.map(Tokens),
-                itl_target: opts.itl_target,
+                itl: opts.itl,
             },
             cuda: CudaPlan { tuning: opts.cuda_tuning, kernel_cache: opts.kernel_cache.clone() },
             sim_link: opts.sim_link,
