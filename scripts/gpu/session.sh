@@ -11,6 +11,11 @@
 #                                   # foreground the checks and the block-format matmuls of
 #                                   # .gpu/cuda_check-base against .gpu/cuda_check (--bench-quant-short)
 #   scripts/gpu/session.sh wait S   # the next calls: follow that plan for up to S seconds
+#   scripts/gpu/session.sh profile  # batch-1 decode steps as the card runs them (nsys_decode.sh: every
+#                                   # kernel of the replayed graphs, overlaps and idle time) on a 4-layer
+#                                   # Qwen3-30B-A3B-shaped checkpoint and the Llama-3-8B-shaped one, then
+#                                   # bench8b.sh decode at 1 8 32 128 and the latency run at concurrency
+#                                   # 128 (SERVE_ARGS reach the server: an A/B of a serve flag)
 #   scripts/gpu/session.sh paris    # SmolLM2 "Paris" on the GPU, by the model and through `corridor serve`;
 #                                   # first call: `cp .gpu-a/part /tmp/smol_a` (carry .gpu-a), second: this
 #                                   # (carry .gpu-b and .gpu-c = corridor + corridor-gpu-check)
@@ -132,6 +137,26 @@ case "${1:-checks}" in
     done
     touch "$g/card_free"
     bash "$0" wait $(( ${LIMIT_S:-540} - SECONDS ))
+    ;;
+  profile)
+    SECONDS=0
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
+    tok=.gpu/qwen3-tokenizer; [ -d "$tok" ] || tok=.gpu/llama3-tokenizer
+    # Both checkpoints are made on the card, so before anything is timed.
+    [ -d /tmp/llama8b ] || python3 scripts/gpu/make_llama8b.py /tmp/llama8b --tokenizer-dir .gpu/llama3-tokenizer \
+        > "$out/make_llama8b.log" 2>&1
+    echo "== [${SECONDS}s] 8B checkpoint: exit $?"; tail -n 1 "$out/make_llama8b.log" 2>/dev/null
+    [ -d /dev/shm/moe4 ] || python3 scripts/gpu/make_qwen3moe.py /dev/shm/moe4 --tokenizer-dir "$tok" --layers 4 \
+        --vocab tokenizer > "$out/make_moe4.log" 2>&1
+    echo "== [${SECONDS}s] 4-layer MoE checkpoint: exit $?"
+    for m in moe4:/dev/shm/moe4 8b:/tmp/llama8b; do
+        echo "== [${SECONDS}s] batch-1 decode by nsys: ${m%%:*}"
+        OUT="$out" TAG="nsys_${m%%:*}" timeout 240 scripts/gpu/nsys_decode.sh "${m#*:}"
+    done
+    echo "== [${SECONDS}s] served 8B: decode and latency at concurrency 128 ${SERVE_ARGS:-}"
+    SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 DECODE_BATCHES="${DECODE_BATCHES:-1 8 32 128}" LATENCY_CONC=128 \
+        DEADLINE_S=$(( ${LIMIT_S:-570} - SECONDS )) OUT="$out/b8" scripts/gpu/bench8b.sh > "$out/bench8b.out" 2>&1
+    echo "exit $?"; cat "$out/b8/summary.md" 2>/dev/null; grep -E "FAILED|skipped" "$out/bench8b.out"
     ;;
   wait)
     g=/tmp/gguf-plan
