@@ -189,8 +189,13 @@ elif time_for serve 90; then
 fi
 
 # One `corridor bench` run: bench NAME SECONDS_NEEDED ARGS... -> $out/NAME.json and NAME.txt.
+# Each run draws its prompts from a seed of its own, so no run finds its prompts in the prefix
+# cache from an earlier one (a latency run after the decode runs would otherwise skip most of its
+# prefill, and its TTFT and ITL p99 would not be those of new prompts).
+bench_seed=100
 bench() {
     local name=$1 need=$2; shift 2
+    bench_seed=$(( bench_seed + 1 ))
     time_for "$name" "$need" || return 0
     header "bench $name: $*"
     if [ -n "$server_pid" ] && ! kill -0 "$server_pid" 2>/dev/null; then
@@ -202,7 +207,8 @@ bench() {
     rm -f "$out/$name.json"
     curl -s -m 5 "$URL/v1/engine/stats" > "$out/$name.stats0.json"
     timeout "$limit" "$BIN" bench --base-url "$URL" --model "$served" --workload fixed \
-        --length-control on --no-progress --request-timeout 120 --json "$out/$name.json" "$@" 2>&1 | tee "$out/$name.txt"
+        --length-control on --no-progress --request-timeout 120 --seed "$bench_seed" --json "$out/$name.json" "$@" \
+        2>&1 | tee "$out/$name.txt"
     local rc=${PIPESTATUS[0]}
     curl -s -m 5 "$URL/v1/engine/stats" > "$out/$name.stats1.json"
     python3 scripts/gpu/step_phases.py "$out/$name.stats0.json" "$out/$name.stats1.json" | tee -a "$out/$name.txt"

@@ -11,10 +11,15 @@
 //! for a step that carries prompt rows at all, plus a cost per prefill token, plus a cost per decode
 //! row) and give prefill the most rows that keep the predicted step within the bound beside the
 //! decodes that are running. The bound is the smaller of two: an absolute ITL target
-//! (`--itl-target-ms`), and a stall ratio (`--itl-stall-ratio`) times the predicted time of the same
-//! decodes stepping alone, so a stream's gap during a prompt stays within a multiple of its usual
-//! gap however fast or slow the card is (a 50 ms bound is 3 steps of an 8B model at batch 128, but
-//! 10 at batch 1). Never fewer than a
+//! (`--itl-target-ms`), and a stall ratio (`--itl-stall-ratio`) times the predicted decode-only step
+//! of the batch the engine is heading to (the running sequences and the waiting ones it will admit),
+//! so a stream's gap during a prompt stays within a multiple of its usual gap however fast or slow
+//! the card is (a 50 ms bound is 3 steps of an 8B model at batch 128, but 10 at batch 1). The
+//! reference is that batch's step, not the step of the decodes running now: in a burst of arrivals
+//! the first streams to start would otherwise hold every later prompt to a few rows a step (their
+//! gap is small while they are few), and the burst's prompts would wait seconds for their first
+//! token, the batch filling slowly and the card doing less; once the batch has filled, the streams'
+//! gap is that batch's step anyway. Never fewer than a
 //! floor, so a prompt always progresses however many decodes run (the target is then missed, by
 //! the floor's cost, rather than a prompt starved); and a step with no decode running takes the
 //! whole `max_batched_tokens`, since no stream waits on it and a prompt then prefills at the GEMM's
@@ -204,11 +209,11 @@ impl StepBudget {
         self.bound
     }
 
-    /// The most a step with `decode_rows` decodes and some prompt rows may take: the smaller of
-    /// the absolute target and the stall ratio times the decodes' own predicted step; `None`
-    /// without a bound.
-    pub fn step_limit(&self, decode_rows: usize) -> Option<Duration> {
-        let alone = self.cost.predict(StepShape { prefill_rows: 0, decode_rows });
+    /// The most a step with some prompt rows may take while decodes run, heading for a batch of
+    /// `heading_rows` decodes: the smaller of the absolute target and the stall ratio times that
+    /// batch's predicted decode-only step; `None` without a bound.
+    pub fn step_limit(&self, heading_rows: usize) -> Option<Duration> {
+        let alone = self.cost.predict(StepShape { prefill_rows: 0, decode_rows: heading_rows });
         let by_ratio = self.bound.stall_ratio.map(|r| alone.mul_f64(r));
         match (self.bound.target, by_ratio) {
             (Some(t), Some(r)) => Some(t.min(r)),
@@ -227,12 +232,13 @@ impl StepBudget {
     }
 
     /// The most prefill rows the next step may carry beside `decode_rows` running decodes, out of
-    /// a step of `max_batched_tokens` rows.
-    pub fn prefill_rows(&self, decode_rows: usize, max_batched_tokens: usize) -> usize {
+    /// a step of `max_batched_tokens` rows, heading for a batch of `heading_rows` decodes (the
+    /// running sequences and the waiting ones the engine will admit; at least `decode_rows`).
+    pub fn prefill_rows(&self, decode_rows: usize, heading_rows: usize, max_batched_tokens: usize) -> usize {
         if decode_rows == 0 {
             return max_batched_tokens;
         }
-        let Some(limit) = self.step_limit(decode_rows) else { return max_batched_tokens };
+        let Some(limit) = self.step_limit(heading_rows.max(decode_rows)) else { return max_batched_tokens };
         let room = max_batched_tokens.saturating_sub(decode_rows);
         // The step with one prompt row: the decodes, the mixed step's own cost, that row.
         let one = self.cost.predict(StepShape { prefill_rows: 1, decode_rows });
@@ -341,19 +347,19 @@ mod tests {
 
     #[test]
     fn no_running_decodes_take_the_whole_budget() {
-        assert_eq!(known(50).prefill_rows(0, 512), 512);
+        assert_eq!(known(50).prefill_rows(0, 0, 512), 512);
         // However tight the target: nobody waits on a prefill-only step.
-        assert_eq!(known(1).prefill_rows(0, 512), 512);
+        assert_eq!(known(1).prefill_rows(0, 0, 512), 512);
     }
 
     #[test]
     fn decodes_leave_prefill_what_the_target_allows() {
         let b = known(50);
         // 50 ms - 5 ms fixed - 10 × 0.5 ms decodes = 40 ms = 400 rows of 0.1 ms.
-        assert_eq!(b.prefill_rows(10, 512), 400);
+        assert_eq!(b.prefill_rows(10, 10, 512), 400);
         // 50 - 5 - 40 × 0.5 = 25 ms: 250 rows. More decodes, fewer prefill rows.
-        assert_eq!(b.prefill_rows(40, 512), 250);
-        assert!(b.prefill_rows(60, 512) < b.prefill_rows(40, 512));
+        assert_eq!(b.prefill_rows(40, 40, 512), 250);
+        assert!(b.prefill_rows(60, 60, 512) < b.prefill_rows(40, 40, 512));
         // The step the rule allows is predicted within the target; one row more is not.
         let shape = |p| StepShape { prefill_rows: p, decode_rows: 40 };
         assert!(KNOWN.predict(shape(250)) <= ms(50));
@@ -363,18 +369,18 @@ mod tests {
     #[test]
     fn few_decodes_are_capped_by_the_step_rows() {
         // 50 - 5 - 0.5 = 44.5 ms would fit 445 rows, but the step holds 128 rows, 2 of them decodes.
-        assert_eq!(known(50).prefill_rows(1, 128), 127);
-        assert_eq!(known(50).prefill_rows(2, 128), 126);
+        assert_eq!(known(50).prefill_rows(1, 1, 128), 127);
+        assert_eq!(known(50).prefill_rows(2, 2, 128), 126);
     }
 
     #[test]
     fn the_floor_holds_when_decodes_fill_the_target() {
         // 80 decodes alone predict 45 ms: nothing fits within 40 ms, the floor still goes in.
-        assert_eq!(known(40).prefill_rows(80, 512), 16);
-        assert_eq!(known(40).prefill_rows(200, 512), 16);
+        assert_eq!(known(40).prefill_rows(80, 80, 512), 16);
+        assert_eq!(known(40).prefill_rows(200, 200, 512), 16);
         // But never more rows than the step has beside its decodes.
-        assert_eq!(known(40).prefill_rows(500, 512), 12);
-        assert_eq!(known(40).prefill_rows(600, 512), 0);
+        assert_eq!(known(40).prefill_rows(500, 500, 512), 12);
+        assert_eq!(known(40).prefill_rows(600, 600, 512), 0);
     }
 
     #[test]
@@ -382,7 +388,7 @@ mod tests {
         // A fit that finds prompt rows cost nothing (say, measured steps all hid them in the fixed
         // cost) limits them only by the step's rows.
         let free = StepCost { per_prefill_row: Duration::ZERO, ..KNOWN };
-        assert_eq!(StepBudget::with_prior(ItlBound::absolute(Some(ms(50))), 16, free).prefill_rows(10, 512), 502);
+        assert_eq!(StepBudget::with_prior(ItlBound::absolute(Some(ms(50))), 16, free).prefill_rows(10, 10, 512), 502);
     }
 
     #[test]
@@ -390,8 +396,8 @@ mod tests {
         for target in [None, Some(Duration::ZERO)] {
             let b = StepBudget::with_prior(ItlBound::absolute(target), 16, KNOWN);
             assert_eq!(b.target(), None);
-            assert_eq!(b.prefill_rows(0, 512), 512);
-            assert_eq!(b.prefill_rows(100, 512), 512);
+            assert_eq!(b.prefill_rows(0, 0, 512), 512);
+            assert_eq!(b.prefill_rows(100, 100, 512), 512);
         }
     }
 
@@ -401,7 +407,7 @@ mod tests {
         assert_eq!(b.cost(), StepCost::CONSERVATIVE);
         assert_eq!(b.measured(), 0);
         // 50 - 10 - 32 × 0.2 = 33.6 ms: 168 rows of 0.2 ms.
-        assert_eq!(b.prefill_rows(32, 512), 168);
+        assert_eq!(b.prefill_rows(32, 32, 512), 168);
     }
 
     /// Steps of varied shapes timed exactly by `truth`.
@@ -427,7 +433,7 @@ mod tests {
             per_decode_row: Duration::from_micros(50),
         };
         let mut b = StepBudget::new(ItlBound::absolute(Some(ms(50))));
-        let before = b.prefill_rows(32, 2048);
+        let before = b.prefill_rows(32, 32, 2048);
         feed(&mut b, truth, 200);
         assert_eq!(b.measured(), 200);
         let cost = b.cost();
@@ -436,7 +442,7 @@ mod tests {
         assert!(close(cost.per_prefill_row, truth.per_prefill_row, 0.05), "{cost:?}");
         assert!(close(cost.per_decode_row, truth.per_decode_row, 0.05), "{cost:?}");
         // 50 - 2.5 - 1.6 = 45.9 ms: about 918 rows, where the prior allowed 168.
-        let after = b.prefill_rows(32, 2048);
+        let after = b.prefill_rows(32, 32, 2048);
         assert_eq!(before, 168);
         assert!((890..=940).contains(&after), "{after}");
     }
@@ -445,10 +451,10 @@ mod tests {
     fn the_model_follows_a_card_that_slows_down() {
         let mut b = StepBudget::with_prior(ItlBound::absolute(Some(ms(50))), 16, KNOWN);
         feed(&mut b, KNOWN, 200);
-        let fast = b.prefill_rows(10, 512);
+        let fast = b.prefill_rows(10, 10, 512);
         let slow = StepCost { per_prefill_row: KNOWN.per_prefill_row * 2, ..KNOWN };
         feed(&mut b, slow, 300);
-        let slowed = b.prefill_rows(10, 512);
+        let slowed = b.prefill_rows(10, 10, 512);
         // 40 ms of room: 400 rows at 0.1 ms, 200 at 0.2 ms; old steps are forgotten.
         assert!((395..=400).contains(&fast), "{fast}");
         assert!((195..=205).contains(&slowed), "{slowed}");
@@ -479,14 +485,28 @@ mod tests {
         // 10 decodes step in 5 + 5 = 10 ms alone: at most 25 ms with a prompt, 150 rows of 0.1 ms
         // (the absolute 50 ms would have allowed 400).
         assert_eq!(b.step_limit(10), Some(ms(25)));
-        assert_eq!(b.prefill_rows(10, 512), 150);
+        assert_eq!(b.prefill_rows(10, 10, 512), 150);
         // 80 decodes step in 45 ms: 2.5 times that is past 50 ms, so the absolute target decides.
         assert_eq!(b.step_limit(80), Some(ms(50)));
-        assert_eq!(b.prefill_rows(80, 512), 50);
+        assert_eq!(b.prefill_rows(80, 80, 512), 50);
         // A ratio alone.
         let r = StepBudget::with_prior(ItlBound { target: None, stall_ratio: Some(2.0) }, 16, KNOWN);
-        assert_eq!(r.prefill_rows(10, 512), 100);
-        assert_eq!(r.prefill_rows(0, 512), 512, "nobody waits on a prefill-only step");
+        assert_eq!(r.prefill_rows(10, 10, 512), 100);
+        assert_eq!(r.prefill_rows(0, 0, 512), 512, "nobody waits on a prefill-only step");
+    }
+
+    #[test]
+    fn the_ratio_follows_the_batch_the_engine_is_heading_to() {
+        let b = StepBudget::with_prior(ItlBound { target: Some(ms(50)), stall_ratio: Some(2.5) }, 16, KNOWN);
+        // A burst: 10 streams decode and 30 prompts wait. Their batch of 40 steps in 25 ms alone,
+        // so a step may take 2.5 x 25 = 62.5 ms, past the absolute 50: (50 - 10) / 0.1 = 400 rows,
+        // where holding to the 10 streams' own 10 ms step would allow 150 and starve the burst.
+        assert_eq!(b.prefill_rows(10, 40, 512), 400);
+        assert!(b.prefill_rows(10, 40, 512) > b.prefill_rows(10, 10, 512));
+        // Heading for 16: 2.5 x 13 ms = 32.5 ms, 225 rows.
+        assert_eq!(b.prefill_rows(10, 16, 512), 225);
+        // Fewer than those decoding is read as those decoding.
+        assert_eq!(b.prefill_rows(10, 3, 512), b.prefill_rows(10, 10, 512));
     }
 
     #[test]
@@ -496,7 +516,7 @@ mod tests {
         // The decodes alone: still 10 ms (a decode-only step pays no prefill_step). With a
         // prompt: 25 - 10 - 3 = 12 ms for its rows.
         assert_eq!(b.step_limit(10), Some(ms(25)));
-        assert_eq!(b.prefill_rows(10, 512), 120);
+        assert_eq!(b.prefill_rows(10, 10, 512), 120);
         let shape = |p| StepShape { prefill_rows: p, decode_rows: 10 };
         assert!(slow_mix.predict(shape(120)) <= ms(25));
         assert!(slow_mix.predict(shape(121)) > ms(25));
@@ -526,7 +546,7 @@ mod tests {
         for ratio in [0.0, 0.5, f64::NAN, f64::INFINITY] {
             let b = StepBudget::with_prior(ItlBound { target: None, stall_ratio: Some(ratio) }, 16, KNOWN);
             assert!(b.bound().is_none(), "{ratio}");
-            assert_eq!(b.prefill_rows(10, 512), 512);
+            assert_eq!(b.prefill_rows(10, 10, 512), 512);
         }
     }
 

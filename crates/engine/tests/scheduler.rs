@@ -416,6 +416,27 @@ fn the_step_budget_bounds_a_prompt_beside_running_decodes() {
 }
 
 #[test]
+fn the_stall_ratio_counts_the_waiting_prompts_in_the_batch_it_protects() {
+    let ratio = ItlBound { target: Some(Duration::from_millis(50)), stall_ratio: Some(2.0) };
+    let config = SchedulerConfig { max_running: 16, max_batched_tokens: 512, context_len: 4096, itl: ratio };
+    let mut s =
+        Scheduler::with_step_budget(config, PagePool::standalone(Pages(2048), Tokens(4)), StepBudget::with_prior(ratio, 16, KNOWN));
+    // One long prompt beside ten decodes: the batch heads for 11, which step in 10.5 ms alone; at
+    // most 21 ms with the prompt: (21 - 5 - 5) / 0.1 = 110 rows (within a row of rounding).
+    let out = long_prompt_beside_ten_decodes(&mut s);
+    let rows = out.seqs.iter().find(|q| q.id == RequestId(100)).unwrap().rows;
+    assert!((109..=110).contains(&rows), "{rows}");
+    // Five more prompts wait: the batch heads for 16 (13 ms alone, 26 ms with prompts), so the
+    // prompts share (26 - 5 - 5) / 0.1 = 160 rows, not the 110 of the 11 running.
+    for id in 200..205 {
+        s.add(RequestId(id), (0..300).map(|t| t % 50).map(TokenId).collect());
+    }
+    let out = step(&mut s, 9);
+    assert_eq!(out.decode_rows, 10);
+    assert!((159..=160).contains(&out.shape().prefill_rows), "{:?}", out.shape());
+}
+
+#[test]
 fn a_prompt_still_progresses_by_the_floor_when_decodes_fill_the_target() {
     // Ten decodes alone are predicted at 5 + 10 × 5 = 55 ms, over the target.
     let slow = StepCost { per_decode_row: Duration::from_millis(5), ..KNOWN };
