@@ -82,14 +82,15 @@ pub struct ModelArgs {
     /// and lets them stall the streams.
     #[arg(long, default_value_t = 50)]
     itl_target_ms: u64,
-    /// A second bound beside --itl-target-ms, relative to the card's own pace: while streams
-    /// decode, a step that carries prompt rows is predicted to take at most this many times the
-    /// step those streams take without them (the stall they feel, as a multiple of their usual
-    /// token gap; 0 = no such bound). The smaller of the two bounds decides. At 2.5 an 8B model at
-    /// batch 128 (about 16 ms a step) keeps its gaps under 40 ms, and at batch 1 (about 5 ms) under
-    /// 13 ms, where 50 ms alone would allow a 10x stall; a long prompt that arrives while few
-    /// streams run then takes more, smaller steps.
-    #[arg(long, default_value_t = 2.5, value_parser = parse_stall_ratio)]
+    /// A second bound beside --itl-target-ms, relative to the card's own pace (0 = none, the
+    /// default): while streams decode, a step that carries prompt rows is predicted to take at
+    /// most this many times the decode-only step of the batch being served (the running requests
+    /// and the waiting ones that will join them). The smaller of the two bounds decides. At 3, an
+    /// 8B model at batch 128 (about 15 ms a step) keeps its gaps under about 45 ms, and a lone
+    /// stream at batch 1 (about 5.6 ms) under about 17 ms where 50 ms alone allows a 9x stall; the
+    /// cost is more, smaller prompt chunks: on an H100 at concurrency 128 it took ITL p99 from 3.5
+    /// to 2.1 times its median and lost 4-7% of the throughput (BENCHMARKS.md).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_stall_ratio)]
     itl_stall_ratio: f64,
     /// Longest sequence (prompt + output) in tokens. Default: the model's trained context.
     #[arg(long)]
