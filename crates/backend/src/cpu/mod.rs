@@ -8,6 +8,7 @@
 //! slice of the weights.
 
 mod delta;
+mod pool;
 pub mod quant;
 
 use crate::dtype::{DType, HostTensor, TensorBytes};
@@ -471,7 +472,7 @@ fn q8_input(xs: &[f32], k: usize) -> Vec<quant::Q8Row> {
 /// by side, in one parallel loop: `t` is (matrix, first column, columns).
 fn for_column_tasks(ns: &[usize], f: impl Fn(usize, usize, usize) + Sync + Send) {
     let total: usize = ns.iter().map(|n| n.div_ceil(ROWS_PER_TASK)).sum();
-    (0..total).into_par_iter().for_each(|mut t| {
+    pool::for_each(total, |mut t| {
         // Task t's matrix: the few matrices are walked, nothing is allocated.
         for (i, &n) in ns.iter().enumerate() {
             let tasks = n.div_ceil(ROWS_PER_TASK);
@@ -490,6 +491,13 @@ struct SendPtr(*mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
+impl SendPtr {
+    /// The pointer (a method, so a closure captures the whole `SendPtr`).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 thread_local! {
     /// Per-thread scratch for dequantized weight tiles and attention scores,
     /// grown once and reused, so steady-state forwards do not allocate.
@@ -504,6 +512,55 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
         }
         f(&mut s[..len])
     })
+}
+
+/// Tokens of one slice of a context in attention: a row's softmax runs over
+/// slices at fixed positions and merges their states in order, whichever
+/// thread computes a slice, so the result does not depend on the split.
+const ATTN_CHUNK: usize = 32;
+
+/// Steps of at most this many rows give each slice of a context a task of
+/// its own (decode: a few KV heads would not fill the threads).
+const ATTN_SPLIT_MAX_ROWS: usize = 4;
+
+/// A softmax over some tokens of one row and head: the running maximum `m`,
+/// the sum `l` of exp(score - m), and the output `o` weighted by them.
+struct AttnState {
+    m: f32,
+    l: f32,
+    o: Vec<f32>,
+}
+
+impl AttnState {
+    fn new(hd: usize) -> AttnState {
+        AttnState { m: f32::NEG_INFINITY, l: 0.0, o: vec![0.0; hd] }
+    }
+
+    /// Fold in the state of the next slice of tokens.
+    fn merge(&mut self, m: f32, l: f32, o: &[f32]) {
+        if l == 0.0 {
+            return;
+        }
+        if self.l == 0.0 {
+            (self.m, self.l) = (m, l);
+            self.o.copy_from_slice(o);
+            return;
+        }
+        let mx = self.m.max(m);
+        let (a, b) = ((self.m - mx).exp(), (m - mx).exp());
+        self.l = self.l * a + l * b;
+        for (x, y) in self.o.iter_mut().zip(o) {
+            *x = *x * a + y * b;
+        }
+        self.m = mx;
+    }
+
+    fn finish(&self, out: &mut [f32]) {
+        let inv = if self.l > 0.0 { 1.0 / self.l } else { 0.0 };
+        for (o, x) in out.iter_mut().zip(&self.o) {
+            *o = x * inv;
+        }
+    }
 }
 
 impl Backend for CpuBackend {
@@ -523,7 +580,7 @@ impl Backend for CpuBackend {
     /// thread to sleep until it finished, two context switches per op,
     /// hundreds per decode step of a small model.
     fn run_step<R: Send>(&self, step: impl FnOnce() -> R + Send) -> R {
-        rayon::scope(|_| step())
+        rayon::scope(|_| pool::run(step))
     }
 
     fn upload_weight(&self, t: &HostTensor) -> Result<CpuWeight> {
@@ -636,7 +693,7 @@ impl Backend for CpuBackend {
             MatmulInput::Q8 => q8_input(xs, k),
             _ => Vec::new(),
         };
-        (0..tasks).into_par_iter().for_each(|t| {
+        pool::for_each(tasks, |t| {
             let optr = optr;
             let j0 = t * ROWS_PER_TASK;
             let nb = ROWS_PER_TASK.min(n - j0);
@@ -902,48 +959,86 @@ impl Backend for CpuBackend {
         let group = heads / g.kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
         let cols = q.cols;
-        // One task per (sequence, row, KV head): decode at batch 1 still
-        // spreads over the KV heads, and the query heads of one GQA group reuse
-        // the K and V rows while they are in cache.
-        let work: Vec<(usize, usize, usize)> = seqs
-            .iter()
-            .enumerate()
-            .flat_map(|(si, s)| (0..s.rows).flat_map(move |i| (0..g.kv_heads).map(move |kvh| (si, i, kvh))))
-            .collect();
+        let rows: Vec<(usize, usize)> =
+            seqs.iter().enumerate().flat_map(|(si, s)| (0..s.rows).map(move |i| (si, i))).collect();
         let optr = SendPtr(out.data.as_mut_ptr());
-        work.par_iter().for_each(|&(si, i, kvh)| {
-            let optr = optr;
+        // A row's head over tokens [t0, t1): its softmax state merged into `state`.
+        let attend = |si: usize, i: usize, kvh: usize, h: usize, t0: usize, t1: usize, state: &mut AttnState| {
             let s = &seqs[si];
-            let r = s.row_start + i;
-            let ctx = s.cached + i + 1; // causal: positions 0..=cached+i
-            let qrow = q.row(r);
-            with_scratch(ctx, |scores| {
-                for h in kvh * group..(kvh + 1) * group {
-                    let qh = &qrow[h * hd..(h + 1) * hd];
-                    let mut max = f32::NEG_INFINITY;
-                    for (t, sc) in scores.iter_mut().enumerate() {
-                        let (k, _) = kv.token(s.pages[t / g.page_size.get()], t % g.page_size.get());
-                        *sc = quant::dot_f32(qh, &k[kvh * hd..(kvh + 1) * hd]) * scale;
-                        max = max.max(*sc);
-                    }
-                    let mut sum = 0.0;
-                    for sc in scores.iter_mut() {
-                        *sc = (*sc - max).exp();
-                        sum += *sc;
-                    }
-                    // SAFETY: row r, head h columns are written by this task only.
-                    let o = unsafe { std::slice::from_raw_parts_mut(optr.0.add(r * cols + h * hd), hd) };
-                    o.fill(0.0);
-                    for (t, sc) in scores.iter().enumerate() {
-                        let p = sc / sum;
-                        let (_, v) = kv.token(s.pages[t / g.page_size.get()], t % g.page_size.get());
-                        for (o, v) in o.iter_mut().zip(&v[kvh * hd..(kvh + 1) * hd]) {
-                            *o += p * v;
-                        }
+            let qh = &q.row(s.row_start + i)[h * hd..(h + 1) * hd];
+            let token = |t: usize| kv.token(s.pages[t / g.page_size.get()], t % g.page_size.get());
+            with_scratch(t1 - t0 + hd, |buf| {
+                let (scores, o) = buf.split_at_mut(t1 - t0);
+                let mut m = f32::NEG_INFINITY;
+                for (t, sc) in (t0..t1).zip(scores.iter_mut()) {
+                    *sc = quant::dot_f32(qh, &token(t).0[kvh * hd..(kvh + 1) * hd]) * scale;
+                    m = m.max(*sc);
+                }
+                let mut l = 0.0;
+                o.fill(0.0);
+                for (t, sc) in (t0..t1).zip(scores.iter()) {
+                    let p = (sc - m).exp();
+                    l += p;
+                    for (o, v) in o.iter_mut().zip(&token(t).1[kvh * hd..(kvh + 1) * hd]) {
+                        *o += p * v;
                     }
                 }
+                state.merge(m, l, o);
             });
+        };
+        let write = |si: usize, i: usize, h: usize, state: &AttnState| {
+            let r = seqs[si].row_start + i;
+            // SAFETY: row r, head h columns are written by one task only.
+            let o = unsafe { std::slice::from_raw_parts_mut(optr.get().add(r * cols + h * hd), hd) };
+            state.finish(o);
+        };
+        let chunks = |si: usize, i: usize| (seqs[si].cached + i + 1).div_ceil(ATTN_CHUNK);
+        let span = |si: usize, i: usize, c: usize| (c * ATTN_CHUNK, ((c + 1) * ATTN_CHUNK).min(seqs[si].cached + i + 1));
+        if rows.len() > ATTN_SPLIT_MAX_ROWS {
+            // One task per (row, KV head): the query heads of a GQA group reuse
+            // its K and V rows while they are in cache.
+            pool::for_each(rows.len() * g.kv_heads, |w| {
+                let ((si, i), kvh) = (rows[w / g.kv_heads], w % g.kv_heads);
+                for h in kvh * group..(kvh + 1) * group {
+                    let mut state = AttnState::new(hd);
+                    for c in 0..chunks(si, i) {
+                        let (t0, t1) = span(si, i, c);
+                        attend(si, i, kvh, h, t0, t1, &mut state);
+                    }
+                    write(si, i, h, &state);
+                }
+            });
+            return;
+        }
+        // Few rows (decode): one task per (row, head, chunk of the context),
+        // so 3 KV heads still fill every thread; the chunks' states meet in
+        // chunk order, the same merges as above, so the result is the same.
+        let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+        for (ri, &(si, i)) in rows.iter().enumerate() {
+            for h in 0..heads {
+                tasks.extend((0..chunks(si, i)).map(|c| (ri, h, c)));
+            }
+        }
+        let parts: Vec<std::sync::Mutex<AttnState>> =
+            (0..tasks.len()).map(|_| std::sync::Mutex::new(AttnState::new(hd))).collect();
+        pool::for_each(tasks.len(), |w| {
+            let (ri, h, c) = tasks[w];
+            let (si, i) = rows[ri];
+            let (t0, t1) = span(si, i, c);
+            attend(si, i, h / group, h, t0, t1, &mut parts[w].lock().unwrap_or_else(|e| e.into_inner()));
         });
+        let mut w = 0;
+        while w < tasks.len() {
+            let (ri, h, _) = tasks[w];
+            let (si, i) = rows[ri];
+            let mut state = AttnState::new(hd);
+            while w < tasks.len() && tasks[w].0 == ri && tasks[w].1 == h {
+                let p = parts[w].lock().unwrap_or_else(|e| e.into_inner());
+                state.merge(p.m, p.l, &p.o);
+                w += 1;
+            }
+            write(si, i, h, &state);
+        }
     }
 
     fn read_rows(&self, x: &CpuAct, rows: usize, out: &mut Vec<f32>) {
@@ -1134,5 +1229,68 @@ mod step_tests {
         assert_eq!(rayon::current_thread_index(), None, "the test thread is not a worker");
         let at = CpuBackend::new().run_step(rayon::current_thread_index);
         assert!(at.is_some(), "the step ran outside the pool");
+    }
+}
+
+#[cfg(test)]
+mod attention_tests {
+    use super::*;
+    use corridor_units::{Pages, Tokens};
+
+    fn act(rows: usize, cols: usize, seed: u32) -> CpuAct {
+        let data = (0..rows * cols)
+            .map(|i| {
+                let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed.wrapping_mul(97)) >> 8;
+                (x % 2000) as f32 / 1000.0 - 1.0
+            })
+            .collect();
+        CpuAct { data, rows, cols }
+    }
+
+    /// Decode rows (each context's slices a task of their own) and the same
+    /// rows in one step of many (a task per row and KV head) give the same
+    /// bits, and both match a plain softmax over the whole context.
+    #[test]
+    fn a_split_context_gives_the_same_bits_as_a_whole_one() {
+        let b = CpuBackend::new();
+        let (kv_heads, heads, hd, page) = (3, 9, 16, 4);
+        let geometry = KvGeometry { page_size: Tokens(page), num_pages: Pages(64), kv_heads, head_dim: hd };
+        let mut kv = b.alloc_kv(geometry).unwrap();
+        let pages: Vec<PageId> = (0..32).map(|p| PageId((p * 7 + 3) % 64)).collect();
+        let ctx = 77;
+        let (k, v) = (act(ctx, kv_heads * hd, 1), act(ctx, kv_heads * hd, 2));
+        b.write_kv(&mut kv, &k, &v, &[SeqStep { row_start: 0, rows: ctx, cached: 0, pages: &pages }]);
+        let rows = 6;
+        let q = act(rows, heads * hd, 3);
+        let cached = ctx - rows;
+        let mut whole = act(rows, heads * hd, 0);
+        b.run_step(|| b.attention(&q, &kv, heads, &[SeqStep { row_start: 0, rows, cached, pages: &pages }], &mut whole));
+        for i in 0..rows {
+            let qi = CpuAct { data: q.row(i).to_vec(), rows: 1, cols: heads * hd };
+            let mut one = act(1, heads * hd, 0);
+            let step = [SeqStep { row_start: 0, rows: 1, cached: cached + i, pages: &pages }];
+            b.run_step(|| b.attention(&qi, &kv, heads, &step, &mut one));
+            assert_eq!(one.row(0), whole.row(i), "row {i}");
+            // A plain softmax over positions 0..=cached+i.
+            for h in 0..heads {
+                let kvh = h / (heads / kv_heads);
+                let qh = &q.row(i)[h * hd..(h + 1) * hd];
+                let n = cached + i + 1;
+                let s: Vec<f64> = (0..n)
+                    .map(|t| {
+                        let kt = &k.row(t)[kvh * hd..(kvh + 1) * hd];
+                        qh.iter().zip(kt).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                for e in 0..hd {
+                    let want: f64 =
+                        (0..n).map(|t| (s[t] - m).exp() / sum * v.row(t)[kvh * hd + e] as f64).sum();
+                    let got = whole.row(i)[h * hd + e] as f64;
+                    assert!((got - want).abs() < 1e-5, "row {i} head {h} dim {e}: {got} vs {want}");
+                }
+            }
+        }
     }
 }
