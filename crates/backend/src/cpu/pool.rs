@@ -9,9 +9,10 @@
 //! Here [`run`] takes the pool's other threads for the step's length; they
 //! spin on one atomic word (yielding after a while) for the next loop, and
 //! every thread, the step's own included, takes task after task from it until
-//! none is left. Outside a step, or inside a task, [`for_each`] falls back to
-//! rayon (or runs the tasks in order), so nothing depends on being called
-//! from a step.
+//! none is left. While they wait they also take rayon work, so the step's
+//! remaining `par_iter` loops still spread. Outside a step, or inside a task,
+//! [`for_each`] falls back to rayon (or runs the tasks in order), so nothing
+//! depends on being called from a step.
 //!
 //! The word holds a loop's generation, the next task and the task count, so a
 //! thread that wakes late for a loop can never take a task of the next one
@@ -30,6 +31,9 @@ const MAX_TASKS: usize = (1 << 24) - 1;
 
 /// Spins between looks at the word before a waiting thread yields its core.
 const SPINS: u32 = 1 << 14;
+
+/// A waiting helper looks for rayon work every this many spins.
+const RAYON_EVERY: u32 = 32;
 
 type Task<'a> = &'a (dyn Fn(usize) + Sync);
 
@@ -195,6 +199,12 @@ fn helper(shared: &Shared) {
             return;
         }
         spins += 1;
+        // The step's own rayon loops (a norm over many rows, the delta rule)
+        // split work onto its thread's queue: a waiting helper takes it.
+        if spins % RAYON_EVERY == 0 && rayon::yield_now() == Some(rayon::Yield::Executed) {
+            spins = 0;
+            continue;
+        }
         if spins < SPINS {
             std::hint::spin_loop();
         } else {
@@ -275,6 +285,25 @@ mod tests {
             sum.fetch_add(t as u32, Ordering::Relaxed);
         })));
         assert_eq!(sum.load(Ordering::Relaxed), 45);
+    }
+
+    #[test]
+    fn a_rayon_loop_inside_a_step_still_spreads() {
+        use rayon::prelude::*;
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let threads = std::sync::Mutex::new(std::collections::HashSet::new());
+        pool.install(|| {
+            run(|| {
+                (0..256).into_par_iter().for_each(|_| {
+                    threads.lock().unwrap().insert(std::thread::current().id());
+                    let mut x = 0u64;
+                    for i in 0..50_000 {
+                        x = std::hint::black_box(x.wrapping_add(i));
+                    }
+                });
+            })
+        });
+        assert_eq!(threads.lock().unwrap().len(), 2, "the helper took none of the rayon loop");
     }
 
     #[test]
