@@ -53,8 +53,9 @@ fn main() {
         .expect("the engine starts");
         let streams: Vec<_> = (0..b as u32)
             .map(|r| {
-                let prompt: Vec<u32> =
-                    (0..PROMPT as u32).map(|t| 3 + if t < 64 { t * 7 } else { t * 31 + r * 101 } % (vocab - 3)).collect();
+                let prompt: Vec<u32> = (0..PROMPT as u32)
+                    .map(|t| 3 + if t < 64 { t * 7 } else { t * 31 + r * 101 } % (vocab - 3))
+                    .collect();
                 engine
                     .submit(GenerateRequest {
                         prompt: TokenId::vec(&prompt),

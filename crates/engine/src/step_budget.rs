@@ -387,7 +387,10 @@ mod tests {
         // A fit that finds prompt rows cost nothing (say, measured steps all hid them in the fixed
         // cost) limits them only by the step's rows.
         let free = StepCost { per_prefill_row: Duration::ZERO, ..KNOWN };
-        assert_eq!(StepBudget::with_prior(ItlBound::absolute(Some(ms(50))), 16, free).prefill_rows(10, 10, 512), 502);
+        assert_eq!(
+            StepBudget::with_prior(ItlBound::absolute(Some(ms(50))), 16, free).prefill_rows(10, 10, 512),
+            502
+        );
     }
 
     #[test]
@@ -511,7 +514,8 @@ mod tests {
     #[test]
     fn a_mixed_steps_own_cost_comes_off_the_prompt_rows() {
         let slow_mix = StepCost { prefill_step: ms(3), ..KNOWN };
-        let b = StepBudget::with_prior(ItlBound { target: Some(ms(50)), stall_ratio: Some(2.5) }, 16, slow_mix);
+        let b =
+            StepBudget::with_prior(ItlBound { target: Some(ms(50)), stall_ratio: Some(2.5) }, 16, slow_mix);
         // The decodes alone: still 10 ms (a decode-only step pays no prefill_step). With a
         // prompt: 25 - 10 - 3 = 12 ms for its rows.
         assert_eq!(b.step_limit(10), Some(ms(25)));

@@ -368,8 +368,12 @@ const KNOWN: StepCost = StepCost {
 };
 
 fn bounded(target: Option<Duration>, cost: StepCost) -> Scheduler {
-    let config =
-        SchedulerConfig { max_running: 16, max_batched_tokens: 512, context_len: 4096, itl: ItlBound::absolute(target) };
+    let config = SchedulerConfig {
+        max_running: 16,
+        max_batched_tokens: 512,
+        context_len: 4096,
+        itl: ItlBound::absolute(target),
+    };
     Scheduler::with_step_budget(
         config,
         PagePool::standalone(Pages(2048), Tokens(4)),
@@ -419,8 +423,11 @@ fn the_step_budget_bounds_a_prompt_beside_running_decodes() {
 fn the_stall_ratio_counts_the_waiting_prompts_in_the_batch_it_protects() {
     let ratio = ItlBound { target: Some(Duration::from_millis(50)), stall_ratio: Some(2.0) };
     let config = SchedulerConfig { max_running: 16, max_batched_tokens: 512, context_len: 4096, itl: ratio };
-    let mut s =
-        Scheduler::with_step_budget(config, PagePool::standalone(Pages(2048), Tokens(4)), StepBudget::with_prior(ratio, 16, KNOWN));
+    let mut s = Scheduler::with_step_budget(
+        config,
+        PagePool::standalone(Pages(2048), Tokens(4)),
+        StepBudget::with_prior(ratio, 16, KNOWN),
+    );
     // One long prompt beside ten decodes: the batch heads for 11, which step in 10.5 ms alone; at
     // most 21 ms with the prompt: (21 - 5 - 5) / 0.1 = 110 rows (within a row of rounding).
     let out = long_prompt_beside_ten_decodes(&mut s);

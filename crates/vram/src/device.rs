@@ -172,9 +172,13 @@ impl Device {
     pub fn reserve_with(&self, req: ReserveRequest) -> Result<Allocation, Refusal> {
         let mut stats = lock(&self.shared.decide);
         let card = &self.shared.card;
-        let block = self.take_above_floor(req.want, req.urgency, &mut stats, || card.raw_alloc(req.want), |b| {
-            card.raw_free(b)
-        })?;
+        let block = self.take_above_floor(
+            req.want,
+            req.urgency,
+            &mut stats,
+            || card.raw_alloc(req.want),
+            |b| card.raw_free(b),
+        )?;
         self.shared.book(req.purpose, req.want);
         Ok(Allocation { device: self.shared.clone(), block: Some(block), purpose: req.purpose })
     }
@@ -243,11 +247,17 @@ impl Device {
             lock(&self.shared.decide)
         };
         let (card, range) = (&self.shared.card, &va.inner.range);
-        self.take_above_floor(bytes, urgency, &mut stats, || card.commit(range, offset, bytes), |()| {
-            if let Err(e) = card.decommit(range, offset, bytes) {
-                tracing::error!("undoing a commit that landed under the floor failed: {e}");
-            }
-        })?;
+        self.take_above_floor(
+            bytes,
+            urgency,
+            &mut stats,
+            || card.commit(range, offset, bytes),
+            |()| {
+                if let Err(e) = card.decommit(range, offset, bytes) {
+                    tracing::error!("undoing a commit that landed under the floor failed: {e}");
+                }
+            },
+        )?;
         self.shared.book(purpose, bytes);
         Ok(Commit { va: va.inner.clone(), offset, bytes, purpose })
     }

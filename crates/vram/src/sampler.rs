@@ -280,9 +280,7 @@ impl Sampler {
 /// interval does not cancel another's growth (the memory it gave back may
 /// have gone to us, within the guard's grant).
 fn foreign_growth(before: &BTreeMap<u32, Bytes>, now: &BTreeMap<u32, Bytes>) -> Bytes {
-    now.iter()
-        .map(|(pid, bytes)| bytes.saturating_sub(before.get(pid).copied().unwrap_or(Bytes::ZERO)))
-        .sum()
+    now.iter().map(|(pid, bytes)| bytes.saturating_sub(before.get(pid).copied().unwrap_or(Bytes::ZERO))).sum()
 }
 
 fn spread_of(frees: impl Iterator<Item = Bytes>) -> Bytes {

@@ -963,29 +963,30 @@ impl Backend for CpuBackend {
             seqs.iter().enumerate().flat_map(|(si, s)| (0..s.rows).map(move |i| (si, i))).collect();
         let optr = SendPtr(out.data.as_mut_ptr());
         // A row's head over tokens [t0, t1): its softmax state merged into `state`.
-        let attend = |si: usize, i: usize, kvh: usize, h: usize, t0: usize, t1: usize, state: &mut AttnState| {
-            let s = &seqs[si];
-            let qh = &q.row(s.row_start + i)[h * hd..(h + 1) * hd];
-            let token = |t: usize| kv.token(s.pages[t / g.page_size.get()], t % g.page_size.get());
-            with_scratch(t1 - t0 + hd, |buf| {
-                let (scores, o) = buf.split_at_mut(t1 - t0);
-                let mut m = f32::NEG_INFINITY;
-                for (t, sc) in (t0..t1).zip(scores.iter_mut()) {
-                    *sc = quant::dot_f32(qh, &token(t).0[kvh * hd..(kvh + 1) * hd]) * scale;
-                    m = m.max(*sc);
-                }
-                let mut l = 0.0;
-                o.fill(0.0);
-                for (t, sc) in (t0..t1).zip(scores.iter()) {
-                    let p = (sc - m).exp();
-                    l += p;
-                    for (o, v) in o.iter_mut().zip(&token(t).1[kvh * hd..(kvh + 1) * hd]) {
-                        *o += p * v;
+        let attend =
+            |si: usize, i: usize, kvh: usize, h: usize, t0: usize, t1: usize, state: &mut AttnState| {
+                let s = &seqs[si];
+                let qh = &q.row(s.row_start + i)[h * hd..(h + 1) * hd];
+                let token = |t: usize| kv.token(s.pages[t / g.page_size.get()], t % g.page_size.get());
+                with_scratch(t1 - t0 + hd, |buf| {
+                    let (scores, o) = buf.split_at_mut(t1 - t0);
+                    let mut m = f32::NEG_INFINITY;
+                    for (t, sc) in (t0..t1).zip(scores.iter_mut()) {
+                        *sc = quant::dot_f32(qh, &token(t).0[kvh * hd..(kvh + 1) * hd]) * scale;
+                        m = m.max(*sc);
                     }
-                }
-                state.merge(m, l, o);
-            });
-        };
+                    let mut l = 0.0;
+                    o.fill(0.0);
+                    for (t, sc) in (t0..t1).zip(scores.iter()) {
+                        let p = (sc - m).exp();
+                        l += p;
+                        for (o, v) in o.iter_mut().zip(&token(t).1[kvh * hd..(kvh + 1) * hd]) {
+                            *o += p * v;
+                        }
+                    }
+                    state.merge(m, l, o);
+                });
+            };
         let write = |si: usize, i: usize, h: usize, state: &AttnState| {
             let r = seqs[si].row_start + i;
             // SAFETY: row r, head h columns are written by one task only.
@@ -993,7 +994,9 @@ impl Backend for CpuBackend {
             state.finish(o);
         };
         let chunks = |si: usize, i: usize| (seqs[si].cached + i + 1).div_ceil(ATTN_CHUNK);
-        let span = |si: usize, i: usize, c: usize| (c * ATTN_CHUNK, ((c + 1) * ATTN_CHUNK).min(seqs[si].cached + i + 1));
+        let span = |si: usize, i: usize, c: usize| {
+            (c * ATTN_CHUNK, ((c + 1) * ATTN_CHUNK).min(seqs[si].cached + i + 1))
+        };
         if rows.len() > ATTN_SPLIT_MAX_ROWS {
             // One task per (row, KV head): the query heads of a GQA group reuse
             // its K and V rows while they are in cache.
@@ -1264,7 +1267,9 @@ mod attention_tests {
         let q = act(rows, heads * hd, 3);
         let cached = ctx - rows;
         let mut whole = act(rows, heads * hd, 0);
-        b.run_step(|| b.attention(&q, &kv, heads, &[SeqStep { row_start: 0, rows, cached, pages: &pages }], &mut whole));
+        b.run_step(|| {
+            b.attention(&q, &kv, heads, &[SeqStep { row_start: 0, rows, cached, pages: &pages }], &mut whole)
+        });
         for i in 0..rows {
             let qi = CpuAct { data: q.row(i).to_vec(), rows: 1, cols: heads * hd };
             let mut one = act(1, heads * hd, 0);
@@ -1279,7 +1284,8 @@ mod attention_tests {
                 let s: Vec<f64> = (0..n)
                     .map(|t| {
                         let kt = &k.row(t)[kvh * hd..(kvh + 1) * hd];
-                        qh.iter().zip(kt).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() / (hd as f64).sqrt()
+                        qh.iter().zip(kt).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>()
+                            / (hd as f64).sqrt()
                     })
                     .collect();
                 let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);

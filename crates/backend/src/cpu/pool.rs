@@ -281,9 +281,13 @@ mod tests {
         assert!(r.is_err());
         // The pool still works afterwards.
         let sum = AtomicU32::new(0);
-        pool.install(|| run(|| for_each(10, |t| {
-            sum.fetch_add(t as u32, Ordering::Relaxed);
-        })));
+        pool.install(|| {
+            run(|| {
+                for_each(10, |t| {
+                    sum.fetch_add(t as u32, Ordering::Relaxed);
+                })
+            })
+        });
         assert_eq!(sum.load(Ordering::Relaxed), 45);
     }
 
