@@ -232,15 +232,8 @@ impl Device {
                 Ok(g) => g,
                 Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
                 Err(std::sync::TryLockError::WouldBlock) => {
-                    return Err(Refusal {
-                        card: self.id(),
-                        want: bytes,
-                        free: self.shared.card.driver_free(),
-                        floor: self.shared.settings.floor,
-                        books: self.books().total(),
-                        budget: self.shared.settings.budget,
-                        reason: RefusalReason::NoSpareHeadroom,
-                    })
+                    let free = self.shared.card.driver_free();
+                    return Err(self.refusal(bytes, free, RefusalReason::NoSpareHeadroom));
                 }
             }
         } else {
@@ -292,15 +285,7 @@ impl Device {
             tracing::warn!(card = %self.id(), %want, %free, %floor, "an allocation landed under the floor (another process took memory meanwhile); undone, asking the guard again");
         }
         stats.refusals += 1;
-        Err(Refusal {
-            card: self.id(),
-            want,
-            free: self.shared.card.driver_free(),
-            floor,
-            books: self.books().total(),
-            budget: self.shared.settings.budget,
-            reason: RefusalReason::Floor,
-        })
+        Err(self.refusal(want, self.shared.card.driver_free(), RefusalReason::Floor))
     }
 
     fn ensure_locked(
@@ -322,6 +307,11 @@ impl Device {
     }
 
     fn card_refusal(&self, want: Bytes, free: Bytes, e: crate::card::CardError) -> Refusal {
+        self.refusal(want, free, RefusalReason::Card(e))
+    }
+
+    /// A refusal of `want` with the card's numbers as they stand.
+    fn refusal(&self, want: Bytes, free: Bytes, reason: RefusalReason) -> Refusal {
         Refusal {
             card: self.id(),
             want,
@@ -329,7 +319,7 @@ impl Device {
             floor: self.shared.settings.floor,
             books: self.books().total(),
             budget: self.shared.settings.budget,
-            reason: RefusalReason::Card(e),
+            reason,
         }
     }
 }

@@ -694,7 +694,6 @@ impl Backend for CpuBackend {
             _ => Vec::new(),
         };
         pool::for_each(tasks, |t| {
-            let optr = optr;
             let j0 = t * ROWS_PER_TASK;
             let nb = ROWS_PER_TASK.min(n - j0);
             if !q8_rows.is_empty() {
@@ -708,7 +707,7 @@ impl Backend for CpuBackend {
                     for r in 0..rows {
                         let v = w.dot(j, &xs[r * k..(r + 1) * k]);
                         // SAFETY: task t alone writes columns j0..j0+nb.
-                        unsafe { *optr.0.add(r * n + j) = v };
+                        unsafe { *optr.get().add(r * n + j) = v };
                     }
                 }
                 return;
@@ -729,7 +728,7 @@ impl Backend for CpuBackend {
                         1,
                         k as isize,
                         0.0,
-                        optr.0.add(j0),
+                        optr.get().add(j0),
                         n as isize,
                         1,
                     )

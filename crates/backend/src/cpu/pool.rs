@@ -142,11 +142,7 @@ pub(super) fn for_each(n: usize, f: impl Fn(usize) + Sync + Send) {
     let mut spins = 0u32;
     while shared.finished.load(Ordering::Acquire) < n {
         spins += 1;
-        if spins < SPINS {
-            std::hint::spin_loop();
-        } else {
-            std::thread::yield_now();
-        }
+        pause(spins);
     }
     // SAFETY: every task has finished; nobody reads the closure any more.
     unsafe { *shared.task.get() = None };
@@ -201,15 +197,21 @@ fn helper(shared: &Shared) {
         spins += 1;
         // The step's own rayon loops (a norm over many rows, the delta rule)
         // split work onto its thread's queue: a waiting helper takes it.
-        if spins % RAYON_EVERY == 0 && rayon::yield_now() == Some(rayon::Yield::Executed) {
+        if spins.is_multiple_of(RAYON_EVERY) && rayon::yield_now() == Some(rayon::Yield::Executed) {
             spins = 0;
             continue;
         }
-        if spins < SPINS {
-            std::hint::spin_loop();
-        } else {
-            std::thread::yield_now();
-        }
+        pause(spins);
+    }
+}
+
+/// One wait of a thread that has looked `spins` times: a spin, or past
+/// `SPINS` its core handed to the OS.
+fn pause(spins: u32) {
+    if spins < SPINS {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
     }
 }
 
@@ -238,6 +240,14 @@ mod tests {
         }
     }
 
+    /// Work long enough that another thread takes some of a loop's tasks.
+    fn busy(iterations: u64) {
+        let mut x = 0u64;
+        for i in 0..iterations {
+            x = std::hint::black_box(x.wrapping_add(i));
+        }
+    }
+
     #[test]
     fn a_step_uses_more_than_one_thread_and_nested_loops_run_in_order() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
@@ -247,11 +257,7 @@ mod tests {
                 for _ in 0..200 {
                     for_each(64, |_| {
                         threads.lock().unwrap().insert(std::thread::current().id());
-                        // Long enough that the other thread takes some.
-                        let mut x = 0u64;
-                        for i in 0..20_000 {
-                            x = std::hint::black_box(x.wrapping_add(i));
-                        }
+                        busy(20_000);
                         let inner = AtomicU32::new(0);
                         for_each(5, |_| {
                             inner.fetch_add(1, Ordering::Relaxed);
@@ -300,10 +306,7 @@ mod tests {
             run(|| {
                 (0..256).into_par_iter().for_each(|_| {
                     threads.lock().unwrap().insert(std::thread::current().id());
-                    let mut x = 0u64;
-                    for i in 0..50_000 {
-                        x = std::hint::black_box(x.wrapping_add(i));
-                    }
+                    busy(50_000);
                 });
             })
         });
