@@ -243,3 +243,33 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
     pdl_release();
 }
+
+// The code of one activation: round half away from zero (Rust's `f32::round`)
+// and saturate as Rust's `as i8` does (NaN to 0: the conversion gives 0).
+__device__ __forceinline__ int q8_code(float v) {
+    int q = (int)roundf(v);
+    return q < -128 ? -128 : (q > 127 ? 127 : q);
+}
+
+// `v`, a float4 of x (zero where `live` is false), quantized as
+// `q8_quantize` quantizes it: eight consecutive lanes hold one block of 32
+// values, t (the float4's index in the flattened [rows][k]) a multiple of 8
+// at the first of them. Every lane of the warp takes part in the shuffles;
+// the live ones store.
+__device__ __forceinline__ void q8_store4(float4 v, bool live, u32* __restrict__ q, float2* __restrict__ s,
+                                          long long t) {
+    // max is exact in any order, so this is the CPU's fold.
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float d = amax / 127.0f;
+    float inv = d > 0.f ? 1.0f / d : 0.f;
+    int q0 = q8_code(v.x * inv), q1 = q8_code(v.y * inv), q2 = q8_code(v.z * inv), q3 = q8_code(v.w * inv);
+    int sum = q0 + q1 + q2 + q3;
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (live) {
+        q[t] = (u32)(q0 & 0xff) | ((u32)(q1 & 0xff) << 8) | ((u32)(q2 & 0xff) << 16) | ((u32)(q3 & 0xff) << 24);
+        if ((t & 7) == 0) s[t >> 3] = make_float2(d, d * (float)sum);
+    }
+}

@@ -30,11 +30,15 @@ __device__ __forceinline__ float block_sum(float v, float* partial) {
 // in flight at once, which is what a decode step's one-row norm waits on.
 // With `out_bf` the result is also stored rounded to bf16 (as f32_to_bf16_rows
 // rounds it): the input the next matmuls take on the tensor cores, so they
-// need no conversion launch of their own.
+// need no conversion launch of their own. With `oq` it is also stored
+// quantized to 8 bits (codes `oq`, scales `oqs`, as `q8_quantize` writes
+// them), the input of the integer GEMVs: only for rows of whole blocks of 32
+// that take the register path.
 #define NORM_V4 4
 __device__ __forceinline__ void norm_row(float* __restrict__ x, const float* __restrict__ y,
                                          const float* __restrict__ w, float* __restrict__ out,
-                                         bf16_t* __restrict__ out_bf, int cols, float eps) {
+                                         bf16_t* __restrict__ out_bf, u32* __restrict__ oq,
+                                         float2* __restrict__ oqs, int cols, float eps) {
     __shared__ float partial[32];
     float* xr = x + (long long)blockIdx.x * cols;
     const float* yr = y ? y + (long long)blockIdx.x * cols : nullptr;
@@ -68,9 +72,11 @@ __device__ __forceinline__ void norm_row(float* __restrict__ x, const float* __r
 #pragma unroll
         for (int i = 0; i < NORM_V4; i++) {
             int c = threadIdx.x + i * blockDim.x;
-            if (c < n4) {
-                float4 r = make_float4(v[i].x * inv * wv[i].x, v[i].y * inv * wv[i].y, v[i].z * inv * wv[i].z,
-                                       v[i].w * inv * wv[i].w);
+            bool live = c < n4;
+            float4 r = live ? make_float4(v[i].x * inv * wv[i].x, v[i].y * inv * wv[i].y, v[i].z * inv * wv[i].z,
+                                          v[i].w * inv * wv[i].w)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+            if (live) {
                 ((float4*)o)[c] = r;
                 if (ob) {
                     uint2 b;
@@ -79,6 +85,8 @@ __device__ __forceinline__ void norm_row(float* __restrict__ x, const float* __r
                     ((uint2*)ob)[c] = b;
                 }
             }
+            // Every thread of a warp takes part; blocks of 32 are whole (the host asks only then).
+            if (oq) q8_store4(r, live, oq, oqs, (long long)blockIdx.x * n4 + c);
         }
         return;
     }
@@ -97,17 +105,17 @@ __device__ __forceinline__ void norm_row(float* __restrict__ x, const float* __r
 }
 
 // One block per row.
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, bf16_t* out_bf, int cols,
-                                    float eps) {
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, bf16_t* out_bf, u32* oq,
+                                    float2* oqs, int cols, float eps) {
     pdl_enter();
-    norm_row((float*)x, nullptr, w, out, out_bf, cols, eps);
+    norm_row((float*)x, nullptr, w, out, out_bf, oq, oqs, cols, eps);
 }
 
 // The residual add and the next RMSNorm in one pass: x += y, out = norm(x) * w.
 extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, bf16_t* out_bf,
-                                        int cols, float eps) {
+                                        u32* oq, float2* oqs, int cols, float eps) {
     pdl_enter();
-    norm_row(x, y, w, out, out_bf, cols, eps);
+    norm_row(x, y, w, out, out_bf, oq, oqs, cols, eps);
 }
 
 // One warp per head, in place (Qwen3's per-head q/k norm).

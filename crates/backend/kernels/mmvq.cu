@@ -50,39 +50,6 @@
 #define MMVQ_STEP 1024
 #define MMVQ_MAGIC 0x4B400000
 
-// The code of one activation: round half away from zero (Rust's `f32::round`)
-// and saturate as Rust's `as i8` does (NaN to 0: the conversion gives 0).
-__device__ __forceinline__ int q8_code(float v) {
-    int q = (int)roundf(v);
-    return q < -128 ? -128 : (q > 127 ? 127 : q);
-}
-
-// `blocks` blocks of 32 values of x (input rows of k a multiple of 32, back
-// to back) to 8 bits: codes `q` (i8, four to a word, in x's order) and per
-// block (d, d * sum q) in `s`. Eight lanes per block, a float4 each.
-extern "C" __global__ void __launch_bounds__(256) q8_quantize(const float* __restrict__ x, u32* __restrict__ q,
-                                                              float2* __restrict__ s, long long blocks) {
-    pdl_enter();
-    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    long long b = t >> 3;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (b < blocks) v = __ldg((const float4*)x + t);
-    // max is exact in any order, so this is the CPU's fold.
-    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-    for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    float d = amax / 127.0f;
-    float inv = d > 0.f ? 1.0f / d : 0.f;
-    int q0 = q8_code(v.x * inv), q1 = q8_code(v.y * inv), q2 = q8_code(v.z * inv), q3 = q8_code(v.w * inv);
-    int sum = q0 + q1 + q2 + q3;
-#pragma unroll
-    for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (b < blocks) {
-        q[t] = (u32)(q0 & 0xff) | ((u32)(q1 & 0xff) << 8) | ((u32)(q2 & 0xff) << 16) | ((u32)(q3 & 0xff) << 24);
-        if ((t & 7) == 0) s[b] = make_float2(d, d * (float)sum);
-    }
-}
-
 // One lane's 32 weights of one row in one step: two halves of 16, each as
 // four words of signed byte codes, a scale and an offset (zero where the
 // format has none, or where the other half of the 32 weights adds it).
@@ -569,73 +536,99 @@ struct Mv<DT_IQ4_NL> : MvBlock32<18> {
     }
 };
 
-// Sum each warp's partials over the block and store the NW x R results.
-template <int R, int NW>
-__device__ __forceinline__ void mmvq_finish(float (&acc)[R][NW], float* __restrict__ out, int n, int j0, int rows) {
-    __shared__ float red[MMVQ_WARPS][R * NW];
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        if (r < rows) {
-#pragma unroll
-            for (int i = 0; i < NW; i++) {
-                float s = warp_sum(acc[r][i]);
-                if (lane == 0) red[wid][r * NW + i] = s;
-            }
-        }
-    }
-    __syncthreads();
-    int t = threadIdx.x;
-    if (t < R * NW) {
-        int r = t / NW, j = j0 + t % NW;
-        if (r < rows && j < n) {
-            float s = 0.f;
-#pragma unroll
-            for (int w = 0; w < MMVQ_WARPS; w++) s += red[w][t];
-            out[(long long)r * n + j] = s;
-        }
-    }
+// Row i of the block's group g: groups of NW consecutive rows from j0 of
+// `w`, or with `glu` `groups` groups of gate rows (`w`) and then as many of
+// up rows (`up`) for the same output columns. Rows past the matrix's `n`
+// read its last row again (their results are dropped).
+__device__ __forceinline__ const u8* mv_row(const u8* w, const u8* up, long long row_bytes, int glu, int groups,
+                                            int j0, int n, int nw, int g, int i) {
+    bool is_up = glu && g >= groups;
+    int j = imin(j0 + (is_up ? g - groups : g) * nw + i, n - 1);
+    return (is_up ? up : w) + (long long)j * row_bytes;
 }
 
-// out[r][j] = x[r] . w[j] for the block's NW weight rows, x given as `xq`
-// (i8 codes [rows][k]) and `xs` ((d, d * sum q) [rows][k / 32]) of
-// `q8_quantize`. PF: the next step's weights are loaded before this step's
-// arithmetic (more registers: off where R x NW accumulators already take
-// many). `early`: the first step's weights are loaded before `pdl_enter`, as
-// in gemv.cu `gemv_bf16_acc` (weights are written by no kernel).
-template <int DT, int R, int NW, bool PF>
-__device__ __forceinline__ void mmvq_body(const u8* __restrict__ w, long long row_bytes,
-                                          const signed char* __restrict__ xq, const float2* __restrict__ xs,
-                                          float* __restrict__ out, int n, int k, int rows, int early) {
+// out[r][j] = x[r] . w[j], x given as `xq` (i8 codes [rows][k]) and `xs`
+// ((d, d * sum q) [rows][k / 32]) of `q8_quantize`.
+//
+// A block reads `groups` groups of NW weight rows (MAXG at most). Its warps
+// take the (group, step) units of those rows in turn, warp w units w,
+// w + MMVQ_WARPS, ... of the groups' steps laid end to end, so a warp streams
+// from one group into the next without waiting: the host picks `groups` so
+// that the blocks are about as many as the card holds at once
+// (`matmul::mmvq_groups`), and each warp keeps its loads in flight across
+// the rows of its block. A warp's partial sums of a group go to shared
+// memory when it moves on (each warp reaches a group's units in one run), and
+// are added there in warp order: the result does not depend on timing.
+//
+// One launch serves up to three matrices of one input (a layer's q, k and v:
+// `w0..w2`, outputs `o0..o2` with optional biases `b0..b2`, `n0..n2` rows
+// each; the blocks of each part follow the part before), or with `glu` a
+// layer's gate (`w0`) and up (`w1`) projections of `n0` rows: the block then
+// reads its columns' gate rows and up rows and stores their SiLU product to
+// `o0`, as `silu_mul` computes it, and with `hq` also that product quantized
+// to 8 bits (`hq`, `hs`: the codes and scales of the next matmul's input,
+// laid out as `q8_quantize` writes them; the host then gives each block
+// whole blocks of 32 columns).
+//
+// PF: the next unit's weights are loaded before this unit's arithmetic (more
+// registers: off where R x NW accumulators already take many). `early`: the
+// first unit's weights are loaded before `pdl_enter`, as in gemv.cu
+// `gemv_bf16_acc` (weights are written by no kernel).
+template <int DT, int R, int NW, bool PF, int MAXG>
+__device__ __forceinline__ void mmvq_body(const u8* w0, const u8* w1, const u8* w2, float* o0, float* o1, float* o2,
+                                          const float* b0, const float* b1, const float* b2, int n0, int n1, int n2,
+                                          long long row_bytes, const signed char* __restrict__ xq,
+                                          const float2* __restrict__ xs, int k, int rows, int groups, int glu,
+                                          u32* __restrict__ hq, float2* __restrict__ hs, int early) {
     typedef Mv<DT> F;
     __shared__ __align__(16) u32 stage[MMVQ_WARPS][NW][F::stage_words];
+    __shared__ float red[MMVQ_WARPS][MAXG][R * NW];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    int j0 = blockIdx.x * NW;
-    const u8* wr[NW];
-#pragma unroll
-    for (int i = 0; i < NW; i++) wr[i] = w + (long long)imin(j0 + i, n - 1) * row_bytes;
+    // The block's part and its first weight row there.
+    int per = NW * groups, b = blockIdx.x;
+    const u8* w = w0;
+    float* out = o0;
+    const float* bias = b0;
+    int n = n0;
+    if (!glu) {
+        int nb0 = (n0 + per - 1) / per, nb1 = (n1 + per - 1) / per;
+        if (b >= nb0 + nb1) {
+            b -= nb0 + nb1;
+            w = w2, out = o2, bias = b2, n = n2;
+        } else if (b >= nb0) {
+            b -= nb0;
+            w = w1, out = o1, bias = b1, n = n1;
+        }
+    }
+    int j0 = b * per;
+    int vg = glu ? 2 * groups : groups;
+    int steps = (k + MMVQ_STEP - 1) / MMVQ_STEP, units = vg * steps;
+    // The warp's partial sums start at zero: it may reach no unit of a group.
+    for (int e = lane; e < MAXG * R * NW; e += 32) (&red[wid][0][0])[e] = 0.f;
     float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int i = 0; i < NW; i++) acc[r][i] = 0.f;
-    int steps = (k + MMVQ_STEP - 1) / MMVQ_STEP;
+    int u = wid, g = u / steps, t = u - g * steps;
     typename F::Raw raw[NW];
-    int t = wid;
     if (!early) pdl_enter();
-    if (t < steps) {
+    if (u < units) {
 #pragma unroll
-        for (int i = 0; i < NW; i++) F::load(wr[i], row_bytes, t, lane, k, raw[i]);
+        for (int i = 0; i < NW; i++)
+            F::load(mv_row(w, w1, row_bytes, glu, groups, j0, n, NW, g, i), row_bytes, t, lane, k, raw[i]);
     }
     if (early) pdl_enter();
-    for (; t < steps; t += MMVQ_WARPS) {
-        MvUnit u[NW];
+    while (u < units) {
+        MvUnit mu[NW];
 #pragma unroll
-        for (int i = 0; i < NW; i++) F::decode(raw[i], stage[wid][i], lane, u[i]);
-        int next = t + MMVQ_WARPS;
-        if (PF && next < steps) {
+        for (int i = 0; i < NW; i++) F::decode(raw[i], stage[wid][i], lane, mu[i]);
+        int u2 = u + MMVQ_WARPS, g2 = g, t2 = t + MMVQ_WARPS;
+        while (t2 >= steps) t2 -= steps, g2++;
+        if (PF && u2 < units) {
 #pragma unroll
-            for (int i = 0; i < NW; i++) F::load(wr[i], row_bytes, next, lane, k, raw[i]);
+            for (int i = 0; i < NW; i++)
+                F::load(mv_row(w, w1, row_bytes, glu, groups, j0, n, NW, g2, i), row_bytes, t2, lane, k, raw[i]);
         }
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -657,46 +650,101 @@ __device__ __forceinline__ void mmvq_body(const u8* __restrict__ w, long long ro
                         }
 #pragma unroll
                         for (int i = 0; i < NW; i++) {
-                            int dot = __dp4a(u[i].q[h][0], a.x, MMVQ_MAGIC);
-                            dot = __dp4a(u[i].q[h][1], a.y, dot);
-                            dot = __dp4a(u[i].q[h][2], a.z, dot);
-                            dot = __dp4a(u[i].q[h][3], a.w, dot);
+                            int dot = __dp4a(mu[i].q[h][0], a.x, MMVQ_MAGIC);
+                            dot = __dp4a(mu[i].q[h][1], a.y, dot);
+                            dot = __dp4a(mu[i].q[h][2], a.z, dot);
+                            dot = __dp4a(mu[i].q[h][3], a.w, dot);
                             float f = __int_as_float(dot) - 12582912.f;
-                            float v = fmaf(u[i].d[h] * sx.x, f, acc[r][i]);
-                            if (F::offsets == MV_BLOCK_OFFSETS) v = fmaf(u[i].m[h], sx.y, v);
-                            if (F::offsets == MV_GROUP_OFFSETS) v = fmaf(u[i].m[h], sq, v);
+                            float v = fmaf(mu[i].d[h] * sx.x, f, acc[r][i]);
+                            if (F::offsets == MV_BLOCK_OFFSETS) v = fmaf(mu[i].m[h], sx.y, v);
+                            if (F::offsets == MV_GROUP_OFFSETS) v = fmaf(mu[i].m[h], sq, v);
                             acc[r][i] = v;
                         }
                     }
                 }
             }
         }
-        if (!PF && next < steps) {
+        if (!PF && u2 < units) {
 #pragma unroll
-            for (int i = 0; i < NW; i++) F::load(wr[i], row_bytes, next, lane, k, raw[i]);
+            for (int i = 0; i < NW; i++)
+                F::load(mv_row(w, w1, row_bytes, glu, groups, j0, n, NW, g2, i), row_bytes, t2, lane, k, raw[i]);
         }
+        if (u2 >= units || g2 != g) {
+            // The warp is done with group g.
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (r < rows) {
+#pragma unroll
+                    for (int i = 0; i < NW; i++) {
+                        float s = warp_sum(acc[r][i]);
+                        if (lane == 0) red[wid][g][r * NW + i] = s;
+                        acc[r][i] = 0.f;
+                    }
+                }
+            }
+        }
+        u = u2, g = g2, t = t2;
     }
-    mmvq_finish<R, NW>(acc, out, n, j0, rows);
+    __syncthreads();
+    if (!glu) {
+        for (int o = threadIdx.x; o < R * per; o += blockDim.x) {
+            int r = o / per, c = o - r * per, j = j0 + c;
+            if (r < rows && j < n) {
+                float s = 0.f;
+#pragma unroll
+                for (int x = 0; x < MMVQ_WARPS; x++) s += red[x][c / NW][r * NW + c % NW];
+                if (bias) s += bias[j];
+                out[(long long)r * n + j] = s;
+            }
+        }
+        return;
+    }
+    __shared__ __align__(16) float prod[R][MAXG / 2 * NW];
+    for (int o = threadIdx.x; o < R * per; o += blockDim.x) {
+        int r = o / per, c = o - r * per, j = j0 + c;
+        float gs = 0.f, us = 0.f;
+#pragma unroll
+        for (int x = 0; x < MMVQ_WARPS; x++) {
+            gs += red[x][c / NW][r * NW + c % NW];
+            us += red[x][groups + c / NW][r * NW + c % NW];
+        }
+        float v = gs / (1.0f + expf(-gs)) * us;
+        prod[r][c] = v;
+        if (r < rows && j < n) out[(long long)r * n + j] = v;
+    }
+    if (!hq) return;
+    __syncthreads();
+    // Eight threads a block of 32 columns, a float4 each; every thread of a
+    // warp takes part (q8_store4's shuffles).
+    int quads = R * per / 4;
+    for (int base = 0; base < quads; base += blockDim.x) {
+        int e = base + threadIdx.x, r = e / (per / 4), c = 4 * (e - r * (per / 4));
+        bool live = e < quads && r < rows && j0 + c < n;
+        float4 v = live ? *(const float4*)&prod[r][c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        q8_store4(v, live, hq, hs, live ? ((long long)r * n + j0 + c) >> 2 : 0);
+    }
 }
 
-// Instantiations for 1, 2, 4 and 8 input rows; NW weight rows per block (the
+// Instantiations for 1, 2, 4 and 8 input rows; NW weight rows per group (the
 // host's matmul.rs MMVQ_NW): two for 1 and 2 rows, four for 4 and 8, where
-// an activation load would otherwise cost L1 more than the weights do. MINB:
-// blocks per SM the register budget must allow (left to itself this NVRTC
-// picks smaller budgets and spills): 8 at one row (64 registers, a full SM of
-// 1024 threads), fewer where a format needs more (Q5_K holds three 16-byte
-// pieces a row: without spills at 6 for one row and 3 for four, on every
+// an activation load would otherwise cost L1 more than the weights do; MAXG
+// groups at most per block (MMVQ_MAX_GROUPS). MINB: blocks per SM the
+// register budget must allow (left to itself this NVRTC picks smaller
+// budgets and spills): 8 at one row (64 registers, a full SM of 1024
+// threads), fewer where a format needs more (Q5_K holds three 16-byte pieces
+// a row: without spills at 6 for one row and 3 for four, on every
 // architecture scripts/check_kernels.py compiles for).
-#define MMVQ(NAME, DT, R, NW, PF, MINB)                                                                                \
-    extern "C" __global__ void __launch_bounds__(MMVQ_WARPS * 32, MINB)                                           \
-        mmvq_##NAME##_r##R(const u8* __restrict__ w, long long row_bytes, const signed char* __restrict__ xq,     \
-                           const float2* __restrict__ xs, float* __restrict__ out, int n, int k, int rows,        \
-                           int early) {                                                                           \
-        mmvq_body<DT, R, NW, PF>(w, row_bytes, xq, xs, out, n, k, rows, early);                                   \
+#define MMVQ(NAME, DT, R, NW, PF, MAXG, MINB)                                                                        \
+    extern "C" __global__ void __launch_bounds__(MMVQ_WARPS * 32, MINB) mmvq_##NAME##_r##R(                        \
+        const u8* w0, const u8* w1, const u8* w2, float* o0, float* o1, float* o2, const float* b0, const float* b1, \
+        const float* b2, int n0, int n1, int n2, long long row_bytes, const signed char* __restrict__ xq,          \
+        const float2* __restrict__ xs, int k, int rows, int groups, int glu, u32* hq, float2* hs, int early) {     \
+        mmvq_body<DT, R, NW, PF, MAXG>(w0, w1, w2, o0, o1, o2, b0, b1, b2, n0, n1, n2, row_bytes, xq, xs, k, rows, \
+                                       groups, glu, hq, hs, early);                                              \
     }
 #define MMVQ_ALL(NAME, DT, MINB1, MINB4)                                                                           \
-    MMVQ(NAME, DT, 1, 2, true, MINB1)                                                                              \
-    MMVQ(NAME, DT, 2, 2, true, 6) MMVQ(NAME, DT, 4, 4, false, MINB4) MMVQ(NAME, DT, 8, 4, false, 3)
+    MMVQ(NAME, DT, 1, 2, true, 32, MINB1)                                                                          \
+    MMVQ(NAME, DT, 2, 2, true, 32, 6) MMVQ(NAME, DT, 4, 4, false, 16, MINB4) MMVQ(NAME, DT, 8, 4, false, 8, 3)
 MMVQ_ALL(q8_0, DT_Q8_0, 8, 4)
 MMVQ_ALL(q4_0, DT_Q4_0, 8, 4)
 MMVQ_ALL(q4_1, DT_Q4_1, 8, 4)
@@ -709,3 +757,14 @@ MMVQ_ALL(q4_k, DT_Q4_K, 8, 4)
 MMVQ_ALL(q5_k, DT_Q5_K, 6, 3)
 MMVQ_ALL(q6_k, DT_Q6_K, 8, 4)
 MMVQ_ALL(iq4_xs, DT_IQ4_XS, 8, 4)
+
+// `blocks` blocks of 32 values of x (input rows of k a multiple of 32, back
+// to back) to 8 bits: codes `q` (i8, four to a word, in x's order) and per
+// block (d, d * sum q) in `s`. Eight lanes per block, a float4 each.
+extern "C" __global__ void __launch_bounds__(256) q8_quantize(const float* __restrict__ x, u32* __restrict__ q,
+                                                              float2* __restrict__ s, long long blocks) {
+    pdl_enter();
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    bool live = (t >> 3) < blocks;
+    q8_store4(live ? __ldg((const float4*)x + t) : make_float4(0.f, 0.f, 0.f, 0.f), live, q, s, t);
+}

@@ -88,6 +88,9 @@ impl Backend for CudaBackend {
             st.tile = slot;
             r?;
         }
+        if super::kernels::mmvq_index(dtype).is_some() {
+            self.q8_weights.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         let row_bytes = dtype.bytes_for(cols).unwrap_or(0);
         let mem = self.place_weight(&bytes)?;
         Ok(CudaWeight { mem, dtype, rows, cols, row_bytes })
@@ -127,10 +130,13 @@ impl Backend for CudaBackend {
         st.xbf = slot;
         r?;
         // And the 8-bit copy of the decode rows the integer GEMVs take.
-        let mut slot = st.xq.take();
-        let r = self.ensure_scratch(&mut slot, q8_layout(shape.rows.min(GEMV_MAX_ROWS), shape.cols).bytes);
-        st.xq = slot;
-        r?;
+        for i in 0..st.xq.len() {
+            let mut slot = st.xq[i].take();
+            let r =
+                self.ensure_scratch(&mut slot, q8_layout(shape.rows.min(GEMV_MAX_ROWS), shape.cols).bytes);
+            st.xq[i] = slot;
+            r?;
+        }
         // Row-indexed metadata grows with the largest workspace too.
         for m in [
             &mut st.tokens,
@@ -214,7 +220,9 @@ impl Backend for CudaBackend {
         self.op("rms_norm", |st| {
             let w = self.vector_ptr(weight, "rms_norm")?;
             let bf = self.bf16_output(st, out, rows);
-            let a = Args::new().ptr(x.ptr()).ptr(w).ptr(out.ptr()).ptr(bf).i32(x.cols as i32).f32(eps);
+            let (q, qs) = self.q8_output(st, out, rows).map_or((0, 0), |o| (o.codes, o.scales));
+            let a = Args::new().ptr(x.ptr()).ptr(w).ptr(out.ptr()).ptr(bf).ptr(q).ptr(qs);
+            let a = a.i32(x.cols as i32).f32(eps);
             unsafe { self.launch(self.k.rms_norm, norm_dims(rows, x.cols), a) }
         })
     }
@@ -231,7 +239,8 @@ impl Backend for CudaBackend {
         self.op("add_rms_norm", |st| {
             let w = self.vector_ptr(weight, "add_rms_norm")?;
             let bf = self.bf16_output(st, out, rows);
-            let a = Args::new().ptr(x.ptr()).ptr(y.ptr()).ptr(w).ptr(out.ptr()).ptr(bf);
+            let (q, qs) = self.q8_output(st, out, rows).map_or((0, 0), |o| (o.codes, o.scales));
+            let a = Args::new().ptr(x.ptr()).ptr(y.ptr()).ptr(w).ptr(out.ptr()).ptr(bf).ptr(q).ptr(qs);
             let a = a.i32(x.cols as i32).f32(eps);
             unsafe { self.launch(self.k.add_rms_norm, norm_dims(rows, x.cols), a) }
         })

@@ -24,9 +24,9 @@
 
 use super::device::{cuda_err, Purpose, Stream};
 use super::kernels::mmvq_index;
-use super::matmul::GEMV_MAX_ROWS;
+use super::matmul::{GEMV_MAX_ROWS, Q8_GEMV_MAX_ROWS};
 use super::{CudaAct, CudaBackend, CudaKv, CudaWeight, DeltaPrefill, PrefillPath};
-use crate::cpu::{CpuAct, CpuBackend, MatmulInput};
+use crate::cpu::{CpuAct, CpuBackend, CpuWeight, MatmulInput};
 use crate::dtype::{DType, HostTensor, TensorBytes};
 use crate::{
     ActShape, Backend, DeltaGeometry, DeltaRule, GraphKey, KvGeometry, MatmulPart, QkNorm, Result, RopeStyle,
@@ -392,6 +392,22 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
             let bias = if with_bias { " + bias" } else { "" };
             rep.compare(&format!("matmul {dtype} {rows}x{k} · {n}x{k}{bias} ({input:?} input)"), &a, &b, tol);
             if input == MatmulInput::Q8 {
+                // The integer GEMV with 3 and 32 groups of weight rows a block
+                // (a partial last block, every group in one block).
+                for groups in [3usize, 32] {
+                    let mut o = pair(be, &cpu, rows, n, None)?;
+                    be.set_mmvq_groups(groups);
+                    be.matmul(&x.g, &wg, with_bias.then_some(&bg), rows, &mut o.g);
+                    be.set_mmvq_groups(0);
+                    reference.matmul(&x.c, &wc, with_bias.then_some(&bc), rows, &mut o.c);
+                    let (a, b) = read_both(be, reference, &o, rows)?;
+                    rep.compare(
+                        &format!("matmul {dtype} {rows}x{k} · {n}x{k}{bias} ({groups} groups a block)"),
+                        &a,
+                        &b,
+                        tol,
+                    );
+                }
                 // What `--cuda-q8-gemv off` takes for these rows: mmq, or the f32 GEMV.
                 let mut off = pair(be, &cpu, rows, n, None)?;
                 let via_mmq = be.takes_mmq(&wg, rows);
@@ -415,8 +431,14 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
         }
     }
 
-    fused_matmul_checks(be, &refs, &mut rep, &mut rng)?;
+    for groups in [0usize, 3] {
+        be.set_mmvq_groups(groups);
+        let r = fused_matmul_checks(be, &refs, &mut rep, &mut rng, groups);
+        be.set_mmvq_groups(0);
+        r?;
+    }
     bf16_input_checks(be, &cpu, &mut rep, &mut rng)?;
+    q8_input_checks(be, &refs, &mut rep, &mut rng)?;
 
     // Embedding from bf16, Q8_0 and K-quant tables (the lookup dequantizes rows).
     for dtype in [DType::BF16, DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::IQ4_XS, DType::Q5_0] {
@@ -582,18 +604,121 @@ fn bf16_input_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, 
     Ok(())
 }
 
+/// The 8-bit inputs that norms and the gate/up GEMV store for the integer
+/// GEMVs after them (`State::xq_holds`): the GEMV that reads one gives the
+/// same bits as one of a fresh copy of its input (which quantizes), at every
+/// row count that takes the integer GEMV; and an op that writes the input
+/// after, or a matmul whose output it is, makes the next GEMV quantize again.
+fn q8_input_checks(be: &CudaBackend, refs: &References, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
+    let cpu = &refs.f32;
+    let (reference, tol) = refs.of(MatmulInput::Q8);
+    // Q4_K rows of 1280 (five super-blocks), a gate/up of 256 columns (eight
+    // blocks of 32 for the product's quantization, two blocks of the launch).
+    let (k, n, ff) = (1280usize, 96usize, 256usize);
+    let w = quant_tensor(rng, DType::Q4_K, n, k);
+    let sq = quant_tensor(rng, DType::Q4_K, k, k);
+    let gate = quant_tensor(rng, DType::Q4_K, ff, k);
+    let up = quant_tensor(rng, DType::Q4_K, ff, k);
+    let down = quant_tensor(rng, DType::Q4_K, n, ff);
+    let nw = float_tensor("n", DType::F32, 1, k, &rng.vec(k, 1.0));
+    let [(wg, wc), (sg, sc), (gg, gc), (ug, uc), (dg, dc), (ng, nc)] = [&w, &sq, &gate, &up, &down, &nw]
+        .map(|t| (be.upload_weight(t).expect("upload"), cpu.upload_weight(t).expect("upload")));
+    for rows in 1..=Q8_GEMV_MAX_ROWS {
+        let x = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 2.0)))?;
+        let res = rng.vec(rows * k, 1.0);
+        let mut normed = pair(be, cpu, rows, k, None)?;
+        let mut y = pair(be, cpu, rows, n, None)?;
+        let mut fresh = pair(be, cpu, rows, n, None)?;
+        // `made` was just written by `op`, `w` reads it: the GEMV of its
+        // stored 8-bit copy against one of a fresh copy of its rows, and the CPU's.
+        let mut stored_copy =
+            |made: &Pair, w: (&CudaWeight, &CpuWeight), y: &mut Pair, op: &str| -> Result<()> {
+                be.matmul(&made.g, w.0, None, rows, &mut y.g);
+                let mut vals = Vec::new();
+                be.read_rows(&made.g, rows, &mut vals);
+                be.check()?;
+                let copy = pair(be, cpu, rows, made.g.cols, Some(&vals))?;
+                be.matmul(&copy.g, w.0, None, rows, &mut fresh.g);
+                let (a, b) = (read_both(be, cpu, y, rows)?.0, read_both(be, cpu, &fresh, rows)?.0);
+                rep.compare(
+                    &format!(
+                    "{rows}-row GEMV after {op}: its 8-bit input as a quantization of the same rows gives"
+                ),
+                    &a,
+                    &b,
+                    EXACT,
+                );
+                reference.matmul(&made.c, w.1, None, rows, &mut y.c);
+                let (a, b) = read_both(be, reference, y, rows)?;
+                rep.compare(&format!("{rows}-row GEMV after {op} (8-bit input stored by it)"), &a, &b, tol);
+                Ok(())
+            };
+        be.rms_norm(&x.g, &ng, 1e-5, rows, &mut normed.g);
+        cpu.rms_norm(&x.c, &nc, 1e-5, rows, &mut normed.c);
+        stored_copy(&normed, (&wg, &wc), &mut y, "rms_norm")?;
+        let mut xr = pair(be, cpu, rows, k, Some(&res))?;
+        be.add_rms_norm(&mut xr.g, &x.g, &ng, 1e-5, rows, &mut normed.g);
+        cpu.add_rms_norm(&mut xr.c, &x.c, &nc, 1e-5, rows, &mut normed.c);
+        stored_copy(&normed, (&wg, &wc), &mut y, "add_rms_norm")?;
+        // The SiLU product of the gate/up GEMV, read by the down projection.
+        let (mut g, mut u, mut act) =
+            (pair(be, cpu, rows, ff, None)?, pair(be, cpu, rows, ff, None)?, pair(be, cpu, rows, ff, None)?);
+        be.gate_up_silu(&normed.g, &gg, &ug, rows, &mut g.g, &mut u.g, &mut act.g);
+        reference.gate_up_silu(&normed.c, &gc, &uc, rows, &mut g.c, &mut u.c, &mut act.c);
+        stored_copy(&act, (&dg, &dc), &mut y, "gate_up_silu")?;
+        // An op that writes the input after the norm stored its copy.
+        let z = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 3.0)))?;
+        be.rms_norm(&x.g, &ng, 1e-5, rows, &mut normed.g);
+        cpu.rms_norm(&x.c, &nc, 1e-5, rows, &mut normed.c);
+        be.add_assign(&mut normed.g, &z.g, rows);
+        cpu.add_assign(&mut normed.c, &z.c, rows);
+        be.matmul(&normed.g, &wg, None, rows, &mut y.g);
+        reference.matmul(&normed.c, &wc, None, rows, &mut y.c);
+        let (a, b) = read_both(be, reference, &y, rows)?;
+        rep.compare(
+            &format!("{rows}-row GEMV after an add to its input (the 8-bit copy is stale)"),
+            &a,
+            &b,
+            tol,
+        );
+        // A matmul whose output is the input held.
+        be.rms_norm(&x.g, &ng, 1e-5, rows, &mut normed.g);
+        cpu.rms_norm(&x.c, &nc, 1e-5, rows, &mut normed.c);
+        be.matmul(&z.g, &sg, None, rows, &mut normed.g);
+        reference.matmul(&z.c, &sc, None, rows, &mut normed.c);
+        be.matmul(&normed.g, &wg, None, rows, &mut y.g);
+        reference.matmul(&normed.c, &wc, None, rows, &mut y.c);
+        let (a, b) = read_both(be, reference, &y, rows)?;
+        rep.compare(
+            &format!("{rows}-row GEMV of a matmul's output that overwrote a norm's (8-bit copy stale)"),
+            &a,
+            &b,
+            tol,
+        );
+    }
+    Ok(())
+}
+
 fn fused_matmul_checks(
     be: &CudaBackend,
     refs: &References,
     rep: &mut CheckReport,
     rng: &mut Rng,
+    groups: usize,
 ) -> Result<()> {
     let cpu = &refs.f32;
     let bf16 = [DType::BF16; 3];
     let kquants = [DType::Q4_K, DType::Q4_K, DType::Q6_K];
-    for &(k, nq, nkv, dtypes) in
-        &[(64usize, 96usize, 32usize, bf16), (4104, 37, 13, bf16), (1280, 37, 13, kquants)]
-    {
+    // One integer GEMV launch for all three (one format), its blocks of each
+    // part after the last's; 64 columns of gate/up: the SiLU product quantized too.
+    let q8 = [DType::Q8_0; 3];
+    let cases: &[(usize, usize, usize, [DType; 3])] = if groups > 0 {
+        &[(1280, 37, 13, kquants), (4352, 64, 19, q8)]
+    } else {
+        &[(64, 96, 32, bf16), (4104, 37, 13, bf16), (1280, 37, 13, kquants), (4352, 64, 19, q8)]
+    };
+    let blocks = if groups > 0 { format!(", {groups} groups a block") } else { String::new() };
+    for &(k, nq, nkv, dtypes) in cases {
         let mk = |rng: &mut Rng, dtype: DType, n: usize| match dtype {
             DType::BF16 => float_tensor("w", dtype, n, k, &rng.vec(n * k, 0.5)),
             q => quant_tensor(rng, q, n, k),
@@ -632,7 +757,12 @@ fn fused_matmul_checks(
                     reference.matmul(&x.c, &wc[i], with_bias.then(|| &bc[i]), rows, &mut o.c);
                     let (a, b) = read_both(be, reference, o, rows)?;
                     let bias = if with_bias { "" } else { "no " };
-                    rep.compare(&format!("matmul_many {kind} part {i} {rows}x{k} ({bias}bias)"), &a, &b, tol);
+                    rep.compare(
+                        &format!("matmul_many {kind} part {i} {rows}x{k} ({bias}bias{blocks})"),
+                        &a,
+                        &b,
+                        tol,
+                    );
                 }
             }
             let x = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 1.0)))?;
@@ -647,7 +777,7 @@ fn fused_matmul_checks(
             let (reference, tol) = refs.of(be.rounds_input(&wg[0], rows));
             reference.gate_up_silu(&x.c, &wc[0], &uc, rows, &mut g.c, &mut u.c, &mut o.c);
             let (a, b) = read_both(be, reference, &o, rows)?;
-            rep.compare(&format!("gate_up_silu {kind} {rows}x{k} · 2x{nq}x{k}"), &a, &b, tol);
+            rep.compare(&format!("gate_up_silu {kind} {rows}x{k} · 2x{nq}x{k}{blocks}"), &a, &b, tol);
         }
     }
     Ok(())
@@ -1343,7 +1473,7 @@ pub fn bench_quant(be: &CudaBackend, graph_id: &mut usize, short: bool) -> Resul
                     let q = time(&mut |w, out| {
                         be.op("bench", |st| {
                             let input = be.q8_input(st, &x, rows)?;
-                            be.gemv_q8(input, w, rows, out)
+                            be.gemv_q8(st, input, w, rows, out)
                         })
                     })?;
                     let mut input = None;
@@ -1353,8 +1483,17 @@ pub fn bench_quant(be: &CudaBackend, graph_id: &mut usize, short: bool) -> Resul
                     });
                     be.check()?;
                     let input = input.ok_or_else(|| crate::BackendError::Other("8-bit input".into()))?;
-                    let alone = time(&mut |w, out| be.op("bench", |_| be.gemv_q8(input, w, rows, out)))?;
-                    line += &format!(" | q8-gemv {q:.4} ms {} (alone {alone:.4} ms {})", bw(q), bw(alone));
+                    let alone = time(&mut |w, out| be.op("bench", |st| be.gemv_q8(st, input, w, rows, out)))?;
+                    be.set_mmvq_groups(1);
+                    let one = time(&mut |w, out| be.op("bench", |st| be.gemv_q8(st, input, w, rows, out)));
+                    be.set_mmvq_groups(0);
+                    let one = one?;
+                    line += &format!(
+                        " | q8-gemv {q:.4} ms {} (alone {alone:.4} ms {}; a group a block {one:.4} ms {})",
+                        bw(q),
+                        bw(alone),
+                        bw(one)
+                    );
                 }
                 if rows <= GEMV_MAX_ROWS {
                     let g = time(&mut |w, out| be.op("bench", |_| be.gemv_simt(&x, w, rows, out)))?;

@@ -5,7 +5,7 @@
 //! an op picks is in the module of its concern (`matmul.rs`, `attention.rs`).
 
 use super::device::{cuda_err, Kernel, LaunchDims};
-use super::matmul::{mmq_smem_bytes, MMQ_THREADS, MMQ_TILES};
+use super::matmul::{mmq_smem_bytes, MMQ_THREADS, MMQ_TILES, MMVQ_WARPS};
 use super::nvrtc;
 use crate::dtype::DType;
 use crate::{BackendError, Result};
@@ -43,7 +43,7 @@ pub(super) struct Kernels {
     pub(super) q8_quantize: Kernel,
     /// The integer GEMVs of block formats (mmvq.cu), one set per entry of
     /// `MMVQ_FORMATS`, indexed by log2 of the row-count instantiation (1, 2, 4, 8).
-    pub(super) mmvq: [[Kernel; 4]; 12],
+    pub(super) mmvq: [[MvKernel; 4]; 12],
     pub(super) gemv_any: Kernel,
     /// The tensor-core matmuls of block formats (mmq.cu), one set per entry of
     /// `MMQ_FORMATS`, indexed by the input-row instantiation (groups of 8, 16,
@@ -115,6 +115,15 @@ impl MmqKernel {
     }
 }
 
+/// An integer GEMV (kernels/mmvq.cu) and how many of its blocks fit on one
+/// SM at once: a launch is sized to about that many per SM
+/// (`matmul::mmvq_groups`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct MvKernel {
+    pub(super) k: Kernel,
+    pub(super) per_sm: usize,
+}
+
 /// Compile the kernel sources for `arch` (or read them from the cache in
 /// `cache_dir`), load the module and look up every kernel of the table.
 pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodule, Kernels)> {
@@ -184,12 +193,12 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
             let mut sets = Vec::with_capacity(MMVQ_FORMATS.len());
             for d in MMVQ_FORMATS {
                 let stem = kernel_stem(d);
-                sets.push([
-                    f(&format!("mmvq_{stem}_r1"))?,
-                    f(&format!("mmvq_{stem}_r2"))?,
-                    f(&format!("mmvq_{stem}_r4"))?,
-                    f(&format!("mmvq_{stem}_r8"))?,
-                ]);
+                let mv = |r: usize| -> Result<MvKernel> {
+                    let k = f(&format!("mmvq_{stem}_r{r}"))?;
+                    let per_sm = k.allow_shared(0, 32 * MMVQ_WARPS)? as usize;
+                    Ok(MvKernel { k, per_sm: per_sm.max(1) })
+                };
+                sets.push([mv(1)?, mv(2)?, mv(4)?, mv(8)?]);
             }
             sets.try_into().map_err(|_| BackendError::Other("mmvq kernel table".into()))?
         },
@@ -305,6 +314,11 @@ fn kernel_stem(d: DType) -> String {
 
 /// One block per row with a thread per float4 of the row (kernels/elementwise.cu
 /// `norm_row`), so a one-row norm has all of its loads in flight at once.
+/// The widest row the norms hold in registers (kernels/elementwise.cu
+/// `norm_row`: NORM_V4 float4s a thread, 1024 threads): only such rows can
+/// also be stored quantized to 8 bits there.
+pub(super) const NORM_REGISTER_COLS: usize = 4 * 4 * 1024;
+
 pub(super) fn norm_dims(rows: usize, cols: usize) -> LaunchDims {
     let threads = cols.div_ceil(4).next_multiple_of(32).clamp(32, 1024);
     LaunchDims { grid: (rows as u32, 1, 1), block: threads as u32 }

@@ -20,8 +20,10 @@
 
 use super::device::{Args, DeviceBuffer, LaunchDims, Purpose};
 use super::gemm::GemmShape;
-use super::kernels::{block_gemv_index, dtype_code, grid_for, mmq_index, mmvq_index, MmqKernel};
-use super::{CudaAct, CudaBackend, State, XbfView};
+use super::kernels::{
+    block_gemv_index, dtype_code, grid_for, mmq_index, mmvq_index, MmqKernel, NORM_REGISTER_COLS,
+};
+use super::{CudaAct, CudaBackend, Q8View, State, XbfView};
 use crate::cpu::MatmulInput;
 use crate::dtype::DType;
 use crate::{BackendError, CudaTuning, MatmulPart, Result};
@@ -127,9 +129,26 @@ pub(super) fn mmq_split(
 /// Warps per block of the integer GEMVs (kernels/mmvq.cu MMVQ_WARPS).
 pub(super) const MMVQ_WARPS: u32 = 4;
 
-/// Weight rows per block of the integer GEMVs, by row-count instantiation
+/// Weight rows per group of the integer GEMVs, by row-count instantiation
 /// (1, 2, 4, 8 input rows; kernels/mmvq.cu MMVQ_ALL).
 pub(super) const MMVQ_NW: [usize; 4] = [2, 2, 4, 4];
+
+/// Groups of weight rows one block of the integer GEMVs reads at most, by
+/// row-count instantiation (kernels/mmvq.cu MMVQ_ALL's MAXG; a gate/up
+/// launch reads twice its groups).
+pub(super) const MMVQ_MAX_GROUPS: [usize; 4] = [32, 32, 16, 8];
+
+/// Groups of weight rows per block of an integer GEMV launch over
+/// `weight_groups` groups in all, when `resident` blocks fit on the card at
+/// once: about one block per place, each warp then streaming its loads
+/// across its block's rows (kernels/mmvq.cu `mmvq_body`), at most `max`.
+pub(super) fn mmvq_groups(weight_groups: usize, resident: usize, max: usize) -> usize {
+    weight_groups.div_ceil(resident.max(1)).clamp(1, max.max(1))
+}
+
+/// One matrix of an integer GEMV launch: the weight, a bias pointer or 0,
+/// the output pointer.
+pub(super) type MvPart<'a> = (&'a CudaWeight, u64, u64);
 
 /// Input rows up to which a block format with an integer GEMV takes it
 /// instead of mmq. Measured on the H200 (`cuda_check --bench`, 2026-12-02,
@@ -169,9 +188,9 @@ pub(super) fn q8_layout(rows: usize, k: usize) -> Q8Layout {
 /// pointers to its codes and scales, for the integer GEMVs.
 #[derive(Clone, Copy)]
 pub(super) struct Q8Input {
-    codes: u64,
-    scales: u64,
-    k: usize,
+    pub(super) codes: u64,
+    pub(super) scales: u64,
+    pub(super) k: usize,
 }
 
 /// Bytes of the bf16 tile a quantized weight is widened into for prefill.
@@ -297,7 +316,7 @@ impl CudaBackend {
         }
         if self.takes_q8_gemv(w, rows) {
             let input = self.q8_input(st, x, rows)?;
-            return self.gemv_q8(input, w, rows, out);
+            return self.gemv_q8(st, input, w, rows, out);
         }
         if self.takes_mmq(w, rows) {
             return self.mmq(st, x, w, rows, out);
@@ -347,44 +366,162 @@ impl CudaBackend {
     }
 
     /// `rows` rows of `x` (`x.cols` a multiple of 32) quantized to 8 bits per
-    /// 32 into the scratch (kernels/mmvq.cu `q8_quantize`), for one or more
-    /// integer GEMVs of that input.
+    /// 32 in a scratch (kernels/mmvq.cu `q8_quantize`), for one or more
+    /// integer GEMVs of that input. Quantized here unless a scratch already
+    /// holds them (`State::xq_holds`: the op that wrote `x` stored them, or
+    /// a GEMV of the same input quantized them).
     pub(super) fn q8_input(&self, st: &mut State, x: &CudaAct, rows: usize) -> Result<Q8Input> {
         let k = x.cols;
+        if !k.is_multiple_of(32) {
+            return Err(BackendError::Other(format!("8-bit input of {k} columns: not whole blocks of 32")));
+        }
+        if let Some(v) = st.xq_holds.filter(|v| v.ptr == x.ptr() && v.cols == k && v.rows == rows) {
+            return self.q8_scratch(st, v.buf, rows, k);
+        }
+        let input = self.q8_scratch(st, 0, rows, k)?;
+        let blocks = rows * k / 32;
+        let a = Args::new().ptr(x.ptr()).ptr(input.codes).ptr(input.scales).i64(blocks as i64);
+        unsafe { self.launch(self.k.q8_quantize, grid_for(blocks * 8, 256), a)? };
+        st.xq_holds = Some(Q8View { buf: 0, ptr: x.ptr(), rows, cols: k });
+        Ok(input)
+    }
+
+    /// Where `rows` rows of `k` columns quantized to 8 bits go in scratch `buf`.
+    fn q8_scratch(&self, st: &State, buf: usize, rows: usize, k: usize) -> Result<Q8Input> {
         let layout = q8_layout(rows, k);
-        let buf = st.xq.as_ref().filter(|b| b.bytes().0 as usize >= layout.bytes).ok_or_else(|| {
+        let b = st.xq[buf].as_ref().filter(|b| b.bytes().0 as usize >= layout.bytes).ok_or_else(|| {
             BackendError::Other(format!(
                 "8-bit input of {rows}x{k}: scratch not sized (allocate activations first)"
             ))
         })?;
-        if !k.is_multiple_of(32) {
-            return Err(BackendError::Other(format!("8-bit input of {k} columns: not whole blocks of 32")));
+        Ok(Q8Input { codes: b.ptr(), scales: b.ptr() + layout.scales_at as u64, k })
+    }
+
+    /// Where an op that writes `rows` rows of `out` (a norm) can also store
+    /// them quantized to 8 bits for the integer GEMVs that read `out` next:
+    /// scratch 0, recorded in `State::xq_holds`; `None` (store nothing) when
+    /// no weight takes an integer GEMV, the rows are too many for one, the
+    /// width is not whole blocks of 32 or too wide for the norm's register
+    /// path (kernels/elementwise.cu `norm_row`), or the scratch too small.
+    pub(super) fn q8_output(&self, st: &mut State, out: &CudaAct, rows: usize) -> Option<Q8Input> {
+        let k = out.cols;
+        let fits = self.q8_weights.load(std::sync::atomic::Ordering::Relaxed)
+            && self.config.tuning.fuse
+            && self.config.tuning.q8_gemv
+            && (1..=Q8_GEMV_MAX_ROWS).contains(&rows)
+            && k.is_multiple_of(32)
+            && k <= NORM_REGISTER_COLS
+            && out.stride == out.cols;
+        if !fits {
+            return None;
         }
-        let input = Q8Input { codes: buf.ptr(), scales: buf.ptr() + layout.scales_at as u64, k };
-        let blocks = rows * k / 32;
-        let a = Args::new().ptr(x.ptr()).ptr(input.codes).ptr(input.scales).i64(blocks as i64);
-        unsafe { self.launch(self.k.q8_quantize, grid_for(blocks * 8, 256), a)? };
-        Ok(input)
+        let input = self.q8_scratch(st, 0, rows, k).ok()?;
+        st.xq_holds = Some(Q8View { buf: 0, ptr: out.ptr(), rows, cols: k });
+        Some(input)
+    }
+
+    /// Weight-row groups per block of the integer GEMVs from now on, 0 for
+    /// each launch's own choice (the self-check's comparisons and benchmark).
+    pub(super) fn set_mmvq_groups(&self, groups: usize) {
+        self.mmvq_groups.store(groups, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The integer GEMV of `w`'s block format on an input quantized by
-    /// `q8_input`: the instantiation for the smallest of 1, 2, 4, 8 rows that
-    /// holds `rows`, `MMVQ_NW` weight rows per block.
-    pub(super) fn gemv_q8(&self, x: Q8Input, w: &CudaWeight, rows: usize, out: &CudaAct) -> Result<()> {
-        let (n, k) = (w.rows, w.cols);
-        let set = mmvq_index(w.dtype)
-            .ok_or_else(|| BackendError::Other(format!("gemv_q8: {} has no integer GEMV", w.dtype)))?;
-        if k != x.k || !(1..=GEMV_MAX_ROWS).contains(&rows) {
+    /// `q8_input`.
+    pub(super) fn gemv_q8(
+        &self,
+        st: &mut State,
+        x: Q8Input,
+        w: &CudaWeight,
+        rows: usize,
+        out: &CudaAct,
+    ) -> Result<()> {
+        self.mmvq(st, x, &[(w, 0, out.ptr())], rows, None)
+    }
+
+    /// One launch of the integer GEMV of a block format (kernels/mmvq.cu
+    /// `mmvq_body`) on an input quantized by `q8_input`: up to three matrices
+    /// of that input, all of one format and width (`parts`), or with `glu`
+    /// one gate matrix (`parts[0]`, its output the SiLU product) and its up
+    /// matrix, the product also stored quantized to 8 bits in the scratch
+    /// `x` is not in when `glu.1` and the columns are whole blocks of 32
+    /// (then recorded in `State::xq_holds`). The instantiation for the
+    /// smallest of 1, 2, 4, 8 rows that holds `rows`.
+    pub(super) fn mmvq(
+        &self,
+        st: &mut State,
+        x: Q8Input,
+        parts: &[MvPart<'_>],
+        rows: usize,
+        glu: Option<(&CudaWeight, bool)>,
+    ) -> Result<()> {
+        let first = parts.first().ok_or_else(|| BackendError::Other("mmvq: no matrix".into()))?.0;
+        let (dtype, k, row_bytes) = (first.dtype, first.cols, first.row_bytes);
+        let set = mmvq_index(dtype)
+            .ok_or_else(|| BackendError::Other(format!("mmvq: {dtype} has no integer GEMV")))?;
+        let ups = glu.map(|(up, _)| up);
+        let shapes_ok = parts.len() <= 3
+            && parts
+                .iter()
+                .map(|p| p.0)
+                .chain(ups)
+                .all(|w| w.dtype == dtype && w.cols == k && w.row_bytes == row_bytes)
+            && (glu.is_none() || (parts.len() == 1 && ups.is_some_and(|u| u.rows == first.rows)));
+        if !shapes_ok || k != x.k || !(1..=GEMV_MAX_ROWS).contains(&rows) {
             return Err(BackendError::Other(format!(
-                "gemv_q8: {rows} rows of {} columns against {n}x{k}",
-                x.k
+                "mmvq: {rows} rows of {} columns against {} matrices of {dtype} (first {}x{k})",
+                x.k,
+                parts.len(),
+                first.rows
             )));
         }
         let inst = rows.next_power_of_two().trailing_zeros() as usize;
-        let dims = LaunchDims { grid: (n.div_ceil(MMVQ_NW[inst]) as u32, 1, 1), block: 32 * MMVQ_WARPS };
-        let a = Args::new().ptr(w.ptr()).i64(w.row_bytes as i64).ptr(x.codes).ptr(x.scales).ptr(out.ptr());
-        let a = a.i32(n as i32).i32(k as i32).i32(rows as i32).i32(self.early_weights());
-        unsafe { self.launch(self.k.mmvq[set][inst], dims, a) }
+        let (kern, nw, max) = (self.k.mmvq[set][inst], MMVQ_NW[inst], MMVQ_MAX_GROUPS[inst]);
+        let chosen = self.mmvq_groups.load(std::sync::atomic::Ordering::Relaxed);
+        let resident = kern.per_sm * self.sm_count;
+        let n: Vec<usize> = parts.iter().map(|p| p.0.rows).collect();
+        // The SiLU product quantized: each block then owns whole blocks of 32 columns.
+        let product = match glu {
+            Some((_, true)) if first.rows.is_multiple_of(32) && 2 * (32 / nw) <= max => {
+                let other = usize::from(st.xq[0].as_ref().is_some_and(|b| b.ptr() == x.codes));
+                let q = self.q8_scratch(st, other, rows, first.rows)?;
+                st.xq_holds = Some(Q8View { buf: other, ptr: parts[0].2, rows, cols: first.rows });
+                Some(q)
+            }
+            _ => None,
+        };
+        let groups = match (glu, product) {
+            (_, Some(_)) => 32 / nw,
+            (Some(_), None) if chosen > 0 => chosen.min(max / 2),
+            (Some(_), None) => mmvq_groups(first.rows.div_ceil(nw), resident, max / 2),
+            (None, _) if chosen > 0 => chosen.min(max),
+            (None, _) => mmvq_groups(n.iter().map(|n| n.div_ceil(nw)).sum(), resident, max),
+        };
+        let blocks: usize = n.iter().map(|n| n.div_ceil(nw * groups)).sum();
+        let dims = LaunchDims { grid: (blocks as u32, 1, 1), block: 32 * MMVQ_WARPS };
+        let at = |i: usize| parts.get(i);
+        let mut a = Args::new();
+        for i in 0..3 {
+            a = a.ptr(match (i, at(i), ups) {
+                (1, _, Some(up)) => up.ptr(),
+                (_, Some(p), _) => p.0.ptr(),
+                _ => 0,
+            });
+        }
+        for i in 0..3 {
+            a = a.ptr(at(i).map_or(0, |p| p.2));
+        }
+        for i in 0..3 {
+            a = a.ptr(at(i).map_or(0, |p| p.1));
+        }
+        for i in 0..3 {
+            a = a.i32(at(i).map_or(0, |p| p.0.rows) as i32);
+        }
+        let a = a.i64(row_bytes as i64).ptr(x.codes).ptr(x.scales).i32(k as i32).i32(rows as i32);
+        let a = a.i32(groups as i32).i32(i32::from(glu.is_some()));
+        let a = a.ptr(product.map_or(0, |q| q.codes)).ptr(product.map_or(0, |q| q.scales));
+        let a = a.i32(self.early_weights());
+        unsafe { self.launch(kern.k, dims, a) }
     }
 
     /// The tensor-core matmul of a block-format weight (kernels/mmq.cu): the
@@ -469,17 +606,22 @@ impl CudaBackend {
         }
     }
 
-    /// A matmul op writes `outs`: if one of them is the activation `xbf`
-    /// holds, that copy is stale.
+    /// A matmul op writes `outs`: if one of them is the activation `xbf` or
+    /// one of `xq` holds, that copy is stale.
     pub(super) fn forget_xbf_written<'a>(&self, st: &mut State, outs: impl IntoIterator<Item = &'a CudaAct>) {
-        if let Some(v) = st.xbf_holds {
-            let held = v.ptr..v.ptr + (v.rows * v.cols * 4) as u64;
-            let overlaps = |o: &CudaAct| {
-                let len = (o.rows.max(1) * o.stride.max(o.cols) * 4) as u64;
-                o.ptr() < held.end && held.start < o.ptr() + len
+        let held = |ptr: u64, rows: usize, cols: usize| ptr..ptr + (rows * cols * 4) as u64;
+        let xbf = st.xbf_holds.map(|v| held(v.ptr, v.rows, v.cols));
+        let xq = st.xq_holds.map(|v| held(v.ptr, v.rows, v.cols));
+        for o in outs {
+            let len = (o.rows.max(1) * o.stride.max(o.cols) * 4) as u64;
+            let hits = |h: &Option<std::ops::Range<u64>>| {
+                h.as_ref().is_some_and(|h| o.ptr() < h.end && h.start < o.ptr() + len)
             };
-            if outs.into_iter().any(overlaps) {
+            if hits(&xbf) {
                 st.xbf_holds = None;
+            }
+            if hits(&xq) {
+                st.xq_holds = None;
             }
         }
     }
@@ -737,8 +879,28 @@ impl CudaBackend {
             return self.matmul_op("matmul_many (8-bit input)", |st| {
                 self.forget_xbf_written(st, parts.iter().map(|p| &*p.out));
                 let input = self.q8_input(st, x, rows)?;
+                if self.config.tuning.fuse {
+                    // One launch for each run of parts of one format (q and k
+                    // Q4_K, v Q6_K in half the layers of a Q4_K_M file: two).
+                    let mut v: Vec<MvPart<'_>> = Vec::with_capacity(3);
+                    for p in parts.iter() {
+                        let bias = match p.bias {
+                            Some(b) if b.rows * b.cols == p.w.rows => self.vector_ptr(b, "bias")?,
+                            Some(_) => {
+                                return Err(BackendError::Other("matmul_many: bias of another width".into()))
+                            }
+                            None => 0,
+                        };
+                        if v.first().is_some_and(|f| f.0.dtype != p.w.dtype) {
+                            self.mmvq(st, input, &v, rows, None)?;
+                            v.clear();
+                        }
+                        v.push((p.w, bias, p.out.ptr()));
+                    }
+                    return self.mmvq(st, input, &v, rows, None);
+                }
                 for p in parts.iter() {
-                    self.gemv_q8(input, p.w, rows, p.out)?;
+                    self.gemv_q8(st, input, p.w, rows, p.out)?;
                     if let Some(b) = p.bias {
                         self.add_bias(p.out, b, rows)?;
                     }
@@ -779,12 +941,26 @@ impl CudaBackend {
             && gate.rows == up.rows
             && out.cols == gate.rows;
         if !fused && self.share_q8_input(x, [(gate, gate_out.cols), (up, up_out.cols)].into_iter(), rows) {
+            if self.config.tuning.fuse
+                && gate.dtype == up.dtype
+                && gate.rows == up.rows
+                && out.cols == gate.rows
+            {
+                // One launch: gate and up rows of the same columns, their SiLU
+                // product, and that quantized for the down projection.
+                return self.matmul_op("gate_up_silu (8-bit input)", |st| {
+                    self.forget_xbf_written(st, [&*gate_out, &*up_out, &*out]);
+                    let input = self.q8_input(st, x, rows)?;
+                    let store_q8 = out.stride == out.cols && rows <= Q8_GEMV_MAX_ROWS;
+                    self.mmvq(st, input, &[(gate, 0, out.ptr())], rows, Some((up, store_q8)))
+                });
+            }
             // One quantization of the input for both GEMVs, then the SiLU product.
             self.matmul_op("gate_up (8-bit input)", |st| {
                 self.forget_xbf_written(st, [&*gate_out, &*up_out]);
                 let input = self.q8_input(st, x, rows)?;
-                self.gemv_q8(input, gate, rows, gate_out)?;
-                self.gemv_q8(input, up, rows, up_out)
+                self.gemv_q8(st, input, gate, rows, gate_out)?;
+                self.gemv_q8(st, input, up, rows, up_out)
             });
             return crate::Backend::silu_mul(self, gate_out, up_out, rows, out);
         }
@@ -833,6 +1009,24 @@ mod tests {
         assert_eq!(matmul_input(&off, DType::Q4_K, 4096, 4096, 1), MatmulInput::Bf16);
         assert_eq!(matmul_input(&off, DType::Q8_0, 4096, 4096, 2), MatmulInput::F32);
         assert_eq!(matmul_input(&off, DType::Q8_0, 4096, 4096, 3), MatmulInput::Bf16);
+    }
+
+    /// About one block per place on the card, never more groups than a
+    /// block holds, at least one.
+    #[test]
+    fn integer_gemv_blocks_are_about_as_many_as_the_card_holds() {
+        // Llama-3-8B at one row on 132 SMs x 8 blocks: gate/up's 7,168 row
+        // pairs in 1,024 blocks of 7 groups; q/k/v's 3,072 in 1,024 of 3.
+        assert_eq!(mmvq_groups(7168, 1056, 32), 7);
+        assert_eq!(mmvq_groups(3072, 1056, 32), 3);
+        assert_eq!(mmvq_groups(10, 1056, 32), 1);
+        assert_eq!(mmvq_groups(0, 1056, 32), 1);
+        assert_eq!(mmvq_groups(1 << 20, 1056, 8), 8);
+        assert_eq!(mmvq_groups(100, 0, 32), 32);
+        for (wg, res) in [(7168, 1056), (2048, 1056), (777, 100)] {
+            let g = mmvq_groups(wg, res, 32);
+            assert!(wg.div_ceil(g) <= res && (g == 1 || wg.div_ceil(g - 1) > res), "{wg} over {res}: {g}");
+        }
     }
 
     #[test]

@@ -123,6 +123,17 @@ pub(super) struct XbfView {
     pub(super) cols: usize,
 }
 
+/// What `State::xq[buf]` holds: the first `rows` rows of the activation at
+/// `ptr` (`cols` wide) quantized to 8 bits. The layout of the codes and
+/// scales depends on `rows`, so a GEMV takes it only for exactly those rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Q8View {
+    pub(super) buf: usize,
+    pub(super) ptr: u64,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+}
+
 /// Where an activation's elements are.
 enum ActMem {
     Own(DeviceBuffer),
@@ -192,9 +203,16 @@ struct State {
     /// first matmul that needed them: the matmuls of that input after it
     /// launch no conversion. Any op but a matmul forgets it (see `lock`).
     xbf_holds: Option<XbfView>,
-    /// 8-bit copy of a decode matmul's input rows (at most `GEMV_MAX_ROWS`),
-    /// laid out as `matmul::q8_layout` says.
-    xq: Option<DeviceBuffer>,
+    /// 8-bit copies of a decode matmul's input rows (at most
+    /// `GEMV_MAX_ROWS`), laid out as `matmul::q8_layout` says: two, so that
+    /// the gate/up GEMV can store its SiLU product quantized while it reads
+    /// its own input from the other.
+    xq: [Option<DeviceBuffer>; 2],
+    /// The activation whose first rows one of `xq` holds quantized, written
+    /// by the op that produced them (a norm, the gate/up GEMV) or by the
+    /// first integer GEMV of that input: the GEMVs of that input after it
+    /// quantize nothing. Forgotten as `xbf_holds` is.
+    xq_holds: Option<Q8View>,
     /// bf16 tile of a quantized weight, widened for a prefill GEMM.
     tile: Option<DeviceBuffer>,
     part_o: DeviceBuffer,
@@ -234,6 +252,12 @@ pub struct CudaBackend {
     /// One-row bf16 GEMVs of small matrices take two-row blocks (`gemv_bf16_parts`);
     /// off only for the self-check's benchmark of both.
     gemv_narrow: std::sync::atomic::AtomicBool,
+    /// Weight-row groups per block of the integer GEMVs, 0 for the launch's
+    /// own choice (`matmul::mmvq_groups`); set only by the self-check's benchmark.
+    mmvq_groups: std::sync::atomic::AtomicUsize,
+    /// Whether a block-format weight with an integer GEMV was uploaded: only
+    /// then do the norms also store their rows quantized to 8 bits.
+    q8_weights: std::sync::atomic::AtomicBool,
     state: Mutex<State>,
     /// Per-op timing when `CudaTuning::profile_every` is set (a report every N steps).
     profile: Option<Mutex<OpProfile>>,
@@ -320,7 +344,8 @@ impl CudaBackend {
             inv_freq_host: Vec::new(),
             xbf: None,
             xbf_holds: None,
-            xq: None,
+            xq: [None, None],
+            xq_holds: None,
             tile: None,
             part_o: DeviceBuffer::new(
                 &alloc,
@@ -349,6 +374,8 @@ impl CudaBackend {
             arch,
             pdl: config.tuning.pdl && major >= 9,
             gemv_narrow: std::sync::atomic::AtomicBool::new(true),
+            mmvq_groups: std::sync::atomic::AtomicUsize::new(0),
+            q8_weights: std::sync::atomic::AtomicBool::new(false),
             profile: config.tuning.profile_every.map(|every| Mutex::new(OpProfile::new(every))),
             config,
             state: Mutex::new(state),
@@ -372,6 +399,7 @@ impl CudaBackend {
     fn lock(&self) -> MutexGuard<'_, State> {
         let mut st = self.lock_for_matmul();
         st.xbf_holds = None;
+        st.xq_holds = None;
         st
     }
 
