@@ -541,7 +541,8 @@ __device__ __forceinline__ void attn_combine_load(const float* __restrict__ po, 
 template <int W>
 __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part_o,
                                                   const float* __restrict__ part_ml, const u32* __restrict__ row_pos,
-                                                  const u32* __restrict__ row_seq, float* __restrict__ out, int heads,
+                                                  const u32* __restrict__ row_seq, float* __restrict__ out,
+                                                  u32* __restrict__ oq, float2* __restrict__ oqs, int heads,
                                                   int head_dim, int nsplit, int min_chunk) {
     pdl_enter();
     __shared__ float weight[ATT_MAX_SPLITS];
@@ -599,7 +600,12 @@ __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part
             float a = 0.f;
             for (int q = 0; q < per; q++) a += share[q * span * W + e];
             int oe = c0 * W + e;
-            if (oe < head_dim) out[((long long)r * heads + h) * head_dim + oe] = L > 0.f ? a / L : 0.f;
+            long long at = ((long long)r * heads + h) * head_dim + oe;
+            float o = L > 0.f ? a / L : 0.f;
+            if (oe < head_dim) out[at] = o;
+            // A warp holds 32 consecutive outputs (the host asks only for
+            // head_dim a multiple of 32, where span * W is too).
+            if (oq) q8_store1(o, oe < head_dim, oq, oqs, at - (threadIdx.x & 31));
         }
         __syncthreads();
     }
@@ -607,10 +613,13 @@ __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part
 
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml, const u32* __restrict__ row_pos,
-                 const u32* __restrict__ row_seq, float* __restrict__ out, int heads, int head_dim, int nsplit,
-                 int min_chunk) {
-    if ((head_dim & 3) == 0) attn_combine_body<4>(part_o, part_ml, row_pos, row_seq, out, heads, head_dim, nsplit, min_chunk);
-    else attn_combine_body<1>(part_o, part_ml, row_pos, row_seq, out, heads, head_dim, nsplit, min_chunk);
+                 const u32* __restrict__ row_seq, float* __restrict__ out, u32* __restrict__ oq,
+                 float2* __restrict__ oqs, int heads, int head_dim, int nsplit, int min_chunk) {
+    if ((head_dim & 3) == 0)
+        attn_combine_body<4>(part_o, part_ml, row_pos, row_seq, out, oq, oqs, heads, head_dim, nsplit, min_chunk);
+    else
+        attn_combine_body<1>(part_o, part_ml, row_pos, row_seq, out, nullptr, nullptr, heads, head_dim, nsplit,
+                             min_chunk);
 }
 
 // ---------------------------------------------------------------------------

@@ -273,3 +273,26 @@ __device__ __forceinline__ void q8_store4(float4 v, bool live, u32* __restrict__
         if ((t & 7) == 0) s[t >> 3] = make_float2(d, d * (float)sum);
     }
 }
+
+// `v`, one value of x a lane (zero where `live` is false), quantized as
+// `q8_quantize` quantizes it: the warp's 32 lanes hold one block of 32
+// consecutive values, e (lane 0's index in the flattened [rows][k]) a
+// multiple of 32. Every lane takes part; a live block's lanes store.
+__device__ __forceinline__ void q8_store1(float v, bool live, u32* __restrict__ q, float2* __restrict__ s,
+                                          long long e) {
+    int lane = threadIdx.x & 31;
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float inv = d > 0.f ? 1.0f / d : 0.f;
+    int c = q8_code(v * inv);
+    int sum = c;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    u32 b = (u32)(c & 0xff);
+    u32 word = b | (__shfl_down_sync(0xffffffffu, b, 1) << 8) | (__shfl_down_sync(0xffffffffu, b, 2) << 16) |
+               (__shfl_down_sync(0xffffffffu, b, 3) << 24);
+    if (live) {
+        if ((lane & 3) == 0) q[(e >> 2) + (lane >> 2)] = word;
+        if (lane == 0) s[e >> 5] = make_float2(d, d * (float)sum);
+    }
+}

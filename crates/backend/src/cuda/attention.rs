@@ -14,6 +14,7 @@
 
 use super::device::{cuda_err, Args, DeviceBuffer, Kernel, LaunchDims, Purpose};
 use super::graphs::drop_graphs;
+use super::matmul::Q8Input;
 use super::{CudaAct, CudaBackend, State};
 use crate::kv_units::KvAddressing;
 use crate::{BackendError, KvGeometry, QkNorm, Result, RopeStyle, RopeTable, SeqStep};
@@ -126,6 +127,9 @@ pub(super) struct AttnLaunch<'a> {
     pub(super) heads: usize,
     /// Device pointer of the output activation.
     pub(super) out: u64,
+    /// Where the combine pass also stores the output quantized to 8 bits
+    /// for the integer GEMV of the output projection (`None`: nowhere).
+    pub(super) q8: Option<Q8Input>,
 }
 
 /// Head sizes the attention kernels hold in registers.
@@ -211,13 +215,14 @@ impl CudaBackend {
 
     /// Split-K attention (flash-decoding) for the rows whose sequence index in
     /// `row_seq` is not u32::MAX, over contexts of at most `max_ctx` tokens.
+    /// Whether a combine pass wrote the output (and then also `a.q8`).
     pub(super) fn attn_split(
         &self,
         st: &State,
         a: &AttnLaunch<'_>,
         row_seq: u64,
         max_ctx: usize,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let g = a.kv.geometry;
         let rows = st.maps.rows;
         // Query heads per block: the largest of 8, 4, 2, 1 that divides the
@@ -274,14 +279,17 @@ impl CudaBackend {
                 .ptr(st.row_pos.dev.ptr())
                 .ptr(row_seq)
                 .ptr(a.out)
+                .ptr(a.q8.map_or(0, |q| q.codes))
+                .ptr(a.q8.map_or(0, |q| q.scales))
                 .i32(a.heads as i32)
                 .i32(g.head_dim as i32)
                 .i32(nsplit as i32)
                 .i32(min_split as i32);
             let dims = LaunchDims { grid: (a.heads as u32, rows as u32, 1), block: 128 };
             unsafe { self.launch(self.k.attn_combine, dims, args)? };
+            return Ok(true);
         }
-        Ok(())
+        Ok(false)
     }
 
     /// The tiled prefill kernel for heads of `head_dim`; None: those heads take split-K.
@@ -515,25 +523,39 @@ impl CudaBackend {
             if !heads.is_multiple_of(g.kv_heads) {
                 return Err(BackendError::Other(format!("{heads} heads over {} KV heads", g.kv_heads)));
             }
-            let a = AttnLaunch { q, kv, heads, out: out.ptr() };
+            // The output quantized for the output projection's integer GEMV,
+            // by the combine pass of a one-launch split-K attention.
+            let one_pass =
+                st.capturing.is_some() || st.prefill != PrefillPath::Tiled || st.maps.tiles.is_empty();
+            let q8 = match g.head_dim.is_multiple_of(32) && one_pass {
+                true => self.q8_output(st, out, st.maps.rows, usize::MAX),
+                false => None,
+            };
+            let a = AttnLaunch { q, kv, heads, out: out.ptr(), q8 };
             let tiled = self.tiled_kernel(g.head_dim);
             // A captured step must stay valid for any rows and contexts, which
             // only the split-K kernel's fixed grid allows; it also splits for
             // the longest context the backend was sized for.
-            if st.capturing.is_some() {
+            let combined = if st.capturing.is_some() {
                 let max_ctx = self.config.max_pages_per_seq * g.page_size.get();
-                return self.attn_split(st, &a, st.row_seq.dev.ptr(), max_ctx);
-            }
-            match tiled {
-                Some(tk) if st.prefill == PrefillPath::Tiled && !st.maps.tiles.is_empty() => {
-                    self.attn_tiled(st, &a, tk)?;
-                    if st.maps.rest_max_ctx > 0 {
-                        self.attn_split(st, &a, st.rest_seq.dev.ptr(), st.maps.rest_max_ctx)?;
+                self.attn_split(st, &a, st.row_seq.dev.ptr(), max_ctx)
+            } else {
+                match tiled {
+                    Some(tk) if st.prefill == PrefillPath::Tiled && !st.maps.tiles.is_empty() => {
+                        self.attn_tiled(st, &a, tk)?;
+                        if st.maps.rest_max_ctx > 0 {
+                            self.attn_split(st, &a, st.rest_seq.dev.ptr(), st.maps.rest_max_ctx)?;
+                        }
+                        Ok(false)
                     }
-                    Ok(())
+                    _ => self.attn_split(st, &a, st.row_seq.dev.ptr(), st.maps.max_ctx),
                 }
-                _ => self.attn_split(st, &a, st.row_seq.dev.ptr(), st.maps.max_ctx),
+            };
+            if !matches!(combined, Ok(true)) {
+                // No combine pass: the 8-bit copy was not written.
+                st.xq_holds = None;
             }
+            combined.map(|_| ())
         })
     }
 

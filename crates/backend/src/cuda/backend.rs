@@ -5,7 +5,7 @@
 
 use super::device::{cuda_err, Args, LaunchDims, Purpose};
 use super::graphs::drop_graphs;
-use super::kernels::{dtype_code, grid_for, norm_dims};
+use super::kernels::{dtype_code, grid_for, norm_dims, NORM_REGISTER_COLS};
 use super::matmul::{q8_layout, Arena, CudaWeight, ARENA_ALIGN, DEQUANT_TILE, GEMV_MAX_ROWS};
 use super::{CudaAct, CudaBackend, CudaExperts, CudaKv};
 use crate::dtype::{DType, HostTensor};
@@ -220,7 +220,8 @@ impl Backend for CudaBackend {
         self.op("rms_norm", |st| {
             let w = self.vector_ptr(weight, "rms_norm")?;
             let bf = self.bf16_output(st, out, rows);
-            let (q, qs) = self.q8_output(st, out, rows).map_or((0, 0), |o| (o.codes, o.scales));
+            let (q, qs) =
+                self.q8_output(st, out, rows, NORM_REGISTER_COLS).map_or((0, 0), |o| (o.codes, o.scales));
             let a = Args::new().ptr(x.ptr()).ptr(w).ptr(out.ptr()).ptr(bf).ptr(q).ptr(qs);
             let a = a.i32(x.cols as i32).f32(eps);
             unsafe { self.launch(self.k.rms_norm, norm_dims(rows, x.cols), a) }
@@ -239,7 +240,8 @@ impl Backend for CudaBackend {
         self.op("add_rms_norm", |st| {
             let w = self.vector_ptr(weight, "add_rms_norm")?;
             let bf = self.bf16_output(st, out, rows);
-            let (q, qs) = self.q8_output(st, out, rows).map_or((0, 0), |o| (o.codes, o.scales));
+            let (q, qs) =
+                self.q8_output(st, out, rows, NORM_REGISTER_COLS).map_or((0, 0), |o| (o.codes, o.scales));
             let a = Args::new().ptr(x.ptr()).ptr(y.ptr()).ptr(w).ptr(out.ptr()).ptr(bf).ptr(q).ptr(qs);
             let a = a.i32(x.cols as i32).f32(eps);
             unsafe { self.launch(self.k.add_rms_norm, norm_dims(rows, x.cols), a) }

@@ -20,9 +20,7 @@
 
 use super::device::{Args, DeviceBuffer, LaunchDims, Purpose};
 use super::gemm::GemmShape;
-use super::kernels::{
-    block_gemv_index, dtype_code, grid_for, mmq_index, mmvq_index, MmqKernel, NORM_REGISTER_COLS,
-};
+use super::kernels::{block_gemv_index, dtype_code, grid_for, mmq_index, mmvq_index, MmqKernel};
 use super::{CudaAct, CudaBackend, Q8View, State, XbfView};
 use crate::cpu::MatmulInput;
 use crate::dtype::DType;
@@ -397,20 +395,27 @@ impl CudaBackend {
         Ok(Q8Input { codes: b.ptr(), scales: b.ptr() + layout.scales_at as u64, k })
     }
 
-    /// Where an op that writes `rows` rows of `out` (a norm) can also store
-    /// them quantized to 8 bits for the integer GEMVs that read `out` next:
-    /// scratch 0, recorded in `State::xq_holds`; `None` (store nothing) when
-    /// no weight takes an integer GEMV, the rows are too many for one, the
-    /// width is not whole blocks of 32 or too wide for the norm's register
-    /// path (kernels/elementwise.cu `norm_row`), or the scratch too small.
-    pub(super) fn q8_output(&self, st: &mut State, out: &CudaAct, rows: usize) -> Option<Q8Input> {
+    /// Where an op that writes `rows` rows of `out` (a norm, attention's
+    /// combine pass) can also store them quantized to 8 bits for the integer
+    /// GEMVs that read `out` next: scratch 0, recorded in `State::xq_holds`;
+    /// `None` (store nothing) when no weight takes an integer GEMV, the rows
+    /// are too many for one, the width is not whole blocks of 32 or wider
+    /// than the op can quantize (`max_cols`: the norm's register path,
+    /// kernels/elementwise.cu `norm_row`), or the scratch too small.
+    pub(super) fn q8_output(
+        &self,
+        st: &mut State,
+        out: &CudaAct,
+        rows: usize,
+        max_cols: usize,
+    ) -> Option<Q8Input> {
         let k = out.cols;
         let fits = self.q8_weights.load(std::sync::atomic::Ordering::Relaxed)
             && self.config.tuning.fuse
             && self.config.tuning.q8_gemv
             && (1..=Q8_GEMV_MAX_ROWS).contains(&rows)
             && k.is_multiple_of(32)
-            && k <= NORM_REGISTER_COLS
+            && k <= max_cols
             && out.stride == out.cols;
         if !fits {
             return None;
