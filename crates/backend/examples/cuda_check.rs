@@ -4,7 +4,8 @@
 //! `--bench` runs the micro-benchmarks after the checks, `--bench-only`
 //! without them, `--bench-gemm` only cuBLASLt's split-K schemes at decode batches,
 //! `--bench-quant` only the block-format matmuls (every path at 1 to 256 rows;
-//! `--bench-quant-short` fewer formats and shapes).
+//! `--bench-quant-short` fewer formats and shapes), `--bench-q8-layer` a decode
+//! layer's integer GEMVs as separate and as fused launches.
 //!
 //! `CORRIDOR_CACHE_DIR` (optional) is where compiled kernels are cached.
 
@@ -43,6 +44,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let flag = |f: &str| std::env::args().any(|a| a == f);
     if flag("--bench-gemm") {
         for l in check::bench_gemm_schemes(&be, &mut 0)? {
+            println!("{l}");
+        }
+        return Ok(());
+    }
+    if flag("--bench-q8-layer") {
+        for l in check::bench_q8_layer(&be, &mut 0)? {
             println!("{l}");
         }
         return Ok(());

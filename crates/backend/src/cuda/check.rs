@@ -1422,6 +1422,106 @@ pub fn bench_gemm_schemes(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<
     Ok(lines)
 }
 
+/// A decode layer's integer GEMVs on Q4_K weights of the Llama-3-8B shapes,
+/// the launches as they were and as they are (`cuda_check --bench-q8-layer`):
+/// each variant starts from an input quantized by `q8_quantize` and ends
+/// with every output written. "one group": a block reads one group of
+/// weight rows; "groups": as many as fill the card once; "fused": q/k/v in
+/// one launch, gate/up with the SiLU product and its quantization in one.
+pub fn bench_q8_layer(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let mut rng = Rng(13);
+    let (hidden, ff, kv) = (4096usize, 14336usize, 1024usize);
+    let mk = |rng: &mut Rng, n: usize, k: usize| -> Result<Vec<CudaWeight>> {
+        weight_copies(be, &quant_tensor(rng, DType::Q4_K, n, k))
+    };
+    let (wq, wk, wv, wo) = (
+        mk(&mut rng, hidden, hidden)?,
+        mk(&mut rng, kv, hidden)?,
+        mk(&mut rng, kv, hidden)?,
+        mk(&mut rng, hidden, hidden)?,
+    );
+    let (wg, wu, wd) = (mk(&mut rng, ff, hidden)?, mk(&mut rng, ff, hidden)?, mk(&mut rng, hidden, ff)?);
+    let copies = wq.len().min(wg.len()).min(wd.len()).min(wk.len());
+    let rows_max = Q8_GEMV_MAX_ROWS;
+    let x = be.alloc_act(ActShape { rows: rows_max, cols: hidden })?;
+    put_gpu(be, &x, &rng.vec(rows_max * hidden, 1.0))?;
+    let a = |cols| be.alloc_act(ActShape { rows: rows_max, cols });
+    let (q, k, v, o) = (a(hidden)?, a(kv)?, a(kv)?, a(hidden)?);
+    let (g, u, mut act, mut down) = (a(ff)?, a(ff)?, a(ff)?, a(hidden)?);
+    for rows in [1usize, 2, 4] {
+        let mut time = |what: &str, groups: usize, f: &mut dyn FnMut(usize)| -> Result<()> {
+            *graph_id += 1;
+            be.set_mmvq_groups(groups);
+            let ms = graph_time_ms(be, *graph_id, 20, || {
+                for c in 0..copies {
+                    f(c);
+                }
+            });
+            be.set_mmvq_groups(0);
+            let us = ms? / copies as f32 * 1e3;
+            lines.push(format!("q8 layer Q4_K rows {rows}: {what}: {us:.1} us"));
+            Ok(())
+        };
+        // Quantize x afresh (the holds forgotten), then `f` on that input.
+        let fresh = |f: &mut dyn FnMut(&mut super::State, super::matmul::Q8Input) -> Result<()>| {
+            be.op("bench", |st| {
+                st.xq_holds = None;
+                let input = be.q8_input(st, &x, rows)?;
+                f(st, input)
+            })
+        };
+        for (what, groups) in
+            [("q/k/v, one group a block, 3 launches", 1usize), ("q/k/v, groups, 3 launches", 0)]
+        {
+            time(what, groups, &mut |c| {
+                fresh(&mut |st, i| {
+                    be.gemv_q8(st, i, &wq[c], rows, &q)?;
+                    be.gemv_q8(st, i, &wk[c], rows, &k)?;
+                    be.gemv_q8(st, i, &wv[c], rows, &v)
+                })
+            })?;
+        }
+        time("q/k/v fused", 0, &mut |c| {
+            fresh(&mut |st, i| {
+                be.mmvq(
+                    st,
+                    i,
+                    &[(&wq[c], 0, q.ptr()), (&wk[c], 0, k.ptr()), (&wv[c], 0, v.ptr())],
+                    rows,
+                    None,
+                )
+            })
+        })?;
+        for (what, groups) in [("o, one group a block", 1usize), ("o, groups", 0)] {
+            time(what, groups, &mut |c| fresh(&mut |st, i| be.gemv_q8(st, i, &wo[c], rows, &o)))?;
+        }
+        for (what, groups) in
+            [("gate, up, SiLU, quantize, down: one group a block", 1usize), ("the same, groups", 0)]
+        {
+            time(what, groups, &mut |c| {
+                fresh(&mut |st, i| {
+                    be.gemv_q8(st, i, &wg[c], rows, &g)?;
+                    be.gemv_q8(st, i, &wu[c], rows, &u)
+                });
+                be.silu_mul(&g, &u, rows, &mut act);
+                be.matmul(&act, &wd[c], None, rows, &mut down);
+            })?;
+        }
+        time("gate/up/SiLU fused (groups), quantize, down", 0, &mut |c| {
+            fresh(&mut |st, i| be.mmvq(st, i, &[(&wg[c], 0, act.ptr())], rows, Some((&wu[c], false))));
+            be.lock().xq_holds = None;
+            be.matmul(&act, &wd[c], None, rows, &mut down);
+        })?;
+        time("gate/up/SiLU fused with the product quantized, down", 0, &mut |c| {
+            fresh(&mut |st, i| be.mmvq(st, i, &[(&wg[c], 0, act.ptr())], rows, Some((&wu[c], true))));
+            be.matmul(&act, &wd[c], None, rows, &mut down);
+        })?;
+    }
+    be.check()?;
+    Ok(lines)
+}
+
 /// The block-format lines of [`bench`] alone (`cuda_check --bench-quant`);
 /// `short`: only the formats of llama.cpp's Q4_K_M and Q8_0 files, on the
 /// gate/up and k/v shapes (`--bench-quant-short`).
