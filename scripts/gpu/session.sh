@@ -8,7 +8,8 @@
 #                                   # machine: in the background gguf_bench.sh prep (llama.cpp built
 #                                   # with CUDA, the 8B checkpoint, its f16 GGUF, Q4_K_M / Q8_0 / Q4_0)
 #                                   # then bench of every file once the card is free; in the
-#                                   # foreground the checks and the block-format matmuls of
+#                                   # foreground the checks, a decode layer's integer GEMVs
+#                                   # (--bench-q8-layer) and the block-format matmuls of
 #                                   # .gpu/cuda_check-base against .gpu/cuda_check (--bench-quant-short)
 #   scripts/gpu/session.sh wait S   # the next calls: follow that plan for up to S seconds
 #   scripts/gpu/session.sh profile  # batch-1 decode steps as the card runs them (nsys_decode.sh: every
@@ -130,6 +131,9 @@ case "${1:-checks}" in
         OUT=$g scripts/gpu/gguf_bench.sh bench ${FILES:-Q4_K_M Q8_0 Q4_0 f16} > $g/bench.log 2>&1; touch $g/done" \
         < /dev/null > /dev/null 2>&1 &
     quant_checks
+    echo "== [${SECONDS}s] a decode layer's integer GEMVs, separate and fused launches"
+    timeout 150 ./.gpu/cuda_check --bench-q8-layer > "$out/bench_q8_layer.log" 2>&1; echo "exit $?"
+    grep -E "^q8 layer" "$out/bench_q8_layer.log"
     for b in cuda_check-base cuda_check; do
         echo "== [${SECONDS}s] block-format matmuls: $b"
         timeout 200 "./.gpu/$b" --bench-quant-short > "$out/bench_quant_$b.log" 2>&1; echo "exit $?"
