@@ -36,7 +36,7 @@ def nvrtc():
 
 def sources():
     rs = open(os.path.join(ROOT, "crates/backend/src/cuda/nvrtc.rs")).read()
-    names = re.findall(r'include_str!\("\.\./\.\./kernels/([a-z_]+\.cu)"\)', rs)
+    names = re.findall(r'include_str!\("\.\./\.\./kernels/([a-z0-9_]+\.cu)"\)', rs)
     if not names:
         sys.exit("no kernel sources listed in nvrtc.rs")
     return names, "".join(open(os.path.join(ROOT, "crates/backend/kernels", n)).read() for n in names)

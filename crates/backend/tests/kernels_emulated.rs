@@ -11,15 +11,18 @@
 //! - `attention.cpp`: the tiled prefill attention kernels (kernels/attention.cu,
 //!   head dims 64, 128 and 256), with the tensor-core instructions (mma.sync,
 //!   ldmatrix) emulated from their PTX definitions, and the split-K decode
-//!   kernels (per warp and in 32-token tiles, then the combine), against
-//!   causal attention over the same paged cache.
+//!   kernels (per warp and in 32-token tiles, then the combine, whose 8-bit
+//!   copy of the output is checked bit for bit), against causal attention
+//!   over the same paged cache.
 //! - `moe.cpp`: the routed expert FFN's decode kernels (kernels/moe.cu):
 //!   routing and grouping, and the bf16 gate/up and down GEMVs, fused with
 //!   the weighted sum and per expert, against the op from its definition.
 //! - `mmvq.cpp`: the integer decode GEMVs (kernels/mmvq.cu): the 8-bit
 //!   quantization of the input rows bit for bit against the CPU's rule, and
 //!   every format's GEMV at every row-count instantiation against the weights
-//!   dequantized in double from the format's definition.
+//!   dequantized in double from the format's definition, with one and several
+//!   groups of weight rows a block, three matrices in one launch, and gate/up
+//!   with their SiLU product, that product's 8-bit copy bit for bit.
 //! - `mmq.cpp`: the tensor-core matmul of block-format weights
 //!   (kernels/mmq.cu, with the decoders of kernels/blocks.cu) for the formats
 //!   with word-wise decoders, at every group size, with K slices and their
@@ -28,8 +31,8 @@
 //!
 //! Shared by the programs: `shim.h` (threads, barriers, vector types, warp
 //! shuffles), `mma.h` (shared-memory addresses, cp.async, mma.sync,
-//! ldmatrix) and `formats.h` (the block formats' reference decoders and
-//! random blocks).
+//! ldmatrix), `formats.h` (the block formats' reference decoders and
+//! random blocks) and `q8.h` (the 8-bit rule of the GEMVs' inputs).
 //!
 //! Needs a C++20 compiler: `$CXX`, or `c++` on the PATH.
 
@@ -65,6 +68,11 @@ fn delta_kernels_match_the_cpu_arithmetic_under_emulation() {
 fn attention_kernels_match_the_reference_under_emulation() {
     let report = run_emulated("attention");
     assert_eq!(report.matches("PASS").count(), 11, "fewer comparisons than written:\n{report}");
+    assert_eq!(
+        report.matches("output quantized bit for bit").count(),
+        4,
+        "the combine's 8-bit copy:\n{report}"
+    );
 }
 
 #[test]
@@ -76,7 +84,12 @@ fn moe_decode_kernels_match_the_reference_under_emulation() {
 #[test]
 fn integer_decode_gemvs_match_the_block_definitions_under_emulation() {
     let report = run_emulated("mmvq");
-    assert_eq!(report.matches("PASS").count(), 80, "fewer comparisons than written:\n{report}");
+    assert_eq!(report.matches("PASS").count(), 164, "fewer comparisons than written:\n{report}");
+    assert_eq!(
+        report.matches("product quantized bit for bit").count(),
+        24,
+        "the SiLU product's 8-bit copy:\n{report}"
+    );
 }
 
 #[test]

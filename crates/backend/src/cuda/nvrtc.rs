@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 pub const SOURCES: &[&str] = &[
     include_str!("../../kernels/dtypes.cu"),
     include_str!("../../kernels/common.cu"),
+    include_str!("../../kernels/q8.cu"),
     include_str!("../../kernels/blocks.cu"),
     include_str!("../../kernels/elementwise.cu"),
     include_str!("../../kernels/gemv.cu"),

@@ -8,6 +8,7 @@
 // Built and run by crates/backend/tests/kernels_emulated.rs; exits 1
 // when a comparison fails.
 #include "mma.h"
+#include "q8.h"
 #include <random>
 
 #define NEG_INF (-INFINITY)
@@ -108,6 +109,8 @@ bool run(const Case& c) {
         rows += s.rows;
     }
     std::vector<float> q((size_t)rows * c.heads * hd), out(q.size(), NAN);
+    std::vector<u32> oq;
+    std::vector<float2> oqs;
     for (auto& x : q) x = rnd(2.f);
     const int ntiles = tiles.size() / 2;
     const float scale = 1.f / std::sqrt((float)hd);
@@ -126,11 +129,18 @@ bool run(const Case& c) {
             k(q.data(), kc.data(), vc.data(), row_pos.data(), row_seq.data(), seq_pt_off.data(), page_table.data(),
               out.data(), part_o.data(), part_ml.data(), c.heads, c.kv_heads, hd, ps, scale, min_chunk, c.nsplit);
         });
-        if (c.nsplit > 1)
+        if (c.nsplit > 1) {
+            // With head_dim a multiple of 32, the output quantized too (the
+            // output projection's 8-bit input).
+            bool q8 = hd % 32 == 0;
+            oq.assign(out.size() / 4, 0xdeadbeef);
+            oqs.assign(out.size() / 32, {NAN, NAN});
             launch({(unsigned)c.heads, (unsigned)rows, 1}, 128, [&] {
-                attn_combine(part_o.data(), part_ml.data(), row_pos.data(), row_seq.data(), out.data(), c.heads, hd,
-                             c.nsplit, min_chunk);
+                attn_combine(part_o.data(), part_ml.data(), row_pos.data(), row_seq.data(), out.data(),
+                             q8 ? oq.data() : nullptr, q8 ? oqs.data() : nullptr, c.heads, hd, c.nsplit, min_chunk);
             });
+            if (!q8) oq.clear();
+        }
     }
     // The reference: each row over keys 0..=its position, from the same cache.
     auto at = [&](const std::vector<bf16_t>& cache, int si, int t, int kvh, int d) {
@@ -163,8 +173,11 @@ bool run(const Case& c) {
     // Tiled: Q and P are rounded to bf16 before their products, as on the GPU
     // (check.rs BF16). Split-K computes in f32 from the bf16 cache.
     bool ok = err <= (c.nsplit ? 1e-4 : 2e-2) * ref_max;
-    printf("%s %s: max error %.2e of max |ref| %.2e\n", ok ? "PASS" : "FAIL", c.name, err, ref_max);
-    return ok;
+    // The combine's 8-bit copy: exactly the quantization of what it wrote.
+    bool codes = oq.empty() || q8_matches(out, oq, oqs);
+    printf("%s %s: max error %.2e of max |ref| %.2e%s\n", ok && codes ? "PASS" : "FAIL", c.name, err, ref_max,
+           oq.empty() ? "" : codes ? "; output quantized bit for bit" : "; output's 8-bit copy DIFFERS");
+    return ok && codes;
 }
 
 } // namespace

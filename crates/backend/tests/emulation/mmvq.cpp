@@ -16,6 +16,7 @@
 // Built and run by crates/backend/tests/kernels_emulated.rs; exits 1 when a
 // comparison fails.
 #include "formats.h"
+#include "q8.h"
 #include <cstdio>
 
 // dp4a.s32.s32: c plus the four products of the signed bytes of a and b.
@@ -32,33 +33,15 @@ inline u32 __funnelshift_r(u32 lo, u32 hi, int n) {
 
 namespace {
 
-using Gemv = void (*)(const u8*, long long, const signed char*, const float2*, float*, int, int, int, int);
+using Gemv = void (*)(const u8*, const u8*, const u8*, float*, float*, float*, const float*, const float*,
+                     const float*, int, int, int, long long, const signed char*, const float2*, int, int, int, int,
+                     u32*, float2*, int);
 #define KERNELS(stem) {mmvq_##stem##_r1, mmvq_##stem##_r2, mmvq_##stem##_r4, mmvq_##stem##_r8}
 // Each format's GEMVs for 1, 2, 4 and 8 input rows, as formats() lists them.
 const Gemv kGemvs[12][4] = {KERNELS(q8_0), KERNELS(q4_0), KERNELS(q4_1),   KERNELS(q5_0),
                             KERNELS(q5_1), KERNELS(iq4_nl), KERNELS(q2_k), KERNELS(q3_k),
                             KERNELS(q4_k), KERNELS(q5_k), KERNELS(q6_k),   KERNELS(iq4_xs)};
-
-// The 8-bit rule of cpu/quant.rs `Q8Row::quantize`, written out.
-void q8_reference(const std::vector<float>& x, std::vector<signed char>& q, std::vector<float2>& s) {
-    size_t blocks = x.size() / 32;
-    q.resize(x.size());
-    s.resize(blocks);
-    for (size_t b = 0; b < blocks; b++) {
-        float amax = 0.f;
-        for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(x[32 * b + i]));
-        float d = amax / 127.0f;
-        float inv = d > 0.f ? 1.0f / d : 0.f;
-        int sum = 0;
-        for (int i = 0; i < 32; i++) {
-            float r = std::round(x[32 * b + i] * inv);
-            int c = std::isnan(r) ? 0 : r < -128.f ? -128 : r > 127.f ? 127 : (int)r;
-            q[32 * b + i] = (signed char)c;
-            sum += c;
-        }
-        s[b] = {d, d * (float)sum};
-    }
-}
+const int kMaxGroups[4] = {32, 32, 16, 8}; // matmul.rs MMVQ_MAX_GROUPS
 
 // Input rows with edge blocks: all zeros, a tie at every half (x / d = n + 1/2
 // rounds away from zero, not to even), one large value among small ones.
@@ -80,59 +63,129 @@ bool check_quantize(int rows, int k) {
     std::vector<float2> s(blocks, {NAN, NAN});
     unsigned grid = (unsigned)((blocks * 8 + 255) / 256);
     launch({grid, 1, 1}, 256, [&] { q8_quantize(x.data(), q.data(), s.data(), blocks); });
-    std::vector<signed char> rq;
-    std::vector<float2> rs;
-    q8_reference(x, rq, rs);
-    bool ok = memcmp(q.data(), rq.data(), rq.size()) == 0;
-    for (long long b = 0; b < blocks; b++) ok &= memcmp(&s[b], &rs[b], sizeof(float2)) == 0;
+    bool ok = q8_matches(x, q, s);
     printf("%s q8_quantize %d x %d: codes and (d, d sum q) bit for bit\n", ok ? "PASS" : "FAIL", rows, k);
     return ok;
 }
 
-bool check_gemv(const Format& f, int n, int k, int rows) {
-    int per_row = k / f.elems;
-    std::vector<u8> w = random_blocks(f, n * per_row);
-    long long row_bytes = (long long)per_row * f.bytes;
-    // A 16-byte aligned copy, as the arena places a tensor.
-    std::vector<uint4> wa((w.size() + 15) / 16 + 1);
-    memcpy(wa.data(), w.data(), w.size());
-    const u8* wp = (const u8*)wa.data();
-    std::vector<float> x = input_rows(rows, k);
-    std::vector<signed char> xq;
-    std::vector<float2> xs;
-    q8_reference(x, xq, xs);
-    std::vector<int4> xqa(xq.size() / 16);
-    memcpy(xqa.data(), xq.data(), xq.size());
-    std::vector<float> out((size_t)rows * n, NAN);
-    int r_inst = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
-    Gemv kernel = kGemvs[f.dt - DT_Q8_0][r_inst == 1 ? 0 : r_inst == 2 ? 1 : r_inst == 4 ? 2 : 3];
-    int nw = r_inst <= 2 ? 2 : 4; // matmul.rs MMVQ_NW
-    launch({(unsigned)((n + nw - 1) / nw), 1, 1}, MMVQ_WARPS * 32, [&] {
-        kernel(wp, row_bytes, (const signed char*)xqa.data(), xs.data(), out.data(), n, k, rows, 1);
-    });
-    // The reference: weights in double from the definition, times d * q.
-    double worst = 0;
-    std::vector<double> wrow(k);
-    for (int j = 0; j < n; j++) {
-        for (int b = 0; b < per_row; b++) f.decode(wp + j * row_bytes + (size_t)b * f.bytes, &wrow[(size_t)b * f.elems]);
-        for (int r = 0; r < rows; r++) {
-            double ref = 0, mag = 0;
-            for (int e = 0; e < k; e++) {
-                double xv = (double)xs[((size_t)r * k + e) / 32].x * xq[(size_t)r * k + e];
-                ref += wrow[e] * xv;
-                mag += std::fabs(wrow[e] * xv);
-            }
-            // The offsets' term (m * d sum q) is one product per 32 weights.
-            double got = out[(size_t)r * n + j];
-            double e = std::isnan(got) ? INFINITY : std::fabs(got - ref) / std::max(mag, 1e-30);
-            worst = std::max(worst, e);
+// A matrix of random blocks of `f`, n x k, 16-byte aligned as the arena
+// places it, and its rows dequantized in double from the definition.
+struct Matrix {
+    std::vector<uint4> mem;
+    long long row_bytes;
+    std::vector<double> deq;
+    Matrix(const Format& f, int n, int k) {
+        int per_row = k / f.elems;
+        std::vector<u8> w = random_blocks(f, n * per_row);
+        row_bytes = (long long)per_row * f.bytes;
+        mem.resize((w.size() + 15) / 16 + 1);
+        memcpy(mem.data(), w.data(), w.size());
+        deq.resize((size_t)n * k);
+        for (int j = 0; j < n; j++)
+            for (int b = 0; b < per_row; b++)
+                f.decode(ptr() + j * row_bytes + (size_t)b * f.bytes, &deq[(size_t)j * k + (size_t)b * f.elems]);
+    }
+    const u8* ptr() const { return (const u8*)mem.data(); }
+};
+
+// The quantized input rows, as the kernels read them.
+struct Input {
+    std::vector<signed char> q;
+    std::vector<float2> s;
+    std::vector<int4> qa;
+    Input(int rows, int k) {
+        q8_reference(input_rows(rows, k), q, s);
+        qa.resize(q.size() / 16);
+        memcpy(qa.data(), q.data(), q.size());
+    }
+    // x[r] . row j of m, in double, and the sum of the terms' magnitudes.
+    std::pair<double, double> dot(const Matrix& m, int k, int r, int j) const {
+        double ref = 0, mag = 0;
+        for (int e = 0; e < k; e++) {
+            double xv = (double)s[((size_t)r * k + e) / 32].x * q[(size_t)r * k + e];
+            ref += m.deq[(size_t)j * k + e] * xv;
+            mag += std::fabs(m.deq[(size_t)j * k + e] * xv);
+        }
+        return {ref, mag};
+    }
+};
+
+int inst_of(int rows) { return rows <= 1 ? 0 : rows <= 2 ? 1 : rows <= 4 ? 2 : 3; }
+int nw_of(int rows) { return inst_of(rows) <= 1 ? 2 : 4; } // matmul.rs MMVQ_NW
+
+// One launch over up to three matrices of one input (`ns`: their rows; 0:
+// absent), `groups` groups of weight rows a block, a bias on the second.
+bool check_gemv(const Format& f, std::vector<int> ns, int k, int rows, int groups) {
+    ns.resize(3, 0);
+    std::vector<Matrix> ms;
+    for (int n : ns) ms.emplace_back(f, n, k);
+    Input x(rows, k);
+    std::vector<std::vector<float>> out(3), bias(3);
+    for (int p = 0; p < 3; p++) {
+        out[p].assign((size_t)rows * ns[p], NAN);
+        if (p == 1) {
+            bias[p].resize(ns[p]);
+            for (auto& b : bias[p]) b = rnd(1.f);
         }
     }
+    int per = nw_of(rows) * groups, blocks = 0;
+    for (int n : ns) blocks += (n + per - 1) / per;
+    Gemv kernel = kGemvs[f.dt - DT_Q8_0][inst_of(rows)];
+    auto bp = [&](int p) { return bias[p].empty() ? nullptr : bias[p].data(); };
+    launch({(unsigned)blocks, 1, 1}, MMVQ_WARPS * 32, [&] {
+        kernel(ms[0].ptr(), ms[1].ptr(), ms[2].ptr(), out[0].data(), out[1].data(), out[2].data(), bp(0), bp(1), bp(2),
+               ns[0], ns[1], ns[2], ms[0].row_bytes, (const signed char*)x.qa.data(), x.s.data(), k, rows, groups, 0,
+               nullptr, nullptr, 1);
+    });
+    double worst = 0;
+    for (int p = 0; p < 3; p++)
+        for (int j = 0; j < ns[p]; j++)
+            for (int r = 0; r < rows; r++) {
+                auto [ref, mag] = x.dot(ms[p], k, r, j);
+                if (!bias[p].empty()) ref += bias[p][j], mag += std::fabs(bias[p][j]);
+                double got = out[p][(size_t)r * ns[p] + j];
+                double e = std::isnan(got) ? INFINITY : std::fabs(got - ref) / std::max(mag, 1e-30);
+                worst = std::max(worst, e);
+            }
     // f32 products and sums of exact integer dots: a few ulps of the sum of magnitudes.
     bool ok = worst <= 1e-5;
-    printf("%s mmvq %s r%d: %d rows, n %d, k %d: max error %.2e of the sum of |terms|\n", ok ? "PASS" : "FAIL", f.name,
-           r_inst, rows, n, k, worst);
+    printf("%s mmvq %s r%d: %d rows, n %d+%d+%d, k %d, %d groups a block: max error %.2e of the sum of |terms|\n",
+           ok ? "PASS" : "FAIL", f.name, 1 << inst_of(rows), rows, ns[0], ns[1], ns[2], k, groups, worst);
     return ok;
+}
+
+// Gate and up (n rows each) in one launch: their SiLU product, and with
+// `quantized` that product quantized bit for bit as q8_quantize would.
+bool check_glu(const Format& f, int n, int k, int rows, int groups, bool quantized) {
+    Matrix g(f, n, k), u(f, n, k);
+    Input x(rows, k);
+    std::vector<float> h((size_t)rows * n, NAN);
+    std::vector<u32> hq((size_t)rows * n / 4, 0xdeadbeef);
+    std::vector<float2> hs((size_t)rows * n / 32, {NAN, NAN});
+    int per = nw_of(rows) * groups;
+    Gemv kernel = kGemvs[f.dt - DT_Q8_0][inst_of(rows)];
+    launch({(unsigned)((n + per - 1) / per), 1, 1}, MMVQ_WARPS * 32, [&] {
+        kernel(g.ptr(), u.ptr(), nullptr, h.data(), nullptr, nullptr, nullptr, nullptr, nullptr, n, 0, 0, g.row_bytes,
+               (const signed char*)x.qa.data(), x.s.data(), k, rows, groups, 1, quantized ? hq.data() : nullptr,
+               quantized ? hs.data() : nullptr, 1);
+    });
+    double worst = 0;
+    for (int j = 0; j < n; j++)
+        for (int r = 0; r < rows; r++) {
+            auto [gv, gm] = x.dot(g, k, r, j);
+            auto [uv, um] = x.dot(u, k, r, j);
+            double sg = gv / (1 + std::exp(-gv)), ref = sg * uv;
+            // The product's error from the dots' (silu' is at most 1.1 in magnitude).
+            double bound = 1e-5 * (1.1 * gm * std::fabs(uv) + std::fabs(sg) * um) + 1e-6 * std::fabs(ref) + 1e-30;
+            double got = h[(size_t)r * n + j];
+            worst = std::max(worst, std::isnan(got) ? INFINITY : std::fabs(got - ref) / bound);
+        }
+    bool ok = worst <= 1.0;
+    bool codes = !quantized || q8_matches(h, hq, hs);
+    printf("%s mmvq %s r%d gate/up/SiLU: %d rows, n %d, k %d, %d groups a block: max error %.2f of its bound%s\n",
+           ok && codes ? "PASS" : "FAIL", f.name, 1 << inst_of(rows), rows, n, k, groups, worst,
+           quantized ? (codes ? "; product quantized bit for bit" : "; product's 8-bit copy DIFFERS") : "");
+    return ok && codes;
 }
 
 } // namespace
@@ -144,16 +197,25 @@ int main() {
     for (const Format& f : formats()) {
         // k: a partial step (2 super-blocks), two warps' steps (5), and a
         // warp's second step (17), with the next step's weights loaded
-        // ahead (1 and 2 rows) and without (5 rows); for
-        // the 32-weight formats also a step whose last block is alone in its
-        // half (17 blocks).
-        failed += !check_gemv(f, 5, 512, 1);
-        failed += !check_gemv(f, 5, 512, 3);
-        failed += !check_gemv(f, 5, 1280, 2);
-        failed += !check_gemv(f, 3, 4352, 5);
-        failed += !check_gemv(f, 4, 4352, 1);
-        failed += !check_gemv(f, 3, 4352, 2);
-        if (f.elems == 32) failed += !check_gemv(f, 5, 544, 8);
+        // ahead (1 and 2 rows) and without (5 rows); for the 32-weight
+        // formats also a step whose last block is alone in its half (17
+        // blocks). Groups: one a block, two or three (a warp's units across
+        // groups, a partial last block, three matrices' blocks side by side),
+        // and a block's most.
+        failed += !check_gemv(f, {5}, 512, 1, 1);
+        failed += !check_gemv(f, {5}, 512, 3, 1);
+        failed += !check_gemv(f, {5}, 1280, 2, 3);
+        failed += !check_gemv(f, {3}, 4352, 5, 1);
+        failed += !check_gemv(f, {4}, 4352, 1, 1);
+        failed += !check_gemv(f, {3}, 4352, 2, 1);
+        failed += !check_gemv(f, {9, 5, 7}, 1280, 1, 3);
+        failed += !check_gemv(f, {9, 5, 7}, 4352, 4, 2);
+        failed += !check_gemv(f, {37}, 512, 2, kMaxGroups[1]);
+        failed += !check_gemv(f, {37}, 512, 8, kMaxGroups[3]);
+        if (f.elems == 32) failed += !check_gemv(f, {5}, 544, 8, 1);
+        failed += !check_glu(f, 64, 1280, 1, 16, true);
+        failed += !check_glu(f, 64, 512, 3, 8, true);
+        failed += !check_glu(f, 13, 1280, 2, 3, false);
     }
     return failed ? 1 : 0;
 }

@@ -173,6 +173,16 @@ T __shfl_xor_sync(u32, T v, int o) {
     emu::exchange(v, [&](auto at) { r = at((threadIdx.x & 31) ^ o); });
     return r;
 }
+// shfl.sync.down: lane l reads lane l + o, lanes past 31 - o keep their own value.
+template <class T>
+T __shfl_down_sync(u32, T v, int o) {
+    T r = v;
+    int lane = threadIdx.x & 31;
+    emu::exchange(v, [&](auto at) {
+        if (lane + o < 32) r = at(lane + o);
+    });
+    return r;
+}
 // shfl.sync.up: lane l reads lane l - o, lanes below o keep their own value.
 template <class T>
 T __shfl_up_sync(u32, T v, int o) {
