@@ -604,11 +604,12 @@ fn bf16_input_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, 
     Ok(())
 }
 
-/// The 8-bit inputs that norms and the gate/up GEMV store for the integer
-/// GEMVs after them (`State::xq_holds`): the GEMV that reads one gives the
-/// same bits as one of a fresh copy of its input (which quantizes), at every
-/// row count that takes the integer GEMV; and an op that writes the input
-/// after, or a matmul whose output it is, makes the next GEMV quantize again.
+/// The 8-bit inputs that norms store for the integer GEMVs after them
+/// (`State::xq_holds`): the GEMV that reads one gives the same bits as one
+/// of a fresh copy of its input (which quantizes), at every row count that
+/// takes the integer GEMV; and an op that writes the input after, or a
+/// matmul whose output it is, makes the next GEMV quantize again. The same
+/// for the gate/up GEMV's SiLU product read by the down projection.
 fn q8_input_checks(be: &CudaBackend, refs: &References, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
     let cpu = &refs.f32;
     let (reference, tol) = refs.of(MatmulInput::Q8);
