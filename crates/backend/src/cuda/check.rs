@@ -536,6 +536,52 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
 /// bits as a matmul of a fresh copy of its input (which converts), and any
 /// op that writes the input after, or a matmul whose output it is, makes the
 /// next matmul convert again (a stale copy would give the old product).
+/// After a norm stored its copy of its output `normed` (bf16 or 8-bit), an
+/// op that writes `normed` again must make the next matmul of it read the
+/// new rows: an add into it, and a matmul whose output it is (`square`,
+/// `k x k`), each followed by a matmul with `w` against `reference` (the
+/// CPU as the GPU rounds that matmul's input, within `tol`).
+struct Stale<'a> {
+    cpu: &'a CpuBackend,
+    x: &'a Pair,
+    z: &'a Pair,
+    norm: (&'a CudaWeight, &'a CpuWeight),
+    w: (&'a CudaWeight, &'a CpuWeight),
+    square: (&'a CudaWeight, &'a CpuWeight),
+    rows: usize,
+}
+
+impl Stale<'_> {
+    fn checks(
+        &self,
+        be: &CudaBackend,
+        (reference, tol): (&CpuBackend, f32),
+        normed: &mut Pair,
+        y: &mut Pair,
+        what: &str,
+        rep: &mut CheckReport,
+    ) -> Result<()> {
+        let (rows, x, z, cpu) = (self.rows, self.x, self.z, self.cpu);
+        for add in [true, false] {
+            be.rms_norm(&x.g, self.norm.0, 1e-5, rows, &mut normed.g);
+            cpu.rms_norm(&x.c, self.norm.1, 1e-5, rows, &mut normed.c);
+            if add {
+                be.add_assign(&mut normed.g, &z.g, rows);
+                cpu.add_assign(&mut normed.c, &z.c, rows);
+            } else {
+                be.matmul(&z.g, self.square.0, None, rows, &mut normed.g);
+                reference.matmul(&z.c, self.square.1, None, rows, &mut normed.c);
+            }
+            be.matmul(&normed.g, self.w.0, None, rows, &mut y.g);
+            reference.matmul(&normed.c, self.w.1, None, rows, &mut y.c);
+            let (a, b) = read_both(be, reference, y, rows)?;
+            let after = if add { "an add to its input" } else { "a matmul that overwrote the norm's output" };
+            rep.compare(&format!("{what} after {after} (the stored copy is stale)"), &a, &b, tol);
+        }
+        Ok(())
+    }
+}
+
 fn bf16_input_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
     // 16 rows: past the GEMVs, so every matmul here takes a bf16 input.
     let (rows, k, n) = (16usize, 256usize, 192usize);
@@ -574,26 +620,9 @@ fn bf16_input_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, 
             Ok::<(), crate::BackendError>(())
         };
     stored_copy_checks(&normed, &mut y, &mut fresh, "rms_norm", rep)?;
-    // An op that writes the input after the norm stored its copy: the next
-    // matmul must see the new rows.
     let z = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 3.0)))?;
-    be.rms_norm(&x.g, &ng, 1e-5, rows, &mut normed.g);
-    cpu.rms_norm(&x.c, &nc, 1e-5, rows, &mut normed.c);
-    be.add_assign(&mut normed.g, &z.g, rows);
-    cpu.add_assign(&mut normed.c, &z.c, rows);
-    be.matmul(&normed.g, &wg, None, rows, &mut y.g);
-    cpu.matmul(&normed.c, &wc, None, rows, &mut y.c);
-    let (a, b) = read_both(be, cpu, &y, rows)?;
-    rep.compare("matmul after an add to its input (the stored copy is stale)", &a, &b, BF16);
-    // A matmul whose output is the input held.
-    be.rms_norm(&x.g, &ng, 1e-5, rows, &mut normed.g);
-    cpu.rms_norm(&x.c, &nc, 1e-5, rows, &mut normed.c);
-    be.matmul(&z.g, &sg, None, rows, &mut normed.g);
-    cpu.matmul(&z.c, &sc, None, rows, &mut normed.c);
-    be.matmul(&normed.g, &wg, None, rows, &mut y.g);
-    cpu.matmul(&normed.c, &wc, None, rows, &mut y.c);
-    let (a, b) = read_both(be, cpu, &y, rows)?;
-    rep.compare("matmul of a matmul's output that overwrote a norm's (stored copy stale)", &a, &b, BF16);
+    let stale = Stale { cpu, x: &x, z: &z, norm: (&ng, &nc), w: (&wg, &wc), square: (&sg, &sc), rows };
+    stale.checks(be, (cpu, BF16), &mut normed, &mut y, "matmul", rep)?;
     // The SiLU product's copy, read by the next matmul.
     let g = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 2.0)))?;
     let u = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 2.0)))?;
@@ -667,35 +696,9 @@ fn q8_input_checks(be: &CudaBackend, refs: &References, rep: &mut CheckReport, r
         be.gate_up_silu(&normed.g, &gg, &ug, rows, &mut g.g, &mut u.g, &mut act.g);
         reference.gate_up_silu(&normed.c, &gc, &uc, rows, &mut g.c, &mut u.c, &mut act.c);
         stored_copy(&act, (&dg, &dc), &mut y, "gate_up_silu")?;
-        // An op that writes the input after the norm stored its copy.
         let z = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 3.0)))?;
-        be.rms_norm(&x.g, &ng, 1e-5, rows, &mut normed.g);
-        cpu.rms_norm(&x.c, &nc, 1e-5, rows, &mut normed.c);
-        be.add_assign(&mut normed.g, &z.g, rows);
-        cpu.add_assign(&mut normed.c, &z.c, rows);
-        be.matmul(&normed.g, &wg, None, rows, &mut y.g);
-        reference.matmul(&normed.c, &wc, None, rows, &mut y.c);
-        let (a, b) = read_both(be, reference, &y, rows)?;
-        rep.compare(
-            &format!("{rows}-row GEMV after an add to its input (the 8-bit copy is stale)"),
-            &a,
-            &b,
-            tol,
-        );
-        // A matmul whose output is the input held.
-        be.rms_norm(&x.g, &ng, 1e-5, rows, &mut normed.g);
-        cpu.rms_norm(&x.c, &nc, 1e-5, rows, &mut normed.c);
-        be.matmul(&z.g, &sg, None, rows, &mut normed.g);
-        reference.matmul(&z.c, &sc, None, rows, &mut normed.c);
-        be.matmul(&normed.g, &wg, None, rows, &mut y.g);
-        reference.matmul(&normed.c, &wc, None, rows, &mut y.c);
-        let (a, b) = read_both(be, reference, &y, rows)?;
-        rep.compare(
-            &format!("{rows}-row GEMV of a matmul's output that overwrote a norm's (8-bit copy stale)"),
-            &a,
-            &b,
-            tol,
-        );
+        let stale = Stale { cpu, x: &x, z: &z, norm: (&ng, &nc), w: (&wg, &wc), square: (&sg, &sc), rows };
+        stale.checks(be, (reference, tol), &mut normed, &mut y, &format!("{rows}-row GEMV"), rep)?;
     }
     Ok(())
 }
