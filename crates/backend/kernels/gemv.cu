@@ -154,18 +154,13 @@ __device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ w0, co
                                                const float* __restrict__ b2, int n0, int n1, int n2,
                                                const float* __restrict__ x, int k, int rows, int early) {
     int blk = blockIdx.x;
-    int nb0 = (n0 + NW - 1) / NW, nb1 = (n1 + NW - 1) / NW;
+    int p = launch_part(blk, n0, n1, NW);
     const bf16_t* w = w0;
     float* out = o0;
     const float* bias = b0;
     int n = n0;
-    if (blk >= nb0 + nb1) {
-        blk -= nb0 + nb1;
-        w = w2, out = o2, bias = b2, n = n2;
-    } else if (blk >= nb0) {
-        blk -= nb0;
-        w = w1, out = o1, bias = b1, n = n1;
-    }
+    if (p == 1) w = w1, out = o1, bias = b1, n = n1;
+    if (p == 2) w = w2, out = o2, bias = b2, n = n2;
     int j0 = blk * NW;
     const uint4* wr[NW];
 #pragma unroll

@@ -586,20 +586,13 @@ __device__ __forceinline__ void mmvq_body(const u8* w0, const u8* w1, const u8* 
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     // The block's part and its first weight row there.
     int per = NW * groups, b = blockIdx.x;
+    int p = glu ? 0 : launch_part(b, n0, n1, per);
     const u8* w = w0;
     float* out = o0;
     const float* bias = b0;
     int n = n0;
-    if (!glu) {
-        int nb0 = (n0 + per - 1) / per, nb1 = (n1 + per - 1) / per;
-        if (b >= nb0 + nb1) {
-            b -= nb0 + nb1;
-            w = w2, out = o2, bias = b2, n = n2;
-        } else if (b >= nb0) {
-            b -= nb0;
-            w = w1, out = o1, bias = b1, n = n1;
-        }
-    }
+    if (p == 1) w = w1, out = o1, bias = b1, n = n1;
+    if (p == 2) w = w2, out = o2, bias = b2, n = n2;
     int j0 = b * per;
     int vg = glu ? 2 * groups : groups;
     int steps = (k + MMVQ_STEP - 1) / MMVQ_STEP, units = vg * steps;

@@ -240,6 +240,11 @@ mod tests {
         }
     }
 
+    /// A pool of two threads, so a step's loops have another thread to share with.
+    fn two_threads() -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap()
+    }
+
     /// Work long enough that another thread takes some of a loop's tasks.
     fn busy(iterations: u64) {
         let mut x = 0u64;
@@ -250,7 +255,7 @@ mod tests {
 
     #[test]
     fn a_step_uses_more_than_one_thread_and_nested_loops_run_in_order() {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let pool = two_threads();
         let threads = std::sync::Mutex::new(std::collections::HashSet::new());
         pool.install(|| {
             run(|| {
@@ -272,7 +277,7 @@ mod tests {
 
     #[test]
     fn a_panicking_task_fails_the_loop_not_the_pool() {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let pool = two_threads();
         let r = pool.install(|| {
             panic::catch_unwind(AssertUnwindSafe(|| {
                 run(|| {
@@ -300,7 +305,7 @@ mod tests {
     #[test]
     fn a_rayon_loop_inside_a_step_still_spreads() {
         use rayon::prelude::*;
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let pool = two_threads();
         let threads = std::sync::Mutex::new(std::collections::HashSet::new());
         pool.install(|| {
             run(|| {

@@ -523,33 +523,35 @@ impl CudaBackend {
             if !heads.is_multiple_of(g.kv_heads) {
                 return Err(BackendError::Other(format!("{heads} heads over {} KV heads", g.kv_heads)));
             }
+            // A captured step must stay valid for any rows and contexts, which
+            // only the split-K kernel's fixed grid allows; it also splits for
+            // the longest context the backend was sized for.
+            let tiled = match st.capturing {
+                Some(_) => None,
+                None => self
+                    .tiled_kernel(g.head_dim)
+                    .filter(|_| st.prefill == PrefillPath::Tiled && !st.maps.tiles.is_empty()),
+            };
             // The output quantized for the output projection's integer GEMV,
-            // by the combine pass of a one-launch split-K attention.
-            let one_pass =
-                st.capturing.is_some() || st.prefill != PrefillPath::Tiled || st.maps.tiles.is_empty();
-            let q8 = match g.head_dim.is_multiple_of(32) && one_pass {
+            // by the combine pass of split-K attention over every row.
+            let q8 = match g.head_dim.is_multiple_of(32) && tiled.is_none() {
                 true => self.q8_output(st, out, st.maps.rows, usize::MAX),
                 false => None,
             };
             let a = AttnLaunch { q, kv, heads, out: out.ptr(), q8 };
-            let tiled = self.tiled_kernel(g.head_dim);
-            // A captured step must stay valid for any rows and contexts, which
-            // only the split-K kernel's fixed grid allows; it also splits for
-            // the longest context the backend was sized for.
-            let combined = if st.capturing.is_some() {
-                let max_ctx = self.config.max_pages_per_seq * g.page_size.get();
-                self.attn_split(st, &a, st.row_seq.dev.ptr(), max_ctx)
-            } else {
-                match tiled {
-                    Some(tk) if st.prefill == PrefillPath::Tiled && !st.maps.tiles.is_empty() => {
-                        self.attn_tiled(st, &a, tk)?;
-                        if st.maps.rest_max_ctx > 0 {
-                            self.attn_split(st, &a, st.rest_seq.dev.ptr(), st.maps.rest_max_ctx)?;
-                        }
-                        Ok(false)
+            let combined = match tiled {
+                Some(tk) => {
+                    self.attn_tiled(st, &a, tk)?;
+                    if st.maps.rest_max_ctx > 0 {
+                        self.attn_split(st, &a, st.rest_seq.dev.ptr(), st.maps.rest_max_ctx)?;
                     }
-                    _ => self.attn_split(st, &a, st.row_seq.dev.ptr(), st.maps.max_ctx),
+                    Ok(false)
                 }
+                None if st.capturing.is_some() => {
+                    let max_ctx = self.config.max_pages_per_seq * g.page_size.get();
+                    self.attn_split(st, &a, st.row_seq.dev.ptr(), max_ctx)
+                }
+                None => self.attn_split(st, &a, st.row_seq.dev.ptr(), st.maps.max_ctx),
             };
             if !matches!(combined, Ok(true)) {
                 // No combine pass: the 8-bit copy was not written.

@@ -484,7 +484,6 @@ impl CudaBackend {
         let (kern, nw, max) = (self.k.mmvq[set][inst], MMVQ_NW[inst], MMVQ_MAX_GROUPS[inst]);
         let chosen = self.mmvq_groups.load(std::sync::atomic::Ordering::Relaxed);
         let resident = kern.per_sm * self.sm_count;
-        let n: Vec<usize> = parts.iter().map(|p| p.0.rows).collect();
         // The SiLU product quantized: each block then owns whole blocks of 32 columns.
         let product = match glu {
             Some((_, true)) if first.rows.is_multiple_of(32) && 2 * (32 / nw) <= max => {
@@ -500,9 +499,9 @@ impl CudaBackend {
             (Some(_), None) if chosen > 0 => chosen.min(max / 2),
             (Some(_), None) => mmvq_groups(first.rows.div_ceil(nw), resident, max / 2),
             (None, _) if chosen > 0 => chosen.min(max),
-            (None, _) => mmvq_groups(n.iter().map(|n| n.div_ceil(nw)).sum(), resident, max),
+            (None, _) => mmvq_groups(parts.iter().map(|p| p.0.rows.div_ceil(nw)).sum(), resident, max),
         };
-        let blocks: usize = n.iter().map(|n| n.div_ceil(nw * groups)).sum();
+        let blocks: usize = parts.iter().map(|p| p.0.rows.div_ceil(nw * groups)).sum();
         let dims = LaunchDims { grid: (blocks as u32, 1, 1), block: 32 * MMVQ_WARPS };
         let at = |i: usize| parts.get(i);
         let mut a = Args::new();
@@ -613,7 +612,7 @@ impl CudaBackend {
 
     /// A matmul op writes `outs`: if one of them is the activation `xbf` or
     /// one of `xq` holds, that copy is stale.
-    pub(super) fn forget_xbf_written<'a>(&self, st: &mut State, outs: impl IntoIterator<Item = &'a CudaAct>) {
+    pub(super) fn forget_written<'a>(&self, st: &mut State, outs: impl IntoIterator<Item = &'a CudaAct>) {
         let held = |ptr: u64, rows: usize, cols: usize| ptr..ptr + (rows * cols * 4) as u64;
         let xbf = st.xbf_holds.map(|v| held(v.ptr, v.rows, v.cols));
         let xq = st.xq_holds.map(|v| held(v.ptr, v.rows, v.cols));
@@ -842,7 +841,7 @@ impl CudaBackend {
                 )));
             }
             let r = self.matmul_inner(st, x, w, rows, out);
-            self.forget_xbf_written(st, [&*out]);
+            self.forget_written(st, [&*out]);
             r?;
             match bias {
                 Some(b) => self.add_bias(out, b, rows),
@@ -882,7 +881,7 @@ impl CudaBackend {
         if !fused && self.share_q8_input(x, parts.iter().map(|p| (p.w, p.out.cols)), rows) {
             // One quantization of the input for every part.
             return self.matmul_op("matmul_many (8-bit input)", |st| {
-                self.forget_xbf_written(st, parts.iter().map(|p| &*p.out));
+                self.forget_written(st, parts.iter().map(|p| &*p.out));
                 let input = self.q8_input(st, x, rows)?;
                 if self.config.tuning.fuse {
                     // One launch for each run of parts of one format (q and k
@@ -959,14 +958,14 @@ impl CudaBackend {
                 // row: 50.3 against 45.6 µs for gate/up/SiLU and down;
                 // `cuda_check --bench-q8-layer`).
                 return self.matmul_op("gate_up_silu (8-bit input)", |st| {
-                    self.forget_xbf_written(st, [&*gate_out, &*up_out, &*out]);
+                    self.forget_written(st, [&*gate_out, &*up_out, &*out]);
                     let input = self.q8_input(st, x, rows)?;
                     self.mmvq(st, input, &[(gate, 0, out.ptr())], rows, Some((up, false)))
                 });
             }
             // One quantization of the input for both GEMVs, then the SiLU product.
             self.matmul_op("gate_up (8-bit input)", |st| {
-                self.forget_xbf_written(st, [&*gate_out, &*up_out]);
+                self.forget_written(st, [&*gate_out, &*up_out]);
                 let input = self.q8_input(st, x, rows)?;
                 self.gemv_q8(st, input, gate, rows, gate_out)?;
                 self.gemv_q8(st, input, up, rows, up_out)

@@ -206,10 +206,11 @@ struct State {
     /// 8-bit copies of a decode matmul's input rows (at most
     /// `GEMV_MAX_ROWS`), laid out as `matmul::q8_layout` says: two, so that
     /// the gate/up GEMV can store its SiLU product quantized while it reads
-    /// its own input from the other.
+    /// its own input from the other (`cuda_check --bench-q8-layer` times
+    /// that form; serving does not take it).
     xq: [Option<DeviceBuffer>; 2],
     /// The activation whose first rows one of `xq` holds quantized, written
-    /// by the op that produced them (a norm, the gate/up GEMV) or by the
+    /// by the op that produced them (a norm, attention's combine pass) or by the
     /// first integer GEMV of that input: the GEMVs of that input after it
     /// quantize nothing. Forgotten as `xbf_holds` is.
     xq_holds: Option<Q8View>,

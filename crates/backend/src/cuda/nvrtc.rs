@@ -16,6 +16,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("../../kernels/dtypes.cu"),
     include_str!("../../kernels/common.cu"),
     include_str!("../../kernels/q8.cu"),
+    include_str!("../../kernels/parts.cu"),
     include_str!("../../kernels/blocks.cu"),
     include_str!("../../kernels/elementwise.cu"),
     include_str!("../../kernels/gemv.cu"),

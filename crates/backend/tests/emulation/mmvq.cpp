@@ -29,6 +29,7 @@ inline u32 __funnelshift_r(u32 lo, u32 hi, int n) {
     return (u32)((((unsigned long long)hi << 32) | lo) >> (n & 31));
 }
 
+#include "../../kernels/parts.cu"
 #include "../../kernels/mmvq.cu"
 
 namespace {
