@@ -3,9 +3,9 @@
 //! Weights in f32 are held as `Vec<f32>`; every other type (f16, bf16 and the
 //! ggml block formats) stays packed, memory-mapped when the checkpoint was, and
 //! is widened only inside the kernels: a row at a time for decode (`dot_row`),
-//! a 32-row tile at a time for prefill, where the tile feeds an f32 GEMM. Work
-//! is split over output columns with rayon, so every thread streams a disjoint
-//! slice of the weights.
+//! a tile of rows at a time for prefill, where the tile feeds an f32 GEMM
+//! (`gemm_task_cols` sizes it). Work is split over output columns, so every
+//! thread streams a disjoint slice of the weights.
 
 mod delta;
 mod pool;
@@ -25,8 +25,8 @@ use std::cell::RefCell;
 const ROWS_PER_TASK: usize = 32;
 
 /// Up to this many rows, a matmul dots each weight row with every input row
-/// (the weights are read once and widened in registers); above it, 32-row
-/// weight tiles are widened once into f32 and fed to a GEMM. Measured on
+/// (the weights are read once and widened in registers); above it, tiles of
+/// weight rows are widened once into f32 and fed to a GEMM. Measured on
 /// SmolLM2 Q4_1 at 8 concurrent requests with f32 activations: the GEMM path
 /// gives 49.5 output tok/s where dotting 8 rows gives 32.7, so the switch
 /// stays at 2 for the f32 dot.
@@ -514,6 +514,19 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     })
 }
 
+/// Columns a task of the f32 GEMM path computes, for a matmul of `n`
+/// columns over `k` inputs on `threads` threads. The GEMM packs the task's
+/// input rows again for every call, so a task of 32 columns repacked the
+/// whole prompt 18 times for a 576-wide matrix (18% of a prefill profile of
+/// SmolLM2 on 2 threads): a task takes the most columns that still give
+/// every thread two tasks, at most enough that its widened tile stays about
+/// a megabyte, and at least 32.
+fn gemm_task_cols(n: usize, k: usize, threads: usize) -> usize {
+    const TILE_VALUES: usize = 1 << 18;
+    let even = n.div_ceil(2 * threads.max(1)).next_multiple_of(8);
+    even.min((TILE_VALUES / k.max(1)).next_multiple_of(8)).max(ROWS_PER_TASK)
+}
+
 /// Tokens of one slice of a context in attention: a row's softmax runs over
 /// slices at fixed positions and merges their states in order, whichever
 /// thread computes a slice, so the result does not depend on the split.
@@ -537,6 +550,7 @@ impl AttnState {
     }
 
     /// Fold in the state of the next slice of tokens.
+    #[inline(always)]
     fn merge(&mut self, m: f32, l: f32, o: &[f32]) {
         if l == 0.0 {
             return;
@@ -561,6 +575,68 @@ impl AttnState {
             *o = x * inv;
         }
     }
+}
+
+/// One row's head over a slice of at most [`ATTN_CHUNK`] tokens (their K and
+/// V rows of this head), its softmax state folded into `state`; `buf` holds
+/// the slice's scores and its output. Compiled for AVX2 too and chosen at run
+/// time: the same operations in the same order (no fused multiply-adds), so
+/// both give the same bits, eight lanes at a time where the baseline build
+/// has four.
+fn attend_slice(
+    q: &[f32],
+    keys: &[&[f32]],
+    values: &[&[f32]],
+    scale: f32,
+    buf: &mut [f32],
+    state: &mut AttnState,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if quant::has_avx2() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        return unsafe { attend_slice_avx2(q, keys, values, scale, buf, state) };
+    }
+    attend_slice_generic(q, keys, values, scale, buf, state)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_slice_avx2(
+    q: &[f32],
+    keys: &[&[f32]],
+    values: &[&[f32]],
+    scale: f32,
+    buf: &mut [f32],
+    state: &mut AttnState,
+) {
+    attend_slice_generic(q, keys, values, scale, buf, state)
+}
+
+#[inline(always)]
+fn attend_slice_generic(
+    q: &[f32],
+    keys: &[&[f32]],
+    values: &[&[f32]],
+    scale: f32,
+    buf: &mut [f32],
+    state: &mut AttnState,
+) {
+    let (scores, o) = buf.split_at_mut(keys.len());
+    let mut m = f32::NEG_INFINITY;
+    for (k, sc) in keys.iter().zip(scores.iter_mut()) {
+        *sc = quant::dot_f32_generic(q, k) * scale;
+        m = m.max(*sc);
+    }
+    let mut l = 0.0;
+    o.fill(0.0);
+    for (v, sc) in values.iter().zip(scores.iter()) {
+        let p = (sc - m).exp();
+        l += p;
+        for (o, v) in o.iter_mut().zip(v.iter()) {
+            *o += p * v;
+        }
+    }
+    state.merge(m, l, o);
 }
 
 impl Backend for CpuBackend {
@@ -686,16 +762,20 @@ impl Backend for CpuBackend {
             MatmulInput::F32 | MatmulInput::Q8 => x.live(rows),
         };
         let optr = SendPtr(out.data.as_mut_ptr());
-        let tasks = n.div_ceil(ROWS_PER_TASK);
         // Decode over a block format: each activation row is quantized once
         // here, then read by every task.
         let q8_rows: Vec<quant::Q8Row> = match input {
             MatmulInput::Q8 => q8_input(xs, k),
             _ => Vec::new(),
         };
-        pool::for_each(tasks, |t| {
-            let j0 = t * ROWS_PER_TASK;
-            let nb = ROWS_PER_TASK.min(n - j0);
+        let gemm = q8_rows.is_empty() && rows > DOT_MAX_ROWS;
+        let per = match gemm {
+            true => gemm_task_cols(n, k, rayon::current_num_threads()),
+            false => ROWS_PER_TASK,
+        };
+        pool::for_each(n.div_ceil(per), |t| {
+            let j0 = t * per;
+            let nb = per.min(n - j0);
             if !q8_rows.is_empty() {
                 // SAFETY: task t alone writes columns j0..j0+nb of `out`.
                 unsafe { q8_columns(w, &q8_rows, optr, n, j0..j0 + nb) };
@@ -966,25 +1046,13 @@ impl Backend for CpuBackend {
             |si: usize, i: usize, kvh: usize, h: usize, t0: usize, t1: usize, state: &mut AttnState| {
                 let s = &seqs[si];
                 let qh = &q.row(s.row_start + i)[h * hd..(h + 1) * hd];
-                let token = |t: usize| kv.token(s.pages[t / g.page_size.get()], t % g.page_size.get());
-                with_scratch(t1 - t0 + hd, |buf| {
-                    let (scores, o) = buf.split_at_mut(t1 - t0);
-                    let mut m = f32::NEG_INFINITY;
-                    for (t, sc) in (t0..t1).zip(scores.iter_mut()) {
-                        *sc = quant::dot_f32(qh, &token(t).0[kvh * hd..(kvh + 1) * hd]) * scale;
-                        m = m.max(*sc);
-                    }
-                    let mut l = 0.0;
-                    o.fill(0.0);
-                    for (t, sc) in (t0..t1).zip(scores.iter()) {
-                        let p = (sc - m).exp();
-                        l += p;
-                        for (o, v) in o.iter_mut().zip(&token(t).1[kvh * hd..(kvh + 1) * hd]) {
-                            *o += p * v;
-                        }
-                    }
-                    state.merge(m, l, o);
-                });
+                let (mut keys, mut values) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
+                for (j, t) in (t0..t1).enumerate() {
+                    let (k, v) = kv.token(s.pages[t / g.page_size.get()], t % g.page_size.get());
+                    (keys[j], values[j]) = (&k[kvh * hd..(kvh + 1) * hd], &v[kvh * hd..(kvh + 1) * hd]);
+                }
+                let n = t1 - t0;
+                with_scratch(n + hd, |buf| attend_slice(qh, &keys[..n], &values[..n], scale, buf, state));
             };
         let write = |si: usize, i: usize, h: usize, state: &AttnState| {
             let r = seqs[si].row_start + i;
@@ -1235,6 +1303,63 @@ mod step_tests {
 }
 
 #[cfg(test)]
+mod gemm_tests {
+    use super::*;
+
+    /// A prefill matmul's GEMM tasks: whole kernel panels (multiples of 8
+    /// columns), at least two a thread where the columns allow, wide enough
+    /// that the prompt is packed a few times a matmul rather than once every
+    /// 32 columns, and a widened tile of about a megabyte at most.
+    #[test]
+    fn gemm_tasks_are_wide_and_still_fill_the_threads() {
+        for (n, k, threads) in
+            [(576, 576, 2), (192, 576, 2), (1536, 576, 2), (14336, 4096, 16), (100, 64, 64)]
+        {
+            let per = gemm_task_cols(n, k, threads);
+            assert!(per % 8 == 0 && per >= ROWS_PER_TASK, "{n}x{k} on {threads}: {per}");
+            assert!(per * k <= (1 << 18) + 8 * k || per == ROWS_PER_TASK, "{n}x{k}: a tile of {per} rows");
+            let tasks = n.div_ceil(per);
+            assert!(tasks >= (2 * threads).min(n / ROWS_PER_TASK), "{n}x{k} on {threads}: {tasks} tasks");
+        }
+        // The default model's widest matrices: 4 tasks on 2 threads, not 18 and 48.
+        assert_eq!(576usize.div_ceil(gemm_task_cols(576, 576, 2)), 4);
+        assert_eq!(1536usize.div_ceil(gemm_task_cols(1536, 576, 2)), 4);
+    }
+
+    /// The GEMM path with wide tasks computes every column of a packed
+    /// weight wider than one task, to f32 rounding.
+    #[test]
+    fn wide_gemm_tasks_cover_every_column() {
+        let b = CpuBackend::with_decode_activations(DecodeActivations::F32);
+        let (n, k, rows) = (200, 64, 5);
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0).collect();
+        // f16 storage (exact for these values): widened a tile at a time.
+        let data = w.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
+        let t = HostTensor {
+            name: "w".into(),
+            dtype: DType::F16,
+            shape: vec![n, k],
+            data: TensorBytes::from_vec(data),
+        };
+        let stored = b.upload_weight(&t).unwrap();
+        let x: Vec<f32> = (0..rows * k).map(|i| ((i * 13 % 29) as f32 - 14.0) / 16.0).collect();
+        let x = CpuAct { data: x, rows, cols: k };
+        let mut out = b.alloc_act(ActShape { rows, cols: n }).unwrap();
+        b.run_step(|| b.matmul(&x, &stored, None, rows, &mut out));
+        for r in 0..rows {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|i| x.row(r)[i] * w[j * k + i]).sum();
+                let got = out.row(r)[j];
+                assert!(
+                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "row {r} column {j}: {got} vs {want}"
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
 mod attention_tests {
     use super::*;
     use corridor_units::{Pages, Tokens};
@@ -1247,6 +1372,38 @@ mod attention_tests {
             })
             .collect();
         CpuAct { data, rows, cols }
+    }
+
+    /// The AVX2 build of a slice's softmax and the baseline build give the
+    /// same bits (the same operations in the same order, eight lanes at a
+    /// time against four), so a result does not depend on the CPU it ran on.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn a_slice_gives_the_same_bits_in_both_builds() {
+        if !quant::has_avx2() {
+            return;
+        }
+        let hd = 72;
+        let (k, v, q) = (act(ATTN_CHUNK, hd, 4), act(ATTN_CHUNK, hd, 5), act(1, hd, 6));
+        for n in [1, 7, ATTN_CHUNK] {
+            let keys: Vec<&[f32]> = (0..n).map(|t| k.row(t)).collect();
+            let values: Vec<&[f32]> = (0..n).map(|t| v.row(t)).collect();
+            let mut states = [AttnState::new(hd), AttnState::new(hd)];
+            for state in &mut states {
+                // A state already holding an earlier slice, so the merge runs too.
+                state.merge(0.25, 3.0, v.row(n - 1));
+            }
+            let mut buf = vec![0f32; n + hd];
+            attend_slice_generic(q.row(0), &keys, &values, 0.125, &mut buf, &mut states[0]);
+            // SAFETY: the CPU supports AVX2 and FMA (checked above).
+            unsafe { attend_slice_avx2(q.row(0), &keys, &values, 0.125, &mut buf, &mut states[1]) };
+            let bits = |s: &AttnState| {
+                let mut b = vec![s.m.to_bits(), s.l.to_bits()];
+                b.extend(s.o.iter().map(|x| x.to_bits()));
+                b
+            };
+            assert_eq!(bits(&states[0]), bits(&states[1]), "{n} tokens");
+        }
     }
 
     /// Decode rows (each context's slices a task of their own) and the same
