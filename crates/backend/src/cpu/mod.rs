@@ -8,6 +8,7 @@
 //! thread streams a disjoint slice of the weights.
 
 mod delta;
+mod gemm;
 mod pool;
 pub mod quant;
 
@@ -515,16 +516,54 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
 }
 
 /// Columns a task of the f32 GEMM path computes, for a matmul of `n`
-/// columns over `k` inputs on `threads` threads. The GEMM packs the task's
-/// input rows again for every call, so a task of 32 columns repacked the
-/// whole prompt 18 times for a 576-wide matrix (18% of a prefill profile of
-/// SmolLM2 on 2 threads): a task takes the most columns that still give
-/// every thread two tasks, at most enough that its widened tile stays about
-/// a megabyte, and at least 32.
+/// columns over `k` inputs on `threads` threads: whole column panels, few
+/// enough that the task's widened columns (`k` values each) stay in a core's
+/// L2 cache while every input panel passes over them, and as many tasks as
+/// that needs rounded up to a multiple of the threads, so they come out even.
 fn gemm_task_cols(n: usize, k: usize, threads: usize) -> usize {
-    const TILE_VALUES: usize = 1 << 18;
-    let even = n.div_ceil(2 * threads.max(1)).next_multiple_of(8);
-    even.min((TILE_VALUES / k.max(1)).next_multiple_of(8)).max(ROWS_PER_TASK)
+    const SLAB_VALUES: usize = 1 << 16;
+    let fit = (SLAB_VALUES / k.max(1)).max(gemm::NR);
+    let tasks = n.div_ceil(fit).next_multiple_of(threads.max(1));
+    n.div_ceil(tasks).next_multiple_of(gemm::NR)
+}
+
+thread_local! {
+    /// The packed input rows of the matmul this thread runs.
+    static PACKED_ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A matmul's input rows packed for the GEMM ([`gemm::pack_rows`]), in the
+/// calling thread's buffer, given back when dropped.
+#[derive(Default)]
+struct PackedRows(Vec<f32>);
+
+impl std::ops::Deref for PackedRows {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+impl Drop for PackedRows {
+    fn drop(&mut self) {
+        let v = std::mem::take(&mut self.0);
+        if v.capacity() > 0 {
+            PACKED_ROWS.with(|p| *p.borrow_mut() = v);
+        }
+    }
+}
+
+/// `rows` input rows of `k` (`xs`) packed panel by panel, the panels in parallel.
+fn pack_input_rows(xs: &[f32], rows: usize, k: usize) -> PackedRows {
+    let mut v = PACKED_ROWS.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    v.resize(gemm::packed_rows_len(rows, k), 0.0);
+    let at = SendPtr(v.as_mut_ptr());
+    pool::for_each(rows.div_ceil(gemm::MR), |i| {
+        // SAFETY: panel i alone is written by this task, within the buffer.
+        let panel = unsafe { std::slice::from_raw_parts_mut(at.get().add(i * gemm::MR * k), gemm::MR * k) };
+        gemm::pack_rows(xs, rows, k, i, panel);
+    });
+    PackedRows(v)
 }
 
 /// Tokens of one slice of a context in attention: a row's softmax runs over
@@ -773,6 +812,11 @@ impl Backend for CpuBackend {
             true => gemm_task_cols(n, k, rayon::current_num_threads()),
             false => ROWS_PER_TASK,
         };
+        // The GEMM's input rows, packed once for every task.
+        let packed = match gemm {
+            true => pack_input_rows(xs, rows, k),
+            false => PackedRows::default(),
+        };
         pool::for_each(n.div_ceil(per), |t| {
             let j0 = t * per;
             let nb = per.min(n - j0);
@@ -792,37 +836,12 @@ impl Backend for CpuBackend {
                 }
                 return;
             }
-            let tile_gemm = |tile: &[f32]| {
-                // SAFETY: out is [rows, n]; task t writes only columns j0..j0+nb,
-                // and x and the tile are only read.
-                unsafe {
-                    matrixmultiply::sgemm(
-                        rows,
-                        k,
-                        nb,
-                        1.0,
-                        xs.as_ptr(),
-                        k as isize,
-                        1,
-                        tile.as_ptr(),
-                        1,
-                        k as isize,
-                        0.0,
-                        optr.get().add(j0),
-                        n as isize,
-                        1,
-                    )
-                }
-            };
-            match w {
-                CpuWeight::F32 { data, .. } => tile_gemm(&data[j0 * k..(j0 + nb) * k]),
-                CpuWeight::Packed { .. } => with_scratch(nb * k, |tile| {
-                    for (i, row) in tile.chunks_mut(k).enumerate() {
-                        w.dequantize_into(j0 + i, row);
-                    }
-                    tile_gemm(tile)
-                }),
-            }
+            // SAFETY: out is [rows, n] and task t alone writes columns j0..j0+nb.
+            with_scratch(gemm::packed_cols_len(nb, k) + k, |buf| unsafe {
+                let (cols, row) = buf.split_at_mut(buf.len() - k);
+                gemm::pack_cols(nb, k, row, |c, out| w.dequantize_into(j0 + c, out), cols);
+                gemm::gemm(&packed, rows, cols, nb, k, optr.get().add(j0), n)
+            });
         });
         if let Some(b) = bias {
             add_bias(out, &b.vector(), rows);
@@ -1306,30 +1325,28 @@ mod step_tests {
 mod gemm_tests {
     use super::*;
 
-    /// A prefill matmul's GEMM tasks: whole kernel panels (multiples of 8
-    /// columns), at least two a thread where the columns allow, wide enough
-    /// that the prompt is packed a few times a matmul rather than once every
-    /// 32 columns, and a widened tile of about a megabyte at most.
+    /// A prefill matmul's GEMM tasks: whole column panels, a slab that stays
+    /// in L2 (256 KiB of widened weights, or one panel where a row is longer),
+    /// every thread busy where the columns allow, and tasks of one width.
     #[test]
-    fn gemm_tasks_are_wide_and_still_fill_the_threads() {
+    fn gemm_tasks_fit_the_cache_and_fill_the_threads() {
         for (n, k, threads) in
-            [(576, 576, 2), (192, 576, 2), (1536, 576, 2), (14336, 4096, 16), (100, 64, 64)]
+            [(576, 576, 2), (192, 576, 2), (1536, 576, 2), (576, 1536, 2), (14336, 4096, 16), (100, 64, 64)]
         {
             let per = gemm_task_cols(n, k, threads);
-            assert!(per % 8 == 0 && per >= ROWS_PER_TASK, "{n}x{k} on {threads}: {per}");
-            assert!(per * k <= (1 << 18) + 8 * k || per == ROWS_PER_TASK, "{n}x{k}: a tile of {per} rows");
+            assert!(per % gemm::NR == 0 && per > 0, "{n}x{k} on {threads}: {per}");
+            assert!(per * k <= (1 << 16) + gemm::NR * k, "{n}x{k}: a slab of {per} columns");
             let tasks = n.div_ceil(per);
-            assert!(tasks >= (2 * threads).min(n / ROWS_PER_TASK), "{n}x{k} on {threads}: {tasks} tasks");
+            assert!(tasks >= threads.min(n.div_ceil(gemm::NR)), "{n}x{k} on {threads}: {tasks} tasks");
         }
-        // The default model's widest matrices: 4 tasks on 2 threads, not 18 and 48.
-        assert_eq!(576usize.div_ceil(gemm_task_cols(576, 576, 2)), 4);
-        assert_eq!(1536usize.div_ceil(gemm_task_cols(1536, 576, 2)), 4);
+        // The default model's 576-wide matrices: 6 tasks of 96 columns on 2 threads.
+        assert_eq!(gemm_task_cols(576, 576, 2), 96);
     }
 
-    /// The GEMM path with wide tasks computes every column of a packed
-    /// weight wider than one task, to f32 rounding.
+    /// The GEMM path computes every column of a packed weight wider than
+    /// one task, to f32 rounding.
     #[test]
-    fn wide_gemm_tasks_cover_every_column() {
+    fn gemm_tasks_cover_every_column() {
         let b = CpuBackend::with_decode_activations(DecodeActivations::F32);
         let (n, k, rows) = (200, 64, 5);
         let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0).collect();
