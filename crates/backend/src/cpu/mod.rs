@@ -7,6 +7,7 @@
 //! (`gemm_task_cols` sizes it). Work is split over output columns, so every
 //! thread streams a disjoint slice of the weights.
 
+mod attend;
 mod delta;
 mod gemm;
 mod pool;
@@ -16,6 +17,7 @@ use crate::dtype::{DType, HostTensor, TensorBytes};
 use crate::{
     ActShape, Backend, BackendError, DeltaRule, KvGeometry, MatmulPart, Result, RopeStyle, RopeTable, SeqStep,
 };
+use attend::{attend_slice, AttnState, ATTN_CHUNK};
 use corridor_units::PageId;
 use corridor_units::StateSlot;
 use rayon::prelude::*;
@@ -566,117 +568,9 @@ fn pack_input_rows(xs: &[f32], rows: usize, k: usize) -> PackedRows {
     PackedRows(v)
 }
 
-/// Tokens of one slice of a context in attention: a row's softmax runs over
-/// slices at fixed positions and merges their states in order, whichever
-/// thread computes a slice, so the result does not depend on the split.
-const ATTN_CHUNK: usize = 32;
-
 /// Steps of at most this many rows give each slice of a context a task of
 /// its own (decode: a few KV heads would not fill the threads).
 const ATTN_SPLIT_MAX_ROWS: usize = 4;
-
-/// A softmax over some tokens of one row and head: the running maximum `m`,
-/// the sum `l` of exp(score - m), and the output `o` weighted by them.
-struct AttnState {
-    m: f32,
-    l: f32,
-    o: Vec<f32>,
-}
-
-impl AttnState {
-    fn new(hd: usize) -> AttnState {
-        AttnState { m: f32::NEG_INFINITY, l: 0.0, o: vec![0.0; hd] }
-    }
-
-    /// Fold in the state of the next slice of tokens.
-    #[inline(always)]
-    fn merge(&mut self, m: f32, l: f32, o: &[f32]) {
-        if l == 0.0 {
-            return;
-        }
-        if self.l == 0.0 {
-            (self.m, self.l) = (m, l);
-            self.o.copy_from_slice(o);
-            return;
-        }
-        let mx = self.m.max(m);
-        let (a, b) = ((self.m - mx).exp(), (m - mx).exp());
-        self.l = self.l * a + l * b;
-        for (x, y) in self.o.iter_mut().zip(o) {
-            *x = *x * a + y * b;
-        }
-        self.m = mx;
-    }
-
-    fn finish(&self, out: &mut [f32]) {
-        let inv = if self.l > 0.0 { 1.0 / self.l } else { 0.0 };
-        for (o, x) in out.iter_mut().zip(&self.o) {
-            *o = x * inv;
-        }
-    }
-}
-
-/// One row's head over a slice of at most [`ATTN_CHUNK`] tokens (their K and
-/// V rows of this head), its softmax state folded into `state`; `buf` holds
-/// the slice's scores and its output. Compiled for AVX2 too and chosen at run
-/// time: the same operations in the same order (no fused multiply-adds), so
-/// both give the same bits, eight lanes at a time where the baseline build
-/// has four.
-fn attend_slice(
-    q: &[f32],
-    keys: &[&[f32]],
-    values: &[&[f32]],
-    scale: f32,
-    buf: &mut [f32],
-    state: &mut AttnState,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if quant::has_avx2() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked above).
-        return unsafe { attend_slice_avx2(q, keys, values, scale, buf, state) };
-    }
-    attend_slice_generic(q, keys, values, scale, buf, state)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_slice_avx2(
-    q: &[f32],
-    keys: &[&[f32]],
-    values: &[&[f32]],
-    scale: f32,
-    buf: &mut [f32],
-    state: &mut AttnState,
-) {
-    attend_slice_generic(q, keys, values, scale, buf, state)
-}
-
-#[inline(always)]
-fn attend_slice_generic(
-    q: &[f32],
-    keys: &[&[f32]],
-    values: &[&[f32]],
-    scale: f32,
-    buf: &mut [f32],
-    state: &mut AttnState,
-) {
-    let (scores, o) = buf.split_at_mut(keys.len());
-    let mut m = f32::NEG_INFINITY;
-    for (k, sc) in keys.iter().zip(scores.iter_mut()) {
-        *sc = quant::dot_f32_generic(q, k) * scale;
-        m = m.max(*sc);
-    }
-    let mut l = 0.0;
-    o.fill(0.0);
-    for (v, sc) in values.iter().zip(scores.iter()) {
-        let p = (sc - m).exp();
-        l += p;
-        for (o, v) in o.iter_mut().zip(v.iter()) {
-            *o += p * v;
-        }
-    }
-    state.merge(m, l, o);
-}
 
 impl Backend for CpuBackend {
     type Act = CpuAct;
@@ -1071,7 +965,7 @@ impl Backend for CpuBackend {
                     (keys[j], values[j]) = (&k[kvh * hd..(kvh + 1) * hd], &v[kvh * hd..(kvh + 1) * hd]);
                 }
                 let n = t1 - t0;
-                with_scratch(n + hd, |buf| attend_slice(qh, &keys[..n], &values[..n], scale, buf, state));
+                with_scratch(hd, |buf| attend_slice(qh, &keys[..n], &values[..n], scale, buf, state));
             };
         let write = |si: usize, i: usize, h: usize, state: &AttnState| {
             let r = seqs[si].row_start + i;
@@ -1389,38 +1283,6 @@ mod attention_tests {
             })
             .collect();
         CpuAct { data, rows, cols }
-    }
-
-    /// The AVX2 build of a slice's softmax and the baseline build give the
-    /// same bits (the same operations in the same order, eight lanes at a
-    /// time against four), so a result does not depend on the CPU it ran on.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn a_slice_gives_the_same_bits_in_both_builds() {
-        if !quant::has_avx2() {
-            return;
-        }
-        let hd = 72;
-        let (k, v, q) = (act(ATTN_CHUNK, hd, 4), act(ATTN_CHUNK, hd, 5), act(1, hd, 6));
-        for n in [1, 7, ATTN_CHUNK] {
-            let keys: Vec<&[f32]> = (0..n).map(|t| k.row(t)).collect();
-            let values: Vec<&[f32]> = (0..n).map(|t| v.row(t)).collect();
-            let mut states = [AttnState::new(hd), AttnState::new(hd)];
-            for state in &mut states {
-                // A state already holding an earlier slice, so the merge runs too.
-                state.merge(0.25, 3.0, v.row(n - 1));
-            }
-            let mut buf = vec![0f32; n + hd];
-            attend_slice_generic(q.row(0), &keys, &values, 0.125, &mut buf, &mut states[0]);
-            // SAFETY: the CPU supports AVX2 and FMA (checked above).
-            unsafe { attend_slice_avx2(q.row(0), &keys, &values, 0.125, &mut buf, &mut states[1]) };
-            let bits = |s: &AttnState| {
-                let mut b = vec![s.m.to_bits(), s.l.to_bits()];
-                b.extend(s.o.iter().map(|x| x.to_bits()));
-                b
-            };
-            assert_eq!(bits(&states[0]), bits(&states[1]), "{n} tokens");
-        }
     }
 
     /// Decode rows (each context's slices a task of their own) and the same
