@@ -954,18 +954,40 @@ impl Backend for CpuBackend {
         let rows: Vec<(usize, usize)> =
             seqs.iter().enumerate().flat_map(|(si, s)| (0..s.rows).map(move |i| (si, i))).collect();
         let optr = SendPtr(out.data.as_mut_ptr());
-        // A row's head over tokens [t0, t1): its softmax state merged into `state`.
+        // A row's query heads h0.. (one per state, all of KV head kvh) over
+        // tokens [t0, t1): each head's softmax state merged into its own. The
+        // tokens' K and V rows are found once for all the heads, a page at a time.
+        let ps = g.page_size.get();
+        let width = g.kv_heads * hd;
         let attend =
-            |si: usize, i: usize, kvh: usize, h: usize, t0: usize, t1: usize, state: &mut AttnState| {
+            |si: usize, i: usize, kvh: usize, h0: usize, states: &mut [AttnState], t0: usize, t1: usize| {
                 let s = &seqs[si];
-                let qh = &q.row(s.row_start + i)[h * hd..(h + 1) * hd];
                 let (mut keys, mut values) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
-                for (j, t) in (t0..t1).enumerate() {
-                    let (k, v) = kv.token(s.pages[t / g.page_size.get()], t % g.page_size.get());
-                    (keys[j], values[j]) = (&k[kvh * hd..(kvh + 1) * hd], &v[kvh * hd..(kvh + 1) * hd]);
+                let mut t = t0;
+                while t < t1 {
+                    let p = t / ps;
+                    let end = ((p + 1) * ps).min(t1);
+                    let page = kv.page(s.pages[p]);
+                    for t in t..end {
+                        let (k, v) = match page {
+                            Some((k, v)) => {
+                                let at = (t - p * ps) * width;
+                                (&k[at..at + width], &v[at..at + width])
+                            }
+                            None => kv.token(s.pages[p], t - p * ps),
+                        };
+                        (keys[t - t0], values[t - t0]) =
+                            (&k[kvh * hd..(kvh + 1) * hd], &v[kvh * hd..(kvh + 1) * hd]);
+                    }
+                    t = end;
                 }
                 let n = t1 - t0;
-                with_scratch(hd, |buf| attend_slice(qh, &keys[..n], &values[..n], scale, buf, state));
+                with_scratch(hd, |buf| {
+                    for (j, state) in states.iter_mut().enumerate() {
+                        let qh = &q.row(s.row_start + i)[(h0 + j) * hd..(h0 + j + 1) * hd];
+                        attend_slice(qh, &keys[..n], &values[..n], scale, buf, state);
+                    }
+                });
             };
         let write = |si: usize, i: usize, h: usize, state: &AttnState| {
             let r = seqs[si].row_start + i;
@@ -982,13 +1004,13 @@ impl Backend for CpuBackend {
             // its K and V rows while they are in cache.
             pool::for_each(rows.len() * g.kv_heads, |w| {
                 let ((si, i), kvh) = (rows[w / g.kv_heads], w % g.kv_heads);
-                for h in kvh * group..(kvh + 1) * group {
-                    let mut state = AttnState::new(hd);
-                    for c in 0..chunks(si, i) {
-                        let (t0, t1) = span(si, i, c);
-                        attend(si, i, kvh, h, t0, t1, &mut state);
-                    }
-                    write(si, i, h, &state);
+                let mut states: Vec<AttnState> = (0..group).map(|_| AttnState::new(hd)).collect();
+                for c in 0..chunks(si, i) {
+                    let (t0, t1) = span(si, i, c);
+                    attend(si, i, kvh, kvh * group, &mut states, t0, t1);
+                }
+                for (j, state) in states.iter().enumerate() {
+                    write(si, i, kvh * group + j, state);
                 }
             });
             return;
@@ -1008,7 +1030,8 @@ impl Backend for CpuBackend {
             let (ri, h, c) = tasks[w];
             let (si, i) = rows[ri];
             let (t0, t1) = span(si, i, c);
-            attend(si, i, h / group, h, t0, t1, &mut parts[w].lock().unwrap_or_else(|e| e.into_inner()));
+            let mut state = parts[w].lock().unwrap_or_else(|e| e.into_inner());
+            attend(si, i, h / group, h, std::slice::from_mut(&mut *state), t0, t1);
         });
         let mut w = 0;
         while w < tasks.len() {
