@@ -51,28 +51,29 @@ pub(super) fn pack_rows(x: &[f32], rows: usize, k: usize, i: usize, out: &mut [f
 /// `cols` weight rows of `k` into column panels in `out`
 /// ([`packed_cols_len`]): `widen(c, row)` writes weight row `c` (of
 /// `0..cols`) as f32; panel `c / NR` holds, for each `p`, the values of its
-/// `NR` columns at `p`, zeros past the last column.
+/// `NR` columns at `p`, zeros past the last column. A panel's rows are
+/// widened into `rows` (`NR · k` floats of scratch) first, then written out
+/// in the panel's order: written column by column, each store went to
+/// another cache line of a panel larger than the L1 cache.
 pub(super) fn pack_cols(
     cols: usize,
     k: usize,
-    row: &mut [f32],
+    rows: &mut [f32],
     mut widen: impl FnMut(usize, &mut [f32]),
     out: &mut [f32],
 ) {
     assert_eq!(out.len(), packed_cols_len(cols, k), "whole panels");
-    assert_eq!(row.len(), k, "a row of scratch");
+    assert_eq!(rows.len(), NR * k, "a panel's rows of scratch");
     for (j, panel) in out.chunks_exact_mut(NR * k).enumerate() {
-        for c in 0..NR {
-            let col = j * NR + c;
-            if col < cols {
-                widen(col, row);
-                for (p, &v) in row.iter().enumerate() {
-                    panel[p * NR + c] = v;
-                }
-            } else {
-                for p in 0..k {
-                    panel[p * NR + c] = 0.0;
-                }
+        for (c, row) in rows.chunks_exact_mut(k).enumerate() {
+            match j * NR + c {
+                col if col < cols => widen(col, row),
+                _ => row.fill(0.0),
+            }
+        }
+        for (p, at) in panel.chunks_exact_mut(NR).enumerate() {
+            for (c, v) in at.iter_mut().enumerate() {
+                *v = rows[c * k + p];
             }
         }
     }
@@ -189,8 +190,14 @@ mod tests {
                 pack_rows(&x, rows, k, i, panel);
             }
             let mut b = vec![f32::NAN; packed_cols_len(cols, k)];
-            let mut row = vec![0f32; k];
-            pack_cols(cols, k, &mut row, |c, out| out.copy_from_slice(&w[c * k..(c + 1) * k]), &mut b);
+            let mut rows_scratch = vec![0f32; NR * k];
+            pack_cols(
+                cols,
+                k,
+                &mut rows_scratch,
+                |c, out| out.copy_from_slice(&w[c * k..(c + 1) * k]),
+                &mut b,
+            );
             let ldc = cols + 3;
             let mut c = vec![f32::NAN; rows * ldc];
             unsafe { gemm(&a, rows, &b, cols, k, c.as_mut_ptr(), ldc) };

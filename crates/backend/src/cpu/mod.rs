@@ -37,10 +37,14 @@ const DOT_MAX_ROWS: usize = 2;
 
 /// The same switch for a block format's weights against 8-bit activations
 /// (`quant::dot_rows_q8`, each weight block read once for four activation
-/// rows). Measured on SmolLM2 Q4_1 at 8 concurrent requests (2 threads): 146
-/// output tok/s dotting the 8 rows four at a time, 126 one at a time, 110
-/// through the GEMM.
-const Q8_DOT_MAX_ROWS: usize = 8;
+/// rows): above it the GEMM, whose cost is mostly widening the weights up to
+/// a few dozen rows. Measured by `examples/cpu_matmul_cost.rs` (1536 × 576,
+/// 2 threads, ms per matmul, 8-bit dot against GEMM): at 24 rows Q4_1 0.48
+/// against 0.51, Q5_0 0.62 against 0.77, Q8_0 0.45 against 0.50 (and at
+/// 1536 × 512 Q4_K 0.72 against 0.81, Q6_K 0.65 against 0.66); at 32 rows
+/// about even, at 48 the GEMM ahead. So a decode step of up to 24 rows, or
+/// one that carries a few prompt rows, never widens the weights.
+const Q8_DOT_MAX_ROWS: usize = 24;
 
 /// What a matmul multiplies its weights with: its f32 input rows as they
 /// are, rounded to bf16 (a bf16 tensor-core GEMM's operand), or quantized to
@@ -731,9 +735,9 @@ impl Backend for CpuBackend {
                 return;
             }
             // SAFETY: out is [rows, n] and task t alone writes columns j0..j0+nb.
-            with_scratch(gemm::packed_cols_len(nb, k) + k, |buf| unsafe {
-                let (cols, row) = buf.split_at_mut(buf.len() - k);
-                gemm::pack_cols(nb, k, row, |c, out| w.dequantize_into(j0 + c, out), cols);
+            with_scratch(gemm::packed_cols_len(nb, k) + gemm::NR * k, |buf| unsafe {
+                let (cols, rows_scratch) = buf.split_at_mut(buf.len() - gemm::NR * k);
+                gemm::pack_cols(nb, k, rows_scratch, |c, out| w.dequantize_into(j0 + c, out), cols);
                 gemm::gemm(&packed, rows, cols, nb, k, optr.get().add(j0), n)
             });
         });
