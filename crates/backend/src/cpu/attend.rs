@@ -70,13 +70,23 @@ pub(super) fn attend_slice(
     assert!(!keys.is_empty() && keys.len() <= ATTN_CHUNK && keys.len() == values.len());
     let hd = q.len();
     assert!(keys.iter().chain(values).all(|r| r.len() == hd) && buf.len() >= hd);
+    let slice = Slice { q, keys, values, scale };
     #[cfg(target_arch = "x86_64")]
     if super::quant::has_avx2() {
         // SAFETY: the CPU supports AVX2 and FMA (checked above); the lengths
         // the kernel reads were checked.
-        return unsafe { attend_slice_avx2(q, keys, values, scale, buf, state) };
+        return unsafe { attend_slice_avx2(&slice, buf, state) };
     }
-    attend_slice_portable(q, keys, values, scale, buf, state)
+    attend_slice_portable(&slice, buf, state)
+}
+
+/// One query head's row and a slice's K and V rows of its KV head.
+#[derive(Clone, Copy)]
+struct Slice<'a> {
+    q: &'a [f32],
+    keys: &'a [&'a [f32]],
+    values: &'a [&'a [f32]],
+    scale: f32,
 }
 
 /// exp(x) for x ≤ 0 (a score less the slice's maximum), as eight lanes
@@ -112,15 +122,22 @@ fn reduce_lanes(s: [f32; 8]) -> f32 {
     (a[0] + a[2]) + (a[1] + a[3])
 }
 
+/// The output's values past the last whole eight (`full..`), by the same
+/// fused multiply-adds in both builds.
+#[inline(always)]
+fn output_tail(values: &[&[f32]], p: &[f32], full: usize, o: &mut [f32]) {
+    for (e, o) in o.iter_mut().enumerate().skip(full) {
+        let mut acc = 0f32;
+        for (v, p) in values.iter().zip(p) {
+            acc = p.mul_add(v[e], acc);
+        }
+        *o = acc;
+    }
+}
+
 /// [`attend_slice`] in the baseline build: the AVX2 kernel's lanes as arrays.
-fn attend_slice_portable(
-    q: &[f32],
-    keys: &[&[f32]],
-    values: &[&[f32]],
-    scale: f32,
-    buf: &mut [f32],
-    state: &mut AttnState,
-) {
+fn attend_slice_portable(slice: &Slice<'_>, buf: &mut [f32], state: &mut AttnState) {
+    let Slice { q, keys, values, scale } = *slice;
     let hd = q.len();
     let (full, wide) = (hd / 8 * 8, hd / 16 * 16);
     let mut scores = [0f32; ATTN_CHUNK];
@@ -161,28 +178,16 @@ fn attend_slice_portable(
         }
         o[e..e + 8].copy_from_slice(&acc);
     }
-    for (e, o) in o.iter_mut().enumerate().skip(full) {
-        let mut acc = 0f32;
-        for (v, p) in values.iter().zip(&scores[..n]) {
-            acc = p.mul_add(v[e], acc);
-        }
-        *o = acc;
-    }
+    output_tail(values, &scores[..n], full, o);
     state.merge(m, l, o);
 }
 
 /// [`attend_slice`] in AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_slice_avx2(
-    q: &[f32],
-    keys: &[&[f32]],
-    values: &[&[f32]],
-    scale: f32,
-    buf: &mut [f32],
-    state: &mut AttnState,
-) {
+unsafe fn attend_slice_avx2(slice: &Slice<'_>, buf: &mut [f32], state: &mut AttnState) {
     use std::arch::x86_64::*;
+    let Slice { q, keys, values, scale } = *slice;
     let hd = q.len();
     let (full, wide) = (hd / 8 * 8, hd / 16 * 16);
     let qp = q.as_ptr();
@@ -283,13 +288,7 @@ unsafe fn attend_slice_avx2(
         e = output_block!(e, 1);
         debug_assert_eq!(e, full);
     }
-    for (e, o) in o.iter_mut().enumerate().skip(full) {
-        let mut acc = 0f32;
-        for (v, p) in values.iter().zip(&scores[..n]) {
-            acc = p.mul_add(v[e], acc);
-        }
-        *o = acc;
-    }
+    output_tail(values, &scores[..n], full, o);
     state.merge(m, l, o);
 }
 
@@ -338,7 +337,8 @@ mod tests {
                 let scale = 1.0 / (hd as f32).sqrt();
                 let mut buf = vec![0f32; hd];
                 let mut plain = AttnState::new(hd);
-                attend_slice_portable(&q[0], &keys, &values, scale, &mut buf, &mut plain);
+                let slice = Slice { q: &q[0], keys: &keys, values: &values, scale };
+                attend_slice_portable(&slice, &mut buf, &mut plain);
                 let s: Vec<f64> = (0..n)
                     .map(|t| {
                         q[0].iter().zip(&k[t]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
@@ -360,7 +360,7 @@ mod tests {
                 if crate::cpu::quant::has_avx2() {
                     let mut fast = AttnState::new(hd);
                     // SAFETY: the CPU supports AVX2 and FMA (checked above).
-                    unsafe { attend_slice_avx2(&q[0], &keys, &values, scale, &mut buf, &mut fast) };
+                    unsafe { attend_slice_avx2(&slice, &mut buf, &mut fast) };
                     let bits = |s: &AttnState| {
                         let mut b = vec![s.m.to_bits(), s.l.to_bits()];
                         b.extend(s.o.iter().map(|x| x.to_bits()));

@@ -1255,7 +1255,7 @@ mod gemm_tests {
             [(576, 576, 2), (192, 576, 2), (1536, 576, 2), (576, 1536, 2), (14336, 4096, 16), (100, 64, 64)]
         {
             let per = gemm_task_cols(n, k, threads);
-            assert!(per % gemm::NR == 0 && per > 0, "{n}x{k} on {threads}: {per}");
+            assert!(per.is_multiple_of(gemm::NR) && per > 0, "{n}x{k} on {threads}: {per}");
             assert!(per * k <= (1 << 16) + gemm::NR * k, "{n}x{k}: a slab of {per} columns");
             let tasks = n.div_ceil(per);
             assert!(tasks >= threads.min(n.div_ceil(gemm::NR)), "{n}x{k} on {threads}: {tasks} tasks");
