@@ -42,9 +42,13 @@ const DOT_MAX_ROWS: usize = 2;
 /// 2 threads, ms per matmul, 8-bit dot against GEMM): at 24 rows Q4_1 0.48
 /// against 0.51, Q5_0 0.62 against 0.77, Q8_0 0.45 against 0.50 (and at
 /// 1536 × 512 Q4_K 0.72 against 0.81, Q6_K 0.65 against 0.66); at 32 rows
-/// about even, at 48 the GEMM ahead. So a decode step of up to 24 rows, or
-/// one that carries a few prompt rows, never widens the weights.
-const Q8_DOT_MAX_ROWS: usize = 24;
+/// about even, at 48 the GEMM ahead. Yet the switch stays at 8: with 24, a
+/// served step of up to 24 rows (20 requests decoding, or a few prompt rows
+/// beside a decode) took 8-bit activations, and the default model's replies
+/// to the README's request under the default sampling changed: 3 of 20 seeds
+/// rambled to the length limit, where with f32 activations there every reply
+/// ends by itself (`tests/e2e/test_new_user.py`).
+const Q8_DOT_MAX_ROWS: usize = 8;
 
 /// What a matmul multiplies its weights with: its f32 input rows as they
 /// are, rounded to bf16 (a bf16 tensor-core GEMM's operand), or quantized to
