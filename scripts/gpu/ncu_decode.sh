@@ -15,11 +15,7 @@
 # Needs ncu (/usr/local/cuda-13.0/bin/ncu on the GPU machine). Output in $OUT (default /tmp):
 # ncu_decode.csv (raw), ncu_decode.txt (the summary).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-export CORRIDOR_CACHE_DIR=${CORRIDOR_CACHE_DIR:-/tmp/corridor-cache}
-out=${OUT:-/tmp}
-NCU=${NCU:-/usr/local/cuda-13.0/bin/ncu}
+source "$(dirname "$0")/ncu_env.sh"
 BIN=${CORRIDOR_BIN:-.gpu/corridor}
 model=$1
 shift

@@ -11,11 +11,7 @@
 # and .gpu/cuda_check (the release example of crates/backend, --features cuda). Output in $OUT
 # (default /tmp): ncu_mmvq.txt.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-export CORRIDOR_CACHE_DIR=${CORRIDOR_CACHE_DIR:-/tmp/corridor-cache}
-out=${OUT:-/tmp}
-NCU=${NCU:-/usr/local/cuda-13.0/bin/ncu}
+source "$(dirname "$0")/ncu_env.sh"
 kernel=${1:-mmvq_q4_k_r1}
 "$NCU" --graph-profiling node --kernel-name "regex:^${kernel}\$" --launch-skip "${SKIP:-40}" \
     --launch-count "${COUNT:-4}" --section SpeedOfLight --section Occupancy --section LaunchStats \
