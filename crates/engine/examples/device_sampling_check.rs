@@ -168,7 +168,7 @@ fn states(rng: &mut Rng, params: &SamplingParams, vocab: usize, n: usize) -> Vec
         .map(|_| {
             let prompt: Vec<TokenId> = (0..300).map(|_| TokenId(rng.below(vocab) as u32)).collect();
             let mut s =
-                SamplerState::new(&SamplingParams { seed: Some(rng.next()), ..params.clone() }, &prompt);
+                SamplerState::new(&SamplingParams { seed: Some(rng.next()), ..params.clone() }, &prompt, &[]);
             for _ in 0..rng.below(40) {
                 s.record(TokenId(rng.below(vocab) as u32));
             }

@@ -42,7 +42,7 @@ fn run(params: &SamplingParams) {
         let mut logits: Vec<f32> =
             (0..batch * vocab).map(|i| ((i as u64 * 2_654_435_761) % 1000) as f32 / 200.0).collect();
         let mut states: Vec<SamplerState> =
-            (0..batch).map(|_| SamplerState::new(params, &[1, 2, 3].map(TokenId))).collect();
+            (0..batch).map(|_| SamplerState::new(params, &[1, 2, 3].map(TokenId), &[])).collect();
         let mut sampler = CpuSampler::new(Arc::new(SamplerStats::default()));
         let reps = 5;
         let started = std::time::Instant::now();
@@ -65,7 +65,8 @@ fn run(params: &SamplingParams) {
         // device: each row's uniform and edits (a 1,000-token prompt under
         // a repetition penalty), and settling its summary.
         let prompt: Vec<TokenId> = (0..1000).map(|i| TokenId((i * 7919) % vocab as u32)).collect();
-        let mut states: Vec<SamplerState> = (0..batch).map(|_| SamplerState::new(params, &prompt)).collect();
+        let mut states: Vec<SamplerState> =
+            (0..batch).map(|_| SamplerState::new(params, &prompt, &[])).collect();
         let stats = SamplerStats::default();
         // Kept from step to step, as the engine keeps it.
         let mut edits = Vec::new();

@@ -456,7 +456,7 @@ impl Core {
                     let _ = tx.send(Event::Done { reason: FinishReason::Aborted, usage: Usage::default() });
                     return;
                 }
-                let state = SamplerState::new(&req.params, &req.prompt);
+                let state = SamplerState::new(&req.params, &req.prompt, &req.eos_ids);
                 let prompt_len = req.prompt.len();
                 self.live.insert(
                     id,

@@ -203,8 +203,11 @@ fn the_kernel_draws_what_the_host_sampler_draws() {
         let mut host_states: Vec<SamplerState> = (0..batch)
             .map(|_| {
                 let prompt: Vec<TokenId> = (0..300).map(|_| TokenId(rng.below(vocab) as u32)).collect();
-                let mut s =
-                    SamplerState::new(&SamplingParams { seed: Some(rng.next()), ..params.clone() }, &prompt);
+                let mut s = SamplerState::new(
+                    &SamplingParams { seed: Some(rng.next()), ..params.clone() },
+                    &prompt,
+                    &[],
+                );
                 for _ in 0..rng.below(40) {
                     s.record(TokenId(rng.below(vocab) as u32));
                 }

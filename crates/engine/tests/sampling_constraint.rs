@@ -15,7 +15,7 @@ fn run(rows: &[Vec<f32>], masks: &[Option<TokenMask>], params: &SamplingParams) 
     let mut logits: Vec<f32> = rows.concat();
     let per_row: Vec<SamplingParams> =
         (0..rows.len()).map(|i| SamplingParams { seed: Some(i as u64 + 7), ..params.clone() }).collect();
-    let mut states: Vec<SamplerState> = per_row.iter().map(|p| SamplerState::new(p, &[])).collect();
+    let mut states: Vec<SamplerState> = per_row.iter().map(|p| SamplerState::new(p, &[], &[])).collect();
     let mut batch: Vec<SampleRow<'_>> = per_row
         .iter()
         .zip(states.iter_mut())

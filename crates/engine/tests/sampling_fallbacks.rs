@@ -18,7 +18,7 @@ fn run<S: Sampler>(sampler: &mut S, rows: &[Vec<f32>], params: &SamplingParams) 
     let mut logits: Vec<f32> = rows.concat();
     let per_row: Vec<SamplingParams> =
         (0..rows.len()).map(|i| SamplingParams { seed: Some(i as u64), ..params.clone() }).collect();
-    let mut states: Vec<SamplerState> = per_row.iter().map(|p| SamplerState::new(p, &[])).collect();
+    let mut states: Vec<SamplerState> = per_row.iter().map(|p| SamplerState::new(p, &[], &[])).collect();
     let mut batch: Vec<SampleRow<'_>> = per_row
         .iter()
         .zip(states.iter_mut())
@@ -105,7 +105,7 @@ fn a_row_with_nothing_valid_fails_alone() {
 fn masks_that_leave_nothing_fail_the_row() {
     let mut sampler = CpuSampler::new(Arc::new(SamplerStats::default()));
     let params = SamplingParams { min_tokens: Tokens(3), ..SamplingParams::default() };
-    let mut state = SamplerState::new(&params, &[]);
+    let mut state = SamplerState::new(&params, &[], &[]);
     let mut logits = vec![f32::NEG_INFINITY, 4.0, f32::NEG_INFINITY];
     let mut rows = [SampleRow {
         request_id: RequestId(9),
@@ -174,7 +174,7 @@ fn unvalidated_zero_top_k_falls_back_to_argmax() {
 fn malformed_batch_is_an_error_not_a_panic() {
     let mut sampler = CpuSampler::new(Arc::new(SamplerStats::default()));
     let params = SamplingParams::default();
-    let mut state = SamplerState::new(&params, &[]);
+    let mut state = SamplerState::new(&params, &[], &[]);
     let mut rows = [SampleRow {
         request_id: RequestId(0),
         params: &params,

@@ -126,7 +126,9 @@ fn reference_adjust(
         .map(|t| {
             let mut l = raw[t.index()];
             let count = counts.get(&t).copied().unwrap_or(0);
-            if prompt.contains(&t) || count > 0 {
+            // The tokens that end a reply never take the penalty for being in the prompt.
+            let ends = eos.contains(&t) || params.stop_token_ids.contains(&t);
+            if (prompt.contains(&t) && !ends) || count > 0 {
                 let r = params.repetition_penalty;
                 l = if l > 0.0 { l / r } else { l * r };
             }
@@ -175,7 +177,7 @@ proptest! {
             stop_token_ids: stops,
             ..SamplingParams::default()
         };
-        let mut state = SamplerState::new(&params, &prompt);
+        let mut state = SamplerState::new(&params, &prompt, &eos);
         history.iter().for_each(|&t| state.record(t));
         let (_, adjusted) = sample_one(&raw, &params, &mut state, &eos);
         let expected = reference_adjust(&raw, &params, &prompt, &history, &eos);
@@ -193,12 +195,32 @@ proptest! {
 fn sampled_tokens_feed_the_penalties() {
     let raw = [3.0f32, 2.5, 2.0, 1.5];
     let params = SamplingParams { temperature: 0.0, frequency_penalty: 2.0, ..SamplingParams::default() };
-    let mut state = SamplerState::new(&params, &[]);
+    let mut state = SamplerState::new(&params, &[], &[]);
     let tokens: Vec<TokenId> =
         (0..4).map(|_| sample_one(&raw, &params, &mut state, &[]).0.expect("valid").token).collect();
     assert_eq!(tokens, [0, 1, 2, 3].map(TokenId));
     assert_eq!(state.generated(), Tokens(4));
     assert_eq!(state.output_count(TokenId(0)), 1);
+}
+
+/// A chat template writes the end-of-turn token into the prompt after every
+/// message. The repetition penalty leaves it (and a request's stop tokens)
+/// alone, so it cannot make ending the reply less likely; every other prompt
+/// token takes it.
+#[test]
+fn tokens_that_end_a_reply_take_no_repetition_penalty_from_the_prompt() {
+    let eos = [TokenId(1)];
+    let raw = [2.0f32, 3.0, 1.0, 4.0];
+    let params = SamplingParams {
+        temperature: 0.0,
+        repetition_penalty: 1.5,
+        stop_token_ids: vec![TokenId(3)],
+        ..SamplingParams::default()
+    };
+    let prompt = [0, 1, 2, 3].map(TokenId);
+    let mut state = SamplerState::new(&params, &prompt, &eos);
+    let (_, adjusted) = sample_one(&raw, &params, &mut state, &eos);
+    assert_eq!(adjusted, vec![2.0 / 1.5, 3.0, 1.0 / 1.5, 4.0]);
 }
 
 /// End-of-sequence and stop tokens are masked until `min_tokens`, then
@@ -213,7 +235,7 @@ fn min_tokens_ignore_eos_and_stop_reporting() {
         stop_token_ids: vec![TokenId(1)],
         ..SamplingParams::default()
     };
-    let mut state = SamplerState::new(&params, &[]);
+    let mut state = SamplerState::new(&params, &[], &[]);
     let mut step = || sample_one(&raw, &params, &mut state, &eos).0.expect("valid");
     let (a, b, c) = (step(), step(), step());
     assert_eq!((a.token, a.stop), (TokenId(2), None));
@@ -223,13 +245,13 @@ fn min_tokens_ignore_eos_and_stop_reporting() {
     let raw = [1.0f32, 8.0, 9.0, 1.0];
     let stop_params =
         SamplingParams { temperature: 0.0, stop_token_ids: vec![TokenId(2)], ..SamplingParams::default() };
-    let mut state = SamplerState::new(&stop_params, &[]);
+    let mut state = SamplerState::new(&stop_params, &[], &[]);
     let s = sample_one(&raw, &stop_params, &mut state, &eos).0.expect("valid");
     assert_eq!((s.token, s.stop), (TokenId(2), Some(StopReason::StopToken)));
 
     let raw = [9.0f32, 1.0, 2.0, 3.0];
     let ignore = SamplingParams { ignore_eos: true, seed: Some(5), ..SamplingParams::default() };
-    let mut state = SamplerState::new(&ignore, &[]);
+    let mut state = SamplerState::new(&ignore, &[], &[]);
     for _ in 0..200 {
         let s = sample_one(&raw, &ignore, &mut state, &eos).0.expect("valid");
         assert_ne!(s.token, TokenId(0), "eos sampled under ignore_eos");
@@ -271,7 +293,7 @@ fn logprobs_describe_the_adjusted_untruncated_distribution() {
     ];
     let mut first_top = None;
     for params in &variants {
-        let mut state = SamplerState::new(params, &[]);
+        let mut state = SamplerState::new(params, &[], &[]);
         let s = sample_one(&raw, params, &mut state, &eos).0.expect("valid");
         let lp = s.logprob.expect("logprobs requested");
         assert!((lp as f64 - expected[s.token.index()]).abs() < 1e-5, "{params:?}");
@@ -288,14 +310,14 @@ fn logprobs_describe_the_adjusted_untruncated_distribution() {
 
     // Without a request for logprobs nothing is computed.
     let quiet = SamplingParams { logprobs: None, ..base.clone() };
-    let mut state = SamplerState::new(&quiet, &[]);
+    let mut state = SamplerState::new(&quiet, &[], &[]);
     let s = sample_one(&raw, &quiet, &mut state, &eos).0.expect("valid");
     assert!(s.logprob.is_none() && s.top_logprobs.is_empty());
 
     // A row with fewer possible tokens than asked lists only those.
     let narrow = SamplingParams { logprobs: Some(20), ..SamplingParams::default() };
     let raw = [0.0f32, f32::NEG_INFINITY, 1.0, f32::NEG_INFINITY];
-    let mut state = SamplerState::new(&narrow, &[]);
+    let mut state = SamplerState::new(&narrow, &[], &[]);
     let s = sample_one(&raw, &narrow, &mut state, &[]).0.expect("valid");
     assert_eq!(s.top_logprobs.iter().map(|t| t.token).collect::<Vec<_>>(), [2, 0].map(TokenId));
 }

@@ -140,7 +140,7 @@ fn run_batch(
     let mut states: Vec<SamplerState> = cases
         .iter()
         .map(|c| {
-            let mut s = SamplerState::new(&c.params, &c.prompt);
+            let mut s = SamplerState::new(&c.params, &c.prompt, &[]);
             c.history.iter().for_each(|&t| s.record(t));
             s
         })
@@ -239,7 +239,7 @@ const CHI2_CRIT_P001: [f64; 12] =
 /// count per token.
 fn histogram(raw: &[f32], params: &SamplingParams, n: usize) -> Vec<u64> {
     let mut sampler = CpuSampler::new(Arc::new(SamplerStats::default()));
-    let mut state = SamplerState::new(params, &[]);
+    let mut state = SamplerState::new(params, &[], &[]);
     let mut counts = vec![0u64; raw.len()];
     let mut logits = raw.to_vec();
     for _ in 0..n {
@@ -350,7 +350,7 @@ fn generate_in_batch(
     let mut all: Vec<SamplingParams> = mates.to_vec();
     all.insert(position, focus.clone());
     let mut states: Vec<SamplerState> =
-        all.iter().map(|p| SamplerState::new(p, &[1, 2, 3].map(TokenId))).collect();
+        all.iter().map(|p| SamplerState::new(p, &[1, 2, 3].map(TokenId), &[])).collect();
     let mut sampler = CpuSampler::new(Arc::new(SamplerStats::default()));
     let mut tokens = Vec::new();
     for step in 0..steps {
@@ -421,10 +421,10 @@ fn seeded_stream_ignores_batch_composition() {
 #[test]
 fn unseeded_request_can_be_replayed_from_its_seed() {
     let params = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
-    let first = SamplerState::new(&params, &[]);
+    let first = SamplerState::new(&params, &[], &[]);
     let replay = SamplingParams { seed: Some(first.seed()), ..params.clone() };
     let a = generate_with_state(first, &params);
-    let b = generate_with_state(SamplerState::new(&replay, &[]), &replay);
+    let b = generate_with_state(SamplerState::new(&replay, &[], &[]), &replay);
     assert_eq!(a, b);
 }
 

@@ -51,8 +51,8 @@ fn one_warning_per_request_every_fallback_counted() {
     tracing::subscriber::with_default(WarnCounter(warnings.clone()), || {
         let mut sampler = CpuSampler::new(stats.clone());
         let params = SamplingParams::default();
-        let mut a = SamplerState::new(&params, &[]);
-        let mut b = SamplerState::new(&params, &[]);
+        let mut a = SamplerState::new(&params, &[], &[]);
+        let mut b = SamplerState::new(&params, &[], &[]);
         for step in 0..6 {
             let mut logits = [flat_with(8, &[(2, f32::NAN)]), flat_with(8, &[(3, f32::INFINITY)])].concat();
             let mut rows = vec![SampleRow {

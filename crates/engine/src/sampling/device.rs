@@ -285,7 +285,7 @@ mod tests {
         // Ids past the vocabulary too: both sides must ignore them.
         let prompt: Vec<TokenId> =
             (0..rng.below(40)).map(|_| TokenId(rng.below(vocab as u64 + 5) as u32)).collect();
-        let mut s = SamplerState::new(&SamplingParams { seed: Some(rng.next()), ..p.clone() }, &prompt);
+        let mut s = SamplerState::new(&SamplingParams { seed: Some(rng.next()), ..p.clone() }, &prompt, &[]);
         // The penalties' edits are first made after `early` tokens (then kept
         // up to date by `record`), or from the whole history when past the end.
         let n = rng.below(12);
