@@ -6,6 +6,10 @@
 # CORRIDOR: a release `corridor` binary. LLAMA_BIN_DIR: llama.cpp's CPU tools (llama-bench and
 # llama-batched-bench, built from the llama-cpp-python sdist: scripts/build_llama_cpp.sh, with
 # `--target llama-bench llama-batched-bench`). Both use 2 threads. For each file:
+#   prefill: `corridor generate` on a 512-token prompt (its "prompt tok/s") against
+#            `llama-bench -p 512 -n 0` (pp512), 3 runs each;
+#   long context: a 2,031-token prompt then 64 tokens generated (prompt and decode rates) against
+#            `llama-bench -p 2048 -n 0` and `llama-bench -p 0 -n 64 -d 2031` (tg64 after 2,031), 2 runs;
 #   batch 1: `corridor generate` (128 tokens, EOS ignored; its "decode" rate) against
 #            `llama-bench -p 0 -n 128` (tg128), 3 runs each;
 #   batch 8: `corridor serve --devices cpu` driven by `corridor bench` (8 requests at once, 128-token
@@ -28,6 +32,28 @@ for f in "$@"; do
         rates+=("$r")
     done
     echo "corridor batch 1 decode tok/s: ${rates[*]}"
+    # 73 repetitions of this sentence are 512 tokens for SmolLM2's tokenizer (the count is printed).
+    long=$(python3 -c 'print("The lighthouse keeper watched the sea. " * 73)')
+    pre=()
+    for run in 1 2 3; do
+        r=$("$bin" --log warn generate --model "$f" --prompt "$long" --max-tokens 1 --threads "$threads" \
+            2>&1 >/dev/null | grep -oE "^\[[0-9]+ prompt tokens|[0-9.]+ prompt tok/s" | grep -oE "^\[?[0-9.]+" | tr -d '[' | paste -sd':')
+        pre+=("$r")
+    done
+    echo "corridor prefill (prompt tokens, tok/s): ${pre[*]}"
+    "$lcpp/llama-bench" -t "$threads" -m "$f" -p 512 -n 0 -r 3 2>/dev/null | grep -E "pp512" |
+        sed 's/^/llama.cpp prefill: /'
+    # 290 repetitions are 2,031 tokens.
+    longer=$(python3 -c 'print("The lighthouse keeper watched the sea. " * 290)')
+    for run in 1 2; do
+        "$bin" --log warn generate --model "$f" --prompt "$longer" --max-tokens 64 --ignore-eos \
+            --threads "$threads" 2>&1 >/dev/null | grep -oE "^\[[0-9]+ prompt tokens|[0-9.]+ prompt tok/s|decode [0-9.]+ tok/s" |
+            paste -sd' ' | sed 's/^\[/corridor long context: /'
+    done
+    "$lcpp/llama-bench" -t "$threads" -m "$f" -p 2048 -n 0 -r 2 2>/dev/null | grep -E "pp2048" |
+        sed 's/^/llama.cpp long prefill: /'
+    "$lcpp/llama-bench" -t "$threads" -m "$f" -p 0 -n 64 -d 2031 -r 2 2>/dev/null | grep -E "tg64" |
+        sed 's/^/llama.cpp decode after 2031: /'
     "$lcpp/llama-bench" -t "$threads" -m "$f" -p 0 -n 128 -r 3 2>/dev/null | grep -E "tg128" |
         sed 's/^/llama.cpp batch 1: /'
     "$bin" --log warn serve --model "$f" --devices cpu --threads "$threads" --port "$port" \

@@ -200,8 +200,11 @@ fn quantized_files_match_the_f16_file_within_per_type_tolerances() {
     let n = prompt().len();
     let mut seen = BTreeMap::new();
     for (ft, tol, ..) in FILES {
-        // Prefill: the whole prompt at once (dequantized tiles, f32 GEMM).
+        // Prefill: the whole prompt at once, by the default path (the 8-bit
+        // dots or the GEMM, as the rows decide) and by the widened tiles' f32 GEMM.
         let pre = logprobs(&file(ft), DecodeActivations::Q8, n);
+        let gemm = weighted(&reference, &logprobs(&file(ft), DecodeActivations::F32, n));
+        assert!(gemm < tol, "{ft}: the f32 GEMM prefill is {gemm} from the f16 file, over {tol}");
         // Decode: one token at a time, integer dots over 8-bit activations,
         let dec = logprobs(&file(ft), DecodeActivations::Q8, 1);
         // and in f32, which isolates the weights' own rounding.

@@ -3,11 +3,13 @@
 //! Weights in f32 are held as `Vec<f32>`; every other type (f16, bf16 and the
 //! ggml block formats) stays packed, memory-mapped when the checkpoint was, and
 //! is widened only inside the kernels: a row at a time for decode (`dot_row`),
-//! a 32-row tile at a time for prefill, where the tile feeds an f32 GEMM. Work
-//! is split over output columns with rayon, so every thread streams a disjoint
-//! slice of the weights.
+//! a tile of rows at a time for prefill, where the tile feeds an f32 GEMM
+//! (`gemm_task_cols` sizes it). Work is split over output columns, so every
+//! thread streams a disjoint slice of the weights.
 
+mod attend;
 mod delta;
+mod gemm;
 mod pool;
 pub mod quant;
 
@@ -15,6 +17,7 @@ use crate::dtype::{DType, HostTensor, TensorBytes};
 use crate::{
     ActShape, Backend, BackendError, DeltaRule, KvGeometry, MatmulPart, Result, RopeStyle, RopeTable, SeqStep,
 };
+use attend::{attend_slice, AttnState, ATTN_CHUNK};
 use corridor_units::PageId;
 use corridor_units::StateSlot;
 use rayon::prelude::*;
@@ -25,8 +28,8 @@ use std::cell::RefCell;
 const ROWS_PER_TASK: usize = 32;
 
 /// Up to this many rows, a matmul dots each weight row with every input row
-/// (the weights are read once and widened in registers); above it, 32-row
-/// weight tiles are widened once into f32 and fed to a GEMM. Measured on
+/// (the weights are read once and widened in registers); above it, tiles of
+/// weight rows are widened once into f32 and fed to a GEMM. Measured on
 /// SmolLM2 Q4_1 at 8 concurrent requests with f32 activations: the GEMM path
 /// gives 49.5 output tok/s where dotting 8 rows gives 32.7, so the switch
 /// stays at 2 for the f32 dot.
@@ -34,9 +37,17 @@ const DOT_MAX_ROWS: usize = 2;
 
 /// The same switch for a block format's weights against 8-bit activations
 /// (`quant::dot_rows_q8`, each weight block read once for four activation
-/// rows). Measured on SmolLM2 Q4_1 at 8 concurrent requests (2 threads): 146
-/// output tok/s dotting the 8 rows four at a time, 126 one at a time, 110
-/// through the GEMM.
+/// rows): above it the GEMM, whose cost is mostly widening the weights up to
+/// a few dozen rows. Measured by `examples/cpu_matmul_cost.rs` (1536 × 576,
+/// 2 threads, ms per matmul, 8-bit dot against GEMM): at 24 rows Q4_1 0.48
+/// against 0.51, Q5_0 0.62 against 0.77, Q8_0 0.45 against 0.50 (and at
+/// 1536 × 512 Q4_K 0.72 against 0.81, Q6_K 0.65 against 0.66); at 32 rows
+/// about even, at 48 the GEMM ahead. Yet the switch stays at 8: with 24, a
+/// served step of up to 24 rows (20 requests decoding, or a few prompt rows
+/// beside a decode) took 8-bit activations, and the default model's replies
+/// to the README's request under the default sampling changed: 3 of 20 seeds
+/// rambled to the length limit, where with f32 activations there every reply
+/// ends by itself (`tests/e2e/test_new_user.py`).
 const Q8_DOT_MAX_ROWS: usize = 8;
 
 /// What a matmul multiplies its weights with: its f32 input rows as they
@@ -514,54 +525,60 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     })
 }
 
-/// Tokens of one slice of a context in attention: a row's softmax runs over
-/// slices at fixed positions and merges their states in order, whichever
-/// thread computes a slice, so the result does not depend on the split.
-const ATTN_CHUNK: usize = 32;
+/// Columns a task of the f32 GEMM path computes, for a matmul of `n`
+/// columns over `k` inputs on `threads` threads: whole column panels, few
+/// enough that the task's widened columns (`k` values each) stay in a core's
+/// L2 cache while every input panel passes over them, and as many tasks as
+/// that needs rounded up to a multiple of the threads, so they come out even.
+fn gemm_task_cols(n: usize, k: usize, threads: usize) -> usize {
+    const SLAB_VALUES: usize = 1 << 16;
+    let fit = (SLAB_VALUES / k.max(1)).max(gemm::NR);
+    let tasks = n.div_ceil(fit).next_multiple_of(threads.max(1));
+    n.div_ceil(tasks).next_multiple_of(gemm::NR)
+}
+
+thread_local! {
+    /// The packed input rows of the matmul this thread runs.
+    static PACKED_ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A matmul's input rows packed for the GEMM ([`gemm::pack_rows`]), in the
+/// calling thread's buffer, given back when dropped.
+#[derive(Default)]
+struct PackedRows(Vec<f32>);
+
+impl std::ops::Deref for PackedRows {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+impl Drop for PackedRows {
+    fn drop(&mut self) {
+        let v = std::mem::take(&mut self.0);
+        if v.capacity() > 0 {
+            PACKED_ROWS.with(|p| *p.borrow_mut() = v);
+        }
+    }
+}
+
+/// `rows` input rows of `k` (`xs`) packed panel by panel, the panels in parallel.
+fn pack_input_rows(xs: &[f32], rows: usize, k: usize) -> PackedRows {
+    let mut v = PACKED_ROWS.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    v.resize(gemm::packed_rows_len(rows, k), 0.0);
+    let at = SendPtr(v.as_mut_ptr());
+    pool::for_each(rows.div_ceil(gemm::MR), |i| {
+        // SAFETY: panel i alone is written by this task, within the buffer.
+        let panel = unsafe { std::slice::from_raw_parts_mut(at.get().add(i * gemm::MR * k), gemm::MR * k) };
+        gemm::pack_rows(xs, rows, k, i, panel);
+    });
+    PackedRows(v)
+}
 
 /// Steps of at most this many rows give each slice of a context a task of
 /// its own (decode: a few KV heads would not fill the threads).
 const ATTN_SPLIT_MAX_ROWS: usize = 4;
-
-/// A softmax over some tokens of one row and head: the running maximum `m`,
-/// the sum `l` of exp(score - m), and the output `o` weighted by them.
-struct AttnState {
-    m: f32,
-    l: f32,
-    o: Vec<f32>,
-}
-
-impl AttnState {
-    fn new(hd: usize) -> AttnState {
-        AttnState { m: f32::NEG_INFINITY, l: 0.0, o: vec![0.0; hd] }
-    }
-
-    /// Fold in the state of the next slice of tokens.
-    fn merge(&mut self, m: f32, l: f32, o: &[f32]) {
-        if l == 0.0 {
-            return;
-        }
-        if self.l == 0.0 {
-            (self.m, self.l) = (m, l);
-            self.o.copy_from_slice(o);
-            return;
-        }
-        let mx = self.m.max(m);
-        let (a, b) = ((self.m - mx).exp(), (m - mx).exp());
-        self.l = self.l * a + l * b;
-        for (x, y) in self.o.iter_mut().zip(o) {
-            *x = *x * a + y * b;
-        }
-        self.m = mx;
-    }
-
-    fn finish(&self, out: &mut [f32]) {
-        let inv = if self.l > 0.0 { 1.0 / self.l } else { 0.0 };
-        for (o, x) in out.iter_mut().zip(&self.o) {
-            *o = x * inv;
-        }
-    }
-}
 
 impl Backend for CpuBackend {
     type Act = CpuAct;
@@ -686,16 +703,25 @@ impl Backend for CpuBackend {
             MatmulInput::F32 | MatmulInput::Q8 => x.live(rows),
         };
         let optr = SendPtr(out.data.as_mut_ptr());
-        let tasks = n.div_ceil(ROWS_PER_TASK);
         // Decode over a block format: each activation row is quantized once
         // here, then read by every task.
         let q8_rows: Vec<quant::Q8Row> = match input {
             MatmulInput::Q8 => q8_input(xs, k),
             _ => Vec::new(),
         };
-        pool::for_each(tasks, |t| {
-            let j0 = t * ROWS_PER_TASK;
-            let nb = ROWS_PER_TASK.min(n - j0);
+        let gemm = q8_rows.is_empty() && rows > DOT_MAX_ROWS;
+        let per = match gemm {
+            true => gemm_task_cols(n, k, rayon::current_num_threads()),
+            false => ROWS_PER_TASK,
+        };
+        // The GEMM's input rows, packed once for every task.
+        let packed = match gemm {
+            true => pack_input_rows(xs, rows, k),
+            false => PackedRows::default(),
+        };
+        pool::for_each(n.div_ceil(per), |t| {
+            let j0 = t * per;
+            let nb = per.min(n - j0);
             if !q8_rows.is_empty() {
                 // SAFETY: task t alone writes columns j0..j0+nb of `out`.
                 unsafe { q8_columns(w, &q8_rows, optr, n, j0..j0 + nb) };
@@ -712,37 +738,12 @@ impl Backend for CpuBackend {
                 }
                 return;
             }
-            let tile_gemm = |tile: &[f32]| {
-                // SAFETY: out is [rows, n]; task t writes only columns j0..j0+nb,
-                // and x and the tile are only read.
-                unsafe {
-                    matrixmultiply::sgemm(
-                        rows,
-                        k,
-                        nb,
-                        1.0,
-                        xs.as_ptr(),
-                        k as isize,
-                        1,
-                        tile.as_ptr(),
-                        1,
-                        k as isize,
-                        0.0,
-                        optr.get().add(j0),
-                        n as isize,
-                        1,
-                    )
-                }
-            };
-            match w {
-                CpuWeight::F32 { data, .. } => tile_gemm(&data[j0 * k..(j0 + nb) * k]),
-                CpuWeight::Packed { .. } => with_scratch(nb * k, |tile| {
-                    for (i, row) in tile.chunks_mut(k).enumerate() {
-                        w.dequantize_into(j0 + i, row);
-                    }
-                    tile_gemm(tile)
-                }),
-            }
+            // SAFETY: out is [rows, n] and task t alone writes columns j0..j0+nb.
+            with_scratch(gemm::packed_cols_len(nb, k) + gemm::NR * k, |buf| unsafe {
+                let (cols, rows_scratch) = buf.split_at_mut(buf.len() - gemm::NR * k);
+                gemm::pack_cols(nb, k, rows_scratch, |c, out| w.dequantize_into(j0 + c, out), cols);
+                gemm::gemm(&packed, rows, cols, nb, k, optr.get().add(j0), n)
+            });
         });
         if let Some(b) = bias {
             add_bias(out, &b.vector(), rows);
@@ -961,29 +962,39 @@ impl Backend for CpuBackend {
         let rows: Vec<(usize, usize)> =
             seqs.iter().enumerate().flat_map(|(si, s)| (0..s.rows).map(move |i| (si, i))).collect();
         let optr = SendPtr(out.data.as_mut_ptr());
-        // A row's head over tokens [t0, t1): its softmax state merged into `state`.
+        // A row's query heads h0.. (one per state, all of KV head kvh) over
+        // tokens [t0, t1): each head's softmax state merged into its own. The
+        // tokens' K and V rows are found once for all the heads, a page at a time.
+        let ps = g.page_size.get();
+        let width = g.kv_heads * hd;
         let attend =
-            |si: usize, i: usize, kvh: usize, h: usize, t0: usize, t1: usize, state: &mut AttnState| {
+            |si: usize, i: usize, kvh: usize, h0: usize, states: &mut [AttnState], t0: usize, t1: usize| {
                 let s = &seqs[si];
-                let qh = &q.row(s.row_start + i)[h * hd..(h + 1) * hd];
-                let token = |t: usize| kv.token(s.pages[t / g.page_size.get()], t % g.page_size.get());
-                with_scratch(t1 - t0 + hd, |buf| {
-                    let (scores, o) = buf.split_at_mut(t1 - t0);
-                    let mut m = f32::NEG_INFINITY;
-                    for (t, sc) in (t0..t1).zip(scores.iter_mut()) {
-                        *sc = quant::dot_f32(qh, &token(t).0[kvh * hd..(kvh + 1) * hd]) * scale;
-                        m = m.max(*sc);
+                let (mut keys, mut values) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
+                let mut t = t0;
+                while t < t1 {
+                    let p = t / ps;
+                    let end = ((p + 1) * ps).min(t1);
+                    let page = kv.page(s.pages[p]);
+                    for t in t..end {
+                        let (k, v) = match page {
+                            Some((k, v)) => {
+                                let at = (t - p * ps) * width;
+                                (&k[at..at + width], &v[at..at + width])
+                            }
+                            None => kv.token(s.pages[p], t - p * ps),
+                        };
+                        (keys[t - t0], values[t - t0]) =
+                            (&k[kvh * hd..(kvh + 1) * hd], &v[kvh * hd..(kvh + 1) * hd]);
                     }
-                    let mut l = 0.0;
-                    o.fill(0.0);
-                    for (t, sc) in (t0..t1).zip(scores.iter()) {
-                        let p = (sc - m).exp();
-                        l += p;
-                        for (o, v) in o.iter_mut().zip(&token(t).1[kvh * hd..(kvh + 1) * hd]) {
-                            *o += p * v;
-                        }
+                    t = end;
+                }
+                let n = t1 - t0;
+                with_scratch(hd, |buf| {
+                    for (j, state) in states.iter_mut().enumerate() {
+                        let qh = &q.row(s.row_start + i)[(h0 + j) * hd..(h0 + j + 1) * hd];
+                        attend_slice(qh, &keys[..n], &values[..n], scale, buf, state);
                     }
-                    state.merge(m, l, o);
                 });
             };
         let write = |si: usize, i: usize, h: usize, state: &AttnState| {
@@ -1001,13 +1012,13 @@ impl Backend for CpuBackend {
             // its K and V rows while they are in cache.
             pool::for_each(rows.len() * g.kv_heads, |w| {
                 let ((si, i), kvh) = (rows[w / g.kv_heads], w % g.kv_heads);
-                for h in kvh * group..(kvh + 1) * group {
-                    let mut state = AttnState::new(hd);
-                    for c in 0..chunks(si, i) {
-                        let (t0, t1) = span(si, i, c);
-                        attend(si, i, kvh, h, t0, t1, &mut state);
-                    }
-                    write(si, i, h, &state);
+                let mut states: Vec<AttnState> = (0..group).map(|_| AttnState::new(hd)).collect();
+                for c in 0..chunks(si, i) {
+                    let (t0, t1) = span(si, i, c);
+                    attend(si, i, kvh, kvh * group, &mut states, t0, t1);
+                }
+                for (j, state) in states.iter().enumerate() {
+                    write(si, i, kvh * group + j, state);
                 }
             });
             return;
@@ -1027,7 +1038,8 @@ impl Backend for CpuBackend {
             let (ri, h, c) = tasks[w];
             let (si, i) = rows[ri];
             let (t0, t1) = span(si, i, c);
-            attend(si, i, h / group, h, t0, t1, &mut parts[w].lock().unwrap_or_else(|e| e.into_inner()));
+            let mut state = parts[w].lock().unwrap_or_else(|e| e.into_inner());
+            attend(si, i, h / group, h, std::slice::from_mut(&mut *state), t0, t1);
         });
         let mut w = 0;
         while w < tasks.len() {
@@ -1231,6 +1243,61 @@ mod step_tests {
         assert_eq!(rayon::current_thread_index(), None, "the test thread is not a worker");
         let at = CpuBackend::new().run_step(rayon::current_thread_index);
         assert!(at.is_some(), "the step ran outside the pool");
+    }
+}
+
+#[cfg(test)]
+mod gemm_tests {
+    use super::*;
+
+    /// A prefill matmul's GEMM tasks: whole column panels, a slab that stays
+    /// in L2 (256 KiB of widened weights, or one panel where a row is longer),
+    /// every thread busy where the columns allow, and tasks of one width.
+    #[test]
+    fn gemm_tasks_fit_the_cache_and_fill_the_threads() {
+        for (n, k, threads) in
+            [(576, 576, 2), (192, 576, 2), (1536, 576, 2), (576, 1536, 2), (14336, 4096, 16), (100, 64, 64)]
+        {
+            let per = gemm_task_cols(n, k, threads);
+            assert!(per.is_multiple_of(gemm::NR) && per > 0, "{n}x{k} on {threads}: {per}");
+            assert!(per * k <= (1 << 16) + gemm::NR * k, "{n}x{k}: a slab of {per} columns");
+            let tasks = n.div_ceil(per);
+            assert!(tasks >= threads.min(n.div_ceil(gemm::NR)), "{n}x{k} on {threads}: {tasks} tasks");
+        }
+        // The default model's 576-wide matrices: 6 tasks of 96 columns on 2 threads.
+        assert_eq!(gemm_task_cols(576, 576, 2), 96);
+    }
+
+    /// The GEMM path computes every column of a packed weight wider than
+    /// one task, to f32 rounding.
+    #[test]
+    fn gemm_tasks_cover_every_column() {
+        let b = CpuBackend::with_decode_activations(DecodeActivations::F32);
+        let (n, k, rows) = (200, 64, 5);
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0).collect();
+        // f16 storage (exact for these values): widened a tile at a time.
+        let data = w.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
+        let t = HostTensor {
+            name: "w".into(),
+            dtype: DType::F16,
+            shape: vec![n, k],
+            data: TensorBytes::from_vec(data),
+        };
+        let stored = b.upload_weight(&t).unwrap();
+        let x: Vec<f32> = (0..rows * k).map(|i| ((i * 13 % 29) as f32 - 14.0) / 16.0).collect();
+        let x = CpuAct { data: x, rows, cols: k };
+        let mut out = b.alloc_act(ActShape { rows, cols: n }).unwrap();
+        b.run_step(|| b.matmul(&x, &stored, None, rows, &mut out));
+        for r in 0..rows {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|i| x.row(r)[i] * w[j * k + i]).sum();
+                let got = out.row(r)[j];
+                assert!(
+                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "row {r} column {j}: {got} vs {want}"
+                );
+            }
+        }
     }
 }
 

@@ -86,7 +86,7 @@ pub fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
 /// Whether this CPU has AVX2, FMA and F16C (cached by the standard library).
 #[cfg(target_arch = "x86_64")]
 #[inline]
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     std::is_x86_feature_detected!("avx2")
         && std::is_x86_feature_detected!("fma")
         && std::is_x86_feature_detected!("f16c")
@@ -158,7 +158,7 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn dot_f32_generic(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot_f32_generic(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0f32; 16];
     let chunks = a.len() / 16;
