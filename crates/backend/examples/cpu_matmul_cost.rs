@@ -6,7 +6,8 @@
 //!   cargo run --release -p corridor-backend --example cpu_matmul_cost [N K]
 //!
 //! N × K is the weight's shape (default 1536 × 576, SmolLM2's gate); the
-//! weights are random codes with a fixed scale. Run it on an idle machine.
+//! weights are random codes with a fixed scale. `ROWS=1,2,8` picks the row
+//! counts. Run it on an idle machine.
 
 use corridor_backend::cpu::{Bf16Rounding, CpuBackend, MatmulInput};
 use corridor_backend::{ActShape, Backend, DType, HostTensor, TensorBytes};
@@ -58,7 +59,11 @@ fn main() {
             continue;
         }
         let t = weight(dtype, n, k);
-        for rows in [4, 8, 12, 16, 24, 32, 48, 64] {
+        let row_counts: Vec<usize> = match std::env::var("ROWS") {
+            Ok(list) => list.split(',').filter_map(|r| r.trim().parse().ok()).collect(),
+            Err(_) => vec![4, 8, 12, 16, 24, 32, 48, 64],
+        };
+        for &rows in &row_counts {
             print!("{:8} {rows:>5}", dtype.to_string());
             for (_, rule) in &paths {
                 let b = CpuBackend::new().with_bf16_rounding(Bf16Rounding {
@@ -74,7 +79,7 @@ fn main() {
                     }
                 }
                 let mut out = b.alloc_act(ActShape { rows, cols: n }).expect("out");
-                let reps = 20;
+                let reps = if rows < 4 { 200 } else { 20 };
                 let best = (0..5)
                     .map(|_| {
                         let t0 = Instant::now();
@@ -86,7 +91,7 @@ fn main() {
                         t0.elapsed().as_secs_f64() * 1e3 / reps as f64
                     })
                     .fold(f64::INFINITY, f64::min);
-                print!(" {best:>10.3}");
+                print!(" {best:>10.4}");
             }
             println!();
         }

@@ -526,6 +526,17 @@ pub trait Backend: Send + Sync + 'static {
     fn captures_graphs(&self) -> bool {
         false
     }
+    /// Row counts of the prefill-sized steps the executor runs once before
+    /// KV is sized: a device that picks library kernels by shape (cuBLASLt)
+    /// loads them, and takes their workspace, then, so the KV budget is
+    /// measured after them. The default: the largest step, half of it and 64
+    /// rows. A backend whose memory does not grow with the shapes it has run
+    /// returns none.
+    fn warm_up_rows(&self, max_rows: usize) -> Vec<usize> {
+        let mut rows = vec![max_rows, max_rows.div_ceil(2), 64.min(max_rows)];
+        rows.dedup();
+        rows
+    }
 
     /// `out[r] = table[ids[r]]` for each row.
     fn embedding(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Act) -> Result<()>;

@@ -251,9 +251,9 @@ impl<B: Backend> SingleRank<B> {
             input.capture = capture_key(&input, me.model.replayable(&*me.comm));
             me.model.forward_ranked(&me.backend, &*me.comm, &mut me.ws, &mut me.kv, &input, &mut logits)
         };
-        // Prefill-sized steps first (cuBLASLt picks kernels by shape).
-        let max = self.ws.max_rows();
-        for rows in [max, max.div_ceil(2), 64.min(max)] {
+        // Prefill-sized steps first, where the backend wants them (cuBLASLt
+        // picks kernels by shape).
+        for rows in self.backend.warm_up_rows(self.ws.max_rows()) {
             run(self, rows)?;
         }
         if self.samples_on_device() {
