@@ -181,7 +181,11 @@ fn work(shared: &Shared, generation: u64) {
 
 /// A helper thread: wait for each new loop and work on it, until the step ends.
 fn helper(shared: &Shared) {
-    let (mut seen, ..) = parts(shared.word.load(Ordering::Acquire));
+    // No loop has this generation (they are 16 bits), so a helper that
+    // starts while the step's first loop runs (rayon wakes it a while after
+    // the step began) works on that loop too, instead of waiting for the
+    // next. A loop already over has no task left to claim.
+    let mut seen = u64::MAX;
     let mut spins = 0u32;
     loop {
         let (g, ..) = parts(shared.word.load(Ordering::Acquire));
@@ -253,15 +257,48 @@ mod tests {
         }
     }
 
+    /// The threads a loop's tasks ran on. A task notes its thread, then,
+    /// until a second thread has taken a task or the deadline (10 s from the
+    /// first note) has passed, yields: on a loaded machine the other thread
+    /// may get no core for the whole of a short loop, so the work alone
+    /// cannot show that it takes tasks; waiting for it can, and only a
+    /// thread that never takes a task (the mechanism broken) runs into the
+    /// deadline.
+    struct Seen {
+        threads: std::sync::Mutex<std::collections::HashSet<std::thread::ThreadId>>,
+        deadline: std::sync::OnceLock<std::time::Instant>,
+    }
+
+    impl Seen {
+        fn new() -> Seen {
+            Seen { threads: Default::default(), deadline: std::sync::OnceLock::new() }
+        }
+        fn note(&self) {
+            self.threads.lock().unwrap().insert(std::thread::current().id());
+            let deadline =
+                *self.deadline.get_or_init(|| std::time::Instant::now() + std::time::Duration::from_secs(10));
+            while self.count() < 2 && std::time::Instant::now() < deadline {
+                std::thread::yield_now();
+            }
+        }
+        fn count(&self) -> usize {
+            self.threads.lock().unwrap().len()
+        }
+    }
+
+    /// The step's very first loop already has both threads: a helper that
+    /// starts after the loop was published still joins it.
     #[test]
     fn a_step_uses_more_than_one_thread_and_nested_loops_run_in_order() {
         let pool = two_threads();
-        let threads = std::sync::Mutex::new(std::collections::HashSet::new());
+        let seen = Seen::new();
         pool.install(|| {
             run(|| {
+                for_each(64, |_| seen.note());
+                assert_eq!(seen.count(), 2, "the helper missed the step's first loop");
                 for _ in 0..200 {
                     for_each(64, |_| {
-                        threads.lock().unwrap().insert(std::thread::current().id());
+                        seen.note();
                         busy(20_000);
                         let inner = AtomicU32::new(0);
                         for_each(5, |_| {
@@ -272,7 +309,7 @@ mod tests {
                 }
             })
         });
-        assert_eq!(threads.lock().unwrap().len(), 2);
+        assert_eq!(seen.count(), 2);
     }
 
     #[test]
@@ -306,16 +343,16 @@ mod tests {
     fn a_rayon_loop_inside_a_step_still_spreads() {
         use rayon::prelude::*;
         let pool = two_threads();
-        let threads = std::sync::Mutex::new(std::collections::HashSet::new());
+        let seen = Seen::new();
         pool.install(|| {
             run(|| {
                 (0..256).into_par_iter().for_each(|_| {
-                    threads.lock().unwrap().insert(std::thread::current().id());
+                    seen.note();
                     busy(50_000);
                 });
             })
         });
-        assert_eq!(threads.lock().unwrap().len(), 2, "the helper took none of the rayon loop");
+        assert_eq!(seen.count(), 2, "the helper took none of the rayon loop");
     }
 
     #[test]

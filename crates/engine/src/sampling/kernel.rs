@@ -123,22 +123,36 @@ super::simd::multiversion! {
     }
 }
 
-/// The inverse-CDF draw over every token of positive weight, in vocabulary
-/// order, by blocks (see the module documentation).
-fn draw_untruncated(row: &[f32], max: f32, inv_t: f32, uniform: f64) -> Option<TokenId> {
+/// The weight of each block of [`DRAW_BLOCK`] tokens of the row, in order
+/// (blocks in parallel on a large row; each block's sum is the same either
+/// way).
+fn block_sums(row: &[f32], max: f32, inv_t: f32) -> Vec<f64> {
     use rayon::prelude::*;
-    let weight = |i: u32| weight_of(row[i as usize], max, inv_t) as f64;
     let block_sum = |b: usize| -> f64 {
         let lo = b * DRAW_BLOCK;
         let hi = (lo + DRAW_BLOCK).min(row.len());
         block_weight(&row[lo..hi], max, inv_t)
     };
     let blocks = row.len().div_ceil(DRAW_BLOCK);
-    let sums: Vec<f64> = if row.len() >= PARALLEL_DRAW_MIN {
+    if row.len() >= PARALLEL_DRAW_MIN {
         (0..blocks).into_par_iter().map(block_sum).collect()
     } else {
         (0..blocks).map(block_sum).collect()
-    };
+    }
+}
+
+/// The weight of the whole row: its block sums added in order. Every path
+/// whose top-p limit is a share of the whole row takes this sum, so they
+/// cut at the same token.
+fn row_weight(row: &[f32], max: f32, inv_t: f32) -> f64 {
+    block_sums(row, max, inv_t).iter().sum()
+}
+
+/// The inverse-CDF draw over every token of positive weight, in vocabulary
+/// order, by blocks (see the module documentation).
+fn draw_untruncated(row: &[f32], max: f32, inv_t: f32, uniform: f64) -> Option<TokenId> {
+    let weight = |i: u32| weight_of(row[i as usize], max, inv_t) as f64;
+    let sums = block_sums(row, max, inv_t);
     let total: f64 = sums.iter().sum();
     if !(total.is_finite() && total > 0.0) {
         return None;
@@ -191,6 +205,7 @@ impl DrawKernel for CpuDrawKernel {
             (0..row.len() as u32).map(|i| (i, weight(i))).filter(|&(_, w)| w > 0.0).collect();
         let by_rank = |a: &(u32, f64), b: &(u32, f64)| rank_order(row, a.0, b.0);
 
+        let cut_by_top_k = spec.top_k.is_some_and(|k| (k as usize) < cands.len());
         if let Some(k) = spec.top_k.map(|k| k as usize) {
             if k == 0 {
                 return None;
@@ -205,7 +220,10 @@ impl DrawKernel for CpuDrawKernel {
             }
         }
         if spec.top_p < 1.0 {
-            let total: f64 = cands.iter().map(|c| c.1).sum();
+            // Unless top-k cut them, the candidates are every token of
+            // positive weight, and their total is the row's.
+            let total: f64 =
+                if cut_by_top_k { cands.iter().map(|c| c.1).sum() } else { row_weight(row, max, inv_t) };
             let limit = spec.top_p as f64 * total;
             let mut window = FIRST_TOP_P_WINDOW.min(cands.len());
             loop {
@@ -243,22 +261,26 @@ impl DrawKernel for CpuDrawKernel {
 /// the whole row: the tokens with `w_i ≥ min_p` are a prefix of the rank
 /// order, and so is the top-p cut, so the candidates are the shorter of the
 /// two, and only the few tokens at or above `min_p` are ranked. The top-p
-/// limit is the same sum over the whole row, in the same order, as the
-/// general path takes, so the draw is the same token, bit for bit.
+/// limit is the same sum over the whole row ([`row_weight`]) as the general
+/// path takes, so the draw is the same token, bit for bit.
 fn draw_min_p(row: &[f32], max: f32, inv_t: f32, top_p: f32, min_p: f64, uniform: f64) -> Option<TokenId> {
-    let mut total = 0.0f64;
+    // `w ≥ min_p` needs `x = (l - max) / T ≥ ln(min_p)` (the weight is
+    // `e^x` within 3e-7), so a token whose `x` is below that, less a margin
+    // far wider than the weight's error, is passed over without weighing it:
+    // the scan is a subtraction, a product and a compare per token, and the
+    // few near the top are weighed exactly.
+    let floor = (min_p.ln() - 1e-3) as f32;
     let mut cands: Vec<(u32, f64)> = Vec::new();
     for (i, &l) in row.iter().enumerate() {
-        let w = weight_of(l, max, inv_t) as f64;
-        if w > 0.0 {
-            total += w;
-            if w >= min_p {
+        if (l - max) * inv_t >= floor {
+            let w = weight_of(l, max, inv_t) as f64;
+            if w > 0.0 && w >= min_p {
                 cands.push((i as u32, w));
             }
         }
     }
     if top_p < 1.0 {
-        let limit = top_p as f64 * total;
+        let limit = top_p as f64 * row_weight(row, max, inv_t);
         cands.sort_unstable_by(|a, b| rank_order(row, a.0, b.0));
         let mut before = 0.0;
         let cut = cands.iter().position(|c| {
