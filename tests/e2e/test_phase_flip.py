@@ -24,6 +24,9 @@ def complete(server, prompt: str) -> tuple[str, str]:
         messages=[{"role": "user", "content": prompt}],
         max_tokens=16,
         temperature=0,
+        # Every answer runs its 16 tokens, so the comparison with flips covers
+        # them all: the random model's end-of-turn token can win a greedy step.
+        extra_body={"ignore_eos": True},
     )
     return r.choices[0].message.content, r.choices[0].finish_reason
 
