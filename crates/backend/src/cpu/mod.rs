@@ -119,6 +119,8 @@ pub struct CpuBackend {
     resident: bool,
     decode: DecodeActivations,
     rounding: Bf16Rounding,
+    /// The GEMM's packed input rows, reused from matmul to matmul.
+    packed: PackedRowsSlot,
 }
 
 impl CpuBackend {
@@ -537,35 +539,62 @@ fn gemm_task_cols(n: usize, k: usize, threads: usize) -> usize {
     n.div_ceil(tasks).next_multiple_of(gemm::NR)
 }
 
-thread_local! {
-    /// The packed input rows of the matmul this thread runs.
-    static PACKED_ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+/// Where a backend keeps the GEMM's packed input rows between matmuls
+/// (clones of a backend share it). One buffer, held by the backend rather
+/// than by a thread: a step runs on whichever worker of the pool takes it,
+/// so a thread's buffer would be grown, to `max_rows · k` values of the
+/// widest matmul (29 MiB at 512 rows of an 8B model's down projection), on
+/// every worker in turn. A matmul that finds it taken (ranks sharing one
+/// backend) packs into a buffer of its own, and the larger one is kept.
+#[derive(Clone, Default)]
+struct PackedRowsSlot(std::sync::Arc<std::sync::Mutex<Vec<f32>>>);
+
+impl std::fmt::Debug for PackedRowsSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let values = self.0.lock().map(|v| v.capacity()).unwrap_or(0);
+        write!(f, "PackedRowsSlot({values} values)")
+    }
+}
+
+impl PackedRowsSlot {
+    fn take(&self) -> Vec<f32> {
+        self.0.lock().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default()
+    }
+    fn give_back(&self, v: Vec<f32>) {
+        if let Ok(mut slot) = self.0.lock() {
+            if v.capacity() > slot.capacity() {
+                *slot = v;
+            }
+        }
+    }
 }
 
 /// A matmul's input rows packed for the GEMM ([`gemm::pack_rows`]), in the
-/// calling thread's buffer, given back when dropped.
+/// backend's buffer, given back when dropped.
 #[derive(Default)]
-struct PackedRows(Vec<f32>);
+struct PackedRows {
+    values: Vec<f32>,
+    home: Option<PackedRowsSlot>,
+}
 
 impl std::ops::Deref for PackedRows {
     type Target = [f32];
     fn deref(&self) -> &[f32] {
-        &self.0
+        &self.values
     }
 }
 
 impl Drop for PackedRows {
     fn drop(&mut self) {
-        let v = std::mem::take(&mut self.0);
-        if v.capacity() > 0 {
-            PACKED_ROWS.with(|p| *p.borrow_mut() = v);
+        if let Some(home) = self.home.take() {
+            home.give_back(std::mem::take(&mut self.values));
         }
     }
 }
 
 /// `rows` input rows of `k` (`xs`) packed panel by panel, the panels in parallel.
-fn pack_input_rows(xs: &[f32], rows: usize, k: usize) -> PackedRows {
-    let mut v = PACKED_ROWS.with(|p| std::mem::take(&mut *p.borrow_mut()));
+fn pack_input_rows(slot: &PackedRowsSlot, xs: &[f32], rows: usize, k: usize) -> PackedRows {
+    let mut v = slot.take();
     v.resize(gemm::packed_rows_len(rows, k), 0.0);
     let at = SendPtr(v.as_mut_ptr());
     pool::for_each(rows.div_ceil(gemm::MR), |i| {
@@ -573,7 +602,7 @@ fn pack_input_rows(xs: &[f32], rows: usize, k: usize) -> PackedRows {
         let panel = unsafe { std::slice::from_raw_parts_mut(at.get().add(i * gemm::MR * k), gemm::MR * k) };
         gemm::pack_rows(xs, rows, k, i, panel);
     });
-    PackedRows(v)
+    PackedRows { values: v, home: Some(slot.clone()) }
 }
 
 /// Steps of at most this many rows give each slice of a context a task of
@@ -724,7 +753,7 @@ impl Backend for CpuBackend {
         };
         // The GEMM's input rows, packed once for every task.
         let packed = match gemm {
-            true => pack_input_rows(xs, rows, k),
+            true => pack_input_rows(&self.packed, xs, rows, k),
             false => PackedRows::default(),
         };
         pool::for_each(n.div_ceil(per), |t| {
@@ -1249,6 +1278,35 @@ mod step_tests {
     #[test]
     fn the_cpu_warms_up_no_prefill_shapes() {
         assert_eq!(CpuBackend::new().warm_up_rows(512), Vec::<usize>::new());
+    }
+
+    /// The GEMM packs its input rows into one buffer the backend keeps, so
+    /// matmuls run from different threads reuse it instead of each growing
+    /// a buffer of its own.
+    #[test]
+    fn the_gemms_packed_rows_are_one_buffer_of_the_backend() {
+        let (n, k, rows) = (64, 96, 40);
+        let b = CpuBackend::new();
+        let values: Vec<u8> = (0..n * k).flat_map(|i| ((i % 13) as f32 * 0.1).to_le_bytes()).collect();
+        let t = HostTensor {
+            name: "w".into(),
+            dtype: DType::F32,
+            shape: vec![n, k],
+            data: TensorBytes::from_vec(values),
+        };
+        let w = b.upload_weight(&t).unwrap();
+        let mut x = b.alloc_act(ActShape { rows, cols: k }).unwrap();
+        x.live_mut(rows).iter_mut().enumerate().for_each(|(i, v)| *v = (i % 7) as f32);
+        let run = || {
+            let mut out = b.alloc_act(ActShape { rows, cols: n }).unwrap();
+            b.run_step(|| b.matmul(&x, &w, None, rows, &mut out));
+            (b.packed.0.lock().unwrap().as_ptr() as usize, out.live(rows).to_vec())
+        };
+        let (first, want) = run();
+        assert!(b.packed.0.lock().unwrap().capacity() >= gemm::packed_rows_len(rows, k));
+        let (second, got) = std::thread::scope(|s| s.spawn(run).join().unwrap());
+        assert_eq!(first, second, "another thread's matmul reused the backend's buffer");
+        assert_eq!(want, got);
     }
 
     /// A step handed to `run_step` from outside the pool runs on one of its
