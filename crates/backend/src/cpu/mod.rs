@@ -42,12 +42,12 @@ const DOT_MAX_ROWS: usize = 2;
 /// 2 threads, ms per matmul, 8-bit dot against GEMM): at 24 rows Q4_1 0.48
 /// against 0.51, Q5_0 0.62 against 0.77, Q8_0 0.45 against 0.50 (and at
 /// 1536 × 512 Q4_K 0.72 against 0.81, Q6_K 0.65 against 0.66); at 32 rows
-/// about even, at 48 the GEMM ahead. Yet the switch stays at 8: with 24, a
-/// served step of up to 24 rows (20 requests decoding, or a few prompt rows
-/// beside a decode) took 8-bit activations, and the default model's replies
-/// to the README's request under the default sampling changed: 3 of 20 seeds
-/// rambled to the length limit, where with f32 activations there every reply
-/// ends by itself (`tests/e2e/test_new_user.py`).
+/// about even, at 48 the GEMM ahead. Yet the switch stays at 8 until 8-bit
+/// activations in wider steps (20 requests decoding, or a few prompt rows
+/// beside a decode) are checked for quality: with 24, the default model's
+/// replies to the README's request moved (its first token is a near tie that
+/// the rounding decides, see `tests/e2e/test_new_user.py`), and whether they
+/// got worse was not measured.
 const Q8_DOT_MAX_ROWS: usize = 8;
 
 /// What a matmul multiplies its weights with: its f32 input rows as they
@@ -629,9 +629,9 @@ impl Backend for CpuBackend {
         rayon::scope(|_| pool::run(step))
     }
 
-    /// None: the CPU loads no kernels by shape, and what a prefill adds (a
-    /// thread's packed rows and widened weights, a few MiB) fits the KV
-    /// margin. The three prefill-sized steps took 1.5-4 s of every start on
+    /// None: the CPU loads no kernels by shape, and what a prefill adds (the
+    /// backend's packed input rows and each thread's widened weights, a few
+    /// MiB) fits the KV margin. The three prefill-sized steps took 1.5-4 s of every start on
     /// two threads.
     fn warm_up_rows(&self, _max_rows: usize) -> Vec<usize> {
         Vec::new()
@@ -1208,7 +1208,9 @@ mod storage_tests {
     use super::*;
     use corridor_units::{Pages, Tokens};
 
-    fn tensor(dtype: DType, rows: usize, values: &[f32]) -> HostTensor {
+    /// `values` as a `[rows, len / rows]` tensor stored as f32 or, for any
+    /// other `dtype`, as f16.
+    pub(super) fn tensor(dtype: DType, rows: usize, values: &[f32]) -> HostTensor {
         let data: Vec<u8> = match dtype {
             DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
             _ => values.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect(),
@@ -1287,14 +1289,8 @@ mod step_tests {
     fn the_gemms_packed_rows_are_one_buffer_of_the_backend() {
         let (n, k, rows) = (64, 96, 40);
         let b = CpuBackend::new();
-        let values: Vec<u8> = (0..n * k).flat_map(|i| ((i % 13) as f32 * 0.1).to_le_bytes()).collect();
-        let t = HostTensor {
-            name: "w".into(),
-            dtype: DType::F32,
-            shape: vec![n, k],
-            data: TensorBytes::from_vec(values),
-        };
-        let w = b.upload_weight(&t).unwrap();
+        let values: Vec<f32> = (0..n * k).map(|i| (i % 13) as f32 * 0.1).collect();
+        let w = b.upload_weight(&super::storage_tests::tensor(DType::F32, n, &values)).unwrap();
         let mut x = b.alloc_act(ActShape { rows, cols: k }).unwrap();
         x.live_mut(rows).iter_mut().enumerate().for_each(|(i, v)| *v = (i % 7) as f32);
         let run = || {

@@ -265,12 +265,11 @@ impl DrawKernel for CpuDrawKernel {
 /// path takes, so the draw is the same token, bit for bit.
 fn draw_min_p(row: &[f32], max: f32, inv_t: f32, top_p: f32, min_p: f64, uniform: f64) -> Option<TokenId> {
     // `w ≥ min_p` needs `x = (l - max) / T ≥ ln(min_p)` (the weight is
-    // `e^x` within 3e-7), so a token whose `x` is below that, less a margin
-    // far wider than the weight's error, is passed over without weighing it:
-    // the scan is a subtraction, a product and a compare per token, and the
-    // few near the top are weighed exactly.
-    // Eight tokens at a time, branch-free within the eight, so the scan
-    // vectorizes; a group with a token near the top is weighed one by one.
+    // `e^x` within 3e-7), so a group of eight tokens whose every `x` is below
+    // that, less a margin far wider than the weight's error, is passed over
+    // without weighing it: the scan is a subtraction, a product and a compare
+    // per token, branch-free within the eight so it vectorizes, and only the
+    // groups near the top are weighed, token by token.
     let floor = (min_p.ln() - 1e-3) as f32;
     let mut cands: Vec<(u32, f64)> = Vec::new();
     for (c, group) in row.chunks(8).enumerate() {
