@@ -6,11 +6,16 @@
 //! in order, whichever thread computes a slice, so the result does not depend
 //! on the split (`CpuBackend::attention`). Within a slice the work is laid
 //! out for eight-lane registers: a score is one dot product in two lane
-//! accumulators reduced by a fixed tree; the slice's exponentials are taken
-//! eight at a time by a polynomial ([`exp_lane`]); the output keeps eight of
-//! its values in a register over all the slice's tokens. The AVX2 build and
-//! the baseline build perform the same operations in the same order (fused
-//! multiply-adds in both), so they give the same bits.
+//! accumulators reduced by a fixed tree (the AVX2 build takes four tokens at
+//! a time, one q load for four K rows, and reduces the four together, lane
+//! for lane the same); the slice's exponentials are taken eight at a time by
+//! a polynomial ([`exp_lane`]) and summed in eight lanes; the output keeps
+//! eight of its values in a register over all the slice's tokens. The AVX2
+//! build and the baseline build perform the same operations in the same
+//! order (fused multiply-adds in both), so they give the same bits. The
+//! query heads of a KV head go over a slice together ([`attend_group`]), and
+//! a prompt's rows in blocks, so a slice's K and V rows are found once and
+//! read from cache by every row and head that needs them.
 
 /// Tokens of one slice of a context.
 pub(super) const ATTN_CHUNK: usize = 32;
@@ -56,28 +61,36 @@ impl AttnState {
     }
 }
 
-/// One row's head over a slice of at most [`ATTN_CHUNK`] tokens (their K and
-/// V rows of this head, `keys[t]` and `values[t]`), scores scaled by `scale`,
-/// its softmax state folded into `state`; `buf` holds at least `hd` floats.
-pub(super) fn attend_slice(
-    q: &[f32],
+/// The query heads of one row that share a KV head (`qs`: head after head,
+/// one per state) over a slice of at most [`ATTN_CHUNK`] tokens (their K and
+/// V rows of that KV head, `keys[t]` and `values[t]`), scores scaled by
+/// `scale`, head `j`'s softmax state folded into `states[j]`; `buf` holds at
+/// least a head's floats. The heads run one after another over the same K
+/// and V rows, which stay in cache; each head's result is what it would be
+/// alone.
+pub(super) fn attend_group(
+    qs: &[f32],
     keys: &[&[f32]],
     values: &[&[f32]],
     scale: f32,
     buf: &mut [f32],
-    state: &mut AttnState,
+    states: &mut [AttnState],
 ) {
     assert!(!keys.is_empty() && keys.len() <= ATTN_CHUNK && keys.len() == values.len());
-    let hd = q.len();
+    assert!(!states.is_empty() && qs.len().is_multiple_of(states.len()));
+    let hd = qs.len() / states.len();
     assert!(keys.iter().chain(values).all(|r| r.len() == hd) && buf.len() >= hd);
-    let slice = Slice { q, keys, values, scale };
-    #[cfg(target_arch = "x86_64")]
-    if super::quant::has_avx2() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked above); the lengths
-        // the kernel reads were checked.
-        return unsafe { attend_slice_avx2(&slice, buf, state) };
+    for (q, state) in qs.chunks_exact(hd).zip(states) {
+        let slice = Slice { q, keys, values, scale };
+        #[cfg(target_arch = "x86_64")]
+        if super::quant::has_avx2() {
+            // SAFETY: the CPU supports AVX2 and FMA (checked above); the
+            // lengths the kernel reads were checked.
+            unsafe { attend_slice_avx2(&slice, buf, state) };
+            continue;
+        }
+        attend_slice_portable(&slice, buf, state);
     }
-    attend_slice_portable(&slice, buf, state)
 }
 
 /// One query head's row and a slice's K and V rows of its KV head.
@@ -135,7 +148,7 @@ fn output_tail(values: &[&[f32]], p: &[f32], full: usize, o: &mut [f32]) {
     }
 }
 
-/// [`attend_slice`] in the baseline build: the AVX2 kernel's lanes as arrays.
+/// One head of [`attend_group`] in the baseline build: the AVX2 kernel's lanes as arrays.
 fn attend_slice_portable(slice: &Slice<'_>, buf: &mut [f32], state: &mut AttnState) {
     let Slice { q, keys, values, scale } = *slice;
     let hd = q.len();
@@ -163,11 +176,16 @@ fn attend_slice_portable(slice: &Slice<'_>, buf: &mut [f32], state: &mut AttnSta
         m = m.max(*sc);
     }
     let n = keys.len();
-    let mut l = 0.0;
     for sc in &mut scores[..n] {
         *sc = exp_lane(*sc - m);
-        l += *sc;
     }
+    // The weights' sum in eight lanes (weight c in lane c % 8), reduced by
+    // the fixed tree.
+    let mut lanes = [0f32; 8];
+    for (c, p) in scores[..n].iter().enumerate() {
+        lanes[c % 8] += p;
+    }
+    let l = reduce_lanes(lanes);
     let o = &mut buf[..hd];
     for e in (0..full).step_by(8) {
         let mut acc = [0f32; 8];
@@ -182,7 +200,7 @@ fn attend_slice_portable(slice: &Slice<'_>, buf: &mut [f32], state: &mut AttnSta
     state.merge(m, l, o);
 }
 
-/// [`attend_slice`] in AVX2.
+/// One head of [`attend_group`] in AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn attend_slice_avx2(slice: &Slice<'_>, buf: &mut [f32], state: &mut AttnState) {
@@ -195,7 +213,55 @@ unsafe fn attend_slice_avx2(slice: &Slice<'_>, buf: &mut [f32], state: &mut Attn
     let mut m = f32::NEG_INFINITY;
     // SAFETY (every load and store below): offsets stay below hd, the length
     // of q, of every key and value row (checked by the caller), and of o.
-    for (k, sc) in keys.iter().zip(scores.iter_mut()) {
+    //
+    // Four tokens at a time where the head has no values past its last
+    // eight: each q load serves four K rows (one load per multiply-add, where
+    // a token alone took two), and the four sums are reduced together by the
+    // same tree as one token's below, lane for lane, so the same bits.
+    let mut t = 0;
+    if full == hd {
+        while t + 4 <= keys.len() {
+            let kp: [*const f32; 4] = std::array::from_fn(|j| keys[t + j].as_ptr());
+            let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
+            let mut e = 0;
+            while e < wide {
+                unsafe {
+                    let (qa, qb) = (_mm256_loadu_ps(qp.add(e)), _mm256_loadu_ps(qp.add(e + 8)));
+                    for j in 0..4 {
+                        acc0[j] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(kp[j].add(e)), acc0[j]);
+                        acc1[j] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(kp[j].add(e + 8)), acc1[j]);
+                    }
+                }
+                e += 16;
+            }
+            if full > wide {
+                let qa = unsafe { _mm256_loadu_ps(qp.add(wide)) };
+                for j in 0..4 {
+                    acc0[j] = unsafe { _mm256_fmadd_ps(qa, _mm256_loadu_ps(kp[j].add(wide)), acc0[j]) };
+                }
+            }
+            let s: [__m256; 4] = std::array::from_fn(|j| _mm256_add_ps(acc0[j], acc1[j]));
+            // Lane i + lane i + 4 of each token (tokens 0 and 1 in one
+            // register, 2 and 3 in another) ...
+            let a01 = _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(s[0], s[1]),
+                _mm256_permute2f128_ps::<0x31>(s[0], s[1]),
+            );
+            let a23 = _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(s[2], s[3]),
+                _mm256_permute2f128_ps::<0x31>(s[2], s[3]),
+            );
+            // ... then (a0 + a2, a1 + a3) of each, then their sum: tokens
+            // 0 and 2 in the low half, 1 and 3 in the high one.
+            let b = _mm256_add_ps(_mm256_shuffle_ps::<0x44>(a01, a23), _mm256_shuffle_ps::<0xEE>(a01, a23));
+            let h = _mm256_hadd_ps(b, b);
+            let four = _mm_unpacklo_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+            // SAFETY: t + 4 ≤ keys.len() ≤ ATTN_CHUNK, within `scores`.
+            unsafe { _mm_storeu_ps(scores.as_mut_ptr().add(t), _mm_mul_ps(four, _mm_set1_ps(scale))) };
+            t += 4;
+        }
+    }
+    for (k, sc) in keys.iter().zip(scores.iter_mut()).skip(t) {
         let kp = k.as_ptr();
         let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let mut e = 0;
@@ -220,9 +286,11 @@ unsafe fn attend_slice_avx2(slice: &Slice<'_>, buf: &mut [f32], state: &mut Attn
             s = q[e].mul_add(k[e], s);
         }
         *sc = s * scale;
-        m = m.max(*sc);
     }
     let n = keys.len();
+    for sc in &scores[..n] {
+        m = m.max(*sc);
+    }
     // The exponentials eight at a time (the lanes past n are never read).
     let (mx, lo) = (_mm256_set1_ps(m), _mm256_set1_ps(EXP_MIN));
     let mut c = 0;
@@ -250,10 +318,22 @@ unsafe fn attend_slice_avx2(slice: &Slice<'_>, buf: &mut [f32], state: &mut Attn
         }
         c += 8;
     }
-    let mut l = 0.0;
-    for p in &scores[..n] {
-        l += p;
+    // The weights' sum in eight lanes, the lanes past n adding nothing (+0,
+    // which leaves a sum of weights as it was), reduced by the same tree as
+    // a score; one dependent add per eight weights, not per weight.
+    let mut lanes = _mm256_setzero_ps();
+    let mut c = 0;
+    while c < n {
+        // SAFETY: c + 8 ≤ ATTN_CHUNK, within `scores`.
+        let p = unsafe { _mm256_loadu_ps(scores.as_ptr().add(c)) };
+        let live =
+            _mm256_cmpgt_epi32(_mm256_set1_epi32((n - c) as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        lanes = _mm256_add_ps(lanes, _mm256_and_ps(p, _mm256_castsi256_ps(live)));
+        c += 8;
     }
+    let a = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps::<1>(lanes));
+    let b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    let l = _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
     let o = &mut buf[..hd];
     // Up to eight registers of the output at once, so that each token's
     // multiply-adds into them are independent (one register over all the

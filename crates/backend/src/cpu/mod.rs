@@ -17,11 +17,12 @@ use crate::dtype::{DType, HostTensor, TensorBytes};
 use crate::{
     ActShape, Backend, BackendError, DeltaRule, KvGeometry, MatmulPart, Result, RopeStyle, RopeTable, SeqStep,
 };
-use attend::{attend_slice, AttnState, ATTN_CHUNK};
+use attend::{attend_group, AttnState, ATTN_CHUNK};
 use corridor_units::PageId;
 use corridor_units::StateSlot;
 use rayon::prelude::*;
 use std::cell::RefCell;
+use std::ops::Range;
 
 /// Output rows (weight rows) per parallel task. Large enough that the per-task
 /// overhead is amortized, small enough that 2–64 threads all get work.
@@ -408,6 +409,37 @@ impl CpuKv {
         let (b, at) = self.locate(page, 0);
         self.blocks[b].as_ref().map(|(k, v)| (&k[at..at + n], &v[at..at + n]))
     }
+    /// The K and V rows of `heads` (a KV head's columns) for the tokens
+    /// `tokens` of a sequence laid out over `pages`, into the first entries
+    /// of `keys` and `values`, found a page at a time.
+    fn gather<'a>(
+        &'a self,
+        pages: &[PageId],
+        heads: Range<usize>,
+        tokens: Range<usize>,
+        keys: &mut [&'a [f32]],
+        values: &mut [&'a [f32]],
+    ) {
+        let (ps, width) = (self.geometry.page_size.get(), self.zeros.len());
+        let mut t = tokens.start;
+        while t < tokens.end {
+            let p = t / ps;
+            let end = ((p + 1) * ps).min(tokens.end);
+            let page = self.page(pages[p]);
+            for t in t..end {
+                let (k, v) = match page {
+                    Some((k, v)) => {
+                        let at = (t - p * ps) * width;
+                        (&k[at..at + width], &v[at..at + width])
+                    }
+                    None => self.token(pages[p], t - p * ps),
+                };
+                let i = t - tokens.start;
+                (keys[i], values[i]) = (&k[heads.clone()], &v[heads.clone()]);
+            }
+            t = end;
+        }
+    }
     /// K and V of a whole page, to be written.
     fn page_mut(&mut self, page: PageId) -> (&mut [f32], &mut [f32]) {
         let n = self.page_values();
@@ -608,6 +640,11 @@ fn pack_input_rows(slot: &PackedRowsSlot, xs: &[f32], rows: usize, k: usize) -> 
 /// Steps of at most this many rows give each slice of a context a task of
 /// its own (decode: a few KV heads would not fill the threads).
 const ATTN_SPLIT_MAX_ROWS: usize = 4;
+
+/// Rows of one sequence a prompt's attention task takes together (see
+/// `attention`): enough that a slice's K and V rows, found once, serve
+/// several rows; few enough that a long prompt still makes many tasks.
+const ATTN_ROW_BLOCK: usize = 8;
 
 impl Backend for CpuBackend {
     type Act = CpuAct;
@@ -999,40 +1036,12 @@ impl Backend for CpuBackend {
         let rows: Vec<(usize, usize)> =
             seqs.iter().enumerate().flat_map(|(si, s)| (0..s.rows).map(move |i| (si, i))).collect();
         let optr = SendPtr(out.data.as_mut_ptr());
-        // A row's query heads h0.. (one per state, all of KV head kvh) over
-        // tokens [t0, t1): each head's softmax state merged into its own. The
-        // tokens' K and V rows are found once for all the heads, a page at a time.
-        let ps = g.page_size.get();
-        let width = g.kv_heads * hd;
-        let attend =
-            |si: usize, i: usize, kvh: usize, h0: usize, states: &mut [AttnState], t0: usize, t1: usize| {
-                let s = &seqs[si];
-                let (mut keys, mut values) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
-                let mut t = t0;
-                while t < t1 {
-                    let p = t / ps;
-                    let end = ((p + 1) * ps).min(t1);
-                    let page = kv.page(s.pages[p]);
-                    for t in t..end {
-                        let (k, v) = match page {
-                            Some((k, v)) => {
-                                let at = (t - p * ps) * width;
-                                (&k[at..at + width], &v[at..at + width])
-                            }
-                            None => kv.token(s.pages[p], t - p * ps),
-                        };
-                        (keys[t - t0], values[t - t0]) =
-                            (&k[kvh * hd..(kvh + 1) * hd], &v[kvh * hd..(kvh + 1) * hd]);
-                    }
-                    t = end;
-                }
-                let n = t1 - t0;
-                with_scratch(hd, |buf| {
-                    for (j, state) in states.iter_mut().enumerate() {
-                        let qh = &q.row(s.row_start + i)[(h0 + j) * hd..(h0 + j + 1) * hd];
-                        attend_slice(qh, &keys[..n], &values[..n], scale, buf, state);
-                    }
-                });
+        // Row i of sequence si: its query heads h0.. (one per state, all of
+        // KV head kvh) over the slice's first n tokens.
+        let attend_row =
+            |si: usize, i: usize, h0: usize, states: &mut [AttnState], keys: &[&[f32]], values: &[&[f32]]| {
+                let qs = &q.row(seqs[si].row_start + i)[h0 * hd..(h0 + states.len()) * hd];
+                with_scratch(hd, |buf| attend_group(qs, keys, values, scale, buf, states));
             };
         let write = |si: usize, i: usize, h: usize, state: &AttnState| {
             let r = seqs[si].row_start + i;
@@ -1045,17 +1054,39 @@ impl Backend for CpuBackend {
             (c * ATTN_CHUNK, ((c + 1) * ATTN_CHUNK).min(seqs[si].cached + i + 1))
         };
         if rows.len() > ATTN_SPLIT_MAX_ROWS {
-            // One task per (row, KV head): the query heads of a GQA group reuse
-            // its K and V rows while they are in cache.
-            pool::for_each(rows.len() * g.kv_heads, |w| {
-                let ((si, i), kvh) = (rows[w / g.kv_heads], w % g.kv_heads);
-                let mut states: Vec<AttnState> = (0..group).map(|_| AttnState::new(hd)).collect();
-                for c in 0..chunks(si, i) {
-                    let (t0, t1) = span(si, i, c);
-                    attend(si, i, kvh, kvh * group, &mut states, t0, t1);
+            // A task per block of a sequence's consecutive rows and KV head: a
+            // slice's K and V rows are found once for the block and stay in
+            // cache while every row's query heads of the group go over them.
+            // Each row folds the same slices in the same order as alone.
+            let blocks: Vec<(usize, usize, usize)> = seqs
+                .iter()
+                .enumerate()
+                .flat_map(|(si, s)| {
+                    (0..s.rows)
+                        .step_by(ATTN_ROW_BLOCK)
+                        .map(move |i| (si, i, (i + ATTN_ROW_BLOCK).min(s.rows)))
+                })
+                .collect();
+            pool::for_each(blocks.len() * g.kv_heads, |w| {
+                let ((si, i0, i1), kvh) = (blocks[w / g.kv_heads], w % g.kv_heads);
+                let mut states: Vec<AttnState> = (0..(i1 - i0) * group).map(|_| AttnState::new(hd)).collect();
+                let (mut keys, mut values) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
+                for c in 0..chunks(si, i1 - 1) {
+                    // The last row's span is the longest; the others read a prefix of it.
+                    let (t0, t1) = span(si, i1 - 1, c);
+                    kv.gather(seqs[si].pages, kvh * hd..(kvh + 1) * hd, t0..t1, &mut keys, &mut values);
+                    for i in i0..i1 {
+                        if c < chunks(si, i) {
+                            let n = span(si, i, c).1 - t0;
+                            let st = &mut states[(i - i0) * group..(i - i0 + 1) * group];
+                            attend_row(si, i, kvh * group, st, &keys[..n], &values[..n]);
+                        }
+                    }
                 }
-                for (j, state) in states.iter().enumerate() {
-                    write(si, i, kvh * group + j, state);
+                for i in i0..i1 {
+                    for j in 0..group {
+                        write(si, i, kvh * group + j, &states[(i - i0) * group + j]);
+                    }
                 }
             });
             return;
@@ -1076,7 +1107,11 @@ impl Backend for CpuBackend {
             let (si, i) = rows[ri];
             let (t0, t1) = span(si, i, c);
             let mut state = parts[w].lock().unwrap_or_else(|e| e.into_inner());
-            attend(si, i, h / group, h, std::slice::from_mut(&mut *state), t0, t1);
+            let (mut keys, mut values) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
+            let kvh = h / group;
+            kv.gather(seqs[si].pages, kvh * hd..(kvh + 1) * hd, t0..t1, &mut keys, &mut values);
+            let n = t1 - t0;
+            attend_row(si, i, h, std::slice::from_mut(&mut *state), &keys[..n], &values[..n]);
         });
         let mut w = 0;
         while w < tasks.len() {
@@ -1386,8 +1421,8 @@ mod attention_tests {
     }
 
     /// Decode rows (each context's slices a task of their own) and the same
-    /// rows in one step of many (a task per row and KV head) give the same
-    /// bits, and both match a plain softmax over the whole context.
+    /// rows in one step of many (a task per block of rows and KV head) give
+    /// the same bits, and both match a plain softmax over the whole context.
     #[test]
     fn a_split_context_gives_the_same_bits_as_a_whole_one() {
         let b = CpuBackend::new();
@@ -1398,7 +1433,10 @@ mod attention_tests {
         let ctx = 77;
         let (k, v) = (act(ctx, kv_heads * hd, 1), act(ctx, kv_heads * hd, 2));
         b.write_kv(&mut kv, &k, &v, &[SeqStep { row_start: 0, rows: ctx, cached: 0, pages: &pages }]);
-        let rows = 6;
+        // Rows in blocks of ATTN_ROW_BLOCK, some of whose contexts end in the
+        // slice before the others'.
+        let rows = 20;
+        assert!(rows > 2 * ATTN_ROW_BLOCK && (ctx - rows) % ATTN_CHUNK != 0);
         let q = act(rows, heads * hd, 3);
         let cached = ctx - rows;
         let mut whole = act(rows, heads * hd, 0);
