@@ -1091,39 +1091,44 @@ impl Backend for CpuBackend {
             });
             return;
         }
-        // Few rows (decode): one task per (row, head, chunk of the context),
-        // so 3 KV heads still fill every thread; the chunks' states meet in
-        // chunk order, the same merges as above, so the result is the same.
+        // Few rows (decode): one task per (row, KV head, chunk of the
+        // context), its query heads together, so 3 KV heads still fill every
+        // thread; the chunks' states meet in chunk order, the same merges as
+        // above, so the result is the same.
         let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
         for (ri, &(si, i)) in rows.iter().enumerate() {
-            for h in 0..heads {
-                tasks.extend((0..chunks(si, i)).map(|c| (ri, h, c)));
+            for kvh in 0..g.kv_heads {
+                tasks.extend((0..chunks(si, i)).map(|c| (ri, kvh, c)));
             }
         }
-        let parts: Vec<std::sync::Mutex<AttnState>> =
-            (0..tasks.len()).map(|_| std::sync::Mutex::new(AttnState::new(hd))).collect();
+        let parts: Vec<std::sync::Mutex<Vec<AttnState>>> = (0..tasks.len())
+            .map(|_| std::sync::Mutex::new((0..group).map(|_| AttnState::new(hd)).collect()))
+            .collect();
         pool::for_each(tasks.len(), |w| {
-            let (ri, h, c) = tasks[w];
+            let (ri, kvh, c) = tasks[w];
             let (si, i) = rows[ri];
             let (t0, t1) = span(si, i, c);
-            let mut state = parts[w].lock().unwrap_or_else(|e| e.into_inner());
+            let mut states = parts[w].lock().unwrap_or_else(|e| e.into_inner());
             let (mut keys, mut values) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
-            let kvh = h / group;
             kv.gather(seqs[si].pages, kvh * hd..(kvh + 1) * hd, t0..t1, &mut keys, &mut values);
             let n = t1 - t0;
-            attend_row(si, i, h, std::slice::from_mut(&mut *state), &keys[..n], &values[..n]);
+            attend_row(si, i, kvh * group, &mut states, &keys[..n], &values[..n]);
         });
         let mut w = 0;
         while w < tasks.len() {
-            let (ri, h, _) = tasks[w];
+            let (ri, kvh, _) = tasks[w];
             let (si, i) = rows[ri];
-            let mut state = AttnState::new(hd);
-            while w < tasks.len() && tasks[w].0 == ri && tasks[w].1 == h {
+            let mut states: Vec<AttnState> = (0..group).map(|_| AttnState::new(hd)).collect();
+            while w < tasks.len() && tasks[w].0 == ri && tasks[w].1 == kvh {
                 let p = parts[w].lock().unwrap_or_else(|e| e.into_inner());
-                state.merge(p.m, p.l, &p.o);
+                for (state, p) in states.iter_mut().zip(p.iter()) {
+                    state.merge(p.m, p.l, &p.o);
+                }
                 w += 1;
             }
-            write(si, i, h, &state);
+            for (j, state) in states.iter().enumerate() {
+                write(si, i, kvh * group + j, state);
+            }
         }
     }
 
