@@ -36,7 +36,8 @@ prep() {
     # with CUDA too (several minutes, in the background).
     header "untar llama.cpp and build it in the background (CUDA ${LCPP_CUDA:-1}, sm_90)"
     if [ ! -x "$BUILD/bin/llama-quantize" ]; then
-        mkdir -p /tmp && tar xzf .gpu/llama.cpp.tar.gz -C /tmp
+        # The sources as carried, or unpacked once by a `gunzip .gpu/*.gz` meant for the binaries.
+        if [ -f .gpu/llama.cpp.tar.gz ]; then tar xzf .gpu/llama.cpp.tar.gz -C /tmp; else tar xf .gpu/llama.cpp.tar -C /tmp; fi
         local cuda=ON targets="llama-batched-bench llama-quantize"
         [ "${LCPP_CUDA:-1}" = 0 ] && cuda=OFF targets=llama-quantize
         ( cmake -S "$LCP" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=$cuda \
@@ -93,7 +94,7 @@ bench_file() {
             SKIP_LATENCY=1 DECODE_BATCHES="${CORRIDOR_BATCHES:-$BATCHES}" DEADLINE_S=${FILE_DEADLINE_S:-240} \
             scripts/gpu/bench8b.sh > "$out/corridor_${q}_$name.log" 2>&1
         echo "status $?"
-        grep -E "summary|decode" "$out/corridor_${q}_$name/summary.md" 2>/dev/null | head -n 20
+        grep -E "^\| (batch|[0-9]+ \|)" "$out/corridor_${q}_$name/summary.md" 2>/dev/null | head -n 8
     done
 }
 
