@@ -20,7 +20,7 @@ out=${OUT:-/tmp}
 NSYS=${NSYS:-$(ls /usr/local/cuda-13.0/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -n 1)}
 NSYS=${NSYS:-$(command -v nsys)}
 if [ -z "$NSYS" ]; then
-    echo "nsys: not found in /usr/local/cuda-13.0/bin, /opt/nvidia/nsight-systems/*/bin or PATH (set NSYS=...; the H100 machines lent on 2026-12-06 had none)"
+    echo "nsys: not found in /usr/local/cuda-13.0/bin, /opt/nvidia/nsight-systems/*/bin or PATH (set NSYS=... to its path)"
     exit 2
 fi
 BIN=${CORRIDOR_BIN:-.gpu/corridor}
