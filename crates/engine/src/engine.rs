@@ -371,6 +371,7 @@ pub fn spawn_with_state(
         edits: Vec::new(),
         shutting_down: false,
         flips: FlipControl::default(),
+        last_step_end: None,
     };
     let thread = std::thread::Builder::new()
         .name("corridor-engine".into())
@@ -404,6 +405,8 @@ struct Core {
     edits: Vec<LogitEdit>,
     shutting_down: bool,
     flips: FlipControl,
+    /// When the last step ended: the trace of steps tells the time between them.
+    last_step_end: Option<std::time::Instant>,
 }
 
 impl Core {
@@ -601,6 +604,18 @@ impl Core {
             s.step_cost_measured = measured;
         });
         self.stats.add_step(secs(started, scheduled), secs(scheduled, forwarded), secs(forwarded, finished));
+        let shape = out.shape();
+        let between = self.last_step_end.replace(finished).map(|end| secs(end, started));
+        tracing::trace!(
+            target: "corridor::step",
+            between_ms = between.unwrap_or(0.0) * 1e3,
+            prefill_rows = shape.prefill_rows,
+            decode_rows = shape.decode_rows,
+            schedule_ms = secs(started, scheduled) * 1e3,
+            forward_ms = secs(scheduled, forwarded) * 1e3,
+            sample_ms = secs(forwarded, finished) * 1e3,
+            "step"
+        );
     }
 
     /// Sample one token for each id (in logit-row order) and apply it.
