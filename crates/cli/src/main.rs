@@ -21,7 +21,9 @@ struct Cli {
     /// or ~/.cache/corridor).
     #[arg(long, global = true, env = "CORRIDOR_CACHE_DIR")]
     cache_dir: Option<PathBuf>,
-    /// Log filter, e.g. `info`, `debug`, `corridor_engine=debug` (RUST_LOG syntax).
+    /// Log filter, e.g. `info`, `debug`, `corridor_engine=debug` (RUST_LOG syntax);
+    /// `info,corridor::step=trace` adds a line per engine step (its prompt and decode rows and where
+    /// its time went: scheduling, the forward pass, sampling).
     #[arg(long, global = true, default_value = "info", env = "CORRIDOR_LOG")]
     log: String,
     /// Log lines as human-readable `text` or as `json` objects, one per line.
