@@ -618,8 +618,19 @@ pub fn dot_many_rows_q8(dtype: DType, w: &[u8], row_bytes: usize, xs: &[Q8Row], 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_many_rows_q8_avx2<const T: u8>(w: &[u8], row_bytes: usize, xs: &[Q8Row], out: &mut [f32]) {
-    for (i, o) in out.chunks_exact_mut(xs.len()).enumerate() {
-        dot_rows_q8_avx2::<T>(&w[i * row_bytes..(i + 1) * row_bytes], xs, o);
+    let row = |i: usize| &w[i * row_bytes..(i + 1) * row_bytes];
+    let mut i = 0;
+    if xs.len() == 1 && const { block_type(T).block_elems() == QK } {
+        // One activation row: two weight rows at a time share each of its
+        // block loads, and their chains run side by side.
+        while i + 2 <= out.len() {
+            let [a, b] = q8_dot_blocks2_avx2::<T>([row(i), row(i + 1)], &xs[0]);
+            (out[i], out[i + 1]) = (a, b);
+            i += 2;
+        }
+    }
+    for (j, o) in out.chunks_exact_mut(xs.len()).enumerate().skip(i) {
+        dot_rows_q8_avx2::<T>(row(j), xs, o);
     }
 }
 
@@ -869,6 +880,66 @@ unsafe fn q8_dot_blocks_avx2<const T: u8>(row: &[u8], x: &Q8Row) -> f32 {
         block!(b, acc0, off0);
     }
     total_avx2(acc0, acc1, [off0, off1])
+}
+
+/// [`q8_dot_blocks_avx2`] of two weight rows with one activation row: each
+/// block of the activations is loaded once for both, and each row keeps its
+/// own accumulators and does exactly what the one-row function does, so
+/// each result is that function's, bit for bit.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_dot_blocks2_avx2<const T: u8>(rows: [&[u8]; 2], x: &Q8Row) -> [f32; 2] {
+    use std::arch::x86_64::*;
+    let dtype = const { block_type(T) };
+    let bb = dtype.block_bytes();
+    let nb = x.len() / QK;
+    let ones = _mm256_set1_epi16(1);
+    let signed = offsets(dtype) == Offsets::None;
+    let two = f16_scales_at(dtype).1;
+    for row in rows {
+        assert!(row.len() >= nb * bb, "a row of {} bytes for {nb} blocks", row.len());
+    }
+    x.check_blocks(nb);
+    let mut acc = [[_mm256_setzero_ps(); 2]; 2];
+    let mut off = [[0f32; 2]; 2];
+    // Block `b` of both rows into their even or odd accumulators (`p`).
+    macro_rules! block {
+        ($b:expr, $p:literal) => {{
+            let b = $b;
+            // SAFETY: as in q8_dot_blocks_avx2: b < nb, checked before the loop.
+            let xv = _mm256_loadu_si256(x.q.as_ptr().add(b * QK) as *const __m256i);
+            let xd = *x.d.get_unchecked(b);
+            for r in 0..2 {
+                let blk = rows[r].get_unchecked(b * bb..(b + 1) * bb);
+                _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(8 * 64) as *const i8);
+                let w = codes_avx2::<T>(blk, 0);
+                let pairs = if signed {
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))
+                } else {
+                    _mm256_maddubs_epi16(w, xv)
+                };
+                let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                // SAFETY: every one-scale block is at least 18 bytes.
+                let dm = f16_fields_avx2::<true>(blk[..4].as_ptr());
+                let scale = _mm_cvtss_f32(dm) * xd;
+                if two {
+                    let m = _mm_cvtss_f32(_mm_shuffle_ps(dm, dm, 1));
+                    off[r][$p] = m.mul_add(*x.bsum.get_unchecked(b), off[r][$p]);
+                }
+                acc[r][$p] = _mm256_fmadd_ps(_mm256_set1_ps(scale), p, acc[r][$p]);
+            }
+        }};
+    }
+    let mut b = 0;
+    while b + 1 < nb {
+        block!(b, 0);
+        block!(b + 1, 1);
+        b += 2;
+    }
+    if b < nb {
+        block!(b, 0);
+    }
+    std::array::from_fn(|r| total_avx2(acc[r][0], acc[r][1], off[r]))
 }
 
 /// [`q8_dot_blocks_avx2`] for `R` activation rows at once: each weight
