@@ -624,7 +624,7 @@ unsafe fn dot_many_rows_q8_avx2<const T: u8>(w: &[u8], row_bytes: usize, xs: &[Q
         // One activation row: two weight rows at a time share each of its
         // block loads, and their chains run side by side.
         while i + 2 <= out.len() {
-            let [a, b] = q8_dot_blocks2_avx2::<T>([row(i), row(i + 1)], &xs[0]);
+            let [a, b] = q8_dot_blocks_w_avx2::<T, 2>([row(i), row(i + 1)], &xs[0]);
             (out[i], out[i + 1]) = (a, b);
             i += 2;
         }
@@ -822,73 +822,18 @@ unsafe fn f16_fields_avx2<const TWO: bool>(p: *const u8) -> std::arch::x86_64::_
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn q8_dot_blocks_avx2<const T: u8>(row: &[u8], x: &Q8Row) -> f32 {
-    use std::arch::x86_64::*;
-    let dtype = const { block_type(T) };
-    let bb = dtype.block_bytes();
-    let nb = x.len() / QK;
-    let ones = _mm256_set1_epi16(1);
-    let signed = offsets(dtype) == Offsets::None;
-    let two = f16_scales_at(dtype).1;
-    // Block `b` into an accumulator and an offset sum (the even or odd
-    // pair). A macro, not a closure: a closure would not inherit this
-    // function's target features, so it would be called per block.
-    macro_rules! block {
-        ($b:expr, $acc:expr, $off:expr) => {{
-            let b = $b;
-            // SAFETY: block b < nb of the row and of the activations
-            // (checked before the loop: the row's bytes, the activations'
-            // 32 bytes, scale and sum); the code bytes are read inside the
-            // block (codes_avx2's slice indexing, on a slice of constant
-            // length); unaligned loads. The prefetch only hints at bytes
-            // ahead (it never faults).
-            let blk = row.get_unchecked(b * bb..(b + 1) * bb);
-            _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(8 * 64) as *const i8);
-            let xv = _mm256_loadu_si256(x.q.as_ptr().add(b * QK) as *const __m256i);
-            let w = codes_avx2::<T>(blk, 0);
-            let pairs = if signed {
-                _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))
-            } else {
-                _mm256_maddubs_epi16(w, xv)
-            };
-            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-            // The block's f16 scale (and an offset's) by F16C, in registers:
-            // a call per value would spill the accumulators every block. The
-            // conversion is exact, so these are the portable loop's values.
-            // Every one-scale block is at least 18 bytes, so the four read
-            // are inside it.
-            let dm = f16_fields_avx2::<true>(blk[..4].as_ptr());
-            let scale = _mm_cvtss_f32(dm) * *x.d.get_unchecked(b);
-            if two {
-                let m = _mm_cvtss_f32(_mm_shuffle_ps(dm, dm, 1));
-                $off = m.mul_add(*x.bsum.get_unchecked(b), $off);
-            }
-            $acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), p, $acc);
-        }};
-    }
-    assert!(row.len() >= nb * bb, "a row of {} bytes for {nb} blocks", row.len());
-    x.check_blocks(nb);
-    // Even and odd blocks in two registers, as the portable loop's acc[b & 1].
-    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let (mut off0, mut off1) = (0f32, 0f32);
-    let mut b = 0;
-    while b + 1 < nb {
-        block!(b, acc0, off0);
-        block!(b + 1, acc1, off1);
-        b += 2;
-    }
-    if b < nb {
-        block!(b, acc0, off0);
-    }
-    total_avx2(acc0, acc1, [off0, off1])
+    q8_dot_blocks_w_avx2::<T, 1>([row], x)[0]
 }
 
-/// [`q8_dot_blocks_avx2`] of two weight rows with one activation row: each
-/// block of the activations is loaded once for both, and each row keeps its
-/// own accumulators and does exactly what the one-row function does, so
-/// each result is that function's, bit for bit.
+/// [`q8_dot_blocks_avx2`] of `W` weight rows with one activation row: each
+/// block of the activations is loaded once for all of them, and each row
+/// keeps its own accumulators and goes through the same operations as alone
+/// (two rows at a time measured faster at batch 1 than one: their chains run
+/// side by side), so each result is the one-row result, bit for bit.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_dot_blocks2_avx2<const T: u8>(rows: [&[u8]; 2], x: &Q8Row) -> [f32; 2] {
+#[inline]
+unsafe fn q8_dot_blocks_w_avx2<const T: u8, const W: usize>(rows: [&[u8]; W], x: &Q8Row) -> [f32; W] {
     use std::arch::x86_64::*;
     let dtype = const { block_type(T) };
     let bb = dtype.block_bytes();
@@ -900,16 +845,25 @@ unsafe fn q8_dot_blocks2_avx2<const T: u8>(rows: [&[u8]; 2], x: &Q8Row) -> [f32;
         assert!(row.len() >= nb * bb, "a row of {} bytes for {nb} blocks", row.len());
     }
     x.check_blocks(nb);
-    let mut acc = [[_mm256_setzero_ps(); 2]; 2];
-    let mut off = [[0f32; 2]; 2];
-    // Block `b` of both rows into their even or odd accumulators (`p`).
+    // Each row's even and odd blocks in two registers, as the portable
+    // loop's acc[b & 1].
+    let mut acc = [[_mm256_setzero_ps(); 2]; W];
+    let mut off = [[0f32; 2]; W];
+    // Block `b` of every row into its even or odd accumulators (`p`). A
+    // macro, not a closure: a closure would not inherit this function's
+    // target features, so it would be called per block.
     macro_rules! block {
         ($b:expr, $p:literal) => {{
             let b = $b;
-            // SAFETY: as in q8_dot_blocks_avx2: b < nb, checked before the loop.
+            // SAFETY: block b < nb of every row and of the activations
+            // (checked before the loop: the rows' bytes, the activations'
+            // 32 bytes, scale and sum); the code bytes are read inside the
+            // block (codes_avx2's slice indexing, on a slice of constant
+            // length); unaligned loads. The prefetch only hints at bytes
+            // ahead (it never faults).
             let xv = _mm256_loadu_si256(x.q.as_ptr().add(b * QK) as *const __m256i);
             let xd = *x.d.get_unchecked(b);
-            for r in 0..2 {
+            for r in 0..W {
                 let blk = rows[r].get_unchecked(b * bb..(b + 1) * bb);
                 _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(8 * 64) as *const i8);
                 let w = codes_avx2::<T>(blk, 0);
@@ -919,7 +873,11 @@ unsafe fn q8_dot_blocks2_avx2<const T: u8>(rows: [&[u8]; 2], x: &Q8Row) -> [f32;
                     _mm256_maddubs_epi16(w, xv)
                 };
                 let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                // SAFETY: every one-scale block is at least 18 bytes.
+                // The block's f16 scale (and an offset's) by F16C, in
+                // registers: a call per value would spill the accumulators
+                // every block. The conversion is exact, so these are the
+                // portable loop's values. Every one-scale block is at least
+                // 18 bytes, so the four read are inside it.
                 let dm = f16_fields_avx2::<true>(blk[..4].as_ptr());
                 let scale = _mm_cvtss_f32(dm) * xd;
                 if two {
