@@ -200,6 +200,18 @@ fn attend_slice_portable(slice: &Slice<'_>, buf: &mut [f32], state: &mut AttnSta
     state.merge(m, l, o);
 }
 
+/// [`reduce_lanes`] of a register: lane i + lane i + 4, then (a0 + a2,
+/// a1 + a3), then their sum.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn reduce_lanes_avx2(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)))
+}
+
 /// One head of [`attend_group`] in AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
@@ -278,10 +290,7 @@ unsafe fn attend_slice_avx2(slice: &Slice<'_>, buf: &mut [f32], state: &mut Attn
             };
         }
         let s8 = _mm256_add_ps(acc0, acc1);
-        let a = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
-        // (a0 + a2, a1 + a3), then their sum.
-        let b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-        let mut s = _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+        let mut s = reduce_lanes_avx2(s8);
         for e in full..hd {
             s = q[e].mul_add(k[e], s);
         }
@@ -331,9 +340,7 @@ unsafe fn attend_slice_avx2(slice: &Slice<'_>, buf: &mut [f32], state: &mut Attn
         lanes = _mm256_add_ps(lanes, _mm256_and_ps(p, _mm256_castsi256_ps(live)));
         c += 8;
     }
-    let a = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps::<1>(lanes));
-    let b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    let l = _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+    let l = reduce_lanes_avx2(lanes);
     let o = &mut buf[..hd];
     // Up to eight registers of the output at once, so that each token's
     // multiply-adds into them are independent (one register over all the
