@@ -11,6 +11,14 @@
 #                                   # foreground the checks, a decode layer's integer GEMVs
 #                                   # (--bench-q8-layer) and the block-format matmuls of
 #                                   # .gpu/cuda_check-base against .gpu/cuda_check (--bench-quant-short)
+#   scripts/gpu/session.sh ab       # a same-run A/B of serve flags at batch 1 on one warm machine: in
+#                                   # the background gguf_bench.sh prep (the 8B checkpoint, its f16 GGUF,
+#                                   # the AB_FILES quantized; llama.cpp's CPU quantizer only), then
+#                                   # binary_ab.sh (SIDES, X_ARGS, DECODE_BATCHES from the environment) on
+#                                   # each AB_FILES file and the bf16 checkpoint (BF16_SIDES), the op table of any side
+#                                   # run with --cuda-profile, and with TRACE=1 the per-step trace of a
+#                                   # concurrency-128 latency run (step_trace.py); in the foreground the
+#                                   # checks
 #   scripts/gpu/session.sh wait S   # the next calls: follow that plan for up to S seconds
 #   scripts/gpu/session.sh profile  # batch-1 decode steps as the card runs them (nsys_decode.sh: every
 #                                   # kernel of the replayed graphs, overlaps and idle time) on a 4-layer
@@ -162,12 +170,41 @@ case "${1:-checks}" in
         DEADLINE_S=$(( ${LIMIT_S:-570} - SECONDS )) OUT="$out/b8" scripts/gpu/bench8b.sh > "$out/bench8b.out" 2>&1
     echo "exit $?"; cat "$out/b8/summary.md" 2>/dev/null; grep -E "FAILED|skipped" "$out/bench8b.out"
     ;;
+  ab)
+    SECONDS=0
+    g=/tmp/gguf-plan; mkdir -p "$g"; rm -f "$g/card_free" "$g/done"
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt" "$g/nvidia-smi.txt"
+    files=${AB_FILES:-Q4_K_M}
+    setsid nohup bash -c "OUT=$g SKIP_KQUANT=1 LCPP_CUDA=0 QUANTS='$files' scripts/gpu/gguf_bench.sh prep > $g/prep.log 2>&1;
+        while [ ! -f $g/card_free ]; do sleep 2; done;
+        for m in $files bf16; do
+            dir=/tmp/gguf/llama8b-\$m.gguf; [ \$m = bf16 ] && dir=/tmp/llama8b
+            sides=\$SIDES; [ \$m = bf16 ] && sides=\${BF16_SIDES:-\$SIDES}
+            SIDES=\$sides MODEL_DIR=\$dir SKIP_MAKE=1 SKIP_PREFILL=1 SKIP_TINY=1 OUT=$g/ab_\$m scripts/gpu/binary_ab.sh > $g/ab_\$m.log 2>&1
+            for d in $g/ab_\$m/*/; do
+                grep -q 'CUDA op profile' \$d/serve.log 2>/dev/null || continue
+                grep -A40 'CUDA op profile' \$d/serve.log | tail -n 41 > $g/ab_\${m}_\$(basename \$d)_profile.txt
+            done
+        done;
+        if [ -n '${TRACE:-}' ]; then
+            SERVE_ARGS='--log info,corridor::step=trace --log-format json' CORRIDOR_BIN=\${B:-.gpu/corridor} SKIP_MAKE=1 \
+                SKIP_LOGITS=1 SKIP_PREFILL=1 SKIP_DECODE=1 LATENCY_CONC=128 OUT=$g/trace scripts/gpu/bench8b.sh > $g/trace.log 2>&1
+            python3 scripts/gpu/step_trace.py $g/trace/serve.log 64 > $g/step_trace.txt 2>&1
+            cp $g/trace/summary.md $g/trace_summary.txt 2>/dev/null
+        fi
+        touch $g/done" < /dev/null > /dev/null 2>&1 &
+    quant_checks
+    touch "$g/card_free"
+    bash "$0" wait $(( ${LIMIT_S:-540} - SECONDS ))
+    ;;
   wait)
     g=/tmp/gguf-plan
     end=$(( SECONDS + ${2:-500} ))
     while [ ! -f "$g/done" ] && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
     echo "== [$(date +%T)] plan: $( [ -f "$g/done" ] && echo done || echo running)"
     tail -n 4 "$g/prep.log" 2>/dev/null; grep -E "^===|status|^\|" "$g/bench.log" 2>/dev/null | tail -n 40
+    for f in "$g"/ab_*.log; do [ -f "$f" ] && { echo "--- $f"; grep -vE "^\s*$" "$f" | tail -n 12; }; done
+    cat "$g"/ab_*_profile.txt "$g/step_trace.txt" "$g/trace_summary.txt" 2>/dev/null | head -n 150
     mkdir -p "$out/plan"; cp -r "$g"/*.log "$g"/*.txt "$out/plan/" 2>/dev/null
     for d in "$g"/corridor_*/; do [ -d "$d" ] && mkdir -p "$out/plan/$(basename "$d")" && cp "$d"/*.md "$d"/*.json "$out/plan/$(basename "$d")/" 2>/dev/null; done
     true

@@ -243,3 +243,24 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
     pdl_release();
 }
+
+// Start reading [p, p + bytes) into the L2 cache: a hint, moving nothing a
+// kernel sees, for weights the next kernels but one will stream (see
+// `Backend::prefetch`). sm_90's bulk prefetch takes 16-byte multiples from a
+// 16-byte aligned start (the host rounds `bytes` down); the chunks are dealt
+// out over every thread of the grid, so that the copy units of as many SMs
+// issue them, and a chunk's prefetch goes on after its thread exits. Called
+// after the kernel's wait, so it never competes with the kernel ahead.
+#define L2_PREFETCH_CHUNK 16384
+__device__ __forceinline__ void l2_prefetch(const u8* p, long long bytes) {
+#if __CUDA_ARCH__ >= 900
+    if (p == nullptr || bytes <= 0) return;
+    long long threads = (long long)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
+    long long t = ((long long)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+    for (long long off = t * L2_PREFETCH_CHUNK; off < bytes; off += threads * L2_PREFETCH_CHUNK) {
+        long long left = bytes - off;
+        u32 n = (u32)(left < L2_PREFETCH_CHUNK ? left : L2_PREFETCH_CHUNK);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(n) : "memory");
+    }
+#endif
+}

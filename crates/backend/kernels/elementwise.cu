@@ -238,15 +238,18 @@ extern "C" __global__ void write_kv(const float* k, const float* v, bf16_t* kc, 
 // q/k norm, `kn` and `eps` beside it), each q and k head is first normalized
 // as head_rms_norm does (x * inv * w), so the two norm launches of a layer
 // become none: at batch 1 each was a few microseconds of a step that moves
-// almost no bytes.
+// almost no bytes. For the same reason the launch carries the prefetch of
+// the weights the attention output's GEMV reads next (`pf`, `pf_bytes`;
+// none when null): attention and this kernel leave memory idle.
 extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, bf16_t* kc, bf16_t* vc,
                                          const float* inv_freq, const u32* positions, int npos, int nkv,
                                          const u32* row_pos, const u32* row_seq, const u32* seq_pt_off,
                                          const u32* page_table, int page_size, int heads, int kv_heads,
                                          int head_dim, int half, int interleaved, const float* qn,
-                                         const float* kn, float eps) {
+                                         const float* kn, float eps, const u8* pf, long long pf_bytes) {
     __shared__ float partial[32];
     pdl_enter();
+    l2_prefetch(pf, pf_bytes);
     int r = blockIdx.x, h = blockIdx.y;
     int kvw = kv_heads * head_dim;
     bool is_q = h < heads, is_k = !is_q && h < heads + kv_heads;

@@ -614,6 +614,13 @@ pub trait Backend: Send + Sync + 'static {
     ) {
         unfused::rope_write_kv(self, q, k, v, norm, table, head_dim, positions, kv, seqs)
     }
+    /// A hint that `w` is the next matmul's weight after the op that follows
+    /// this call, an op that moves few bytes itself (a layer's RoPE and KV
+    /// store, then its attention): a device backend may start reading `w`
+    /// into its cache while that op runs, so the matmul does not start from
+    /// memory after an idle stretch. Nothing any op computes depends on it;
+    /// the hint holds for the next op only. The default does nothing.
+    fn prefetch(&self, _w: &Self::Weight) {}
     /// Copy chosen rows: `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Act, rows: &[usize], out: &mut Self::Act);
     /// Scatter scaled rows back: `out[rows[i]] += scales[i] * y[i]` for each

@@ -45,6 +45,14 @@ pub struct CudaTuning {
     /// per 32 and take the integer GEMVs (`--cuda-q8-gemv off`,
     /// `CORRIDOR_Q8_GEMV=0`, keeps the f32 GEMVs and the tensor-core mmq).
     pub q8_gemv: bool,
+    /// While RoPE and the KV store run (a launch that moves few bytes, ahead
+    /// of attention, which moves few more at short contexts), the card
+    /// reads the attention output projection's weights into its L2 cache, so
+    /// that GEMV finds them there instead of waiting on memory after an idle
+    /// stretch (`Backend::prefetch`; `--cuda-l2-prefetch off`,
+    /// `CORRIDOR_L2_PREFETCH=0`; sm_90 and later; the results are the same
+    /// either way).
+    pub l2_prefetch: bool,
 }
 
 impl Default for CudaTuning {
@@ -58,6 +66,7 @@ impl Default for CudaTuning {
             nccl_graphs: true,
             delta_chunked: false,
             q8_gemv: true,
+            l2_prefetch: true,
         }
     }
 }

@@ -60,6 +60,11 @@ pub struct CudaFlags {
     /// GEMVs (off: the f32 GEMVs and the tensor-core kernel, with f32 or bf16 inputs).
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_Q8_GEMV", value_name = "on|off")]
     cuda_q8_gemv: Switch,
+    /// On sm_90 and later, read the attention output projection's weights into the L2 cache while
+    /// RoPE, the KV store and attention run (kernels that move few bytes), so that GEMV does not
+    /// start from memory (the results are the same).
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_L2_PREFETCH", value_name = "on|off")]
+    cuda_l2_prefetch: Switch,
 }
 
 impl CudaFlags {
@@ -73,6 +78,7 @@ impl CudaFlags {
             nccl_graphs: self.nccl_graphs.on(),
             delta_chunked: self.cuda_delta_chunked.on(),
             q8_gemv: self.cuda_q8_gemv.on(),
+            l2_prefetch: self.cuda_l2_prefetch.on(),
         }
     }
 }
@@ -124,6 +130,7 @@ mod tests {
         assert_eq!(parse(&["--nccl-graphs", "off"]), CudaTuning { nccl_graphs: false, ..d });
         assert_eq!(parse(&["--cuda-delta-chunked", "on"]), CudaTuning { delta_chunked: true, ..d });
         assert_eq!(parse(&["--cuda-q8-gemv", "off"]), CudaTuning { q8_gemv: false, ..d });
+        assert_eq!(parse(&["--cuda-l2-prefetch", "off"]), CudaTuning { l2_prefetch: false, ..d });
         assert_eq!(parse(&["--cuda-fuse", "1"]), d);
     }
 

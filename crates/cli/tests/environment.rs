@@ -109,6 +109,7 @@ fn a_switch_in_the_environment_is_parsed_as_its_flag() {
         ("CORRIDOR_NCCL_GRAPHS", "--nccl-graphs"),
         ("CORRIDOR_DELTA_CHUNKED", "--cuda-delta-chunked"),
         ("CORRIDOR_Q8_GEMV", "--cuda-q8-gemv"),
+        ("CORRIDOR_L2_PREFETCH", "--cuda-l2-prefetch"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_corridor"))
             .args(["generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf"])

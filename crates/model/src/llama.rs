@@ -577,6 +577,9 @@ impl<B: Backend> Model<B> {
                 rows,
             );
             let norm = layer.qk_norm.as_ref().map(|[q, k]| QkNorm { q, k, eps, rows });
+            // RoPE and attention move few bytes: the output projection's
+            // weights can be on their way meanwhile.
+            b.prefetch(&layer.o_proj);
             b.rope_write_kv(
                 &mut ws.q,
                 &mut ws.k,

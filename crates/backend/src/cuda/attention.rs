@@ -497,7 +497,9 @@ impl CudaBackend {
                 .i32(interleaved)
                 .ptr(norms.0)
                 .ptr(norms.1)
-                .f32(norms.2);
+                .f32(norms.2)
+                .ptr(st.prefetch.map_or(0, |p| p.ptr))
+                .i64(st.prefetch.map_or(0, |p| p.bytes as i64));
             // A block per (row, head): q heads, then the KV heads' k, then their v.
             let rows = st.maps.rows.max(positions.len()).max(norms.3);
             let dims = LaunchDims {

@@ -330,6 +330,10 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn prefetch(&self, w: &CudaWeight) {
+        self.note_prefetch(w)
+    }
+
     fn gather_rows(&self, x: &CudaAct, rows: &[usize], out: &mut CudaAct) {
         self.op("gather_rows", |st| {
             let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();

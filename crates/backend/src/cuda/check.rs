@@ -1026,6 +1026,11 @@ fn attention_case(
             ),
             None => (None, None),
         };
+        // The launch also carries an L2 prefetch of a weight (`Backend::prefetch`, as a layer asks for
+        // its o_proj), 49 chunks of the bulk prefetch dealt over its threads: the results stay exact.
+        let pf = float_tensor("prefetched", DType::BF16, 97, 4096, &rng.vec(97 * 4096, 1.0));
+        let pf = be.upload_weight(&pf)?;
+        be.prefetch(&pf);
         be.rope_write_kv(&mut q.g, &mut k.g, &v.g, ng, &table, geo.head_dim, &positions, &mut kg, &step);
         cpu.rope_write_kv(&mut q.c, &mut k.c, &v.c, nc, &table, geo.head_dim, &positions, &mut kc, &step);
         let normed = if c.qk_norm { " with q/k norms" } else { "" };

@@ -232,6 +232,25 @@ struct State {
     step_rows: usize,
     /// The device side of `sample_rows` (`sample.rs`).
     sampling: sample::SampleBuffers,
+    /// Bytes `Backend::prefetch` asked the next op to read into L2 (its
+    /// launch carries them if it can); every op clears it.
+    prefetch: Option<L2Span>,
+}
+
+/// Device bytes to read into the L2 cache: `bytes` from `ptr`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct L2Span {
+    ptr: u64,
+    bytes: u64,
+}
+
+/// How much of a weight of `bytes` bytes a prefetch asks an L2 cache of
+/// `l2` bytes to hold: at most half of it, so the lines the ops in between
+/// read (attention's KV rows) keep their room and the first lines fetched
+/// are not evicted by the last, and a multiple of 16 bytes, the bulk
+/// prefetch's unit (0: nothing to ask).
+fn l2_prefetch_bytes(bytes: u64, l2: u64) -> u64 {
+    bytes.min(l2 / 2) & !15
 }
 
 // SAFETY: the raw graph handles inside are only used under the backend's mutex.
@@ -259,6 +278,10 @@ pub struct CudaBackend {
     /// Whether a block-format weight with an integer GEMV was uploaded: only
     /// then do the norms also store their rows quantized to 8 bits.
     q8_weights: std::sync::atomic::AtomicBool,
+    /// The card's L2 cache in bytes where `CudaTuning::l2_prefetch` holds
+    /// and the card has the bulk prefetch (sm_90 and later), else 0: then
+    /// `Backend::prefetch` does nothing.
+    l2_prefetch: u64,
     state: Mutex<State>,
     /// Per-op timing when `CudaTuning::profile_every` is set (a report every N steps).
     profile: Option<Mutex<OpProfile>>,
@@ -300,6 +323,7 @@ impl CudaBackend {
         let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let sm_count = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
+        let l2 = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?.max(0) as u64;
         let arch = format!("sm_{major}{minor}");
         let dev_name = cu::device::get_name(dev).unwrap_or_else(|_| "unknown".into());
         let stream = Stream(
@@ -362,6 +386,7 @@ impl CudaBackend {
             step_rows: 0,
             pinned: None,
             sampling: Default::default(),
+            prefetch: None,
         };
         let name = format!("cuda:{} ({dev_name}, {arch}, {sm_count} SMs)", config.ordinal);
         Ok(CudaBackend {
@@ -377,6 +402,7 @@ impl CudaBackend {
             gemv_narrow: std::sync::atomic::AtomicBool::new(true),
             mmvq_groups: std::sync::atomic::AtomicUsize::new(0),
             q8_weights: std::sync::atomic::AtomicBool::new(false),
+            l2_prefetch: if config.tuning.l2_prefetch && major >= 9 { l2 } else { 0 },
             profile: config.tuning.profile_every.map(|every| Mutex::new(OpProfile::new(every))),
             config,
             state: Mutex::new(state),
@@ -439,11 +465,21 @@ impl CudaBackend {
         let mut st = st;
         let Some(profile) = &self.profile else {
             let r = self.ctx.bind().and_then(|_| f(&mut st));
+            st.prefetch = None;
             self.record(&mut st, r);
             return;
         };
         let r = self.ctx.bind().and_then(|_| self.profiled(profile, &name.to_string(), || f(&mut st)));
+        st.prefetch = None;
         self.record(&mut st, r);
+    }
+
+    /// `Backend::prefetch`: the next op's launch may read `w` into L2.
+    fn note_prefetch(&self, w: &CudaWeight) {
+        let bytes = l2_prefetch_bytes((w.rows * w.row_bytes) as u64, self.l2_prefetch);
+        if bytes > 0 {
+            self.lock_for_matmul().prefetch = Some(L2Span { ptr: w.ptr(), bytes });
+        }
     }
 
     /// Enqueue a library call (a collective) on this backend's stream with
@@ -546,5 +582,23 @@ impl Drop for CudaBackend {
             let _ = cu::module::unload(self.module);
             let _ = cu::stream::destroy(self.stream.0);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::l2_prefetch_bytes;
+
+    #[test]
+    fn a_prefetch_asks_for_at_most_half_the_l2_in_whole_16_byte_units() {
+        const MIB: u64 = 1 << 20;
+        // Llama-3-8B's o_proj: Q4_K (9 MiB) whole on a 50 MiB L2; bf16 (32 MiB) cut to half of it.
+        assert_eq!(l2_prefetch_bytes(4096 * 2304, 50 * MIB), 4096 * 2304);
+        assert_eq!(l2_prefetch_bytes(4096 * 8192, 50 * MIB), 25 * MIB);
+        // The bulk prefetch's unit: a ragged length is rounded down, never up past the weight.
+        assert_eq!(l2_prefetch_bytes(1000, 50 * MIB), 992);
+        assert_eq!(l2_prefetch_bytes(15, 50 * MIB), 0);
+        // A card that reports no L2 (or prefetching off) asks for nothing.
+        assert_eq!(l2_prefetch_bytes(4096 * 2304, 0), 0);
     }
 }
