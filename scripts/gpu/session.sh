@@ -18,7 +18,7 @@
 #                                   # each AB_FILES file and the bf16 checkpoint (BF16_SIDES), the op table of any side
 #                                   # run with --cuda-profile, and with TRACE=1 the per-step trace of a
 #                                   # concurrency-128 latency run (step_trace.py); in the foreground the
-#                                   # checks
+#                                   # checks and, with NCU_KERNEL=REGEX, that GEMV by Nsight Compute
 #   scripts/gpu/session.sh wait S   # the next calls: follow that plan for up to S seconds
 #   scripts/gpu/session.sh profile  # batch-1 decode steps as the card runs them (nsys_decode.sh: every
 #                                   # kernel of the replayed graphs, overlaps and idle time) on a 4-layer
@@ -194,6 +194,8 @@ case "${1:-checks}" in
         fi
         touch $g/done" < /dev/null > /dev/null 2>&1 &
     quant_checks
+    # NCU_KERNEL=REGEX: that integer GEMV by Nsight Compute (ncu_mmvq.sh) while the files are made.
+    if [ -n "${NCU_KERNEL:-}" ]; then echo "== [${SECONDS}s] $NCU_KERNEL by ncu"; OUT="$out" timeout 200 scripts/gpu/ncu_mmvq.sh "$NCU_KERNEL"; fi
     touch "$g/card_free"
     bash "$0" wait $(( ${LIMIT_S:-540} - SECONDS ))
     ;;
