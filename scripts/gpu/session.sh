@@ -18,7 +18,8 @@
 #                                   # each AB_FILES file and the bf16 checkpoint (BF16_SIDES), the op table of any side
 #                                   # run with --cuda-profile, and with TRACE=1 the per-step trace of a
 #                                   # concurrency-128 latency run (step_trace.py); in the foreground the
-#                                   # checks and, with NCU_KERNEL=REGEX, that GEMV by Nsight Compute
+#                                   # checks, a decode layer's integer GEMVs by .gpu/cuda_check-base and
+#                                   # .gpu/cuda_check, and with NCU_KERNEL=REGEX that GEMV by Nsight Compute
 #   scripts/gpu/session.sh wait S   # the next calls: follow that plan for up to S seconds
 #   scripts/gpu/session.sh profile  # batch-1 decode steps as the card runs them (nsys_decode.sh: every
 #                                   # kernel of the replayed graphs, overlaps and idle time) on a 4-layer
@@ -194,6 +195,14 @@ case "${1:-checks}" in
         fi
         touch $g/done" < /dev/null > /dev/null 2>&1 &
     quant_checks
+    # A decode layer's integer GEMVs by the binary before and after (when .gpu/cuda_check-base is there).
+    if [ -x .gpu/cuda_check-base ]; then
+        for b in cuda_check-base cuda_check cuda_check-base cuda_check; do
+            echo "== [${SECONDS}s] a decode layer's integer GEMVs: $b"
+            timeout 150 "./.gpu/$b" --bench-q8-layer > "$out/bench_q8_layer_$b.log" 2>&1; echo "exit $?"
+            grep -E "^q8 layer" "$out/bench_q8_layer_$b.log"
+        done
+    fi
     # NCU_KERNEL=REGEX: that integer GEMV by Nsight Compute (ncu_mmvq.sh) while the files are made.
     if [ -n "${NCU_KERNEL:-}" ]; then echo "== [${SECONDS}s] $NCU_KERNEL by ncu"; OUT="$out" timeout 200 scripts/gpu/ncu_mmvq.sh "$NCU_KERNEL"; fi
     touch "$g/card_free"

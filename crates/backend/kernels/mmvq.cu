@@ -17,10 +17,11 @@
 // consecutive weights (`MvUnit`), and dots each half with 16 activation codes
 // of every input row (one 16-byte load through L1, so a load serves the NW
 // weight rows). The halves are placed so that the 32 lanes' loads of one half
-// read whole 128-byte lines: in the 32-weight formats lane l's halves are
+// read whole 32-byte sectors: in the 32-weight formats lane l's halves are
 // weights 16 l and 512 + 16 l of the step; in the 256-weight formats (4
 // super-blocks a step, 8 lanes each) lane 8 s + i's are weights 16 i and
-// 128 + 16 i of super-block s (`mv_pos`).
+// 128 + 16 i of super-block s, or for Q4_K the two sub-blocks' 16 weights
+// whose nibbles share the lane's 16 bytes (`mv_pos`).
 //
 // Every block format has its kernels here (`Mv`, one specialization a
 // format, decoding as cpu/quant.rs `unpack_block` does).
@@ -31,8 +32,9 @@
 // super-blocks in a 256-byte aligned arena), so they go straight into
 // registers: each lane loads one 16-byte piece of quants per super-block (its
 // 8 lanes together the whole 128 bytes), the header its 8 lanes share (one
-// sector per instruction) and, for Q5_K, the high bits; the nibbles a lane
-// needs that its pair loaded are exchanged by shuffles. Every other format is
+// sector per instruction) and, for Q5_K, the high bits. A Q4_K lane uses both
+// nibbles of its piece; a Q5_K lane needs one nibble of two pieces and swaps
+// the other with the lane that loaded its second piece. Every other format is
 // only 2-byte aligned: each warp copies its step's bytes of a row as aligned
 // 16-byte pieces, contiguous across the lanes, into shared memory and decodes
 // from there (`mv_stage_load`, `mv_stage_store`).
@@ -58,12 +60,21 @@ struct MvUnit {
     float d[2], m[2];
 };
 
-// Where half h of `lane` starts in the row, in step t: the 256-weight formats
-// (`kq`) lay out 8 lanes per super-block, the 32-weight formats 16 weights a
-// lane across the step.
-template <bool KQ>
+// Where half h of `lane` starts in the row, in step t (`Mv::kq`): the
+// 32-weight formats (MV_LANES_32) 16 weights a lane across the step; the
+// 256-weight formats 8 lanes per super-block, lane i's halves either weights
+// 16 i and 128 + 16 i (MV_LANES_KQ) or, where a lane holds one 16-byte
+// piece of nibbles (MV_LANES_PIECE: piece i's low nibbles are weights
+// 64 (i / 2) + 16 (i % 2) .. + 15 and its high ones the 16 at 32 past them),
+// those two.
+#define MV_LANES_32 0
+#define MV_LANES_KQ 1
+#define MV_LANES_PIECE 2
+template <int L>
 __device__ __forceinline__ int mv_pos(int t, int lane, int h) {
-    return KQ ? t * MMVQ_STEP + 256 * (lane >> 3) + 128 * h + 16 * (lane & 7) : t * MMVQ_STEP + 512 * h + 16 * lane;
+    int i = lane & 7, sb = t * MMVQ_STEP + 256 * (lane >> 3);
+    if (L == MV_LANES_PIECE) return sb + 64 * (i >> 1) + 16 * (i & 1) + 32 * h;
+    return L == MV_LANES_KQ ? sb + 128 * h + 16 * i : t * MMVQ_STEP + 512 * h + 16 * lane;
 }
 
 __device__ __forceinline__ uint4 mv_zero4() { return make_uint4(0u, 0u, 0u, 0u); }
@@ -220,10 +231,28 @@ __device__ __forceinline__ void kq4_scales(const uint4& h, int i, MvUnit& u) {
     u.m[1] = first ? -dmin * (float)m1 : 0.f;
 }
 
-// Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 bytes of quants).
+// The scale and offset of Q4_K / Q5_K sub-block j (0..7) from the header
+// (as kq4_scales), the offset only where `first` (the lane of the
+// sub-block's first 16 weights).
+__device__ __forceinline__ void kq4_scale(const uint4& h, int j, bool first, float& d, float& m) {
+    int s = j & 3;
+    u32 by = h.y >> (8 * s), bz = h.z >> (8 * s), bw = h.w >> (8 * s);
+    bool low = j < 4;
+    int sc = low ? (int)(by & 63u) : (int)((bw & 15u) | ((by >> 2) & 48u));
+    int mn = low ? (int)(bz & 63u) : (int)(((bw >> 4) & 15u) | ((bz >> 2) & 48u));
+    d = f16_to_f32((unsigned short)(h.x & 0xffffu)) * (float)sc;
+    m = first ? -f16_to_f32((unsigned short)(h.x >> 16)) * (float)mn : 0.f;
+}
+
+// Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 bytes of quants). Lane
+// 8 s + i loads piece i of super-block s's quants (its 8 lanes read the 128
+// bytes whole) and keeps both nibbles of every byte (MV_LANES_PIECE): the
+// low ones are half 0, 16 weights of sub-block 2 (i / 2), the high ones half
+// 1, the same 16 of sub-block 2 (i / 2) + 1; no lane needs another's bytes.
 template <>
 struct Mv<DT_Q4_K> {
-    static const bool staged = false, kq = true;
+    static const bool staged = false;
+    static const int kq = MV_LANES_PIECE;
     static const int offsets = MV_BLOCK_OFFSETS;
     static const int stage_words = 4;
     struct Raw {
@@ -234,11 +263,19 @@ struct Mv<DT_Q4_K> {
         const u8* b = row + (long long)sb * 144;
         bool live = sb < (k >> 8);
         r.h = live ? ld_stream((const uint4*)b) : mv_zero4();
-        r.q = live ? ld_stream((const uint4*)(b + 16) + kq4_piece(lane & 7)) : mv_zero4();
+        r.q = live ? ld_stream((const uint4*)(b + 16) + (lane & 7)) : mv_zero4();
     }
     static __device__ __forceinline__ void decode(const Raw& r, u32*, int lane, MvUnit& u) {
-        kq4_nibbles(r.q, lane & 7, u);
-        kq4_scales(r.h, lane & 7, u);
+        u32 w[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            u.q[0][m] = (int)(w[m] & 0x0f0f0f0fu);
+            u.q[1][m] = (int)((w[m] >> 4) & 0x0f0f0f0fu);
+        }
+        int i = lane & 7, j = 2 * (i >> 1);
+        bool first = (i & 1) == 0;
+        kq4_scale(r.h, j, first, u.d[0], u.m[0]);
+        kq4_scale(r.h, j + 1, first, u.d[1], u.m[1]);
     }
 };
 
@@ -625,7 +662,7 @@ __device__ __forceinline__ void mmvq_body(const u8* w0, const u8* w1, const u8* 
         }
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            int pos = mv_pos<F::kq>(t, lane, h);
+            int pos = mv_pos<(int)F::kq>(t, lane, h);
             if (pos < k) {
 #pragma unroll
                 for (int r = 0; r < R; r++) {
