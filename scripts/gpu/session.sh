@@ -203,6 +203,8 @@ case "${1:-checks}" in
             grep -E "^q8 layer" "$out/bench_q8_layer_$b.log"
         done
     fi
+    echo "== [${SECONDS}s] GEMMs of new row counts: the host's planning"
+    timeout 60 ./.gpu/cuda_check --bench-gemm-plans 2>&1 | grep -E "^gemm plans"
     # NCU_KERNEL=REGEX: that integer GEMV by Nsight Compute (ncu_mmvq.sh) while the files are made.
     if [ -n "${NCU_KERNEL:-}" ]; then echo "== [${SECONDS}s] $NCU_KERNEL by ncu"; OUT="$out" timeout 200 scripts/gpu/ncu_mmvq.sh "$NCU_KERNEL"; fi
     touch "$g/card_free"

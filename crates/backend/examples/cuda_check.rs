@@ -2,7 +2,9 @@
 //! capture and replay, and micro-benchmarks. Run on a GPU machine by
 //! `scripts/gpu/check.sh`; exits non-zero when any comparison fails.
 //! `--bench` runs the micro-benchmarks after the checks, `--bench-only`
-//! without them, `--bench-gemm` only cuBLASLt's split-K schemes at decode batches,
+//! without them, `--bench-gemm` only cuBLASLt (the host's planning of new
+//! row counts, which `--bench-gemm-plans` runs alone, then the split-K
+//! schemes at decode batches),
 //! `--bench-quant` only the block-format matmuls (every path at 1 to 256 rows;
 //! `--bench-quant-short` fewer formats and shapes), `--bench-q8-layer` a decode
 //! layer's integer GEMVs as separate and as fused launches.
@@ -42,7 +44,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         println!("second start (kernel cache hit): {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
     }
     let flag = |f: &str| std::env::args().any(|a| a == f);
-    if flag("--bench-gemm") {
+    if flag("--bench-gemm") || flag("--bench-gemm-plans") {
+        for l in check::bench_gemm_plans(&be)? {
+            println!("{l}");
+        }
+        if flag("--bench-gemm-plans") {
+            return Ok(());
+        }
         for l in check::bench_gemm_schemes(&be, &mut 0)? {
             println!("{l}");
         }

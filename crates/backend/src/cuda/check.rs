@@ -35,6 +35,7 @@ use crate::{
 use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 use cudarc::driver::{result as cu, sys};
 use half::{bf16, f16};
+use std::time::Instant;
 
 const EXACT: f32 = 1e-4;
 const BF16: f32 = 2e-2;
@@ -1428,6 +1429,50 @@ pub fn bench_gemm_schemes(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<
         }
     }
     be.lock().gemm.set_reduction_mask(None);
+    Ok(lines)
+}
+
+/// What a GEMM of a row count not seen before costs the host, as every mixed
+/// step brings (a prompt's chunk beside the decodes; `cuda_check
+/// --bench-gemm`): 32 new row counts of one row bucket, each the heuristic's
+/// query, or the bucket's algorithm once cuBLASLt confirms it (the first
+/// shape of the bucket asks the heuristic either way), then the same shapes
+/// again, planned. Host time a call (the input's bf16 conversion launch
+/// included), and the wall time to the last GEMM's end.
+pub fn bench_gemm_plans(be: &CudaBackend) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let rng = &mut Rng(12);
+    let new_rows = 400..432usize; // row_bucket: 448, as the warm-up's 390
+    for &(n, k) in &[(4096usize, 4096usize), (14336, 4096), (4096, 14336)] {
+        let w = be.upload_weight(&bench_weight(rng, n, k))?;
+        let x = be.alloc_act(ActShape { rows: 512, cols: k })?;
+        put_gpu(be, &x, &rng.vec(512 * k, 1.0))?;
+        let out = be.alloc_act(ActShape { rows: 512, cols: n })?;
+        let calls = new_rows.len() as f64;
+        let run = |rows: std::ops::Range<usize>| -> Result<(f64, f64)> {
+            be.synchronize()?;
+            let t = Instant::now();
+            for m in rows {
+                be.matmul_op("bench", |st| be.matmul_lt(st, &x, &w, m, &out));
+            }
+            let host = t.elapsed().as_secs_f64();
+            be.synchronize()?;
+            be.check()?;
+            Ok((host * 1e6 / calls, t.elapsed().as_secs_f64() * 1e3))
+        };
+        let mut line = format!("gemm plans bf16 {n}x{k}, rows {}..{}", new_rows.start, new_rows.end - 1);
+        for (name, share) in [("heuristic each", false), ("bucket's algorithm", true)] {
+            be.lock().gemm.share_algos(share);
+            run(390..391)?;
+            let (host, wall) = run(new_rows.clone())?;
+            let (host2, wall2) = run(new_rows.clone())?;
+            line += &format!(
+                " | {name}: new {host:.0} us a call ({wall:.2} ms in all), planned {host2:.0} us ({wall2:.2} ms)"
+            );
+        }
+        lines.push(line);
+    }
+    be.lock().gemm.share_algos(true);
     Ok(lines)
 }
 

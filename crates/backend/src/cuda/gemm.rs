@@ -5,7 +5,11 @@
 //! product is computed as `outᵀ (n×m) = w (k×n)ᵀ · xᵀ (k×m)`: the weight is
 //! operand A transposed, the activation operand B as is. Descriptors, layouts
 //! and the chosen algorithm are cached per shape, so a steady-state step only
-//! calls `cublasLtMatmul`.
+//! calls `cublasLtMatmul`. Mixed and prefill steps bring row counts never
+//! seen before (a chunk of a prompt beside the decodes): such a shape takes
+//! the algorithm the heuristic chose for a shape of nearby row count (the
+//! same bucket, `row_bucket`) once cuBLASLt confirms it runs this one
+//! (`cublasLtMatmulAlgoCheck`), instead of asking the heuristic again.
 
 use super::device::Ctx;
 use super::device::{DeviceAlloc, DeviceBuffer, Purpose, Stream};
@@ -62,6 +66,11 @@ pub struct Gemm {
     handle: ltsys::cublasLtHandle_t,
     workspace: DeviceBuffer,
     plans: HashMap<GemmShape, Plan>,
+    /// The heuristic's algorithm per (n, k, ldc, `row_bucket(m)`).
+    algos: HashMap<(usize, usize, usize, usize), ltsys::cublasLtMatmulAlgo_t>,
+    /// Whether a new shape may take its bucket's algorithm (off: the
+    /// heuristic for every new shape; the self-check's benchmark compares).
+    share_algos: bool,
     /// `CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK` of the heuristic query
     /// (`None`: cuBLASLt's default, every scheme); the self-check's benchmark
     /// compares the split-K schemes with it.
@@ -75,12 +84,28 @@ unsafe impl Send for Gemm {}
 /// number of distinct shapes is bounded only by the row limit.
 const MAX_PLANS: usize = 4096;
 
+/// The row count whose bucket holds `m` rows: buckets an eighth of the next
+/// power of two wide (at least 16 rows), so a shape shares its algorithm only
+/// with shapes less than a quarter of its rows away, where the heuristic's
+/// choice (tile, split) is the same or near it.
+fn row_bucket(m: usize) -> usize {
+    let step = (m.next_power_of_two() / 8).max(16);
+    m.div_ceil(step) * step
+}
+
 impl Gemm {
     pub fn new(alloc: &Arc<dyn DeviceAlloc>, ctx: Ctx) -> Result<Gemm> {
         ctx.bind()?;
         let handle = lt::create_handle().map_err(|e| lt_err("cublasLtCreate", e))?;
         let workspace = DeviceBuffer::new(alloc, ctx, WORKSPACE, Purpose::Workspace)?;
-        Ok(Gemm { handle, workspace, plans: HashMap::new(), reduction_mask: None })
+        Ok(Gemm {
+            handle,
+            workspace,
+            plans: HashMap::new(),
+            algos: HashMap::new(),
+            share_algos: true,
+            reduction_mask: None,
+        })
     }
 
     fn plan(&mut self, s: GemmShape) -> Result<&Plan> {
@@ -98,19 +123,33 @@ impl Gemm {
                 .map_err(|e| lt_err("layout C", e))?;
             let desc = lt::create_matmul_desc(ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f)
                 .map_err(|e| lt_err("cublasLtMatmulDescCreate", e))?;
+            // SAFETY: a zeroed algorithm is plain data, overwritten below before any use.
             let mut plan = Plan { desc, a, b, c, algo: unsafe { std::mem::zeroed() } };
             let trans: i32 = 1; // CUBLAS_OP_T
-            let pref = lt::create_matmul_pref().map_err(|e| lt_err("cublasLtMatmulPreferenceCreate", e))?;
-            let ws = self.workspace.bytes().0 as usize;
-            // SAFETY: live handles, attribute buffers of the documented sizes.
-            let heuristic = unsafe {
+                                // SAFETY: a live descriptor, an attribute buffer of the documented size.
+            unsafe {
                 lt::set_matmul_desc_attribute(
                     desc,
                     ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
                     (&trans) as *const i32 as *const _,
                     4,
                 )
-                .map_err(|e| lt_err("TRANSA", e))?;
+            }
+            .map_err(|e| lt_err("TRANSA", e))?;
+            let ws = self.workspace.bytes().0 as usize;
+            let bucket = (s.n, s.k, s.ldc, row_bucket(s.m));
+            let shared = match self.algos.get(&bucket) {
+                Some(algo) if self.share_algos && self.runs(&plan, algo, ws) => Some(*algo),
+                _ => None,
+            };
+            if let Some(algo) = shared {
+                plan.algo = algo;
+                self.plans.insert(s, plan);
+                return Ok(&self.plans[&s]);
+            }
+            let pref = lt::create_matmul_pref().map_err(|e| lt_err("cublasLtMatmulPreferenceCreate", e))?;
+            // SAFETY: live handles, attribute buffers of the documented sizes.
+            let heuristic = unsafe {
                 lt::set_matmul_pref_attribute(
                     pref,
                     ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -132,9 +171,44 @@ impl Gemm {
                 h.map_err(|e| lt_err("cublasLtMatmulAlgoGetHeuristic", e))?
             };
             plan.algo = heuristic.algo;
+            self.algos.insert(bucket, heuristic.algo);
             self.plans.insert(s, plan);
         }
         Ok(&self.plans[&s])
+    }
+
+    /// Whether cuBLASLt runs `algo` for `plan`'s shape within `ws` bytes of workspace.
+    fn runs(&self, plan: &Plan, algo: &ltsys::cublasLtMatmulAlgo_t, ws: usize) -> bool {
+        // SAFETY: a zeroed result is plain data the call fills.
+        let mut result: ltsys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        // SAFETY: live handles and descriptors of this plan; `algo` came from the heuristic.
+        let status = unsafe {
+            ltsys::cublasLtMatmulAlgoCheck(
+                self.handle,
+                plan.desc,
+                plan.a,
+                plan.b,
+                plan.c,
+                plan.c,
+                algo,
+                &mut result,
+            )
+        };
+        status == ltsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && result.workspaceSize <= ws
+    }
+
+    /// Let new shapes take their row bucket's algorithm (`true`, the
+    /// default) or ask the heuristic for each; forgets every plan either way.
+    pub fn share_algos(&mut self, on: bool) {
+        self.share_algos = on;
+        self.forget_plans();
+    }
+
+    /// Drop every plan and remembered algorithm (the next matmul of each
+    /// shape plans again).
+    pub fn forget_plans(&mut self) {
+        self.plans.clear();
+        self.algos.clear();
     }
 
     /// Restrict the split-K reduction schemes later plans may use (a mask of
@@ -143,7 +217,7 @@ impl Gemm {
     pub fn set_reduction_mask(&mut self, mask: Option<u32>) {
         if self.reduction_mask != mask {
             self.reduction_mask = mask;
-            self.plans.clear();
+            self.forget_plans();
         }
     }
 
@@ -182,5 +256,23 @@ impl Drop for Gemm {
         self.plans.clear();
         // SAFETY: created in `new`, destroyed once.
         let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::row_bucket;
+
+    #[test]
+    fn a_row_bucket_is_an_eighth_of_the_next_power_of_two_at_least_16_rows() {
+        // Decode-sized shapes: buckets of 16.
+        assert_eq!((row_bucket(1), row_bucket(16), row_bucket(17), row_bucket(128)), (16, 16, 32, 128));
+        // A chunk beside 128 decodes: 640 and 600 rows share a bucket, 700 does not.
+        assert_eq!((row_bucket(600), row_bucket(640), row_bucket(700)), (640, 640, 768));
+        // Every row count lies in its bucket, less than a quarter of it (or 16 rows) below its top.
+        for m in 1..5000 {
+            let b = row_bucket(m);
+            assert!(b >= m && (b - m) * 4 < b.max(64), "{m} -> {b}");
+        }
     }
 }
