@@ -197,7 +197,7 @@ case "${1:-checks}" in
     quant_checks
     # A decode layer's integer GEMVs by the binary before and after (when .gpu/cuda_check-base is there).
     if [ -x .gpu/cuda_check-base ]; then
-        for b in cuda_check-base cuda_check cuda_check-base cuda_check; do
+        for b in ${Q8_LAYER_RUNS:-cuda_check-base cuda_check}; do
             echo "== [${SECONDS}s] a decode layer's integer GEMVs: $b"
             timeout 150 "./.gpu/$b" --bench-q8-layer > "$out/bench_q8_layer_$b.log" 2>&1; echo "exit $?"
             grep -E "^q8 layer" "$out/bench_q8_layer_$b.log"
