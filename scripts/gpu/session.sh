@@ -175,8 +175,11 @@ case "${1:-checks}" in
     SECONDS=0
     g=/tmp/gguf-plan; mkdir -p "$g"; rm -f "$g/card_free" "$g/done"
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt" "$g/nvidia-smi.txt"
-    files=${AB_FILES:-Q4_K_M}
-    setsid nohup bash -c "OUT=$g SKIP_KQUANT=1 LCPP_CUDA=0 QUANTS='$files' scripts/gpu/gguf_bench.sh prep > $g/prep.log 2>&1;
+    # AB_FILES=none: the bf16 checkpoint only (no llama.cpp, no GGUF files to make).
+    files=${AB_FILES:-Q4_K_M}; [ "$files" = none ] && files=
+    make="OUT=$g SKIP_KQUANT=1 LCPP_CUDA=0 QUANTS='$files' scripts/gpu/gguf_bench.sh prep"
+    [ -z "$files" ] && make="python3 scripts/gpu/make_llama8b.py /tmp/llama8b --tokenizer-dir .gpu/llama3-tokenizer"
+    setsid nohup bash -c "$make > $g/prep.log 2>&1;
         while [ ! -f $g/card_free ]; do sleep 2; done;
         for m in $files bf16; do
             dir=/tmp/gguf/llama8b-\$m.gguf; [ \$m = bf16 ] && dir=/tmp/llama8b
