@@ -12,6 +12,7 @@
 //! `CORRIDOR_CACHE_DIR` (optional) is where compiled kernels are cached.
 
 use corridor_backend::cuda::{check, preflight, CudaBackend, CudaBackendConfig};
+use corridor_backend::CudaTuning;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -30,8 +31,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let cache = std::env::var_os("CORRIDOR_CACHE_DIR").map(|d| PathBuf::from(d).join("kernels"));
     let t = Instant::now();
-    let config =
-        CudaBackendConfig { kernel_cache_dir: cache.clone(), max_pages_per_seq: 512, ..Default::default() };
+    // Every switch on, the L2 prefetch too, so the checks run every path serving may take.
+    let tuning = CudaTuning { l2_prefetch: true, ..Default::default() };
+    let config = CudaBackendConfig {
+        kernel_cache_dir: cache.clone(),
+        max_pages_per_seq: 512,
+        tuning,
+        ..Default::default()
+    };
     let be = CudaBackend::new(config.clone())?;
     println!(
         "backend {} ready in {:.0} ms",

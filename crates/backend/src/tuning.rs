@@ -1,6 +1,7 @@
 //! The CUDA backend's tuning and profiling switches, as one value.
 //!
-//! Every switch is on by default (profiling off) and exists so one binary can
+//! Every switch is on by default but the chunked delta rule and the L2
+//! prefetch (profiling off), and exists so one binary can
 //! measure a step with and without it. The backend never reads the
 //! environment: the `corridor` command parses these from its flags (each
 //! with an environment spelling for A/B scripts, README.md "What a GPU
@@ -49,9 +50,10 @@ pub struct CudaTuning {
     /// of attention, which moves few more at short contexts), the card
     /// reads the attention output projection's weights into its L2 cache, so
     /// that GEMV finds them there instead of waiting on memory after an idle
-    /// stretch (`Backend::prefetch`; `--cuda-l2-prefetch off`,
-    /// `CORRIDOR_L2_PREFETCH=0`; sm_90 and later; the results are the same
-    /// either way).
+    /// stretch (`Backend::prefetch`; `--cuda-l2-prefetch on`,
+    /// `CORRIDOR_L2_PREFETCH=1`; sm_90 and later; the results are the same
+    /// either way). Off by default: what it saves has not been measured on a
+    /// card yet (`scripts/gpu/session.sh ab` is the A/B).
     pub l2_prefetch: bool,
 }
 
@@ -66,7 +68,7 @@ impl Default for CudaTuning {
             nccl_graphs: true,
             delta_chunked: false,
             q8_gemv: true,
-            l2_prefetch: true,
+            l2_prefetch: false,
         }
     }
 }

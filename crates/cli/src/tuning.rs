@@ -62,8 +62,8 @@ pub struct CudaFlags {
     cuda_q8_gemv: Switch,
     /// On sm_90 and later, read the attention output projection's weights into the L2 cache while
     /// RoPE, the KV store and attention run (kernels that move few bytes), so that GEMV does not
-    /// start from memory (the results are the same).
-    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_L2_PREFETCH", value_name = "on|off")]
+    /// start from memory (the results are the same; off until its gain is measured on a card).
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_L2_PREFETCH", value_name = "on|off")]
     cuda_l2_prefetch: Switch,
 }
 
@@ -130,7 +130,7 @@ mod tests {
         assert_eq!(parse(&["--nccl-graphs", "off"]), CudaTuning { nccl_graphs: false, ..d });
         assert_eq!(parse(&["--cuda-delta-chunked", "on"]), CudaTuning { delta_chunked: true, ..d });
         assert_eq!(parse(&["--cuda-q8-gemv", "off"]), CudaTuning { q8_gemv: false, ..d });
-        assert_eq!(parse(&["--cuda-l2-prefetch", "off"]), CudaTuning { l2_prefetch: false, ..d });
+        assert_eq!(parse(&["--cuda-l2-prefetch", "on"]), CudaTuning { l2_prefetch: true, ..d });
         assert_eq!(parse(&["--cuda-fuse", "1"]), d);
     }
 
