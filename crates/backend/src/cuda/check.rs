@@ -1472,7 +1472,7 @@ pub fn bench_gemm_plans(be: &CudaBackend) -> Result<Vec<String>> {
         }
         lines.push(line);
     }
-    be.lock().gemm.share_algos(true);
+    be.lock().gemm.share_algos(false);
     Ok(lines)
 }
 

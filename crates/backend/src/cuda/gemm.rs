@@ -6,10 +6,15 @@
 //! operand A transposed, the activation operand B as is. Descriptors, layouts
 //! and the chosen algorithm are cached per shape, so a steady-state step only
 //! calls `cublasLtMatmul`. Mixed and prefill steps bring row counts never
-//! seen before (a chunk of a prompt beside the decodes): such a shape takes
-//! the algorithm the heuristic chose for a shape of nearby row count (the
-//! same bucket, `row_bucket`) once cuBLASLt confirms it runs this one
-//! (`cublasLtMatmulAlgoCheck`), instead of asking the heuristic again.
+//! seen before (a chunk of a prompt beside the decodes), and the heuristic's
+//! query for each costs the host 240-370 µs (H100, `cuda_check
+//! --bench-gemm-plans`). Such a shape could take the algorithm the heuristic
+//! chose for a shape of nearby row count (the same bucket, `row_bucket`) once
+//! cuBLASLt confirms it runs this one (`cublasLtMatmulAlgoCheck`): 11-13 µs
+//! of host time, but in the same run those algorithms ran the GEMMs 1.3 to
+//! 1.5 times slower than the heuristic's own choice for each shape (32 shapes
+//! of 400-431 rows, 4096 to 14336 wide), so sharing is off
+//! (`share_algos`) and kept for that benchmark.
 
 use super::device::Ctx;
 use super::device::{DeviceAlloc, DeviceBuffer, Purpose, Stream};
@@ -68,8 +73,9 @@ pub struct Gemm {
     plans: HashMap<GemmShape, Plan>,
     /// The heuristic's algorithm per (n, k, ldc, `row_bucket(m)`).
     algos: HashMap<(usize, usize, usize, usize), ltsys::cublasLtMatmulAlgo_t>,
-    /// Whether a new shape may take its bucket's algorithm (off: the
-    /// heuristic for every new shape; the self-check's benchmark compares).
+    /// Whether a new shape may take its bucket's algorithm (off, the
+    /// default: the heuristic for every new shape; the self-check's
+    /// benchmark compares).
     share_algos: bool,
     /// `CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK` of the heuristic query
     /// (`None`: cuBLASLt's default, every scheme); the self-check's benchmark
@@ -103,7 +109,7 @@ impl Gemm {
             workspace,
             plans: HashMap::new(),
             algos: HashMap::new(),
-            share_algos: true,
+            share_algos: false,
             reduction_mask: None,
         })
     }
@@ -197,8 +203,8 @@ impl Gemm {
         status == ltsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && result.workspaceSize <= ws
     }
 
-    /// Let new shapes take their row bucket's algorithm (`true`, the
-    /// default) or ask the heuristic for each; forgets every plan either way.
+    /// Let new shapes take their row bucket's algorithm (`true`) or ask the
+    /// heuristic for each (`false`, the default); forgets every plan either way.
     pub fn share_algos(&mut self, on: bool) {
         self.share_algos = on;
         self.forget_plans();
