@@ -132,7 +132,8 @@ impl Gemm {
             // SAFETY: a zeroed algorithm is plain data, overwritten below before any use.
             let mut plan = Plan { desc, a, b, c, algo: unsafe { std::mem::zeroed() } };
             let trans: i32 = 1; // CUBLAS_OP_T
-                                // SAFETY: a live descriptor, an attribute buffer of the documented size.
+            let ws = self.workspace.bytes().0 as usize;
+            // SAFETY: a live descriptor, an attribute buffer of the documented size.
             unsafe {
                 lt::set_matmul_desc_attribute(
                     desc,
@@ -142,7 +143,6 @@ impl Gemm {
                 )
             }
             .map_err(|e| lt_err("TRANSA", e))?;
-            let ws = self.workspace.bytes().0 as usize;
             let bucket = (s.n, s.k, s.ldc, row_bucket(s.m));
             let shared = match self.algos.get(&bucket) {
                 Some(algo) if self.share_algos && self.runs(&plan, algo, ws) => Some(*algo),
