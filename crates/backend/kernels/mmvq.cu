@@ -214,25 +214,9 @@ __device__ __forceinline__ void kq4_nibbles(const uint4& q, int i, MvUnit& u) {
     }
 }
 
-// Q4_K / Q5_K scales and offsets of sub-blocks s and s + 4 (s = i / 2 < 4)
-// from the header (d, dmin, 12 bytes of 6-bit scales and mins laid out as
-// cpu/quant.rs `k4_scale_min` reads them); the offsets on the lane of each
-// sub-block's first 16 weights.
-__device__ __forceinline__ void kq4_scales(const uint4& h, int i, MvUnit& u) {
-    int s = i >> 1;
-    u32 by = h.y >> (8 * s), bz = h.z >> (8 * s), bw = h.w >> (8 * s);
-    int sc0 = (int)(by & 63u), m0 = (int)(bz & 63u);
-    int sc1 = (int)((bw & 15u) | ((by >> 2) & 48u)), m1 = (int)(((bw >> 4) & 15u) | ((bz >> 2) & 48u));
-    float d = f16_to_f32((unsigned short)(h.x & 0xffffu)), dmin = f16_to_f32((unsigned short)(h.x >> 16));
-    bool first = (i & 1) == 0;
-    u.d[0] = d * (float)sc0;
-    u.d[1] = d * (float)sc1;
-    u.m[0] = first ? -dmin * (float)m0 : 0.f;
-    u.m[1] = first ? -dmin * (float)m1 : 0.f;
-}
-
 // The scale and offset of Q4_K / Q5_K sub-block j (0..7) from the header
-// (as kq4_scales), the offset only where `first` (the lane of the
+// (d, dmin, 12 bytes of 6-bit scales and mins laid out as cpu/quant.rs
+// `k4_scale_min` reads them), the offset only where `first` (the lane of the
 // sub-block's first 16 weights).
 __device__ __forceinline__ void kq4_scale(const uint4& h, int j, bool first, float& d, float& m) {
     int s = j & 3;
@@ -242,6 +226,13 @@ __device__ __forceinline__ void kq4_scale(const uint4& h, int j, bool first, flo
     int mn = low ? (int)(bz & 63u) : (int)(((bw >> 4) & 15u) | ((bz >> 2) & 48u));
     d = f16_to_f32((unsigned short)(h.x & 0xffffu)) * (float)sc;
     m = first ? -f16_to_f32((unsigned short)(h.x >> 16)) * (float)mn : 0.f;
+}
+
+// Q5_K's lane i: sub-blocks i / 2 and 4 + i / 2 (its halves 0 and 1).
+__device__ __forceinline__ void kq4_scales(const uint4& h, int i, MvUnit& u) {
+    bool first = (i & 1) == 0;
+    kq4_scale(h, i >> 1, first, u.d[0], u.m[0]);
+    kq4_scale(h, 4 + (i >> 1), first, u.d[1], u.m[1]);
 }
 
 // Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 bytes of quants). Lane
