@@ -19,7 +19,8 @@
 #                                   # run with --cuda-profile, and with TRACE=1 the per-step trace of a
 #                                   # concurrency-128 latency run (step_trace.py); in the foreground the
 #                                   # checks, a decode layer's integer GEMVs by .gpu/cuda_check-base and
-#                                   # .gpu/cuda_check, and with NCU_KERNEL=REGEX that GEMV by Nsight Compute
+#                                   # .gpu/cuda_check, one decode row's attention (--bench-attention), and
+#                                   # with NCU_KERNEL=REGEX that GEMV by Nsight Compute
 #   scripts/gpu/session.sh wait S   # the next calls: follow that plan for up to S seconds
 #   scripts/gpu/session.sh profile  # batch-1 decode steps as the card runs them (nsys_decode.sh: every
 #                                   # kernel of the replayed graphs, overlaps and idle time) on a 4-layer
@@ -206,6 +207,8 @@ case "${1:-checks}" in
             grep -E "^q8 layer" "$out/bench_q8_layer_$b.log"
         done
     fi
+    echo "== [${SECONDS}s] one decode row's attention: splits merged in the launch and by a combine pass"
+    timeout 90 ./.gpu/cuda_check --bench-attention 2>&1 | grep -E "^decode attention" | sed -e 's/ | /\n    /g'
     echo "== [${SECONDS}s] GEMMs of new row counts: the host's planning"
     timeout 60 ./.gpu/cuda_check --bench-gemm-plans 2>&1 | grep -E "^gemm plans"
     # NCU_KERNEL=REGEX: that integer GEMV by Nsight Compute (ncu_mmvq.sh) while the files are made.

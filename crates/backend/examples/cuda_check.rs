@@ -7,7 +7,8 @@
 //! schemes at decode batches),
 //! `--bench-quant` only the block-format matmuls (every path at 1 to 256 rows;
 //! `--bench-quant-short` fewer formats and shapes), `--bench-q8-layer` a decode
-//! layer's integer GEMVs as separate and as fused launches.
+//! layer's integer GEMVs as separate and as fused launches, `--bench-attention`
+//! one decode row's attention (splits merged in the launch and by a combine pass).
 //!
 //! `CORRIDOR_CACHE_DIR` (optional) is where compiled kernels are cached.
 
@@ -59,6 +60,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             return Ok(());
         }
         for l in check::bench_gemm_schemes(&be, &mut 0)? {
+            println!("{l}");
+        }
+        return Ok(());
+    }
+    if flag("--bench-attention") {
+        for l in check::bench_decode_attention(&be)? {
             println!("{l}");
         }
         return Ok(());

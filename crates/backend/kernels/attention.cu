@@ -14,12 +14,20 @@
 // still spreads a short one over as many blocks as it can use.
 
 #define ATT_WARPS 4
-#define ATT_MAX_D 8 // head_dim <= 32 * ATT_MAX_D = 256
+#define ATT_MAX_D 8        // head_dim <= 32 * ATT_MAX_D = 256
+#define ATT_MAX_SPLITS 256 // the host never splits further
 
 // Tokens per split of a row with `ctx` tokens over `nsplit` splits: an even
 // share, at least `min_chunk`. Only the first ceil(ctx / len) splits hold any.
 __device__ __forceinline__ int split_len(int ctx, int nsplit, int min_chunk) {
     return max(min_chunk, (ctx + nsplit - 1) / nsplit);
+}
+
+// How many of a row's splits hold some of its context (each of those writes a
+// state; the rest have nothing to do).
+__device__ __forceinline__ int splits_used(int ctx, int nsplit, int min_chunk) {
+    int len = split_len(ctx, nsplit, min_chunk);
+    return imin(imin(nsplit, ATT_MAX_SPLITS), (ctx + len - 1) / len);
 }
 
 // One lane's D elements of a bf16 row, starting at element `e0` (a multiple
@@ -66,7 +74,7 @@ __device__ __forceinline__ float dot8_k_q(uint4 k, const float* qp) {
 // (a captured step splits for the longest context it may see; attn_combine
 // reads only the splits that hold some of the row's context).
 struct Split {
-    int kvh, start, end;
+    int kvh, start, end, used;
     const u32* pt;
 };
 __device__ __forceinline__ bool split_of(Split& sp, int r, int s, int h0, int heads, int kv_heads,
@@ -80,6 +88,7 @@ __device__ __forceinline__ bool split_of(Split& sp, int r, int s, int h0, int he
     sp.pt = page_table + seq_pt_off[row_seq[r]];
     sp.start = s * len;
     sp.end = imin(ctx, sp.start + len);
+    sp.used = splits_used(ctx, nsplit, min_chunk);
     return sp.start < ctx;
 }
 
@@ -131,6 +140,89 @@ __device__ __forceinline__ void attn_finish(float (&m)[G], float (&l)[G], float 
     }
 }
 
+// The splits' states of query heads h0 .. h0 + G - 1 of row r merged into
+// their output, and into its 8-bit copy when `oq` is set (head_dim a multiple
+// of 32): a thread per W consecutive output elements of a head walks the
+// `used` splits once with an online softmax, its loads independent of the
+// arithmetic so they are in flight together. The states were written by other
+// blocks of the same launch, so they are read through L2 (__ldcg), never from
+// this SM's L1. The order over splits is fixed: the result does not depend on
+// which block merges.
+template <int W>
+__device__ __forceinline__ void attn_merge_heads(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                                 int r, int h0, int G, int used, float* __restrict__ out,
+                                                 u32* __restrict__ oq, float2* __restrict__ oqs, int heads,
+                                                 int head_dim, int nsplit) {
+    const int chunks = head_dim / W, total = G * chunks;
+    for (int x0 = 0; x0 < total; x0 += blockDim.x) {
+        // Warp-uniform: a warp with any live lane runs whole (q8_store4's shuffles).
+        if (x0 + (int)(threadIdx.x & ~31u) >= total) break;
+        int x = x0 + (int)threadIdx.x;
+        bool live = x < total;
+        int g = live ? x / chunks : 0, c = live ? x % chunks : 0;
+        long long p0 = ((long long)r * heads + h0 + g) * nsplit;
+        float m = NEG_INF, l = 0.f, acc[W];
+#pragma unroll
+        for (int j = 0; j < W; j++) acc[j] = 0.f;
+#pragma unroll 8
+        for (int s = 0; s < (live ? used : 0); s++) {
+            float2 ml = __ldcg((const float2*)part_ml + p0 + s);
+            const float* po = part_o + (p0 + s) * head_dim + W * c;
+            float v[W];
+            if (W == 4) {
+                float4 t = __ldcg((const float4*)po);
+                v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+            } else {
+                v[0] = __ldcg(po);
+            }
+            if (ml.y > 0.f) {
+                float mn = fmaxf(m, ml.x);
+                float a = expf(m - mn), b = expf(ml.x - mn);
+                l = l * a + b * ml.y;
+#pragma unroll
+                for (int j = 0; j < W; j++) acc[j] = acc[j] * a + b * v[j];
+                m = mn;
+            }
+        }
+        long long at = ((long long)r * heads + h0 + g) * head_dim + W * c;
+        float o[W];
+#pragma unroll
+        for (int j = 0; j < W; j++) {
+            o[j] = l > 0.f ? acc[j] / l : 0.f;
+            if (live) out[at + j] = o[j];
+        }
+        if (W == 4 && oq) q8_store4(make_float4(o[0], o[1], o[2], o[3]), live, oq, oqs, live ? at >> 2 : 0);
+    }
+}
+
+// The end of a split when the launch merges its own splits (`counts` set, a
+// zeroed counter per row and block of heads): once the block's state is
+// written, every thread fences its stores, and one thread counts the block in;
+// the last of the row's `used` splits to arrive merges them all (no combine
+// launch) and rearms the counter for the next launch. Every thread of the
+// block calls this, with the same arguments.
+template <int G>
+__device__ __forceinline__ void attn_arrive(u32* __restrict__ counts, const float* __restrict__ part_o,
+                                            const float* __restrict__ part_ml, int r, int h0, int used,
+                                            float* __restrict__ out, u32* __restrict__ oq,
+                                            float2* __restrict__ oqs, int heads, int head_dim, int nsplit) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32* c = counts + (long long)r * (heads / G) + h0 / G;
+        last = atomicAdd(c, 1u) == (u32)(used - 1);
+        if (last) *c = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if ((head_dim & 3) == 0)
+        attn_merge_heads<4>(part_o, part_ml, r, h0, G, used, out, oq, oqs, heads, head_dim, nsplit);
+    else
+        attn_merge_heads<1>(part_o, part_ml, r, h0, G, used, out, nullptr, nullptr, heads, head_dim, nsplit);
+}
+
 // One block serves G query heads that share a KV head (grouped-query
 // attention), so each K and V row is read once for all of them: G = 1, 2, 4
 // or 8, the largest that divides the group. Grid: (splits, heads / G, rows).
@@ -147,7 +239,8 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
                                                   const u32* __restrict__ page_table, float* __restrict__ out,
                                                   float* __restrict__ part_o, float* __restrict__ part_ml, int heads,
                                                   int kv_heads, int head_dim, int page_size, float scale,
-                                                  int min_chunk, int nsplit) {
+                                                  int min_chunk, int nsplit, u32* __restrict__ counts,
+    u32* __restrict__ oq, float2* __restrict__ oqs) {
     pdl_enter();
     __shared__ float sm_m[ATT_WARPS][G], sm_l[ATT_WARPS][G];
     __shared__ float sm_o[ATT_WARPS][G][32 * D];
@@ -217,6 +310,8 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
     }
     attn_finish<G, D>(m, l, o, Dr, EXACT, sm_m, sm_l, sm_o, out, part_o, part_ml, r, h0, s, heads, head_dim,
                       nsplit);
+    if (nsplit > 1 && counts)
+        attn_arrive<G>(counts, part_o, part_ml, r, h0, sp.used, out, oq, oqs, heads, head_dim, nsplit);
 }
 
 // attn_partial_g{G}: any head_dim up to 32 * ATT_MAX_D; attn_partial_g{G}_d{D}:
@@ -227,10 +322,11 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
              const u32* __restrict__ row_pos, const u32* __restrict__ row_seq,                                  \
              const u32* __restrict__ seq_pt_off, const u32* __restrict__ page_table, float* __restrict__ out,   \
              float* __restrict__ part_o, float* __restrict__ part_ml, int heads, int kv_heads, int head_dim,    \
-             int page_size, float scale, int min_chunk, int nsplit) {                                           \
+             int page_size, float scale, int min_chunk, int nsplit, u32* __restrict__ counts,                  \
+             u32* __restrict__ oq, float2* __restrict__ oqs) {                                                  \
         attn_partial_body<G, D, U, EXACT>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, out, part_o,    \
                                           part_ml, heads, kv_heads, head_dim, page_size, scale, min_chunk,      \
-                                          nsplit);                                                              \
+                                          nsplit, counts, oq, oqs);                                             \
     }
 ATTN_PARTIAL(attn_partial_g1, 1, ATT_MAX_D, 1, false)
 ATTN_PARTIAL(attn_partial_g2, 2, ATT_MAX_D, 1, false)
@@ -260,7 +356,8 @@ __device__ __forceinline__ void attn_lanes_body(const float* __restrict__ q, con
                                                 const u32* __restrict__ page_table, float* __restrict__ out,
                                                 float* __restrict__ part_o, float* __restrict__ part_ml, int heads,
                                                 int kv_heads, int page_size, float scale, int min_chunk,
-                                                int nsplit) {
+                                                int nsplit, u32* __restrict__ counts, u32* __restrict__ oq,
+                                                float2* __restrict__ oqs) {
     pdl_enter();
     const int HD = 32 * D, CH = HD / 8; // 16-byte chunks of a K row
     __shared__ __align__(16) float qs[G][HD];
@@ -338,6 +435,8 @@ __device__ __forceinline__ void attn_lanes_body(const float* __restrict__ q, con
         __syncwarp();
     }
     attn_finish<G, D>(m, l, o, D, true, sm_m, sm_l, sm_o, out, part_o, part_ml, r, h0, s, heads, HD, nsplit);
+    if (nsplit > 1 && counts)
+        attn_arrive<G>(counts, part_o, part_ml, r, h0, sp.used, out, oq, oqs, heads, HD, nsplit);
 }
 
 #define ATTN_LANES(G, D)                                                                                        \
@@ -348,9 +447,10 @@ __device__ __forceinline__ void attn_lanes_body(const float* __restrict__ q, con
                                const u32* __restrict__ page_table, float* __restrict__ out,                    \
                                float* __restrict__ part_o, float* __restrict__ part_ml, int heads,             \
                                int kv_heads, int head_dim, int page_size, float scale, int min_chunk,          \
-                               int nsplit) {                                                                    \
+                               int nsplit, u32* __restrict__ counts, u32* __restrict__ oq,                      \
+                               float2* __restrict__ oqs) {                                                      \
         attn_lanes_body<G, D>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, out, part_o, part_ml, heads,  \
-                              kv_heads, page_size, scale, min_chunk, nsplit);                                   \
+                              kv_heads, page_size, scale, min_chunk, nsplit, counts, oq, oqs);                  \
     }
 #define ATTN_LANES_ALL_G(D) ATTN_LANES(1, D) ATTN_LANES(2, D) ATTN_LANES(4, D) ATTN_LANES(8, D)
 ATTN_LANES_ALL_G(2)
@@ -376,7 +476,8 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, cons
                                                const u32* __restrict__ page_table, float* __restrict__ out,
                                                float* __restrict__ part_o, float* __restrict__ part_ml, int heads,
                                                int kv_heads, int page_size, float scale, int min_chunk,
-                                               int nsplit) {
+                                               int nsplit, u32* __restrict__ counts, u32* __restrict__ oq,
+                                               float2* __restrict__ oqs) {
     pdl_enter();
     const int HD = 32 * D, QD = HD / 4;        // a thread's quarter of a K or V row
     const int QC = QD / 8;                     // its 16-byte chunks
@@ -462,18 +563,21 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, cons
             m = mx;
         }
     }
-    if (!owner) return;
-    int h = h0 + og;
-    long long pidx = ((long long)r * heads + h) * nsplit + s;
+    if (owner) {
+        int h = h0 + og;
+        long long pidx = ((long long)r * heads + h) * nsplit + s;
 #pragma unroll
-    for (int e = 0; e < OPT; e++) {
-        if (nsplit == 1) out[((long long)r * heads + h) * HD + oe + e] = l > 0.f ? o[e] / l : 0.f;
-        else part_o[pidx * HD + oe + e] = o[e];
+        for (int e = 0; e < OPT; e++) {
+            if (nsplit == 1) out[((long long)r * heads + h) * HD + oe + e] = l > 0.f ? o[e] / l : 0.f;
+            else part_o[pidx * HD + oe + e] = o[e];
+        }
+        if (nsplit > 1 && t % TPH == 0) {
+            part_ml[2 * pidx] = m;
+            part_ml[2 * pidx + 1] = l;
+        }
     }
-    if (nsplit > 1 && t % TPH == 0) {
-        part_ml[2 * pidx] = m;
-        part_ml[2 * pidx + 1] = l;
-    }
+    if (nsplit > 1 && counts)
+        attn_arrive<G>(counts, part_o, part_ml, r, h0, sp.used, out, oq, oqs, heads, HD, nsplit);
 }
 
 #define ATTN_TILE(G, D)                                                                                         \
@@ -483,9 +587,10 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, cons
                               const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,             \
                               const u32* __restrict__ page_table, float* __restrict__ out,                     \
                               float* __restrict__ part_o, float* __restrict__ part_ml, int heads, int kv_heads, \
-                              int head_dim, int page_size, float scale, int min_chunk, int nsplit) {            \
+                              int head_dim, int page_size, float scale, int min_chunk, int nsplit,              \
+                              u32* __restrict__ counts, u32* __restrict__ oq, float2* __restrict__ oqs) {       \
         attn_tile_body<G, D>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, out, part_o, part_ml, heads,   \
-                             kv_heads, page_size, scale, min_chunk, nsplit);                                    \
+                             kv_heads, page_size, scale, min_chunk, nsplit, counts, oq, oqs);                   \
     }
 #define ATTN_TILE_ALL_G(D) ATTN_TILE(1, D) ATTN_TILE(2, D) ATTN_TILE(4, D) ATTN_TILE(8, D)
 ATTN_TILE_ALL_G(2)
@@ -517,7 +622,6 @@ __device__ __forceinline__ float block_max(float v, float* partial) {
 // fixed order. (A thread per element walking all splits, eight loads at a
 // time, waited on five rounds of L2 latency for a 38-split decode row and
 // took 9 µs on the H200.)
-#define ATT_MAX_SPLITS 256 // the host never splits further
 #define ATT_COMBINE_ILP 16
 // The weighted-output loads of one batch of splits: v[i] = part_o of split
 // s0 + i * per at element W * c (splits past `used` are not read).
@@ -552,8 +656,7 @@ __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part
     if (row_seq[r] == 0xffffffffu) return;
     long long p0 = ((long long)r * heads + h) * nsplit;
     int ctx = (int)row_pos[r] + 1;
-    int len = split_len(ctx, nsplit, min_chunk);
-    int used = imin(imin(nsplit, ATT_MAX_SPLITS), (ctx + len - 1) / len);
+    int used = splits_used(ctx, nsplit, min_chunk);
     // Thread t: the W elements of chunk c0 + t % span, the splits s = t / span (mod per).
     int chunks = (head_dim + W - 1) / W;
     int span = imin(chunks, (int)blockDim.x), per = (int)blockDim.x / span;

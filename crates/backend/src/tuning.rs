@@ -55,6 +55,12 @@ pub struct CudaTuning {
     /// either way). Off by default: what it saves has not been measured on a
     /// card yet (`scripts/gpu/session.sh ab` is the A/B).
     pub l2_prefetch: bool,
+    /// Split-K decode attention merges its splits in the same launch: the
+    /// last block of a row's splits to finish combines them (a counter per
+    /// row and block of heads), so no combine kernel is launched after it
+    /// (`--cuda-attn-merge off`, `CORRIDOR_ATTN_MERGE=0`, keeps the combine
+    /// launch; the results agree to rounding).
+    pub attn_merge: bool,
 }
 
 impl Default for CudaTuning {
@@ -69,6 +75,7 @@ impl Default for CudaTuning {
             delta_chunked: false,
             q8_gemv: true,
             l2_prefetch: false,
+            attn_merge: true,
         }
     }
 }

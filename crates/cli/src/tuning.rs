@@ -65,6 +65,10 @@ pub struct CudaFlags {
     /// start from memory (the results are the same; off until its gain is measured on a card).
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_L2_PREFETCH", value_name = "on|off")]
     cuda_l2_prefetch: Switch,
+    /// Split-K decode attention merges its splits in its own launch (the last block of a row's
+    /// splits to finish combines them) instead of launching a combine kernel after it.
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_ATTN_MERGE", value_name = "on|off")]
+    cuda_attn_merge: Switch,
 }
 
 impl CudaFlags {
@@ -79,6 +83,7 @@ impl CudaFlags {
             delta_chunked: self.cuda_delta_chunked.on(),
             q8_gemv: self.cuda_q8_gemv.on(),
             l2_prefetch: self.cuda_l2_prefetch.on(),
+            attn_merge: self.cuda_attn_merge.on(),
         }
     }
 }
@@ -131,6 +136,7 @@ mod tests {
         assert_eq!(parse(&["--cuda-delta-chunked", "on"]), CudaTuning { delta_chunked: true, ..d });
         assert_eq!(parse(&["--cuda-q8-gemv", "off"]), CudaTuning { q8_gemv: false, ..d });
         assert_eq!(parse(&["--cuda-l2-prefetch", "on"]), CudaTuning { l2_prefetch: true, ..d });
+        assert_eq!(parse(&["--cuda-attn-merge", "off"]), CudaTuning { attn_merge: false, ..d });
         assert_eq!(parse(&["--cuda-fuse", "1"]), d);
     }
 

@@ -10,7 +10,9 @@
 //! online softmax; head dims 64, 128 and 256, the last as two blocks per tile
 //! that each write half of the output); every other row (decode, short
 //! chunks, other head dims, and everything inside a graph capture) through
-//! the split-K kernel over the context (flash-decoding) with a combine pass.
+//! the split-K kernel over the context (flash-decoding), whose splits the
+//! last of its blocks to finish merges (or, with `--cuda-attn-merge off`, a
+//! combine pass after it).
 
 use super::device::{cuda_err, Args, DeviceBuffer, Kernel, LaunchDims, Purpose};
 use super::graphs::drop_graphs;
@@ -215,7 +217,8 @@ impl CudaBackend {
 
     /// Split-K attention (flash-decoding) for the rows whose sequence index in
     /// `row_seq` is not u32::MAX, over contexts of at most `max_ctx` tokens.
-    /// Whether a combine pass wrote the output (and then also `a.q8`).
+    /// Whether the splits were merged, in the launch or by a combine pass
+    /// (and then `a.q8` was written too).
     pub(super) fn attn_split(
         &self,
         st: &State,
@@ -244,6 +247,8 @@ impl CudaBackend {
             (false, false) => ATT_MIN_SPLIT,
         };
         let nsplit = self.splits(rows, a.heads, per_block, max_ctx, min_split);
+        // The last split block of each row and block of heads merges them, in this launch.
+        let merge = nsplit > 1 && st.attn_merge;
         let scale = 1.0 / (g.head_dim as f32).sqrt();
         let args = Args::new()
             .ptr(a.q.ptr())
@@ -262,7 +267,10 @@ impl CudaBackend {
             .i32(g.page_size.get() as i32)
             .f32(scale)
             .i32(min_split as i32)
-            .i32(nsplit as i32);
+            .i32(nsplit as i32)
+            .ptr(if merge { st.attn_counts.ptr() } else { 0 })
+            .ptr(a.q8.filter(|_| merge).map_or(0, |q| q.codes))
+            .ptr(a.q8.filter(|_| merge).map_or(0, |q| q.scales));
         let dims =
             LaunchDims { grid: (nsplit as u32, (a.heads / per_block) as u32, rows as u32), block: 128 };
         let kernel = match exact {
@@ -272,6 +280,9 @@ impl CudaBackend {
             None => self.k.attn_partial[g_idx],
         };
         unsafe { self.launch(kernel, dims, args)? };
+        if merge {
+            return Ok(true);
+        }
         if nsplit > 1 {
             let args = Args::new()
                 .ptr(st.part_o.ptr())

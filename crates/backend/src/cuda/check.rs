@@ -916,24 +916,29 @@ fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, r
     }
     // Every case through both prefill paths: the tiled kernel (for sequences
     // of at least TILED_MIN_ROWS rows) and the split-K kernel for everything.
-    // Decode rows take the tile kernel; once more through the per-warp split-K kernel.
-    let set = |path, tiles| {
+    // Decode rows take the tile kernel; once more through the per-warp split-K kernel,
+    // and once with the splits merged by a combine pass instead of in their own launch.
+    let merge = be.lock().attn_merge;
+    let set = |path, tiles, merge| {
         let mut st = be.lock();
-        (st.prefill, st.decode_tiles) = (path, tiles);
+        (st.prefill, st.decode_tiles, st.attn_merge) = (path, tiles, merge);
     };
-    for (path, tiles) in
-        [(PrefillPath::Tiled, true), (PrefillPath::SplitK, true), (PrefillPath::Tiled, false)]
-    {
-        set(path, tiles);
+    for (path, tiles, merge) in [
+        (PrefillPath::Tiled, true, merge),
+        (PrefillPath::SplitK, true, merge),
+        (PrefillPath::Tiled, false, merge),
+        (PrefillPath::Tiled, true, !merge),
+    ] {
+        set(path, tiles, merge);
         for c in &cases {
             let r = attention_case(be, cpu, rep, rng, c, path);
             if r.is_err() {
-                set(PrefillPath::Tiled, true);
+                set(PrefillPath::Tiled, true, merge);
             }
             r?;
         }
     }
-    set(PrefillPath::Tiled, true);
+    set(PrefillPath::Tiled, true, merge);
     Ok(())
 }
 
@@ -1047,7 +1052,15 @@ fn attention_case(
     be.attention(&q.g, &kg, c.heads, &step, &mut out.g);
     cpu.attention(&q.c, &kc, c.heads, &step, &mut out.c);
     let (a, b) = read_both(be, cpu, &out, rows)?;
-    let decode = if be.lock().decode_tiles { "" } else { ", per-warp decode" };
+    let how = {
+        let st = be.lock();
+        (st.decode_tiles, st.attn_merge)
+    };
+    let decode = match how {
+        (true, true) => "",
+        (true, false) => ", combine pass",
+        (false, _) => ", per-warp decode",
+    };
     rep.compare(&format!("attention ({path:?}{decode}): {}", c.name), &a, &b, BF16);
 
     // Copy-on-write of the first sequence's first page, then attend through the copy.
@@ -1678,6 +1691,22 @@ pub fn bench_quant(be: &CudaBackend, graph_id: &mut usize, short: bool) -> Resul
     Ok(lines)
 }
 
+/// One decode row's attention alone (`cuda_check --bench-attention`): the
+/// Llama-3-8B and Qwen3-30B-A3B shapes at the contexts of the served
+/// benchmarks and longer, each kernel with its splits merged in the launch and
+/// by a combine pass, replayed as a captured step.
+pub fn bench_decode_attention(be: &CudaBackend) -> Result<Vec<String>> {
+    let (mut lines, mut rng) = (Vec::new(), Rng(7));
+    let tiled: &[PrefillPath] = &[PrefillPath::Tiled];
+    for shape in [
+        AttnBenchShape { name: "hd 128, 32/8 heads", heads: 32, kv_heads: 8, head_dim: 128 },
+        AttnBenchShape { name: "hd 128, 32/4 heads", heads: 32, kv_heads: 4, head_dim: 128 },
+    ] {
+        attention_bench(be, &mut rng, &mut lines, &shape, &[(639, 1, tiled), (4095, 1, tiled)])?;
+    }
+    Ok(lines)
+}
+
 /// Micro-benchmarks against the H200 ceilings (~4.3 TB/s copy, ~800 TFLOP/s
 /// bf16), measured again here: the copy bandwidth first.
 ///
@@ -1908,17 +1937,24 @@ fn attention_bench(
         be.write_kv(&mut kv, &kvv, &kvv, &[SeqStep { row_start: 0, rows: ctx, cached: 0, pages: &pages }]);
         let mut out = be.alloc_act(ActShape { rows, cols: heads * hd })?;
         if rows == 1 {
-            // Replayed as a captured step replays it, through the tile kernel and the per-warp one.
+            // Replayed as a captured step replays it, through the tile kernel and the per-warp
+            // one, with the splits merged in the launch and by a combine pass.
             let mut line = format!("decode attention ({}) ctx {ctx} (graph)", shape.name);
-            for tiles in [true, false] {
-                be.lock().decode_tiles = tiles;
-                let id = 1 << 20 | ctx << 1 | usize::from(tiles);
+            let merge = be.lock().attn_merge;
+            for (tiles, merged) in [(true, true), (true, false), (false, true), (false, false)] {
+                let set = |tiles, merged| {
+                    let mut st = be.lock();
+                    (st.decode_tiles, st.attn_merge) = (tiles, merged);
+                };
+                set(tiles, merged);
+                let id = 1 << 20 | ctx << 2 | usize::from(tiles) << 1 | usize::from(merged);
                 let ms = graph_time_ms(be, id, 50, || be.attention(&q, &kv, heads, &seqs, &mut out));
-                be.lock().decode_tiles = true;
+                set(true, merge);
                 let ms = ms?;
                 let gbs = (ctx * kvw * 2 * 2) as f64 / (ms as f64 * 1e-3) / 1e9;
                 let kind = if tiles { "tiles" } else { "per warp" };
-                line += &format!(" | {kind} {:.2} us, KV {gbs:.0} GB/s", ms * 1e3);
+                let how = if merged { "merged" } else { "+ combine" };
+                line += &format!(" | {kind} {how} {:.2} us, KV {gbs:.0} GB/s", ms * 1e3);
             }
             lines.push(line);
         }

@@ -218,6 +218,13 @@ struct State {
     tile: Option<DeviceBuffer>,
     part_o: DeviceBuffer,
     part_ml: DeviceBuffer,
+    /// A counter per (row, block of heads) of split-K attention, for the
+    /// splits merged in their own launch: zero between launches (the block
+    /// that merges rearms it).
+    attn_counts: DeviceBuffer,
+    /// Split-K attention merges its splits in its own launch
+    /// (`CudaTuning::attn_merge`; the self-check also runs the combine pass).
+    attn_merge: bool,
     arena: Option<Arena>,
     capturing: Option<GraphKey>,
     graphs: HashMap<GraphKey, Captured>,
@@ -337,6 +344,11 @@ impl CudaBackend {
         };
         let rows = config.max_rows.max(1);
         let parts = config.attn_partials.max(1);
+        // Rows x heads never exceeds the partial slots where a row has more than one split.
+        let attn_counts = DeviceBuffer::new(&alloc, ctx, Bytes((parts * 4) as u64), Purpose::Workspace)?;
+        // SAFETY: a fresh buffer of `parts` counters, zeroed on the stream every kernel runs on.
+        unsafe { cu::memset_d8_async(attn_counts.ptr(), 0, parts * 4, stream.0) }
+            .map_err(|e| cuda_err("cuMemsetD8Async", e))?;
         let state = State {
             gemm: Gemm::new(&alloc, ctx)?,
             error: None,
@@ -379,6 +391,8 @@ impl CudaBackend {
                 Purpose::Workspace,
             )?,
             part_ml: DeviceBuffer::new(&alloc, ctx, Bytes((parts * 2 * 4) as u64), Purpose::Workspace)?,
+            attn_counts,
+            attn_merge: config.tuning.attn_merge,
             arena: None,
             capturing: None,
             graphs: HashMap::new(),

@@ -49,22 +49,33 @@ struct Case {
     int nsplit = 0;
     // Split-K through the 32-token-tile kernels (attn_tile_*) instead of attn_partial.
     bool tile = false;
+    // The splits merged by the last block of each row and block of heads
+    // (counters in the launch, launched twice as a replayed graph would be),
+    // not by attn_combine.
+    bool merge = false;
+    // Split-K through the token-per-lane kernels (attn_lanes_*).
+    bool lanes = false;
 };
 
 using Partial = void (*)(const float*, const bf16_t*, const bf16_t*, const u32*, const u32*, const u32*,
-                         const u32*, float*, float*, float*, int, int, int, int, float, int, int);
+                         const u32*, float*, float*, float*, int, int, int, int, float, int, int, u32*, u32*,
+                         float2*);
 // The instantiation attention.rs picks: heads per block the largest of 8, 4,
 // 2, 1 dividing the group; the vector-load kernels for head_dim 64, 128, 256.
-Partial partial_of(int head_dim, int g, bool tile) {
+Partial partial_of(int head_dim, int g, bool tile, bool lanes) {
     Partial exact[3][4] = {{attn_partial_g1_d2, attn_partial_g2_d2, attn_partial_g4_d2, attn_partial_g8_d2},
                            {attn_partial_g1_d4, attn_partial_g2_d4, attn_partial_g4_d4, attn_partial_g8_d4},
                            {attn_partial_g1_d8, attn_partial_g2_d8, attn_partial_g4_d8, attn_partial_g8_d8}};
     Partial tiles[3][4] = {{attn_tile_g1_d2, attn_tile_g2_d2, attn_tile_g4_d2, attn_tile_g8_d2},
                            {attn_tile_g1_d4, attn_tile_g2_d4, attn_tile_g4_d4, attn_tile_g8_d4},
                            {attn_tile_g1_d8, attn_tile_g2_d8, attn_tile_g4_d8, attn_tile_g8_d8}};
-    if (tile) return tiles[head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2][g == 8 ? 3 : g == 4 ? 2 : g == 2 ? 1 : 0];
+    Partial lane[3][4] = {{attn_lanes_g1_d2, attn_lanes_g2_d2, attn_lanes_g4_d2, attn_lanes_g8_d2},
+                          {attn_lanes_g1_d4, attn_lanes_g2_d4, attn_lanes_g4_d4, attn_lanes_g8_d4},
+                          {attn_lanes_g1_d8, attn_lanes_g2_d8, attn_lanes_g4_d8, attn_lanes_g8_d8}};
+    int di = head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2, gi = g == 8 ? 3 : g == 4 ? 2 : g == 2 ? 1 : 0;
+    if (tile) return tiles[di][gi];
+    if (lanes) return lane[di][gi];
     Partial any[4] = {attn_partial_g1, attn_partial_g2, attn_partial_g4, attn_partial_g8};
-    int gi = g == 8 ? 3 : g == 4 ? 2 : g == 2 ? 1 : 0;
     switch (head_dim) {
     case 64: return exact[0][gi];
     case 128: return exact[1][gi];
@@ -122,25 +133,40 @@ bool run(const Case& c) {
         });
     } else {
         int group = c.heads / c.kv_heads, g = group % 8 == 0 ? 8 : group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
-        const int min_chunk = c.tile ? 32 : 16; // attention.rs ATT_TILE_SPLIT, ATT_MIN_SPLIT
+        // attention.rs ATT_TILE_SPLIT, ATT_LANES_SPLIT, ATT_MIN_SPLIT
+        const int min_chunk = c.tile ? 32 : c.lanes ? 128 : 16;
         std::vector<float> part_o((size_t)rows * c.heads * c.nsplit * hd, NAN), part_ml(part_o.size() / hd * 2, NAN);
-        Partial k = partial_of(hd, g, c.tile);
-        launch({(unsigned)c.nsplit, (unsigned)(c.heads / g), (unsigned)rows}, 128, [&] {
-            k(q.data(), kc.data(), vc.data(), row_pos.data(), row_seq.data(), seq_pt_off.data(), page_table.data(),
-              out.data(), part_o.data(), part_ml.data(), c.heads, c.kv_heads, hd, ps, scale, min_chunk, c.nsplit);
-        });
-        if (c.nsplit > 1) {
-            // With head_dim a multiple of 32, the output quantized too (the
-            // output projection's 8-bit input).
-            bool q8 = hd % 32 == 0;
-            oq.assign(out.size() / 4, 0xdeadbeef);
-            oqs.assign(out.size() / 32, {NAN, NAN});
+        Partial k = partial_of(hd, g, c.tile, c.lanes);
+        // With head_dim a multiple of 32, the output quantized too (the
+        // output projection's 8-bit input), by whichever pass merges.
+        bool q8 = c.nsplit > 1 && hd % 32 == 0;
+        oq.assign(out.size() / 4, 0xdeadbeef);
+        oqs.assign(out.size() / 32, {NAN, NAN});
+        std::vector<u32> counts(c.merge ? (size_t)rows * c.heads / g : 0, 0);
+        u32 *cp = c.merge ? counts.data() : nullptr, *oqp = c.merge && q8 ? oq.data() : nullptr;
+        float2* oqsp = c.merge && q8 ? oqs.data() : nullptr;
+        // Merged in the launch: twice, as a graph replays it, the second from
+        // the counters the first left (each must be back at zero).
+        for (int rep = 0; rep < (c.merge ? 2 : 1); rep++) {
+            if (rep) std::fill(out.begin(), out.end(), NAN);
+            launch({(unsigned)c.nsplit, (unsigned)(c.heads / g), (unsigned)rows}, 128, [&] {
+                k(q.data(), kc.data(), vc.data(), row_pos.data(), row_seq.data(), seq_pt_off.data(),
+                  page_table.data(), out.data(), part_o.data(), part_ml.data(), c.heads, c.kv_heads, hd, ps, scale,
+                  min_chunk, c.nsplit, cp, oqp, oqsp);
+            });
+            for (u32 x : counts)
+                if (x != 0) {
+                    printf("FAIL %s: a split counter left at %u\n", c.name, x);
+                    return false;
+                }
+        }
+        if (c.nsplit > 1 && !c.merge) {
             launch({(unsigned)c.heads, (unsigned)rows, 1}, 128, [&] {
                 attn_combine(part_o.data(), part_ml.data(), row_pos.data(), row_seq.data(), out.data(),
                              q8 ? oq.data() : nullptr, q8 ? oqs.data() : nullptr, c.heads, hd, c.nsplit, min_chunk);
             });
-            if (!q8) oq.clear();
         }
+        if (!q8) oq.clear();
     }
     // The reference: each row over keys 0..=its position, from the same cache.
     auto at = [&](const std::vector<bf16_t>& cache, int si, int t, int kvh, int d) {
@@ -202,6 +228,19 @@ int main() {
         {"tiles, hd 64, no GQA, one split", 64, 2, 2, 16, {{70, 1}}, 1, true},
         {"tiles, hd 128, GQA 4, three rows, page 32", 128, 8, 2, 32, {{40, 1}, {200, 2}}, 5, true},
         {"tiles, hd 256, GQA 8", 256, 8, 1, 16, {{100, 1}}, 3, true},
+        // The splits merged in the launch by the last to finish: every kind
+        // of decode kernel, a row whose context fills fewer splits than
+        // launched, several rows, heads per block from 1 to 8, and a head
+        // size without vector loads (no 8-bit copy).
+        {"merged in the launch: tiles, hd 128, GQA 8, contexts 600 and 17", 128, 16, 2, 16, {{599, 1}, {16, 1}}, 8,
+         true, true},
+        {"merged in the launch: tiles, hd 64, GQA 4, three rows, page 32", 64, 8, 2, 32, {{40, 1}, {200, 2}}, 5, true,
+         true},
+        {"merged in the launch: tiles, hd 256, no GQA", 256, 2, 2, 16, {{100, 1}}, 3, true, true},
+        {"merged in the launch: warp per token, hd 128, GQA 2", 128, 4, 2, 16, {{300, 1}, {33, 1}}, 12, false, true},
+        {"merged in the launch: warp per token, hd 18, GQA 2", 18, 4, 2, 16, {{70, 1}, {300, 1}}, 32, false, true},
+        {"merged in the launch: token per lane, hd 128, GQA 4", 128, 8, 2, 16, {{700, 1}, {90, 1}}, 6, false, true,
+         true},
     };
     int failed = 0;
     for (auto& c : cases) failed += !run(c);

@@ -81,6 +81,15 @@ T __ldg(const T* p) {
     return *p;
 }
 inline uint4 ld_stream(const uint4* p) { return *p; }
+// ld.global.cg (through L2, not L1): blocks run one after another here, so a plain load.
+template <class T>
+T __ldcg(const T* p) {
+    return *p;
+}
+// Blocks never overlap in time and a block's stores are its threads' own, so
+// a fence orders nothing here; the atomics are real (a block's threads run at once).
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline u32 atomicAdd(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 // prmt.b32 (default mode): byte i of the result is byte s_i & 7 of {b, a},
 // or that byte's sign replicated when s_i & 8.
 inline u32 __byte_perm(u32 a, u32 b, u32 s) {
