@@ -468,17 +468,53 @@ ATTN_LANES_ALL_G(8)
 // shared memory, and then thread t owns OPT output elements of one head and
 // adds the tile's 32 weighted V rows into them with its head's online
 // softmax. Splits are at least one tile (ATT_TILE_SPLIT in attention.rs).
+//
+// attn_tile_rope_*: the same for a step of decode rows only (each sequence
+// one row), from the q/k/v projections' raw output: each block rotates (and,
+// with Qwen3's head norms, first normalizes) its query heads itself, and the
+// blocks of a row's last split, the one that holds its new token, store that
+// token's K and V in the cache before they read it. The arithmetic is
+// rope_write_kv's, so a decode step's RoPE and KV store take no launch of
+// their own (that kernel moved a few kilobytes and cost a launch a layer).
+// Only the last split reads the new token, and every block that stores it
+// stores the same bytes. The launch also carries the L2 prefetch that
+// rope_write_kv carried.
 #define ATT_TILE 32
-template <int G, int D>
-__device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, const bf16_t* __restrict__ kc,
-                                               const bf16_t* __restrict__ vc, const u32* __restrict__ row_pos,
+struct TileRope {
+    const float *k, *v, *inv_freq, *qn, *kn;
+    const u32* positions;
+    float eps;
+    int npos, half, interleaved;
+};
+
+// Element e of a head whose raw values are `x` after the head norm (`inv`,
+// weights `w`; none when null) and RoPE at `pos` (pairs below 2 * half; none
+// when !rotate), as rope_write_kv computes it.
+__device__ __forceinline__ float rope_elem(const float* x, int e, float inv, const float* __restrict__ w,
+                                           const float* __restrict__ inv_freq, float pos, bool rotate, int half,
+                                           int interleaved) {
+    if (!rotate || e >= 2 * half) return w ? x[e] * inv * w[e] : x[e];
+    int i = interleaved ? e >> 1 : (e < half ? e : e - half);
+    int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+    float x0 = x[a], x1 = x[b];
+    if (w) x0 = x0 * inv * w[a], x1 = x1 * inv * w[b];
+    float sn, cs;
+    sincosf(pos * inv_freq[i], &sn, &cs);
+    return e == a ? x0 * cs - x1 * sn : x0 * sn + x1 * cs;
+}
+
+template <int G, int D, bool ROPE>
+__device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, const bf16_t* kc, const bf16_t* vc,
+                                               const u32* __restrict__ row_pos,
                                                const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off,
                                                const u32* __restrict__ page_table, float* __restrict__ out,
                                                float* __restrict__ part_o, float* __restrict__ part_ml, int heads,
                                                int kv_heads, int page_size, float scale, int min_chunk,
                                                int nsplit, u32* __restrict__ counts, u32* __restrict__ oq,
-                                               float2* __restrict__ oqs) {
+                                               float2* __restrict__ oqs, TileRope rp, const u8* pf,
+                                               long long pf_bytes) {
     pdl_enter();
+    if (ROPE) l2_prefetch(pf, pf_bytes);
     const int HD = 32 * D, QD = HD / 4;        // a thread's quarter of a K or V row
     const int QC = QD / 8;                     // its 16-byte chunks
     const int QP = QD + 4;                     // padded quarter stride of q in shared memory
@@ -499,6 +535,55 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, cons
     Split sp;
     if (!split_of(sp, r, s, h0, heads, kv_heads, row_pos, row_seq, seq_pt_off, page_table, min_chunk, nsplit))
         return;
+    const int kvw = kv_heads * HD;
+    if (ROPE) {
+        __shared__ float kr[HD], hinv[G + 1];
+        // The raw q heads wait in the V tile's memory (64 * HD bytes, at least G * HD floats).
+        float* xr = (float*)&vs[0][0];
+        const int lane = t & 31, wid = t >> 5;
+        const int slot = (int)row_pos[r];
+        const bool last = sp.end == slot + 1; // this split holds the new token
+        const long long kv_at = (long long)r * kvw + (long long)sp.kvh * HD;
+#pragma unroll
+        for (int i = 0; i < QT; i++)
+            if (t + 128 * i < G * HD) xr[t + 128 * i] = qv[i];
+        if (last)
+            for (int e = t; e < HD; e += 128) kr[e] = rp.k[kv_at + e];
+        __syncthreads();
+        if (rp.qn) {
+            // A warp per head (the k head last): its norm factor.
+            for (int g = wid; g < G + (last ? 1 : 0); g += 4) {
+                const float* x = g < G ? xr + g * HD : kr;
+                float ssq = 0.f;
+                for (int e = lane; e < HD; e += 32) ssq += x[e] * x[e];
+                ssq = warp_sum(ssq);
+                if (lane == 0) hinv[g] = 1.0f / sqrtf(ssq / (float)HD + rp.eps);
+            }
+            __syncthreads();
+        }
+        const bool rot = r < rp.npos;
+        const float pos = rot ? (float)rp.positions[r] : 0.f;
+#pragma unroll
+        for (int i = 0; i < QT; i++) {
+            int x = t + 128 * i, g = x / HD;
+            if (x < G * HD)
+                qv[i] = rope_elem(xr + g * HD, x % HD, rp.qn ? hinv[g] : 1.f, rp.qn, rp.inv_freq, pos, rot, rp.half,
+                                  rp.interleaved);
+        }
+        if (last) {
+            long long dst = kv_page_elems(sp.pt[slot / page_size]) + (long long)(slot % page_size) * kvw +
+                            (long long)sp.kvh * HD;
+            for (int e = t; e < HD; e += 128) {
+                float y = rope_elem(kr, e, rp.kn ? hinv[G] : 1.f, rp.kn, rp.inv_freq, pos, rot, rp.half,
+                                    rp.interleaved);
+                ((bf16_t*)kc)[dst + e] = f32_to_bf16(y);
+                ((bf16_t*)vc)[dst + e] = f32_to_bf16(rp.v[kv_at + e]);
+            }
+        }
+        // Every raw q is read before the V tile's memory is reused, and the
+        // new K and V are in the cache before the tile below loads them.
+        __syncthreads();
+    }
 #pragma unroll
     for (int i = 0; i < QT; i++) {
         int x = t + 128 * i, g = x / HD, e = x % HD;
@@ -510,7 +595,6 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, cons
     float o[OPT], m = NEG_INF, l = 0.f;
 #pragma unroll
     for (int i = 0; i < OPT; i++) o[i] = 0.f;
-    const int kvw = kv_heads * HD;
     for (int t0 = sp.start; t0 < sp.end; t0 += ATT_TILE) {
         int tok = t0 + j;
         bool valid = tok < sp.end;
@@ -589,8 +673,23 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, cons
                               float* __restrict__ part_o, float* __restrict__ part_ml, int heads, int kv_heads, \
                               int head_dim, int page_size, float scale, int min_chunk, int nsplit,              \
                               u32* __restrict__ counts, u32* __restrict__ oq, float2* __restrict__ oqs) {       \
-        attn_tile_body<G, D>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, out, part_o, part_ml, heads,   \
-                             kv_heads, page_size, scale, min_chunk, nsplit, counts, oq, oqs);                   \
+        attn_tile_body<G, D, false>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, out, part_o, part_ml,   \
+                                    heads, kv_heads, page_size, scale, min_chunk, nsplit, counts, oq, oqs,      \
+                                    TileRope{}, nullptr, 0);                                                     \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(128) attn_tile_rope_g##G##_d##D(                                \
+        const float* __restrict__ q, bf16_t* kc, bf16_t* vc, const u32* __restrict__ row_pos,                    \
+        const u32* __restrict__ row_seq, const u32* __restrict__ seq_pt_off, const u32* __restrict__ page_table, \
+        float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int heads,            \
+        int kv_heads, int head_dim, int page_size, float scale, int min_chunk, int nsplit,                      \
+        u32* __restrict__ counts, u32* __restrict__ oq, float2* __restrict__ oqs, const float* __restrict__ k,   \
+        const float* __restrict__ v, const float* __restrict__ inv_freq, const u32* __restrict__ positions,      \
+        int npos, int half, int interleaved, const float* __restrict__ qn, const float* __restrict__ kn,         \
+        float eps, const u8* pf, long long pf_bytes) {                                                           \
+        TileRope rp{k, v, inv_freq, qn, kn, positions, eps, npos, half, interleaved};                            \
+        attn_tile_body<G, D, true>(q, kc, vc, row_pos, row_seq, seq_pt_off, page_table, out, part_o, part_ml,    \
+                                   heads, kv_heads, page_size, scale, min_chunk, nsplit, counts, oq, oqs, rp,   \
+                                   pf, pf_bytes);                                                               \
     }
 #define ATTN_TILE_ALL_G(D) ATTN_TILE(1, D) ATTN_TILE(2, D) ATTN_TILE(4, D) ATTN_TILE(8, D)
 ATTN_TILE_ALL_G(2)

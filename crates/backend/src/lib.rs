@@ -325,6 +325,14 @@ pub struct QkNorm<'a, B: Backend + ?Sized> {
     pub rows: usize,
 }
 
+// Two references and two numbers: a copy whatever the backend (a derive would ask `B: Copy`).
+impl<B: Backend + ?Sized> Clone for QkNorm<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend + ?Sized> Copy for QkNorm<'_, B> {}
+
 /// One product of [`Backend::matmul_many`]: `out = x · wᵀ (+ bias)`.
 pub struct MatmulPart<'a, B: Backend + ?Sized> {
     pub w: &'a B::Weight,
@@ -613,6 +621,31 @@ pub trait Backend: Send + Sync + 'static {
         seqs: &[SeqStep<'_>],
     ) {
         unfused::rope_write_kv(self, q, k, v, norm, table, head_dim, positions, kv, seqs)
+    }
+    /// A layer's attention after its q/k/v projections: `rope_write_kv`,
+    /// then `attention` of `heads` query heads into `out`. A backend may do
+    /// both in one pass where the step allows (the CUDA backend for a step of
+    /// decode rows: each attention block rotates its own query heads and
+    /// stores the new token's K and V itself), so what `q` and `k` hold
+    /// afterwards is unspecified: nothing may read them before the next
+    /// projections write them again.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_attention(
+        &self,
+        q: &mut Self::Act,
+        k: &mut Self::Act,
+        v: &Self::Act,
+        norm: Option<QkNorm<'_, Self>>,
+        table: &RopeTable,
+        head_dim: usize,
+        positions: &[u32],
+        kv: &mut Self::Kv,
+        heads: usize,
+        seqs: &[SeqStep<'_>],
+        out: &mut Self::Act,
+    ) {
+        self.rope_write_kv(q, k, v, norm, table, head_dim, positions, kv, seqs);
+        self.attention(q, kv, heads, seqs, out);
     }
     /// A hint that `w` is the next matmul's weight after the op that follows
     /// this call, an op that moves few bytes itself (a layer's RoPE and KV

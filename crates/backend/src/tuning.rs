@@ -61,6 +61,11 @@ pub struct CudaTuning {
     /// (`--cuda-attn-merge off`, `CORRIDOR_ATTN_MERGE=0`, keeps the combine
     /// launch; the results agree to rounding).
     pub attn_merge: bool,
+    /// A step of decode rows rotates q and stores the new tokens' K and V
+    /// inside its attention launch (`Backend::rope_attention` in one pass;
+    /// `--cuda-attn-rope off`, `CORRIDOR_ATTN_ROPE=0`, launches RoPE with the
+    /// KV store, then attention).
+    pub attn_rope: bool,
 }
 
 impl Default for CudaTuning {
@@ -76,6 +81,7 @@ impl Default for CudaTuning {
             q8_gemv: true,
             l2_prefetch: false,
             attn_merge: true,
+            attn_rope: true,
         }
     }
 }

@@ -69,6 +69,10 @@ pub struct CudaFlags {
     /// splits to finish combines them) instead of launching a combine kernel after it.
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_ATTN_MERGE", value_name = "on|off")]
     cuda_attn_merge: Switch,
+    /// A step of decode rows rotates q and stores the new tokens' K and V inside its attention
+    /// launch (off: a RoPE and KV-store launch, then attention).
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_ATTN_ROPE", value_name = "on|off")]
+    cuda_attn_rope: Switch,
 }
 
 impl CudaFlags {
@@ -84,6 +88,7 @@ impl CudaFlags {
             q8_gemv: self.cuda_q8_gemv.on(),
             l2_prefetch: self.cuda_l2_prefetch.on(),
             attn_merge: self.cuda_attn_merge.on(),
+            attn_rope: self.cuda_attn_rope.on(),
         }
     }
 }
@@ -137,6 +142,7 @@ mod tests {
         assert_eq!(parse(&["--cuda-q8-gemv", "off"]), CudaTuning { q8_gemv: false, ..d });
         assert_eq!(parse(&["--cuda-l2-prefetch", "on"]), CudaTuning { l2_prefetch: true, ..d });
         assert_eq!(parse(&["--cuda-attn-merge", "off"]), CudaTuning { attn_merge: false, ..d });
+        assert_eq!(parse(&["--cuda-attn-rope", "0"]), CudaTuning { attn_rope: false, ..d });
         assert_eq!(parse(&["--cuda-fuse", "1"]), d);
     }
 

@@ -580,7 +580,7 @@ impl<B: Backend> Model<B> {
             // RoPE and attention move few bytes: the output projection's
             // weights can be on their way meanwhile.
             b.prefetch(&layer.o_proj);
-            b.rope_write_kv(
+            b.rope_attention(
                 &mut ws.q,
                 &mut ws.k,
                 &ws.v,
@@ -589,9 +589,10 @@ impl<B: Backend> Model<B> {
                 cfg.head_dim,
                 step.positions,
                 kv_layer,
+                s.heads.len(),
                 step.seqs,
+                &mut ws.attn,
             );
-            b.attention(&ws.q, kv_layer, s.heads.len(), step.seqs, &mut ws.attn);
             b.matmul(&ws.attn, &layer.o_proj, None, rows, &mut ws.proj);
             c.all_reduce_sum(b, &mut ws.proj, rows)?;
             // MLP block: this rank's FFN columns; down_proj gives a partial sum.

@@ -533,7 +533,7 @@ impl<B: Backend> Model<B> {
                         rows,
                     );
                     let kv_layer = &mut kv.layers[*kv_index];
-                    b.rope_write_kv(
+                    b.rope_attention(
                         &mut ws.q,
                         &mut ws.k,
                         &ws.v,
@@ -542,9 +542,10 @@ impl<B: Backend> Model<B> {
                         cfg.head_dim,
                         step.positions,
                         kv_layer,
+                        heads,
                         step.seqs,
+                        &mut ws.attn,
                     );
-                    b.attention(&ws.q, kv_layer, heads, step.seqs, &mut ws.attn);
                     b.sigmoid_mul(&mut ws.attn, &sc.gate, rows)?;
                     b.matmul(&ws.attn, o_proj, None, rows, &mut ws.proj);
                     c.all_reduce_sum(b, &mut ws.proj, rows)?;

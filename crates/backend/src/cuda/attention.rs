@@ -134,6 +134,32 @@ pub(super) struct AttnLaunch<'a> {
     pub(super) q8: Option<Q8Input>,
 }
 
+/// What the decode tile kernel needs to rotate its query heads and store the
+/// new tokens' K and V itself (`attn_tile_rope_*`, a step of decode rows):
+/// the projections' k and v rows, the positions' count, the rotary pairs,
+/// and Qwen3's head norms (null pointers: none). The RoPE table and the
+/// positions are the ones `sync_rope` and `sync_meta` put on the device.
+pub(super) struct TileRope {
+    pub(super) k: u64,
+    pub(super) v: u64,
+    pub(super) npos: usize,
+    pub(super) half: usize,
+    pub(super) interleaved: bool,
+    pub(super) q_norm: u64,
+    pub(super) k_norm: u64,
+    pub(super) eps: f32,
+}
+
+/// The head dims with vector-load decode kernels, as their index in the kernel tables.
+fn exact_width(head_dim: usize) -> Option<usize> {
+    match head_dim {
+        64 => Some(0),
+        128 => Some(1),
+        256 => Some(2),
+        _ => None,
+    }
+}
+
 /// Head sizes the attention kernels hold in registers.
 pub(super) fn check_kv_geometry(g: &KvGeometry) -> Result<()> {
     if g.head_dim > MAX_HEAD_DIM || g.head_dim == 0 || g.kv_heads == 0 || g.page_size.get() == 0 {
@@ -219,12 +245,23 @@ impl CudaBackend {
     /// `row_seq` is not u32::MAX, over contexts of at most `max_ctx` tokens.
     /// Whether the splits were merged, in the launch or by a combine pass
     /// (and then `a.q8` was written too).
+    /// Whether split-K attention over `rows` rows of heads of `head_dim` takes
+    /// the 32-token-tile kernel (else the token-per-lane or the per-warp one).
+    pub(super) fn decode_tile(&self, st: &State, rows: usize, head_dim: usize) -> bool {
+        let exact = exact_width(head_dim).is_some();
+        let lanes = self.config.tuning.lane_attention && rows >= ATT_LANES_MIN_ROWS && exact;
+        st.decode_tiles && !lanes && exact
+    }
+
+    /// With `rope`, the tile kernel also rotates q and stores the new tokens'
+    /// K and V (every row a decode row; the caller checked `decode_tile`).
     pub(super) fn attn_split(
         &self,
         st: &State,
         a: &AttnLaunch<'_>,
         row_seq: u64,
         max_ctx: usize,
+        rope: Option<&TileRope>,
     ) -> Result<bool> {
         let g = a.kv.geometry;
         let rows = st.maps.rows;
@@ -233,14 +270,13 @@ impl CudaBackend {
         let group = a.heads / g.kv_heads;
         let per_block = [8usize, 4, 2, 1].into_iter().find(|p| group.is_multiple_of(*p)).unwrap_or(1);
         let g_idx = per_block.trailing_zeros() as usize;
-        let exact = match g.head_dim {
-            64 => Some(0),
-            128 => Some(1),
-            256 => Some(2),
-            _ => None,
-        };
-        let lanes = self.config.tuning.lane_attention && rows >= ATT_LANES_MIN_ROWS && exact.is_some();
-        let tile = st.decode_tiles && !lanes && exact.is_some();
+        let exact = exact_width(g.head_dim);
+        let tile = self.decode_tile(st, rows, g.head_dim);
+        let lanes =
+            !tile && self.config.tuning.lane_attention && rows >= ATT_LANES_MIN_ROWS && exact.is_some();
+        if rope.is_some() && !tile {
+            return Err(BackendError::Other("RoPE in attention needs the decode tile kernel".into()));
+        }
         let min_split = match (lanes, tile) {
             (true, _) => ATT_LANES_SPLIT,
             (false, true) => ATT_TILE_SPLIT,
@@ -250,7 +286,7 @@ impl CudaBackend {
         // The last split block of each row and block of heads merges them, in this launch.
         let merge = nsplit > 1 && st.attn_merge;
         let scale = 1.0 / (g.head_dim as f32).sqrt();
-        let args = Args::new()
+        let mut args = Args::new()
             .ptr(a.q.ptr())
             .ptr(a.kv.k)
             .ptr(a.kv.v)
@@ -271,9 +307,25 @@ impl CudaBackend {
             .ptr(if merge { st.attn_counts.ptr() } else { 0 })
             .ptr(a.q8.filter(|_| merge).map_or(0, |q| q.codes))
             .ptr(a.q8.filter(|_| merge).map_or(0, |q| q.scales));
+        if let Some(r) = rope {
+            args = args
+                .ptr(r.k)
+                .ptr(r.v)
+                .ptr(st.inv_freq.ptr())
+                .ptr(st.positions.dev.ptr())
+                .i32(r.npos as i32)
+                .i32(r.half as i32)
+                .i32(i32::from(r.interleaved))
+                .ptr(r.q_norm)
+                .ptr(r.k_norm)
+                .f32(r.eps)
+                .ptr(st.prefetch.map_or(0, |p| p.ptr))
+                .i64(st.prefetch.map_or(0, |p| p.bytes as i64));
+        }
         let dims =
             LaunchDims { grid: (nsplit as u32, (a.heads / per_block) as u32, rows as u32), block: 128 };
         let kernel = match exact {
+            Some(d) if tile && rope.is_some() => self.k.attn_tile_rope[d][g_idx],
             Some(d) if lanes => self.k.attn_lanes[d][g_idx],
             Some(d) if tile => self.k.attn_tile[d][g_idx],
             Some(d) => self.k.attn_partial_exact[d][g_idx],
@@ -301,6 +353,15 @@ impl CudaBackend {
             return Ok(true);
         }
         Ok(false)
+    }
+
+    /// The longest context split-K attention splits for: a captured step's
+    /// must stay valid for any context the backend was sized for.
+    fn split_ctx(&self, st: &State, g: KvGeometry) -> usize {
+        match st.capturing {
+            Some(_) => self.config.max_pages_per_seq * g.page_size.get(),
+            None => st.maps.max_ctx,
+        }
     }
 
     /// The tiled prefill kernel for heads of `head_dim`; None: those heads take split-K.
@@ -556,18 +617,93 @@ impl CudaBackend {
                 Some(tk) => {
                     self.attn_tiled(st, &a, tk)?;
                     if st.maps.rest_max_ctx > 0 {
-                        self.attn_split(st, &a, st.rest_seq.dev.ptr(), st.maps.rest_max_ctx)?;
+                        self.attn_split(st, &a, st.rest_seq.dev.ptr(), st.maps.rest_max_ctx, None)?;
                     }
                     Ok(false)
                 }
-                None if st.capturing.is_some() => {
-                    let max_ctx = self.config.max_pages_per_seq * g.page_size.get();
-                    self.attn_split(st, &a, st.row_seq.dev.ptr(), max_ctx)
-                }
-                None => self.attn_split(st, &a, st.row_seq.dev.ptr(), st.maps.max_ctx),
+                None => self.attn_split(st, &a, st.row_seq.dev.ptr(), self.split_ctx(st, g), None),
             };
             if !matches!(combined, Ok(true)) {
                 // No combine pass: the 8-bit copy was not written.
+                st.xq_holds = None;
+            }
+            combined.map(|_| ())
+        })
+    }
+
+    // The signature of `Backend::rope_attention`, which this implements.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn enqueue_rope_attention(
+        &self,
+        q: &mut CudaAct,
+        k: &mut CudaAct,
+        v: &CudaAct,
+        norm: Option<QkNorm<'_, Self>>,
+        table: &RopeTable,
+        head_dim: usize,
+        positions: &[u32],
+        kv: &mut CudaKv,
+        heads: usize,
+        seqs: &[SeqStep<'_>],
+        out: &mut CudaAct,
+    ) {
+        // One launch where every row is a decode row (a sequence's rows of a
+        // step attend to each other's new K, which no block could wait for)
+        // and the rows take the tile kernel; otherwise the two ops.
+        let rows = seqs.iter().map(|s| s.row_start + s.rows).max().unwrap_or(0);
+        let tuning = self.config.tuning;
+        let one_pass = tuning.fuse
+            && tuning.attn_rope
+            && seqs.iter().all(|s| s.rows <= 1)
+            && table.rot_dim <= head_dim
+            && {
+                let st = self.lock();
+                self.decode_tile(&st, rows.max(st.step_rows), head_dim)
+            };
+        if !one_pass {
+            self.enqueue_rope_write_kv(q, k, v, norm, table, head_dim, positions, kv, seqs);
+            return self.enqueue_attention(q, kv, heads, seqs, out);
+        }
+        self.op("rope_attention", |st| {
+            let (q_norm, k_norm, eps) = match &norm {
+                Some(n) => (self.vector_ptr(n.q, "q norm")?, self.vector_ptr(n.k, "k norm")?, n.eps),
+                None => (0, 0, 0.0),
+            };
+            self.sync_rope(st, table)?;
+            let cap = st.capturing.is_some();
+            self.sync_meta(&mut st.positions, positions, "positions", cap)?;
+            st.kv_addr = kv.addr;
+            self.sync_seqs(st, seqs)?;
+            let g = kv.geometry;
+            let width = g.kv_heads * g.head_dim;
+            if k.cols != width || v.cols != width || head_dim != g.head_dim || q.cols != heads * head_dim {
+                return Err(BackendError::Other(format!(
+                    "rope_attention: q has {} columns ({heads} heads of {head_dim}), k {} and v {}, the cache {} \
+                     heads of {}",
+                    q.cols, k.cols, v.cols, g.kv_heads, g.head_dim
+                )));
+            }
+            if !heads.is_multiple_of(g.kv_heads) {
+                return Err(BackendError::Other(format!("{heads} heads over {} KV heads", g.kv_heads)));
+            }
+            let rope = TileRope {
+                k: k.ptr(),
+                v: v.ptr(),
+                npos: positions.len(),
+                half: table.rot_dim / 2,
+                interleaved: table.style == RopeStyle::Interleaved,
+                q_norm,
+                k_norm,
+                eps,
+            };
+            let q8 = match g.head_dim.is_multiple_of(32) {
+                true => self.q8_output(st, out, st.maps.rows, usize::MAX),
+                false => None,
+            };
+            let a = AttnLaunch { q, kv, heads, out: out.ptr(), q8 };
+            let combined = self.attn_split(st, &a, st.row_seq.dev.ptr(), self.split_ctx(st, g), Some(&rope));
+            st.one_pass_attention += 1;
+            if !matches!(combined, Ok(true)) {
                 st.xq_holds = None;
             }
             combined.map(|_| ())

@@ -293,6 +293,23 @@ impl Backend for CudaBackend {
         self.enqueue_rope_write_kv(q, k, v, norm, table, head_dim, positions, kv, seqs)
     }
 
+    fn rope_attention(
+        &self,
+        q: &mut CudaAct,
+        k: &mut CudaAct,
+        v: &CudaAct,
+        norm: Option<QkNorm<'_, Self>>,
+        table: &RopeTable,
+        head_dim: usize,
+        positions: &[u32],
+        kv: &mut CudaKv,
+        heads: usize,
+        seqs: &[SeqStep<'_>],
+        out: &mut CudaAct,
+    ) {
+        self.enqueue_rope_attention(q, k, v, norm, table, head_dim, positions, kv, heads, seqs, out)
+    }
+
     fn rope(&self, x: &mut CudaAct, table: &RopeTable, head_dim: usize, positions: &[u32]) {
         self.op("rope", |st| {
             self.sync_rope(st, table)?;

@@ -858,6 +858,13 @@ fn attention_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, r
             seqs: &[(100, 1), (1000, 1), (7, 1), (63, 1)],
             qk_norm: false,
         },
+        AttnCase {
+            name: "batch-3 decode with q/k norms, hd 64, GQA 8",
+            heads: 16,
+            geometry: g(16, 2, 64),
+            seqs: &[(40, 1), (200, 1), (3, 1)],
+            qk_norm: true,
+        },
         // The tiled prefill kernel: several tiles and a partial one, GQA.
         AttnCase {
             name: "fresh prefill of 200 rows (4 tiles), hd 128, GQA 4",
@@ -1000,10 +1007,10 @@ fn attention_case(
         })
         .collect();
     let rows = row;
-    let k = pair(be, cpu, rows, kvw, Some(&rng.vec(rows * kvw, 1.0)))?;
+    let (k_raw, q_raw) = (rng.vec(rows * kvw, 1.0), rng.vec(rows * qw, 2.0));
+    let mut k = pair(be, cpu, rows, kvw, Some(&k_raw))?;
     let v = pair(be, cpu, rows, kvw, Some(&rng.vec(rows * kvw, 1.0)))?;
-    let mut k = k;
-    let mut q = pair(be, cpu, rows, qw, Some(&rng.vec(rows * qw, 2.0)))?;
+    let mut q = pair(be, cpu, rows, qw, Some(&q_raw))?;
     if path == PrefillPath::SplitK {
         // The fused RoPE + KV store, against the CPU's rope, rope, write_kv.
         let table = RopeTable {
@@ -1044,6 +1051,42 @@ fn attention_case(
         rep.compare(&format!("rope_write_kv{normed}: q of {}", c.name), &a, &b, EXACT);
         let (a, b) = read_both(be, cpu, &k, rows)?;
         rep.compare(&format!("rope_write_kv{normed}: k of {}", c.name), &a, &b, EXACT);
+        // A step of decode rows: RoPE and the KV store inside the attention
+        // launch (`rope_attention` in one pass; it stores the same K and V
+        // again), from the projections' raw q and k, against the CPU's ops.
+        if c.seqs.iter().all(|&(_, r)| r == 1) {
+            let (mut qr, mut kr) =
+                (pair(be, cpu, rows, qw, Some(&q_raw))?, pair(be, cpu, rows, kvw, Some(&k_raw))?);
+            let mut o = pair(be, cpu, rows, qw, None)?;
+            let before = be.lock().one_pass_attention;
+            be.prefetch(&pf);
+            be.rope_attention(
+                &mut qr.g,
+                &mut kr.g,
+                &v.g,
+                ng,
+                &table,
+                geo.head_dim,
+                &positions,
+                &mut kg,
+                c.heads,
+                &step,
+                &mut o.g,
+            );
+            cpu.attention(&q.c, &kc, c.heads, &step, &mut o.c);
+            let one_pass = be.lock().one_pass_attention > before;
+            let (a, b) = read_both(be, cpu, &o, rows)?;
+            let how = if one_pass { "one pass" } else { "RoPE, then attention" };
+            rep.compare(&format!("rope_attention{normed} ({how}): {}", c.name), &a, &b, BF16);
+            // Every decode step of at most 7 rows and an exact head dim takes the one pass.
+            let tile = be.decode_tile(&be.lock(), rows, geo.head_dim);
+            if tile && be.config.tuning.fuse && be.config.tuning.attn_rope && !one_pass {
+                rep.refused(
+                    &format!("rope_attention in one pass: {}", c.name),
+                    Err::<(), _>(crate::BackendError::Other("two launches".into())),
+                );
+            }
+        }
     } else {
         be.write_kv(&mut kg, &k.g, &v.g, &step);
         cpu.write_kv(&mut kc, &k.c, &v.c, &step);
@@ -1089,7 +1132,8 @@ struct LayerStep<'a> {
 }
 
 impl LayerStep<'_> {
-    /// Norm, q/k/v in one `matmul_many`, RoPE with the KV store, attention.
+    /// Norm, q/k/v in one `matmul_many`, RoPE with the KV store and attention
+    /// (on the GPU one launch: every row is a decode row).
     /// `w`: the norm and the q, k, v weights; `a`: h, q, k, v and the output.
     fn run<B: Backend>(&self, b: &B, x: &B::Act, w: [&B::Weight; 4], a: [&mut B::Act; 5], kv: &mut B::Kv) {
         let [n, wq, wk, wv] = w;
@@ -1104,8 +1148,8 @@ impl LayerStep<'_> {
             ],
             2,
         );
-        b.rope_write_kv(q, k, v, None, self.table, self.table.rot_dim, self.positions, kv, self.seqs);
-        b.attention(q, kv, self.heads, self.seqs, o);
+        let hd = self.table.rot_dim;
+        b.rope_attention(q, k, v, None, self.table, hd, self.positions, kv, self.heads, self.seqs, o);
     }
 }
 
@@ -1152,8 +1196,8 @@ pub fn graph_check(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
             logit_rows: &[0, 1],
             state_slots: &[],
         })?;
-        // The decode layer's fused launches (q/k/v in one GEMV, RoPE with the
-        // KV store) inside the capture, against the CPU's separate ops.
+        // The decode layer's fused launches (q/k/v in one GEMV, RoPE and the
+        // KV store inside attention) inside the capture, against the CPU's separate ops.
         let step = LayerStep { table: &table, positions: &positions, seqs: &seqs, heads };
         let replayed = be.graph_replay(key)?;
         if !replayed {

@@ -59,6 +59,8 @@ pub(super) struct Kernels {
     pub(super) attn_lanes: [[Kernel; 4]; 3],
     /// The 32-token-tile kernels for few rows, same indexing.
     pub(super) attn_tile: [[Kernel; 4]; 3],
+    /// The same with RoPE and the new token's KV store in them, for steps of decode rows.
+    pub(super) attn_tile_rope: [[Kernel; 4]; 3],
     pub(super) attn_combine: Kernel,
     pub(super) attn_prefill_hd64: Kernel,
     pub(super) attn_prefill_hd128: Kernel,
@@ -225,6 +227,7 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         attn_partial_exact: by_width("attn_partial")?,
         attn_lanes: by_width("attn_lanes")?,
         attn_tile: by_width("attn_tile")?,
+        attn_tile_rope: by_width("attn_tile_rope")?,
         attn_combine: f("attn_combine")?,
         attn_prefill_hd64: f("attn_prefill_hd64")?,
         attn_prefill_hd128: f("attn_prefill_hd128")?,

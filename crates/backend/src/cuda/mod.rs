@@ -225,6 +225,8 @@ struct State {
     /// Split-K attention merges its splits in its own launch
     /// (`CudaTuning::attn_merge`; the self-check also runs the combine pass).
     attn_merge: bool,
+    /// Launches of `rope_attention` in one pass, counted for the self-check.
+    one_pass_attention: u64,
     arena: Option<Arena>,
     capturing: Option<GraphKey>,
     graphs: HashMap<GraphKey, Captured>,
@@ -393,6 +395,7 @@ impl CudaBackend {
             part_ml: DeviceBuffer::new(&alloc, ctx, Bytes((parts * 2 * 4) as u64), Purpose::Workspace)?,
             attn_counts,
             attn_merge: config.tuning.attn_merge,
+            one_pass_attention: 0,
             arena: None,
             capturing: None,
             graphs: HashMap::new(),
