@@ -325,6 +325,20 @@ pub struct QkNorm<'a, B: Backend + ?Sized> {
     pub rows: usize,
 }
 
+/// The operands of [`Backend::rope_attention`]: a layer's q, k and v rows after
+/// their projections and everything [`Backend::rope_write_kv`] takes with them.
+pub struct RopeAttention<'a, B: Backend + ?Sized> {
+    pub q: &'a mut B::Act,
+    pub k: &'a mut B::Act,
+    pub v: &'a B::Act,
+    pub norm: Option<QkNorm<'a, B>>,
+    pub table: &'a RopeTable,
+    pub head_dim: usize,
+    pub positions: &'a [u32],
+    pub kv: &'a mut B::Kv,
+    pub seqs: &'a [SeqStep<'a>],
+}
+
 // Two references and two numbers: a copy whatever the backend (a derive would ask `B: Copy`).
 impl<B: Backend + ?Sized> Clone for QkNorm<'_, B> {
     fn clone(&self) -> Self {
@@ -622,28 +636,15 @@ pub trait Backend: Send + Sync + 'static {
     ) {
         unfused::rope_write_kv(self, q, k, v, norm, table, head_dim, positions, kv, seqs)
     }
-    /// A layer's attention after its q/k/v projections: `rope_write_kv`,
-    /// then `attention` of `heads` query heads into `out`. A backend may do
-    /// both in one pass where the step allows (the CUDA backend for a step of
-    /// decode rows: each attention block rotates its own query heads and
-    /// stores the new token's K and V itself), so what `q` and `k` hold
+    /// A layer's attention after its q/k/v projections: `rope_write_kv` of
+    /// `a`, then `attention` of `heads` query heads into `out`. A backend may
+    /// do both in one pass where the step allows (the CUDA backend for a step
+    /// of decode rows: each attention block rotates its own query heads and
+    /// stores the new token's K and V itself), so what `a.q` and `a.k` hold
     /// afterwards is unspecified: nothing may read them before the next
     /// projections write them again.
-    #[allow(clippy::too_many_arguments)]
-    fn rope_attention(
-        &self,
-        q: &mut Self::Act,
-        k: &mut Self::Act,
-        v: &Self::Act,
-        norm: Option<QkNorm<'_, Self>>,
-        table: &RopeTable,
-        head_dim: usize,
-        positions: &[u32],
-        kv: &mut Self::Kv,
-        heads: usize,
-        seqs: &[SeqStep<'_>],
-        out: &mut Self::Act,
-    ) {
+    fn rope_attention(&self, a: RopeAttention<'_, Self>, heads: usize, out: &mut Self::Act) {
+        let RopeAttention { q, k, v, norm, table, head_dim, positions, kv, seqs } = a;
         self.rope_write_kv(q, k, v, norm, table, head_dim, positions, kv, seqs);
         self.attention(q, kv, heads, seqs, out);
     }

@@ -33,7 +33,8 @@ use corridor_backend::collective::{gather_logits, Collective, CollectiveError, S
 use corridor_backend::sample::{LogitEdit, SampleRowSpec, SampledRows};
 use corridor_backend::{
     ActShape, Backend, BackendError, DType, Expert, GraphKey, HostTensor, KvGeometry, KvPlacement,
-    MatmulPart, MoeFfn, MoeScratch, MoeShape, QkNorm, RopeTable, Routing, SeqStep, StepPlan, TensorBytes,
+    MatmulPart, MoeFfn, MoeScratch, MoeShape, QkNorm, RopeAttention, RopeTable, Routing, SeqStep, StepPlan,
+    TensorBytes,
 };
 use corridor_units::{Pages, StateSlot, TokenId, Tokens};
 use std::ops::Range;
@@ -580,19 +581,18 @@ impl<B: Backend> Model<B> {
             // RoPE and attention move few bytes: the output projection's
             // weights can be on their way meanwhile.
             b.prefetch(&layer.o_proj);
-            b.rope_attention(
-                &mut ws.q,
-                &mut ws.k,
-                &ws.v,
+            let a = RopeAttention {
+                q: &mut ws.q,
+                k: &mut ws.k,
+                v: &ws.v,
                 norm,
-                &self.rope,
-                cfg.head_dim,
-                step.positions,
-                kv_layer,
-                s.heads.len(),
-                step.seqs,
-                &mut ws.attn,
-            );
+                table: &self.rope,
+                head_dim: cfg.head_dim,
+                positions: step.positions,
+                kv: kv_layer,
+                seqs: step.seqs,
+            };
+            b.rope_attention(a, s.heads.len(), &mut ws.attn);
             b.matmul(&ws.attn, &layer.o_proj, None, rows, &mut ws.proj);
             c.all_reduce_sum(b, &mut ws.proj, rows)?;
             // MLP block: this rank's FFN columns; down_proj gives a partial sum.

@@ -53,7 +53,7 @@ use crate::llama::{check_shape, select, KvCache, ModelError, StepInput, Workspac
 use corridor_backend::collective::{gather_logits, Collective, Solo};
 use corridor_backend::{
     ActShape, Backend, DType, DeltaGeometry, DeltaRule, HostTensor, KvGeometry, MatmulPart, QkNorm,
-    RopeStyle, RopeTable, StepPlan, TensorBytes, VHeadOrder,
+    RopeAttention, RopeStyle, RopeTable, StepPlan, TensorBytes, VHeadOrder,
 };
 use corridor_units::{Bytes, Pages, TokenId, Tokens};
 use std::ops::Range;
@@ -533,19 +533,18 @@ impl<B: Backend> Model<B> {
                         rows,
                     );
                     let kv_layer = &mut kv.layers[*kv_index];
-                    b.rope_attention(
-                        &mut ws.q,
-                        &mut ws.k,
-                        &ws.v,
-                        Some(QkNorm { q: q_norm, k: k_norm, eps, rows }),
-                        &self.rope,
-                        cfg.head_dim,
-                        step.positions,
-                        kv_layer,
-                        heads,
-                        step.seqs,
-                        &mut ws.attn,
-                    );
+                    let a = RopeAttention {
+                        q: &mut ws.q,
+                        k: &mut ws.k,
+                        v: &ws.v,
+                        norm: Some(QkNorm { q: q_norm, k: k_norm, eps, rows }),
+                        table: &self.rope,
+                        head_dim: cfg.head_dim,
+                        positions: step.positions,
+                        kv: kv_layer,
+                        seqs: step.seqs,
+                    };
+                    b.rope_attention(a, heads, &mut ws.attn);
                     b.sigmoid_mul(&mut ws.attn, &sc.gate, rows)?;
                     b.matmul(&ws.attn, o_proj, None, rows, &mut ws.proj);
                     c.all_reduce_sum(b, &mut ws.proj, rows)?;

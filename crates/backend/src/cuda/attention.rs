@@ -19,7 +19,7 @@ use super::graphs::drop_graphs;
 use super::matmul::Q8Input;
 use super::{CudaAct, CudaBackend, State};
 use crate::kv_units::KvAddressing;
-use crate::{BackendError, KvGeometry, QkNorm, Result, RopeStyle, RopeTable, SeqStep};
+use crate::{BackendError, KvGeometry, QkNorm, Result, RopeAttention, RopeStyle, RopeTable, SeqStep};
 use corridor_units::PageId;
 use corridor_vram::KvArena;
 use cudarc::driver::result as cu;
@@ -631,22 +631,8 @@ impl CudaBackend {
         })
     }
 
-    // The signature of `Backend::rope_attention`, which this implements.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn enqueue_rope_attention(
-        &self,
-        q: &mut CudaAct,
-        k: &mut CudaAct,
-        v: &CudaAct,
-        norm: Option<QkNorm<'_, Self>>,
-        table: &RopeTable,
-        head_dim: usize,
-        positions: &[u32],
-        kv: &mut CudaKv,
-        heads: usize,
-        seqs: &[SeqStep<'_>],
-        out: &mut CudaAct,
-    ) {
+    pub(super) fn enqueue_rope_attention(&self, a: RopeAttention<'_, Self>, heads: usize, out: &mut CudaAct) {
+        let RopeAttention { q, k, v, norm, table, head_dim, positions, kv, seqs } = a;
         // One launch where every row is a decode row (a sequence's rows of a
         // step attend to each other's new K, which no block could wait for)
         // and the rows take the tile kernel; otherwise the two ops.

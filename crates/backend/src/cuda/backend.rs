@@ -11,7 +11,7 @@ use super::{CudaAct, CudaBackend, CudaExperts, CudaKv};
 use crate::dtype::{DType, HostTensor};
 use crate::{
     ActShape, Backend, BackendError, DeltaRule, Expert, GraphKey, KvGeometry, MatmulPart, MoeFfn, QkNorm,
-    Result, RopeStyle, RopeTable, SeqStep, StepPlan,
+    Result, RopeAttention, RopeStyle, RopeTable, SeqStep, StepPlan,
 };
 use corridor_units::{PageId, StateSlot, TokenId};
 use corridor_vram::KvArena;
@@ -293,21 +293,8 @@ impl Backend for CudaBackend {
         self.enqueue_rope_write_kv(q, k, v, norm, table, head_dim, positions, kv, seqs)
     }
 
-    fn rope_attention(
-        &self,
-        q: &mut CudaAct,
-        k: &mut CudaAct,
-        v: &CudaAct,
-        norm: Option<QkNorm<'_, Self>>,
-        table: &RopeTable,
-        head_dim: usize,
-        positions: &[u32],
-        kv: &mut CudaKv,
-        heads: usize,
-        seqs: &[SeqStep<'_>],
-        out: &mut CudaAct,
-    ) {
-        self.enqueue_rope_attention(q, k, v, norm, table, head_dim, positions, kv, heads, seqs, out)
+    fn rope_attention(&self, a: RopeAttention<'_, Self>, heads: usize, out: &mut CudaAct) {
+        self.enqueue_rope_attention(a, heads, out)
     }
 
     fn rope(&self, x: &mut CudaAct, table: &RopeTable, head_dim: usize, positions: &[u32]) {

@@ -29,8 +29,8 @@ use super::{CudaAct, CudaBackend, CudaKv, CudaWeight, DeltaPrefill, PrefillPath}
 use crate::cpu::{CpuAct, CpuBackend, CpuWeight, MatmulInput};
 use crate::dtype::{DType, HostTensor, TensorBytes};
 use crate::{
-    ActShape, Backend, DeltaGeometry, DeltaRule, GraphKey, KvGeometry, MatmulPart, QkNorm, Result, RopeStyle,
-    RopeTable, SeqStep, StepPlan, VHeadOrder,
+    ActShape, Backend, DeltaGeometry, DeltaRule, GraphKey, KvGeometry, MatmulPart, QkNorm, Result,
+    RopeAttention, RopeStyle, RopeTable, SeqStep, StepPlan, VHeadOrder,
 };
 use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 use cudarc::driver::{result as cu, sys};
@@ -1060,19 +1060,18 @@ fn attention_case(
             let mut o = pair(be, cpu, rows, qw, None)?;
             let before = be.lock().one_pass_attention;
             be.prefetch(&pf);
-            be.rope_attention(
-                &mut qr.g,
-                &mut kr.g,
-                &v.g,
-                ng,
-                &table,
-                geo.head_dim,
-                &positions,
-                &mut kg,
-                c.heads,
-                &step,
-                &mut o.g,
-            );
+            let a = RopeAttention {
+                q: &mut qr.g,
+                k: &mut kr.g,
+                v: &v.g,
+                norm: ng,
+                table: &table,
+                head_dim: geo.head_dim,
+                positions: &positions,
+                kv: &mut kg,
+                seqs: &step,
+            };
+            be.rope_attention(a, c.heads, &mut o.g);
             cpu.attention(&q.c, &kc, c.heads, &step, &mut o.c);
             let one_pass = be.lock().one_pass_attention > before;
             let (a, b) = read_both(be, cpu, &o, rows)?;
@@ -1148,8 +1147,18 @@ impl LayerStep<'_> {
             ],
             2,
         );
-        let hd = self.table.rot_dim;
-        b.rope_attention(q, k, v, None, self.table, hd, self.positions, kv, self.heads, self.seqs, o);
+        let a = RopeAttention {
+            q,
+            k,
+            v,
+            norm: None,
+            table: self.table,
+            head_dim: self.table.rot_dim,
+            positions: self.positions,
+            kv,
+            seqs: self.seqs,
+        };
+        b.rope_attention(a, self.heads, o);
     }
 }
 
