@@ -1,7 +1,8 @@
 //! The CUDA backend's tuning and profiling switches, as one value.
 //!
-//! Every switch is on by default but the chunked delta rule and the L2
-//! prefetch (profiling off), and exists so one binary can
+//! Every switch is on by default but the chunked delta rule, the L2
+//! prefetch and the two attention fusions not yet run on a card (profiling
+//! off), and exists so one binary can
 //! measure a step with and without it. The backend never reads the
 //! environment: the `corridor` command parses these from its flags (each
 //! with an environment spelling for A/B scripts, README.md "What a GPU
@@ -58,13 +59,16 @@ pub struct CudaTuning {
     /// Split-K decode attention merges its splits in the same launch: the
     /// last block of a row's splits to finish combines them (a counter per
     /// row and block of heads), so no combine kernel is launched after it
-    /// (`--cuda-attn-merge off`, `CORRIDOR_ATTN_MERGE=0`, keeps the combine
-    /// launch; the results agree to rounding).
+    /// (`--cuda-attn-merge on`, `CORRIDOR_ATTN_MERGE=1`; off, a combine
+    /// launch follows; the results agree to rounding). Off by default until
+    /// a card has run its checks and measured it: the host emulation and
+    /// NVRTC builds for every architecture are all it has had.
     pub attn_merge: bool,
     /// A step of decode rows rotates q and stores the new tokens' K and V
     /// inside its attention launch (`Backend::rope_attention` in one pass;
-    /// `--cuda-attn-rope off`, `CORRIDOR_ATTN_ROPE=0`, launches RoPE with the
-    /// KV store, then attention).
+    /// `--cuda-attn-rope on`, `CORRIDOR_ATTN_ROPE=1`; off, RoPE with the KV
+    /// store is launched, then attention). Off by default for the same reason
+    /// as `attn_merge`.
     pub attn_rope: bool,
 }
 
@@ -80,8 +84,8 @@ impl Default for CudaTuning {
             delta_chunked: false,
             q8_gemv: true,
             l2_prefetch: false,
-            attn_merge: true,
-            attn_rope: true,
+            attn_merge: false,
+            attn_rope: false,
         }
     }
 }

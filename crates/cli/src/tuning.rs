@@ -66,12 +66,14 @@ pub struct CudaFlags {
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_L2_PREFETCH", value_name = "on|off")]
     cuda_l2_prefetch: Switch,
     /// Split-K decode attention merges its splits in its own launch (the last block of a row's
-    /// splits to finish combines them) instead of launching a combine kernel after it.
-    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_ATTN_MERGE", value_name = "on|off")]
+    /// splits to finish combines them) instead of launching a combine kernel after it (off until a
+    /// card has checked and measured it).
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_ATTN_MERGE", value_name = "on|off")]
     cuda_attn_merge: Switch,
     /// A step of decode rows rotates q and stores the new tokens' K and V inside its attention
-    /// launch (off: a RoPE and KV-store launch, then attention).
-    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::On, env = "CORRIDOR_ATTN_ROPE", value_name = "on|off")]
+    /// launch (off: a RoPE and KV-store launch, then attention; off until a card has checked and
+    /// measured it).
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_ATTN_ROPE", value_name = "on|off")]
     cuda_attn_rope: Switch,
 }
 
@@ -141,8 +143,8 @@ mod tests {
         assert_eq!(parse(&["--cuda-delta-chunked", "on"]), CudaTuning { delta_chunked: true, ..d });
         assert_eq!(parse(&["--cuda-q8-gemv", "off"]), CudaTuning { q8_gemv: false, ..d });
         assert_eq!(parse(&["--cuda-l2-prefetch", "on"]), CudaTuning { l2_prefetch: true, ..d });
-        assert_eq!(parse(&["--cuda-attn-merge", "off"]), CudaTuning { attn_merge: false, ..d });
-        assert_eq!(parse(&["--cuda-attn-rope", "0"]), CudaTuning { attn_rope: false, ..d });
+        assert_eq!(parse(&["--cuda-attn-merge", "on"]), CudaTuning { attn_merge: true, ..d });
+        assert_eq!(parse(&["--cuda-attn-rope", "1"]), CudaTuning { attn_rope: true, ..d });
         assert_eq!(parse(&["--cuda-fuse", "1"]), d);
     }
 
