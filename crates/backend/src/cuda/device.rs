@@ -129,13 +129,16 @@ pub fn cuda_err(op: &'static str, e: cu::DriverError) -> BackendError {
 /// own size from the start of its slot (little-endian), so pointers, `int`,
 /// `long long` and `float` all fit without a heap allocation per launch.
 pub struct Args {
-    vals: [u64; 24],
+    vals: [u64; ARGS_MAX],
     n: usize,
 }
 
+/// The most parameters a kernel here takes (`attn_tile_rope_*`: 32).
+pub(super) const ARGS_MAX: usize = 32;
+
 impl Args {
     pub fn new() -> Args {
-        Args { vals: [0; 24], n: 0 }
+        Args { vals: [0; ARGS_MAX], n: 0 }
     }
     fn push(mut self, v: u64) -> Args {
         assert!(self.n < self.vals.len(), "kernel argument list too long");

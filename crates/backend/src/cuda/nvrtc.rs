@@ -131,4 +131,56 @@ mod tests {
         assert_ne!(a, cache_path(d, "x", &["--gpu-architecture=sm_80".to_string()], (13, 0)));
         assert_ne!(a, cache_path(d, "x", &o, (13, 1)));
     }
+
+    /// The parameters of each kernel, from `__global__` to its closing
+    /// parenthesis (macro bodies included), for every source.
+    fn kernel_params() -> Vec<(String, usize)> {
+        let mut found = Vec::new();
+        for src in SOURCES {
+            let mut rest = *src;
+            while let Some(at) = rest.find("__global__") {
+                rest = &rest[at + "__global__".len()..];
+                let open = rest.find('(').expect("a kernel's parameter list");
+                // `__launch_bounds__(...)` comes before the name: skip to the name's list.
+                let (head, mut body) = rest.split_at(open);
+                let mut name = head.split_whitespace().last().unwrap_or("").to_string();
+                if head.trim_end().ends_with("__launch_bounds__") {
+                    let close = body.find(')').unwrap();
+                    body = &body[close + 1..];
+                    let open2 = body.find('(').unwrap();
+                    name = body[..open2].split_whitespace().last().unwrap_or("").to_string();
+                    body = &body[open2..];
+                }
+                let (mut depth, mut commas, mut empty) = (0, 0, true);
+                for c in body.chars() {
+                    match c {
+                        '(' => depth += 1,
+                        ')' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                break;
+                            }
+                        }
+                        ',' if depth == 1 => commas += 1,
+                        c if depth == 1 && !c.is_whitespace() && c != '\\' => empty = false,
+                        _ => {}
+                    }
+                }
+                found.push((name, if empty { 0 } else { commas + 1 }));
+            }
+        }
+        found
+    }
+
+    #[test]
+    fn every_kernel_fits_the_launch_argument_slots() {
+        let kernels = kernel_params();
+        assert!(kernels.len() > 40, "found only {} kernels", kernels.len());
+        let rope =
+            kernels.iter().find(|(n, _)| n.starts_with("attn_tile_rope_g")).expect("the RoPE tile kernel");
+        assert_eq!(rope.1, 32, "{rope:?}");
+        for (name, n) in &kernels {
+            assert!(*n <= super::super::device::ARGS_MAX, "{name} takes {n} parameters");
+        }
+    }
 }
