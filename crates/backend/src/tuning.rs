@@ -1,8 +1,8 @@
 //! The CUDA backend's tuning and profiling switches, as one value.
 //!
 //! Every switch is on by default but the chunked delta rule, the L2
-//! prefetch and the two attention fusions not yet run on a card (profiling
-//! off), and exists so one binary can
+//! prefetch and the two attention fusions (profiling off), and exists so one
+//! binary can
 //! measure a step with and without it. The backend never reads the
 //! environment: the `corridor` command parses these from its flags (each
 //! with an environment spelling for A/B scripts, README.md "What a GPU
@@ -60,15 +60,17 @@ pub struct CudaTuning {
     /// last block of a row's splits to finish combines them (a counter per
     /// row and block of heads), so no combine kernel is launched after it
     /// (`--cuda-attn-merge on`, `CORRIDOR_ATTN_MERGE=1`; off, a combine
-    /// launch follows; the results agree to rounding). Off by default until
-    /// a card has run its checks and measured it: the host emulation and
-    /// NVRTC builds for every architecture are all it has had.
+    /// launch follows; the results agree to rounding). Off by default: on an
+    /// H100 one decode row's attention took 5-10 µs longer at 640 tokens and
+    /// 30-60 µs at 4,096 (`cuda_check --bench-attention`, BENCHMARKS.md): the
+    /// merging block walks the splits a load round trip at a time.
     pub attn_merge: bool,
     /// A step of decode rows rotates q and stores the new tokens' K and V
     /// inside its attention launch (`Backend::rope_attention` in one pass;
     /// `--cuda-attn-rope on`, `CORRIDOR_ATTN_ROPE=1`; off, RoPE with the KV
-    /// store is launched, then attention). Off by default for the same reason
-    /// as `attn_merge`.
+    /// store is launched, then attention). Off by default until a card has
+    /// run its checks and measured it (the host emulation and NVRTC builds
+    /// for every architecture are all it has had).
     pub attn_rope: bool,
 }
 

@@ -66,8 +66,8 @@ pub struct CudaFlags {
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_L2_PREFETCH", value_name = "on|off")]
     cuda_l2_prefetch: Switch,
     /// Split-K decode attention merges its splits in its own launch (the last block of a row's
-    /// splits to finish combines them) instead of launching a combine kernel after it (off until a
-    /// card has checked and measured it).
+    /// splits to finish combines them) instead of launching a combine kernel after it (off: slower
+    /// on an H100, BENCHMARKS.md).
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_ATTN_MERGE", value_name = "on|off")]
     cuda_attn_merge: Switch,
     /// A step of decode rows rotates q and stores the new tokens' K and V inside its attention
