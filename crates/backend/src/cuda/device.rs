@@ -131,6 +131,8 @@ pub fn cuda_err(op: &'static str, e: cu::DriverError) -> BackendError {
 pub struct Args {
     vals: [u64; ARGS_MAX],
     n: usize,
+    /// Values pushed past the slots: the launch refuses such a list.
+    overflow: usize,
 }
 
 /// The most parameters a kernel here takes (`attn_tile_rope_*`: 32).
@@ -138,12 +140,16 @@ pub(super) const ARGS_MAX: usize = 32;
 
 impl Args {
     pub fn new() -> Args {
-        Args { vals: [0; ARGS_MAX], n: 0 }
+        Args { vals: [0; ARGS_MAX], n: 0, overflow: 0 }
     }
     fn push(mut self, v: u64) -> Args {
-        assert!(self.n < self.vals.len(), "kernel argument list too long");
-        self.vals[self.n] = v;
-        self.n += 1;
+        match self.vals.get_mut(self.n) {
+            Some(slot) => {
+                *slot = v;
+                self.n += 1;
+            }
+            None => self.overflow += 1,
+        }
         self
     }
     pub fn ptr(self, p: u64) -> Args {
@@ -229,7 +235,13 @@ impl Kernel {
         args: &mut Args,
         dependent: bool,
     ) -> Result<()> {
-        let mut params: [*mut std::ffi::c_void; 24] = [std::ptr::null_mut(); 24];
+        if args.overflow > 0 {
+            return Err(BackendError::Other(format!(
+                "a kernel launch with {} arguments, {ARGS_MAX} slots",
+                args.n + args.overflow
+            )));
+        }
+        let mut params: [*mut std::ffi::c_void; ARGS_MAX] = [std::ptr::null_mut(); ARGS_MAX];
         for (i, p) in params.iter_mut().enumerate().take(args.n) {
             *p = (&mut args.vals[i]) as *mut u64 as *mut std::ffi::c_void;
         }
@@ -266,5 +278,25 @@ impl Kernel {
         sys::cuLaunchKernelEx(&config, self.0, params.as_mut_ptr(), std::ptr::null_mut())
             .result()
             .map_err(|e| cuda_err("cuLaunchKernelEx", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_argument_list_past_the_slots_is_refused_before_the_driver() {
+        let full = (0..ARGS_MAX as i32).fold(Args::new(), |a, i| a.i32(i));
+        assert_eq!((full.n, full.overflow), (ARGS_MAX, 0));
+        let mut over = full.i32(7).f32(1.0);
+        assert_eq!(over.overflow, 2);
+        // A null kernel and stream: the refusal comes before either is touched.
+        let dims = LaunchDims { grid: (1, 1, 1), block: 32 };
+        let r = unsafe {
+            Kernel(std::ptr::null_mut()).launch(Stream(std::ptr::null_mut()), dims, &mut over, true)
+        };
+        let e = r.expect_err("34 arguments in 32 slots");
+        assert!(e.to_string().contains("34 arguments"), "{e}");
     }
 }
