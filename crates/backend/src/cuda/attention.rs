@@ -503,6 +503,30 @@ impl CudaBackend {
         })
     }
 
+    /// What RoPE with the KV store reads on the device, put there for this
+    /// op: the rotary table, the positions, the step's maps (through `kv`'s
+    /// addressing); the q and k norms' weights (0 and 0.0: none) come back.
+    fn sync_rope_step(
+        &self,
+        st: &mut State,
+        norm: Option<QkNorm<'_, Self>>,
+        table: &RopeTable,
+        positions: &[u32],
+        kv: &CudaKv,
+        seqs: &[SeqStep<'_>],
+    ) -> Result<(u64, u64, f32)> {
+        let norms = match norm {
+            Some(n) => (self.vector_ptr(n.q, "q norm")?, self.vector_ptr(n.k, "k norm")?, n.eps),
+            None => (0, 0, 0.0),
+        };
+        self.sync_rope(st, table)?;
+        let cap = st.capturing.is_some();
+        self.sync_meta(&mut st.positions, positions, "positions", cap)?;
+        st.kv_addr = kv.addr;
+        self.sync_seqs(st, seqs)?;
+        Ok(norms)
+    }
+
     // The signature of `Backend::rope_write_kv`, which this implements.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn enqueue_rope_write_kv(
@@ -521,15 +545,8 @@ impl CudaBackend {
             return crate::unfused::rope_write_kv(self, q, k, v, norm, table, head_dim, positions, kv, seqs);
         }
         self.op("rope_write_kv", |st| {
-            let norms = match &norm {
-                Some(n) => (self.vector_ptr(n.q, "q norm")?, self.vector_ptr(n.k, "k norm")?, n.eps, n.rows),
-                None => (0, 0, 0.0, 0),
-            };
-            self.sync_rope(st, table)?;
-            let cap = st.capturing.is_some();
-            self.sync_meta(&mut st.positions, positions, "positions", cap)?;
-            st.kv_addr = kv.addr;
-            self.sync_seqs(st, seqs)?;
+            let (qn, kn, eps) = self.sync_rope_step(st, norm, table, positions, kv, seqs)?;
+            let norms = (qn, kn, eps, norm.map_or(0, |n| n.rows));
             let g = kv.geometry;
             let width = g.kv_heads * g.head_dim;
             if k.cols != width || v.cols != width {
@@ -651,15 +668,7 @@ impl CudaBackend {
             return self.enqueue_attention(q, kv, heads, seqs, out);
         }
         self.op("rope_attention", |st| {
-            let (q_norm, k_norm, eps) = match &norm {
-                Some(n) => (self.vector_ptr(n.q, "q norm")?, self.vector_ptr(n.k, "k norm")?, n.eps),
-                None => (0, 0, 0.0),
-            };
-            self.sync_rope(st, table)?;
-            let cap = st.capturing.is_some();
-            self.sync_meta(&mut st.positions, positions, "positions", cap)?;
-            st.kv_addr = kv.addr;
-            self.sync_seqs(st, seqs)?;
+            let (q_norm, k_norm, eps) = self.sync_rope_step(st, norm, table, positions, kv, seqs)?;
             let g = kv.geometry;
             let width = g.kv_heads * g.head_dim;
             if k.cols != width || v.cols != width || head_dim != g.head_dim || q.cols != heads * head_dim {
