@@ -143,8 +143,9 @@ __device__ __forceinline__ void attn_finish(float (&m)[G], float (&l)[G], float 
 // The splits' states of query heads h0 .. h0 + G - 1 of row r merged into
 // their output, and into its 8-bit copy when `oq` is set (head_dim a multiple
 // of 32): a thread per W consecutive output elements of a head walks the
-// `used` splits once with an online softmax, its loads independent of the
-// arithmetic so they are in flight together. The states were written by other
+// `used` splits once with an online softmax. Measured on an H100 it waits on
+// about one L2 round trip per split (BENCHMARKS.md), slower than attn_combine,
+// which is why the host asks for it only behind a switch. The states were written by other
 // blocks of the same launch, so they are read through L2 (__ldcg), never from
 // this SM's L1. The order over splits is fixed: the result does not depend on
 // which block merges.
@@ -240,7 +241,7 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
                                                   float* __restrict__ part_o, float* __restrict__ part_ml, int heads,
                                                   int kv_heads, int head_dim, int page_size, float scale,
                                                   int min_chunk, int nsplit, u32* __restrict__ counts,
-    u32* __restrict__ oq, float2* __restrict__ oqs) {
+                                                  u32* __restrict__ oq, float2* __restrict__ oqs) {
     pdl_enter();
     __shared__ float sm_m[ATT_WARPS][G], sm_l[ATT_WARPS][G];
     __shared__ float sm_o[ATT_WARPS][G][32 * D];

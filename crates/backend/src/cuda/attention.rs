@@ -150,6 +150,16 @@ pub(super) struct TileRope {
     pub(super) eps: f32,
 }
 
+/// The split-K decode kernels: a token per lane (steps of 8 rows and more),
+/// tiles of 32 tokens (fewer rows), a warp per token (other head dims, or
+/// with the tiles turned off).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum DecodeKernel {
+    Lanes,
+    Tile,
+    Warp,
+}
+
 /// The head dims with vector-load decode kernels, as their index in the kernel tables.
 fn exact_width(head_dim: usize) -> Option<usize> {
     match head_dim {
@@ -241,20 +251,30 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Which split-K kernel attends `rows` rows of heads of `head_dim`.
+    fn decode_kernel(&self, st: &State, rows: usize, head_dim: usize) -> DecodeKernel {
+        let exact = exact_width(head_dim).is_some();
+        if exact && self.config.tuning.lane_attention && rows >= ATT_LANES_MIN_ROWS {
+            DecodeKernel::Lanes
+        } else if exact && st.decode_tiles {
+            DecodeKernel::Tile
+        } else {
+            DecodeKernel::Warp
+        }
+    }
+
+    /// Whether split-K attention over `rows` rows of heads of `head_dim` takes
+    /// the 32-token-tile kernel (the one that can do RoPE in it too).
+    pub(super) fn decode_tile(&self, st: &State, rows: usize, head_dim: usize) -> bool {
+        self.decode_kernel(st, rows, head_dim) == DecodeKernel::Tile
+    }
+
     /// Split-K attention (flash-decoding) for the rows whose sequence index in
     /// `row_seq` is not u32::MAX, over contexts of at most `max_ctx` tokens.
     /// Whether the splits were merged, in the launch or by a combine pass
-    /// (and then `a.q8` was written too).
-    /// Whether split-K attention over `rows` rows of heads of `head_dim` takes
-    /// the 32-token-tile kernel (else the token-per-lane or the per-warp one).
-    pub(super) fn decode_tile(&self, st: &State, rows: usize, head_dim: usize) -> bool {
-        let exact = exact_width(head_dim).is_some();
-        let lanes = self.config.tuning.lane_attention && rows >= ATT_LANES_MIN_ROWS && exact;
-        st.decode_tiles && !lanes && exact
-    }
-
-    /// With `rope`, the tile kernel also rotates q and stores the new tokens'
-    /// K and V (every row a decode row; the caller checked `decode_tile`).
+    /// (and then `a.q8` was written too). With `rope`, the tile kernel also
+    /// rotates q and stores the new tokens' K and V (every row a decode row;
+    /// the caller checked `decode_tile`).
     pub(super) fn attn_split(
         &self,
         st: &State,
@@ -270,17 +290,14 @@ impl CudaBackend {
         let group = a.heads / g.kv_heads;
         let per_block = [8usize, 4, 2, 1].into_iter().find(|p| group.is_multiple_of(*p)).unwrap_or(1);
         let g_idx = per_block.trailing_zeros() as usize;
-        let exact = exact_width(g.head_dim);
-        let tile = self.decode_tile(st, rows, g.head_dim);
-        let lanes =
-            !tile && self.config.tuning.lane_attention && rows >= ATT_LANES_MIN_ROWS && exact.is_some();
-        if rope.is_some() && !tile {
+        let kind = self.decode_kernel(st, rows, g.head_dim);
+        if rope.is_some() && kind != DecodeKernel::Tile {
             return Err(BackendError::Other("RoPE in attention needs the decode tile kernel".into()));
         }
-        let min_split = match (lanes, tile) {
-            (true, _) => ATT_LANES_SPLIT,
-            (false, true) => ATT_TILE_SPLIT,
-            (false, false) => ATT_MIN_SPLIT,
+        let min_split = match kind {
+            DecodeKernel::Lanes => ATT_LANES_SPLIT,
+            DecodeKernel::Tile => ATT_TILE_SPLIT,
+            DecodeKernel::Warp => ATT_MIN_SPLIT,
         };
         let nsplit = self.splits(rows, a.heads, per_block, max_ctx, min_split);
         // The last split block of each row and block of heads merges them, in this launch.
@@ -324,12 +341,12 @@ impl CudaBackend {
         }
         let dims =
             LaunchDims { grid: (nsplit as u32, (a.heads / per_block) as u32, rows as u32), block: 128 };
-        let kernel = match exact {
-            Some(d) if tile && rope.is_some() => self.k.attn_tile_rope[d][g_idx],
-            Some(d) if lanes => self.k.attn_lanes[d][g_idx],
-            Some(d) if tile => self.k.attn_tile[d][g_idx],
-            Some(d) => self.k.attn_partial_exact[d][g_idx],
-            None => self.k.attn_partial[g_idx],
+        let kernel = match (exact_width(g.head_dim), kind) {
+            (Some(d), DecodeKernel::Tile) if rope.is_some() => self.k.attn_tile_rope[d][g_idx],
+            (Some(d), DecodeKernel::Tile) => self.k.attn_tile[d][g_idx],
+            (Some(d), DecodeKernel::Lanes) => self.k.attn_lanes[d][g_idx],
+            (Some(d), DecodeKernel::Warp) => self.k.attn_partial_exact[d][g_idx],
+            (None, _) => self.k.attn_partial[g_idx],
         };
         unsafe { self.launch(kernel, dims, args)? };
         if merge {
@@ -623,29 +640,46 @@ impl CudaBackend {
                     .tiled_kernel(g.head_dim)
                     .filter(|_| st.prefill == PrefillPath::Tiled && !st.maps.tiles.is_empty()),
             };
-            // The output quantized for the output projection's integer GEMV,
-            // by the combine pass of split-K attention over every row.
-            let q8 = match g.head_dim.is_multiple_of(32) && tiled.is_none() {
-                true => self.q8_output(st, out, st.maps.rows, usize::MAX),
-                false => None,
+            let Some(tk) = tiled else {
+                return self.attn_split_rows(
+                    st,
+                    AttnLaunch { q, kv, heads, out: out.ptr(), q8: None },
+                    out,
+                    None,
+                );
             };
-            let a = AttnLaunch { q, kv, heads, out: out.ptr(), q8 };
-            let combined = match tiled {
-                Some(tk) => {
-                    self.attn_tiled(st, &a, tk)?;
-                    if st.maps.rest_max_ctx > 0 {
-                        self.attn_split(st, &a, st.rest_seq.dev.ptr(), st.maps.rest_max_ctx, None)?;
-                    }
-                    Ok(false)
-                }
-                None => self.attn_split(st, &a, st.row_seq.dev.ptr(), self.split_ctx(st, g), None),
-            };
-            if !matches!(combined, Ok(true)) {
-                // No combine pass: the 8-bit copy was not written.
-                st.xq_holds = None;
+            // No combine pass over every row: no 8-bit copy of the output.
+            st.xq_holds = None;
+            let a = AttnLaunch { q, kv, heads, out: out.ptr(), q8: None };
+            self.attn_tiled(st, &a, tk)?;
+            if st.maps.rest_max_ctx > 0 {
+                self.attn_split(st, &a, st.rest_seq.dev.ptr(), st.maps.rest_max_ctx, None)?;
             }
-            combined.map(|_| ())
+            Ok(())
         })
+    }
+
+    /// Split-K attention over every row of the step, splitting for
+    /// `split_ctx`; where the splits are merged the output is also stored
+    /// quantized for the output projection's integer GEMV (`a.q8` is set
+    /// here), and where nothing merged them that copy is forgotten.
+    fn attn_split_rows(
+        &self,
+        st: &mut State,
+        mut a: AttnLaunch<'_>,
+        out: &CudaAct,
+        rope: Option<&TileRope>,
+    ) -> Result<()> {
+        let g = a.kv.geometry;
+        a.q8 = match g.head_dim.is_multiple_of(32) {
+            true => self.q8_output(st, out, st.maps.rows, usize::MAX),
+            false => None,
+        };
+        let merged = self.attn_split(st, &a, st.row_seq.dev.ptr(), self.split_ctx(st, g), rope);
+        if !matches!(merged, Ok(true)) {
+            st.xq_holds = None;
+        }
+        merged.map(|_| ())
     }
 
     pub(super) fn enqueue_rope_attention(&self, a: RopeAttention<'_, Self>, heads: usize, out: &mut CudaAct) {
@@ -691,17 +725,10 @@ impl CudaBackend {
                 k_norm,
                 eps,
             };
-            let q8 = match g.head_dim.is_multiple_of(32) {
-                true => self.q8_output(st, out, st.maps.rows, usize::MAX),
-                false => None,
-            };
-            let a = AttnLaunch { q, kv, heads, out: out.ptr(), q8 };
-            let combined = self.attn_split(st, &a, st.row_seq.dev.ptr(), self.split_ctx(st, g), Some(&rope));
+            let a = AttnLaunch { q, kv, heads, out: out.ptr(), q8: None };
+            self.attn_split_rows(st, a, out, Some(&rope))?;
             st.one_pass_attention += 1;
-            if !matches!(combined, Ok(true)) {
-                st.xq_holds = None;
-            }
-            combined.map(|_| ())
+            Ok(())
         })
     }
 

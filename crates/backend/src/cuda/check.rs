@@ -1994,11 +1994,11 @@ fn attention_bench(
             // one, with the splits merged in the launch and by a combine pass.
             let mut line = format!("decode attention ({}) ctx {ctx} (graph)", shape.name);
             let merge = be.lock().attn_merge;
+            let set = |tiles, merged| {
+                let mut st = be.lock();
+                (st.decode_tiles, st.attn_merge) = (tiles, merged);
+            };
             for (tiles, merged) in [(true, true), (true, false), (false, true), (false, false)] {
-                let set = |tiles, merged| {
-                    let mut st = be.lock();
-                    (st.decode_tiles, st.attn_merge) = (tiles, merged);
-                };
                 set(tiles, merged);
                 let id = 1 << 20 | ctx << 2 | usize::from(tiles) << 1 | usize::from(merged);
                 let ms = graph_time_ms(be, id, 50, || be.attention(&q, &kv, heads, &seqs, &mut out));
