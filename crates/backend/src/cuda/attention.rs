@@ -339,8 +339,9 @@ impl CudaBackend {
                 .ptr(st.prefetch.map_or(0, |p| p.ptr))
                 .i64(st.prefetch.map_or(0, |p| p.bytes as i64));
         }
+        // Splits slowest (kernels/attention.cu `split_live`): the live ones are dispatched first.
         let dims =
-            LaunchDims { grid: (nsplit as u32, (a.heads / per_block) as u32, rows as u32), block: 128 };
+            LaunchDims { grid: ((a.heads / per_block) as u32, rows as u32, nsplit as u32), block: 128 };
         let kernel = match (exact_width(g.head_dim), kind) {
             (Some(d), DecodeKernel::Tile) if rope.is_some() => self.k.attn_tile_rope[d][g_idx],
             (Some(d), DecodeKernel::Tile) => self.k.attn_tile[d][g_idx],
@@ -375,6 +376,9 @@ impl CudaBackend {
     /// The longest context split-K attention splits for: a captured step's
     /// must stay valid for any context the backend was sized for.
     fn split_ctx(&self, st: &State, g: KvGeometry) -> usize {
+        if let Some(ctx) = st.split_ctx_override {
+            return ctx;
+        }
         match st.capturing {
             Some(_) => self.config.max_pages_per_seq * g.page_size.get(),
             None => st.maps.max_ctx,
@@ -641,12 +645,7 @@ impl CudaBackend {
                     .filter(|_| st.prefill == PrefillPath::Tiled && !st.maps.tiles.is_empty()),
             };
             let Some(tk) = tiled else {
-                return self.attn_split_rows(
-                    st,
-                    AttnLaunch { q, kv, heads, out: out.ptr(), q8: None },
-                    out,
-                    None,
-                );
+                return self.attn_split_rows(st, q, kv, heads, out, None);
             };
             // No combine pass over every row: no 8-bit copy of the output.
             st.xq_holds = None;
@@ -661,20 +660,23 @@ impl CudaBackend {
 
     /// Split-K attention over every row of the step, splitting for
     /// `split_ctx`; where the splits are merged the output is also stored
-    /// quantized for the output projection's integer GEMV (`a.q8` is set
-    /// here), and where nothing merged them that copy is forgotten.
+    /// quantized for the output projection's integer GEMV, and where nothing
+    /// merged them that copy is forgotten.
     fn attn_split_rows(
         &self,
         st: &mut State,
-        mut a: AttnLaunch<'_>,
+        q: &CudaAct,
+        kv: &CudaKv,
+        heads: usize,
         out: &CudaAct,
         rope: Option<&TileRope>,
     ) -> Result<()> {
-        let g = a.kv.geometry;
-        a.q8 = match g.head_dim.is_multiple_of(32) {
+        let g = kv.geometry;
+        let q8 = match g.head_dim.is_multiple_of(32) {
             true => self.q8_output(st, out, st.maps.rows, usize::MAX),
             false => None,
         };
+        let a = AttnLaunch { q, kv, heads, out: out.ptr(), q8 };
         let merged = self.attn_split(st, &a, st.row_seq.dev.ptr(), self.split_ctx(st, g), rope);
         if !matches!(merged, Ok(true)) {
             st.xq_holds = None;
@@ -725,8 +727,7 @@ impl CudaBackend {
                 k_norm,
                 eps,
             };
-            let a = AttnLaunch { q, kv, heads, out: out.ptr(), q8: None };
-            self.attn_split_rows(st, a, out, Some(&rope))?;
+            self.attn_split_rows(st, q, kv, heads, out, Some(&rope))?;
             st.one_pass_attention += 1;
             Ok(())
         })

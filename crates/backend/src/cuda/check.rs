@@ -1755,7 +1755,8 @@ pub fn bench_decode_attention(be: &CudaBackend) -> Result<Vec<String>> {
         AttnBenchShape { name: "hd 128, 32/8 heads", heads: 32, kv_heads: 8, head_dim: 128 },
         AttnBenchShape { name: "hd 128, 32/4 heads", heads: 32, kv_heads: 4, head_dim: 128 },
     ] {
-        attention_bench(be, &mut rng, &mut lines, &shape, &[(639, 1, tiled), (4095, 1, tiled)])?;
+        let cases: &[(usize, usize, &[PrefillPath])] = &[(31, 1, tiled), (639, 1, tiled), (4095, 1, tiled)];
+        attention_bench(be, &mut rng, &mut lines, &shape, cases)?;
     }
     Ok(lines)
 }
@@ -1993,21 +1994,37 @@ fn attention_bench(
             // Replayed as a captured step replays it, through the tile kernel and the per-warp
             // one, with the splits merged in the launch and by a combine pass.
             let mut line = format!("decode attention ({}) ctx {ctx} (graph)", shape.name);
+            // The splits as a captured step sizes them (for the longest context), for this
+            // context, and none (one block per group of heads walks the whole context).
             let merge = be.lock().attn_merge;
-            let set = |tiles, merged| {
+            let set = |tiles, merged, split_ctx| {
                 let mut st = be.lock();
-                (st.decode_tiles, st.attn_merge) = (tiles, merged);
+                (st.decode_tiles, st.attn_merge, st.split_ctx_override) = (tiles, merged, split_ctx);
             };
-            for (tiles, merged) in [(true, true), (true, false), (false, true), (false, false)] {
-                set(tiles, merged);
-                let id = 1 << 20 | ctx << 2 | usize::from(tiles) << 1 | usize::from(merged);
+            let variants: [(bool, bool, Option<usize>); 7] = [
+                (true, true, None),
+                (true, false, None),
+                (true, false, Some(ctx)),
+                (true, false, Some(1)),
+                (false, true, None),
+                (false, false, None),
+                (false, false, Some(ctx)),
+            ];
+            for (i, &(tiles, merged, split_ctx)) in variants.iter().enumerate() {
+                set(tiles, merged, split_ctx);
+                let id = 1 << 24 | shape.kv_heads << 16 | ctx << 3 | i;
                 let ms = graph_time_ms(be, id, 50, || be.attention(&q, &kv, heads, &seqs, &mut out));
-                set(true, merge);
+                set(true, merge, None);
                 let ms = ms?;
                 let gbs = (ctx * kvw * 2 * 2) as f64 / (ms as f64 * 1e-3) / 1e9;
                 let kind = if tiles { "tiles" } else { "per warp" };
                 let how = if merged { "merged" } else { "+ combine" };
-                line += &format!(" | {kind} {how} {:.2} us, KV {gbs:.0} GB/s", ms * 1e3);
+                let splits = match split_ctx {
+                    None => "captured splits",
+                    Some(1) => "one split",
+                    Some(_) => "splits for ctx",
+                };
+                line += &format!(" | {kind} {how}, {splits} {:.2} us, KV {gbs:.0} GB/s", ms * 1e3);
             }
             lines.push(line);
         }

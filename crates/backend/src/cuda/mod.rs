@@ -227,6 +227,10 @@ struct State {
     attn_merge: bool,
     /// Launches of `rope_attention` in one pass, counted for the self-check.
     one_pass_attention: u64,
+    /// The context split-K attention splits for, in place of `split_ctx`'s
+    /// (`cuda_check --bench-attention` times splits for the real context
+    /// against a captured step's); None when serving.
+    split_ctx_override: Option<usize>,
     arena: Option<Arena>,
     capturing: Option<GraphKey>,
     graphs: HashMap<GraphKey, Captured>,
@@ -396,6 +400,7 @@ impl CudaBackend {
             attn_counts,
             attn_merge: config.tuning.attn_merge,
             one_pass_attention: 0,
+            split_ctx_override: None,
             arena: None,
             capturing: None,
             graphs: HashMap::new(),

@@ -100,6 +100,25 @@ using Prefill = void (*)(const float*, const bf16_t*, const bf16_t*, const u32*,
 
 // Blocks per tile and head, as the host launches them (attention.rs TILE_PARTS_HD256).
 int parts_of(int head_dim) { return head_dim == 256 ? 2 : 1; }
+
+// Blocks of a split-K launch whose split holds tokens of its row: only they
+// wait on the previous kernel, the others leave before (split_live).
+long live_blocks(const std::vector<u32>& row_pos, const std::vector<u32>& row_seq, int nsplit, int min_chunk,
+                 int head_blocks) {
+    long live = 0;
+    for (size_t r = 0; r < row_pos.size(); r++) {
+        if (row_seq[r] == 0xffffffffu) continue;
+        int ctx = (int)row_pos[r] + 1;
+        for (int s = 0; s < nsplit; s++) live += s * split_len(ctx, nsplit, min_chunk) < ctx;
+    }
+    return live * head_blocks;
+}
+
+bool waits_match(const char* name, long live) {
+    if (pdl_waits == live) return true;
+    printf("FAIL %s: %ld blocks waited on the previous kernel, %ld splits hold tokens\n", name, pdl_waits.load(), live);
+    return false;
+}
 Prefill kernel_of(int head_dim) {
     switch (head_dim) {
     case 64: return attn_prefill_hd64;
@@ -158,13 +177,16 @@ bool run(const Case& c) {
         float2* oqsp = c.merge && q8 ? oqs.data() : nullptr;
         // Merged in the launch: twice, as a graph replays it, the second from
         // the counters the first left (each must be back at zero).
+        long live = live_blocks(row_pos, row_seq, c.nsplit, min_chunk, c.heads / g);
         for (int rep = 0; rep < (c.merge ? 2 : 1); rep++) {
             if (rep) std::fill(out.begin(), out.end(), NAN);
-            launch({(unsigned)c.nsplit, (unsigned)(c.heads / g), (unsigned)rows}, 128, [&] {
+            pdl_waits = 0;
+            launch({(unsigned)(c.heads / g), (unsigned)rows, (unsigned)c.nsplit}, 128, [&] {
                 k(q.data(), kc.data(), vc.data(), row_pos.data(), row_seq.data(), seq_pt_off.data(),
                   page_table.data(), out.data(), part_o.data(), part_ml.data(), c.heads, c.kv_heads, hd, ps, scale,
                   min_chunk, c.nsplit, cp, oqp, oqsp);
             });
+            if (!waits_match(c.name, live)) return false;
             for (u32 x : counts)
                 if (x != 0) {
                     printf("FAIL %s: a split counter left at %u\n", c.name, x);
@@ -322,13 +344,16 @@ bool run_rope(const RopeCase& c) {
     std::vector<float2> oqs(out.size() / 32, {NAN, NAN});
     bool q8 = c.merge && c.nsplit > 1 && hd % 32 == 0;
     TileRopeKernel kern = tile_rope_of(hd, g);
-    launch({(unsigned)c.nsplit, (unsigned)(c.heads / g), (unsigned)rows}, 128, [&] {
+    long live = live_blocks(row_pos, row_seq, c.nsplit, 32, c.heads / g);
+    pdl_waits = 0;
+    launch({(unsigned)(c.heads / g), (unsigned)rows, (unsigned)c.nsplit}, 128, [&] {
         kern(q.data(), kc.data(), vc.data(), row_pos.data(), row_seq.data(), seq_pt_off.data(), page_table.data(),
              out.data(), part_o.data(), part_ml.data(), c.heads, c.kv_heads, hd, ps, scale, 32, c.nsplit,
              c.merge ? counts.data() : nullptr, q8 ? oq.data() : nullptr, q8 ? oqs.data() : nullptr, k.data(),
              v.data(), inv_freq.data(), positions.data(), rows, half, c.interleaved, c.norm ? qn.data() : nullptr,
              c.norm ? kn.data() : nullptr, eps, nullptr, 0);
     });
+    if (!waits_match(c.name, live)) return false;
     if (c.nsplit > 1 && !c.merge)
         launch({(unsigned)c.heads, (unsigned)rows, 1}, 128, [&] {
             attn_combine(part_o.data(), part_ml.data(), row_pos.data(), row_seq.data(), out.data(), nullptr, nullptr,

@@ -11,6 +11,7 @@
 // the bad moment) or a device limit; the GPU check (cuda/check.rs) covers
 // those.
 #pragma once
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -127,8 +128,13 @@ void exchange(const T& v, F read) {
 } // namespace emu
 
 inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
-// Without programmatic dependent launch there is nothing to wait for.
-inline void pdl_enter() {}
+// Without programmatic dependent launch there is nothing to wait for; the
+// blocks that would have waited are counted (a block's thread 0 counts it),
+// so a test can check which blocks reach the wait.
+inline std::atomic<long> pdl_waits{0};
+inline void pdl_enter() {
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) pdl_waits++;
+}
 
 inline float bf16_to_f32(bf16_t v) {
     u32 u = ((u32)v) << 16;
