@@ -60,6 +60,11 @@ __device__ __forceinline__ int moe_total_key(float v) {
     return b ^ (int)(((unsigned)(b >> 31)) >> 1);
 }
 
+// The value whose key is `key` (the map flips no sign bit, so it is its own inverse).
+__device__ __forceinline__ float moe_key_value(int key) {
+    return __int_as_float(key ^ (int)(((unsigned)(key >> 31)) >> 1));
+}
+
 // Whether (ka, ea) ranks before (kb, eb): higher key first, then lower index.
 __device__ __forceinline__ bool moe_before(int ka, int ea, int kb, int eb) {
     return ka > kb || (ka == kb && ea < eb);
@@ -100,7 +105,8 @@ __device__ __forceinline__ void moe_route_row(const float* __restrict__ logits, 
     }
     s = warp_sum(s);
     u32 used = 0; // bit i: this lane's expert lane + 32 i is taken
-    float kept = 0.f;
+    float kept = 0.f, mine_p = 0.f;
+    int mine_e = 0;
     for (int t = 0; t < k; t++) {
         int bk = 0, be = E; // be == E: nothing yet
         if (regs) {
@@ -132,15 +138,24 @@ __device__ __forceinline__ void moe_route_row(const float* __restrict__ logits, 
             }
         }
         if ((be & 31) == lane) used |= 1u << (be >> 5);
-        if (lane == 0) {
-            float p = expf(l[be] - m) / s;
+        // The winner's logit is its key's (no lane reads it again: that load
+        // was a dependent round trip a round). Lane t keeps round t's pick;
+        // rounds past 32 are stored as they come.
+        float p = expf(moe_key_value(bk) - m) / s;
+        kept += p;
+        if (t < 32) {
+            if (lane == t) mine_e = be, mine_p = p;
+        } else if (lane == 0) {
             ids[r * k + t] = be;
             wts[r * k + t] = p;
-            kept += p;
         }
     }
+    if (lane < imin(k, 32)) {
+        ids[r * k + lane] = mine_e;
+        wts[r * k + lane] = norm ? mine_p / kept : mine_p;
+    }
     if (lane == 0 && norm)
-        for (int t = 0; t < k; t++) wts[r * k + t] /= kept;
+        for (int t = 32; t < k; t++) wts[r * k + t] /= kept;
 }
 
 // Grid: rows / 4 blocks of 128 threads, a warp per row.
