@@ -53,8 +53,10 @@ pub struct CudaTuning {
     /// that GEMV finds them there instead of waiting on memory after an idle
     /// stretch (`Backend::prefetch`; `--cuda-l2-prefetch on`,
     /// `CORRIDOR_L2_PREFETCH=1`; sm_90 and later; the results are the same
-    /// either way). Off by default: what it saves has not been measured on a
-    /// card yet (`scripts/gpu/session.sh ab` is the A/B).
+    /// either way). Off by default: it costs more than it saves (on an H100,
+    /// batch-1 decode of a Q4_K_M file took 3.67 ms a step with it against
+    /// 3.07 without, `scripts/gpu/session.sh ab`, BENCHMARKS.md; where the
+    /// time goes is not profiled).
     pub l2_prefetch: bool,
     /// Split-K decode attention merges its splits in the same launch: the
     /// last block of a row's splits to finish combines them (a counter per
@@ -68,9 +70,11 @@ pub struct CudaTuning {
     /// A step of decode rows rotates q and stores the new tokens' K and V
     /// inside its attention launch (`Backend::rope_attention` in one pass;
     /// `--cuda-attn-rope on`, `CORRIDOR_ATTN_ROPE=1`; off, RoPE with the KV
-    /// store is launched, then attention). Off by default until a card has
-    /// run its checks and measured it (the host emulation and NVRTC builds
-    /// for every architecture are all it has had).
+    /// store is launched, then attention). Checked on an H100 (`cuda_check`);
+    /// off by default: served there, a step took 3.00 against 3.04 ms
+    /// (Q4_K_M, batch 1) and 5.71 against 5.62 ms (bf16), within the run's
+    /// noise either way (BENCHMARKS.md): the launch it saves overlaps the
+    /// one before it already (PDL), and every block then rotates its q heads.
     pub attn_rope: bool,
 }
 

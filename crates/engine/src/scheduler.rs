@@ -369,7 +369,8 @@ impl Scheduler {
         let decodes = self.running.iter().filter(|s| s.pending() == 1).count();
         // The batch the engine is heading to: what runs and what waits to be admitted.
         let heading = (self.running.len() + self.waiting.len()).min(self.config.max_running);
-        let mut prefill = self.budget.prefill_rows(decodes, heading, budget);
+        let mut prefill =
+            self.budget.align_prefill(decodes, self.budget.prefill_rows(decodes, heading, budget));
 
         // 1. Running sequences, oldest first; make room by preempting the newest.
         let mut i = 0;

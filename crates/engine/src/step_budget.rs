@@ -251,6 +251,24 @@ impl StepBudget {
         fits.max(self.floor).min(room)
     }
 
+    /// `prefill_rows` prompt rows beside `decode_rows` decodes, cut so the step's rows come to a
+    /// round number ([`aligned_rows`]): a mixed step runs eagerly, and every row count a matmul
+    /// has not seen costs the host a planning query before the first layer's GEMMs can start
+    /// (cuBLASLt's heuristic, 0.3-0.6 ms a shape on an H100, four shapes and the LM head's a step;
+    /// BENCHMARKS.md), while a step whose rows the budget set would otherwise bring a new count
+    /// nearly every time. Only ever fewer rows (less than a 32nd of the step's), never under the
+    /// floor; a step of fewer prompt rows than allowed (the prompts ran out) keeps its count.
+    pub fn align_prefill(&self, decode_rows: usize, prefill_rows: usize) -> usize {
+        if decode_rows == 0 || prefill_rows <= self.floor {
+            return prefill_rows;
+        }
+        let total = aligned_rows(decode_rows + prefill_rows);
+        match total.checked_sub(decode_rows) {
+            Some(rows) if rows >= self.floor => rows,
+            _ => prefill_rows,
+        }
+    }
+
     /// Learn from a step that carried `shape` and took `took`, from forming it to its tokens
     /// handed out (what a decoding stream waited).
     pub fn observe(&mut self, shape: StepShape, took: Duration) {
@@ -295,6 +313,13 @@ impl StepBudget {
             None => self.cost,
         }
     }
+}
+
+/// `rows` rounded down to a multiple of a 64th of the next power of two (at least 8): less than a
+/// 32nd under it, and at most 64 distinct counts an octave, so the row counts of mixed steps repeat.
+pub fn aligned_rows(rows: usize) -> usize {
+    let step = (rows.next_power_of_two() / 64).max(8);
+    rows / step * step
 }
 
 /// Solve `a · x = b` by Gaussian elimination with partial pivoting; `None` when it is singular
@@ -551,6 +576,40 @@ mod tests {
             assert!(b.bound().is_none(), "{ratio}");
             assert_eq!(b.prefill_rows(10, 10, 512), 512);
         }
+    }
+
+    #[test]
+    fn a_mixed_steps_rows_come_to_a_round_count() {
+        let b = known(50);
+        // 10 decodes + 400 prompt rows = 410: a 64th of 512 is 8, so 408 rows in all.
+        assert_eq!(b.align_prefill(10, 400), 398);
+        // 115 decodes + 1,250 prompt rows = 1,365: steps of 32, 1,344 in all.
+        assert_eq!(b.align_prefill(115, 1250), 1229);
+        // Every such step's rows land on few counts, each less than a 32nd under the budget's.
+        let mut counts = std::collections::BTreeSet::new();
+        for decodes in 100..128 {
+            for prompt in 1200..1300 {
+                let p = b.align_prefill(decodes, prompt);
+                assert!(p <= prompt && (prompt - p) * 32 < decodes + prompt);
+                counts.insert(decodes + p);
+            }
+        }
+        assert!(counts.len() <= 5, "{counts:?}");
+    }
+
+    #[test]
+    fn alignment_never_cuts_under_the_floor_nor_a_prefill_only_step() {
+        let b = known(50);
+        // 120 + 20 = 140 would round to 136: 16 prompt rows, the floor; 120 + 17 would give 16 too.
+        assert_eq!(b.align_prefill(120, 20), 16);
+        // 125 + 17 = 142 would round to 136, 11 prompt rows: under the floor, so unaligned.
+        assert_eq!(b.align_prefill(125, 17), 17);
+        assert_eq!(b.align_prefill(125, 16), 16);
+        // Nobody waits on a prefill-only step: it keeps its rows (the step's limit is fixed anyway).
+        assert_eq!(b.align_prefill(0, 8000), 8000);
+        assert_eq!(aligned_rows(7), 0);
+        assert_eq!(aligned_rows(300), 296);
+        assert_eq!(aligned_rows(8192), 8192);
     }
 
     #[test]
