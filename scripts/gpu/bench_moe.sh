@@ -23,7 +23,7 @@
 #
 # Environment (all optional): OUT MODEL_DIR TOKENIZER_DIR CORRIDOR_BIN DEVICES PORT
 #   DECODE_BATCHES ("1 32") PREFILL_LENS ("2048") BENCH_TIMEOUT_S (180) SKIP_MAKE=1 LAYERS (48) PROFILE
-#   BASE_ARGS (serve flags of a same-run batch-1 baseline: decode_1_base.json)
+#   BASE_ARGS, BASE_BIN (serve flags or a binary of a same-run batch-1 baseline: decode_1_base.json)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
@@ -143,16 +143,20 @@ if [ -n "$served" ]; then
     echo "--- last lines of serve.log"; tail -n 15 "$out/serve.log"
 fi
 
-# BASE_ARGS: serve again with these flags (the switches that turn this build's changes off) and
-# decode at batch 1 -> decode_1_base.json, a same-run baseline.
-if [ -n "${BASE_ARGS:-}" ]; then
+# BASE_ARGS / BASE_BIN: serve again with these flags (the switches that turn this build's changes
+# off) or this binary (the build before them) and decode at batch 1 -> decode_1_base.json, a
+# same-run baseline.
+if [ -n "${BASE_ARGS:-}${BASE_BIN:-}" ]; then
+    this_bin=$BIN
+    BIN=${BASE_BIN:-$BIN}
     # shellcheck disable=SC2086
-    serve base_serve.log $BASE_ARGS
+    serve base_serve.log ${BASE_ARGS:-}
     if [ -n "$served" ]; then
         bench warmup_base --input-tokens 512 --output-tokens 16 --concurrency 1 --num-requests 2
         bench decode_1_base --input-tokens 512 --output-tokens 256 --concurrency 1 --num-requests 4
         stop_server
     fi
+    BIN=$this_bin
 fi
 
 if [ -n "${PROFILE:-}" ]; then

@@ -200,7 +200,17 @@ case "${1:-checks}" in
             cp $g/trace/summary.md $g/trace_summary.txt 2>/dev/null
         fi
         touch $g/done" < /dev/null > /dev/null 2>&1 &
-    quant_checks
+    # SKIP_CHECKS=1: the kernel checks ran in an earlier call on the same kernels; the tiny
+    # checkpoints still go through this call's binaries.
+    # KERNEL_CHECKS=1 with it: every kernel against the CPU too (cuda_check), not the K-quant files.
+    if [ -z "${SKIP_CHECKS:-}" ]; then quant_checks; else
+        if [ -n "${KERNEL_CHECKS:-}" ]; then
+            echo "== [${SECONDS}s] kernels vs CPU"; timeout 300 ./.gpu/cuda_check > "$out/cuda_check.log" 2>&1
+            echo "exit $?"; grep -E "FAIL" "$out/cuda_check.log" | head -n 25; tail -n 1 "$out/cuda_check.log"
+        fi
+        timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny > "$out/e2e.log" 2>&1; echo "tiny checkpoints: exit $?"
+        grep -E "FAIL" "$out/e2e.log" | head -n 10; tail -n 1 "$out/e2e.log"
+    fi
     # A decode layer's integer GEMVs by the binary before and after (when .gpu/cuda_check-base is there).
     if [ -x .gpu/cuda_check-base ]; then
         for b in ${Q8_LAYER_RUNS:-cuda_check-base cuda_check}; do
