@@ -11,7 +11,10 @@ It writes `llama-k-f16.gguf`, a random-weight llama whose every matrix row is a 
 256-weight K-quant super-blocks (hidden 256, intermediate 512), so llama-quantize applies its real
 per-tensor mixes instead of falling back to other types for narrow rows; then one file per llama.cpp
 file type (`llama-k-Q4_K_M.gguf`, ...) made by `llama-quantize`, and `types.json` with the storage
-type of every tensor of every file, as llama-quantize chose it. The tokenizer is the one of
+type of every tensor of every file, as llama-quantize chose it. Likewise `qwen3moe-k-f16.gguf`, a
+random-weight qwen3moe of the same widths (8 experts of width 256, 2 a token, stacked as llama.cpp's
+converter lays them out, Qwen3's q/k norms), and its `MOE_FILE_TYPES` (the mixed files people
+download for Qwen3-30B-A3B: experts Q4_K, the last layer's down projections Q6_K). The tokenizer is the one of
 `tests/fixtures/tiny/llama-bf16.gguf` (vocab 384); one layer keeps the files small (llama-quantize
 still applies its per-layer rules: a lone layer counts as a first and a last one). Weights come from a fixed numpy seed, so a
 re-run with the same numpy and llama.cpp writes the same files.
@@ -41,6 +44,11 @@ HEAD_DIM = HIDDEN // HEADS
 CONTEXT = 256
 # llama.cpp file types, named as llama-quantize takes them.
 FILE_TYPES = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
+# The mixture of experts: experts, experts a token, one expert's width.
+EXPERTS = 8
+TOP_K = 2
+EXPERT_FFN = 256
+MOE_FILE_TYPES = ["Q4_K_M"]
 
 
 def copy_tokenizer(src: Path, w: gguf.GGUFWriter) -> int:
@@ -107,6 +115,60 @@ def write_f16(path: Path) -> None:
     w.close()
 
 
+def write_moe_f16(path: Path) -> None:
+    """A qwen3moe GGUF as llama.cpp's converter writes it: a router (`ffn_gate_inp`, F32) and the
+    experts stacked per layer (`ffn_{gate,up,down}_exps`, numpy shape [experts, rows, cols])."""
+    rng = np.random.default_rng(20261207)
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    vocab = copy_tokenizer(ROOT / "tests/fixtures/tiny/llama-bf16.gguf", w)
+    w.add_name("qwen3moe-k-f16")
+    w.add_context_length(CONTEXT)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(INTERMEDIATE)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1000000.0)
+    w.add_expert_count(EXPERTS)
+    w.add_expert_used_count(TOP_K)
+    w.add_expert_feed_forward_length(EXPERT_FFN)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+
+    def matrix(*shape: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale / np.sqrt(shape[-1])).astype(np.float16)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, HIDDEN))).astype(np.float16))
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", norm(HIDDEN))
+        w.add_tensor(p + "attn_q.weight", matrix(HEADS * HEAD_DIM, HIDDEN))
+        w.add_tensor(p + "attn_k.weight", matrix(KV_HEADS * HEAD_DIM, HIDDEN))
+        w.add_tensor(p + "attn_v.weight", matrix(KV_HEADS * HEAD_DIM, HIDDEN))
+        w.add_tensor(p + "attn_q_norm.weight", norm(HEAD_DIM))
+        w.add_tensor(p + "attn_k_norm.weight", norm(HEAD_DIM))
+        w.add_tensor(p + "attn_output.weight", matrix(HIDDEN, HEADS * HEAD_DIM))
+        w.add_tensor(p + "ffn_norm.weight", norm(HIDDEN))
+        # A router of large logits: the top experts of a token stand apart, so the quantized
+        # files route every token as the f16 file does and the comparison is of one function.
+        w.add_tensor(p + "ffn_gate_inp.weight", (matrix(EXPERTS, HIDDEN, scale=4.0)).astype(np.float32))
+        w.add_tensor(p + "ffn_gate_exps.weight", matrix(EXPERTS, EXPERT_FFN, HIDDEN))
+        w.add_tensor(p + "ffn_up_exps.weight", matrix(EXPERTS, EXPERT_FFN, HIDDEN))
+        w.add_tensor(p + "ffn_down_exps.weight", matrix(EXPERTS, HIDDEN, EXPERT_FFN))
+    w.add_tensor("output_norm.weight", norm(HIDDEN))
+    w.add_tensor("output.weight", matrix(vocab, HIDDEN, scale=2.0))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def tensor_types(path: Path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
 
@@ -126,6 +188,15 @@ def main() -> int:
     for ft in FILE_TYPES:
         dst = args.out / f"llama-k-{ft}.gguf"
         subprocess.run([str(args.quantize), str(src), str(dst), ft, "1"], check=True,
+                       stdout=subprocess.DEVNULL)
+        types[dst.name] = tensor_types(dst)
+        print(dst.name, sorted(set(types[dst.name].values())), dst.stat().st_size, "bytes")
+    moe = args.out / "qwen3moe-k-f16.gguf"
+    write_moe_f16(moe)
+    types[moe.name] = tensor_types(moe)
+    for ft in MOE_FILE_TYPES:
+        dst = args.out / f"qwen3moe-k-{ft}.gguf"
+        subprocess.run([str(args.quantize), str(moe), str(dst), ft, "1"], check=True,
                        stdout=subprocess.DEVNULL)
         types[dst.name] = tensor_types(dst)
         print(dst.name, sorted(set(types[dst.name].values())), dst.stat().st_size, "bytes")
