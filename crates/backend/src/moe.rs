@@ -121,7 +121,25 @@ impl MoeShape {
         let tiles = p.div_ceil(MOE_TILE_ROWS) + e.min(p);
         4 * p + 2 * (e + 1) + 2 + 3 * e + 3 * tiles
     }
+
+    /// 32-bit words of the 8-bit copies a device backend's integer expert
+    /// GEMVs read (see [`MoeScratch::q8`]): up to [`MOE_DECODE_ROWS`] input
+    /// rows and their pairs' SiLU products, one after the other at 16-byte
+    /// boundaries, each a code per value from its start and, from the next
+    /// 16-byte boundary, a (scale, scaled sum) pair of f32 per 32 values.
+    pub fn q8_words(&self) -> usize {
+        let rows = self.max_rows.min(MOE_DECODE_ROWS);
+        let bytes = |n: usize, cols: usize| {
+            ((n * cols).next_multiple_of(16) + n * cols.div_ceil(32) * 8).next_multiple_of(16)
+        };
+        (bytes(rows, self.hidden) + bytes(rows * self.routing.top_k, self.expert_ffn)).div_ceil(4)
+    }
 }
+
+/// Token rows up to which a device backend runs the routed decode kernels
+/// (every chosen expert's weights read once); the scratch's 8-bit copies are
+/// sized for that many.
+pub const MOE_DECODE_ROWS: usize = 64;
 
 /// Rows of one work tile of a device backend's grouped expert GEMM: the
 /// metadata is sized for it here so every backend allocates the same scratch.
@@ -140,6 +158,9 @@ pub struct MoeScratch<B: Backend + ?Sized> {
     pub y: B::Act,      // [max_pairs, hidden]
     /// `[1, MoeShape::meta_words]`: the device's routing metadata.
     pub meta: B::Act,
+    /// `[1, MoeShape::q8_words]`: the device's 8-bit copies of the rows and
+    /// of the SiLU products, for block-format experts.
+    pub q8: B::Act,
     pub host_router: Vec<f32>,
     pub routes: Routes,
     /// `max_rows` zeros: the ids that embed the zero row into every row.
@@ -160,6 +181,7 @@ impl<B: Backend + ?Sized> MoeScratch<B> {
             act: a(pairs, ef)?,
             y: a(pairs, shape.hidden)?,
             meta: a(1, shape.meta_words())?,
+            q8: a(1, shape.q8_words())?,
             host_router: Vec::with_capacity(rows * n),
             routes: Routes::new(n),
             zero_ids: vec![0; rows],

@@ -23,6 +23,10 @@
 //!   dequantized in double from the format's definition, with one and several
 //!   groups of weight rows a block, three matrices in one launch, and gate/up
 //!   with their SiLU product, that product's 8-bit copy bit for bit.
+//! - `moe_q8.cpp`: the routed integer GEMVs of block-format experts
+//!   (kernels/moe_q8.cu) as the MoE decode launches them, gate/up/SiLU, the
+//!   products' 8-bit copy and down, every format and Q4_K_M's mix, against
+//!   the experts dequantized in double.
 //! - `mmq.cpp`: the tensor-core matmul of block-format weights
 //!   (kernels/mmq.cu, with the decoders of kernels/blocks.cu) for the formats
 //!   with word-wise decoders, at every group size, with K slices and their
@@ -32,7 +36,9 @@
 //! Shared by the programs: `shim.h` (threads, barriers, vector types, warp
 //! shuffles), `mma.h` (shared-memory addresses, cp.async, mma.sync,
 //! ldmatrix), `formats.h` (the block formats' reference decoders and
-//! random blocks) and `q8.h` (the 8-bit rule of the GEMVs' inputs).
+//! random blocks), `q8.h` (the 8-bit rule of the GEMVs' inputs) and
+//! `mmvq_ref.h` (the integer GEMVs compiled, random matrices and inputs with
+//! their reference dots).
 //!
 //! Needs a C++20 compiler: `$CXX`, or `c++` on the PATH.
 
@@ -90,6 +96,12 @@ fn integer_decode_gemvs_match_the_block_definitions_under_emulation() {
         24,
         "the SiLU product's 8-bit copy:\n{report}"
     );
+}
+
+#[test]
+fn routed_integer_expert_gemvs_match_the_block_definitions_under_emulation() {
+    let report = run_emulated("moe_q8");
+    assert_eq!(report.matches("PASS").count(), 15, "fewer comparisons than written:\n{report}");
 }
 
 #[test]

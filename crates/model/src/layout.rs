@@ -505,10 +505,10 @@ impl CostModel {
             // The expert scratch (`corridor_backend::MoeScratch`): router
             // logits, the gathered rows of one expert, its gate and up, per
             // (row, chosen expert) pair a SwiGLU output and an expert output,
-            // and the device's routing metadata.
+            // and the device's routing metadata and 8-bit copies.
             let (h, ef, k) = (cfg.hidden_size, s.expert_ffn(cfg).len(), m.experts_per_token);
             per_row += m.num_experts + h + 2 * ef + k * (ef + h);
-            fixed += corridor_backend::MoeShape {
+            let shape = corridor_backend::MoeShape {
                 max_rows: self.max_rows,
                 hidden: h,
                 expert_ffn: ef,
@@ -517,8 +517,8 @@ impl CostModel {
                     top_k: k,
                     norm_topk_prob: m.norm_topk_prob,
                 },
-            }
-            .meta_words();
+            };
+            fixed += shape.meta_words() + shape.q8_words();
         }
         let per_logit_row = 2 * cfg.hidden_size + s.vocab.len() + cfg.vocab_size;
         Bytes(4 * (self.max_rows * per_row + self.max_logit_rows * per_logit_row + fixed) as u64)

@@ -38,6 +38,13 @@ use half::{bf16, f16};
 use std::time::Instant;
 
 const EXACT: f32 = 1e-4;
+/// Block-format experts at decode (the routed integer GEMVs): both sides
+/// quantize the rows and then the SiLU products to 8 bits, but the products
+/// come out of sums in other orders, so now and then one lands on the other
+/// side of a rounding boundary and moves a whole code (1/127 of its block's
+/// largest) in one of an expert's ffn terms: about 3e-4 of the largest
+/// output for one such code; ten times that.
+const Q8_CHAIN: f32 = 3e-3;
 const BF16: f32 = 2e-2;
 const SCAN: f32 = 1e-3;
 
@@ -2480,22 +2487,14 @@ fn delta_case(
 }
 
 /// One Qwen3-30B-A3B expert layer (hidden 2048, 128 experts of FFN 768,
-/// top 8, random bf16 weights and inputs): `moe_ffn` (router matmul
-/// included) at 1 and 32 rows as captured graphs, at 2048 rows as launched.
-/// At 1 row the bytes read are the router and 8 experts; at 2048 rows the
-/// rate is the experts' tensor-core FLOPs.
+/// top 8, random weights and inputs) with bf16 experts, then with those of a
+/// Q4_K_M file (gate/up Q4_K, down Q6_K, on the routed integer GEMVs):
+/// `moe_ffn` (router matmul included) at 1 and 32 rows as captured graphs,
+/// at 2048 rows as launched. At 1 row the bytes read are the router and 8
+/// experts; at 2048 rows the rate is the experts' FLOPs.
 fn moe_bench(be: &CudaBackend, rng: &mut Rng, lines: &mut Vec<String>) -> Result<()> {
     let (hidden, ffn) = (2048usize, 768usize);
     let routing = crate::Routing { num_experts: 128, top_k: 8, norm_topk_prob: true };
-    let mut experts = Vec::with_capacity(routing.num_experts);
-    for _ in 0..routing.num_experts {
-        experts.push(crate::Expert {
-            gate_proj: be.upload_weight(&bench_weight(rng, ffn, hidden))?,
-            up_proj: be.upload_weight(&bench_weight(rng, ffn, hidden))?,
-            down_proj: be.upload_weight(&bench_weight(rng, hidden, ffn))?,
-        });
-    }
-    let table = be.expert_table(&experts)?;
     let rt = float_tensor(
         "router",
         DType::BF16,
@@ -2511,40 +2510,65 @@ fn moe_bench(be: &CudaBackend, rng: &mut Rng, lines: &mut Vec<String>) -> Result
     let x = be.alloc_act(ActShape { rows: max_rows, cols: hidden })?;
     put_gpu(be, &x, &rng.vec(max_rows * hidden, 1.0))?;
     let mut out = be.alloc_act(ActShape { rows: max_rows, cols: hidden })?;
-    let mut run = |rows: usize| {
-        let r = be.moe_ffn(crate::MoeFfn {
-            x: &x,
-            router: &router,
-            experts: &experts,
-            table: &table,
-            routing,
-            zero_row: &zero,
-            rows,
-            scratch: &mut sc,
-            out: &mut out,
-        });
-        if let Err(e) = r {
-            be.lock().error.get_or_insert(e);
+    for (variant, (gu, dn), id) in
+        [("bf16", (DType::BF16, DType::BF16), 300_001), ("Q4_K/Q6_K", (DType::Q4_K, DType::Q6_K), 300_011)]
+    {
+        let mk = |rng: &mut Rng, dtype: DType, rows: usize, cols: usize| {
+            if dtype == DType::BF16 {
+                bench_weight(rng, rows, cols)
+            } else {
+                quant_tensor(rng, dtype, rows, cols)
+            }
+        };
+        let mut experts = Vec::with_capacity(routing.num_experts);
+        for _ in 0..routing.num_experts {
+            experts.push(crate::Expert {
+                gate_proj: be.upload_weight(&mk(rng, gu, ffn, hidden))?,
+                up_proj: be.upload_weight(&mk(rng, gu, ffn, hidden))?,
+                down_proj: be.upload_weight(&mk(rng, dn, hidden, ffn))?,
+            });
         }
-    };
-    let expert_bytes = (3 * ffn * hidden * 2) as f64;
-    let one = graph_time_ms(be, 300_001, 50, || run(1))?;
-    let read = routing.top_k as f64 * expert_bytes + (routing.num_experts * hidden * 2) as f64;
-    lines.push(format!(
-        "moe_ffn qwen3-30b-a3b layer, 1 row: {one:.4} ms, {:.0} GB/s of the {:.1} MB a token reads ({:.0}% of 4300)",
-        read / (one as f64 * 1e-3) / 1e9,
-        read / 1e6,
-        read / (one as f64 * 1e-3) / 1e9 / 4300.0 * 100.0
-    ));
-    let b32 = graph_time_ms(be, 300_002, 20, || run(32))?;
-    lines.push(format!("moe_ffn qwen3-30b-a3b layer, 32 rows: {b32:.4} ms ({:.4} ms per row)", b32 / 32.0));
-    let pre = time_ms(be, 5, || run(2048))?;
-    let flops = 2.0 * 2048.0 * routing.top_k as f64 * 3.0 * (ffn * hidden) as f64;
-    lines.push(format!(
-        "moe_ffn qwen3-30b-a3b layer, 2048 rows: {pre:.3} ms, {:.0} TFLOP/s in the experts",
-        flops / (pre as f64 * 1e-3) / 1e12
-    ));
-    be.check()
+        let table = be.expert_table(&experts)?;
+        let mut run = |rows: usize| {
+            let r = be.moe_ffn(crate::MoeFfn {
+                x: &x,
+                router: &router,
+                experts: &experts,
+                table: &table,
+                routing,
+                zero_row: &zero,
+                rows,
+                scratch: &mut sc,
+                out: &mut out,
+            });
+            if let Err(e) = r {
+                be.lock().error.get_or_insert(e);
+            }
+        };
+        let bytes = |d: DType| d.bytes_for(ffn * hidden).unwrap_or(0) as f64;
+        let expert_bytes = 2.0 * bytes(gu) + bytes(dn);
+        let one = graph_time_ms(be, id, 50, || run(1))?;
+        let read = routing.top_k as f64 * expert_bytes + (routing.num_experts * hidden * 2) as f64;
+        lines.push(format!(
+            "moe_ffn qwen3-30b-a3b {variant} layer, 1 row: {one:.4} ms, {:.0} GB/s of the {:.1} MB a token reads ({:.0}% of 4300)",
+            read / (one as f64 * 1e-3) / 1e9,
+            read / 1e6,
+            read / (one as f64 * 1e-3) / 1e9 / 4300.0 * 100.0
+        ));
+        let b32 = graph_time_ms(be, id + 1, 20, || run(32))?;
+        lines.push(format!(
+            "moe_ffn qwen3-30b-a3b {variant} layer, 32 rows: {b32:.4} ms ({:.4} ms per row)",
+            b32 / 32.0
+        ));
+        let pre = time_ms(be, 5, || run(2048))?;
+        let flops = 2.0 * 2048.0 * routing.top_k as f64 * 3.0 * (ffn * hidden) as f64;
+        lines.push(format!(
+            "moe_ffn qwen3-30b-a3b {variant} layer, 2048 rows: {pre:.3} ms, {:.0} TFLOP/s in the experts",
+            flops / (pre as f64 * 1e-3) / 1e12
+        ));
+        be.check()?;
+    }
+    Ok(())
 }
 
 /// How a MoE check case sets its router.
@@ -2685,6 +2709,28 @@ fn moe_case(
     })?;
     let mut want = Vec::new();
     cpu.read_rows(&out.c, rows, &mut want);
+    // Block-format experts take 8-bit rows at decode: against the CPU's own
+    // 8-bit decode (every expert's rows within its 8-bit dots' reach), or
+    // past that reach against f32 at the bf16 tolerance (8-bit rounding of an
+    // input is a relative error of at most 1/254 an element).
+    let (mut want_q8, mut q8_tol) = (want.clone(), BF16);
+    if l.table.integer_gemvs() && rows <= GEMV_MAX_ROWS {
+        let q8 = CpuBackend::with_decode_activations(crate::cpu::DecodeActivations::Q8);
+        let mut sq = crate::MoeScratch::new(&q8, shape)?;
+        q8.moe_ffn(crate::MoeFfn {
+            x: &x.c,
+            router: &l.router.1,
+            experts: &l.cpu,
+            table: &(),
+            routing: l.routing,
+            zero_row: &l.zero.1,
+            rows,
+            scratch: &mut sq,
+            out: &mut out.c,
+        })?;
+        q8.read_rows(&out.c, rows, &mut want_q8);
+        q8_tol = Q8_CHAIN;
+    }
     let mut sg = crate::MoeScratch::new(be, shape)?;
     for path in [super::MoePath::Gemv, super::MoePath::Gemm] {
         // Something else first, so a launch that writes nothing shows.
@@ -2709,8 +2755,12 @@ fn moe_case(
         // The routed GEMVs compute in f32 like the CPU (and the router's
         // logits are exact on both); the grouped GEMM rounds its inputs and
         // the SwiGLU output to bf16.
-        let tol = if path == super::MoePath::Gemv { EXACT } else { BF16 };
-        rep.compare(&format!("moe_ffn {name} {rows} rows ({path:?})"), &got, &want, tol);
+        let (want, tol) = match path {
+            super::MoePath::Gemv if l.table.integer_gemvs() => (&want_q8, q8_tol),
+            super::MoePath::Gemv => (&want, EXACT),
+            super::MoePath::Gemm => (&want, BF16),
+        };
+        rep.compare(&format!("moe_ffn {name} {rows} rows ({path:?})"), &got, want, tol);
     }
     Ok(())
 }
@@ -2719,7 +2769,8 @@ fn moe_case(
 /// shape, odd widths (scalar tails), widths that send gate/up and down to
 /// different GEMVs (the bf16 ones take rows of a multiple of 8),
 /// Qwen3-30B-A3B's layer (hidden 2048, 128 experts, top 8, expert FFN 768),
-/// block-format experts, ties in the router, each at 1, 2, 3, 8, 64 and 300
+/// block-format experts (the routed integer GEMVs at decode, against the
+/// CPU's 8-bit decode), ties in the router, each at 1, 2, 3, 8, 64 and 300
 /// rows on both kernel paths (the bf16 GEMVs' fused down at 1 and 2, their
 /// one-pair kernels to 8, their four-pair ones beyond); then a captured
 /// decode step replayed with new inputs.
@@ -2743,6 +2794,7 @@ pub fn moe_checks(be: &CudaBackend, rep: &mut CheckReport) -> Result<()> {
         ((256, 64), r(8, 2, true), DType::Q8_0, RouterKind::Spread),
         ((256, 256), r(8, 3, true), DType::Q4_K, RouterKind::Spread),
         ((256, 256), r(8, 3, true), DType::Q6_K, RouterKind::Triples),
+        ((2048, 768), r(128, 8, true), DType::Q4_K, RouterKind::Spread),
     ];
     for &(dims, routing, dtype, router) in cases {
         let name = format!(

@@ -89,6 +89,9 @@ pub(super) struct Kernels {
     pub(super) moe_gemm_gate_up: Kernel,
     pub(super) moe_gemm_down: Kernel,
     pub(super) moe_combine: Kernel,
+    /// The routed integer GEMVs of block-format experts (kernels/moe_q8.cu),
+    /// gate/up/SiLU and down, one pair per entry of `MMVQ_FORMATS`.
+    pub(super) moe_q8: [[MvKernel; 2]; 12],
     /// One block per row: sanitize, edit and draw (kernels/sample.cu).
     pub(super) sample_rows: Kernel,
 }
@@ -124,6 +127,13 @@ impl MmqKernel {
 pub(super) struct MvKernel {
     pub(super) k: Kernel,
     pub(super) per_sm: usize,
+}
+
+impl MvKernel {
+    fn new(k: Kernel) -> Result<MvKernel> {
+        let per_sm = k.allow_shared(0, 32 * MMVQ_WARPS)? as usize;
+        Ok(MvKernel { k, per_sm: per_sm.max(1) })
+    }
 }
 
 /// Compile the kernel sources for `arch` (or read them from the cache in
@@ -195,11 +205,7 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
             let mut sets = Vec::with_capacity(MMVQ_FORMATS.len());
             for d in MMVQ_FORMATS {
                 let stem = kernel_stem(d);
-                let mv = |r: usize| -> Result<MvKernel> {
-                    let k = f(&format!("mmvq_{stem}_r{r}"))?;
-                    let per_sm = k.allow_shared(0, 32 * MMVQ_WARPS)? as usize;
-                    Ok(MvKernel { k, per_sm: per_sm.max(1) })
-                };
+                let mv = |r: usize| MvKernel::new(f(&format!("mmvq_{stem}_r{r}"))?);
                 sets.push([mv(1)?, mv(2)?, mv(4)?, mv(8)?]);
             }
             sets.try_into().map_err(|_| BackendError::Other("mmvq kernel table".into()))?
@@ -260,6 +266,15 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         moe_gemm_gate_up: f("moe_gemm_gate_up")?,
         moe_gemm_down: f("moe_gemm_down")?,
         moe_combine: f("moe_combine")?,
+        moe_q8: {
+            let mut sets = Vec::with_capacity(MMVQ_FORMATS.len());
+            for d in MMVQ_FORMATS {
+                let stem = kernel_stem(d);
+                let mv = |part: &str| MvKernel::new(f(&format!("moe_q8_{part}_{stem}"))?);
+                sets.push([mv("gate_up")?, mv("down")?]);
+            }
+            sets.try_into().map_err(|_| BackendError::Other("moe_q8 kernel table".into()))?
+        },
         sample_rows: f("sample_rows")?,
     };
     Ok((module, k))

@@ -191,6 +191,13 @@ pub(super) struct Q8Input {
     pub(super) k: usize,
 }
 
+impl Q8Input {
+    /// `rows` rows of `k` columns laid out by [`q8_layout`] from `at`.
+    pub(super) fn at(at: u64, rows: usize, k: usize) -> Q8Input {
+        Q8Input { codes: at, scales: at + q8_layout(rows, k).scales_at as u64, k }
+    }
+}
+
 /// Bytes of the bf16 tile a quantized weight is widened into for prefill.
 pub(super) const DEQUANT_TILE: usize = 32 << 20;
 /// Alignment of weights inside the weight arena (cuBLASLt wants 16, the
@@ -386,13 +393,14 @@ impl CudaBackend {
 
     /// Where `rows` rows of `k` columns quantized to 8 bits go in scratch `buf`.
     fn q8_scratch(&self, st: &State, buf: usize, rows: usize, k: usize) -> Result<Q8Input> {
-        let layout = q8_layout(rows, k);
-        let b = st.xq[buf].as_ref().filter(|b| b.bytes().0 as usize >= layout.bytes).ok_or_else(|| {
-            BackendError::Other(format!(
-                "8-bit input of {rows}x{k}: scratch not sized (allocate activations first)"
-            ))
-        })?;
-        Ok(Q8Input { codes: b.ptr(), scales: b.ptr() + layout.scales_at as u64, k })
+        let b = st.xq[buf].as_ref().filter(|b| b.bytes().0 as usize >= q8_layout(rows, k).bytes).ok_or_else(
+            || {
+                BackendError::Other(format!(
+                    "8-bit input of {rows}x{k}: scratch not sized (allocate activations first)"
+                ))
+            },
+        )?;
+        Ok(Q8Input::at(b.ptr(), rows, k))
     }
 
     /// Where an op that writes `rows` rows of `out` (a norm, attention's

@@ -20,7 +20,8 @@
 //! [`MetaLayout`] from the scratch's `MoeShape` (the same for every step).
 
 use super::device::{Args, DeviceBuffer, LaunchDims, Purpose};
-use super::kernels::dtype_code;
+use super::kernels::{dtype_code, grid_for, mmvq_index, MvKernel};
+use super::matmul::{mmvq_groups, q8_layout, Q8Input, GEMV_MAX_ROWS, MMVQ_MAX_GROUPS, MMVQ_NW, MMVQ_WARPS};
 use super::{CudaAct, CudaBackend, CudaWeight};
 use crate::dtype::DType;
 use crate::moe::{unfused, Expert, MoeFfn, MoeShape, MOE_TILE_ROWS};
@@ -28,7 +29,7 @@ use crate::{Backend, BackendError, Result};
 
 /// Token rows up to which the routed GEMVs run; more take the grouped GEMM.
 /// Up to as many rows are routed and grouped by one block in one launch.
-pub const MOE_GEMV_MAX_ROWS: usize = 64;
+pub const MOE_GEMV_MAX_ROWS: usize = crate::moe::MOE_DECODE_ROWS;
 
 /// Token rows up to which down and the weighted sum are one launch (each
 /// row's warps read their experts' down rows; beyond, rows would share
@@ -96,12 +97,21 @@ pub struct CudaExperts {
     /// 16-byte chunks (a multiple of 8 weights, 16-byte strides and starts).
     bf16_gate_up: bool,
     bf16_down: bool,
+    /// gate/up and down take the routed integer GEMVs (kernels/moe_q8.cu):
+    /// their indexes in `MMVQ_FORMATS`.
+    q8: Option<(usize, usize)>,
 }
 
 impl CudaExperts {
     /// Whether the layer runs through the kernels (not the unfused op).
     pub fn on_device(&self) -> bool {
         self.table.is_some()
+    }
+
+    /// Whether decode steps take the routed integer GEMVs (block-format
+    /// experts: their input rows and SiLU products in 8 bits).
+    pub fn integer_gemvs(&self) -> bool {
+        self.table.is_some() && self.q8.is_some()
     }
 }
 
@@ -181,6 +191,18 @@ impl CudaBackend {
         };
         let bf16_gate_up = experts.iter().all(|x| chunked(&x.gate_proj) && chunked(&x.up_proj));
         let bf16_down = experts.iter().all(|x| chunked(&x.down_proj));
+        // The integer GEMVs read whole blocks of 32 activations, and Q4_K and
+        // Q5_K straight into registers from 16-byte aligned rows (kernels/mmvq.cu).
+        let q8_ok = |w: &CudaWeight| {
+            let aligned = !matches!(w.dtype, DType::Q4_K | DType::Q5_K)
+                || (w.ptr().is_multiple_of(16) && w.row_bytes.is_multiple_of(16));
+            w.dtype.is_quantized() && w.cols.is_multiple_of(32) && aligned
+        };
+        let q8_all = experts.iter().all(|x| q8_ok(&x.gate_proj) && q8_ok(&x.up_proj) && q8_ok(&x.down_proj));
+        let q8 = match (mmvq_index(gate_up.0), mmvq_index(down.0)) {
+            (Some(g), Some(d)) if q8_all && self.config.tuning.q8_gemv => Some((g, d)),
+            _ => None,
+        };
         Ok(CudaExperts {
             table,
             num_experts: experts.len(),
@@ -190,6 +212,7 @@ impl CudaBackend {
             hidden,
             bf16_gate_up,
             bf16_down,
+            q8,
         })
     }
 
@@ -244,6 +267,12 @@ impl CudaBackend {
         let slots = e.min(pairs) as u32;
 
         self.matmul(x, router, None, rows, &mut m.router);
+        // The rows in 8 bits for block-format experts, before any op forgets
+        // the copy the norm before may have stored.
+        let xq = match (path, t.q8) {
+            (MoePath::Gemv, Some(_)) => self.moe_q8_input(x, rows, &m.q8, &shape),
+            _ => None,
+        };
         let router_out: &CudaAct = &m.router;
         let sort_args = |a: Args| {
             a.ptr(w(l.pos_of_pair))
@@ -279,6 +308,11 @@ impl CudaBackend {
             });
         }
         let (act, ys) = (m.act.ptr(), m.y.ptr());
+        if let (MoePath::Gemv, Some(q8), Some(xq)) = (path, t.q8, xq) {
+            let at = q8_layout(rows, hidden).bytes.next_multiple_of(16) as u64;
+            let aq = Q8Input::at(m.q8.ptr() + at, rows * k, ffn);
+            return self.moe_q8_experts(table.ptr(), t, q8, xq, aq, rows, k, slots, w, l, act, ys, out.ptr());
+        }
         match path {
             MoePath::Gemv => self.op("moe experts (routed gemv)", |_| {
                 // Which instantiation of the bf16 GEMVs: `_p1` or `_p4`.
@@ -364,6 +398,85 @@ impl CudaBackend {
                 self.combine(ys, w(l.wts), w(l.pos_of_pair), k, hidden, rows, out.ptr())
             }),
         }
+        Ok(())
+    }
+
+    /// The first `rows` rows of `x` in 8 bits for the integer expert GEMVs:
+    /// the copy an op before stored, or quantized now into the integer GEMVs'
+    /// scratch, or for more rows than that holds into the start of `q8`
+    /// (`MoeShape::q8_words`). `None` if neither can hold them.
+    fn moe_q8_input(&self, x: &CudaAct, rows: usize, q8: &CudaAct, shape: &MoeShape) -> Option<Q8Input> {
+        let mut input = None;
+        self.matmul_op("moe q8 input", |st| {
+            if rows <= GEMV_MAX_ROWS {
+                input = Some(self.q8_input(st, x, rows)?);
+                return Ok(());
+            }
+            let layout = q8_layout(rows, shape.hidden);
+            if rows > MOE_GEMV_MAX_ROWS || x.cols != shape.hidden || 4 * shape.q8_words() < layout.bytes {
+                return Ok(());
+            }
+            let q = Q8Input::at(q8.ptr(), rows, shape.hidden);
+            let blocks = rows * shape.hidden / 32;
+            let a = Args::new().ptr(x.ptr()).ptr(q.codes).ptr(q.scales).i64(blocks as i64);
+            unsafe { self.launch(self.k.q8_quantize, grid_for(blocks * 8, 256), a)? };
+            input = Some(q);
+            Ok(())
+        });
+        input
+    }
+
+    /// The experts of block formats through the routed integer GEMVs
+    /// (kernels/moe_q8.cu), after routing: gate/up/SiLU into `act`, its rows
+    /// quantized into `aq`, down into `ys`, and the weighted sum into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_q8_experts(
+        &self,
+        table: u64,
+        t: &CudaExperts,
+        (gi, di): (usize, usize),
+        xq: Q8Input,
+        aq: Q8Input,
+        rows: usize,
+        k: usize,
+        slots: u32,
+        w: impl Fn(usize) -> u64,
+        l: MetaLayout,
+        act: u64,
+        ys: u64,
+        out: u64,
+    ) -> Result<()> {
+        let (hidden, ffn, pairs) = (t.hidden, t.ffn, rows * k);
+        let nw = MMVQ_NW[0];
+        self.op("moe experts (routed integer gemv)", |_| {
+            // Blocks for about one wave over the experts in use, as a dense GEMV's.
+            let (gu, dn) = (self.k.moe_q8[gi][0], self.k.moe_q8[di][1]);
+            let groups = |kern: MvKernel, rows_each: usize, max: usize| {
+                mmvq_groups(slots as usize * rows_each.div_ceil(nw), kern.per_sm * self.sm_count, max)
+            };
+            let g = groups(gu, ffn, MMVQ_MAX_GROUPS[0] / 2);
+            let dims = LaunchDims { grid: (ffn.div_ceil(nw * g) as u32, slots, 1), block: 32 * MMVQ_WARPS };
+            let a = Args::new().ptr(table).i64(t.gate_up.1 as i64).ptr(xq.codes).ptr(xq.scales);
+            let a = a.i32(hidden as i32).i32(ffn as i32).i32(k as i32).ptr(w(l.pair_of_pos));
+            let a = a.ptr(w(l.n_active)).ptr(w(l.active)).ptr(act).i32(g as i32);
+            unsafe { self.launch(gu.k, dims, a)? };
+            let blocks = pairs * ffn / 32;
+            let a = Args::new().ptr(act).ptr(aq.codes).ptr(aq.scales).i64(blocks as i64);
+            unsafe { self.launch(self.k.q8_quantize, grid_for(blocks * 8, 256), a)? };
+            let g = groups(dn, hidden, MMVQ_MAX_GROUPS[0]);
+            let dims =
+                LaunchDims { grid: (hidden.div_ceil(nw * g) as u32, slots, 1), block: 32 * MMVQ_WARPS };
+            let a = Args::new().ptr(table).i64(t.down.1 as i64).ptr(aq.codes).ptr(aq.scales);
+            let a = a
+                .i32(ffn as i32)
+                .i32(hidden as i32)
+                .ptr(w(l.n_active))
+                .ptr(w(l.active))
+                .ptr(ys)
+                .i32(g as i32);
+            unsafe { self.launch(dn.k, dims, a)? };
+            self.combine(ys, w(l.wts), w(l.pos_of_pair), k, hidden, rows, out)
+        });
         Ok(())
     }
 

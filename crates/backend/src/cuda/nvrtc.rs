@@ -25,6 +25,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("../../kernels/attention.cu"),
     include_str!("../../kernels/delta.cu"),
     include_str!("../../kernels/moe.cu"),
+    include_str!("../../kernels/moe_q8.cu"),
     include_str!("../../kernels/sample.cu"),
 ];
 

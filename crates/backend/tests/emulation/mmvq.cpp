@@ -10,27 +10,12 @@
 // codes); rows of two, three, five and seventeen super-blocks' width cover a
 // partial step, steps spread over the block's warps and a warp's second
 // step, and the 2-byte aligned formats' rows start at every alignment.
-// `__dp4a` and `__funnelshift_r` are emulated below from their PTX
+// `__dp4a` and `__funnelshift_r` are emulated in mmvq_ref.h from their PTX
 // definitions, `__byte_perm`, the streaming load and the warp shuffles in
 // shim.h, the f16 conversion in formats.h (with the formats' decoders).
 // Built and run by crates/backend/tests/kernels_emulated.rs; exits 1 when a
 // comparison fails.
-#include "formats.h"
-#include "q8.h"
-#include <cstdio>
-
-// dp4a.s32.s32: c plus the four products of the signed bytes of a and b.
-inline int __dp4a(int a, int b, int c) {
-    for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
-    return c;
-}
-// shf.r.clamp... with a shift below 32: the low word of {hi, lo} >> n.
-inline u32 __funnelshift_r(u32 lo, u32 hi, int n) {
-    return (u32)((((unsigned long long)hi << 32) | lo) >> (n & 31));
-}
-
-#include "../../kernels/parts.cu"
-#include "../../kernels/mmvq.cu"
+#include "mmvq_ref.h"
 
 namespace {
 
@@ -44,19 +29,6 @@ const Gemv kGemvs[12][4] = {KERNELS(q8_0), KERNELS(q4_0), KERNELS(q4_1),   KERNE
                             KERNELS(q4_k), KERNELS(q5_k), KERNELS(q6_k),   KERNELS(iq4_xs)};
 const int kMaxGroups[4] = {32, 32, 16, 8}; // matmul.rs MMVQ_MAX_GROUPS
 
-// Input rows with edge blocks: all zeros, a tie at every half (x / d = n + 1/2
-// rounds away from zero, not to even), one large value among small ones.
-std::vector<float> input_rows(int rows, int k) {
-    std::vector<float> x((size_t)rows * k);
-    for (auto& v : x) v = rnd(2.f);
-    if (k >= 128) {
-        for (int i = 0; i < 32; i++) x[i] = 0.f;
-        for (int i = 0; i < 32; i++) x[32 + i] = i == 0 ? 127.f : (float)(i % 9) - 4.5f;
-        for (int i = 0; i < 32; i++) x[64 + i] = i == 7 ? -1000.f : rnd(0.01f);
-    }
-    return x;
-}
-
 bool check_quantize(int rows, int k) {
     std::vector<float> x = input_rows(rows, k);
     long long blocks = (long long)rows * k / 32;
@@ -68,48 +40,6 @@ bool check_quantize(int rows, int k) {
     printf("%s q8_quantize %d x %d: codes and (d, d sum q) bit for bit\n", ok ? "PASS" : "FAIL", rows, k);
     return ok;
 }
-
-// A matrix of random blocks of `f`, n x k, 16-byte aligned as the arena
-// places it, and its rows dequantized in double from the definition.
-struct Matrix {
-    std::vector<uint4> mem;
-    long long row_bytes;
-    std::vector<double> deq;
-    Matrix(const Format& f, int n, int k) {
-        int per_row = k / f.elems;
-        std::vector<u8> w = random_blocks(f, n * per_row);
-        row_bytes = (long long)per_row * f.bytes;
-        mem.resize((w.size() + 15) / 16 + 1);
-        memcpy(mem.data(), w.data(), w.size());
-        deq.resize((size_t)n * k);
-        for (int j = 0; j < n; j++)
-            for (int b = 0; b < per_row; b++)
-                f.decode(ptr() + j * row_bytes + (size_t)b * f.bytes, &deq[(size_t)j * k + (size_t)b * f.elems]);
-    }
-    const u8* ptr() const { return (const u8*)mem.data(); }
-};
-
-// The quantized input rows, as the kernels read them.
-struct Input {
-    std::vector<signed char> q;
-    std::vector<float2> s;
-    std::vector<int4> qa;
-    Input(int rows, int k) {
-        q8_reference(input_rows(rows, k), q, s);
-        qa.resize(q.size() / 16);
-        memcpy(qa.data(), q.data(), q.size());
-    }
-    // x[r] . row j of m, in double, and the sum of the terms' magnitudes.
-    std::pair<double, double> dot(const Matrix& m, int k, int r, int j) const {
-        double ref = 0, mag = 0;
-        for (int e = 0; e < k; e++) {
-            double xv = (double)s[((size_t)r * k + e) / 32].x * q[(size_t)r * k + e];
-            ref += m.deq[(size_t)j * k + e] * xv;
-            mag += std::fabs(m.deq[(size_t)j * k + e] * xv);
-        }
-        return {ref, mag};
-    }
-};
 
 int inst_of(int rows) { return rows <= 1 ? 0 : rows <= 2 ? 1 : rows <= 4 ? 2 : 3; }
 int nw_of(int rows) { return inst_of(rows) <= 1 ? 2 : 4; } // matmul.rs MMVQ_NW
