@@ -76,6 +76,14 @@ pub struct CudaTuning {
     /// noise either way (BENCHMARKS.md): the launch it saves overlaps the
     /// one before it already (PDL), and every block then rotates its q heads.
     pub attn_rope: bool,
+    /// Decode steps of block-format experts (a GGUF file's mixture of
+    /// experts) take the routed integer GEMVs: each chosen expert's weights
+    /// read once by the dense layers' integer GEMV, on rows and SiLU products
+    /// quantized to 8 bits (`--cuda-moe-q8 on`, `CORRIDOR_MOE_Q8=1`; off,
+    /// the routed GEMVs of any storage type, which decode every weight on its
+    /// own). Checked under the host emulation; off by default until a card
+    /// has run `cuda_check` and the tiny Q4_K_M mixture of experts with it.
+    pub moe_q8: bool,
 }
 
 impl Default for CudaTuning {
@@ -92,6 +100,7 @@ impl Default for CudaTuning {
             l2_prefetch: false,
             attn_merge: false,
             attn_rope: false,
+            moe_q8: false,
         }
     }
 }

@@ -76,6 +76,12 @@ pub struct CudaFlags {
     /// within 2% either way, BENCHMARKS.md).
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_ATTN_ROPE", value_name = "on|off")]
     cuda_attn_rope: Switch,
+    /// Decode steps of a mixture of experts stored in block formats (a GGUF file's Q4_K / Q6_K
+    /// experts) read each chosen expert's weights once with the integer GEMVs of the dense layers,
+    /// on rows and SiLU products quantized to 8 bits (off: the routed GEMVs of any storage type,
+    /// which decode each weight on its own; off until a card has run its checks).
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_MOE_Q8", value_name = "on|off")]
+    cuda_moe_q8: Switch,
 }
 
 impl CudaFlags {
@@ -92,6 +98,7 @@ impl CudaFlags {
             l2_prefetch: self.cuda_l2_prefetch.on(),
             attn_merge: self.cuda_attn_merge.on(),
             attn_rope: self.cuda_attn_rope.on(),
+            moe_q8: self.cuda_moe_q8.on(),
         }
     }
 }
@@ -146,6 +153,7 @@ mod tests {
         assert_eq!(parse(&["--cuda-l2-prefetch", "on"]), CudaTuning { l2_prefetch: true, ..d });
         assert_eq!(parse(&["--cuda-attn-merge", "on"]), CudaTuning { attn_merge: true, ..d });
         assert_eq!(parse(&["--cuda-attn-rope", "1"]), CudaTuning { attn_rope: true, ..d });
+        assert_eq!(parse(&["--cuda-moe-q8", "on"]), CudaTuning { moe_q8: true, ..d });
         assert_eq!(parse(&["--cuda-fuse", "1"]), d);
     }
 

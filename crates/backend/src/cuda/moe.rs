@@ -200,7 +200,9 @@ impl CudaBackend {
         };
         let q8_all = experts.iter().all(|x| q8_ok(&x.gate_proj) && q8_ok(&x.up_proj) && q8_ok(&x.down_proj));
         let q8 = match (mmvq_index(gate_up.0), mmvq_index(down.0)) {
-            (Some(g), Some(d)) if q8_all && self.config.tuning.q8_gemv => Some((g, d)),
+            (Some(g), Some(d)) if q8_all && self.config.tuning.q8_gemv && self.config.tuning.moe_q8 => {
+                Some((g, d))
+            }
             _ => None,
         };
         Ok(CudaExperts {
