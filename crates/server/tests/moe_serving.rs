@@ -105,3 +105,24 @@ fn the_tiny_moe_gguf_serves_transformers_greedy_text() {
     assert_eq!(prompt_tokens, prompt_len as u64);
     assert_eq!(text, want);
 }
+
+/// The tiny qwen3moe that llama-quantize wrote as Q4_K_M (experts Q4_K, their
+/// down projections Q6_K: whole 256-weight blocks a row) serves the same
+/// greedy text on one rank and sharded by uneven tensor parallelism, its
+/// experts' block-format columns split between the ranks.
+#[test]
+fn the_tiny_quantized_moe_gguf_serves_alike_on_one_rank_and_sharded() {
+    let path = fixture("kquant/qwen3moe-k-Q4_K_M.gguf");
+    let prompt = "The quick brown fox";
+    let (one, _) = complete_with(BootOptions::new(path.clone()), prompt, 12);
+    assert!(!one.is_empty());
+    for l in [
+        LayoutSpec { tp: 2, tp_split: Split::Even, pp: 1, pp_split: Split::Even },
+        LayoutSpec { tp: 2, tp_split: Split::Ratio(vec![3, 1]), pp: 1, pp_split: Split::Even },
+    ] {
+        let desc = format!("{l:?}");
+        let mut opts = BootOptions::new(path.clone());
+        opts.layout = Some(l);
+        assert_eq!(complete_with(opts, prompt, 12).0, one, "{desc}");
+    }
+}
