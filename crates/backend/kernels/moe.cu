@@ -821,9 +821,28 @@ __device__ __forceinline__ u32 moe_pack2(float a, float b) {
     return (u32)f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
 }
 
-// Eight weights of row `row` (K columns) from column k0 as bf16, zeros past K.
+// Eight weights of row `row` (K columns) from column k0 (a multiple of 8) as
+// bf16, zeros past K. Block formats with a word-wise decoder (blocks.cu
+// `deq8_bf16`: Q4_K, Q5_K, Q6_K, Q4_0, Q8_0, Q4_1, the types of llama.cpp's
+// default mixes) decode the eight from their group's scales at once; the
+// others, and bf16 rows of other widths, element by element (`load_elem`).
+// A block format's K is whole blocks, so its eight never cross K; a Q4_K or
+// Q5_K row that is not 16-byte aligned takes the element-wise decode.
 __device__ __forceinline__ uint4 moe_load_b8(const u8* row, int dt, int K, int k0, bool vec) {
     if (vec && k0 + 8 <= K) return *(const uint4*)(row + 2 * k0);
+    u32 p[4];
+    // Q4_K and Q5_K read words of 4 and 8 bytes: rows 16-byte aligned, as the arena places them.
+    bool done = k0 + 8 <= K && ((dt != DT_Q4_K && dt != DT_Q5_K) || ((unsigned long long)row & 15) == 0);
+    switch (done ? dt : -1) {
+    case DT_Q4_K: deq8_bf16<DT_Q4_K>(row, k0, p); break;
+    case DT_Q5_K: deq8_bf16<DT_Q5_K>(row, k0, p); break;
+    case DT_Q6_K: deq8_bf16<DT_Q6_K>(row, k0, p); break;
+    case DT_Q4_0: deq8_bf16<DT_Q4_0>(row, k0, p); break;
+    case DT_Q8_0: deq8_bf16<DT_Q8_0>(row, k0, p); break;
+    case DT_Q4_1: deq8_bf16<DT_Q4_1>(row, k0, p); break;
+    default: done = false;
+    }
+    if (done) return make_uint4(p[0], p[1], p[2], p[3]);
     float f[8];
 #pragma unroll
     for (int i = 0; i < 8; i++) f[i] = k0 + i < K ? load_elem(row, dt, k0 + i) : 0.f;

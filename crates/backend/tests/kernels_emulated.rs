@@ -14,9 +14,11 @@
 //!   kernels (per warp and in 32-token tiles, then the combine, whose 8-bit
 //!   copy of the output is checked bit for bit), against causal attention
 //!   over the same paged cache.
-//! - `moe.cpp`: the routed expert FFN's decode kernels (kernels/moe.cu):
-//!   routing and grouping, and the bf16 gate/up and down GEMVs, fused with
-//!   the weighted sum and per expert, against the op from its definition.
+//! - `moe.cpp`: the routed expert FFN's kernels (kernels/moe.cu): routing
+//!   and grouping, the bf16 gate/up and down GEMVs, fused with the weighted
+//!   sum and per expert, and the grouped GEMM of prefill over bf16 and
+//!   block-format experts (the formats of llama.cpp's default mixes decoded
+//!   by groups of 8), against the op from its definition.
 //! - `mmvq.cpp`: the integer decode GEMVs (kernels/mmvq.cu): the 8-bit
 //!   quantization of the input rows bit for bit against the CPU's rule, and
 //!   every format's GEMV at every row-count instantiation against the weights
@@ -82,9 +84,14 @@ fn attention_kernels_match_the_reference_under_emulation() {
 }
 
 #[test]
-fn moe_decode_kernels_match_the_reference_under_emulation() {
+fn moe_kernels_match_the_reference_under_emulation() {
     let report = run_emulated("moe");
-    assert_eq!(report.matches("PASS").count(), 37, "fewer comparisons than written:\n{report}");
+    assert_eq!(report.matches("PASS").count(), 55, "fewer comparisons than written:\n{report}");
+    assert_eq!(
+        report.matches("decoded by groups of 8 (no load_elem)").count(),
+        3,
+        "the grouped GEMM's word-wise decoders:\n{report}"
+    );
 }
 
 #[test]

@@ -4,6 +4,7 @@
 // `unpack_block`), and random blocks with edge values among them.
 #pragma once
 #include "shim.h"
+#include <atomic>
 #include <random>
 
 
@@ -184,3 +185,17 @@ std::vector<u8> random_blocks(const Format& f, int blocks) {
 }
 
 } // namespace
+
+// common.cu `load_elem` for the block formats: element j of a stored row,
+// from the reference decoder; `load_elem_calls` counts them (a kernel that
+// should decode a format word-wise calls it never).
+std::atomic<long> load_elem_calls{0};
+inline float load_elem(const u8* row, int dtype, int j) {
+    load_elem_calls++;
+    static const std::vector<Format> all = formats();
+    if (dtype < DT_Q8_0 || dtype > DT_IQ4_XS) abort();
+    const Format& f = all[dtype - DT_Q8_0];
+    double v[256];
+    f.decode(row + (long long)(j / f.elems) * f.bytes, v);
+    return (float)v[j % f.elems];
+}

@@ -24,15 +24,6 @@
 
 // What blocks.cu and mmq.cu take from kernels/common.cu (compiled ahead of
 // them): the per-element decoder, for the formats without a word-wise one.
-inline float load_elem(const u8* row, int dtype, int j) {
-    static const std::vector<Format> all = formats();
-    if (dtype < DT_Q8_0 || dtype > DT_IQ4_XS) abort();
-    const Format& f = all[dtype - DT_Q8_0];
-    double v[256];
-    f.decode(row + (long long)(j / f.elems) * f.bytes, v);
-    return (float)v[j % f.elems];
-}
-
 // mmq.cu's dynamic shared memory (`extern __shared__ ... mmq_smem[]` inside
 // the kernel) is this array; shim.h's `__shared__` (a function-local static)
 // would not declare it. The largest layout is Q8_0's (a 304-byte slot per

@@ -1,18 +1,22 @@
-// The routed expert FFN's decode kernels of kernels/moe.cu, run under the
-// host emulation of shim.h, against the op written out from its definition
-// in double precision: routing and grouping (moe_route_sort, one row and
-// several), the bf16 gate/up/SiLU GEMVs (moe_gemv_gate_up_bf16_p1, _p4) and
-// the bf16 down GEMVs, fused with the weighted sum (moe_gemv_down_combine_bf16)
-// and per expert (moe_gemv_down_bf16_p1, _p4, then moe_combine). The cases
-// cover K ranges of several passes and partial ones, output counts that are
-// not a multiple of a block's, experts with more pairs than a group of four,
-// and fewer, as many and more slots than a down block has warps. The warp
-// shuffles are emulated from their PTX definitions and the streaming loads as
-// plain loads; what the emulation cannot show (a missing barrier's race,
-// register spills, the speed) the GPU check in cuda/check.rs and
-// scripts/check_kernels.py cover. Built and run by
+// The routed expert FFN's kernels of kernels/moe.cu, run under the host
+// emulation of shim.h (mma.sync from mma.h), against the op written out from
+// its definition in double precision: routing and grouping (moe_route_sort,
+// one row and several), the bf16 gate/up/SiLU GEMVs (moe_gemv_gate_up_bf16_p1,
+// _p4) and the bf16 down GEMVs, fused with the weighted sum
+// (moe_gemv_down_combine_bf16) and per expert (moe_gemv_down_bf16_p1, _p4,
+// then moe_combine); and the grouped GEMM of prefill (moe_gemm_gate_up,
+// moe_gemm_down) over bf16 experts and block-format ones, those of llama.cpp's
+// default mixes decoded by groups of 8 (blocks.cu `deq8_bf16`, never through
+// `load_elem`). The cases cover K ranges of several passes and partial ones,
+// output counts that are not a multiple of a block's, experts with more pairs
+// than a group of four or a GEMM tile, and fewer, as many and more slots than
+// a down block has warps. The warp shuffles are emulated from their PTX
+// definitions and the streaming loads as plain loads; what the emulation
+// cannot show (a missing barrier's race, register spills, the speed) the GPU
+// check in cuda/check.rs and scripts/check_kernels.py cover. Built and run by
 // crates/backend/tests/kernels_emulated.rs; exits 1 when a comparison fails.
-#include "shim.h"
+#include "formats.h"
+#include "mma.h"
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
@@ -29,18 +33,13 @@ inline bf16_t f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (bf16_t)(u >> 16);
 }
-// The any-type kernels and the grouped GEMM need these to compile; nothing
-// here runs them.
-inline float load_elem(const u8*, int, int) { abort(); }
-inline void mma_bf16_16816(float (&)[4], const u32 (&)[4], u32, u32) { abort(); }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 
+#include "../../kernels/blocks.cu"
 #include "../../kernels/moe.cu"
 
 namespace {
 
-std::mt19937 rng(5);
-float rnd(float s) { return std::uniform_real_distribution<float>(-s, s)(rng); }
 double silu(double v) { return v / (1 + std::exp(-v)); }
 
 struct Case {
@@ -220,6 +219,104 @@ bool run(const Case& c) {
     return failed == 0;
 }
 
+// The grouped GEMM of prefill (moe_gemm_gate_up, moe_gemm_down) over experts
+// of block format `f` (bf16 for `f` null): `rows` rows, each routed to
+// expert 0 and one of 1 and 3 (expert 2 idle), so expert 0's pairs span a
+// whole tile of MOE_BM and a partial one; two grid slots past the tiles in
+// use. gate/up against the weights dequantized in double and the input
+// rounded to bf16 as the kernel rounds it; down against the act the kernel
+// wrote (bf16). The kernel rounds the weights to bf16 too (the word-wise
+// decoders round a group's scale and offset first), and sums K terms in f32:
+// a relative error of a few 2^-9 of the largest output; 2e-2 of it, while a
+// misread group or a lost tile is off by the whole.
+bool check_gemm(const Format* f, int rows, int hidden, int ffn) {
+    const int E = 4, k = 2, P = rows * k;
+    std::vector<std::vector<u8>> mats;
+    std::vector<std::vector<double>> deq;
+    auto matrix = [&](int n, int kk) {
+        std::vector<u8> m;
+        std::vector<double> d((size_t)n * kk);
+        if (f) {
+            m = random_blocks(*f, n * kk / f->elems);
+            m.resize(m.size() + 16);
+            for (int b = 0; b < n * kk / f->elems; b++) f->decode(&m[(size_t)b * f->bytes], &d[(size_t)b * f->elems]);
+        } else {
+            std::vector<bf16_t> w = bf16_matrix(n, kk);
+            m.resize(w.size() * 2);
+            memcpy(m.data(), w.data(), m.size());
+            for (size_t i = 0; i < w.size(); i++) d[i] = bf16_to_f32(w[i]);
+        }
+        mats.push_back(std::move(m));
+        deq.push_back(std::move(d));
+    };
+    for (int e = 0; e < E; e++) matrix(ffn, hidden), matrix(ffn, hidden), matrix(hidden, ffn);
+    std::vector<u64> table;
+    for (auto& m : mats) table.push_back((u64)(uintptr_t)m.data());
+    long long rb_gu = f ? (long long)hidden / f->elems * f->bytes : 2LL * hidden;
+    long long rb_dn = f ? (long long)ffn / f->elems * f->bytes : 2LL * ffn;
+    int dt = f ? f->dt : DT_BF16;
+    // The routing as moe_route_sort leaves it: pairs by expert, tiles of at most MOE_BM.
+    std::vector<int> ids(P);
+    for (int r = 0; r < rows; r++) ids[r * k] = 0, ids[r * k + 1] = rng() % 2 ? 1 : 3;
+    std::vector<int> pair_of_pos(P), tiles;
+    std::iota(pair_of_pos.begin(), pair_of_pos.end(), 0);
+    std::stable_sort(pair_of_pos.begin(), pair_of_pos.end(), [&](int a, int b) { return ids[a] < ids[b]; });
+    for (int p = 0; p < P;) {
+        int e = ids[pair_of_pos[p]], end = p;
+        while (end < P && ids[pair_of_pos[end]] == e && end - p < MOE_BM) end++;
+        tiles.insert(tiles.end(), {e, p, end});
+        p = end;
+    }
+    int n_tiles = (int)tiles.size() / 3;
+    unsigned slots = (unsigned)n_tiles + 2;
+    tiles.resize(3 * slots, -1);
+    std::vector<float> x((size_t)rows * hidden);
+    for (auto& v : x) v = rnd(1.f);
+    std::vector<bf16_t> act((size_t)P * ffn + ffn, 0x7fc0);
+    load_elem_calls = 0;
+    launch({(unsigned)((ffn + MOE_BN - 1) / MOE_BN), slots, 1}, 128, [&] {
+        moe_gemm_gate_up(table.data(), dt, rb_gu, x.data(), hidden, ffn, k, pair_of_pos.data(), &n_tiles,
+                         tiles.data(), act.data());
+    });
+    std::vector<float> got((size_t)P * ffn);
+    std::vector<double> want((size_t)P * ffn);
+    for (int p = 0; p < P; p++) {
+        int e = ids[pair_of_pos[p]];
+        const float* xr = &x[(size_t)(pair_of_pos[p] / k) * hidden];
+        for (int j = 0; j < ffn; j++) {
+            double g = 0, u = 0;
+            for (int h = 0; h < hidden; h++) {
+                double xv = bf16_to_f32(f32_to_bf16(xr[h]));
+                g += deq[3 * e][(size_t)j * hidden + h] * xv;
+                u += deq[3 * e + 1][(size_t)j * hidden + h] * xv;
+            }
+            want[(size_t)p * ffn + j] = silu(g) * u;
+            got[(size_t)p * ffn + j] = bf16_to_f32(act[(size_t)p * ffn + j]);
+        }
+    }
+    std::string name = std::string(f ? f->name : "bf16") + " grouped GEMM, " + std::to_string(rows) + " rows";
+    int failed = !compare(name + ": moe_gemm_gate_up", got, want, 2e-2);
+    failed += !check(name + ": nothing past the pairs", act[(size_t)P * ffn] == 0x7fc0);
+    std::vector<float> ys((size_t)P * hidden, NAN);
+    launch({(unsigned)((hidden + MOE_BN - 1) / MOE_BN), slots, 1}, 128, [&] {
+        moe_gemm_down(table.data(), dt, rb_dn, act.data(), ffn, hidden, &n_tiles, tiles.data(), ys.data());
+    });
+    std::vector<double> want_y((size_t)P * hidden);
+    for (int p = 0; p < P; p++) {
+        int e = ids[pair_of_pos[p]];
+        for (int i = 0; i < hidden; i++) {
+            double d = 0;
+            for (int j = 0; j < ffn; j++) d += deq[3 * e + 2][(size_t)i * ffn + j] * got[(size_t)p * ffn + j];
+            want_y[(size_t)p * hidden + i] = d;
+        }
+    }
+    failed += !compare(name + ": moe_gemm_down", ys, want_y, 2e-2);
+    // Q4_K_M's formats and Q8_0 through the word-wise decoders, never an element at a time.
+    bool word_wise = f && std::string("Q4_K Q6_K Q8_0").find(f->name) != std::string::npos;
+    if (word_wise) failed += !check(name + ": decoded by groups of 8 (no load_elem)", load_elem_calls == 0);
+    return failed == 0;
+}
+
 } // namespace
 
 int main() {
@@ -244,5 +341,11 @@ int main() {
     };
     int failed = 0;
     for (auto& c : cases) failed += !run(c);
+    // The grouped GEMM: bf16 experts, formats decoded by groups of 8
+    // (Q4_K_M's Q4_K and Q6_K, Q8_0) and one element by element (Q5_0).
+    failed += !check_gemm(nullptr, 66, 256, 96);
+    for (const Format& f : formats())
+        if (std::string("Q4_K Q6_K Q8_0 Q5_0").find(f.name) != std::string::npos)
+            failed += !check_gemm(&f, 66, 256, 256);
     return failed ? 1 : 0;
 }
