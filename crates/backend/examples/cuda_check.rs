@@ -8,7 +8,9 @@
 //! `--bench-quant` only the block-format matmuls (every path at 1 to 256 rows;
 //! `--bench-quant-short` fewer formats and shapes), `--bench-q8-layer` a decode
 //! layer's integer GEMVs as separate and as fused launches, `--bench-attention`
-//! one decode row's attention (splits merged in the launch and by a combine pass).
+//! one decode row's attention (splits merged in the launch and by a combine pass),
+//! `--bench-moe` a Qwen3-30B-A3B expert layer with bf16 experts and with a
+//! Q4_K_M file's (on the routed integer GEMVs and on the any-type ones).
 //!
 //! `CORRIDOR_CACHE_DIR` (optional) is where compiled kernels are cached.
 
@@ -74,6 +76,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     if flag("--bench-attention") {
         for l in check::bench_decode_attention(&be)? {
+            println!("{l}");
+        }
+        return Ok(());
+    }
+    if flag("--bench-moe") {
+        for l in check::bench_moe(&be)? {
             println!("{l}");
         }
         return Ok(());

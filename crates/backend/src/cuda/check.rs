@@ -2486,6 +2486,13 @@ fn delta_case(
     Ok(())
 }
 
+/// `cuda_check --bench-moe`: [`moe_bench`] alone.
+pub fn bench_moe(be: &CudaBackend) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    moe_bench(be, &mut Rng(0x6d6f6562), &mut lines)?;
+    Ok(lines)
+}
+
 /// One Qwen3-30B-A3B expert layer (hidden 2048, 128 experts of FFN 768,
 /// top 8, random weights and inputs) with bf16 experts, then with those of a
 /// Q4_K_M file (gate/up Q4_K, down Q6_K, on the routed integer GEMVs):
@@ -2510,9 +2517,12 @@ fn moe_bench(be: &CudaBackend, rng: &mut Rng, lines: &mut Vec<String>) -> Result
     let x = be.alloc_act(ActShape { rows: max_rows, cols: hidden })?;
     put_gpu(be, &x, &rng.vec(max_rows * hidden, 1.0))?;
     let mut out = be.alloc_act(ActShape { rows: max_rows, cols: hidden })?;
-    for (variant, (gu, dn), id) in
-        [("bf16", (DType::BF16, DType::BF16), 300_001), ("Q4_K/Q6_K", (DType::Q4_K, DType::Q6_K), 300_011)]
-    {
+    // Q4_K/Q6_K twice: on the routed integer GEMVs, then on the any-type ones they replace.
+    for (variant, (gu, dn), id, integer) in [
+        ("bf16", (DType::BF16, DType::BF16), 300_001, true),
+        ("Q4_K/Q6_K", (DType::Q4_K, DType::Q6_K), 300_011, true),
+        ("Q4_K/Q6_K, any-type GEMVs", (DType::Q4_K, DType::Q6_K), 300_021, false),
+    ] {
         let mk = |rng: &mut Rng, dtype: DType, rows: usize, cols: usize| {
             if dtype == DType::BF16 {
                 bench_weight(rng, rows, cols)
@@ -2529,6 +2539,7 @@ fn moe_bench(be: &CudaBackend, rng: &mut Rng, lines: &mut Vec<String>) -> Result
             });
         }
         let table = be.expert_table(&experts)?;
+        let table = if integer { table } else { table.without_integer_gemvs() };
         let mut run = |rows: usize| {
             let r = be.moe_ffn(crate::MoeFfn {
                 x: &x,

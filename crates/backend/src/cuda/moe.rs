@@ -113,6 +113,13 @@ impl CudaExperts {
     pub fn integer_gemvs(&self) -> bool {
         self.table.is_some() && self.q8.is_some()
     }
+
+    /// The layer's decode without the routed integer GEMVs (the routed GEMVs
+    /// of any storage type), for a benchmark of both on one backend.
+    pub(super) fn without_integer_gemvs(mut self) -> CudaExperts {
+        self.q8 = None;
+        self
+    }
 }
 
 /// Word offsets of the routing metadata inside the scratch's `meta`.
