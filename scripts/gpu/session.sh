@@ -4,6 +4,9 @@
 #   scripts/gpu/session.sh checks   # card + chokepoint check, kernel checks, tiny checkpoints GPU vs CPU
 #   scripts/gpu/session.sh quant    # kernel checks, tiny checkpoints, then the block-format matmuls
 #                                   # timed at 1 to 256 rows (cuda_check --bench-quant)
+#   scripts/gpu/session.sh moeq8    # kernel checks and the tiny K-quant checkpoints (the Q4_K_M
+#                                   # qwen3moe on the routed integer GEMVs), then a 30B-A3B expert
+#                                   # layer of bf16 and Q4_K/Q6_K experts timed (--bench-moe)
 #   scripts/gpu/session.sh gguf     # the GGUF files against llama.cpp in one plan of calls on one warm
 #                                   # machine: in the background gguf_bench.sh prep (llama.cpp built
 #                                   # with CUDA, the 8B checkpoint, its f16 GGUF, Q4_K_M / Q8_0 / Q4_0)
@@ -133,6 +136,19 @@ case "${1:-checks}" in
     echo "== [${SECONDS}s] block-format matmuls"
     timeout 300 ./.gpu/cuda_check --bench-quant > "$out/bench_quant.log" 2>&1; echo "exit $?"
     sed -e 's/ | /\n    /g' "$out/bench_quant.log" | grep -vE "gemv|q8-gemv" | head -n 400
+    ;;
+  moeq8)
+    # Block-format experts: every kernel against the CPU (the routed integer GEMVs of
+    # kernels/moe_q8.cu and the grouped GEMM's word-wise decoders among them), the tiny K-quant
+    # checkpoints GPU against CPU (the Q4_K_M qwen3moe with --cuda-moe-q8 on), then a
+    # 30B-A3B expert layer of bf16 and of Q4_K/Q6_K experts on both decode paths (--bench-moe).
+    SECONDS=0
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
+    quant_checks
+    grep -E "moe" "$out/cuda_check.log" | grep -E "FAIL|Q4_K|Q6_K|Q8_0" | head -n 40
+    grep -E "qwen3moe" "$out/e2e_kquant.log" | head -n 10
+    echo "== [${SECONDS}s] the expert layer, bf16 and Q4_K/Q6_K"
+    timeout 240 ./.gpu/cuda_check --bench-moe 2>&1 | tail -n 12
     ;;
   gguf)
     SECONDS=0
