@@ -68,105 +68,96 @@ def copy_tokenizer(src: Path, w: gguf.GGUFWriter) -> int:
     return vocab
 
 
-def write_f16(path: Path) -> None:
-    rng = np.random.default_rng(20261201)
-    w = gguf.GGUFWriter(str(path), "llama")
+def start(path: Path, arch: str, name: str, eps: float, rope_base: float) -> tuple[gguf.GGUFWriter, int]:
+    """A writer of `arch` with the tokenizer and the keys both models share; returns the vocabulary size."""
+    w = gguf.GGUFWriter(str(path), arch)
     vocab = copy_tokenizer(ROOT / "tests/fixtures/tiny/llama-bf16.gguf", w)
-    w.add_name("llama-k-f16")
+    w.add_name(name)
     w.add_context_length(CONTEXT)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(LAYERS)
     w.add_feed_forward_length(INTERMEDIATE)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(eps)
+    w.add_rope_freq_base(rope_base)
+    return w, vocab
+
+
+# std 1/sqrt(fan-in) keeps activations of order 1 through the layers, so the
+# logits are spread out rather than saturated or nearly tied.
+def matrix(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale / np.sqrt(shape[-1])).astype(np.float16)
+
+
+def norm(rng: np.random.Generator, n: int) -> np.ndarray:
+    return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+
+
+def finish(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_f16(path: Path) -> None:
+    rng = np.random.default_rng(20261201)
+    w, vocab = start(path, "llama", "llama-k-f16", 1e-5, 10000.0)
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_key_length(HEAD_DIM)
     w.add_value_length(HEAD_DIM)
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-
-    # std 1/sqrt(fan-in) keeps activations of order 1 through the layers, so
-    # the logits are spread out rather than saturated or nearly tied.
-    def matrix(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float16)
-
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
-
     w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, HIDDEN))).astype(np.float16))
     for i in range(LAYERS):
         p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", norm(HIDDEN))
-        w.add_tensor(p + "attn_q.weight", matrix(HEADS * HEAD_DIM, HIDDEN))
-        w.add_tensor(p + "attn_k.weight", matrix(KV_HEADS * HEAD_DIM, HIDDEN))
-        w.add_tensor(p + "attn_v.weight", matrix(KV_HEADS * HEAD_DIM, HIDDEN))
-        w.add_tensor(p + "attn_output.weight", matrix(HIDDEN, HEADS * HEAD_DIM))
-        w.add_tensor(p + "ffn_norm.weight", norm(HIDDEN))
-        w.add_tensor(p + "ffn_gate.weight", matrix(INTERMEDIATE, HIDDEN))
-        w.add_tensor(p + "ffn_up.weight", matrix(INTERMEDIATE, HIDDEN))
-        w.add_tensor(p + "ffn_down.weight", matrix(HIDDEN, INTERMEDIATE))
-    w.add_tensor("output_norm.weight", norm(HIDDEN))
-    w.add_tensor("output.weight", matrix(vocab, HIDDEN, 2.0))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        w.add_tensor(p + "attn_norm.weight", norm(rng, HIDDEN))
+        w.add_tensor(p + "attn_q.weight", matrix(rng, HEADS * HEAD_DIM, HIDDEN))
+        w.add_tensor(p + "attn_k.weight", matrix(rng, KV_HEADS * HEAD_DIM, HIDDEN))
+        w.add_tensor(p + "attn_v.weight", matrix(rng, KV_HEADS * HEAD_DIM, HIDDEN))
+        w.add_tensor(p + "attn_output.weight", matrix(rng, HIDDEN, HEADS * HEAD_DIM))
+        w.add_tensor(p + "ffn_norm.weight", norm(rng, HIDDEN))
+        w.add_tensor(p + "ffn_gate.weight", matrix(rng, INTERMEDIATE, HIDDEN))
+        w.add_tensor(p + "ffn_up.weight", matrix(rng, INTERMEDIATE, HIDDEN))
+        w.add_tensor(p + "ffn_down.weight", matrix(rng, HIDDEN, INTERMEDIATE))
+    w.add_tensor("output_norm.weight", norm(rng, HIDDEN))
+    w.add_tensor("output.weight", matrix(rng, vocab, HIDDEN, scale=2.0))
+    finish(w)
 
 
 def write_moe_f16(path: Path) -> None:
     """A qwen3moe GGUF as llama.cpp's converter writes it: a router (`ffn_gate_inp`, F32) and the
     experts stacked per layer (`ffn_{gate,up,down}_exps`, numpy shape [experts, rows, cols])."""
     rng = np.random.default_rng(20261207)
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    vocab = copy_tokenizer(ROOT / "tests/fixtures/tiny/llama-bf16.gguf", w)
-    w.add_name("qwen3moe-k-f16")
-    w.add_context_length(CONTEXT)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(INTERMEDIATE)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
+    w, vocab = start(path, "qwen3moe", "qwen3moe-k-f16", 1e-6, 1000000.0)
     w.add_key_length(HEAD_DIM)
     w.add_value_length(HEAD_DIM)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1000000.0)
     w.add_expert_count(EXPERTS)
     w.add_expert_used_count(TOP_K)
     w.add_expert_feed_forward_length(EXPERT_FFN)
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-
-    def matrix(*shape: int, scale: float = 1.0) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale / np.sqrt(shape[-1])).astype(np.float16)
-
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
-
     w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, HIDDEN))).astype(np.float16))
     for i in range(LAYERS):
         p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", norm(HIDDEN))
-        w.add_tensor(p + "attn_q.weight", matrix(HEADS * HEAD_DIM, HIDDEN))
-        w.add_tensor(p + "attn_k.weight", matrix(KV_HEADS * HEAD_DIM, HIDDEN))
-        w.add_tensor(p + "attn_v.weight", matrix(KV_HEADS * HEAD_DIM, HIDDEN))
-        w.add_tensor(p + "attn_q_norm.weight", norm(HEAD_DIM))
-        w.add_tensor(p + "attn_k_norm.weight", norm(HEAD_DIM))
-        w.add_tensor(p + "attn_output.weight", matrix(HIDDEN, HEADS * HEAD_DIM))
-        w.add_tensor(p + "ffn_norm.weight", norm(HIDDEN))
+        w.add_tensor(p + "attn_norm.weight", norm(rng, HIDDEN))
+        w.add_tensor(p + "attn_q.weight", matrix(rng, HEADS * HEAD_DIM, HIDDEN))
+        w.add_tensor(p + "attn_k.weight", matrix(rng, KV_HEADS * HEAD_DIM, HIDDEN))
+        w.add_tensor(p + "attn_v.weight", matrix(rng, KV_HEADS * HEAD_DIM, HIDDEN))
+        w.add_tensor(p + "attn_q_norm.weight", norm(rng, HEAD_DIM))
+        w.add_tensor(p + "attn_k_norm.weight", norm(rng, HEAD_DIM))
+        w.add_tensor(p + "attn_output.weight", matrix(rng, HIDDEN, HEADS * HEAD_DIM))
+        w.add_tensor(p + "ffn_norm.weight", norm(rng, HIDDEN))
         # A router of large logits: the top experts of a token stand apart, so the quantized
-        # files route every token as the f16 file does and the comparison is of one function.
-        w.add_tensor(p + "ffn_gate_inp.weight", (matrix(EXPERTS, HIDDEN, scale=4.0)).astype(np.float32))
-        w.add_tensor(p + "ffn_gate_exps.weight", matrix(EXPERTS, EXPERT_FFN, HIDDEN))
-        w.add_tensor(p + "ffn_up_exps.weight", matrix(EXPERTS, EXPERT_FFN, HIDDEN))
-        w.add_tensor(p + "ffn_down_exps.weight", matrix(EXPERTS, HIDDEN, EXPERT_FFN))
-    w.add_tensor("output_norm.weight", norm(HIDDEN))
-    w.add_tensor("output.weight", matrix(vocab, HIDDEN, scale=2.0))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        # files route most tokens as the f16 file does.
+        w.add_tensor(p + "ffn_gate_inp.weight", matrix(rng, EXPERTS, HIDDEN, scale=4.0).astype(np.float32))
+        w.add_tensor(p + "ffn_gate_exps.weight", matrix(rng, EXPERTS, EXPERT_FFN, HIDDEN))
+        w.add_tensor(p + "ffn_up_exps.weight", matrix(rng, EXPERTS, EXPERT_FFN, HIDDEN))
+        w.add_tensor(p + "ffn_down_exps.weight", matrix(rng, EXPERTS, HIDDEN, EXPERT_FFN))
+    w.add_tensor("output_norm.weight", norm(rng, HIDDEN))
+    w.add_tensor("output.weight", matrix(rng, vocab, HIDDEN, scale=2.0))
+    finish(w)
 
 
 def tensor_types(path: Path) -> dict[str, str]:

@@ -2706,29 +2706,10 @@ fn moe_case(
     let shape = crate::MoeShape { max_rows: rows, hidden: l.hidden, expert_ffn: l.ffn, routing: l.routing };
     let x = pair(be, cpu, rows, l.hidden, Some(xs))?;
     let mut out = pair(be, cpu, rows, l.hidden, None)?;
-    let mut sc = crate::MoeScratch::new(cpu, shape)?;
-    cpu.moe_ffn(crate::MoeFfn {
-        x: &x.c,
-        router: &l.router.1,
-        experts: &l.cpu,
-        table: &(),
-        routing: l.routing,
-        zero_row: &l.zero.1,
-        rows,
-        scratch: &mut sc,
-        out: &mut out.c,
-    })?;
-    let mut want = Vec::new();
-    cpu.read_rows(&out.c, rows, &mut want);
-    // Block-format experts take 8-bit rows at decode: against the CPU's own
-    // 8-bit decode (every expert's rows within its 8-bit dots' reach), or
-    // past that reach against f32 at the bf16 tolerance (8-bit rounding of an
-    // input is a relative error of at most 1/254 an element).
-    let (mut want_q8, mut q8_tol) = (want.clone(), BF16);
-    if l.table.integer_gemvs() && rows <= GEMV_MAX_ROWS {
-        let q8 = CpuBackend::with_decode_activations(crate::cpu::DecodeActivations::Q8);
-        let mut sq = crate::MoeScratch::new(&q8, shape)?;
-        q8.moe_ffn(crate::MoeFfn {
+    // The CPU's op on `b` (its own activation rounding), read back.
+    let on_cpu = |b: &CpuBackend, out: &mut CpuAct| -> Result<Vec<f32>> {
+        let mut sc = crate::MoeScratch::new(b, shape)?;
+        b.moe_ffn(crate::MoeFfn {
             x: &x.c,
             router: &l.router.1,
             experts: &l.cpu,
@@ -2736,12 +2717,24 @@ fn moe_case(
             routing: l.routing,
             zero_row: &l.zero.1,
             rows,
-            scratch: &mut sq,
-            out: &mut out.c,
+            scratch: &mut sc,
+            out,
         })?;
-        q8.read_rows(&out.c, rows, &mut want_q8);
-        q8_tol = Q8_CHAIN;
-    }
+        let mut got = Vec::new();
+        b.read_rows(out, rows, &mut got);
+        Ok(got)
+    };
+    let want = on_cpu(cpu, &mut out.c)?;
+    // Block-format experts take 8-bit rows at decode: against the CPU's own
+    // 8-bit decode (every expert's rows within its 8-bit dots' reach), or
+    // past that reach against f32 at the bf16 tolerance (8-bit rounding of an
+    // input is a relative error of at most 1/254 an element).
+    let (want_q8, q8_tol) = if l.table.integer_gemvs() && rows <= GEMV_MAX_ROWS {
+        let q8 = CpuBackend::with_decode_activations(crate::cpu::DecodeActivations::Q8);
+        (on_cpu(&q8, &mut out.c)?, Q8_CHAIN)
+    } else {
+        (want.clone(), BF16)
+    };
     let mut sg = crate::MoeScratch::new(be, shape)?;
     for path in [super::MoePath::Gemv, super::MoePath::Gemm] {
         // Something else first, so a launch that writes nothing shows.
