@@ -94,6 +94,19 @@ def norm(rng: np.random.Generator, n: int) -> np.ndarray:
     return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
 
 
+def add_attention(w: gguf.GGUFWriter, rng: np.random.Generator, p: str, qk_norms: bool) -> None:
+    """Layer `p`'s attention with its norm (and Qwen3's q/k norms), then the FFN's norm."""
+    w.add_tensor(p + "attn_norm.weight", norm(rng, HIDDEN))
+    w.add_tensor(p + "attn_q.weight", matrix(rng, HEADS * HEAD_DIM, HIDDEN))
+    w.add_tensor(p + "attn_k.weight", matrix(rng, KV_HEADS * HEAD_DIM, HIDDEN))
+    w.add_tensor(p + "attn_v.weight", matrix(rng, KV_HEADS * HEAD_DIM, HIDDEN))
+    if qk_norms:
+        w.add_tensor(p + "attn_q_norm.weight", norm(rng, HEAD_DIM))
+        w.add_tensor(p + "attn_k_norm.weight", norm(rng, HEAD_DIM))
+    w.add_tensor(p + "attn_output.weight", matrix(rng, HIDDEN, HEADS * HEAD_DIM))
+    w.add_tensor(p + "ffn_norm.weight", norm(rng, HIDDEN))
+
+
 def finish(w: gguf.GGUFWriter) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -112,12 +125,7 @@ def write_f16(path: Path) -> None:
     w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, HIDDEN))).astype(np.float16))
     for i in range(LAYERS):
         p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", norm(rng, HIDDEN))
-        w.add_tensor(p + "attn_q.weight", matrix(rng, HEADS * HEAD_DIM, HIDDEN))
-        w.add_tensor(p + "attn_k.weight", matrix(rng, KV_HEADS * HEAD_DIM, HIDDEN))
-        w.add_tensor(p + "attn_v.weight", matrix(rng, KV_HEADS * HEAD_DIM, HIDDEN))
-        w.add_tensor(p + "attn_output.weight", matrix(rng, HIDDEN, HEADS * HEAD_DIM))
-        w.add_tensor(p + "ffn_norm.weight", norm(rng, HIDDEN))
+        add_attention(w, rng, p, qk_norms=False)
         w.add_tensor(p + "ffn_gate.weight", matrix(rng, INTERMEDIATE, HIDDEN))
         w.add_tensor(p + "ffn_up.weight", matrix(rng, INTERMEDIATE, HIDDEN))
         w.add_tensor(p + "ffn_down.weight", matrix(rng, HIDDEN, INTERMEDIATE))
@@ -141,14 +149,7 @@ def write_moe_f16(path: Path) -> None:
     w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, HIDDEN))).astype(np.float16))
     for i in range(LAYERS):
         p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", norm(rng, HIDDEN))
-        w.add_tensor(p + "attn_q.weight", matrix(rng, HEADS * HEAD_DIM, HIDDEN))
-        w.add_tensor(p + "attn_k.weight", matrix(rng, KV_HEADS * HEAD_DIM, HIDDEN))
-        w.add_tensor(p + "attn_v.weight", matrix(rng, KV_HEADS * HEAD_DIM, HIDDEN))
-        w.add_tensor(p + "attn_q_norm.weight", norm(rng, HEAD_DIM))
-        w.add_tensor(p + "attn_k_norm.weight", norm(rng, HEAD_DIM))
-        w.add_tensor(p + "attn_output.weight", matrix(rng, HIDDEN, HEADS * HEAD_DIM))
-        w.add_tensor(p + "ffn_norm.weight", norm(rng, HIDDEN))
+        add_attention(w, rng, p, qk_norms=True)
         # A router of large logits: the top experts of a token stand apart, so the quantized
         # files route most tokens as the f16 file does.
         w.add_tensor(p + "ffn_gate_inp.weight", matrix(rng, EXPERTS, HIDDEN, scale=4.0).astype(np.float32))
