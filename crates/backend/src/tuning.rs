@@ -84,6 +84,13 @@ pub struct CudaTuning {
     /// own). Checked under the host emulation; off by default until a card
     /// has run `cuda_check` and the tiny Q4_K_M mixture of experts with it.
     pub moe_q8: bool,
+    /// One-row bf16 GEMVs take blocks of two weight rows where their last
+    /// wave is fuller than that of blocks of four (a Llama-3-8B q/k/v of
+    /// 6,144 rows: 1,536 four-row blocks fill 73% of two waves of 8 per SM on
+    /// 132 SMs, 3,072 two-row ones 97% of three; `--cuda-gemv-fill on`,
+    /// `CORRIDOR_GEMV_FILL=1`; off, two-row blocks only where four-row ones
+    /// fill under half a wave). Off by default until a card has timed it.
+    pub gemv_fill: bool,
 }
 
 impl Default for CudaTuning {
@@ -101,6 +108,7 @@ impl Default for CudaTuning {
             attn_merge: false,
             attn_rope: false,
             moe_q8: false,
+            gemv_fill: false,
         }
     }
 }

@@ -82,6 +82,11 @@ pub struct CudaFlags {
     /// which decode each weight on its own; off until a card has run its checks).
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_MOE_Q8", value_name = "on|off")]
     cuda_moe_q8: Switch,
+    /// One-row bf16 GEMVs take blocks of two weight rows where the last wave of the card's blocks
+    /// is fuller than with blocks of four (a Llama-3-8B q/k/v; off: only where blocks of four would
+    /// fill under half a wave; off until a card has timed it).
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_GEMV_FILL", value_name = "on|off")]
+    cuda_gemv_fill: Switch,
 }
 
 impl CudaFlags {
@@ -99,6 +104,7 @@ impl CudaFlags {
             attn_merge: self.cuda_attn_merge.on(),
             attn_rope: self.cuda_attn_rope.on(),
             moe_q8: self.cuda_moe_q8.on(),
+            gemv_fill: self.cuda_gemv_fill.on(),
         }
     }
 }
@@ -154,6 +160,7 @@ mod tests {
         assert_eq!(parse(&["--cuda-attn-merge", "on"]), CudaTuning { attn_merge: true, ..d });
         assert_eq!(parse(&["--cuda-attn-rope", "1"]), CudaTuning { attn_rope: true, ..d });
         assert_eq!(parse(&["--cuda-moe-q8", "on"]), CudaTuning { moe_q8: true, ..d });
+        assert_eq!(parse(&["--cuda-gemv-fill", "on"]), CudaTuning { gemv_fill: true, ..d });
         assert_eq!(parse(&["--cuda-fuse", "1"]), d);
     }
 

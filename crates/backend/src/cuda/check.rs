@@ -1795,8 +1795,9 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
     }
     let copy_gbs = 4300.0;
     // One row against the small bf16 matrices of Qwen3-30B-A3B's attention (o_proj, q/k/v as one,
-    // k, the router), with four-row and two-row blocks (`gemv_bf16_parts`).
-    for &(n, k) in &[(2048usize, 4096usize), (5120, 2048), (512, 2048), (128, 2048)] {
+    // k, the router) and Llama-3-8B's q/k/v as one, with four-row blocks and as picked
+    // (`gemv_bf16_parts`; the examples turn `--cuda-gemv-fill` on).
+    for &(n, k) in &[(2048usize, 4096usize), (5120, 2048), (512, 2048), (128, 2048), (6144, 4096)] {
         let ws = weight_copies(be, &bench_weight(&mut rng, n, k))?;
         let x = be.alloc_act(ActShape { rows: 1, cols: k })?;
         put_gpu(be, &x, &rng.vec(k, 1.0))?;

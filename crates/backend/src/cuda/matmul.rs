@@ -144,6 +144,18 @@ pub(super) fn mmvq_groups(weight_groups: usize, resident: usize, max: usize) -> 
     weight_groups.div_ceil(resident.max(1)).clamp(1, max.max(1))
 }
 
+/// Whether a one-row bf16 GEMV takes blocks of two weight rows (`blocks2` of
+/// them) rather than of four (`blocks4`), `resident` blocks fitting the card
+/// at once (8 per SM: kernels/gemv.cu MINB, both kernels): where four-row
+/// blocks fill under half a wave, and with `fill` also where two-row ones
+/// fill their last wave better by a tenth of a wave (the four-row blocks
+/// share each activation load between more rows, so a small gain in fill
+/// does not pay for it).
+pub(super) fn two_row_blocks(blocks4: usize, blocks2: usize, resident: usize, fill: bool) -> bool {
+    let filled = |b: usize| b as f64 / (b.div_ceil(resident.max(1)) * resident.max(1)) as f64;
+    blocks4 * 2 < resident || (fill && filled(blocks2) > filled(blocks4) + 0.1)
+}
+
 /// One matrix of an integer GEMV launch: the weight, a bias pointer or 0,
 /// the output pointer.
 pub(super) type MvPart<'a> = (&'a CudaWeight, u64, u64);
@@ -726,11 +738,14 @@ impl CudaBackend {
             (w[i], b[i], o[i], n[i]) = (wt.ptr(), *bias, *out, wt.rows);
         }
         let blocks_of = |nw: usize| -> usize { n.iter().map(|n| n.div_ceil(nw)).sum() };
-        // One row against matrices too small to fill half a wave of four-row
-        // blocks (8 blocks per SM: kernels/gemv.cu MINB) takes two-row blocks.
         let narrow = rows == 1
             && self.gemv_narrow.load(std::sync::atomic::Ordering::Relaxed)
-            && blocks_of(GEMV_NW) * 2 < self.sm_count * 8;
+            && two_row_blocks(
+                blocks_of(GEMV_NW),
+                blocks_of(2),
+                self.sm_count * 8,
+                self.config.tuning.gemv_fill,
+            );
         let (kernel, nw) =
             if narrow { (self.k.gemv_bf16_r1_nw2, 2) } else { (self.k.gemv_bf16[inst], GEMV_NW) };
         let dims = LaunchDims { grid: (blocks_of(nw) as u32, 1, 1), block: 32 * GEMV_WARPS };
@@ -1034,6 +1049,15 @@ mod tests {
         // Llama-3-8B at one row on 132 SMs x 8 blocks: gate/up's 7,168 row
         // pairs in 1,024 blocks of 7 groups; q/k/v's 3,072 in 1,024 of 3.
         assert_eq!(mmvq_groups(7168, 1056, 32), 7);
+        // 132 SMs of 8 blocks: a 2048-row matrix (512 four-row blocks) is under half a wave.
+        assert!(two_row_blocks(512, 1024, 1056, false));
+        // A Llama-3-8B q/k/v (6,144 rows): 73% of two waves against 97% of three, with the rule only.
+        assert!(!two_row_blocks(1536, 3072, 1056, false));
+        assert!(two_row_blocks(1536, 3072, 1056, true));
+        // 4,096 rows fill one wave either way (97%): four-row blocks stay.
+        assert!(!two_row_blocks(1024, 2048, 1056, true));
+        // Qwen3-30B-A3B's q/k/v (5,120 rows): 61% against 81%.
+        assert!(two_row_blocks(1280, 2560, 1056, true));
         assert_eq!(mmvq_groups(3072, 1056, 32), 3);
         assert_eq!(mmvq_groups(10, 1056, 32), 1);
         assert_eq!(mmvq_groups(0, 1056, 32), 1);
