@@ -21,6 +21,19 @@ bin=$1 lcpp=$2
 shift 2
 threads=${THREADS:-2}
 port=${PORT:-18093}
+# llama.cpp repacks some formats at load where the CPU has kernels for another layout (AMX, AVX-512:
+# on an AMX Xeon its Q4_1 decodes twice as fast repacked); every llama.cpp measurement runs with
+# repacking on and off (REPACKS, default "1 0"), each line labelled, a run that crashes or prints
+# nothing said so.
+repacks=${REPACKS:-1 0}
+lbench() { # LABEL PATTERN llama-bench-args...
+    local label=$1 pat=$2 rp line
+    shift 2
+    for rp in $repacks; do
+        line=$("$lcpp/llama-bench" -t "$threads" -m "$f" "$@" --repack "$rp" 2>/dev/null | grep -E "$pat")
+        echo "llama.cpp $label (repack $rp): ${line:-no result (llama-bench failed)}"
+    done
+}
 for f in "$@"; do
     name=$(basename "$f")
     echo "=== $name"
@@ -41,8 +54,7 @@ for f in "$@"; do
         pre+=("$r")
     done
     echo "corridor prefill (prompt tokens, tok/s): ${pre[*]}"
-    "$lcpp/llama-bench" -t "$threads" -m "$f" -p 512 -n 0 -r 3 2>/dev/null | grep -E "pp512" |
-        sed 's/^/llama.cpp prefill: /'
+    lbench prefill pp512 -p 512 -n 0 -r 3
     # 290 repetitions are 2,031 tokens.
     longer=$(python3 -c 'print("The lighthouse keeper watched the sea. " * 290)')
     for run in 1 2; do
@@ -50,12 +62,9 @@ for f in "$@"; do
             --threads "$threads" 2>&1 >/dev/null | grep -oE "^\[[0-9]+ prompt tokens|[0-9.]+ prompt tok/s|decode [0-9.]+ tok/s" |
             paste -sd' ' | sed 's/^\[/corridor long context: /'
     done
-    "$lcpp/llama-bench" -t "$threads" -m "$f" -p 2048 -n 0 -r 2 2>/dev/null | grep -E "pp2048" |
-        sed 's/^/llama.cpp long prefill: /'
-    "$lcpp/llama-bench" -t "$threads" -m "$f" -p 0 -n 64 -d 2031 -r 2 2>/dev/null | grep -E "tg64" |
-        sed 's/^/llama.cpp decode after 2031: /'
-    "$lcpp/llama-bench" -t "$threads" -m "$f" -p 0 -n 128 -r 3 2>/dev/null | grep -E "tg128" |
-        sed 's/^/llama.cpp batch 1: /'
+    lbench "long prefill" pp2048 -p 2048 -n 0 -r 2
+    lbench "decode after 2031" tg64 -p 0 -n 64 -d 2031 -r 2
+    lbench "batch 1" tg128 -p 0 -n 128 -r 3
     "$bin" --log warn serve --model "$f" --devices cpu --threads "$threads" --port "$port" \
         --host 127.0.0.1 > /tmp/bench_cpu_peer_serve.log 2>&1 &
     pid=$!
@@ -72,10 +81,13 @@ p50 = r["itl_ms"]["p50"]
 print(f"corridor batch 8: ITL p50 {p50:.2f} ms -> {8000 / p50:.1f} tok/s decode "
       f"({r['requests_completed']}/{r['requests_sent']} requests)")
 PY
-    if "$lcpp/llama-batched-bench" -m "$f" -t "$threads" -c 4096 -npp 128 -ntg 128 -npl 8 \
-        > /tmp/bench_cpu_peer_lbb.txt 2>&1; then
-        grep -E "^\|" /tmp/bench_cpu_peer_lbb.txt | tail -n 1 | sed 's/^/llama.cpp batch 8: /'
-    else
-        echo "llama.cpp batch 8: llama-batched-bench exited with status $? (see /tmp/bench_cpu_peer_lbb.txt)"
-    fi
+    for rp in $repacks; do
+        flag=; [ "$rp" = 0 ] && flag=--no-repack
+        if "$lcpp/llama-batched-bench" -m "$f" -t "$threads" -c 4096 -npp 128 -ntg 128 -npl 8 $flag \
+            > /tmp/bench_cpu_peer_lbb.txt 2>&1; then
+            grep -E "^\|" /tmp/bench_cpu_peer_lbb.txt | tail -n 1 | sed "s/^/llama.cpp batch 8 (repack $rp): /"
+        else
+            echo "llama.cpp batch 8 (repack $rp): llama-batched-bench exited with status $? (see /tmp/bench_cpu_peer_lbb.txt)"
+        fi
+    done
 done
