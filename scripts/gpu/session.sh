@@ -142,13 +142,17 @@ case "${1:-checks}" in
     # kernels/moe_q8.cu and the grouped GEMM's word-wise decoders among them), the tiny K-quant
     # checkpoints GPU against CPU (the Q4_K_M qwen3moe with --cuda-moe-q8 on), then a
     # 30B-A3B expert layer of bf16 and of Q4_K/Q6_K experts on both decode paths (--bench-moe).
+    # Timeouts sum to 550 s, one call (the checks took about 190 s on an H100).
     SECONDS=0
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
-    quant_checks
-    grep -E "moe" "$out/cuda_check.log" | grep -E "FAIL|Q4_K|Q6_K|Q8_0" | head -n 40
-    grep -E "qwen3moe" "$out/e2e_kquant.log" | head -n 10
+    echo "== [${SECONDS}s] kernels vs CPU"; timeout 260 ./.gpu/cuda_check > "$out/cuda_check.log" 2>&1
+    echo "exit $?"; grep -E "FAIL" "$out/cuda_check.log" | head -n 25; tail -n 1 "$out/cuda_check.log"
+    grep -E "moe_ffn (Q4_K|Q6_K|Q8_0)" "$out/cuda_check.log" | head -n 40
+    echo "== [${SECONDS}s] tiny K-quant checkpoints GPU vs CPU"
+    timeout 120 ./.gpu/corridor-gpu-check tests/fixtures/tiny/kquant > "$out/e2e_kquant.log" 2>&1; echo "exit $?"
+    grep -E "FAIL|qwen3moe" "$out/e2e_kquant.log" | head -n 10; tail -n 1 "$out/e2e_kquant.log"
     echo "== [${SECONDS}s] the expert layer, bf16 and Q4_K/Q6_K"
-    timeout 240 ./.gpu/cuda_check --bench-moe 2>&1 | tail -n 12
+    timeout 170 ./.gpu/cuda_check --bench-moe 2>&1 | tail -n 12
     ;;
   gguf)
     SECONDS=0
