@@ -396,11 +396,17 @@ impl CudaBackend {
             return self.q8_scratch(st, v.buf, rows, k);
         }
         let input = self.q8_scratch(st, 0, rows, k)?;
-        let blocks = rows * k / 32;
-        let a = Args::new().ptr(x.ptr()).ptr(input.codes).ptr(input.scales).i64(blocks as i64);
-        unsafe { self.launch(self.k.q8_quantize, grid_for(blocks * 8, 256), a)? };
+        self.q8_quantize(x.ptr(), input, rows)?;
         st.xq_holds = Some(Q8View { buf: 0, ptr: x.ptr(), rows, cols: k });
         Ok(input)
+    }
+
+    /// `rows` rows of `q.k` f32 columns from device address `x` quantized to
+    /// 8 bits into `q` (kernels/mmvq.cu `q8_quantize`; `q.k` a multiple of 32).
+    pub(super) fn q8_quantize(&self, x: u64, q: Q8Input, rows: usize) -> Result<()> {
+        let blocks = rows * q.k / 32;
+        let a = Args::new().ptr(x).ptr(q.codes).ptr(q.scales).i64(blocks as i64);
+        unsafe { self.launch(self.k.q8_quantize, grid_for(blocks * 8, 256), a) }
     }
 
     /// Where `rows` rows of `k` columns quantized to 8 bits go in scratch `buf`.

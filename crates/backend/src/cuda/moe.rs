@@ -20,7 +20,7 @@
 //! [`MetaLayout`] from the scratch's `MoeShape` (the same for every step).
 
 use super::device::{Args, DeviceBuffer, LaunchDims, Purpose};
-use super::kernels::{dtype_code, grid_for, mmvq_index, MvKernel};
+use super::kernels::{dtype_code, mmvq_index, MvKernel};
 use super::matmul::{mmvq_groups, q8_layout, Q8Input, GEMV_MAX_ROWS, MMVQ_MAX_GROUPS, MMVQ_NW, MMVQ_WARPS};
 use super::{CudaAct, CudaBackend, CudaWeight};
 use crate::dtype::DType;
@@ -320,7 +320,18 @@ impl CudaBackend {
         if let (MoePath::Gemv, Some(q8), Some(xq)) = (path, t.q8, xq) {
             let at = q8_layout(rows, hidden).bytes.next_multiple_of(16) as u64;
             let aq = Q8Input::at(m.q8.ptr() + at, rows * k, ffn);
-            return self.moe_q8_experts(table.ptr(), t, q8, xq, aq, rows, k, slots, w, l, act, ys, out.ptr());
+            let kernels = (self.k.moe_q8[q8.0][0], self.k.moe_q8[q8.1][1]);
+            return self.moe_q8_experts(
+                table.ptr(),
+                t,
+                kernels,
+                (xq, aq),
+                (rows, k, slots),
+                w,
+                l,
+                (act, ys),
+                out.ptr(),
+            );
         }
         match path {
             MoePath::Gemv => self.op("moe experts (routed gemv)", |_| {
@@ -428,9 +439,7 @@ impl CudaBackend {
                 return Ok(());
             }
             let q = Q8Input::at(q8.ptr(), rows, shape.hidden);
-            let blocks = rows * shape.hidden / 32;
-            let a = Args::new().ptr(x.ptr()).ptr(q.codes).ptr(q.scales).i64(blocks as i64);
-            unsafe { self.launch(self.k.q8_quantize, grid_for(blocks * 8, 256), a)? };
+            self.q8_quantize(x.ptr(), q, rows)?;
             input = Some(q);
             Ok(())
         });
@@ -445,23 +454,18 @@ impl CudaBackend {
         &self,
         table: u64,
         t: &CudaExperts,
-        (gi, di): (usize, usize),
-        xq: Q8Input,
-        aq: Q8Input,
-        rows: usize,
-        k: usize,
-        slots: u32,
+        (gu, dn): (MvKernel, MvKernel),
+        (xq, aq): (Q8Input, Q8Input),
+        (rows, k, slots): (usize, usize, u32),
         w: impl Fn(usize) -> u64,
         l: MetaLayout,
-        act: u64,
-        ys: u64,
+        (act, ys): (u64, u64),
         out: u64,
     ) -> Result<()> {
         let (hidden, ffn, pairs) = (t.hidden, t.ffn, rows * k);
         let nw = MMVQ_NW[0];
         self.op("moe experts (routed integer gemv)", |_| {
             // Blocks for about one wave over the experts in use, as a dense GEMV's.
-            let (gu, dn) = (self.k.moe_q8[gi][0], self.k.moe_q8[di][1]);
             let groups = |kern: MvKernel, rows_each: usize, max: usize| {
                 mmvq_groups(slots as usize * rows_each.div_ceil(nw), kern.per_sm * self.sm_count, max)
             };
@@ -471,9 +475,7 @@ impl CudaBackend {
             let a = a.i32(hidden as i32).i32(ffn as i32).i32(k as i32).ptr(w(l.pair_of_pos));
             let a = a.ptr(w(l.n_active)).ptr(w(l.active)).ptr(act).i32(g as i32);
             unsafe { self.launch(gu.k, dims, a)? };
-            let blocks = pairs * ffn / 32;
-            let a = Args::new().ptr(act).ptr(aq.codes).ptr(aq.scales).i64(blocks as i64);
-            unsafe { self.launch(self.k.q8_quantize, grid_for(blocks * 8, 256), a)? };
+            self.q8_quantize(act, aq, pairs)?;
             let g = groups(dn, hidden, MMVQ_MAX_GROUPS[0]);
             let dims =
                 LaunchDims { grid: (hidden.div_ceil(nw * g) as u32, slots, 1), block: 32 * MMVQ_WARPS };
