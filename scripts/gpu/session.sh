@@ -25,6 +25,9 @@
 #                                   # .gpu/cuda_check, one decode row's attention (--bench-attention), and
 #                                   # with NCU_KERNEL=REGEX that GEMV by Nsight Compute
 #   scripts/gpu/session.sh wait S   # the next calls: follow that plan for up to S seconds
+#   scripts/gpu/session.sh itl      # every kernel against the CPU while the 8B checkpoint is written,
+#                                   # then the concurrency-128 latency run once per serve-flag set of
+#                                   # ITL_ARGS (sets separated by '|', "" = the defaults), one server each
 #   scripts/gpu/session.sh profile  # batch-1 decode steps as the card runs them (nsys_decode.sh: every
 #                                   # kernel of the replayed graphs, overlaps and idle time) on a 4-layer
 #                                   # Qwen3-30B-A3B-shaped checkpoint and the Llama-3-8B-shaped one, then
@@ -247,6 +250,25 @@ case "${1:-checks}" in
     if [ -n "${NCU_KERNEL:-}" ]; then echo "== [${SECONDS}s] $NCU_KERNEL by ncu"; OUT="$out" timeout 200 scripts/gpu/ncu_mmvq.sh "$NCU_KERNEL"; fi
     touch "$g/card_free"
     bash "$0" wait $(( ${LIMIT_S:-540} - SECONDS ))
+    ;;
+  itl)
+    SECONDS=0
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
+    python3 scripts/gpu/make_llama8b.py /tmp/llama8b --tokenizer-dir .gpu/llama3-tokenizer > "$out/make_llama8b.log" 2>&1 &
+    maker=$!
+    echo "== [${SECONDS}s] kernels vs CPU"; timeout 260 ./.gpu/cuda_check > "$out/cuda_check.log" 2>&1
+    echo "exit $?"; grep -E "FAIL" "$out/cuda_check.log" | head -n 25; tail -n 1 "$out/cuda_check.log"
+    grep -E "moe_ffn .* (64|300) rows" "$out/cuda_check.log" | head -n 20
+    wait "$maker"; echo "== [${SECONDS}s] 8B checkpoint: exit $?"
+    IFS='|' read -r -a sets <<< "${ITL_ARGS:-}"
+    i=0
+    for args in "${sets[@]}"; do
+        i=$((i + 1))
+        echo "== [${SECONDS}s] concurrency 128: serve flags '${args}'"
+        SERVE_ARGS="$args" SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 SKIP_DECODE=1 LATENCY_CONC=128 \
+            DEADLINE_S=$(( ${LIMIT_S:-570} - SECONDS )) OUT="$out/itl_$i" scripts/gpu/bench8b.sh > "$out/itl_$i.out" 2>&1
+        echo "exit $?"; grep -E "^\| 128 " "$out/itl_$i/summary.md"
+    done
     ;;
   wait)
     g=/tmp/gguf-plan

@@ -104,6 +104,12 @@ pub struct ModelArgs {
     /// Worker threads for the CPU kernels (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// On a CPU with AVX-512 VNNI, hold weights of 32-weight block formats (Q4_0, Q4_1, Q5_0,
+    /// Q5_1, Q8_0) in tiles of 16 rows, so decode advances 16 rows' dot products per instruction
+    /// (`on`, the default); `off` keeps them as the file stores them (memory-mapped) and dots
+    /// one row at a time with AVX2. Loading repacks them into memory of the same size.
+    #[arg(long, value_enum, default_value_t = tuning::Switch::On, env = "CORRIDOR_CPU_ROW_TILES", value_name = "on|off")]
+    cpu_row_tiles: tuning::Switch,
     /// Cards to run on: `cpu`; `cuda:0` (an NVIDIA GPU by ordinal or `cuda:GPU-<uuid>`; needs a
     /// build with `--features cuda`, and the driver, cuBLAS and NVRTC libraries at run time); or
     /// `sim:32GiB,20GiB,20GiB` (simulated cards: CPU compute, card memory simulated, so the memory
@@ -284,6 +290,7 @@ impl ModelArgs {
         };
         let mut o = corridor_server::boot::BootOptions::new(path);
         o.cuda_tuning = self.cuda.tuning();
+        o.cpu_row_tiles = self.cpu_row_tiles.on();
         o.max_running = self.max_running_requests;
         o.max_batched_tokens = self.max_batched_tokens;
         o.itl = corridor_engine::step_budget::ItlBound {

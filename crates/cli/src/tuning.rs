@@ -20,7 +20,7 @@ pub enum Switch {
 }
 
 impl Switch {
-    fn on(self) -> bool {
+    pub(crate) fn on(self) -> bool {
         self == Switch::On
     }
 }

@@ -95,6 +95,9 @@ pub struct BootOptions {
     pub devices: Devices,
     /// The CUDA backend's launch and profiling switches (parsed by the command line).
     pub cuda_tuning: corridor_backend::CudaTuning,
+    /// CPU ranks hold 32-weight block formats in tiles of 16 rows where the
+    /// CPU has AVX-512 VNNI (`--cpu-row-tiles`).
+    pub cpu_row_tiles: bool,
     /// `--floor-mib` as given (`N` or `N,N,...`); `None` = 1024 per card.
     pub floor_mib: Option<String>,
     /// `--card-budget-mib` as given; `None` = no budget.
@@ -144,6 +147,7 @@ impl BootOptions {
             page_size: 16,
             devices: Devices::Cpu,
             cuda_tuning: corridor_backend::CudaTuning::default(),
+            cpu_row_tiles: true,
             floor_mib: None,
             card_budget_mib: None,
             flight_dir: None,
@@ -359,12 +363,18 @@ pub fn boot_plan(plan: &BootPlan, progress: &mut dyn FnMut(usize, usize)) -> Res
         ordinals: &ordinals,
     };
     let started = match &plan.cards {
-        CardsPlan::Host { .. } => {
-            group::start(&env, &CpuRanks { resident: true, link: plan.sim_link }, config, progress)?
-        }
-        CardsPlan::Sim { .. } => {
-            group::start(&env, &CpuRanks { resident: false, link: plan.sim_link }, config, progress)?
-        }
+        CardsPlan::Host { .. } => group::start(
+            &env,
+            &CpuRanks { resident: true, link: plan.sim_link, row_tiles: plan.cpu_row_tiles },
+            config,
+            progress,
+        )?,
+        CardsPlan::Sim { .. } => group::start(
+            &env,
+            &CpuRanks { resident: false, link: plan.sim_link, row_tiles: plan.cpu_row_tiles },
+            config,
+            progress,
+        )?,
         CardsPlan::Cuda(_) => start_cuda(&env, config, progress)?,
     };
     if let GroupPlan::Flipping { mode, min_dwell, .. } = &plan.group {

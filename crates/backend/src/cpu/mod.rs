@@ -12,6 +12,7 @@ mod delta;
 mod gemm;
 mod pool;
 pub mod quant;
+pub mod tiles;
 
 use crate::dtype::{DType, HostTensor, TensorBytes};
 use crate::{
@@ -122,6 +123,9 @@ pub struct CpuBackend {
     rounding: Bf16Rounding,
     /// The GEMM's packed input rows, reused from matmul to matmul.
     packed: PackedRowsSlot,
+    /// Keep every block-format weight in its stored rows, never in tiles of
+    /// 16 rows ([`tiles`], where the CPU has AVX-512 VNNI).
+    stored_rows: bool,
 }
 
 impl CpuBackend {
@@ -136,6 +140,13 @@ impl CpuBackend {
     /// This backend, rounding weights and matmul inputs to bf16 as `rounding` says.
     pub fn with_bf16_rounding(self, rounding: Bf16Rounding) -> Self {
         CpuBackend { rounding, ..self }
+    }
+
+    /// This backend with block-format weights in tiles of 16 rows where the
+    /// CPU has AVX-512 VNNI (`true`, the default), or always in their stored
+    /// rows (`false`: the AVX2 dots, for comparing the two).
+    pub fn with_row_tiles(self, tiles: bool) -> Self {
+        CpuBackend { stored_rows: !tiles, ..self }
     }
 
     /// A backend whose KV and activation buffers are resident from the start.
@@ -248,12 +259,16 @@ pub enum CpuWeight {
         cols: usize,
         row_bytes: usize,
     },
+    /// A 32-weight block format repacked in tiles of 16 rows for the
+    /// AVX-512 VNNI dots (see [`tiles`]): the same bytes, rearranged.
+    Tiled(tiles::RowTiles),
 }
 
 impl CpuWeight {
     pub fn shape(&self) -> (usize, usize) {
         match self {
             CpuWeight::F32 { rows, cols, .. } | CpuWeight::Packed { rows, cols, .. } => (*rows, *cols),
+            CpuWeight::Tiled(t) => t.shape(),
         }
     }
     /// The type the weight is held in.
@@ -261,17 +276,18 @@ impl CpuWeight {
         match self {
             CpuWeight::F32 { .. } => DType::F32,
             CpuWeight::Packed { dtype, .. } => *dtype,
+            CpuWeight::Tiled(t) => t.dtype(),
         }
     }
     /// The weights as f32 (only for vectors and small tables: norms, biases).
     fn vector(&self) -> std::borrow::Cow<'_, [f32]> {
         match self {
             CpuWeight::F32 { data, .. } => std::borrow::Cow::Borrowed(data),
-            CpuWeight::Packed { dtype, bytes, rows, cols, .. } => {
+            CpuWeight::Packed { .. } | CpuWeight::Tiled(_) => {
+                let (rows, cols) = self.shape();
                 let mut out = vec![0f32; rows * cols];
-                for (r, o) in out.chunks_mut(*cols).enumerate() {
+                for (r, o) in out.chunks_mut(cols).enumerate() {
                     self.dequantize_into(r, o);
-                    let _ = (dtype, bytes);
                 }
                 std::borrow::Cow::Owned(out)
             }
@@ -283,12 +299,14 @@ impl CpuWeight {
             CpuWeight::Packed { dtype, bytes, row_bytes, .. } => {
                 quant::dequantize_row(*dtype, &bytes.bytes()[r * row_bytes..(r + 1) * row_bytes], out)
             }
+            CpuWeight::Tiled(t) => t.dequantize_row(r, out),
         }
     }
     /// The block format of a packed block-quantized weight.
     fn block_dtype(&self) -> Option<DType> {
         match self {
             CpuWeight::Packed { dtype, .. } if dtype.is_quantized() => Some(*dtype),
+            CpuWeight::Tiled(t) => Some(t.dtype()),
             _ => None,
         }
     }
@@ -299,6 +317,7 @@ impl CpuWeight {
             CpuWeight::Packed { dtype, bytes, row_bytes, .. } => {
                 quant::dot_many_rows_q8(*dtype, &bytes.bytes()[r0 * row_bytes..], *row_bytes, xs, out)
             }
+            CpuWeight::Tiled(t) => t.dot_many(r0, xs, out),
             CpuWeight::F32 { .. } => unreachable!("f32 weights are not dotted with Q8 rows"),
         }
     }
@@ -308,9 +327,20 @@ impl CpuWeight {
             CpuWeight::Packed { dtype, bytes, row_bytes, .. } => {
                 quant::dot_row(*dtype, &bytes.bytes()[r * row_bytes..(r + 1) * row_bytes], x)
             }
+            // f32 activations against tiles (a reference mode, not decode's
+            // path): the stored row again, dotted as a stored row is.
+            CpuWeight::Tiled(t) => {
+                thread_local!(static ROW: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) });
+                ROW.with_borrow_mut(|row| {
+                    t.stored_row(r, row);
+                    quant::dot_row(t.dtype(), row, x)
+                })
+            }
         }
     }
 }
+
+const _: () = assert!(gemm::NR == tiles::TILE_ROWS, "a tile widens into one GEMM panel");
 
 /// Values of K (and as many of V) one block of a [`CpuKv`] aims at: 256 KiB.
 const KV_BLOCK_VALUES: usize = 64 * 1024;
@@ -698,6 +728,16 @@ impl Backend for CpuBackend {
                     .collect();
                 CpuWeight::F32 { data, rows, cols }
             }
+            dtype
+                if !self.stored_rows
+                    && rows >= tiles::TILE_ROWS
+                    && tiles::supported()
+                    && tiles::RowTiles::takes(dtype) =>
+            {
+                CpuWeight::Tiled(
+                    tiles::RowTiles::pack(dtype, t.data.bytes(), rows, cols).expect("a tile format"),
+                )
+            }
             dtype => {
                 if self.resident {
                     // Kept in the checkpoint's mapping: read it in now, so
@@ -815,7 +855,12 @@ impl Backend for CpuBackend {
             // SAFETY: out is [rows, n] and task t alone writes columns j0..j0+nb.
             with_scratch(gemm::packed_cols_len(nb, k) + gemm::NR * k, |buf| unsafe {
                 let (cols, rows_scratch) = buf.split_at_mut(buf.len() - gemm::NR * k);
-                gemm::pack_cols(nb, k, rows_scratch, |c, out| w.dequantize_into(j0 + c, out), cols);
+                match w {
+                    // A tile is a panel already (NR = TILE_ROWS; tasks start at
+                    // multiples of NR).
+                    CpuWeight::Tiled(t) => t.widen_panels(j0, nb, cols),
+                    _ => gemm::pack_cols(nb, k, rows_scratch, |c, out| w.dequantize_into(j0 + c, out), cols),
+                }
                 gemm::gemm(&packed, rows, cols, nb, k, optr.get().add(j0), n)
             });
         });

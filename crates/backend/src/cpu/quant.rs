@@ -213,6 +213,12 @@ impl Block {
     }
 }
 
+impl Default for Block {
+    fn default() -> Self {
+        Block::new()
+    }
+}
+
 /// The 16 levels of IQ4_NL and IQ4_XS, a fixed non-uniform grid (denser near
 /// zero, where trained weights cluster), as the ggml format defines them.
 pub const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
@@ -491,6 +497,8 @@ pub struct Q8Row {
     gsum: Vec<f32>,
     /// `d · Σ q` over each 32-element block (Q4_1's offsets).
     bsum: Vec<f32>,
+    /// `Σ q` over each 32-element block (the row tiles' integer offsets).
+    qsum: Vec<i32>,
 }
 
 /// `y.round() as i8` (the nearest whole number, halves away from zero,
@@ -515,6 +523,7 @@ impl Q8Row {
         self.d.resize(x.len() / QK, 0.0);
         self.gsum.resize(x.len() / GROUP, 0.0);
         self.bsum.resize(x.len() / QK, 0.0);
+        self.qsum.resize(x.len() / QK, 0);
         for (b, (xs, qs)) in x.chunks_exact(QK).zip(self.q.chunks_exact_mut(QK)).enumerate() {
             let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
             let d = amax / 127.0;
@@ -523,7 +532,8 @@ impl Q8Row {
                 *q = round_to_i8(v * inv);
             }
             self.d[b] = d;
-            self.bsum[b] = d * qs.iter().map(|&q| q as i32).sum::<i32>() as f32;
+            self.qsum[b] = qs.iter().map(|&q| q as i32).sum::<i32>();
+            self.bsum[b] = d * self.qsum[b] as f32;
             for h in 0..2 {
                 let s: i32 = qs[h * GROUP..(h + 1) * GROUP].iter().map(|&q| q as i32).sum();
                 self.gsum[2 * b + h] = d * s as f32;
@@ -548,6 +558,31 @@ impl Q8Row {
             "an 8-bit row of {} elements for {blocks} blocks",
             self.q.len()
         );
+    }
+    /// Checks that the row holds `len` elements with every block's scale
+    /// and sums, so a kernel may read them unchecked.
+    pub(super) fn check_len(&self, len: usize) {
+        let blocks = len / QK;
+        assert!(
+            self.q.len() == len
+                && self.d.len() == blocks
+                && self.bsum.len() == blocks
+                && self.qsum.len() == blocks,
+            "an 8-bit row of {} elements where {len} are dotted",
+            self.q.len()
+        );
+    }
+    pub(super) fn q(&self) -> &[i8] {
+        &self.q
+    }
+    pub(super) fn d(&self) -> &[f32] {
+        &self.d
+    }
+    pub(super) fn bsum(&self) -> &[f32] {
+        &self.bsum
+    }
+    pub(super) fn qsum(&self) -> &[i32] {
+        &self.qsum
     }
     /// The values the row stands for, `d · q` (for tests and bounds).
     pub fn dequantized(&self) -> Vec<f32> {

@@ -2707,11 +2707,13 @@ fn moe_case(
     let shape = crate::MoeShape { max_rows: rows, hidden: l.hidden, expert_ffn: l.ffn, routing: l.routing };
     let x = pair(be, cpu, rows, l.hidden, Some(xs))?;
     let mut out = pair(be, cpu, rows, l.hidden, None)?;
-    // The CPU's op on `b` (its own activation rounding), read back.
-    let on_cpu = |b: &CpuBackend, out: &mut CpuAct| -> Result<Vec<f32>> {
+    // The CPU's op on `b` (its own activation rounding) over `rows` rows of
+    // `x`, read back.
+    let on_cpu = |b: &CpuBackend, x: &CpuAct, rows: usize, out: &mut CpuAct| -> Result<Vec<f32>> {
+        let shape = crate::MoeShape { max_rows: rows, ..shape };
         let mut sc = crate::MoeScratch::new(b, shape)?;
         b.moe_ffn(crate::MoeFfn {
-            x: &x.c,
+            x,
             router: &l.router.1,
             experts: &l.cpu,
             table: &(),
@@ -2725,14 +2727,24 @@ fn moe_case(
         b.read_rows(out, rows, &mut got);
         Ok(got)
     };
-    let want = on_cpu(cpu, &mut out.c)?;
+    let want = on_cpu(cpu, &x.c, rows, &mut out.c)?;
     // Block-format experts take 8-bit rows at decode: against the CPU's own
-    // 8-bit decode (every expert's rows within its 8-bit dots' reach), or
-    // past that reach against f32 at the bf16 tolerance (8-bit rounding of an
-    // input is a relative error of at most 1/254 an element).
-    let (want_q8, q8_tol) = if l.table.integer_gemvs() && rows <= GEMV_MAX_ROWS {
+    // 8-bit decode. The CPU dots 8-bit rows only up to GEMV_MAX_ROWS rows an
+    // expert, so past that the rows go through it in chunks of that many
+    // (each row is routed and computed alone, so chunks change no value).
+    let (want_q8, q8_tol) = if l.table.integer_gemvs() && rows <= super::moe::MOE_GEMV_MAX_ROWS {
         let q8 = CpuBackend::with_decode_activations(crate::cpu::DecodeActivations::Q8);
-        (on_cpu(&q8, &mut out.c)?, Q8_CHAIN)
+        let mut all = Vec::with_capacity(rows * l.hidden);
+        for (c, chunk) in xs[..rows * l.hidden].chunks(GEMV_MAX_ROWS * l.hidden).enumerate() {
+            let n = chunk.len() / l.hidden;
+            let shape = ActShape { rows: n, cols: l.hidden };
+            let mut xc = q8.alloc_act(shape)?;
+            put_cpu(&mut xc, chunk);
+            let mut oc = q8.alloc_act(shape)?;
+            all.extend(on_cpu(&q8, &xc, n, &mut oc)?);
+            debug_assert_eq!(all.len(), (c * GEMV_MAX_ROWS + n) * l.hidden);
+        }
+        (all, Q8_CHAIN)
     } else {
         (want.clone(), BF16)
     };

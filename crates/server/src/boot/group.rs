@@ -98,6 +98,8 @@ pub(super) trait RankKind {
 pub(super) struct CpuRanks {
     pub resident: bool,
     pub link: Option<LinkModel>,
+    /// Block-format weights in tiles of 16 rows (`--cpu-row-tiles`).
+    pub row_tiles: bool,
 }
 
 impl RankKind for CpuRanks {
@@ -109,7 +111,8 @@ impl RankKind for CpuRanks {
         true
     }
     fn backend(&self, _env: &BootEnv<'_>, _dev: &Device, _rank: usize) -> Result<Self::B, BootError> {
-        Ok(if self.resident { Self::B::resident() } else { Self::B::new() })
+        let b = if self.resident { Self::B::resident() } else { Self::B::new() };
+        Ok(b.with_row_tiles(self.row_tiles))
     }
     fn collectives(
         &self,

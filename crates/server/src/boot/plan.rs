@@ -134,6 +134,8 @@ pub struct BootPlan {
     pub cuda: CudaPlan,
     /// What a transfer between CPU ranks costs (`None`: nothing).
     pub sim_link: Option<corridor_backend::collective::LinkModel>,
+    /// CPU ranks hold 32-weight block formats in tiles of 16 rows (`--cpu-row-tiles`).
+    pub cpu_row_tiles: bool,
     pub flight_dir: Option<PathBuf>,
     /// Draw rows on the GPU where the layout allows (`--device-sampling`).
     pub device_sampling: bool,
@@ -197,6 +199,7 @@ impl BootPlan {
             },
             cuda: CudaPlan { tuning: opts.cuda_tuning, kernel_cache: opts.kernel_cache.clone() },
             sim_link: opts.sim_link,
+            cpu_row_tiles: opts.cpu_row_tiles,
             device_sampling: opts.device_sampling,
             flight_dir: opts.flight_dir.clone(),
         })

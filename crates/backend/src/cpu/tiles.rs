@@ -1,0 +1,775 @@
+//! Block-format weights repacked in tiles of 16 rows for AVX-512 VNNI.
+//!
+//! The 8-bit dots of [`quant`](super::quant) take one stored row at a time:
+//! each block's 32 products land in the lanes of one register and are summed
+//! across them before its scale applies, so a 576-wide row of the default
+//! model spends as many instructions on those sums as on the products. Here
+//! the codes of 16 rows sit side by side instead: one 64-byte register holds
+//! four consecutive codes of each of 16 rows, and one `vpdpbusd` with the
+//! activation's four bytes broadcast advances all 16 dots. A row's sum never
+//! leaves its lane, and the scales of 16 rows apply in one multiply.
+//!
+//! Formats: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (the 32-weight blocks; the
+//! default model is Q4_1 with a Q8_0 embedding, and a Q4_K_M file of a
+//! 576-wide model is mostly Q5_0). Every code is held unsigned (`vpdpbusd`
+//! multiplies unsigned bytes by signed ones): Q4_0's and Q5_0's as stored,
+//! with their offset (8 or 16) subtracted in the integer sum as `z · Σq`,
+//! Q8_0's with its sign bit flipped (`z = 128`). A tile takes the bytes its
+//! 16 rows took as stored, so repacking costs no memory beyond padding the
+//! last tile.
+//!
+//! Layout of tile `t` (rows `16t..16t+16`) over `nb` blocks of 32 weights,
+//! each section block by block, the tile's size rounded up to 64 bytes:
+//! - codes: per block, nibble formats 4 × 64 bytes, where byte `4l + j` of
+//!   chunk `i` holds weight `8i + j` of row `l` (low nibble) and weight
+//!   `8i + 4 + j` (high); Q8_0 8 × 64 bytes, byte `4l + j` of chunk `g`
+//!   holding weight `4g + j` of row `l`;
+//! - Q5 only: per block 8 masks of 64 bits, bit `4l + j` of mask `g` the
+//!   fifth bit of weight `4g + j` of row `l`;
+//! - per block the 16 rows' f16 scales `d`, then (Q4_1, Q5_1) their f16 `m`.
+//!
+//! Arithmetic, per row and block `b`, in this order (the kernel's lanes and
+//! [`RowTiles::dot_portable`] alike): `s = Σ u·q − z·Σq` in i32 (exact),
+//! `acc = fma(d·dx, s, acc)`, then for Q4_1 / Q5_1 `acc = fma(m, dx·Σq, acc)`.
+
+use super::quant::{self, Q8Row};
+use crate::dtype::{DType, QK};
+use half::f16;
+
+/// Rows per tile: one 64-byte register of four codes per row.
+pub const TILE_ROWS: usize = 16;
+
+/// How far ahead of the block being dotted its codes are prefetched.
+const PREFETCH_BYTES: usize = 4096;
+
+/// How a format's codes are held in a tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Codes {
+    /// Four bits per weight, two weights a byte.
+    Nibbles,
+    /// Four bits as [`Codes::Nibbles`] plus a mask section of fifth bits.
+    Nibbles5,
+    /// A byte per weight.
+    Bytes,
+}
+
+/// A format's tile shape: its codes, the offset subtracted from each
+/// unsigned code (`z`), and whether each block carries an f16 `m`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Format {
+    codes: Codes,
+    zero: i32,
+    min: bool,
+}
+
+impl Format {
+    fn of(dtype: DType) -> Option<Format> {
+        let (codes, zero, min) = match dtype {
+            DType::Q4_0 => (Codes::Nibbles, 8, false),
+            DType::Q4_1 => (Codes::Nibbles, 0, true),
+            DType::Q5_0 => (Codes::Nibbles5, 16, false),
+            DType::Q5_1 => (Codes::Nibbles5, 0, true),
+            DType::Q8_0 => (Codes::Bytes, 128, false),
+            _ => return None,
+        };
+        Some(Format { codes, zero, min })
+    }
+    /// Code bytes of one block of a tile.
+    const fn code_bytes(self) -> usize {
+        match self.codes {
+            Codes::Bytes => 8 * 64,
+            _ => 4 * 64,
+        }
+    }
+    /// Fifth-bit mask bytes of one block of a tile.
+    const fn high_bytes(self) -> usize {
+        match self.codes {
+            Codes::Nibbles5 => 8 * 8,
+            _ => 0,
+        }
+    }
+    /// Offsets of the sections of a tile of `nb` blocks: (fifth bits, d, m,
+    /// the tile's size).
+    fn sections(self, nb: usize) -> (usize, usize, usize, usize) {
+        let high = nb * self.code_bytes();
+        let d = high + nb * self.high_bytes();
+        let m = d + nb * 2 * TILE_ROWS;
+        let end = m + if self.min { nb * 2 * TILE_ROWS } else { 0 };
+        (high, d, m, end.next_multiple_of(64))
+    }
+}
+
+/// Bytes aligned to 64, so every code chunk is one aligned load.
+struct Aligned {
+    words: Vec<Line>,
+    len: usize,
+}
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+impl Aligned {
+    fn zeroed(len: usize) -> Aligned {
+        Aligned { words: vec![Line([0; 64]); len.div_ceil(64)], len }
+    }
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `words` is `len.div_ceil(64)` lines of 64 plain bytes.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.len) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, and `self` is borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut u8, self.len) }
+    }
+}
+
+/// A block-format matrix `[rows, cols]` repacked in tiles of 16 rows (see
+/// the module's documentation for the layout and the arithmetic).
+pub struct RowTiles {
+    dtype: DType,
+    format: Format,
+    rows: usize,
+    cols: usize,
+    /// 32-weight blocks per row.
+    nb: usize,
+    tile_bytes: usize,
+    data: Aligned,
+}
+
+impl std::fmt::Debug for RowTiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RowTiles({} [{}, {}])", self.dtype, self.rows, self.cols)
+    }
+}
+
+/// Whether this CPU runs the tile kernels (AVX-512 F/BW with VNNI, F16C, FMA).
+pub fn supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vnni")
+            && std::is_x86_feature_detected!("f16c")
+            && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+impl RowTiles {
+    /// Whether `dtype` has a tile layout.
+    pub fn takes(dtype: DType) -> bool {
+        Format::of(dtype).is_some()
+    }
+
+    /// `rows` stored rows of `cols` weights of `dtype` (`row_bytes` each, in
+    /// `bytes`), repacked; `None` for a format without a tile layout.
+    pub fn pack(dtype: DType, bytes: &[u8], rows: usize, cols: usize) -> Option<RowTiles> {
+        let format = Format::of(dtype)?;
+        assert!(cols.is_multiple_of(QK), "rows of whole 32-weight blocks");
+        let nb = cols / QK;
+        let bb = dtype.block_bytes();
+        assert!(bytes.len() >= rows * nb * bb, "{rows} rows of {nb} {dtype} blocks");
+        let (high_at, d_at, m_at, tile_bytes) = format.sections(nb);
+        let tiles = rows.div_ceil(TILE_ROWS);
+        let mut data = Aligned::zeroed(tiles * tile_bytes);
+        let out = data.bytes_mut();
+        let (scale_at, _) = scales_at(dtype);
+        let mut codes = [0u8; QK];
+        for r in 0..rows {
+            let tile = &mut out[(r / TILE_ROWS) * tile_bytes..][..tile_bytes];
+            let l = r % TILE_ROWS;
+            for b in 0..nb {
+                let blk = &bytes[(r * nb + b) * bb..][..bb];
+                unsigned_codes(dtype, blk, &mut codes);
+                put_codes(format, &mut tile[b * format.code_bytes()..][..format.code_bytes()], l, &codes);
+                if format.codes == Codes::Nibbles5 {
+                    let masks = &mut tile[high_at + b * 64..][..64];
+                    for (i, &c) in codes.iter().enumerate() {
+                        let (g, j) = (i / 4, i % 4);
+                        if c & 0x10 != 0 {
+                            masks[8 * g + (4 * l + j) / 8] |= 1 << ((4 * l + j) % 8);
+                        }
+                    }
+                }
+                tile[d_at + b * 32 + 2 * l..][..2].copy_from_slice(&blk[scale_at..scale_at + 2]);
+                if format.min {
+                    tile[m_at + b * 32 + 2 * l..][..2].copy_from_slice(&blk[scale_at + 2..scale_at + 4]);
+                }
+            }
+        }
+        Some(RowTiles { dtype, format, rows, cols, nb, tile_bytes, data })
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// `[rows, cols]` as stored.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// Bytes held (the stored rows' bytes, the last tile padded to 16 rows).
+    pub fn size_bytes(&self) -> usize {
+        self.data.len
+    }
+
+    fn tile(&self, t: usize) -> &[u8] {
+        &self.data.bytes()[t * self.tile_bytes..][..self.tile_bytes]
+    }
+
+    /// The unsigned code of weight `i` of block `b` of lane `l` in `tile`.
+    fn code(&self, tile: &[u8], b: usize, l: usize, i: usize) -> u8 {
+        let f = self.format;
+        let codes = &tile[b * f.code_bytes()..][..f.code_bytes()];
+        let (g, j) = (i / 4, i % 4);
+        let low = match f.codes {
+            Codes::Bytes => return codes[64 * g + 4 * l + j],
+            _ => (codes[64 * (g / 2) + 4 * l + j] >> (4 * (g % 2))) & 0x0f,
+        };
+        if f.codes == Codes::Nibbles5 {
+            let (high_at, ..) = f.sections(self.nb);
+            let bit = (tile[high_at + b * 64 + 8 * g + (4 * l + j) / 8] >> ((4 * l + j) % 8)) & 1;
+            return low | (bit << 4);
+        }
+        low
+    }
+
+    /// Lane `l`'s f16 scale (and `m`) of block `b` in `tile`.
+    fn scales(&self, tile: &[u8], b: usize, l: usize) -> ([u8; 2], [u8; 2]) {
+        let (_, d_at, m_at, _) = self.format.sections(self.nb);
+        let d = [tile[d_at + b * 32 + 2 * l], tile[d_at + b * 32 + 2 * l + 1]];
+        let m = match self.format.min {
+            true => [tile[m_at + b * 32 + 2 * l], tile[m_at + b * 32 + 2 * l + 1]],
+            false => [0, 0],
+        };
+        (d, m)
+    }
+
+    /// Stored row `r` as the checkpoint held it (`row_bytes` of `dtype`),
+    /// written into `out`.
+    pub fn stored_row(&self, r: usize, out: &mut Vec<u8>) {
+        assert!(r < self.rows, "row {r} of {}", self.rows);
+        let bb = self.dtype.block_bytes();
+        out.clear();
+        out.resize(self.nb * bb, 0);
+        let (tile, l) = (self.tile(r / TILE_ROWS), r % TILE_ROWS);
+        let (scale_at, two) = scales_at(self.dtype);
+        for (b, blk) in out.chunks_exact_mut(bb).enumerate() {
+            let (d, m) = self.scales(tile, b, l);
+            blk[scale_at..scale_at + 2].copy_from_slice(&d);
+            if two {
+                blk[scale_at + 2..scale_at + 4].copy_from_slice(&m);
+            }
+            let codes: [u8; QK] = std::array::from_fn(|i| self.code(tile, b, l, i));
+            match self.dtype {
+                DType::Q8_0 => {
+                    for (o, c) in blk[2..].iter_mut().zip(codes) {
+                        *o = c ^ 0x80;
+                    }
+                }
+                _ => {
+                    let qs_at = scale_at + if two { 4 } else { 2 };
+                    let five = self.format.codes == Codes::Nibbles5;
+                    let qs_at = if five { qs_at + 4 } else { qs_at };
+                    let mut qh = 0u32;
+                    for j in 0..16 {
+                        blk[qs_at + j] = (codes[j] & 0x0f) | ((codes[j + 16] & 0x0f) << 4);
+                        qh |= (((codes[j] >> 4) & 1) as u32) << j
+                            | (((codes[j + 16] >> 4) & 1) as u32) << (j + 16);
+                    }
+                    if five {
+                        blk[qs_at - 4..qs_at].copy_from_slice(&qh.to_le_bytes());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Row `r` widened to f32, bit for bit what [`quant::dequantize_row`]
+    /// gives the stored row (`d · c + m` per weight, `c` the signed code).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.rows && out.len() == self.cols, "row {r} of [{}, {}]", self.rows, self.cols);
+        let (tile, l) = (self.tile(r / TILE_ROWS), r % TILE_ROWS);
+        let f = self.format;
+        let (high_at, d_at, m_at, _) = f.sections(self.nb);
+        let cb = f.code_bytes();
+        let word = |at: usize| u32::from_le_bytes([tile[at], tile[at + 1], tile[at + 2], tile[at + 3]]);
+        let half = |at: usize| f16::from_le_bytes([tile[at], tile[at + 1]]).to_f32();
+        for (b, o) in out.chunks_exact_mut(QK).enumerate() {
+            let d = half(d_at + b * 32 + 2 * l);
+            let m = if f.min { half(m_at + b * 32 + 2 * l) } else { 0.0 };
+            let codes = b * cb + 4 * l;
+            // The four codes of group g of this lane, as bytes of a word.
+            let group = |g: usize| match f.codes {
+                Codes::Bytes => word(codes + 64 * g),
+                _ => {
+                    let low = (word(codes + 64 * (g / 2)) >> (4 * (g % 2))) & 0x0f0f_0f0f;
+                    if f.codes == Codes::Nibbles5 {
+                        // Bits 4l..4l+4 of mask g, one a byte, at bit 4.
+                        let bits = (tile[high_at + b * 64 + 8 * g + l / 2] >> (4 * (l % 2))) as u32 & 0x0f;
+                        let spread = (bits & 1) | (bits & 2) << 7 | (bits & 4) << 14 | (bits & 8) << 21;
+                        low | spread << 4
+                    } else {
+                        low
+                    }
+                }
+            };
+            for (g, o) in o.chunks_exact_mut(4).enumerate() {
+                let w = group(g);
+                for (j, o) in o.iter_mut().enumerate() {
+                    let c = ((w >> (8 * j)) & 0xff) as i32 - f.zero;
+                    *o = d * c as f32 + m;
+                }
+            }
+        }
+    }
+
+    /// Rows `r0..r0 + cols` widened into the GEMM's column panels (`out`,
+    /// [`gemm::pack_cols`](super::gemm)'s layout with 16 columns a panel:
+    /// for each weight `p`, the 16 rows' values at `p`), zeros past the last
+    /// row: a tile is a panel already, one register of codes a row of it
+    /// four times over. The values are [`RowTiles::dequantize_row`]'s.
+    pub fn widen_panels(&self, r0: usize, cols: usize, out: &mut [f32]) {
+        assert!(r0.is_multiple_of(TILE_ROWS), "a tile's first row, not {r0}");
+        let k = self.cols;
+        assert_eq!(out.len(), cols.div_ceil(TILE_ROWS) * TILE_ROWS * k, "whole panels");
+        assert!(r0 + cols <= self.rows, "rows {r0}..{} of {}", r0 + cols, self.rows);
+        for (i, panel) in out.chunks_exact_mut(TILE_ROWS * k).enumerate() {
+            let t = r0 / TILE_ROWS + i;
+            #[cfg(target_arch = "x86_64")]
+            if supported() {
+                // SAFETY: the CPU has the features (checked); the tile and
+                // the panel hold `nb` blocks of 16 rows.
+                unsafe { self.widen_tile_avx512(t, panel) };
+                continue;
+            }
+            let mut row = vec![0f32; k];
+            for l in 0..TILE_ROWS {
+                match t * TILE_ROWS + l {
+                    r if r < self.rows => self.dequantize_row(r, &mut row),
+                    _ => row.fill(0.0),
+                }
+                for (p, v) in row.iter().enumerate() {
+                    panel[p * TILE_ROWS + l] = *v;
+                }
+            }
+        }
+        // Rows past the matrix in the last tile are zero codes with zero
+        // scales, which widen to +0.0 as the panels' padding is.
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn widen_tile_avx512(&self, t: usize, panel: &mut [f32]) {
+        use std::arch::x86_64::*;
+        let f = self.format;
+        let tile = self.tile(t).as_ptr();
+        let (high_at, d_at, m_at, _) = f.sections(self.nb);
+        let cb = f.code_bytes();
+        let low4 = _mm512_set1_epi8(0x0f);
+        let sixteen = _mm512_set1_epi8(0x10);
+        let byte = _mm512_set1_epi32(0xff);
+        let zero = _mm512_set1_epi32(f.zero);
+        let out = panel.as_mut_ptr();
+        assert!(panel.len() >= self.nb * QK * TILE_ROWS);
+        for b in 0..self.nb {
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(d_at + b * 32) as *const __m256i));
+            let m = match f.min {
+                true => _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(m_at + b * 32) as *const __m256i)),
+                false => _mm512_setzero_ps(),
+            };
+            for g in 0..8 {
+                let u = match f.codes {
+                    Codes::Bytes => _mm512_load_si512(tile.add(b * cb + 64 * g) as *const __m512i),
+                    _ => {
+                        let c = _mm512_load_si512(tile.add(b * cb + 64 * (g / 2)) as *const __m512i);
+                        let c = if g % 2 == 1 { _mm512_srli_epi16::<4>(c) } else { c };
+                        let u = _mm512_and_si512(c, low4);
+                        if f.codes == Codes::Nibbles5 {
+                            let k = _cvtu64_mask64(
+                                (tile.add(high_at + b * 64 + 8 * g) as *const u64).read_unaligned(),
+                            );
+                            _mm512_mask_add_epi8(u, k, u, sixteen)
+                        } else {
+                            u
+                        }
+                    }
+                };
+                // Byte j of each row's word: weight 4g + j of the 16 rows.
+                let rows = [
+                    _mm512_and_si512(u, byte),
+                    _mm512_and_si512(_mm512_srli_epi32::<8>(u), byte),
+                    _mm512_and_si512(_mm512_srli_epi32::<16>(u), byte),
+                    _mm512_srli_epi32::<24>(u),
+                ];
+                for (j, c) in rows.into_iter().enumerate() {
+                    let c = _mm512_cvtepi32_ps(_mm512_sub_epi32(c, zero));
+                    // d · c + m, rounded twice as the stored rows widen.
+                    let v = _mm512_add_ps(_mm512_mul_ps(d, c), m);
+                    _mm512_storeu_ps(out.add((b * QK + 4 * g + j) * TILE_ROWS), v);
+                }
+            }
+        }
+    }
+
+    /// Rows `r0..` (as many as `out` holds, `xs.len()` values each, row-major
+    /// by weight row) dotted with each 8-bit activation row of `xs`. `r0` is
+    /// a multiple of 16. The AVX-512 kernel where [`supported`], else
+    /// [`RowTiles::dot_portable`]: the same bits.
+    pub fn dot_many(&self, r0: usize, xs: &[Q8Row], out: &mut [f32]) {
+        assert!(r0.is_multiple_of(TILE_ROWS), "a tile's first row, not {r0}");
+        assert!(!xs.is_empty() && out.len().is_multiple_of(xs.len()), "whole rows of outputs");
+        let rows = out.len() / xs.len();
+        assert!(r0 + rows <= self.rows, "rows {r0}..{} of {}", r0 + rows, self.rows);
+        for x in xs {
+            x.check_len(self.cols);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if supported() {
+            // SAFETY: the CPU has the kernels' features (checked above); the
+            // rows and activations were checked against the shape.
+            unsafe { self.dot_many_avx512(r0, xs, out) };
+            return;
+        }
+        self.dot_portable(r0, xs, out)
+    }
+
+    /// [`RowTiles::dot_many`] one weight at a time, in the kernel's order of
+    /// operations: the reference its lanes match bit for bit.
+    pub fn dot_portable(&self, r0: usize, xs: &[Q8Row], out: &mut [f32]) {
+        let n = xs.len();
+        let zero = self.format.zero;
+        for (i, o) in out.chunks_exact_mut(n).enumerate() {
+            let r = r0 + i;
+            let (tile, l) = (self.tile(r / TILE_ROWS), r % TILE_ROWS);
+            for (x, o) in xs.iter().zip(o.iter_mut()) {
+                let mut acc = 0f32;
+                for b in 0..self.nb {
+                    let q = &x.q()[b * QK..(b + 1) * QK];
+                    let dot: i32 = (0..QK).map(|i| self.code(tile, b, l, i) as i32 * q[i] as i32).sum();
+                    let s = dot - zero * x.qsum()[b];
+                    let (d, m) = self.scales(tile, b, l);
+                    let (d, m) = (f16::from_le_bytes(d).to_f32(), f16::from_le_bytes(m).to_f32());
+                    acc = (d * x.d()[b]).mul_add(s as f32, acc);
+                    if self.format.min {
+                        acc = m.mul_add(x.bsum()[b], acc);
+                    }
+                }
+                *o = acc;
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+    unsafe fn dot_many_avx512(&self, r0: usize, xs: &[Q8Row], out: &mut [f32]) {
+        let n = xs.len();
+        let rows = out.len() / n;
+        let mut lanes = [[0f32; TILE_ROWS]; 4];
+        let mut t = r0 / TILE_ROWS;
+        let mut done = 0;
+        while done < rows {
+            let tile = self.tile(t).as_ptr();
+            let take = TILE_ROWS.min(rows - done);
+            let mut r = 0;
+            while r < n {
+                let k = (n - r).min(4);
+                let x = &xs[r..r + k];
+                // SAFETY: the tile holds `nb` blocks in its format's layout;
+                // every row of `x` holds `nb` blocks (checked by the caller).
+                match k {
+                    1 => self.tile_kernel::<1>(tile, x, &mut lanes),
+                    2 => self.tile_kernel::<2>(tile, x, &mut lanes),
+                    3 => self.tile_kernel::<3>(tile, x, &mut lanes),
+                    _ => self.tile_kernel::<4>(tile, x, &mut lanes),
+                }
+                for (a, lane) in lanes[..k].iter().enumerate() {
+                    for (i, &v) in lane[..take].iter().enumerate() {
+                        out[(done + i) * n + r + a] = v;
+                    }
+                }
+                r += k;
+            }
+            done += take;
+            t += 1;
+        }
+    }
+
+    /// One tile's 16 rows dotted with `R` activation rows, into `lanes`.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+    #[inline]
+    unsafe fn tile_kernel<const R: usize>(
+        &self,
+        tile: *const u8,
+        xs: &[Q8Row],
+        lanes: &mut [[f32; TILE_ROWS]; 4],
+    ) {
+        match (self.format.codes, self.format.min) {
+            (Codes::Nibbles, false) => tile_dots::<0, false, R>(tile, self.nb, self.format.zero, xs, lanes),
+            (Codes::Nibbles, true) => tile_dots::<0, true, R>(tile, self.nb, self.format.zero, xs, lanes),
+            (Codes::Nibbles5, false) => tile_dots::<1, false, R>(tile, self.nb, self.format.zero, xs, lanes),
+            (Codes::Nibbles5, true) => tile_dots::<1, true, R>(tile, self.nb, self.format.zero, xs, lanes),
+            (Codes::Bytes, _) => tile_dots::<2, false, R>(tile, self.nb, self.format.zero, xs, lanes),
+        }
+    }
+}
+
+/// The offset of a 32-weight format's f16 `d` in its block, and whether an
+/// f16 `m` follows it.
+fn scales_at(dtype: DType) -> (usize, bool) {
+    (0, matches!(dtype, DType::Q4_1 | DType::Q5_1))
+}
+
+/// The 32 codes of one stored block, unsigned (`c + z`).
+fn unsigned_codes(dtype: DType, blk: &[u8], out: &mut [u8; QK]) {
+    let mut b = quant::Block::default();
+    quant::unpack_block(dtype, blk, &mut b);
+    let zero = Format::of(dtype).expect("a tile format").zero;
+    for (o, &c) in out.iter_mut().zip(&b.q[..QK]) {
+        *o = (c as i32 + zero) as u8;
+    }
+}
+
+/// Lane `l`'s 32 unsigned codes into one block's code section.
+fn put_codes(format: Format, codes: &mut [u8], l: usize, c: &[u8; QK]) {
+    for (i, &v) in c.iter().enumerate() {
+        let (g, j) = (i / 4, i % 4);
+        match format.codes {
+            Codes::Bytes => codes[64 * g + 4 * l + j] = v,
+            _ => codes[64 * (g / 2) + 4 * l + j] |= (v & 0x0f) << (4 * (g % 2)),
+        }
+    }
+}
+
+/// The tile kernel for code layout `C` (0 nibbles, 1 nibbles with fifth
+/// bits, 2 bytes), with or without an `m` per block (`MIN`), over `R`
+/// activation rows: lane `l` of `lanes[a]` gets row `l`'s dot with `xs[a]`.
+///
+/// # Safety
+/// `tile` points at a whole tile of `nb` blocks of that layout, and each of
+/// the `R` rows of `xs` holds `nb` blocks with their scales and sums.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+#[inline]
+unsafe fn tile_dots<const C: u8, const MIN: bool, const R: usize>(
+    tile: *const u8,
+    nb: usize,
+    zero: i32,
+    xs: &[Q8Row],
+    lanes: &mut [[f32; TILE_ROWS]; 4],
+) {
+    use std::arch::x86_64::*;
+    let format = Format {
+        codes: match C {
+            0 => Codes::Nibbles,
+            1 => Codes::Nibbles5,
+            _ => Codes::Bytes,
+        },
+        zero,
+        min: MIN,
+    };
+    let (high_at, d_at, m_at, _) = format.sections(nb);
+    let cb = format.code_bytes();
+    let low4 = _mm512_set1_epi8(0x0f);
+    let sixteen = _mm512_set1_epi8(0x10);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        let codes = tile.add(b * cb);
+        // Every line of the codes some blocks ahead (the hardware's
+        // prefetcher follows a tile's three sections less far).
+        for line in (0..cb).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(codes.wrapping_add(PREFETCH_BYTES + line) as *const i8);
+        }
+        let mut u = [_mm512_setzero_si512(); 8];
+        if C == 2 {
+            for (g, u) in u.iter_mut().enumerate() {
+                *u = _mm512_load_si512(codes.add(64 * g) as *const __m512i);
+            }
+        } else {
+            for i in 0..4 {
+                let c = _mm512_load_si512(codes.add(64 * i) as *const __m512i);
+                u[2 * i] = _mm512_and_si512(c, low4);
+                u[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(c), low4);
+            }
+            if C == 1 {
+                let masks = tile.add(high_at + b * 64) as *const u64;
+                for (g, u) in u.iter_mut().enumerate() {
+                    let k = _cvtu64_mask64(masks.add(g).read_unaligned());
+                    *u = _mm512_mask_add_epi8(*u, k, *u, sixteen);
+                }
+            }
+        }
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(d_at + b * 32) as *const __m256i));
+        let m = if MIN {
+            _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(m_at + b * 32) as *const __m256i))
+        } else {
+            _mm512_setzero_ps()
+        };
+        for (a, acc) in acc.iter_mut().enumerate() {
+            let x = xs.get_unchecked(a);
+            let q = x.q().as_ptr().add(b * QK) as *const i32;
+            let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            for g in (0..8).step_by(2) {
+                s0 = _mm512_dpbusd_epi32(s0, u[g], _mm512_set1_epi32(q.add(g).read_unaligned()));
+                s1 = _mm512_dpbusd_epi32(s1, u[g + 1], _mm512_set1_epi32(q.add(g + 1).read_unaligned()));
+            }
+            let mut s = _mm512_add_epi32(s0, s1);
+            if !MIN {
+                s = _mm512_sub_epi32(s, _mm512_set1_epi32(zero * *x.qsum().get_unchecked(b)));
+            }
+            let scale = _mm512_mul_ps(d, _mm512_set1_ps(*x.d().get_unchecked(b)));
+            *acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s), *acc);
+            if MIN {
+                *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(*x.bsum().get_unchecked(b)), *acc);
+            }
+        }
+    }
+    for (lane, acc) in lanes.iter_mut().zip(acc) {
+        _mm512_storeu_ps(lane.as_mut_ptr(), acc);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Random blocks of `dtype`: every byte random, the f16 scales small
+    /// finite values of both signs (one block's scale zero, one an f16
+    /// subnormal), so every code and fifth bit turns up.
+    fn random_rows(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        let mut next = move || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        };
+        let bb = dtype.block_bytes();
+        let mut bytes: Vec<u8> = (0..rows * cols / QK * bb).map(|_| next() as u8).collect();
+        let (at, two) = scales_at(dtype);
+        for (i, blk) in bytes.chunks_exact_mut(bb).enumerate() {
+            let scale = |v: u32| match i % 7 {
+                3 => f16::from_bits(0),
+                5 => f16::from_bits(0x0003),
+                _ => f16::from_f32((v % 2000) as f32 / 1e5 - 0.01),
+            };
+            blk[at..at + 2].copy_from_slice(&scale(next()).to_le_bytes());
+            if two {
+                blk[at + 2..at + 4].copy_from_slice(&scale(next()).to_le_bytes());
+            }
+        }
+        bytes
+    }
+
+    fn q8_rows(count: usize, cols: usize, seed: u32) -> Vec<Q8Row> {
+        (0..count)
+            .map(|r| {
+                let x: Vec<f32> = (0..cols)
+                    .map(|i| {
+                        let h = (i as u32 ^ seed.wrapping_mul(2654435761)).wrapping_mul(2246822519)
+                            ^ r as u32 * 97;
+                        ((h >> 8) % 2001) as f32 / 1000.0 - 1.0
+                    })
+                    .collect();
+                let mut q = Q8Row::default();
+                q.quantize(&x);
+                q
+            })
+            .collect()
+    }
+
+    const FORMATS: [DType; 5] = [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0];
+
+    #[test]
+    fn a_tiled_row_is_the_stored_row_and_widens_to_the_same_bits() {
+        for dtype in FORMATS {
+            // 37 rows: two whole tiles and a padded one.
+            let (rows, cols) = (37, 96);
+            let bytes = random_rows(dtype, rows, cols, dtype as u64);
+            let tiles = RowTiles::pack(dtype, &bytes, rows, cols).expect("a tile format");
+            let rb = cols / QK * dtype.block_bytes();
+            let (mut back, mut want, mut got) = (Vec::new(), vec![0f32; cols], vec![0f32; cols]);
+            for r in 0..rows {
+                tiles.stored_row(r, &mut back);
+                assert_eq!(back, &bytes[r * rb..(r + 1) * rb], "{dtype} row {r}");
+                quant::dequantize_row(dtype, &bytes[r * rb..(r + 1) * rb], &mut want);
+                tiles.dequantize_row(r, &mut got);
+                let (w, g): (Vec<u32>, Vec<u32>) =
+                    (want.iter().map(|v| v.to_bits()).collect(), got.iter().map(|v| v.to_bits()).collect());
+                assert_eq!(w, g, "{dtype} row {r} widened");
+            }
+        }
+    }
+
+    #[test]
+    fn the_tile_kernel_gives_the_portable_bits_and_the_8_bit_dot_within_its_rounding() {
+        for dtype in FORMATS {
+            let (rows, cols) = (53, 192);
+            let bytes = random_rows(dtype, rows, cols, 7 + dtype as u64);
+            let tiles = RowTiles::pack(dtype, &bytes, rows, cols).expect("a tile format");
+            let rb = cols / QK * dtype.block_bytes();
+            for n in [1, 2, 3, 4, 5, 8] {
+                let xs = q8_rows(n, cols, n as u32);
+                for r0 in [0, 16, 48] {
+                    let count = (rows - r0).min(21);
+                    let (mut got, mut want) = (vec![0f32; count * n], vec![0f32; count * n]);
+                    tiles.dot_many(r0, &xs, &mut got);
+                    tiles.dot_portable(r0, &xs, &mut want);
+                    let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{dtype}: {n} rows from {r0}");
+                    // The same dot in another order: quant's 8-bit dot of
+                    // the stored row, within f32 rounding of the sum's terms.
+                    for (i, vs) in got.chunks_exact(n).enumerate() {
+                        let row = &bytes[(r0 + i) * rb..(r0 + i + 1) * rb];
+                        let mut w = vec![0f32; cols];
+                        quant::dequantize_row(dtype, row, &mut w);
+                        for (x, &v) in xs.iter().zip(vs) {
+                            let other = quant::dot_row_q8_portable(dtype, row, x);
+                            let scale: f32 = w.iter().zip(x.dequantized()).map(|(a, b)| (a * b).abs()).sum();
+                            assert!(
+                                (v - other).abs() <= 1e-5 * scale + 1e-30,
+                                "{dtype} row {}: {v} against {other} (terms {scale})",
+                                r0 + i
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn widened_panels_hold_the_widened_rows() {
+        for dtype in FORMATS {
+            let (rows, cols) = (37, 64);
+            let bytes = random_rows(dtype, rows, cols, 11 + dtype as u64);
+            let tiles = RowTiles::pack(dtype, &bytes, rows, cols).expect("a tile format");
+            for (r0, n) in [(0usize, 37usize), (16, 21), (32, 5)] {
+                let mut panels = vec![f32::NAN; n.div_ceil(TILE_ROWS) * TILE_ROWS * cols];
+                tiles.widen_panels(r0, n, &mut panels);
+                let mut row = vec![0f32; cols];
+                for c in 0..n.div_ceil(TILE_ROWS) * TILE_ROWS {
+                    let (panel, l) = (c / TILE_ROWS, c % TILE_ROWS);
+                    match r0 + c < rows {
+                        true => tiles.dequantize_row(r0 + c, &mut row),
+                        false => row.fill(0.0),
+                    }
+                    for (p, &v) in row.iter().enumerate() {
+                        let got = panels[panel * TILE_ROWS * cols + p * TILE_ROWS + l];
+                        assert_eq!(got.to_bits(), v.to_bits(), "{dtype} row {} weight {p}", r0 + c);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn formats_without_a_tile_layout_are_not_packed() {
+        for dtype in [DType::Q4_K, DType::Q6_K, DType::IQ4_NL, DType::F16] {
+            assert!(!RowTiles::takes(dtype));
+        }
+        let bytes = vec![0u8; 18 * 2];
+        assert!(RowTiles::pack(DType::IQ4_NL, &bytes, 2, 32).is_none());
+    }
+}
