@@ -37,13 +37,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // Every switch on, the L2 prefetch and the attention fusions too, so the checks run every
     // path serving may take (the attention checks also run with the splits merged by a combine
     // pass, and RoPE before attention).
-    let tuning = CudaTuning {
-        l2_prefetch: true,
-        attn_merge: true,
-        attn_rope: true,
-        moe_q8: true,
-        ..Default::default()
-    };
+    let tuning = CudaTuning { l2_prefetch: true, attn_merge: true, attn_rope: true, ..Default::default() };
     let config = CudaBackendConfig {
         kernel_cache_dir: cache.clone(),
         max_pages_per_seq: 512,

@@ -81,15 +81,16 @@ pub struct ModelArgs {
     /// so prompts always progress); with nothing decoding, a step takes all --max-batched-tokens.
     /// The trade-off: a lower target smooths streaming (ITL p99) but spreads a long prompt over
     /// more steps, so its time to first token grows; a higher one or 0 finishes prompts sooner
-    /// and lets them stall the streams.
-    #[arg(long, default_value_t = 50)]
+    /// and lets them stall the streams. The default 38 kept an 8B model's ITL p99 at concurrency
+    /// 128 within 2.9 times its median on an H200 (50: 3.8 times) at the same throughput.
+    #[arg(long, default_value_t = corridor_engine::step_budget::DEFAULT_ITL_TARGET.as_millis() as u64)]
     itl_target_ms: u64,
     /// A second bound beside --itl-target-ms, relative to the card's own pace (0 = none, the
     /// default): while streams decode, a step that carries prompt rows is predicted to take at
     /// most this many times the decode-only step of the batch being served (the running requests
     /// and the waiting ones that will join them). The smaller of the two bounds decides. At 3, an
     /// 8B model at batch 128 (about 15 ms a step) keeps its gaps under about 45 ms, and a lone
-    /// stream at batch 1 (about 5.6 ms) under about 17 ms where 50 ms alone allows a 9x stall; the
+    /// stream at batch 1 (about 5.6 ms) under about 17 ms where 38 ms alone allows a 7x stall; the
     /// cost is more, smaller prompt chunks: on an H100 at concurrency 128 it took ITL p99 from 3.5
     /// to 2.1 times its median and lost 4-7% of the throughput (BENCHMARKS.md).
     #[arg(long, default_value_t = 0.0, value_parser = parse_stall_ratio)]

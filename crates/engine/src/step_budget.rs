@@ -42,8 +42,12 @@ use std::time::Duration;
 /// Prefill rows a mixed step always gets, so prompts progress under any number of decodes.
 pub const MIN_PREFILL_ROWS: usize = 16;
 
-/// The default inter-token-latency target (the server's `--itl-target-ms`).
-pub const DEFAULT_ITL_TARGET: Duration = Duration::from_millis(50);
+/// The default inter-token-latency target (the server's `--itl-target-ms`). Measured on an H200
+/// serving the Llama-3-8B shape at concurrency 128 (512-token prompts, 128 generated; one warm
+/// machine, one binary): 38 ms kept ITL p99 at 2.9 times its median (13.6 ms) at 4,427 output
+/// tok/s, where 50 ms let it reach 3.8 times at 4,436-4,447 and 40 ms 3.1 times; below 38 the
+/// p99 stays (the mixed steps' floor of rows) and prompts wait longer (BENCHMARKS.md).
+pub const DEFAULT_ITL_TARGET: Duration = Duration::from_millis(38);
 
 /// Weight kept by a measurement per newer one: about the last 50 steps make the fit.
 const FORGET: f64 = 0.98;
@@ -433,8 +437,8 @@ mod tests {
         let b = StepBudget::new(ItlBound::absolute(Some(DEFAULT_ITL_TARGET)));
         assert_eq!(b.cost(), StepCost::CONSERVATIVE);
         assert_eq!(b.measured(), 0);
-        // 50 - 10 - 32 × 0.2 = 33.6 ms: 168 rows of 0.2 ms.
-        assert_eq!(b.prefill_rows(32, 32, 512), 168);
+        // 38 - 10 - 32 × 0.2 = 21.6 ms: 108 rows of 0.2 ms.
+        assert_eq!(b.prefill_rows(32, 32, 512), 108);
     }
 
     /// Steps of varied shapes timed exactly by `truth`.

@@ -25,8 +25,6 @@ fn main() {
     let dir = std::env::args().nth(1).unwrap_or_else(|| "tests/fixtures/tiny".into());
     let tuning = corridor_backend::CudaTuning {
         delta_chunked: std::env::args().any(|a| a == "--delta-chunked"),
-        // Block-format experts on the routed integer GEMVs (off by default until checked here).
-        moe_q8: true,
         ..Default::default()
     };
     let gpu = CudaBackend::new(CudaBackendConfig { tuning, ..Default::default() }).expect("cuda backend");
