@@ -574,6 +574,7 @@ unsafe fn tile_dots<const C: u8, const MIN: bool, const R: usize>(
     let (high_at, d_at, m_at, _) = format.sections(nb);
     let cb = format.code_bytes();
     let low4 = _mm512_set1_epi8(0x0f);
+    let high4 = _mm512_set1_epi8(0xf0u8 as i8);
     let sixteen = _mm512_set1_epi8(0x10);
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
@@ -592,7 +593,13 @@ unsafe fn tile_dots<const C: u8, const MIN: bool, const R: usize>(
             for i in 0..4 {
                 let c = _mm512_load_si512(codes.add(64 * i) as *const __m512i);
                 u[2 * i] = _mm512_and_si512(c, low4);
-                u[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(c), low4);
+                // Plain nibbles: the high ones in place, 16 times their
+                // code (the odd groups' sum is shifted back, exactly, once a
+                // block); with fifth bits they must come down first.
+                u[2 * i + 1] = match C {
+                    0 => _mm512_and_si512(c, high4),
+                    _ => _mm512_and_si512(_mm512_srli_epi16::<4>(c), low4),
+                };
             }
             if C == 1 {
                 let masks = tile.add(high_at + b * 64) as *const u64;
@@ -616,6 +623,7 @@ unsafe fn tile_dots<const C: u8, const MIN: bool, const R: usize>(
                 s0 = _mm512_dpbusd_epi32(s0, u[g], _mm512_set1_epi32(q.add(g).read_unaligned()));
                 s1 = _mm512_dpbusd_epi32(s1, u[g + 1], _mm512_set1_epi32(q.add(g + 1).read_unaligned()));
             }
+            let s1 = if C == 0 { _mm512_srai_epi32::<4>(s1) } else { s1 };
             let mut s = _mm512_add_epi32(s0, s1);
             if !MIN {
                 s = _mm512_sub_epi32(s, _mm512_set1_epi32(zero * *x.qsum().get_unchecked(b)));
