@@ -362,19 +362,11 @@ pub fn boot_plan(plan: &BootPlan, progress: &mut dyn FnMut(usize, usize)) -> Res
         context_len,
         ordinals: &ordinals,
     };
+    // CPU ranks on the host card hold resident buffers; on sim cards, lazy ones.
+    let cpu_ranks = |resident| CpuRanks { resident, link: plan.sim_link, row_tiles: plan.cpu_row_tiles };
     let started = match &plan.cards {
-        CardsPlan::Host { .. } => group::start(
-            &env,
-            &CpuRanks { resident: true, link: plan.sim_link, row_tiles: plan.cpu_row_tiles },
-            config,
-            progress,
-        )?,
-        CardsPlan::Sim { .. } => group::start(
-            &env,
-            &CpuRanks { resident: false, link: plan.sim_link, row_tiles: plan.cpu_row_tiles },
-            config,
-            progress,
-        )?,
+        CardsPlan::Host { .. } => group::start(&env, &cpu_ranks(true), config, progress)?,
+        CardsPlan::Sim { .. } => group::start(&env, &cpu_ranks(false), config, progress)?,
         CardsPlan::Cuda(_) => start_cuda(&env, config, progress)?,
     };
     if let GroupPlan::Flipping { mode, min_dwell, .. } = &plan.group {

@@ -1523,3 +1523,65 @@ mod attention_tests {
         }
     }
 }
+
+#[cfg(test)]
+mod tile_tests {
+    use super::*;
+
+    /// A Q4_1 weight of `rows` rows of 64 with random codes and scales.
+    fn q4_1(rows: usize) -> HostTensor {
+        let mut data = Vec::with_capacity(rows * 2 * 20);
+        for b in 0..rows * 2 {
+            let d = half::f16::from_f32(0.01 + (b % 7) as f32 * 0.003);
+            let m = half::f16::from_f32(-0.05 + (b % 5) as f32 * 0.02);
+            data.extend(d.to_le_bytes());
+            data.extend(m.to_le_bytes());
+            data.extend((0..16u32).map(|j| ((b as u32).wrapping_mul(2_654_435_761).wrapping_add(j * 40_503) >> 13) as u8));
+        }
+        HostTensor {
+            name: "w".into(),
+            dtype: DType::Q4_1,
+            shape: vec![rows, 64],
+            data: TensorBytes::from_vec(data),
+        }
+    }
+
+    fn rows_of(n: usize, k: usize) -> CpuAct {
+        let data = (0..n * k).map(|i| ((i * 7919) % 211) as f32 / 105.0 - 1.0).collect();
+        CpuAct { data, rows: n, cols: k }
+    }
+
+    /// Where the CPU has AVX-512 VNNI, a block-format weight is held in row
+    /// tiles, and its decode, prefill and embedding rows match the stored
+    /// rows': prefill and lookups bit for bit (a tile widens to the stored
+    /// row's values), decode within the 8-bit dots' reordering.
+    #[test]
+    fn row_tiles_compute_what_the_stored_rows_do() {
+        let t = q4_1(40);
+        let (tiled, stored) = (CpuBackend::new(), CpuBackend::new().with_row_tiles(false));
+        let (wt, ws) = (tiled.upload_weight(&t).unwrap(), stored.upload_weight(&t).unwrap());
+        assert!(matches!(ws, CpuWeight::Packed { .. }));
+        assert_eq!(matches!(wt, CpuWeight::Tiled(_)), tiles::supported());
+        let run = |b: &CpuBackend, w: &CpuWeight, rows: usize| {
+            let x = rows_of(rows, 64);
+            let mut out = b.alloc_act(ActShape { rows, cols: 40 }).unwrap();
+            b.matmul(&x, w, None, rows, &mut out);
+            out.live(rows).to_vec()
+        };
+        for rows in [1, 3, 8] {
+            let (a, b) = (run(&tiled, &wt, rows), run(&stored, &ws, rows));
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{rows} rows: {x} against {y}");
+            }
+        }
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        assert_eq!(bits(run(&tiled, &wt, 12)), bits(run(&stored, &ws, 12)), "the GEMM's panels");
+        let mut e = [
+            tiled.alloc_act(ActShape { rows: 2, cols: 64 }).unwrap(),
+            tiled.alloc_act(ActShape { rows: 2, cols: 64 }).unwrap(),
+        ];
+        tiled.embedding(&wt, &[39, 17], &mut e[0]).unwrap();
+        stored.embedding(&ws, &[39, 17], &mut e[1]).unwrap();
+        assert_eq!(bits(e[0].live(2).to_vec()), bits(e[1].live(2).to_vec()), "rows looked up");
+    }
+}
