@@ -1536,7 +1536,10 @@ mod tile_tests {
             let m = half::f16::from_f32(-0.05 + (b % 5) as f32 * 0.02);
             data.extend(d.to_le_bytes());
             data.extend(m.to_le_bytes());
-            data.extend((0..16u32).map(|j| ((b as u32).wrapping_mul(2_654_435_761).wrapping_add(j * 40_503) >> 13) as u8));
+            data.extend(
+                (0..16u32)
+                    .map(|j| ((b as u32).wrapping_mul(2_654_435_761).wrapping_add(j * 40_503) >> 13) as u8),
+            );
         }
         HostTensor {
             name: "w".into(),

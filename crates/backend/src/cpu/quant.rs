@@ -228,7 +228,7 @@ pub const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 1
 /// `j >= 4` a nibble of byte `j + 4` below the top two bits of bytes `j − 4`
 /// (scale) and `j` (min).
 #[inline(always)]
-fn k4_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
+pub(super) fn k4_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {

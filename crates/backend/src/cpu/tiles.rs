@@ -11,12 +11,16 @@
 //!
 //! Formats: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (the 32-weight blocks; the
 //! default model is Q4_1 with a Q8_0 embedding, and a Q4_K_M file of a
-//! 576-wide model is mostly Q5_0). Every code is held unsigned (`vpdpbusd`
+//! 576-wide model is mostly Q5_0), and Q4_K and Q5_K (most of a Q4_K_M or
+//! Q5_K_M file of a model whose width is whole 256-weight blocks): their
+//! codes are tiled as the 32-weight formats' are, and each 32 weights' 6-bit
+//! scale and min are kept a byte a row beside the f16 `d` and `dmin` of 256. Every code is held unsigned (`vpdpbusd`
 //! multiplies unsigned bytes by signed ones): Q4_0's and Q5_0's as stored,
 //! with their offset (8 or 16) subtracted in the integer sum as `z · Σq`,
 //! Q8_0's with its sign bit flipped (`z = 128`). A tile takes the bytes its
 //! 16 rows took as stored, so repacking costs no memory beyond padding the
-//! last tile.
+//! last tile (and for a K-quant 4 bytes in 148: its 12 bytes of packed 6-bit
+//! scales become 16 bytes).
 //!
 //! Layout of tile `t` (rows `16t..16t+16`) over `nb` blocks of 32 weights,
 //! each section block by block, the tile's size rounded up to 64 bytes:
@@ -26,11 +30,16 @@
 //!   holding weight `4g + j` of row `l`;
 //! - Q5 only: per block 8 masks of 64 bits, bit `4l + j` of mask `g` the
 //!   fifth bit of weight `4g + j` of row `l`;
-//! - per block the 16 rows' f16 scales `d`, then (Q4_1, Q5_1) their f16 `m`.
+//! - K-quants only: per block the 16 rows' 6-bit scales, a byte each, then
+//!   their mins;
+//! - per block (per 8 blocks for a K-quant) the 16 rows' f16 scales `d`,
+//!   then (Q4_1, Q5_1, the K-quants) their f16 `m` (`dmin`).
 //!
 //! Arithmetic, per row and block `b`, in this order (the kernel's lanes and
-//! [`RowTiles::dot_portable`] alike): `s = Σ u·q − z·Σq` in i32 (exact),
-//! `acc = fma(d·dx, s, acc)`, then for Q4_1 / Q5_1 `acc = fma(m, dx·Σq, acc)`.
+//! [`RowTiles::dot_portable`] alike), with the block's scale `d` and offset
+//! `m` (a K-quant's `d · sc` and `−dmin · mn`, each one f32 product):
+//! `s = Σ u·q − z·Σq` in i32 (exact), `acc = fma(d·dx, s, acc)`, then where
+//! the format has offsets `acc = fma(m, dx·Σq, acc)`.
 
 use super::quant::{self, Q8Row};
 use crate::dtype::{DType, QK};
@@ -54,25 +63,41 @@ enum Codes {
 }
 
 /// A format's tile shape: its codes, the offset subtracted from each
-/// unsigned code (`z`), and whether each block carries an f16 `m`.
+/// unsigned code (`z`), whether each block carries an f16 `m`, and whether
+/// the scales are a K-quant's (an f16 `d` and `dmin` per 256 weights, a
+/// 6-bit scale and min per 32: block `b`'s are `d · sc` and `−dmin · mn`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Format {
     codes: Codes,
     zero: i32,
     min: bool,
+    k: bool,
+}
+
+/// Where each section of a tile starts, and the tile's size.
+#[derive(Clone, Copy, Debug)]
+struct Sections {
+    high: usize,
+    sc: usize,
+    mn: usize,
+    d: usize,
+    m: usize,
+    size: usize,
 }
 
 impl Format {
     fn of(dtype: DType) -> Option<Format> {
-        let (codes, zero, min) = match dtype {
-            DType::Q4_0 => (Codes::Nibbles, 8, false),
-            DType::Q4_1 => (Codes::Nibbles, 0, true),
-            DType::Q5_0 => (Codes::Nibbles5, 16, false),
-            DType::Q5_1 => (Codes::Nibbles5, 0, true),
-            DType::Q8_0 => (Codes::Bytes, 128, false),
+        let (codes, zero, min, k) = match dtype {
+            DType::Q4_0 => (Codes::Nibbles, 8, false, false),
+            DType::Q4_1 => (Codes::Nibbles, 0, true, false),
+            DType::Q5_0 => (Codes::Nibbles5, 16, false, false),
+            DType::Q5_1 => (Codes::Nibbles5, 0, true, false),
+            DType::Q8_0 => (Codes::Bytes, 128, false, false),
+            DType::Q4_K => (Codes::Nibbles, 0, true, true),
+            DType::Q5_K => (Codes::Nibbles5, 0, true, true),
             _ => return None,
         };
-        Some(Format { codes, zero, min })
+        Some(Format { codes, zero, min, k })
     }
     /// Code bytes of one block of a tile.
     const fn code_bytes(self) -> usize {
@@ -88,14 +113,19 @@ impl Format {
             _ => 0,
         }
     }
-    /// Offsets of the sections of a tile of `nb` blocks: (fifth bits, d, m,
-    /// the tile's size).
-    fn sections(self, nb: usize) -> (usize, usize, usize, usize) {
+    /// The sections of a tile of `nb` 32-weight blocks: codes, fifth bits,
+    /// a K-quant's 6-bit scales and mins (a byte a row and block), then the
+    /// f16 `d` and `m` (per block, or per 8 blocks for a K-quant).
+    fn sections(self, nb: usize) -> Sections {
         let high = nb * self.code_bytes();
-        let d = high + nb * self.high_bytes();
-        let m = d + nb * 2 * TILE_ROWS;
-        let end = m + if self.min { nb * 2 * TILE_ROWS } else { 0 };
-        (high, d, m, end.next_multiple_of(64))
+        let sc = high + nb * self.high_bytes();
+        let k_bytes = if self.k { nb * TILE_ROWS } else { 0 };
+        let mn = sc + k_bytes;
+        let d = mn + k_bytes;
+        let halves = if self.k { nb / 8 } else { nb } * 2 * TILE_ROWS;
+        let m = d + halves;
+        let end = m + if self.min { halves } else { 0 };
+        Sections { high, sc, mn, d, m, size: end.next_multiple_of(64) }
     }
 }
 
@@ -166,35 +196,46 @@ impl RowTiles {
     /// `bytes`), repacked; `None` for a format without a tile layout.
     pub fn pack(dtype: DType, bytes: &[u8], rows: usize, cols: usize) -> Option<RowTiles> {
         let format = Format::of(dtype)?;
-        assert!(cols.is_multiple_of(QK), "rows of whole 32-weight blocks");
+        let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+        assert!(cols.is_multiple_of(be), "rows of whole {be}-weight blocks");
         let nb = cols / QK;
-        let bb = dtype.block_bytes();
-        assert!(bytes.len() >= rows * nb * bb, "{rows} rows of {nb} {dtype} blocks");
-        let (high_at, d_at, m_at, tile_bytes) = format.sections(nb);
+        assert!(bytes.len() >= rows * (cols / be) * bb, "{rows} rows of {cols} {dtype} weights");
+        let sec = format.sections(nb);
+        let tile_bytes = sec.size;
         let tiles = rows.div_ceil(TILE_ROWS);
         let mut data = Aligned::zeroed(tiles * tile_bytes);
         let out = data.bytes_mut();
-        let (scale_at, _) = scales_at(dtype);
-        let mut codes = [0u8; QK];
+        let mut unpacked = quant::Block::default();
         for r in 0..rows {
             let tile = &mut out[(r / TILE_ROWS) * tile_bytes..][..tile_bytes];
             let l = r % TILE_ROWS;
-            for b in 0..nb {
-                let blk = &bytes[(r * nb + b) * bb..][..bb];
-                unsigned_codes(dtype, blk, &mut codes);
-                put_codes(format, &mut tile[b * format.code_bytes()..][..format.code_bytes()], l, &codes);
-                if format.codes == Codes::Nibbles5 {
-                    let masks = &mut tile[high_at + b * 64..][..64];
-                    for (i, &c) in codes.iter().enumerate() {
-                        let (g, j) = (i / 4, i % 4);
-                        if c & 0x10 != 0 {
-                            masks[8 * g + (4 * l + j) / 8] |= 1 << ((4 * l + j) % 8);
+            for (s, blk) in bytes[r * (cols / be) * bb..][..(cols / be) * bb].chunks_exact(bb).enumerate() {
+                quant::unpack_block(dtype, blk, &mut unpacked);
+                for j in 0..be / QK {
+                    let b = s * (be / QK) + j;
+                    let codes: [u8; QK] =
+                        std::array::from_fn(|i| (unpacked.q[j * QK + i] as i32 + format.zero) as u8);
+                    put_codes(format, &mut tile[b * format.code_bytes()..][..format.code_bytes()], l, &codes);
+                    if format.codes == Codes::Nibbles5 {
+                        let masks = &mut tile[sec.high + b * 64..][..64];
+                        for (i, &c) in codes.iter().enumerate() {
+                            let (g, j) = (i / 4, i % 4);
+                            if c & 0x10 != 0 {
+                                masks[8 * g + (4 * l + j) / 8] |= 1 << ((4 * l + j) % 8);
+                            }
                         }
                     }
+                    if format.k {
+                        let (sc, mn) = quant::k4_scale_min(j, &blk[4..16]);
+                        tile[sec.sc + b * TILE_ROWS + l] = sc;
+                        tile[sec.mn + b * TILE_ROWS + l] = mn;
+                    }
                 }
-                tile[d_at + b * 32 + 2 * l..][..2].copy_from_slice(&blk[scale_at..scale_at + 2]);
+                // The f16 d (and m or dmin): one per stored block.
+                let at = if format.k { s } else { s * (be / QK) };
+                tile[sec.d + at * 32 + 2 * l..][..2].copy_from_slice(&blk[0..2]);
                 if format.min {
-                    tile[m_at + b * 32 + 2 * l..][..2].copy_from_slice(&blk[scale_at + 2..scale_at + 4]);
+                    tile[sec.m + at * 32 + 2 * l..][..2].copy_from_slice(&blk[2..4]);
                 }
             }
         }
@@ -229,22 +270,38 @@ impl RowTiles {
             _ => (codes[64 * (g / 2) + 4 * l + j] >> (4 * (g % 2))) & 0x0f,
         };
         if f.codes == Codes::Nibbles5 {
-            let (high_at, ..) = f.sections(self.nb);
+            let high_at = f.sections(self.nb).high;
             let bit = (tile[high_at + b * 64 + 8 * g + (4 * l + j) / 8] >> ((4 * l + j) % 8)) & 1;
             return low | (bit << 4);
         }
         low
     }
 
-    /// Lane `l`'s f16 scale (and `m`) of block `b` in `tile`.
+    /// Lane `l`'s f16 `d` (and `m` or `dmin`) of the stored block that
+    /// holds 32-weight block `b`, in `tile`, as bytes.
     fn scales(&self, tile: &[u8], b: usize, l: usize) -> ([u8; 2], [u8; 2]) {
-        let (_, d_at, m_at, _) = self.format.sections(self.nb);
-        let d = [tile[d_at + b * 32 + 2 * l], tile[d_at + b * 32 + 2 * l + 1]];
+        let sec = self.format.sections(self.nb);
+        let at = if self.format.k { b / 8 } else { b } * 32 + 2 * l;
+        let d = [tile[sec.d + at], tile[sec.d + at + 1]];
         let m = match self.format.min {
-            true => [tile[m_at + b * 32 + 2 * l], tile[m_at + b * 32 + 2 * l + 1]],
+            true => [tile[sec.m + at], tile[sec.m + at + 1]],
             false => [0, 0],
         };
         (d, m)
+    }
+
+    /// Lane `l`'s scale and offset of 32-weight block `b` as every path
+    /// applies them: `w = d · c + m` (`c` the code less `z`); a K-quant's
+    /// `d · sc` and `−dmin · mn` as [`quant::unpack_block`] computes them.
+    fn lane_dm(&self, tile: &[u8], b: usize, l: usize) -> (f32, f32) {
+        let (d, m) = self.scales(tile, b, l);
+        let (d, m) = (f16::from_le_bytes(d).to_f32(), f16::from_le_bytes(m).to_f32());
+        if !self.format.k {
+            return (d, m);
+        }
+        let sec = self.format.sections(self.nb);
+        let (sc, mn) = (tile[sec.sc + b * TILE_ROWS + l], tile[sec.mn + b * TILE_ROWS + l]);
+        (d * sc as f32, -m * mn as f32)
     }
 
     /// Stored row `r` as the checkpoint held it (`row_bytes` of `dtype`),
@@ -253,8 +310,11 @@ impl RowTiles {
         assert!(r < self.rows, "row {r} of {}", self.rows);
         let bb = self.dtype.block_bytes();
         out.clear();
-        out.resize(self.nb * bb, 0);
+        out.resize(self.cols / self.dtype.block_elems() * bb, 0);
         let (tile, l) = (self.tile(r / TILE_ROWS), r % TILE_ROWS);
+        if self.format.k {
+            return self.stored_k_row(tile, l, out);
+        }
         let (scale_at, two) = scales_at(self.dtype);
         for (b, blk) in out.chunks_exact_mut(bb).enumerate() {
             let (d, m) = self.scales(tile, b, l);
@@ -287,19 +347,48 @@ impl RowTiles {
         }
     }
 
+    /// [`RowTiles::stored_row`] of a K-quant: Q4_K `[d][dmin][12 scales][128
+    /// qs]`, Q5_K with `[32 qh]` before the `qs` (the layouts of
+    /// [`quant::unpack_block`]).
+    fn stored_k_row(&self, tile: &[u8], l: usize, out: &mut [u8]) {
+        let sec = self.format.sections(self.nb);
+        let five = self.format.codes == Codes::Nibbles5;
+        let qs_at = if five { 48 } else { 16 };
+        for (s, blk) in out.chunks_exact_mut(self.dtype.block_bytes()).enumerate() {
+            let (d, m) = self.scales(tile, 8 * s, l);
+            blk[0..2].copy_from_slice(&d);
+            blk[2..4].copy_from_slice(&m);
+            let sc: [u8; 8] = std::array::from_fn(|j| tile[sec.sc + (8 * s + j) * TILE_ROWS + l]);
+            let mn: [u8; 8] = std::array::from_fn(|j| tile[sec.mn + (8 * s + j) * TILE_ROWS + l]);
+            for j in 0..4 {
+                blk[4 + j] = sc[j] | (sc[j + 4] >> 4) << 6;
+                blk[8 + j] = mn[j] | (mn[j + 4] >> 4) << 6;
+                blk[12 + j] = (sc[j + 4] & 0x0f) | (mn[j + 4] & 0x0f) << 4;
+            }
+            for c in 0..4 {
+                for i in 0..QK {
+                    let (lo, hi) =
+                        (self.code(tile, 8 * s + 2 * c, l, i), self.code(tile, 8 * s + 2 * c + 1, l, i));
+                    blk[qs_at + 32 * c + i] = (lo & 0x0f) | (hi & 0x0f) << 4;
+                    if five {
+                        blk[16 + i] |= ((lo >> 4) & 1) << (2 * c) | ((hi >> 4) & 1) << (2 * c + 1);
+                    }
+                }
+            }
+        }
+    }
+
     /// Row `r` widened to f32, bit for bit what [`quant::dequantize_row`]
     /// gives the stored row (`d · c + m` per weight, `c` the signed code).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         assert!(r < self.rows && out.len() == self.cols, "row {r} of [{}, {}]", self.rows, self.cols);
         let (tile, l) = (self.tile(r / TILE_ROWS), r % TILE_ROWS);
         let f = self.format;
-        let (high_at, d_at, m_at, _) = f.sections(self.nb);
+        let high_at = f.sections(self.nb).high;
         let cb = f.code_bytes();
         let word = |at: usize| u32::from_le_bytes([tile[at], tile[at + 1], tile[at + 2], tile[at + 3]]);
-        let half = |at: usize| f16::from_le_bytes([tile[at], tile[at + 1]]).to_f32();
         for (b, o) in out.chunks_exact_mut(QK).enumerate() {
-            let d = half(d_at + b * 32 + 2 * l);
-            let m = if f.min { half(m_at + b * 32 + 2 * l) } else { 0.0 };
+            let (d, m) = self.lane_dm(tile, b, l);
             let codes = b * cb + 4 * l;
             // The four codes of group g of this lane, as bytes of a word.
             let group = |g: usize| match f.codes {
@@ -366,7 +455,8 @@ impl RowTiles {
         use std::arch::x86_64::*;
         let f = self.format;
         let tile = self.tile(t).as_ptr();
-        let (high_at, d_at, m_at, _) = f.sections(self.nb);
+        let sec = f.sections(self.nb);
+        let high_at = sec.high;
         let cb = f.code_bytes();
         let low4 = _mm512_set1_epi8(0x0f);
         let sixteen = _mm512_set1_epi8(0x10);
@@ -375,11 +465,7 @@ impl RowTiles {
         let out = panel.as_mut_ptr();
         assert!(panel.len() >= self.nb * QK * TILE_ROWS);
         for b in 0..self.nb {
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(d_at + b * 32) as *const __m256i));
-            let m = match f.min {
-                true => _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(m_at + b * 32) as *const __m256i)),
-                false => _mm512_setzero_ps(),
-            };
+            let (d, m) = lane_dm_avx512(tile, sec, f, b);
             for g in 0..8 {
                 let u = match f.codes {
                     Codes::Bytes => _mm512_load_si512(tile.add(b * cb + 64 * g) as *const __m512i),
@@ -450,8 +536,7 @@ impl RowTiles {
                     let q = &x.q()[b * QK..(b + 1) * QK];
                     let dot: i32 = (0..QK).map(|i| self.code(tile, b, l, i) as i32 * q[i] as i32).sum();
                     let s = dot - zero * x.qsum()[b];
-                    let (d, m) = self.scales(tile, b, l);
-                    let (d, m) = (f16::from_le_bytes(d).to_f32(), f16::from_le_bytes(m).to_f32());
+                    let (d, m) = self.lane_dm(tile, b, l);
                     acc = (d * x.d()[b]).mul_add(s as f32, acc);
                     if self.format.min {
                         acc = m.mul_add(x.bsum()[b], acc);
@@ -507,12 +592,15 @@ impl RowTiles {
         xs: &[Q8Row],
         lanes: &mut [[f32; TILE_ROWS]; 4],
     ) {
-        match (self.format.codes, self.format.min) {
-            (Codes::Nibbles, false) => tile_dots::<0, false, R>(tile, self.nb, self.format.zero, xs, lanes),
-            (Codes::Nibbles, true) => tile_dots::<0, true, R>(tile, self.nb, self.format.zero, xs, lanes),
-            (Codes::Nibbles5, false) => tile_dots::<1, false, R>(tile, self.nb, self.format.zero, xs, lanes),
-            (Codes::Nibbles5, true) => tile_dots::<1, true, R>(tile, self.nb, self.format.zero, xs, lanes),
-            (Codes::Bytes, _) => tile_dots::<2, false, R>(tile, self.nb, self.format.zero, xs, lanes),
+        let (nb, z) = (self.nb, self.format.zero);
+        match (self.format.codes, self.format.min, self.format.k) {
+            (Codes::Nibbles, false, _) => tile_dots::<0, false, false, R>(tile, nb, z, xs, lanes),
+            (Codes::Nibbles, true, false) => tile_dots::<0, true, false, R>(tile, nb, z, xs, lanes),
+            (Codes::Nibbles, true, true) => tile_dots::<0, true, true, R>(tile, nb, z, xs, lanes),
+            (Codes::Nibbles5, false, _) => tile_dots::<1, false, false, R>(tile, nb, z, xs, lanes),
+            (Codes::Nibbles5, true, false) => tile_dots::<1, true, false, R>(tile, nb, z, xs, lanes),
+            (Codes::Nibbles5, true, true) => tile_dots::<1, true, true, R>(tile, nb, z, xs, lanes),
+            (Codes::Bytes, ..) => tile_dots::<2, false, false, R>(tile, nb, z, xs, lanes),
         }
     }
 }
@@ -521,16 +609,6 @@ impl RowTiles {
 /// f16 `m` follows it.
 fn scales_at(dtype: DType) -> (usize, bool) {
     (0, matches!(dtype, DType::Q4_1 | DType::Q5_1))
-}
-
-/// The 32 codes of one stored block, unsigned (`c + z`).
-fn unsigned_codes(dtype: DType, blk: &[u8], out: &mut [u8; QK]) {
-    let mut b = quant::Block::default();
-    quant::unpack_block(dtype, blk, &mut b);
-    let zero = Format::of(dtype).expect("a tile format").zero;
-    for (o, &c) in out.iter_mut().zip(&b.q[..QK]) {
-        *o = (c as i32 + zero) as u8;
-    }
 }
 
 /// Lane `l`'s 32 unsigned codes into one block's code section.
@@ -544,6 +622,38 @@ fn put_codes(format: Format, codes: &mut [u8], l: usize, c: &[u8; QK]) {
     }
 }
 
+/// The 16 rows' scale and offset of 32-weight block `b` (zeros for a
+/// format without `m`), as [`RowTiles::lane_dm`] computes each: a K-quant's
+/// `d · sc` and `−dmin · mn` from its f16 pair and the block's 6-bit bytes.
+///
+/// # Safety
+/// `tile` points at a whole tile of `format` with `sec`'s sections.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+#[inline]
+unsafe fn lane_dm_avx512(
+    tile: *const u8,
+    sec: Sections,
+    format: Format,
+    b: usize,
+) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512) {
+    use std::arch::x86_64::*;
+    let half = |at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(at) as *const __m256i));
+    let at = if format.k { b / 8 } else { b } * 32;
+    let d = half(sec.d + at);
+    let m = if format.min { half(sec.m + at) } else { _mm512_setzero_ps() };
+    if !format.k {
+        return (d, m);
+    }
+    let bytes =
+        |at: usize| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(tile.add(at) as *const __m128i)));
+    // −dmin by its sign bit, exactly as `-m` negates.
+    let neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(m), _mm512_set1_epi32(i32::MIN)));
+    let sc = bytes(sec.sc + b * TILE_ROWS);
+    let mn = bytes(sec.mn + b * TILE_ROWS);
+    (_mm512_mul_ps(d, sc), _mm512_mul_ps(neg, mn))
+}
+
 /// The tile kernel for code layout `C` (0 nibbles, 1 nibbles with fifth
 /// bits, 2 bytes), with or without an `m` per block (`MIN`), over `R`
 /// activation rows: lane `l` of `lanes[a]` gets row `l`'s dot with `xs[a]`.
@@ -554,7 +664,7 @@ fn put_codes(format: Format, codes: &mut [u8], l: usize, c: &[u8; QK]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
 #[inline]
-unsafe fn tile_dots<const C: u8, const MIN: bool, const R: usize>(
+unsafe fn tile_dots<const C: u8, const MIN: bool, const K: bool, const R: usize>(
     tile: *const u8,
     nb: usize,
     zero: i32,
@@ -570,8 +680,10 @@ unsafe fn tile_dots<const C: u8, const MIN: bool, const R: usize>(
         },
         zero,
         min: MIN,
+        k: K,
     };
-    let (high_at, d_at, m_at, _) = format.sections(nb);
+    let sec = format.sections(nb);
+    let high_at = sec.high;
     let cb = format.code_bytes();
     let low4 = _mm512_set1_epi8(0x0f);
     let high4 = _mm512_set1_epi8(0xf0u8 as i8);
@@ -609,12 +721,7 @@ unsafe fn tile_dots<const C: u8, const MIN: bool, const R: usize>(
                 }
             }
         }
-        let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(d_at + b * 32) as *const __m256i));
-        let m = if MIN {
-            _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(m_at + b * 32) as *const __m256i))
-        } else {
-            _mm512_setzero_ps()
-        };
+        let (d, m) = lane_dm_avx512(tile, sec, format, b);
         for (a, acc) in acc.iter_mut().enumerate() {
             let x = xs.get_unchecked(a);
             let q = x.q().as_ptr().add(b * QK) as *const i32;
@@ -655,7 +762,10 @@ mod tests {
         };
         let bb = dtype.block_bytes();
         let mut bytes: Vec<u8> = (0..rows * cols / QK * bb).map(|_| next() as u8).collect();
-        let (at, two) = scales_at(dtype);
+        let (at, two) = match dtype {
+            DType::Q4_K | DType::Q5_K => (0, true),
+            _ => scales_at(dtype),
+        };
         for (i, blk) in bytes.chunks_exact_mut(bb).enumerate() {
             let scale = |v: u32| match i % 7 {
                 3 => f16::from_bits(0),
@@ -676,7 +786,7 @@ mod tests {
                 let x: Vec<f32> = (0..cols)
                     .map(|i| {
                         let h = (i as u32 ^ seed.wrapping_mul(2654435761)).wrapping_mul(2246822519)
-                            ^ r as u32 * 97;
+                            ^ (r as u32 * 97);
                         ((h >> 8) % 2001) as f32 / 1000.0 - 1.0
                     })
                     .collect();
@@ -687,16 +797,23 @@ mod tests {
             .collect()
     }
 
-    const FORMATS: [DType; 5] = [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0];
+    const FORMATS: [DType; 7] =
+        [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K, DType::Q5_K];
+
+    /// A row width of whole blocks of `dtype`: `n` 32-weight blocks, or for
+    /// a K-quant `n` rounded up to whole 256-weight ones.
+    fn width(dtype: DType, n: usize) -> usize {
+        (n * QK).next_multiple_of(dtype.block_elems())
+    }
 
     #[test]
     fn a_tiled_row_is_the_stored_row_and_widens_to_the_same_bits() {
         for dtype in FORMATS {
             // 37 rows: two whole tiles and a padded one.
-            let (rows, cols) = (37, 96);
+            let (rows, cols) = (37, width(dtype, 3));
             let bytes = random_rows(dtype, rows, cols, dtype as u64);
             let tiles = RowTiles::pack(dtype, &bytes, rows, cols).expect("a tile format");
-            let rb = cols / QK * dtype.block_bytes();
+            let rb = cols / dtype.block_elems() * dtype.block_bytes();
             let (mut back, mut want, mut got) = (Vec::new(), vec![0f32; cols], vec![0f32; cols]);
             for r in 0..rows {
                 tiles.stored_row(r, &mut back);
@@ -713,10 +830,10 @@ mod tests {
     #[test]
     fn the_tile_kernel_gives_the_portable_bits_and_the_8_bit_dot_within_its_rounding() {
         for dtype in FORMATS {
-            let (rows, cols) = (53, 192);
+            let (rows, cols) = (53, width(dtype, 6).max(2 * dtype.block_elems()));
             let bytes = random_rows(dtype, rows, cols, 7 + dtype as u64);
             let tiles = RowTiles::pack(dtype, &bytes, rows, cols).expect("a tile format");
-            let rb = cols / QK * dtype.block_bytes();
+            let rb = cols / dtype.block_elems() * dtype.block_bytes();
             for n in [1, 2, 3, 4, 5, 8] {
                 let xs = q8_rows(n, cols, n as u32);
                 for r0 in [0, 16, 48] {
@@ -750,7 +867,7 @@ mod tests {
     #[test]
     fn widened_panels_hold_the_widened_rows() {
         for dtype in FORMATS {
-            let (rows, cols) = (37, 64);
+            let (rows, cols) = (37, width(dtype, 2));
             let bytes = random_rows(dtype, rows, cols, 11 + dtype as u64);
             let tiles = RowTiles::pack(dtype, &bytes, rows, cols).expect("a tile format");
             for (r0, n) in [(0usize, 37usize), (16, 21), (32, 5)] {
@@ -774,7 +891,7 @@ mod tests {
 
     #[test]
     fn formats_without_a_tile_layout_are_not_packed() {
-        for dtype in [DType::Q4_K, DType::Q6_K, DType::IQ4_NL, DType::F16] {
+        for dtype in [DType::Q2_K, DType::Q3_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS, DType::F16] {
             assert!(!RowTiles::takes(dtype));
         }
         let bytes = vec![0u8; 18 * 2];
