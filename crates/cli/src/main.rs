@@ -105,10 +105,11 @@ pub struct ModelArgs {
     /// Worker threads for the CPU kernels (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// On a CPU with AVX-512 VNNI, hold weights of 32-weight block formats (Q4_0, Q4_1, Q5_0,
-    /// Q5_1, Q8_0) in tiles of 16 rows, so decode advances 16 rows' dot products per instruction
+    /// On a CPU with AVX-512 VNNI, hold weights of the block formats Q4_0, Q4_1, Q5_0, Q5_1,
+    /// Q8_0, Q4_K and Q5_K in tiles of 16 rows, so decode advances 16 rows' dot products per instruction
     /// (`on`, the default); `off` keeps them as the file stores them (memory-mapped) and dots
-    /// one row at a time with AVX2. Loading repacks them into memory of the same size.
+    /// one row at a time with AVX2. Loading repacks them into memory of the same size (a K-quant's
+    /// 3% more).
     #[arg(long, value_enum, default_value_t = tuning::Switch::On, env = "CORRIDOR_CPU_ROW_TILES", value_name = "on|off")]
     cpu_row_tiles: tuning::Switch,
     /// Cards to run on: `cpu`; `cuda:0` (an NVIDIA GPU by ordinal or `cuda:GPU-<uuid>`; needs a

@@ -259,8 +259,8 @@ pub enum CpuWeight {
         cols: usize,
         row_bytes: usize,
     },
-    /// A 32-weight block format repacked in tiles of 16 rows for the
-    /// AVX-512 VNNI dots (see [`tiles`]): the same bytes, rearranged.
+    /// A block format repacked in tiles of 16 rows for the AVX-512 VNNI
+    /// dots (see [`tiles`]): the same bytes, rearranged.
     Tiled(tiles::RowTiles),
 }
 
