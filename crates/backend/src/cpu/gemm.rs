@@ -6,8 +6,9 @@
 //! ([`pack_rows`]), and every task reads that one copy; a task widens its
 //! weight rows straight into panels of [`NR`] columns ([`pack_cols`]), so
 //! nothing is packed twice. The kernel keeps an `MR × NR` block of `C` in
-//! twelve AVX2 registers and adds one product of a row and a column panel
-//! per step of `k`, by fused multiply-adds: each output is one running sum
+//! twelve AVX2 registers (with AVX-512, the blocks of two column panels in
+//! twelve registers) and adds one product of a row and a column panel per
+//! step of `k`, by fused multiply-adds: each output is one running sum
 //! over `k` in order, whatever the number of rows, the task widths or the
 //! threads, so a row's result does not depend on what else is in the batch.
 //! The baseline build performs the same fused multiply-adds in the same
@@ -90,6 +91,11 @@ pub(super) unsafe fn gemm(a: &[f32], rows: usize, b: &[f32], cols: usize, k: usi
     assert!(a.len() >= packed_rows_len(rows, k) && b.len() >= packed_cols_len(cols, k));
     assert!(cols <= ldc);
     #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports AVX-512 F (checked above); as below.
+        return unsafe { gemm_avx512(a, rows, b, cols, k, c, ldc) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if super::quant::has_avx2() {
         // SAFETY: the CPU supports AVX2 and FMA (checked above); the caller
         // vouches for `c`, and the panels' lengths were checked.
@@ -165,6 +171,59 @@ unsafe fn gemm_avx2(a: &[f32], rows: usize, b: &[f32], cols: usize, k: usize, c:
             }
             // SAFETY: as the caller vouches.
             unsafe { store(&out, i, j, rows, cols, c, ldc) };
+        }
+    }
+}
+
+/// Whether the CPU has AVX-512 F (and FMA): the GEMM then takes two column
+/// panels a pass.
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma")
+}
+
+/// [`gemm`] in AVX-512: a panel's 16 columns are one register, so a pass
+/// keeps the `MR × NR` blocks of two column panels in twelve registers and
+/// does twice the AVX2 kernel's work per broadcast row value. Each output
+/// is still one running sum over `k` by fused multiply-adds, in order: the
+/// AVX2 kernel's bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn gemm_avx512(a: &[f32], rows: usize, b: &[f32], cols: usize, k: usize, c: *mut f32, ldc: usize) {
+    use std::arch::x86_64::*;
+    let panels = cols.div_ceil(NR);
+    for i in 0..rows.div_ceil(MR) {
+        let ap = a[i * MR * k..(i + 1) * MR * k].as_ptr();
+        let mut j = 0;
+        while j < panels {
+            // Two panels where two remain, else the last one alone.
+            let two = j + 1 < panels;
+            let bp0 = b[j * NR * k..(j + 1) * NR * k].as_ptr();
+            let bp1 = if two { b[(j + 1) * NR * k..(j + 2) * NR * k].as_ptr() } else { bp0 };
+            let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+            for p in 0..k {
+                // SAFETY: p < k, within the panels (their lengths were checked).
+                let (b0, b1) =
+                    unsafe { (_mm512_loadu_ps(bp0.add(p * NR)), _mm512_loadu_ps(bp1.add(p * NR))) };
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    // SAFETY: as above.
+                    let x = _mm512_set1_ps(unsafe { *ap.add(p * MR + r) });
+                    acc[0] = _mm512_fmadd_ps(x, b0, acc[0]);
+                    if two {
+                        acc[1] = _mm512_fmadd_ps(x, b1, acc[1]);
+                    }
+                }
+            }
+            for (h, jj) in [j, j + 1].into_iter().enumerate().take(if two { 2 } else { 1 }) {
+                let mut out = [[0f32; NR]; MR];
+                for (o, acc) in out.iter_mut().zip(&acc) {
+                    // SAFETY: each row of `out` holds NR = 16 floats.
+                    unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc[h]) };
+                }
+                // SAFETY: as the caller vouches.
+                unsafe { store(&out, i, jj, rows, cols, c, ldc) };
+            }
+            j += if two { 2 } else { 1 };
         }
     }
 }
