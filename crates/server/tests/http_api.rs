@@ -71,7 +71,8 @@ async fn health_models_and_metrics() {
     assert_eq!(stats["steps"], 3, "{stats}");
     // Every step taught the step-time model behind the default ITL bound.
     assert_eq!(stats["step_cost"]["measured"], 3, "{stats}");
-    assert_eq!(stats["itl_target_ms"], 50.0, "{stats}");
+    let default_ms = corridor_engine::step_budget::DEFAULT_ITL_TARGET.as_secs_f64() * 1e3;
+    assert_eq!(stats["itl_target_ms"].as_f64(), Some(default_ms), "{stats}");
     assert!(stats["itl_stall_ratio"].is_null(), "no stall ratio unless asked for: {stats}");
     let text = app.get("/metrics").await.text();
     assert!(text.contains("# TYPE corridor_engine_steps_total counter"), "{text}");
