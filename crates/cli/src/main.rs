@@ -106,7 +106,7 @@ pub struct ModelArgs {
     #[arg(long)]
     threads: Option<usize>,
     /// On a CPU with AVX-512 VNNI, hold weights of the block formats Q4_0, Q4_1, Q5_0, Q5_1,
-    /// Q8_0, Q4_K and Q5_K in tiles of 16 rows, so decode advances 16 rows' dot products per instruction
+    /// Q8_0, Q4_K, Q5_K and Q6_K in tiles of 16 rows, so decode advances 16 rows' dot products per instruction
     /// (`on`, the default); `off` keeps them as the file stores them (memory-mapped) and dots
     /// one row at a time with AVX2. Loading repacks them into memory of the same size (a K-quant's
     /// 3% more).

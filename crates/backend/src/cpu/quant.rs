@@ -499,6 +499,8 @@ pub struct Q8Row {
     bsum: Vec<f32>,
     /// `Σ q` over each 32-element block (the row tiles' integer offsets).
     qsum: Vec<i32>,
+    /// `Σ q` over each 16-element group (Q6_K's tiles).
+    qsum16: Vec<i32>,
 }
 
 /// `y.round() as i8` (the nearest whole number, halves away from zero,
@@ -524,6 +526,7 @@ impl Q8Row {
         self.gsum.resize(x.len() / GROUP, 0.0);
         self.bsum.resize(x.len() / QK, 0.0);
         self.qsum.resize(x.len() / QK, 0);
+        self.qsum16.resize(x.len() / GROUP, 0);
         for (b, (xs, qs)) in x.chunks_exact(QK).zip(self.q.chunks_exact_mut(QK)).enumerate() {
             let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
             let d = amax / 127.0;
@@ -537,6 +540,7 @@ impl Q8Row {
             for h in 0..2 {
                 let s: i32 = qs[h * GROUP..(h + 1) * GROUP].iter().map(|&q| q as i32).sum();
                 self.gsum[2 * b + h] = d * s as f32;
+                self.qsum16[2 * b + h] = s;
             }
         }
     }
@@ -567,7 +571,8 @@ impl Q8Row {
             self.q.len() == len
                 && self.d.len() == blocks
                 && self.bsum.len() == blocks
-                && self.qsum.len() == blocks,
+                && self.qsum.len() == blocks
+                && self.qsum16.len() == 2 * blocks,
             "an 8-bit row of {} elements where {len} are dotted",
             self.q.len()
         );
@@ -583,6 +588,9 @@ impl Q8Row {
     }
     pub(super) fn qsum(&self) -> &[i32] {
         &self.qsum
+    }
+    pub(super) fn qsum16(&self) -> &[i32] {
+        &self.qsum16
     }
     /// The values the row stands for, `d · q` (for tests and bounds).
     pub fn dequantized(&self) -> Vec<f32> {

@@ -11,10 +11,12 @@
 //!
 //! Formats: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (the 32-weight blocks; the
 //! default model is Q4_1 with a Q8_0 embedding, and a Q4_K_M file of a
-//! 576-wide model is mostly Q5_0), and Q4_K and Q5_K (most of a Q4_K_M or
-//! Q5_K_M file of a model whose width is whole 256-weight blocks): their
-//! codes are tiled as the 32-weight formats' are, and each 32 weights' 6-bit
-//! scale and min are kept a byte a row beside the f16 `d` and `dmin` of 256. Every code is held unsigned (`vpdpbusd`
+//! 576-wide model is mostly Q5_0), and Q4_K, Q5_K and Q6_K (most of a
+//! K-quant file of a model whose width is whole 256-weight blocks, its LM
+//! head among them): their codes are tiled as the 32-weight formats' are,
+//! each 32 weights' 6-bit scale and min are kept a byte a row beside the f16
+//! `d` and `dmin` of 256, and Q6_K's signed scale of each 16 a byte a row,
+//! its 6-bit codes as nibbles and two bit planes (`z = 32`). Every code is held unsigned (`vpdpbusd`
 //! multiplies unsigned bytes by signed ones): Q4_0's and Q5_0's as stored,
 //! with their offset (8 or 16) subtracted in the integer sum as `z · Σq`,
 //! Q8_0's with its sign bit flipped (`z = 128`). A tile takes the bytes its
@@ -28,10 +30,12 @@
 //!   chunk `i` holds weight `8i + j` of row `l` (low nibble) and weight
 //!   `8i + 4 + j` (high); Q8_0 8 × 64 bytes, byte `4l + j` of chunk `g`
 //!   holding weight `4g + j` of row `l`;
-//! - Q5 only: per block 8 masks of 64 bits, bit `4l + j` of mask `g` the
-//!   fifth bit of weight `4g + j` of row `l`;
-//! - K-quants only: per block the 16 rows' 6-bit scales, a byte each, then
-//!   their mins;
+//! - Q5 formats: per block 8 masks of 64 bits, bit `4l + j` of mask `g` the
+//!   fifth bit of weight `4g + j` of row `l`; Q6_K: those, then 8 more of
+//!   the sixth bits;
+//! - Q4_K and Q5_K: per block the 16 rows' 6-bit scales, a byte each, then
+//!   their mins; Q6_K: per block the 16 rows' scales of its first 16
+//!   weights, then of its second;
 //! - per block (per 8 blocks for a K-quant) the 16 rows' f16 scales `d`,
 //!   then (Q4_1, Q5_1, the K-quants) their f16 `m` (`dmin`).
 //!
@@ -39,7 +43,8 @@
 //! [`RowTiles::dot_portable`] alike), with the block's scale `d` and offset
 //! `m` (a K-quant's `d · sc` and `−dmin · mn`, each one f32 product):
 //! `s = Σ u·q − z·Σq` in i32 (exact), `acc = fma(d·dx, s, acc)`, then where
-//! the format has offsets `acc = fma(m, dx·Σq, acc)`.
+//! the format has offsets `acc = fma(m, dx·Σq, acc)`; Q6_K the first two
+//! steps once a half, with its scale.
 
 use super::quant::{self, Q8Row};
 use crate::dtype::{DType, QK};
@@ -58,6 +63,8 @@ enum Codes {
     Nibbles,
     /// Four bits as [`Codes::Nibbles`] plus a mask section of fifth bits.
     Nibbles5,
+    /// Four bits plus two mask sections, of fifth and sixth bits (Q6_K).
+    Nibbles6,
     /// A byte per weight.
     Bytes,
 }
@@ -72,6 +79,9 @@ struct Format {
     zero: i32,
     min: bool,
     k: bool,
+    /// Q6_K's scales: an f16 `d` per 256 weights and a signed byte per 16,
+    /// so a 32-weight block has two (`d · sc`).
+    q6: bool,
 }
 
 /// Where each section of a tile starts, and the tile's size.
@@ -95,9 +105,10 @@ impl Format {
             DType::Q8_0 => (Codes::Bytes, 128, false, false),
             DType::Q4_K => (Codes::Nibbles, 0, true, true),
             DType::Q5_K => (Codes::Nibbles5, 0, true, true),
+            DType::Q6_K => (Codes::Nibbles6, 32, false, false),
             _ => return None,
         };
-        Some(Format { codes, zero, min, k })
+        Some(Format { codes, zero, min, k, q6: dtype == DType::Q6_K })
     }
     /// Code bytes of one block of a tile.
     const fn code_bytes(self) -> usize {
@@ -106,12 +117,17 @@ impl Format {
             _ => 4 * 64,
         }
     }
-    /// Fifth-bit mask bytes of one block of a tile.
-    const fn high_bytes(self) -> usize {
+    /// Bit planes above the nibbles (fifth, and sixth).
+    const fn planes(self) -> usize {
         match self.codes {
-            Codes::Nibbles5 => 8 * 8,
+            Codes::Nibbles5 => 1,
+            Codes::Nibbles6 => 2,
             _ => 0,
         }
+    }
+    /// Mask bytes of one block of a tile: 8 masks of 64 bits a plane.
+    const fn high_bytes(self) -> usize {
+        self.planes() * 64
     }
     /// The sections of a tile of `nb` 32-weight blocks: codes, fifth bits,
     /// a K-quant's 6-bit scales and mins (a byte a row and block), then the
@@ -119,10 +135,14 @@ impl Format {
     fn sections(self, nb: usize) -> Sections {
         let high = nb * self.code_bytes();
         let sc = high + nb * self.high_bytes();
-        let k_bytes = if self.k { nb * TILE_ROWS } else { 0 };
-        let mn = sc + k_bytes;
-        let d = mn + k_bytes;
-        let halves = if self.k { nb / 8 } else { nb } * 2 * TILE_ROWS;
+        let (sc_bytes, mn_bytes) = match (self.k, self.q6) {
+            (true, _) => (nb * TILE_ROWS, nb * TILE_ROWS),
+            (_, true) => (2 * nb * TILE_ROWS, 0),
+            _ => (0, 0),
+        };
+        let mn = sc + sc_bytes;
+        let d = mn + mn_bytes;
+        let halves = if self.k || self.q6 { nb / 8 } else { nb } * 2 * TILE_ROWS;
         let m = d + halves;
         let end = m + if self.min { halves } else { 0 };
         Sections { high, sc, mn, d, m, size: end.next_multiple_of(64) }
@@ -216,12 +236,13 @@ impl RowTiles {
                     let codes: [u8; QK] =
                         std::array::from_fn(|i| (unpacked.q[j * QK + i] as i32 + format.zero) as u8);
                     put_codes(format, &mut tile[b * format.code_bytes()..][..format.code_bytes()], l, &codes);
-                    if format.codes == Codes::Nibbles5 {
-                        let masks = &mut tile[sec.high + b * 64..][..64];
-                        for (i, &c) in codes.iter().enumerate() {
-                            let (g, j) = (i / 4, i % 4);
-                            if c & 0x10 != 0 {
-                                masks[8 * g + (4 * l + j) / 8] |= 1 << ((4 * l + j) % 8);
+                    let hb = format.high_bytes();
+                    let masks = &mut tile[sec.high + b * hb..][..hb];
+                    for (i, &c) in codes.iter().enumerate() {
+                        let (g, j) = (i / 4, i % 4);
+                        for p in 0..format.planes() {
+                            if c & (0x10 << p) != 0 {
+                                masks[64 * p + 8 * g + (4 * l + j) / 8] |= 1 << ((4 * l + j) % 8);
                             }
                         }
                     }
@@ -230,10 +251,17 @@ impl RowTiles {
                         tile[sec.sc + b * TILE_ROWS + l] = sc;
                         tile[sec.mn + b * TILE_ROWS + l] = mn;
                     }
+                    if format.q6 {
+                        // Groups 2j and 2j + 1 of 16: the block's halves.
+                        for h in 0..2 {
+                            tile[sec.sc + b * 2 * TILE_ROWS + h * TILE_ROWS + l] = blk[192 + 2 * j + h];
+                        }
+                    }
                 }
                 // The f16 d (and m or dmin): one per stored block.
-                let at = if format.k { s } else { s * (be / QK) };
-                tile[sec.d + at * 32 + 2 * l..][..2].copy_from_slice(&blk[0..2]);
+                let at = if format.k || format.q6 { s } else { s * (be / QK) };
+                let d_at = if format.q6 { 208 } else { 0 };
+                tile[sec.d + at * 32 + 2 * l..][..2].copy_from_slice(&blk[d_at..d_at + 2]);
                 if format.min {
                     tile[sec.m + at * 32 + 2 * l..][..2].copy_from_slice(&blk[2..4]);
                 }
@@ -269,19 +297,20 @@ impl RowTiles {
             Codes::Bytes => return codes[64 * g + 4 * l + j],
             _ => (codes[64 * (g / 2) + 4 * l + j] >> (4 * (g % 2))) & 0x0f,
         };
-        if f.codes == Codes::Nibbles5 {
-            let high_at = f.sections(self.nb).high;
-            let bit = (tile[high_at + b * 64 + 8 * g + (4 * l + j) / 8] >> ((4 * l + j) % 8)) & 1;
-            return low | (bit << 4);
+        let high_at = f.sections(self.nb).high + b * f.high_bytes();
+        let mut code = low;
+        for p in 0..f.planes() {
+            let bit = (tile[high_at + 64 * p + 8 * g + (4 * l + j) / 8] >> ((4 * l + j) % 8)) & 1;
+            code |= bit << (4 + p);
         }
-        low
+        code
     }
 
     /// Lane `l`'s f16 `d` (and `m` or `dmin`) of the stored block that
     /// holds 32-weight block `b`, in `tile`, as bytes.
     fn scales(&self, tile: &[u8], b: usize, l: usize) -> ([u8; 2], [u8; 2]) {
         let sec = self.format.sections(self.nb);
-        let at = if self.format.k { b / 8 } else { b } * 32 + 2 * l;
+        let at = if self.format.k || self.format.q6 { b / 8 } else { b } * 32 + 2 * l;
         let d = [tile[sec.d + at], tile[sec.d + at + 1]];
         let m = match self.format.min {
             true => [tile[sec.m + at], tile[sec.m + at + 1]],
@@ -290,18 +319,24 @@ impl RowTiles {
         (d, m)
     }
 
-    /// Lane `l`'s scale and offset of 32-weight block `b` as every path
-    /// applies them: `w = d · c + m` (`c` the code less `z`); a K-quant's
-    /// `d · sc` and `−dmin · mn` as [`quant::unpack_block`] computes them.
-    fn lane_dm(&self, tile: &[u8], b: usize, l: usize) -> (f32, f32) {
+    /// Lane `l`'s scales of the two halves of 32-weight block `b` and its
+    /// offset as every path applies them: `w = d · c + m` (`c` the code less
+    /// `z`); a K-quant's `d · sc` and `−dmin · mn`, Q6_K's `d · sc` per 16, as
+    /// [`quant::unpack_block`] computes them. The halves differ only for Q6_K.
+    fn lane_dm(&self, tile: &[u8], b: usize, l: usize) -> ([f32; 2], f32) {
         let (d, m) = self.scales(tile, b, l);
         let (d, m) = (f16::from_le_bytes(d).to_f32(), f16::from_le_bytes(m).to_f32());
-        if !self.format.k {
-            return (d, m);
-        }
         let sec = self.format.sections(self.nb);
+        if self.format.q6 {
+            let sc = |h: usize| tile[sec.sc + b * 2 * TILE_ROWS + h * TILE_ROWS + l] as i8;
+            return ([d * sc(0) as f32, d * sc(1) as f32], 0.0);
+        }
+        if !self.format.k {
+            return ([d, d], m);
+        }
         let (sc, mn) = (tile[sec.sc + b * TILE_ROWS + l], tile[sec.mn + b * TILE_ROWS + l]);
-        (d * sc as f32, -m * mn as f32)
+        let d = d * sc as f32;
+        ([d, d], -m * mn as f32)
     }
 
     /// Stored row `r` as the checkpoint held it (`row_bytes` of `dtype`),
@@ -314,6 +349,9 @@ impl RowTiles {
         let (tile, l) = (self.tile(r / TILE_ROWS), r % TILE_ROWS);
         if self.format.k {
             return self.stored_k_row(tile, l, out);
+        }
+        if self.format.q6 {
+            return self.stored_q6_row(tile, l, out);
         }
         let (scale_at, two) = scales_at(self.dtype);
         for (b, blk) in out.chunks_exact_mut(bb).enumerate() {
@@ -378,6 +416,29 @@ impl RowTiles {
         }
     }
 
+    /// [`RowTiles::stored_row`] of Q6_K: `[128 ql][64 qh][16 i8 scales][d]`,
+    /// weight `128h + 32k + i` a nibble of `ql[64h + i + 32(k % 2)]` (low
+    /// for k < 2) below bits `2k..2k+2` of `qh[32h + i]`.
+    fn stored_q6_row(&self, tile: &[u8], l: usize, out: &mut [u8]) {
+        let sec = self.format.sections(self.nb);
+        for (s, blk) in out.chunks_exact_mut(self.dtype.block_bytes()).enumerate() {
+            let (d, _) = self.scales(tile, 8 * s, l);
+            blk[208..210].copy_from_slice(&d);
+            for jb in 0..8 {
+                let b = 8 * s + jb;
+                for h in 0..2 {
+                    blk[192 + 2 * jb + h] = tile[sec.sc + b * 2 * TILE_ROWS + h * TILE_ROWS + l];
+                }
+                let (h, k) = (jb / 4, jb % 4);
+                for i in 0..QK {
+                    let c = self.code(tile, b, l, i);
+                    blk[64 * h + i + 32 * (k % 2)] |= (c & 0x0f) << (4 * (k / 2));
+                    blk[128 + 32 * h + i] |= (c >> 4) << (2 * k);
+                }
+            }
+        }
+    }
+
     /// Row `r` widened to f32, bit for bit what [`quant::dequantize_row`]
     /// gives the stored row (`d · c + m` per weight, `c` the signed code).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
@@ -388,25 +449,25 @@ impl RowTiles {
         let cb = f.code_bytes();
         let word = |at: usize| u32::from_le_bytes([tile[at], tile[at + 1], tile[at + 2], tile[at + 3]]);
         for (b, o) in out.chunks_exact_mut(QK).enumerate() {
-            let (d, m) = self.lane_dm(tile, b, l);
+            let (d2, m) = self.lane_dm(tile, b, l);
             let codes = b * cb + 4 * l;
             // The four codes of group g of this lane, as bytes of a word.
             let group = |g: usize| match f.codes {
                 Codes::Bytes => word(codes + 64 * g),
                 _ => {
-                    let low = (word(codes + 64 * (g / 2)) >> (4 * (g % 2))) & 0x0f0f_0f0f;
-                    if f.codes == Codes::Nibbles5 {
-                        // Bits 4l..4l+4 of mask g, one a byte, at bit 4.
-                        let bits = (tile[high_at + b * 64 + 8 * g + l / 2] >> (4 * (l % 2))) as u32 & 0x0f;
+                    let mut w = (word(codes + 64 * (g / 2)) >> (4 * (g % 2))) & 0x0f0f_0f0f;
+                    for p in 0..f.planes() {
+                        // Bits 4l..4l+4 of mask g of plane p, one a byte, at bit 4 + p.
+                        let at = high_at + b * f.high_bytes() + 64 * p + 8 * g + l / 2;
+                        let bits = (tile[at] >> (4 * (l % 2))) as u32 & 0x0f;
                         let spread = (bits & 1) | (bits & 2) << 7 | (bits & 4) << 14 | (bits & 8) << 21;
-                        low | spread << 4
-                    } else {
-                        low
+                        w |= spread << (4 + p);
                     }
+                    w
                 }
             };
             for (g, o) in o.chunks_exact_mut(4).enumerate() {
-                let w = group(g);
+                let (w, d) = (group(g), d2[g / 4]);
                 for (j, o) in o.iter_mut().enumerate() {
                     let c = ((w >> (8 * j)) & 0xff) as i32 - f.zero;
                     *o = d * c as f32 + m;
@@ -459,28 +520,26 @@ impl RowTiles {
         let high_at = sec.high;
         let cb = f.code_bytes();
         let low4 = _mm512_set1_epi8(0x0f);
-        let sixteen = _mm512_set1_epi8(0x10);
         let byte = _mm512_set1_epi32(0xff);
         let zero = _mm512_set1_epi32(f.zero);
         let out = panel.as_mut_ptr();
         assert!(panel.len() >= self.nb * QK * TILE_ROWS);
         for b in 0..self.nb {
-            let (d, m) = lane_dm_avx512(tile, sec, f, b);
+            let (d2, m) = lane_dm_avx512(tile, sec, f, b);
             for g in 0..8 {
+                let d = d2[g / 4];
                 let u = match f.codes {
                     Codes::Bytes => _mm512_load_si512(tile.add(b * cb + 64 * g) as *const __m512i),
                     _ => {
                         let c = _mm512_load_si512(tile.add(b * cb + 64 * (g / 2)) as *const __m512i);
                         let c = if g % 2 == 1 { _mm512_srli_epi16::<4>(c) } else { c };
-                        let u = _mm512_and_si512(c, low4);
-                        if f.codes == Codes::Nibbles5 {
-                            let k = _cvtu64_mask64(
-                                (tile.add(high_at + b * 64 + 8 * g) as *const u64).read_unaligned(),
-                            );
-                            _mm512_mask_add_epi8(u, k, u, sixteen)
-                        } else {
-                            u
+                        let mut u = _mm512_and_si512(c, low4);
+                        let masks = tile.add(high_at + b * f.high_bytes()) as *const u64;
+                        for p in 0..f.planes() {
+                            let k = _cvtu64_mask64(masks.add(8 * p + g).read_unaligned());
+                            u = _mm512_mask_add_epi8(u, k, u, _mm512_set1_epi8(0x10 << p));
                         }
+                        u
                     }
                 };
                 // Byte j of each row's word: weight 4g + j of the 16 rows.
@@ -534,10 +593,20 @@ impl RowTiles {
                 let mut acc = 0f32;
                 for b in 0..self.nb {
                     let q = &x.q()[b * QK..(b + 1) * QK];
-                    let dot: i32 = (0..QK).map(|i| self.code(tile, b, l, i) as i32 * q[i] as i32).sum();
-                    let s = dot - zero * x.qsum()[b];
+                    let dot = |r: std::ops::Range<usize>| -> i32 {
+                        r.map(|i| self.code(tile, b, l, i) as i32 * q[i] as i32).sum()
+                    };
                     let (d, m) = self.lane_dm(tile, b, l);
-                    acc = (d * x.d()[b]).mul_add(s as f32, acc);
+                    if self.format.q6 {
+                        // A scale a half: each half's sum less z times its Σq.
+                        for h in 0..2 {
+                            let s = dot(16 * h..16 * h + 16) - zero * x.qsum16()[2 * b + h];
+                            acc = (d[h] * x.d()[b]).mul_add(s as f32, acc);
+                        }
+                        continue;
+                    }
+                    let s = dot(0..QK) - zero * x.qsum()[b];
+                    acc = (d[0] * x.d()[b]).mul_add(s as f32, acc);
                     if self.format.min {
                         acc = m.mul_add(x.bsum()[b], acc);
                     }
@@ -554,6 +623,16 @@ impl RowTiles {
         let rows = out.len() / n;
         let mut lanes = [[0f32; TILE_ROWS]; 4];
         let mut t = r0 / TILE_ROWS;
+        // The kernel prefetches a block's codes PREFETCH_BYTES ahead, so a
+        // run's first PREFETCH_BYTES (a task's first tiles, often all of a
+        // small matrix's share) would be met cold: ask for them now.
+        let span = rows.div_ceil(TILE_ROWS) * self.tile_bytes;
+        let first = self.tile(t).as_ptr();
+        for line in (0..span.min(PREFETCH_BYTES)).step_by(64) {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                first.add(line) as *const i8
+            );
+        }
         let mut done = 0;
         while done < rows {
             let tile = self.tile(t).as_ptr();
@@ -601,6 +680,7 @@ impl RowTiles {
             (Codes::Nibbles5, true, false) => tile_dots::<1, true, false, R>(tile, nb, z, xs, lanes),
             (Codes::Nibbles5, true, true) => tile_dots::<1, true, true, R>(tile, nb, z, xs, lanes),
             (Codes::Bytes, ..) => tile_dots::<2, false, false, R>(tile, nb, z, xs, lanes),
+            (Codes::Nibbles6, ..) => tile_dots::<3, false, false, R>(tile, nb, z, xs, lanes),
         }
     }
 }
@@ -636,22 +716,29 @@ unsafe fn lane_dm_avx512(
     sec: Sections,
     format: Format,
     b: usize,
-) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512) {
+) -> ([std::arch::x86_64::__m512; 2], std::arch::x86_64::__m512) {
     use std::arch::x86_64::*;
     let half = |at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(at) as *const __m256i));
-    let at = if format.k { b / 8 } else { b } * 32;
+    let at = if format.k || format.q6 { b / 8 } else { b } * 32;
     let d = half(sec.d + at);
     let m = if format.min { half(sec.m + at) } else { _mm512_setzero_ps() };
-    if !format.k {
-        return (d, m);
+    let load16 = |at: usize| _mm_loadu_si128(tile.add(at) as *const __m128i);
+    if format.q6 {
+        let sc = |h: usize| {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(sec.sc + b * 2 * TILE_ROWS + h * TILE_ROWS)))
+        };
+        return ([_mm512_mul_ps(d, sc(0)), _mm512_mul_ps(d, sc(1))], m);
     }
-    let bytes =
-        |at: usize| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(tile.add(at) as *const __m128i)));
+    if !format.k {
+        return ([d, d], m);
+    }
+    let bytes = |at: usize| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load16(at)));
     // −dmin by its sign bit, exactly as `-m` negates.
     let neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(m), _mm512_set1_epi32(i32::MIN)));
     let sc = bytes(sec.sc + b * TILE_ROWS);
     let mn = bytes(sec.mn + b * TILE_ROWS);
-    (_mm512_mul_ps(d, sc), _mm512_mul_ps(neg, mn))
+    let d = _mm512_mul_ps(d, sc);
+    ([d, d], _mm512_mul_ps(neg, mn))
 }
 
 /// The tile kernel for code layout `C` (0 nibbles, 1 nibbles with fifth
@@ -676,11 +763,13 @@ unsafe fn tile_dots<const C: u8, const MIN: bool, const K: bool, const R: usize>
         codes: match C {
             0 => Codes::Nibbles,
             1 => Codes::Nibbles5,
-            _ => Codes::Bytes,
+            2 => Codes::Bytes,
+            _ => Codes::Nibbles6,
         },
         zero,
         min: MIN,
         k: K,
+        q6: C == 3,
     };
     let sec = format.sections(nb);
     let high_at = sec.high;
@@ -688,6 +777,7 @@ unsafe fn tile_dots<const C: u8, const MIN: bool, const K: bool, const R: usize>
     let low4 = _mm512_set1_epi8(0x0f);
     let high4 = _mm512_set1_epi8(0xf0u8 as i8);
     let sixteen = _mm512_set1_epi8(0x10);
+    let thirty_two = _mm512_set1_epi8(0x20);
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
         let codes = tile.add(b * cb);
@@ -713,24 +803,44 @@ unsafe fn tile_dots<const C: u8, const MIN: bool, const K: bool, const R: usize>
                     _ => _mm512_and_si512(_mm512_srli_epi16::<4>(c), low4),
                 };
             }
-            if C == 1 {
-                let masks = tile.add(high_at + b * 64) as *const u64;
-                for (g, u) in u.iter_mut().enumerate() {
-                    let k = _cvtu64_mask64(masks.add(g).read_unaligned());
-                    *u = _mm512_mask_add_epi8(*u, k, *u, sixteen);
+            if C == 1 || C == 3 {
+                // Plane p's masks add 16 << p to the codes whose bit is set.
+                let masks = tile.add(high_at + b * format.high_bytes()) as *const u64;
+                for p in 0..format.planes() {
+                    let add = if p == 0 { sixteen } else { thirty_two };
+                    for (g, u) in u.iter_mut().enumerate() {
+                        let k = _cvtu64_mask64(masks.add(8 * p + g).read_unaligned());
+                        *u = _mm512_mask_add_epi8(*u, k, *u, add);
+                    }
                 }
             }
         }
-        let (d, m) = lane_dm_avx512(tile, sec, format, b);
+        let (d2, m) = lane_dm_avx512(tile, sec, format, b);
         for (a, acc) in acc.iter_mut().enumerate() {
             let x = xs.get_unchecked(a);
             let q = x.q().as_ptr().add(b * QK) as *const i32;
             let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            let xq = |g: usize| _mm512_set1_epi32(q.add(g).read_unaligned());
+            if C == 3 {
+                // Q6_K: a scale a half, so a sum a half (groups 0-3, 4-7).
+                for g in 0..4 {
+                    s0 = _mm512_dpbusd_epi32(s0, u[g], xq(g));
+                    s1 = _mm512_dpbusd_epi32(s1, u[g + 4], xq(g + 4));
+                }
+                let qs = x.qsum16().as_ptr().add(2 * b);
+                s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(zero * *qs));
+                s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(zero * *qs.add(1)));
+                let dx = _mm512_set1_ps(*x.d().get_unchecked(b));
+                *acc = _mm512_fmadd_ps(_mm512_mul_ps(d2[0], dx), _mm512_cvtepi32_ps(s0), *acc);
+                *acc = _mm512_fmadd_ps(_mm512_mul_ps(d2[1], dx), _mm512_cvtepi32_ps(s1), *acc);
+                continue;
+            }
             for g in (0..8).step_by(2) {
-                s0 = _mm512_dpbusd_epi32(s0, u[g], _mm512_set1_epi32(q.add(g).read_unaligned()));
-                s1 = _mm512_dpbusd_epi32(s1, u[g + 1], _mm512_set1_epi32(q.add(g + 1).read_unaligned()));
+                s0 = _mm512_dpbusd_epi32(s0, u[g], xq(g));
+                s1 = _mm512_dpbusd_epi32(s1, u[g + 1], xq(g + 1));
             }
             let s1 = if C == 0 { _mm512_srai_epi32::<4>(s1) } else { s1 };
+            let d = d2[0];
             let mut s = _mm512_add_epi32(s0, s1);
             if !MIN {
                 s = _mm512_sub_epi32(s, _mm512_set1_epi32(zero * *x.qsum().get_unchecked(b)));
@@ -764,6 +874,7 @@ mod tests {
         let mut bytes: Vec<u8> = (0..rows * cols / QK * bb).map(|_| next() as u8).collect();
         let (at, two) = match dtype {
             DType::Q4_K | DType::Q5_K => (0, true),
+            DType::Q6_K => (208, false),
             _ => scales_at(dtype),
         };
         for (i, blk) in bytes.chunks_exact_mut(bb).enumerate() {
@@ -797,8 +908,16 @@ mod tests {
             .collect()
     }
 
-    const FORMATS: [DType; 7] =
-        [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K, DType::Q5_K];
+    const FORMATS: [DType; 8] = [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+    ];
 
     /// A row width of whole blocks of `dtype`: `n` 32-weight blocks, or for
     /// a K-quant `n` rounded up to whole 256-weight ones.
@@ -891,7 +1010,7 @@ mod tests {
 
     #[test]
     fn formats_without_a_tile_layout_are_not_packed() {
-        for dtype in [DType::Q2_K, DType::Q3_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS, DType::F16] {
+        for dtype in [DType::Q2_K, DType::Q3_K, DType::IQ4_NL, DType::IQ4_XS, DType::F16] {
             assert!(!RowTiles::takes(dtype));
         }
         let bytes = vec![0u8; 18 * 2];
