@@ -29,6 +29,15 @@ use std::ops::Range;
 /// overhead is amortized, small enough that 2–64 threads all get work.
 const ROWS_PER_TASK: usize = 32;
 
+/// Rows per task of a decode matmul's `n` rows: [`ROWS_PER_TASK`], or for a
+/// tall matrix (an LM head of 49,152 rows is 1,536 such tasks) about eight
+/// tasks a thread, up to 256 rows, so taking a task costs less than its rows.
+/// Always a multiple of 32 (whole row tiles).
+fn decode_task_rows(n: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    (n / (8 * threads)).next_multiple_of(ROWS_PER_TASK).clamp(ROWS_PER_TASK, 8 * ROWS_PER_TASK)
+}
+
 /// Up to this many rows, a matmul dots each weight row with every input row
 /// (the weights are read once and widened in registers); above it, tiles of
 /// weight rows are widened once into f32 and fed to a GEMM. Measured on
@@ -546,14 +555,15 @@ fn q8_input(xs: &[f32], k: usize) -> Vec<quant::Q8Row> {
 /// `f(t)` for every task of `ROWS_PER_TASK` columns of `ns` matrices side
 /// by side, in one parallel loop: `t` is (matrix, first column, columns).
 fn for_column_tasks(ns: &[usize], f: impl Fn(usize, usize, usize) + Sync + Send) {
-    let total: usize = ns.iter().map(|n| n.div_ceil(ROWS_PER_TASK)).sum();
+    let total: usize = ns.iter().map(|&n| n.div_ceil(decode_task_rows(n))).sum();
     pool::for_each(total, |mut t| {
         // Task t's matrix: the few matrices are walked, nothing is allocated.
         for (i, &n) in ns.iter().enumerate() {
-            let tasks = n.div_ceil(ROWS_PER_TASK);
+            let per = decode_task_rows(n);
+            let tasks = n.div_ceil(per);
             if t < tasks {
-                let j0 = t * ROWS_PER_TASK;
-                return f(i, j0, ROWS_PER_TASK.min(n - j0));
+                let j0 = t * per;
+                return f(i, j0, per.min(n - j0));
             }
             t -= tasks;
         }
@@ -826,7 +836,7 @@ impl Backend for CpuBackend {
         let gemm = q8_rows.is_empty() && rows > DOT_MAX_ROWS;
         let per = match gemm {
             true => gemm_task_cols(n, k, rayon::current_num_threads()),
-            false => ROWS_PER_TASK,
+            false => decode_task_rows(n),
         };
         // The GEMM's input rows, packed once for every task.
         let packed = match gemm {
