@@ -214,16 +214,17 @@ unsafe fn gemm_avx512(a: &[f32], rows: usize, b: &[f32], cols: usize, k: usize, 
                     }
                 }
             }
-            for (h, jj) in [j, j + 1].into_iter().enumerate().take(if two { 2 } else { 1 }) {
+            let width = if two { 2 } else { 1 };
+            for h in 0..width {
                 let mut out = [[0f32; NR]; MR];
                 for (o, acc) in out.iter_mut().zip(&acc) {
                     // SAFETY: each row of `out` holds NR = 16 floats.
                     unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc[h]) };
                 }
                 // SAFETY: as the caller vouches.
-                unsafe { store(&out, i, jj, rows, cols, c, ldc) };
+                unsafe { store(&out, i, j + h, rows, cols, c, ldc) };
             }
-            j += if two { 2 } else { 1 };
+            j += width;
         }
     }
 }

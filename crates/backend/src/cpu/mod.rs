@@ -33,9 +33,8 @@ const ROWS_PER_TASK: usize = 32;
 /// tall matrix (an LM head of 49,152 rows is 1,536 such tasks) about eight
 /// tasks a thread, up to 256 rows, so taking a task costs less than its rows.
 /// Always a multiple of 32 (whole row tiles).
-fn decode_task_rows(n: usize) -> usize {
-    let threads = rayon::current_num_threads().max(1);
-    (n / (8 * threads)).next_multiple_of(ROWS_PER_TASK).clamp(ROWS_PER_TASK, 8 * ROWS_PER_TASK)
+fn decode_task_rows(n: usize, threads: usize) -> usize {
+    (n / (8 * threads.max(1))).next_multiple_of(ROWS_PER_TASK).clamp(ROWS_PER_TASK, 8 * ROWS_PER_TASK)
 }
 
 /// Up to this many rows, a matmul dots each weight row with every input row
@@ -552,14 +551,15 @@ fn q8_input(xs: &[f32], k: usize) -> Vec<quant::Q8Row> {
         .collect()
 }
 
-/// `f(t)` for every task of `ROWS_PER_TASK` columns of `ns` matrices side
+/// `f(t)` for every task of [`decode_task_rows`] columns of `ns` matrices side
 /// by side, in one parallel loop: `t` is (matrix, first column, columns).
 fn for_column_tasks(ns: &[usize], f: impl Fn(usize, usize, usize) + Sync + Send) {
-    let total: usize = ns.iter().map(|&n| n.div_ceil(decode_task_rows(n))).sum();
+    let threads = rayon::current_num_threads();
+    let total: usize = ns.iter().map(|&n| n.div_ceil(decode_task_rows(n, threads))).sum();
     pool::for_each(total, |mut t| {
         // Task t's matrix: the few matrices are walked, nothing is allocated.
         for (i, &n) in ns.iter().enumerate() {
-            let per = decode_task_rows(n);
+            let per = decode_task_rows(n, threads);
             let tasks = n.div_ceil(per);
             if t < tasks {
                 let j0 = t * per;
@@ -836,7 +836,7 @@ impl Backend for CpuBackend {
         let gemm = q8_rows.is_empty() && rows > DOT_MAX_ROWS;
         let per = match gemm {
             true => gemm_task_cols(n, k, rayon::current_num_threads()),
-            false => decode_task_rows(n),
+            false => decode_task_rows(n, rayon::current_num_threads()),
         };
         // The GEMM's input rows, packed once for every task.
         let packed = match gemm {

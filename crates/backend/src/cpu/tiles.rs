@@ -182,7 +182,8 @@ pub struct RowTiles {
     cols: usize,
     /// 32-weight blocks per row.
     nb: usize,
-    tile_bytes: usize,
+    /// Where a tile's sections start, and its size.
+    sec: Sections,
     data: Aligned,
 }
 
@@ -267,7 +268,7 @@ impl RowTiles {
                 }
             }
         }
-        Some(RowTiles { dtype, format, rows, cols, nb, tile_bytes, data })
+        Some(RowTiles { dtype, format, rows, cols, nb, sec, data })
     }
 
     pub fn dtype(&self) -> DType {
@@ -279,13 +280,8 @@ impl RowTiles {
         (self.rows, self.cols)
     }
 
-    /// Bytes held (the stored rows' bytes, the last tile padded to 16 rows).
-    pub fn size_bytes(&self) -> usize {
-        self.data.len
-    }
-
     fn tile(&self, t: usize) -> &[u8] {
-        &self.data.bytes()[t * self.tile_bytes..][..self.tile_bytes]
+        &self.data.bytes()[t * self.sec.size..][..self.sec.size]
     }
 
     /// The unsigned code of weight `i` of block `b` of lane `l` in `tile`.
@@ -297,7 +293,7 @@ impl RowTiles {
             Codes::Bytes => return codes[64 * g + 4 * l + j],
             _ => (codes[64 * (g / 2) + 4 * l + j] >> (4 * (g % 2))) & 0x0f,
         };
-        let high_at = f.sections(self.nb).high + b * f.high_bytes();
+        let high_at = self.sec.high + b * f.high_bytes();
         let mut code = low;
         for p in 0..f.planes() {
             let bit = (tile[high_at + 64 * p + 8 * g + (4 * l + j) / 8] >> ((4 * l + j) % 8)) & 1;
@@ -309,7 +305,7 @@ impl RowTiles {
     /// Lane `l`'s f16 `d` (and `m` or `dmin`) of the stored block that
     /// holds 32-weight block `b`, in `tile`, as bytes.
     fn scales(&self, tile: &[u8], b: usize, l: usize) -> ([u8; 2], [u8; 2]) {
-        let sec = self.format.sections(self.nb);
+        let sec = self.sec;
         let at = if self.format.k || self.format.q6 { b / 8 } else { b } * 32 + 2 * l;
         let d = [tile[sec.d + at], tile[sec.d + at + 1]];
         let m = match self.format.min {
@@ -326,7 +322,7 @@ impl RowTiles {
     fn lane_dm(&self, tile: &[u8], b: usize, l: usize) -> ([f32; 2], f32) {
         let (d, m) = self.scales(tile, b, l);
         let (d, m) = (f16::from_le_bytes(d).to_f32(), f16::from_le_bytes(m).to_f32());
-        let sec = self.format.sections(self.nb);
+        let sec = self.sec;
         if self.format.q6 {
             let sc = |h: usize| tile[sec.sc + b * 2 * TILE_ROWS + h * TILE_ROWS + l] as i8;
             return ([d * sc(0) as f32, d * sc(1) as f32], 0.0);
@@ -389,7 +385,7 @@ impl RowTiles {
     /// qs]`, Q5_K with `[32 qh]` before the `qs` (the layouts of
     /// [`quant::unpack_block`]).
     fn stored_k_row(&self, tile: &[u8], l: usize, out: &mut [u8]) {
-        let sec = self.format.sections(self.nb);
+        let sec = self.sec;
         let five = self.format.codes == Codes::Nibbles5;
         let qs_at = if five { 48 } else { 16 };
         for (s, blk) in out.chunks_exact_mut(self.dtype.block_bytes()).enumerate() {
@@ -420,7 +416,7 @@ impl RowTiles {
     /// weight `128h + 32k + i` a nibble of `ql[64h + i + 32(k % 2)]` (low
     /// for k < 2) below bits `2k..2k+2` of `qh[32h + i]`.
     fn stored_q6_row(&self, tile: &[u8], l: usize, out: &mut [u8]) {
-        let sec = self.format.sections(self.nb);
+        let sec = self.sec;
         for (s, blk) in out.chunks_exact_mut(self.dtype.block_bytes()).enumerate() {
             let (d, _) = self.scales(tile, 8 * s, l);
             blk[208..210].copy_from_slice(&d);
@@ -445,7 +441,7 @@ impl RowTiles {
         assert!(r < self.rows && out.len() == self.cols, "row {r} of [{}, {}]", self.rows, self.cols);
         let (tile, l) = (self.tile(r / TILE_ROWS), r % TILE_ROWS);
         let f = self.format;
-        let high_at = f.sections(self.nb).high;
+        let high_at = self.sec.high;
         let cb = f.code_bytes();
         let word = |at: usize| u32::from_le_bytes([tile[at], tile[at + 1], tile[at + 2], tile[at + 3]]);
         for (b, o) in out.chunks_exact_mut(QK).enumerate() {
@@ -516,7 +512,7 @@ impl RowTiles {
         use std::arch::x86_64::*;
         let f = self.format;
         let tile = self.tile(t).as_ptr();
-        let sec = f.sections(self.nb);
+        let sec = self.sec;
         let high_at = sec.high;
         let cb = f.code_bytes();
         let low4 = _mm512_set1_epi8(0x0f);
@@ -626,7 +622,7 @@ impl RowTiles {
         // The kernel prefetches a block's codes PREFETCH_BYTES ahead, so a
         // run's first PREFETCH_BYTES (a task's first tiles, often all of a
         // small matrix's share) would be met cold: ask for them now.
-        let span = rows.div_ceil(TILE_ROWS) * self.tile_bytes;
+        let span = rows.div_ceil(TILE_ROWS) * self.sec.size;
         let first = self.tile(t).as_ptr();
         for line in (0..span.min(PREFETCH_BYTES)).step_by(64) {
             std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
@@ -671,7 +667,7 @@ impl RowTiles {
         xs: &[Q8Row],
         lanes: &mut [[f32; TILE_ROWS]; 4],
     ) {
-        let (nb, z) = (self.nb, self.format.zero);
+        let (nb, z) = ((self.nb, self.sec), self.format.zero);
         match (self.format.codes, self.format.min, self.format.k) {
             (Codes::Nibbles, false, _) => tile_dots::<0, false, false, R>(tile, nb, z, xs, lanes),
             (Codes::Nibbles, true, false) => tile_dots::<0, true, false, R>(tile, nb, z, xs, lanes),
@@ -742,18 +738,19 @@ unsafe fn lane_dm_avx512(
 }
 
 /// The tile kernel for code layout `C` (0 nibbles, 1 nibbles with fifth
-/// bits, 2 bytes), with or without an `m` per block (`MIN`), over `R`
+/// bits, 2 bytes, 3 Q6_K's nibbles with two bit planes), with or without an
+/// `m` per block (`MIN`), a K-quant's scales or not (`K`), over `R`
 /// activation rows: lane `l` of `lanes[a]` gets row `l`'s dot with `xs[a]`.
 ///
 /// # Safety
-/// `tile` points at a whole tile of `nb` blocks of that layout, and each of
+/// `tile` points at a whole tile of `nb` blocks of that layout with sections `sec`, and each of
 /// the `R` rows of `xs` holds `nb` blocks with their scales and sums.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
 #[inline]
 unsafe fn tile_dots<const C: u8, const MIN: bool, const K: bool, const R: usize>(
     tile: *const u8,
-    nb: usize,
+    (nb, sec): (usize, Sections),
     zero: i32,
     xs: &[Q8Row],
     lanes: &mut [[f32; TILE_ROWS]; 4],
@@ -771,7 +768,6 @@ unsafe fn tile_dots<const C: u8, const MIN: bool, const K: bool, const R: usize>
         k: K,
         q6: C == 3,
     };
-    let sec = format.sections(nb);
     let high_at = sec.high;
     let cb = format.code_bytes();
     let low4 = _mm512_set1_epi8(0x0f);
