@@ -4,7 +4,8 @@
 # prefill at PREFILL_LENS; the tiny checkpoints go through the GPU check of the new build first.
 #   OUT=/tmp/ab A=.gpu/corridor-before B=.gpu/corridor scripts/gpu/binary_ab.sh
 # SIDES (default "A B") names the runs in order; each side X runs binary $X (default: $B) with
-# the serve flags in X_ARGS, e.g. SIDES="A B C" C_ARGS="--cuda-early-weights off".
+# the serve flags in X_ARGS, e.g. SIDES="A B C" C_ARGS="--cuda-early-weights off", and decodes at
+# X_BATCHES (default DECODE_BATCHES).
 # MODEL_DIR (a checkpoint directory or a GGUF file) and SKIP_* reach bench8b.sh; SKIP_TINY=1 skips
 # the tiny checkpoints' check.
 set -uo pipefail
@@ -20,9 +21,9 @@ if [ -z "${SKIP_TINY:-}" ]; then
 fi
 for side in ${SIDES:-A B}; do
     bin=${!side:-$B}
-    args_var=${side}_ARGS
+    args_var=${side}_ARGS batches_var=${side}_BATCHES
     echo "=== $side: $bin ${!args_var:-}"
-    SERVE_ARGS=${!args_var:-} CORRIDOR_BIN=$bin OUT="$out/$side" SKIP_LOGITS=1 SKIP_LATENCY=1 DEADLINE_S=${SIDE_DEADLINE_S:-210} \
+    DECODE_BATCHES=${!batches_var:-$DECODE_BATCHES} SERVE_ARGS=${!args_var:-} CORRIDOR_BIN=$bin OUT="$out/$side" SKIP_LOGITS=1 SKIP_LATENCY=1 DEADLINE_S=${SIDE_DEADLINE_S:-210} \
         scripts/gpu/bench8b.sh > "$out/$side.log" 2>&1
     echo "status $?"
     for f in "$out/$side"/decode_[0-9]*.json "$out/$side"/prefill_[0-9]*.json; do

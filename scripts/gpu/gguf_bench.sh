@@ -62,7 +62,10 @@ prep() {
         header "waiting for the llama.cpp build"
         wait "$build_pid"; echo "build status $?"; tail -n 3 "$out/llama_build.log"
     fi
-    for q in ${QUANTS:-Q8_0 Q4_0 Q4_K_M}; do
+    # QUANTS=none: the f16 file only.
+    local quants=${QUANTS:-Q8_0 Q4_0 Q4_K_M}
+    [ "$quants" = none ] && quants=
+    for q in $quants; do
         [ -s "/tmp/gguf/llama8b-$q.gguf" ] && continue
         pure=--pure; [ "$q" = Q4_K_M ] && pure=
         header "quantize $q $pure"

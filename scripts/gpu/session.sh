@@ -28,6 +28,20 @@
 #   scripts/gpu/session.sh itl      # every kernel against the CPU while the 8B checkpoint is written,
 #                                   # then the concurrency-128 latency run once per serve-flag set of
 #                                   # ITL_ARGS (sets separated by '|', "" = the defaults), one server each
+#   scripts/gpu/session.sh steps    # where a served bf16 8B decode step goes: the device sampler
+#                                   # alone (cuda_check --bench-sample), then bench8b.sh decode at
+#                                   # STEP_BATCHES (default 1 8 32 128) with the engine's phases per
+#                                   # step (step_phases.py), then at PROFILE_BATCH (default 32) with
+#                                   # --cuda-profile 100 (the op table); SERVE_ARGS reach both servers
+#   scripts/gpu/session.sh decode   # the decode-at-batch benchmark in one plan of calls on one warm
+#                                   # machine: in the background gguf_bench.sh prep (llama.cpp built
+#                                   # with CUDA, the 8B checkpoint, its f16 GGUF), then on the card:
+#                                   # llama-batched-bench on the f16 file at 1, 8, 32 and 128, corridor
+#                                   # serving the bf16 checkpoint at the same batches and the latency run
+#                                   # at concurrency 128 (bench8b.sh), .gpu/corridor-base at
+#                                   # BASE_BATCHES (default 32 128) when carried, and the table
+#                                   # (decode_vs_llamacpp.py); in the foreground every kernel against the
+#                                   # CPU and the tiny checkpoints. Then `session.sh wait S`.
 #   scripts/gpu/session.sh profile  # batch-1 decode steps as the card runs them (nsys_decode.sh: every
 #                                   # kernel of the replayed graphs, overlaps and idle time) on a 4-layer
 #                                   # Qwen3-30B-A3B-shaped checkpoint and the Llama-3-8B-shaped one, then
@@ -197,6 +211,49 @@ case "${1:-checks}" in
         DEADLINE_S=$(( ${LIMIT_S:-570} - SECONDS )) OUT="$out/b8" scripts/gpu/bench8b.sh > "$out/bench8b.out" 2>&1
     echo "exit $?"; cat "$out/b8/summary.md" 2>/dev/null; grep -E "FAILED|skipped" "$out/bench8b.out"
     ;;
+  steps)
+    SECONDS=0
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
+    [ -d /tmp/llama8b ] || python3 scripts/gpu/make_llama8b.py /tmp/llama8b --tokenizer-dir .gpu/llama3-tokenizer \
+        > "$out/make_llama8b.log" 2>&1 &
+    maker=$!
+    echo "== [${SECONDS}s] the device sampler alone"
+    timeout 120 ./.gpu/cuda_check --bench-sample 2>&1 | grep -E "^(sample_rows|read_rows)|rror"
+    wait "$maker"; echo "== [${SECONDS}s] 8B checkpoint: exit $?"
+    echo "== [${SECONDS}s] served: decode at ${STEP_BATCHES:-1 8 32 128} ${SERVE_ARGS:-}"
+    SERVE_ARGS="--log info,corridor::step=trace --log-format json ${SERVE_ARGS:-}" SKIP_MAKE=1 SKIP_LOGITS=1 \
+        SKIP_PREFILL=1 SKIP_LATENCY=1 DECODE_BATCHES="${STEP_BATCHES:-1 8 32 128}" DEADLINE_S=$(( ${LIMIT_S:-560} - SECONDS - 90 )) \
+        OUT="$out/steps" scripts/gpu/bench8b.sh > "$out/steps.out" 2>&1
+    echo "exit $?"; grep -E "^\| [0-9]+ " "$out/steps/summary.md"; grep -h "engine steps" "$out"/steps/decode_*.txt
+    python3 scripts/gpu/step_trace.py "$out/steps/serve.log" | grep "rows:"
+    echo "== [${SECONDS}s] served with --cuda-profile 100 at batch ${PROFILE_BATCH:-32}"
+    SERVE_ARGS="--cuda-profile 100 ${SERVE_ARGS:-}" SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 SKIP_LATENCY=1 \
+        DECODE_BATCHES="${PROFILE_BATCH:-32}" DEADLINE_S=$(( ${LIMIT_S:-560} - SECONDS )) \
+        OUT="$out/prof" scripts/gpu/bench8b.sh > "$out/prof.out" 2>&1
+    echo "exit $?"; grep -A40 'CUDA op profile' "$out/prof/serve.log" | tail -n 41
+    ;;
+  decode)
+    SECONDS=0
+    g=/tmp/gguf-plan; mkdir -p "$g"; rm -f "$g/card_free" "$g/done"
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt" "$g/nvidia-smi.txt"
+    setsid nohup bash -c "OUT=$g SKIP_KQUANT=1 QUANTS=none scripts/gpu/gguf_bench.sh prep > $g/prep.log 2>&1;
+        while [ ! -f $g/card_free ]; do sleep 2; done;
+        /tmp/llama.cpp/build/bin/llama-batched-bench -m /tmp/gguf/llama8b-f16.gguf -npp 512 -ntg 256 -npl 1,8,32,128 \
+            -c 131072 -fa on -ngl 999 > $g/lcpp_f16.log 2>&1;
+        SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 DECODE_BATCHES='1 8 32 128' LATENCY_CONC=128 DEADLINE_S=300 \
+            OUT=$g/new scripts/gpu/bench8b.sh > $g/new.log 2>&1;
+        python3 scripts/gpu/decode_vs_llamacpp.py $g/new $g/lcpp_f16.log > $g/table.txt 2>&1;
+        grep -E '^\| 128 ' $g/new/summary.md | tail -n 1 >> $g/table.txt;
+        if [ -x .gpu/corridor-base ]; then
+            CORRIDOR_BIN=.gpu/corridor-base SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 SKIP_LATENCY=1 \
+                DECODE_BATCHES='${BASE_BATCHES:-32 128}' DEADLINE_S=200 OUT=$g/base scripts/gpu/bench8b.sh > $g/base.log 2>&1;
+            grep -E '^\| [0-9]+ ' $g/base/summary.md | head -n 4 > $g/base_table.txt;
+        fi;
+        touch $g/done" < /dev/null > /dev/null 2>&1 &
+    quant_checks
+    touch "$g/card_free"
+    bash "$0" wait $(( ${LIMIT_S:-570} - SECONDS ))
+    ;;
   ab)
     SECONDS=0
     g=/tmp/gguf-plan; mkdir -p "$g"; rm -f "$g/card_free" "$g/done"
@@ -214,6 +271,11 @@ case "${1:-checks}" in
             for d in $g/ab_\$m/*/; do
                 grep -q 'CUDA op profile' \$d/serve.log 2>/dev/null || continue
                 grep -A40 'CUDA op profile' \$d/serve.log | tail -n 41 > $g/ab_\${m}_\$(basename \$d)_profile.txt
+            done
+            for d in $g/ab_\$m/*/; do
+                grep -q 'corridor::step' \$d/serve.log 2>/dev/null || continue
+                python3 scripts/gpu/step_trace.py \$d/serve.log | grep 'rows:' > $g/ab_\${m}_\$(basename \$d)_steps.txt
+                grep -h 'engine steps' \$d/decode_*.txt >> $g/ab_\${m}_\$(basename \$d)_steps.txt
             done
         done;
         if [ -n '${TRACE:-}' ]; then
@@ -244,6 +306,8 @@ case "${1:-checks}" in
     fi
     echo "== [${SECONDS}s] one decode row's attention: splits merged in the launch and by a combine pass"
     timeout 90 ./.gpu/cuda_check --bench-attention 2>&1 | grep -E "^decode attention" | sed -e 's/ | /\n    /g'
+    echo "== [${SECONDS}s] the device sampler alone"
+    timeout 60 ./.gpu/cuda_check --bench-sample 2>&1 | grep -E "^(sample_rows|read_rows)"
     echo "== [${SECONDS}s] GEMMs of new row counts: the host's planning"
     timeout 60 ./.gpu/cuda_check --bench-gemm-plans 2>&1 | grep -E "^gemm plans"
     # NCU_KERNEL=REGEX: that integer GEMV by Nsight Compute (ncu_mmvq.sh) while the files are made.
@@ -277,6 +341,10 @@ case "${1:-checks}" in
     echo "== [$(date +%T)] plan: $( [ -f "$g/done" ] && echo done || echo running)"
     tail -n 4 "$g/prep.log" 2>/dev/null; grep -E "^===|status|^\|" "$g/bench.log" 2>/dev/null | tail -n 40
     for f in "$g"/ab_*.log; do [ -f "$f" ] && { echo "--- $f"; grep -vE "^\s*$" "$f" | tail -n 12; }; done
+    for f in "$g"/ab_*_steps.txt; do [ -f "$f" ] && { echo "--- $f"; cat "$f"; }; done
+    for f in "$g/lcpp_f16.log" "$g/new/summary.md"; do [ -f "$f" ] && { echo "--- $f"; grep -E "^\|" "$f" | head -n 30; }; done
+    for f in "$g/table.txt" "$g/base_table.txt"; do [ -f "$f" ] && { echo "--- $f"; cat "$f"; }; done
+    for d in new base; do [ -d "$g/$d" ] && mkdir -p "$out/plan/$d" && cp "$g/$d"/*.md "$g/$d"/*.json "$out/plan/$d/" 2>/dev/null; done
     cat "$g"/ab_*_profile.txt "$g/step_trace.txt" "$g/trace_summary.txt" 2>/dev/null | head -n 150
     mkdir -p "$out/plan"; cp -r "$g"/*.log "$g"/*.txt "$out/plan/" 2>/dev/null
     for d in "$g"/corridor_*/; do [ -d "$d" ] && mkdir -p "$out/plan/$(basename "$d")" && cp "$d"/*.md "$d"/*.json "$out/plan/$(basename "$d")/" 2>/dev/null; done

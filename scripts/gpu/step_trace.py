@@ -6,7 +6,8 @@ its shape (prefill_rows, decode_rows) and where its time went (schedule_ms, forw
 and between_ms, the time from the step before it). This prints, for steps with no prompt rows and
 for steps with some, their count and the median and 90th percentile of each part, then a least-
 squares fit of the mixed steps' forward time as a + b * prefill_rows + c * decode_rows: `a` is what a
-mixed step costs beyond its rows, against the decode-only steps' median forward time.
+mixed step costs beyond its rows, against the decode-only steps' median forward time. Then, for each decode row count with at least 50
+decode-only steps, the median of each part (a log that holds runs at several batch sizes).
 
 Usage: step_trace.py SERVE_LOG [SKIP_FIRST_STEPS]
 """
@@ -78,6 +79,19 @@ def main():
         dr = [s["decode_rows"] for s in part]
         print(f"{name}: {len(part)} steps, prompt rows p50 {pct(pr, 0.5)}, decode rows p50 {pct(dr, 0.5)}; "
               f"ms p50/p90: {desc}")
+    # Decode-only steps by their row count (a log of runs at several batch sizes), where a count
+    # has at least 50 steps: the host's part of a step is between + schedule + sample.
+    counts = {}
+    for s in steps:
+        if s["prefill_rows"] == 0:
+            counts.setdefault(s["decode_rows"], []).append(s)
+    for n in sorted(counts):
+        part = counts[n]
+        if len(part) < 50:
+            continue
+        cols = ["between_ms", "schedule_ms", "forward_ms", "sample_ms"]
+        desc = ", ".join(f"{c[:-3]} {pct([s[c] for s in part], 0.5):.3f}" for c in cols)
+        print(f"decode-only, {n} rows: {len(part)} steps; ms p50: {desc}")
     mixed = [(s["prefill_rows"], s["decode_rows"], s["forward_ms"]) for s in steps if s["prefill_rows"] > 0]
     f = fit(mixed)
     if f:

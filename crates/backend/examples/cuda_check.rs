@@ -10,7 +10,8 @@
 //! layer's integer GEMVs as separate and as fused launches, `--bench-attention`
 //! one decode row's attention (splits merged in the launch and by a combine pass),
 //! `--bench-moe` a Qwen3-30B-A3B expert layer with bf16 experts and with a
-//! Q4_K_M file's (on the routed integer GEMVs and on the any-type ones).
+//! Q4_K_M file's (on the routed integer GEMVs and on the any-type ones),
+//! `--bench-sample` the device sampler at 1 to 128 rows.
 //!
 //! `CORRIDOR_CACHE_DIR` (optional) is where compiled kernels are cached.
 
@@ -70,6 +71,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     if flag("--bench-attention") {
         for l in check::bench_decode_attention(&be)? {
+            println!("{l}");
+        }
+        return Ok(());
+    }
+    if flag("--bench-sample") {
+        for l in check::bench_sample(&be)? {
             println!("{l}");
         }
         return Ok(());

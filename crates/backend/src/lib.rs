@@ -598,13 +598,25 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Several products of one input (a layer's q, k and v projections):
     /// `part.out = x · part.wᵀ (+ part.bias)` for each part. A device
-    /// backend may run them as one launch.
-    fn matmul_many(&self, x: &Self::Act, parts: &mut [MatmulPart<'_, Self>], rows: usize) {
+    /// backend may run them as one launch, and, given `scratch` (an
+    /// activation nothing reads until it is written again, holding at least
+    /// `rows` rows of every part's columns side by side), as one matmul whose
+    /// output it then splits.
+    fn matmul_many(
+        &self,
+        x: &Self::Act,
+        parts: &mut [MatmulPart<'_, Self>],
+        rows: usize,
+        scratch: Option<&mut Self::Act>,
+    ) {
+        let _ = scratch;
         unfused::matmul_many(self, x, parts, rows)
     }
     /// The gated MLP's first half: `out = silu(x · gateᵀ) * (x · upᵀ)`.
     /// `gate_out` and `up_out` are scratch of `out`'s shape, which a backend
-    /// that fuses the three need not touch.
+    /// that fuses the three need not touch (one that multiplies by gate and
+    /// up stacked may write both halves of each row into `gate_out`, when it
+    /// holds twice the rows).
     #[allow(clippy::too_many_arguments)]
     fn gate_up_silu(
         &self,

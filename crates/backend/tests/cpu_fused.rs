@@ -97,7 +97,7 @@ fn fused_q_k_v_and_gate_up_are_the_plain_ops_bit_for_bit() {
                     ns.iter().map(|&n| b.alloc_act(ActShape { rows, cols: n }).unwrap()).collect();
                 let mut plain: Vec<_> =
                     ns.iter().map(|&n| b.alloc_act(ActShape { rows, cols: n }).unwrap()).collect();
-                b.matmul_many(&x, &mut parts(&ws, &bs, &mut fused, with_bias), rows);
+                b.matmul_many(&x, &mut parts(&ws, &bs, &mut fused, with_bias), rows, None);
                 unfused::matmul_many(&b, &x, &mut parts(&ws, &bs, &mut plain, with_bias), rows);
                 for (i, (f, p)) in fused.iter().zip(&plain).enumerate() {
                     assert_eq!(

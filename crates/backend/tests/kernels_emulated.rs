@@ -29,6 +29,9 @@
 //!   (kernels/moe_q8.cu) as the MoE decode launches them, gate/up/SiLU, the
 //!   products' 8-bit copy and down, every format and Q4_K_M's mix, against
 //!   the experts dequantized in double.
+//! - `stacked.cpp`: the launches around one GEMM of stacked weights
+//!   (kernels/stacked.cu): the split of q/k/v's product with biases, the
+//!   SiLU product of gate and up's, against the ops written out plainly.
 //! - `mmq.cpp`: the tensor-core matmul of block-format weights
 //!   (kernels/mmq.cu, with the decoders of kernels/blocks.cu) for the formats
 //!   with word-wise decoders, at every group size, with K slices and their
@@ -115,4 +118,10 @@ fn routed_integer_expert_gemvs_match_the_block_definitions_under_emulation() {
 fn mmq_kernels_match_the_reference_under_emulation() {
     let report = run_emulated("mmq");
     assert_eq!(report.matches("PASS").count(), 39, "fewer comparisons than written:\n{report}");
+}
+
+#[test]
+fn stacked_matmul_kernels_match_the_plain_ops_under_emulation() {
+    let report = run_emulated("stacked");
+    assert!(report.contains("0 failed"), "{report}");
 }

@@ -576,6 +576,9 @@ impl<B: Backend> Model<B> {
                     MatmulPart { w: &layer.v_proj, bias: bias.map(|x| &x[2]), out: &mut ws.v },
                 ],
                 rows,
+                // Free until the MLP: a backend may multiply by q, k and v
+                // stacked into it.
+                Some(&mut ws.gate),
             );
             let norm = layer.qk_norm.as_ref().map(|[q, k]| QkNorm { q, k, eps, rows });
             // RoPE and attention move few bytes: the output projection's

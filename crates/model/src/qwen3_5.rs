@@ -531,6 +531,7 @@ impl<B: Backend> Model<B> {
                             MatmulPart { w: v_proj, bias: None, out: &mut ws.v },
                         ],
                         rows,
+                        None,
                     );
                     let kv_layer = &mut kv.layers[*kv_index];
                     let a = RopeAttention {
@@ -570,6 +571,7 @@ impl<B: Backend> Model<B> {
                             MatmulPart { w: in_proj_a, bias: None, out: &mut sc.a },
                         ],
                         rows,
+                        None,
                     );
                     b.causal_conv_silu(&mut sc.qkv, conv, &mut sc.conv[*state], step.seqs, step.state_slots)?;
                     b.gated_delta_rule(DeltaRule {

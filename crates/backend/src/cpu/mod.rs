@@ -905,7 +905,13 @@ impl Backend for CpuBackend {
     /// Decode over block formats: the input quantized once and every part's
     /// columns in one parallel loop (one fork and join where there were
     /// three, the same products); anything else one matmul per part.
-    fn matmul_many(&self, x: &CpuAct, parts: &mut [MatmulPart<'_, Self>], rows: usize) {
+    fn matmul_many(
+        &self,
+        x: &CpuAct,
+        parts: &mut [MatmulPart<'_, Self>],
+        rows: usize,
+        _: Option<&mut CpuAct>,
+    ) {
         let k = x.cols;
         let fused = parts.len() > 1
             && parts.iter().all(|p| {

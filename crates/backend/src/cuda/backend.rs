@@ -261,8 +261,14 @@ impl Backend for CudaBackend {
         self.enqueue_matmul(x, w, bias, rows, out)
     }
 
-    fn matmul_many(&self, x: &CudaAct, parts: &mut [MatmulPart<'_, Self>], rows: usize) {
-        self.enqueue_matmul_many(x, parts, rows)
+    fn matmul_many(
+        &self,
+        x: &CudaAct,
+        parts: &mut [MatmulPart<'_, Self>],
+        rows: usize,
+        scratch: Option<&mut CudaAct>,
+    ) {
+        self.enqueue_matmul_many(x, parts, rows, scratch)
     }
 
     fn gate_up_silu(

@@ -446,6 +446,7 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
         r?;
     }
     bf16_input_checks(be, &cpu, &mut rep, &mut rng)?;
+    stacked_checks(be, &refs, &mut rep, &mut rng)?;
     q8_input_checks(be, &refs, &mut rep, &mut rng)?;
 
     // Embedding from bf16, Q8_0 and K-quant tables (the lookup dequantizes rows).
@@ -711,6 +712,140 @@ fn q8_input_checks(be: &CudaBackend, refs: &References, rep: &mut CheckReport, r
     Ok(())
 }
 
+/// q/k/v and gate/up as one GEMM of their weights stacked (uploaded one
+/// after another into a weight arena, as a checkpoint's layer is) at rows
+/// that take cuBLASLt: each part against the CPU, and the scratch holding the
+/// stacked product of row 0 (the stacked launch ran, not the matmuls one by
+/// one). Then the same weights uploaded apart, which must fall back.
+fn stacked_checks(be: &CudaBackend, refs: &References, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
+    let cpu = &refs.f32;
+    let (k, nq, nkv, ff) = (256usize, 192usize, 64usize, 320usize);
+    let tensors: Vec<HostTensor> = [nq, nkv, nkv, ff, ff]
+        .iter()
+        .map(|&n| float_tensor("w", DType::BF16, n, k, &rng.vec(n * k, 0.5)))
+        .collect();
+    let bs: Vec<HostTensor> =
+        [nq, nkv, nkv].iter().map(|&n| float_tensor("b", DType::F32, 1, n, &rng.vec(n, 0.5))).collect();
+    let wc = tensors.iter().map(|t| cpu.upload_weight(t)).collect::<Result<Vec<_>>>()?;
+    let bg = bs.iter().map(|t| be.upload_weight(t)).collect::<Result<Vec<_>>>()?;
+    let bc = bs.iter().map(|t| cpu.upload_weight(t)).collect::<Result<Vec<_>>>()?;
+    for stacked in [true, false] {
+        if stacked {
+            be.reserve_weights(tensors.iter().map(|t| t.data.len() as u64).sum())?;
+        }
+        // Apart: each weight followed by a second copy of itself (the same
+        // size, so wherever the allocator puts allocations of that size), so
+        // no weight is the next one's neighbour.
+        let mut wg = Vec::new();
+        let mut copies = Vec::new();
+        for t in &tensors {
+            wg.push(be.upload_weight(t)?);
+            if !stacked {
+                copies.push(be.upload_weight(t)?);
+            }
+        }
+        if !stacked {
+            let next = |a: &CudaWeight, b: &CudaWeight| a.ptr() + (a.rows * a.row_bytes) as u64 == b.ptr();
+            if wg.windows(2).any(|p| next(&p[0], &p[1])) {
+                return Err(crate::BackendError::Other(
+                    "stacked checks: weights uploaded apart are neighbours".into(),
+                ));
+            }
+        }
+        let how = if stacked { "stacked" } else { "apart" };
+        for rows in [16usize, 40] {
+            for with_bias in [false, true] {
+                let x = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 1.0)))?;
+                let mut outs = Vec::new();
+                for n in [nq, nkv, nkv] {
+                    outs.push(pair(be, cpu, rows, n, None)?);
+                }
+                let scratch = pair(be, cpu, rows, nq + 2 * nkv, Some(&vec![0.0; rows * (nq + 2 * nkv)]))?;
+                let mut scratch_g = scratch.g;
+                {
+                    let (o0, rest) = outs.split_at_mut(1);
+                    let (o1, o2) = rest.split_at_mut(1);
+                    let b = |i: usize| with_bias.then(|| &bg[i]);
+                    be.matmul_many(
+                        &x.g,
+                        &mut [
+                            MatmulPart { w: &wg[0], bias: b(0), out: &mut o0[0].g },
+                            MatmulPart { w: &wg[1], bias: b(1), out: &mut o1[0].g },
+                            MatmulPart { w: &wg[2], bias: b(2), out: &mut o2[0].g },
+                        ],
+                        rows,
+                        Some(&mut scratch_g),
+                    );
+                }
+                let mut row0 = Vec::new();
+                for (i, o) in outs.iter_mut().enumerate() {
+                    let (reference, tol) = refs.of(be.rounds_input(&wg[i], rows));
+                    reference.matmul(&x.c, &wc[i], with_bias.then(|| &bc[i]), rows, &mut o.c);
+                    let (a, b) = read_both(be, reference, o, rows)?;
+                    let bias = if with_bias { "" } else { "no " };
+                    rep.compare(
+                        &format!("matmul_many bf16 {how} part {i} {rows}x{k} ({bias}bias)"),
+                        &a,
+                        &b,
+                        tol,
+                    );
+                    // Row 0 of this part before its bias.
+                    let mut plain = pair(be, cpu, rows, o.c.cols(), None)?;
+                    reference.matmul(&x.c, &wc[i], None, rows, &mut plain.c);
+                    let mut p = Vec::new();
+                    cpu.read_rows(&plain.c, 1, &mut p);
+                    row0.extend(p);
+                }
+                let mut held = Vec::new();
+                be.read_rows(&scratch_g, 1, &mut held);
+                be.check()?;
+                let zeros = vec![0.0; row0.len()];
+                let (what, want) =
+                    if stacked { ("the stacked product", &row0) } else { ("untouched", &zeros) };
+                rep.compare(
+                    &format!("matmul_many bf16 {how} {rows}x{k}: scratch row 0 {what}"),
+                    &held,
+                    want,
+                    BF16,
+                );
+            }
+            let x = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 1.0)))?;
+            // Room for both halves of every row in `gate_out`.
+            let (mut g, mut u, mut o) = (
+                pair(be, cpu, 2 * rows, ff, None)?,
+                pair(be, cpu, rows, ff, None)?,
+                pair(be, cpu, rows, ff, None)?,
+            );
+            be.gate_up_silu(&x.g, &wg[3], &wg[4], rows, &mut g.g, &mut u.g, &mut o.g);
+            let (reference, tol) = refs.of(be.rounds_input(&wg[3], rows));
+            reference.gate_up_silu(&x.c, &wc[3], &wc[4], rows, &mut g.c, &mut u.c, &mut o.c);
+            let (a, b) = read_both(be, reference, &o, rows)?;
+            rep.compare(&format!("gate_up_silu bf16 {how} {rows}x{k} · 2x{ff}x{k}"), &a, &b, tol);
+            // Stacked, gate_out's first 2 x ff values are row 0's gate and up.
+            let mut held = Vec::new();
+            be.read_rows(&g.g, 2, &mut held);
+            be.check()?;
+            let (mut gate0, mut up0) = (Vec::new(), Vec::new());
+            reference.read_rows(&g.c, 1, &mut gate0);
+            reference.read_rows(&u.c, 1, &mut up0);
+            let want: Vec<f32> = if stacked {
+                gate0.iter().chain(&up0).copied().collect()
+            } else {
+                let mut two = Vec::new();
+                reference.read_rows(&g.c, 2, &mut two);
+                two
+            };
+            rep.compare(
+                &format!("gate_up_silu bf16 {how} {rows}x{k}: gate_out's first values"),
+                &held,
+                &want,
+                tol,
+            );
+        }
+    }
+    Ok(())
+}
+
 fn fused_matmul_checks(
     be: &CudaBackend,
     refs: &References,
@@ -762,6 +897,7 @@ fn fused_matmul_checks(
                             MatmulPart { w: &wg[2], bias: b(2), out: &mut o2[0].g },
                         ],
                         rows,
+                        None,
                     );
                 }
                 for (i, o) in outs.iter_mut().enumerate() {
@@ -1153,6 +1289,7 @@ impl LayerStep<'_> {
                 MatmulPart { w: wv, bias: None, out: &mut *v },
             ],
             2,
+            None,
         );
         let a = RopeAttention {
             q,
@@ -1913,9 +2050,17 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
     attention_bench(be, &mut rng, &mut lines, &qwen, &[(0, 2048, both), (0, 8192, both)])?;
     delta_bench(be, &mut rng, &mut lines)?;
     moe_bench(be, &mut rng, &mut lines)?;
-    // Sampling on the device: the kernel alone (device time by events, no
-    // edits, so repeated runs see the same rows), against the copy of the
-    // same rows to the host that it replaces.
+    lines.extend(bench_sample(be)?);
+    Ok(lines)
+}
+
+/// Sampling on the device (`--bench-sample`): the kernel alone at 1 to 128
+/// rows of a Llama-3 vocabulary, each of three parameter sets (device time
+/// by events, no edits, so repeated runs see the same rows), against the
+/// copy of the same rows to the host that it replaces.
+pub fn bench_sample(be: &CudaBackend) -> Result<Vec<String>> {
+    let mut rng = Rng(7);
+    let mut lines = Vec::new();
     {
         use crate::sample::{SampleRowSpec, SampledRows};
         let vocab = 128_256;
@@ -1923,7 +2068,8 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
             let act = be.alloc_act(ActShape { rows, cols: vocab })?;
             put_gpu(be, &act, &rng.vec(rows * vocab, 6.0))?;
             let shapes = [
-                ("server defaults", 0.2f32, 0u32, 0.9f32, 0.05f32),
+                ("greedy", 0.0f32, 0u32, 1.0f32, 0.0f32),
+                ("server defaults", 0.2, 0, 0.9, 0.05),
                 ("temperature 1", 1.0, 0, 1.0, 0.0),
                 ("top-k 40", 1.0, 40, 1.0, 0.0),
             ];

@@ -901,7 +901,94 @@ impl CudaBackend {
             && ws.all(|(w, out_cols)| w.cols == x.cols && out_cols == w.rows && self.takes_q8_gemv(w, rows))
     }
 
-    pub(super) fn enqueue_matmul_many(&self, x: &CudaAct, parts: &mut [MatmulPart<'_, Self>], rows: usize) {
+    /// Whether `ws` (in order) lie one after another in device memory as
+    /// bf16 rows of `x`'s width, each taking cuBLASLt on `rows` rows, so one
+    /// GEMM over them stacked computes every product: one launch (and one
+    /// split-K reduction, where the heuristic splits) where there were one
+    /// per weight. Every width a multiple of 4 (the split and SiLU kernels
+    /// move four columns a thread).
+    fn stacked_lt(&self, x: &CudaAct, ws: &[&CudaWeight], rows: usize) -> bool {
+        self.config.tuning.fuse
+            && ws.len() > 1
+            && ws.iter().all(|w| {
+                w.dtype == DType::BF16
+                    && w.cols == x.cols
+                    && w.rows.is_multiple_of(4)
+                    && w.row_bytes == w.cols * 2
+                    && !self.takes_q8_gemv(w, rows)
+                    && !self.takes_mmq(w, rows)
+                    && !self.takes_gemv(w, rows)
+            })
+            && ws.windows(2).all(|p| p[0].ptr() + (p[0].rows * p[0].row_bytes) as u64 == p[1].ptr())
+    }
+
+    /// `rows` rows of `x` times the weights from `first` on, `n` stacked rows
+    /// of them ([`CudaBackend::stacked_lt`]), into `out` as `[rows, n]`.
+    fn stacked_gemm(
+        &self,
+        st: &mut State,
+        x: &CudaAct,
+        first: &CudaWeight,
+        n: usize,
+        rows: usize,
+        out: u64,
+    ) -> Result<()> {
+        let xbf = self.bf16_input(st, x, rows)?;
+        st.gemm.matmul(self.stream, GemmShape { m: rows, n, k: x.cols, ldc: n }, xbf, first.ptr(), out)
+    }
+
+    /// [`Backend::matmul_many`] of 2 or 3 parts as one GEMM of the stacked
+    /// weights into `scratch`, then one launch that copies each part's
+    /// columns out and adds its bias. `None` when the parts or the scratch do
+    /// not allow it.
+    fn matmul_many_stacked(
+        &self,
+        x: &CudaAct,
+        parts: &mut [MatmulPart<'_, Self>],
+        rows: usize,
+        scratch: &mut CudaAct,
+    ) -> Option<()> {
+        let ws: Vec<&CudaWeight> = parts.iter().map(|p| p.w).collect();
+        let n: usize = ws.iter().map(|w| w.rows).sum();
+        let fits = (2..=3).contains(&parts.len())
+            && scratch.stride == scratch.cols
+            && scratch.rows * scratch.cols >= rows * n
+            && parts.iter().all(|p| {
+                p.out.cols == p.w.rows
+                    && p.out.stride == p.out.cols
+                    && p.bias.is_none_or(|b| b.dtype == DType::F32 && b.rows * b.cols == p.w.rows)
+            });
+        if !fits || !self.stacked_lt(x, &ws, rows) {
+            return None;
+        }
+        self.matmul_op("matmul_many (stacked)", |st| {
+            self.forget_written(st, parts.iter().map(|p| &*p.out).chain([&*scratch]));
+            self.stacked_gemm(st, x, parts[0].w, n, rows, scratch.ptr())?;
+            let mut a = Args::new().ptr(scratch.ptr()).i32(n as i32).i32(rows as i32);
+            for j in 0..3 {
+                a = match parts.get(j) {
+                    Some(p) => {
+                        let bias = match p.bias {
+                            Some(b) => self.vector_ptr(b, "bias")?,
+                            None => 0,
+                        };
+                        a.ptr(p.out.ptr()).i32(p.w.rows as i32).ptr(bias)
+                    }
+                    None => a.ptr(0).i32(0).ptr(0),
+                };
+            }
+            unsafe { self.launch(self.k.split_cols, grid_for(rows * n / 4, 256), a) }
+        });
+        Some(())
+    }
+
+    pub(super) fn enqueue_matmul_many(
+        &self,
+        x: &CudaAct,
+        parts: &mut [MatmulPart<'_, Self>],
+        rows: usize,
+        scratch: Option<&mut CudaAct>,
+    ) {
         let fused = parts.len() <= 3
             && parts.iter().all(|p| p.out.cols == p.w.rows && self.fusable_gemv(x, p.w, rows))
             && parts
@@ -942,6 +1029,9 @@ impl CudaBackend {
             });
         }
         if !fused {
+            if let Some(()) = scratch.and_then(|s| self.matmul_many_stacked(x, parts, rows, s)) {
+                return;
+            }
             return crate::unfused::matmul_many(self, x, parts, rows);
         }
         self.op("matmul_many (q/k/v)", |_| {
@@ -1000,6 +1090,26 @@ impl CudaBackend {
                 self.gemv_q8(st, input, up, rows, up_out)
             });
             return crate::Backend::silu_mul(self, gate_out, up_out, rows, out);
+        }
+        if !fused
+            && gate.rows == up.rows
+            && out.cols == gate.rows
+            && out.stride == out.cols
+            && gate_out.stride == gate_out.cols
+            && gate_out.rows * gate_out.cols >= rows * 2 * gate.rows
+            && self.stacked_lt(x, &[gate, up], rows)
+        {
+            // One GEMM of gate and up stacked, both halves of each row into
+            // `gate_out`, then their SiLU product.
+            return self.matmul_op("gate_up_silu (stacked)", |st| {
+                self.forget_written(st, [&*gate_out, &*up_out, &*out]);
+                let n = gate.rows;
+                self.stacked_gemm(st, x, gate, 2 * n, rows, gate_out.ptr())?;
+                let bf = self.bf16_output(st, out, rows);
+                let a = Args::new().ptr(gate_out.ptr()).i32(2 * n as i32).i32(n as i32).i32(rows as i32);
+                let a = a.ptr(out.ptr()).ptr(bf);
+                unsafe { self.launch(self.k.silu_mul_stacked, grid_for(rows * n / 4, 256), a) }
+            });
         }
         if !fused {
             return crate::unfused::gate_up_silu(self, x, gate, up, rows, gate_out, up_out, out);
