@@ -41,7 +41,8 @@
 #                                   # at concurrency 128 (bench8b.sh), .gpu/corridor-base at
 #                                   # BASE_BATCHES (default 32 128) when carried, and the table
 #                                   # (decode_vs_llamacpp.py); in the foreground every kernel against the
-#                                   # CPU and the tiny checkpoints. Then `session.sh wait S`.
+#                                   # CPU and the tiny checkpoints (SKIP_CHECKS=1: not), LCPP=0 without
+#                                   # llama.cpp. Then `session.sh wait S`.
 #   scripts/gpu/session.sh profile  # batch-1 decode steps as the card runs them (nsys_decode.sh: every
 #                                   # kernel of the replayed graphs, overlaps and idle time) on a 4-layer
 #                                   # Qwen3-30B-A3B-shaped checkpoint and the Llama-3-8B-shaped one, then
@@ -236,9 +237,12 @@ case "${1:-checks}" in
     SECONDS=0
     g=/tmp/gguf-plan; mkdir -p "$g"; rm -f "$g/card_free" "$g/done"
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt" "$g/nvidia-smi.txt"
-    setsid nohup bash -c "OUT=$g SKIP_KQUANT=1 QUANTS=none scripts/gpu/gguf_bench.sh prep > $g/prep.log 2>&1;
+    # LCPP=0: no llama.cpp (its CUDA build takes minutes): the checkpoint and corridor only.
+    prep="OUT=$g SKIP_KQUANT=1 QUANTS=none scripts/gpu/gguf_bench.sh prep"
+    [ "${LCPP:-1}" = 0 ] && prep="python3 scripts/gpu/make_llama8b.py /tmp/llama8b --tokenizer-dir .gpu/llama3-tokenizer"
+    setsid nohup bash -c "$prep > $g/prep.log 2>&1;
         while [ ! -f $g/card_free ]; do sleep 2; done;
-        /tmp/llama.cpp/build/bin/llama-batched-bench -m /tmp/gguf/llama8b-f16.gguf -npp 512 -ntg 256 -npl 1,8,32,128 \
+        [ -x /tmp/llama.cpp/build/bin/llama-batched-bench ] && /tmp/llama.cpp/build/bin/llama-batched-bench -m /tmp/gguf/llama8b-f16.gguf -npp 512 -ntg 256 -npl 1,8,32,128 \
             -c 131072 -fa on -ngl 999 > $g/lcpp_f16.log 2>&1;
         SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 DECODE_BATCHES='1 8 32 128' LATENCY_CONC=128 DEADLINE_S=300 \
             OUT=$g/new scripts/gpu/bench8b.sh > $g/new.log 2>&1;
@@ -250,7 +254,7 @@ case "${1:-checks}" in
             grep -E '^\| [0-9]+ ' $g/base/summary.md | head -n 4 > $g/base_table.txt;
         fi;
         touch $g/done" < /dev/null > /dev/null 2>&1 &
-    quant_checks
+    [ -z "${SKIP_CHECKS:-}" ] && quant_checks
     touch "$g/card_free"
     bash "$0" wait $(( ${LIMIT_S:-570} - SECONDS ))
     ;;
