@@ -29,9 +29,14 @@ def corridor_rows(summary):
 
 
 def llamacpp_rows(log):
-    """batch -> step ms from llama-batched-bench's table (PP, TG, B, N_KV, T_PP, S_PP, T_TG, S_TG, ...)."""
+    """batch -> step ms from llama-batched-bench's table (PP, TG, B, N_KV, T_PP, S_PP, T_TG, S_TG, ...);
+    none when the log is missing (llama.cpp not run)."""
     rows = {}
-    for line in open(log, errors="replace"):
+    try:
+        lines = open(log, errors="replace").readlines()
+    except OSError:
+        return rows
+    for line in lines:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) < 8 or not re.fullmatch(r"\d+", cells[2] or ""):
             continue

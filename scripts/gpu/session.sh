@@ -37,7 +37,7 @@
 #                                   # machine: in the background gguf_bench.sh prep (llama.cpp built
 #                                   # with CUDA, the 8B checkpoint, its f16 GGUF), then on the card:
 #                                   # llama-batched-bench on the f16 file at 1, 8, 32 and 128, corridor
-#                                   # serving the bf16 checkpoint at the same batches and the latency run
+#                                   # serving the bf16 checkpoint at the same batches (NEW_BATCHES) and the latency run
 #                                   # at concurrency 128 (bench8b.sh), .gpu/corridor-base at
 #                                   # BASE_BATCHES (default 32 128) when carried, and the table
 #                                   # (decode_vs_llamacpp.py); in the foreground every kernel against the
@@ -244,7 +244,7 @@ case "${1:-checks}" in
         while [ ! -f $g/card_free ]; do sleep 2; done;
         [ -x /tmp/llama.cpp/build/bin/llama-batched-bench ] && /tmp/llama.cpp/build/bin/llama-batched-bench -m /tmp/gguf/llama8b-f16.gguf -npp 512 -ntg 256 -npl 1,8,32,128 \
             -c 131072 -fa on -ngl 999 > $g/lcpp_f16.log 2>&1;
-        SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 DECODE_BATCHES='1 8 32 128' LATENCY_CONC=128 DEADLINE_S=300 \
+        SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 DECODE_BATCHES='${NEW_BATCHES:-1 8 32 128}' LATENCY_CONC=128 DEADLINE_S=300 \
             OUT=$g/new scripts/gpu/bench8b.sh > $g/new.log 2>&1;
         python3 scripts/gpu/decode_vs_llamacpp.py $g/new $g/lcpp_f16.log > $g/table.txt 2>&1;
         grep -E '^\| 128 ' $g/new/summary.md | tail -n 1 >> $g/table.txt;
