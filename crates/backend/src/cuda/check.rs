@@ -712,6 +712,62 @@ fn q8_input_checks(be: &CudaBackend, refs: &References, rep: &mut CheckReport, r
     Ok(())
 }
 
+/// Three products of one input through `matmul_many` on the GPU, each
+/// part against the CPU: weights `wg` / `wc` and, with `with_bias`, biases
+/// `bg` / `bc`.
+struct Parts<'a> {
+    x: &'a Pair,
+    wg: &'a [CudaWeight],
+    wc: &'a [CpuWeight],
+    bg: &'a [CudaWeight],
+    bc: &'a [CpuWeight],
+    with_bias: bool,
+    rows: usize,
+}
+
+impl Parts<'_> {
+    /// Run them into `outs` (given `scratch`) and compare each part, named
+    /// `matmul_many {what} part i ...{suffix}`.
+    #[allow(clippy::too_many_arguments)]
+    fn check(
+        &self,
+        be: &CudaBackend,
+        refs: &References,
+        rep: &mut CheckReport,
+        outs: &mut [Pair],
+        scratch: Option<&mut CudaAct>,
+        what: &str,
+        suffix: &str,
+    ) -> Result<()> {
+        let (wg, rows) = (self.wg, self.rows);
+        {
+            let [o0, o1, o2] = outs else {
+                return Err(crate::BackendError::Other("three outputs".into()));
+            };
+            let b = |i: usize| self.with_bias.then(|| &self.bg[i]);
+            be.matmul_many(
+                &self.x.g,
+                &mut [
+                    MatmulPart { w: &wg[0], bias: b(0), out: &mut o0.g },
+                    MatmulPart { w: &wg[1], bias: b(1), out: &mut o1.g },
+                    MatmulPart { w: &wg[2], bias: b(2), out: &mut o2.g },
+                ],
+                rows,
+                scratch,
+            );
+        }
+        let k = self.x.c.cols();
+        for (i, o) in outs.iter_mut().enumerate() {
+            let (reference, tol) = refs.of(be.rounds_input(&wg[i], rows));
+            reference.matmul(&self.x.c, &self.wc[i], self.with_bias.then(|| &self.bc[i]), rows, &mut o.c);
+            let (a, b) = read_both(be, reference, o, rows)?;
+            let bias = if self.with_bias { "" } else { "no " };
+            rep.compare(&format!("matmul_many {what} part {i} {rows}x{k} ({bias}bias{suffix})"), &a, &b, tol);
+        }
+        Ok(())
+    }
+}
+
 /// q/k/v and gate/up as one GEMM of their weights stacked (uploaded one
 /// after another into a weight arena, as a checkpoint's layer is) at rows
 /// that take cuBLASLt: each part against the CPU, and the scratch holding the
@@ -762,33 +818,11 @@ fn stacked_checks(be: &CudaBackend, refs: &References, rep: &mut CheckReport, rn
                 }
                 let scratch = pair(be, cpu, rows, nq + 2 * nkv, Some(&vec![0.0; rows * (nq + 2 * nkv)]))?;
                 let mut scratch_g = scratch.g;
-                {
-                    let (o0, rest) = outs.split_at_mut(1);
-                    let (o1, o2) = rest.split_at_mut(1);
-                    let b = |i: usize| with_bias.then(|| &bg[i]);
-                    be.matmul_many(
-                        &x.g,
-                        &mut [
-                            MatmulPart { w: &wg[0], bias: b(0), out: &mut o0[0].g },
-                            MatmulPart { w: &wg[1], bias: b(1), out: &mut o1[0].g },
-                            MatmulPart { w: &wg[2], bias: b(2), out: &mut o2[0].g },
-                        ],
-                        rows,
-                        Some(&mut scratch_g),
-                    );
-                }
+                let parts = Parts { x: &x, wg: &wg, wc: &wc, bg: &bg, bc: &bc, with_bias, rows };
+                parts.check(be, refs, rep, &mut outs, Some(&mut scratch_g), &format!("bf16 {how}"), "")?;
                 let mut row0 = Vec::new();
-                for (i, o) in outs.iter_mut().enumerate() {
-                    let (reference, tol) = refs.of(be.rounds_input(&wg[i], rows));
-                    reference.matmul(&x.c, &wc[i], with_bias.then(|| &bc[i]), rows, &mut o.c);
-                    let (a, b) = read_both(be, reference, o, rows)?;
-                    let bias = if with_bias { "" } else { "no " };
-                    rep.compare(
-                        &format!("matmul_many bf16 {how} part {i} {rows}x{k} ({bias}bias)"),
-                        &a,
-                        &b,
-                        tol,
-                    );
+                for (i, o) in outs.iter().enumerate() {
+                    let reference = refs.of(be.rounds_input(&wg[i], rows)).0;
                     // Row 0 of this part before its bias.
                     let mut plain = pair(be, cpu, rows, o.c.cols(), None)?;
                     reference.matmul(&x.c, &wc[i], None, rows, &mut plain.c);
@@ -885,33 +919,8 @@ fn fused_matmul_checks(
                 for n in [nq, nkv, nkv] {
                     outs.push(pair(be, cpu, rows, n, None)?);
                 }
-                {
-                    let (o0, rest) = outs.split_at_mut(1);
-                    let (o1, o2) = rest.split_at_mut(1);
-                    let b = |i: usize| with_bias.then(|| &bg[i]);
-                    be.matmul_many(
-                        &x.g,
-                        &mut [
-                            MatmulPart { w: &wg[0], bias: b(0), out: &mut o0[0].g },
-                            MatmulPart { w: &wg[1], bias: b(1), out: &mut o1[0].g },
-                            MatmulPart { w: &wg[2], bias: b(2), out: &mut o2[0].g },
-                        ],
-                        rows,
-                        None,
-                    );
-                }
-                for (i, o) in outs.iter_mut().enumerate() {
-                    let (reference, tol) = refs.of(be.rounds_input(&wg[i], rows));
-                    reference.matmul(&x.c, &wc[i], with_bias.then(|| &bc[i]), rows, &mut o.c);
-                    let (a, b) = read_both(be, reference, o, rows)?;
-                    let bias = if with_bias { "" } else { "no " };
-                    rep.compare(
-                        &format!("matmul_many {kind} part {i} {rows}x{k} ({bias}bias{blocks})"),
-                        &a,
-                        &b,
-                        tol,
-                    );
-                }
+                let parts = Parts { x: &x, wg: &wg, wc: &wc, bg: &bg, bc: &bc, with_bias, rows };
+                parts.check(be, refs, rep, &mut outs, None, &kind.to_string(), &blocks)?;
             }
             let x = pair(be, cpu, rows, k, Some(&rng.vec(rows * k, 1.0)))?;
             let (mut g, mut u, mut o) = (
