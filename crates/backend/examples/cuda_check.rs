@@ -8,7 +8,8 @@
 //! `--bench-quant` only the block-format matmuls (every path at 1 to 256 rows;
 //! `--bench-quant-short` fewer formats and shapes), `--bench-q8-layer` a decode
 //! layer's integer GEMVs as separate and as fused launches, `--bench-attention`
-//! one decode row's attention (splits merged in the launch and by a combine pass),
+//! one decode row's attention (splits merged in the launch and by a combine pass)
+//! and a batch's (8, 32 and 128 sequences of 640 tokens, eager and captured),
 //! `--bench-moe` a Qwen3-30B-A3B expert layer with bf16 experts and with a
 //! Q4_K_M file's (on the routed integer GEMVs and on the any-type ones),
 //! `--bench-sample` the device sampler at 1 to 128 rows.

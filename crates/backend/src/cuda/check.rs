@@ -1910,8 +1910,70 @@ pub fn bench_decode_attention(be: &CudaBackend) -> Result<Vec<String>> {
     ] {
         let cases: &[(usize, usize, &[PrefillPath])] = &[(31, 1, tiled), (639, 1, tiled), (4095, 1, tiled)];
         attention_bench(be, &mut rng, &mut lines, &shape, cases)?;
+        for rows in [8, 32, 128] {
+            batch_attention_bench(be, &mut rng, &mut lines, &shape, rows, 639)?;
+        }
     }
     Ok(lines)
+}
+
+/// Decode attention of a batch as a served step runs it: `rows` sequences
+/// of one row each after `cached` tokens, each in pages of its own, eager
+/// and captured (the splits sized for this context, and as a capture sizes
+/// them), with the KV read rate.
+fn batch_attention_bench(
+    be: &CudaBackend,
+    rng: &mut Rng,
+    lines: &mut Vec<String>,
+    shape: &AttnBenchShape,
+    rows: usize,
+    cached: usize,
+) -> Result<()> {
+    let (heads, kvw, hd) = (shape.heads, shape.kv_heads * shape.head_dim, shape.head_dim);
+    let ctx = cached + 1;
+    let per_seq = ctx.div_ceil(16);
+    let geo = KvGeometry {
+        page_size: Tokens(16),
+        num_pages: Pages(rows * per_seq),
+        kv_heads: shape.kv_heads,
+        head_dim: hd,
+    };
+    let mut kv = be.alloc_kv(geo)?;
+    let lists: Vec<Vec<PageId>> =
+        (0..rows).map(|s| (0..per_seq).map(|p| PageId((s * per_seq + p) as u32)).collect()).collect();
+    let kvv = be.alloc_act(ActShape { rows: ctx, cols: kvw })?;
+    put_gpu(be, &kvv, &rng.vec(ctx * kvw, 1.0))?;
+    for pages in &lists {
+        be.write_kv(&mut kv, &kvv, &kvv, &[SeqStep { row_start: 0, rows: ctx, cached: 0, pages }]);
+    }
+    let q = be.alloc_act(ActShape { rows, cols: heads * hd })?;
+    put_gpu(be, &q, &rng.vec(rows * heads * hd, 1.0))?;
+    let mut out = be.alloc_act(ActShape { rows, cols: heads * hd })?;
+    let seqs: Vec<SeqStep<'_>> =
+        lists.iter().enumerate().map(|(s, pages)| SeqStep { row_start: s, rows: 1, cached, pages }).collect();
+    let (tokens, positions) = (vec![TokenId(1); rows], vec![cached as u32; rows]);
+    let logit_rows: Vec<usize> = (0..rows).collect();
+    be.begin_step(&StepPlan {
+        tokens: &tokens,
+        positions: &positions,
+        seqs: &seqs,
+        logit_rows: &logit_rows,
+        state_slots: &[],
+    })?;
+    let eager = time_ms(be, 20, || be.attention(&q, &kv, heads, &seqs, &mut out))?;
+    let id = 2 << 24 | shape.kv_heads << 16 | rows;
+    let captured = graph_time_ms(be, id, 50, || be.attention(&q, &kv, heads, &seqs, &mut out))?;
+    let bytes = (rows * ctx * kvw * 2 * 2) as f64;
+    let rate = |ms: f32| bytes / (ms as f64 * 1e-3) / 1e9;
+    lines.push(format!(
+        "decode attention ({}) {rows} rows x ctx {ctx}: eager {:.1} us (KV {:.0} GB/s), captured {:.1} us (KV {:.0} GB/s)",
+        shape.name,
+        eager * 1e3,
+        rate(eager),
+        captured * 1e3,
+        rate(captured)
+    ));
+    Ok(())
 }
 
 /// Micro-benchmarks against the H200 ceilings (~4.3 TB/s copy, ~800 TFLOP/s
