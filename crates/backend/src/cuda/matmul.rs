@@ -1091,7 +1091,11 @@ impl CudaBackend {
             });
             return crate::Backend::silu_mul(self, gate_out, up_out, rows, out);
         }
+        // Stacked only past the GEMVs' rows, where it was measured faster (32
+        // and 128 rows, BENCHMARKS.md); at 3 to 8 rows gate and up (large
+        // enough for cuBLASLt there) stay two GEMMs until measured.
         if !fused
+            && rows > GEMV_MAX_ROWS
             && gate.rows == up.rows
             && out.cols == gate.rows
             && out.stride == out.cols
