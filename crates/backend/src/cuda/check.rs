@@ -824,10 +824,10 @@ fn stacked_checks(be: &CudaBackend, refs: &References, rep: &mut CheckReport, rn
                 for (i, o) in outs.iter().enumerate() {
                     let reference = refs.of(be.rounds_input(&wg[i], rows)).0;
                     // Row 0 of this part before its bias.
-                    let mut plain = pair(be, cpu, rows, o.c.cols(), None)?;
-                    reference.matmul(&x.c, &wc[i], None, rows, &mut plain.c);
+                    let mut plain = reference.alloc_act(ActShape { rows, cols: o.c.cols() })?;
+                    reference.matmul(&x.c, &wc[i], None, rows, &mut plain);
                     let mut p = Vec::new();
-                    cpu.read_rows(&plain.c, 1, &mut p);
+                    reference.read_rows(&plain, 1, &mut p);
                     row0.extend(p);
                 }
                 let mut held = Vec::new();
@@ -2130,53 +2130,51 @@ pub fn bench(be: &CudaBackend) -> Result<Vec<String>> {
 /// by events, no edits, so repeated runs see the same rows), against the
 /// copy of the same rows to the host that it replaces.
 pub fn bench_sample(be: &CudaBackend) -> Result<Vec<String>> {
+    use crate::sample::{SampleRowSpec, SampledRows};
     let mut rng = Rng(7);
     let mut lines = Vec::new();
-    {
-        use crate::sample::{SampleRowSpec, SampledRows};
-        let vocab = 128_256;
-        for rows in [1usize, 8, 32, 128] {
-            let act = be.alloc_act(ActShape { rows, cols: vocab })?;
-            put_gpu(be, &act, &rng.vec(rows * vocab, 6.0))?;
-            let shapes = [
-                ("greedy", 0.0f32, 0u32, 1.0f32, 0.0f32),
-                ("server defaults", 0.2, 0, 0.9, 0.05),
-                ("temperature 1", 1.0, 0, 1.0, 0.0),
-                ("top-k 40", 1.0, 40, 1.0, 0.0),
-            ];
-            for (name, temperature, top_k, top_p, min_p) in shapes {
-                let specs: Vec<SampleRowSpec> = (0..rows as u32)
-                    .map(|r| SampleRowSpec {
-                        row: r,
-                        top_k,
-                        temperature,
-                        inv_t: 1.0 / temperature,
-                        top_p,
-                        min_p,
-                        uniform: (r as f64 + 0.5) / rows as f64,
-                        ..Default::default()
-                    })
-                    .collect();
-                let mut out = SampledRows::default();
-                let mut act_mut = be.alloc_act(ActShape { rows, cols: vocab })?;
-                // SAFETY: two live buffers of the same size on our stream.
-                unsafe { cu::memcpy_dtod_async(act_mut.ptr(), act.ptr(), rows * vocab * 4, be.stream.0) }
-                    .map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))?;
-                let ms = time_ms(be, 10, || {
-                    if let Err(e) = be.sample_rows(&mut act_mut, &specs, &[], &mut out) {
-                        be.lock().error.get_or_insert(e);
-                    }
-                })?;
-                lines.push(format!(
-                    "sample_rows {rows} x {vocab} ({name}): {ms:.3} ms (launch to summaries on the host)"
-                ));
-            }
-            let mut host = Vec::new();
-            let ms = time_ms(be, 10, || be.read_rows(&act, rows, &mut host))?;
+    let vocab = 128_256;
+    for rows in [1usize, 8, 32, 128] {
+        let act = be.alloc_act(ActShape { rows, cols: vocab })?;
+        put_gpu(be, &act, &rng.vec(rows * vocab, 6.0))?;
+        let shapes = [
+            ("greedy", 0.0f32, 0u32, 1.0f32, 0.0f32),
+            ("server defaults", 0.2, 0, 0.9, 0.05),
+            ("temperature 1", 1.0, 0, 1.0, 0.0),
+            ("top-k 40", 1.0, 40, 1.0, 0.0),
+        ];
+        for (name, temperature, top_k, top_p, min_p) in shapes {
+            let specs: Vec<SampleRowSpec> = (0..rows as u32)
+                .map(|r| SampleRowSpec {
+                    row: r,
+                    top_k,
+                    temperature,
+                    inv_t: 1.0 / temperature,
+                    top_p,
+                    min_p,
+                    uniform: (r as f64 + 0.5) / rows as f64,
+                    ..Default::default()
+                })
+                .collect();
+            let mut out = SampledRows::default();
+            let mut act_mut = be.alloc_act(ActShape { rows, cols: vocab })?;
+            // SAFETY: two live buffers of the same size on our stream.
+            unsafe { cu::memcpy_dtod_async(act_mut.ptr(), act.ptr(), rows * vocab * 4, be.stream.0) }
+                .map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))?;
+            let ms = time_ms(be, 10, || {
+                if let Err(e) = be.sample_rows(&mut act_mut, &specs, &[], &mut out) {
+                    be.lock().error.get_or_insert(e);
+                }
+            })?;
             lines.push(format!(
-                "read_rows {rows} x {vocab} (the logits copy sampling on the device replaces): {ms:.3} ms"
+                "sample_rows {rows} x {vocab} ({name}): {ms:.3} ms (launch to summaries on the host)"
             ));
         }
+        let mut host = Vec::new();
+        let ms = time_ms(be, 10, || be.read_rows(&act, rows, &mut host))?;
+        lines.push(format!(
+            "read_rows {rows} x {vocab} (the logits copy sampling on the device replaces): {ms:.3} ms"
+        ));
     }
     Ok(lines)
 }

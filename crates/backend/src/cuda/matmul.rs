@@ -914,7 +914,6 @@ impl CudaBackend {
                 w.dtype == DType::BF16
                     && w.cols == x.cols
                     && w.rows.is_multiple_of(4)
-                    && w.row_bytes == w.cols * 2
                     && !self.takes_q8_gemv(w, rows)
                     && !self.takes_mmq(w, rows)
                     && !self.takes_gemv(w, rows)
@@ -939,27 +938,33 @@ impl CudaBackend {
 
     /// [`Backend::matmul_many`] of 2 or 3 parts as one GEMM of the stacked
     /// weights into `scratch`, then one launch that copies each part's
-    /// columns out and adds its bias. `None` when the parts or the scratch do
-    /// not allow it.
+    /// columns out and adds its bias. False (nothing run) when the parts or
+    /// the scratch do not allow it.
     fn matmul_many_stacked(
         &self,
         x: &CudaAct,
         parts: &mut [MatmulPart<'_, Self>],
         rows: usize,
         scratch: &mut CudaAct,
-    ) -> Option<()> {
-        let ws: Vec<&CudaWeight> = parts.iter().map(|p| p.w).collect();
+    ) -> bool {
+        if !(2..=3).contains(&parts.len()) {
+            return false;
+        }
+        let mut ws = [parts[0].w; 3];
+        for (w, p) in ws.iter_mut().zip(parts.iter()) {
+            *w = p.w;
+        }
+        let ws = &ws[..parts.len()];
         let n: usize = ws.iter().map(|w| w.rows).sum();
-        let fits = (2..=3).contains(&parts.len())
-            && scratch.stride == scratch.cols
+        let fits = scratch.stride == scratch.cols
             && scratch.rows * scratch.cols >= rows * n
             && parts.iter().all(|p| {
                 p.out.cols == p.w.rows
                     && p.out.stride == p.out.cols
                     && p.bias.is_none_or(|b| b.dtype == DType::F32 && b.rows * b.cols == p.w.rows)
             });
-        if !fits || !self.stacked_lt(x, &ws, rows) {
-            return None;
+        if !fits || !self.stacked_lt(x, ws, rows) {
+            return false;
         }
         self.matmul_op("matmul_many (stacked)", |st| {
             self.forget_written(st, parts.iter().map(|p| &*p.out).chain([&*scratch]));
@@ -979,7 +984,7 @@ impl CudaBackend {
             }
             unsafe { self.launch(self.k.split_cols, grid_for(rows * n / 4, 256), a) }
         });
-        Some(())
+        true
     }
 
     pub(super) fn enqueue_matmul_many(
@@ -1029,7 +1034,7 @@ impl CudaBackend {
             });
         }
         if !fused {
-            if let Some(()) = scratch.and_then(|s| self.matmul_many_stacked(x, parts, rows, s)) {
+            if scratch.is_some_and(|s| self.matmul_many_stacked(x, parts, rows, s)) {
                 return;
             }
             return crate::unfused::matmul_many(self, x, parts, rows);
