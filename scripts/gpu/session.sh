@@ -255,6 +255,12 @@ case "${1:-checks}" in
         fi;
         touch $g/done" < /dev/null > /dev/null 2>&1 &
     [ -z "${SKIP_CHECKS:-}" ] && quant_checks
+    # BENCH_ATTN=1: decode attention alone and at batch (its KV read rate), while llama.cpp builds.
+    if [ -n "${BENCH_ATTN:-}" ]; then
+        echo "== [${SECONDS}s] decode attention alone"
+        timeout 120 ./.gpu/cuda_check --bench-attention > "$out/bench_attention.log" 2>&1; echo "exit $?"
+        grep -E "decode attention" "$out/bench_attention.log" | tail -n 16
+    fi
     touch "$g/card_free"
     bash "$0" wait $(( ${LIMIT_S:-570} - SECONDS ))
     ;;
