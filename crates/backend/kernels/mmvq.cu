@@ -175,10 +175,13 @@ __device__ __forceinline__ void mv_stage_store(const MvPieces<P>& r, u32* st, in
 template <int DT>
 struct Mv;
 
-// A format staged through shared memory: steps of BYTES bytes.
-template <int BYTES>
+// A format staged through shared memory: steps of BYTES bytes, decoded by
+// D::decode_st from the stage of the step's bytes (which start `sh` bytes
+// into it).
+template <int BYTES, class D>
 struct MvStaged {
     static const bool staged = true;
+    static const int step_bytes = BYTES;
     static const int pieces = (BYTES + 30) / 16, loads = (pieces + 31) / 32;
     // The pieces and 16 bytes more: a word read at the last bytes may take
     // the aligned word after them.
@@ -189,6 +192,10 @@ struct MvStaged {
     }
     static __device__ __forceinline__ void store(const Raw& r, u32* st, int lane) {
         mv_stage_store<loads, pieces>(r, st, lane);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
+        store(r, st, lane);
+        D::decode_st(st, r.sh, lane, u);
     }
 };
 
@@ -256,8 +263,14 @@ struct Mv<DT_Q4_K> {
         r.h = live ? ld_stream((const uint4*)b) : mv_zero4();
         r.q = live ? ld_stream((const uint4*)(b + 16) + (lane & 7)) : mv_zero4();
     }
-    static __device__ __forceinline__ void decode(const Raw& r, u32*, int lane, MvUnit& u) {
-        u32 w[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+    static __device__ __forceinline__ void decode(const Raw& r, u32*, int lane, MvUnit& u) { unit(r.h, r.q, lane, u); }
+    // From a stage of whole super-blocks (sh is 0: the rows are 16-byte aligned).
+    static __device__ __forceinline__ void decode_st(const u32* st, int sh, int lane, MvUnit& u) {
+        const uint4* b = (const uint4*)st + ((sh + 144 * (lane >> 3)) >> 4);
+        unit(b[0], b[1 + (lane & 7)], lane, u);
+    }
+    static __device__ __forceinline__ void unit(const uint4& h, const uint4& q, int lane, MvUnit& u) {
+        u32 w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
         for (int m = 0; m < 4; m++) {
             u.q[0][m] = (int)(w[m] & 0x0f0f0f0fu);
@@ -265,9 +278,10 @@ struct Mv<DT_Q4_K> {
         }
         int i = lane & 7, j = 2 * (i >> 1);
         bool first = (i & 1) == 0;
-        kq4_scale(r.h, j, first, u.d[0], u.m[0]);
-        kq4_scale(r.h, j + 1, first, u.d[1], u.m[1]);
+        kq4_scale(h, j, first, u.d[0], u.m[0]);
+        kq4_scale(h, j + 1, first, u.d[1], u.m[1]);
     }
+    static const int step_bytes = 4 * 144;
 };
 
 // Q5_K (176 bytes: Q4_K's header, 32 bytes of high bits, then the quants):
@@ -290,16 +304,27 @@ struct Mv<DT_Q5_K> {
         r.q = live ? ld_stream((const uint4*)(b + 48) + kq4_piece(i)) : mv_zero4();
     }
     static __device__ __forceinline__ void decode(const Raw& r, u32*, int lane, MvUnit& u) {
+        unit(r.h, r.qh, r.q, lane, u);
+    }
+    // From a stage of whole super-blocks (sh is 0: the rows are 16-byte aligned).
+    static __device__ __forceinline__ void decode_st(const u32* st, int sh, int lane, MvUnit& u) {
+        int i = lane & 7;
+        const uint4* b = (const uint4*)st + ((sh + 176 * (lane >> 3)) >> 4);
+        unit(b[0], b[1 + (i & 1)], b[3 + kq4_piece(i)], lane, u);
+    }
+    static __device__ __forceinline__ void unit(const uint4& h, const uint4& qhv, const uint4& q, int lane,
+                                                MvUnit& u) {
         int i = lane & 7, s = i >> 1;
-        kq4_nibbles(r.q, i, u);
-        u32 qh[4] = {r.qh.x, r.qh.y, r.qh.z, r.qh.w};
+        kq4_nibbles(q, i, u);
+        u32 qh[4] = {qhv.x, qhv.y, qhv.z, qhv.w};
 #pragma unroll
         for (int m = 0; m < 4; m++) {
             u.q[0][m] |= (int)(((qh[m] >> s) & 0x01010101u) << 4);
             u.q[1][m] |= (int)(((qh[m] >> (s + 4)) & 0x01010101u) << 4);
         }
-        kq4_scales(r.h, i, u);
+        kq4_scales(h, i, u);
     }
+    static const int step_bytes = 4 * 176;
 };
 
 // Q6_K (210 bytes: ql[128], qh[64], 16 i8 scales, d). Half h of lane 8 s + i
@@ -307,12 +332,11 @@ struct Mv<DT_Q5_K> {
 // ql[64 h + 16 (i % 4) ..] below bits 2 (i / 2) of qh[32 h + 16 (i % 2) ..],
 // minus 32, group scale scales[8 h + i] * d.
 template <>
-struct Mv<DT_Q6_K> : MvStaged<4 * 210> {
+struct Mv<DT_Q6_K> : MvStaged<4 * 210, Mv<DT_Q6_K>> {
     static const bool kq = true;
     static const int offsets = MV_NO_OFFSETS;
-    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
-        store(r, st, lane);
-        int i = lane & 7, b = r.sh + 210 * (lane >> 3);
+    static __device__ __forceinline__ void decode_st(const u32* st, int sh, int lane, MvUnit& u) {
+        int i = lane & 7, b = sh + 210 * (lane >> 3);
         float d = f16_to_f32(mv_half(st, b + 208));
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -335,12 +359,11 @@ struct Mv<DT_Q6_K> : MvStaged<4 * 210> {
 // of byte 16 s + j and 32 s + 16 + j the high one). Half h of lane 8 s + i:
 // sub-block 4 h + i / 2, nibble i % 2.
 template <>
-struct Mv<DT_IQ4_XS> : MvStaged<4 * 136> {
+struct Mv<DT_IQ4_XS> : MvStaged<4 * 136, Mv<DT_IQ4_XS>> {
     static const bool kq = true;
     static const int offsets = MV_NO_OFFSETS;
-    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
-        store(r, st, lane);
-        int i = lane & 7, b = r.sh + 136 * (lane >> 3);
+    static __device__ __forceinline__ void decode_st(const u32* st, int sh, int lane, MvUnit& u) {
+        int i = lane & 7, b = sh + 136 * (lane >> 3);
         float d = f16_to_f32(mv_half(st, b));
         u32 high = mv_half(st, b + 2);
 #pragma unroll
@@ -363,12 +386,11 @@ struct Mv<DT_IQ4_XS> : MvStaged<4 * 136> {
 // d, dmin; weight 128 h + 32 j + l bits 2 j of qs[32 h + l]). Half h of lane
 // 8 s + i is group 8 h + i: bits 2 (i / 2) of qs[32 h + 16 (i % 2) ..].
 template <>
-struct Mv<DT_Q2_K> : MvStaged<4 * 84> {
+struct Mv<DT_Q2_K> : MvStaged<4 * 84, Mv<DT_Q2_K>> {
     static const bool kq = true;
     static const int offsets = MV_GROUP_OFFSETS;
-    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
-        store(r, st, lane);
-        int i = lane & 7, b = r.sh + 84 * (lane >> 3);
+    static __device__ __forceinline__ void decode_st(const u32* st, int sh, int lane, MvUnit& u) {
+        int i = lane & 7, b = sh + 84 * (lane >> 3);
         float d = f16_to_f32(mv_half(st, b + 80)), dmin = f16_to_f32(mv_half(st, b + 82));
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -389,12 +411,11 @@ struct Mv<DT_Q2_K> : MvStaged<4 * 84> {
 // `q3k_scale` reads them, less 32). Half h of lane 8 s + i: group 8 h + i,
 // high bits from hmask[16 (i % 2) ..].
 template <>
-struct Mv<DT_Q3_K> : MvStaged<4 * 110> {
+struct Mv<DT_Q3_K> : MvStaged<4 * 110, Mv<DT_Q3_K>> {
     static const bool kq = true;
     static const int offsets = MV_NO_OFFSETS;
-    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
-        store(r, st, lane);
-        int i = lane & 7, j = i >> 1, b = r.sh + 110 * (lane >> 3);
+    static __device__ __forceinline__ void decode_st(const u32* st, int sh, int lane, MvUnit& u) {
+        int i = lane & 7, j = i >> 1, b = sh + 110 * (lane >> 3);
         float d = f16_to_f32(mv_half(st, b + 108));
         u32 hm[4];
         mv_words(st, b + 16 * (i & 1), hm);
@@ -420,12 +441,10 @@ struct Mv<DT_Q3_K> : MvStaged<4 * 110> {
 // + 15 of block 16 h + l / 2 of the step (`mv_block`: its byte offset in the
 // stage). In the nibble formats byte j of a block's 16 holds weight j (low
 // nibble) and j + 16 (high), so half l % 2 takes nibble l % 2 of all 16.
-template <int BYTES>
-struct MvBlock32 : MvStaged<32 * BYTES> {
+template <int BYTES, class D>
+struct MvBlock32 : MvStaged<32 * BYTES, D> {
     static const bool kq = false;
-    static __device__ __forceinline__ int block(const MvPieces<MvStaged<32 * BYTES>::loads>& r, int lane, int h) {
-        return r.sh + BYTES * (16 * h + (lane >> 1));
-    }
+    static __device__ __forceinline__ int block(int sh, int lane, int h) { return sh + BYTES * (16 * h + (lane >> 1)); }
 };
 
 // Nibble j of each byte of w, in place.
@@ -443,13 +462,12 @@ __device__ __forceinline__ void mv_add_fifth(u32 (&w)[4], u32 qh, int j) {
 
 // Q8_0: d, 32 i8.
 template <>
-struct Mv<DT_Q8_0> : MvBlock32<34> {
+struct Mv<DT_Q8_0> : MvBlock32<34, Mv<DT_Q8_0>> {
     static const int offsets = MV_NO_OFFSETS;
-    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
-        store(r, st, lane);
+    static __device__ __forceinline__ void decode_st(const u32* st, int sh, int lane, MvUnit& u) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            int b = block(r, lane, h);
+            int b = block(sh, lane, h);
             u32 w[4];
             mv_words(st, b + 2 + 16 * (lane & 1), w);
 #pragma unroll
@@ -462,13 +480,12 @@ struct Mv<DT_Q8_0> : MvBlock32<34> {
 
 // Q4_0: d, 16 bytes of nibbles, codes q - 8.
 template <>
-struct Mv<DT_Q4_0> : MvBlock32<18> {
+struct Mv<DT_Q4_0> : MvBlock32<18, Mv<DT_Q4_0>> {
     static const int offsets = MV_NO_OFFSETS;
-    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
-        store(r, st, lane);
+    static __device__ __forceinline__ void decode_st(const u32* st, int sh, int lane, MvUnit& u) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            int b = block(r, lane, h);
+            int b = block(sh, lane, h);
             u32 w[4];
             mv_words(st, b + 2, w);
             mv_nibbles(w, lane & 1);
@@ -482,13 +499,12 @@ struct Mv<DT_Q4_0> : MvBlock32<18> {
 
 // Q4_1: d, m, 16 bytes of nibbles; weight d q + m.
 template <>
-struct Mv<DT_Q4_1> : MvBlock32<20> {
+struct Mv<DT_Q4_1> : MvBlock32<20, Mv<DT_Q4_1>> {
     static const int offsets = MV_BLOCK_OFFSETS;
-    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
-        store(r, st, lane);
+    static __device__ __forceinline__ void decode_st(const u32* st, int sh, int lane, MvUnit& u) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            int b = block(r, lane, h);
+            int b = block(sh, lane, h);
             u32 w[4];
             mv_words(st, b + 4, w);
             mv_nibbles(w, lane & 1);
@@ -502,13 +518,12 @@ struct Mv<DT_Q4_1> : MvBlock32<20> {
 
 // Q5_0: d, u32 of fifth bits (bit i for weight i), 16 bytes of nibbles, codes q - 16.
 template <>
-struct Mv<DT_Q5_0> : MvBlock32<22> {
+struct Mv<DT_Q5_0> : MvBlock32<22, Mv<DT_Q5_0>> {
     static const int offsets = MV_NO_OFFSETS;
-    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
-        store(r, st, lane);
+    static __device__ __forceinline__ void decode_st(const u32* st, int sh, int lane, MvUnit& u) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            int b = block(r, lane, h);
+            int b = block(sh, lane, h);
             u32 w[4];
             u32 qh = (u32)mv_half(st, b + 2) | ((u32)mv_half(st, b + 4) << 16);
             mv_words(st, b + 6, w);
@@ -524,13 +539,12 @@ struct Mv<DT_Q5_0> : MvBlock32<22> {
 
 // Q5_1: d, m, u32 of fifth bits, 16 bytes of nibbles; weight d q + m.
 template <>
-struct Mv<DT_Q5_1> : MvBlock32<24> {
+struct Mv<DT_Q5_1> : MvBlock32<24, Mv<DT_Q5_1>> {
     static const int offsets = MV_BLOCK_OFFSETS;
-    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
-        store(r, st, lane);
+    static __device__ __forceinline__ void decode_st(const u32* st, int sh, int lane, MvUnit& u) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            int b = block(r, lane, h);
+            int b = block(sh, lane, h);
             u32 w[4];
             u32 qh = (u32)mv_half(st, b + 4) | ((u32)mv_half(st, b + 6) << 16);
             mv_words(st, b + 8, w);
@@ -546,13 +560,12 @@ struct Mv<DT_Q5_1> : MvBlock32<24> {
 
 // IQ4_NL: Q4_0's layout, codes the levels of the nibbles.
 template <>
-struct Mv<DT_IQ4_NL> : MvBlock32<18> {
+struct Mv<DT_IQ4_NL> : MvBlock32<18, Mv<DT_IQ4_NL>> {
     static const int offsets = MV_NO_OFFSETS;
-    static __device__ __forceinline__ void decode(const Raw& r, u32* st, int lane, MvUnit& u) {
-        store(r, st, lane);
+    static __device__ __forceinline__ void decode_st(const u32* st, int sh, int lane, MvUnit& u) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            int b = block(r, lane, h);
+            int b = block(sh, lane, h);
             u32 w[4];
             mv_words(st, b + 2, w);
             mv_nibbles(w, lane & 1);
@@ -573,6 +586,198 @@ __device__ __forceinline__ const u8* mv_row(const u8* w, const u8* up, long long
     bool is_up = glu && g >= groups;
     int j = imin(j0 + (is_up ? g - groups : g) * nw + i, n - 1);
     return (is_up ? up : w) + (long long)j * row_bytes;
+}
+
+// One unit's products: the lane's halves of the NW rows' step t (`mu`)
+// against every input row, into acc.
+template <class F, int R, int NW>
+__device__ __forceinline__ void mv_accumulate(const MvUnit (&mu)[NW], int t, int lane, const signed char* __restrict__ xq,
+                                              const float2* __restrict__ xs, int k, int rows, float (&acc)[R][NW]) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int pos = mv_pos<(int)F::kq>(t, lane, h);
+        if (pos < k) {
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (r < rows) {
+                    int4 a = __ldg((const int4*)(xq + (long long)r * k + pos));
+                    float2 sx = __ldg(xs + (long long)r * (k >> 5) + (pos >> 5));
+                    // The half's sum of activation codes, for offsets per 16.
+                    float sq = 0.f;
+                    if (F::offsets == MV_GROUP_OFFSETS) {
+                        int s = __dp4a(0x01010101, a.x, MMVQ_MAGIC);
+                        s = __dp4a(0x01010101, a.y, s);
+                        s = __dp4a(0x01010101, a.z, s);
+                        s = __dp4a(0x01010101, a.w, s);
+                        sq = (__int_as_float(s) - 12582912.f) * sx.x;
+                    }
+#pragma unroll
+                    for (int i = 0; i < NW; i++) {
+                        int dot = __dp4a(mu[i].q[h][0], a.x, MMVQ_MAGIC);
+                        dot = __dp4a(mu[i].q[h][1], a.y, dot);
+                        dot = __dp4a(mu[i].q[h][2], a.z, dot);
+                        dot = __dp4a(mu[i].q[h][3], a.w, dot);
+                        float f = __int_as_float(dot) - 12582912.f;
+                        float v = fmaf(mu[i].d[h] * sx.x, f, acc[r][i]);
+                        if (F::offsets == MV_BLOCK_OFFSETS) v = fmaf(mu[i].m[h], sx.y, v);
+                        if (F::offsets == MV_GROUP_OFFSETS) v = fmaf(mu[i].m[h], sq, v);
+                        acc[r][i] = v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// The warp is done with group g: its partial sums to `red`, acc back to zero.
+template <int R, int NW, int MAXG>
+__device__ __forceinline__ void mv_flush(float (&acc)[R][NW], float (*red)[MAXG][R * NW], int wid, int g,
+                                         int lane, int rows) {
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (r < rows) {
+#pragma unroll
+            for (int i = 0; i < NW; i++) {
+                float s = warp_sum(acc[r][i]);
+                if (lane == 0) red[wid][g][r * NW + i] = s;
+                acc[r][i] = 0.f;
+            }
+        }
+    }
+}
+
+// What a warp's unit loop needs: the block's rows (`mv_row`), the input
+// rows, the units (`units` of `steps` steps each group) and where the
+// partial sums of each group go.
+template <int R, int NW, int MAXG>
+struct MvWork {
+    const u8 *w, *up;
+    long long row_bytes;
+    int glu, groups, j0, n;
+    const signed char* __restrict__ xq;
+    const float2* __restrict__ xs;
+    int k, rows, units, steps, early;
+    float (*red)[MAXG][R * NW];
+    __device__ __forceinline__ const u8* row(int g, int i) const {
+        return mv_row(w, up, row_bytes, glu, groups, j0, n, NW, g, i);
+    }
+};
+
+// The unit loop with the weights in registers. PF: the next unit's weights
+// are loaded before this unit's arithmetic (more registers: off where R x NW
+// accumulators already take many). `early`: the first unit's weights are
+// loaded before `pdl_enter`, as in gemv.cu `gemv_bf16_acc` (weights are
+// written by no kernel).
+template <class F, int R, int NW, bool PF, int MAXG>
+__device__ __forceinline__ void mv_reg_loop(const MvWork<R, NW, MAXG>& wk) {
+    __shared__ __align__(16) u32 stage[MMVQ_WARPS][NW][F::stage_words];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    int units = wk.units, steps = wk.steps;
+    float acc[R][NW];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int i = 0; i < NW; i++) acc[r][i] = 0.f;
+    int u = wid, g = u / steps, t = u - g * steps;
+    typename F::Raw raw[NW];
+    if (!wk.early) pdl_enter();
+    if (u < units) {
+#pragma unroll
+        for (int i = 0; i < NW; i++) F::load(wk.row(g, i), wk.row_bytes, t, lane, wk.k, raw[i]);
+    }
+    if (wk.early) pdl_enter();
+    while (u < units) {
+        MvUnit mu[NW];
+#pragma unroll
+        for (int i = 0; i < NW; i++) F::decode(raw[i], stage[wid][i], lane, mu[i]);
+        int u2 = u + MMVQ_WARPS, g2 = g, t2 = t + MMVQ_WARPS;
+        while (t2 >= steps) t2 -= steps, g2++;
+        if (PF && u2 < units) {
+#pragma unroll
+            for (int i = 0; i < NW; i++) F::load(wk.row(g2, i), wk.row_bytes, t2, lane, wk.k, raw[i]);
+        }
+        mv_accumulate<F, R, NW>(mu, t, lane, wk.xq, wk.xs, wk.k, wk.rows, acc);
+        if (!PF && u2 < units) {
+#pragma unroll
+            for (int i = 0; i < NW; i++) F::load(wk.row(g2, i), wk.row_bytes, t2, lane, wk.k, raw[i]);
+        }
+        if (u2 >= units || g2 != g) mv_flush<R, NW, MAXG>(acc, wk.red, wid, g, lane, wk.rows);
+        u = u2, g = g2, t = t2;
+    }
+}
+
+// Words of one row's step in a pipelined stage: its bytes from the 16-byte
+// boundary at or below their start (2-byte aligned rows: up to 14 bytes
+// before), and 16 bytes more for the word reads of `mv_words`.
+template <class F>
+struct MvRing {
+    static const int words = (F::step_bytes + 30) / 16 * 4 + 4;
+};
+
+// Unit u's weights (its NW rows' step) copied into `slot` by cp.async, one
+// commit group whether or not u is a unit: pieces past a row's end are
+// zeros, read from nowhere.
+template <class F, int R, int NW, int MAXG>
+__device__ __forceinline__ void mv_pipe_issue(const MvWork<R, NW, MAXG>& wk, int u, u32 (*slot)[MvRing<F>::words],
+                                              int lane) {
+    const int most = (MvRing<F>::words - 4) / 4;
+    if (u < wk.units) {
+        int g = u / wk.steps, t = u - g * wk.steps;
+#pragma unroll
+        for (int i = 0; i < NW; i++) {
+            long long off = (long long)t * F::step_bytes, left = wk.row_bytes - off;
+            int bytes = left < F::step_bytes ? (int)left : F::step_bytes;
+            const u8* a = wk.row(g, i) + off;
+            int sh = (int)((unsigned long long)a & 15ull);
+            const u8* base = a - sh;
+            int pieces = (sh + bytes + 15) >> 4;
+            u32 dst = smem_u32(slot[i]);
+            for (int p = lane; p < most; p += 32) cp_async16(dst + 16 * p, base + 16 * p, p < pieces ? 16 : 0);
+        }
+    }
+    cp_async_commit();
+}
+
+// The unit loop with the weights copied S - 1 units ahead into a ring of S
+// stages a warp (cp.async), so that a warp keeps about S - 1 units of bytes
+// in flight without holding them in registers: at one input row a unit of
+// two Q4_K rows is 1,152 bytes, and the register loop (at most two units in
+// flight, 64 registers a thread for 8 blocks an SM) leaves the one-row
+// GEMVs bound by memory latency, not bandwidth (an H200 ran them no faster
+// than an H100). Each unit's stage is decoded as the staged formats decode
+// theirs (`decode_st`), then freed for the unit S - 1 further on.
+template <class F, int R, int NW, int S, int MAXG>
+__device__ __forceinline__ void mv_pipe_loop(const MvWork<R, NW, MAXG>& wk) {
+    __shared__ __align__(16) u32 ring[MMVQ_WARPS][S][NW][MvRing<F>::words];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    float acc[R][NW];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int i = 0; i < NW; i++) acc[r][i] = 0.f;
+    if (!wk.early) pdl_enter();
+#pragma unroll
+    for (int s = 0; s < S - 1; s++) mv_pipe_issue<F>(wk, wid + MMVQ_WARPS * s, ring[wid][s], lane);
+    if (wk.early) pdl_enter();
+    for (int u = wid, c = 0; u < wk.units; u += MMVQ_WARPS, c = c + 1 == S ? 0 : c + 1) {
+        // The stage this warp freed last: unit u + (S - 1) warps' turns.
+        mv_pipe_issue<F>(wk, u + MMVQ_WARPS * (S - 1), ring[wid][c == 0 ? S - 1 : c - 1], lane);
+        cp_async_wait<S - 1>();
+        __syncwarp();
+        int g = u / wk.steps, t = u - g * wk.steps;
+        MvUnit mu[NW];
+#pragma unroll
+        for (int i = 0; i < NW; i++) {
+            int sh = (int)((unsigned long long)(wk.row(g, i) + (long long)t * F::step_bytes) & 15ull);
+            F::decode_st(ring[wid][c][i], sh, lane, mu[i]);
+        }
+        // Every lane is done with the stage before the next turn refills it.
+        __syncwarp();
+        mv_accumulate<F, R, NW>(mu, t, lane, wk.xq, wk.xs, wk.k, wk.rows, acc);
+        int u2 = u + MMVQ_WARPS;
+        if (u2 >= wk.units || u2 / wk.steps != g) mv_flush<R, NW, MAXG>(acc, wk.red, wid, g, lane, wk.rows);
+    }
+    cp_async_wait<0>();
 }
 
 // out[r][j] = x[r] . w[j], x given as `xq` (i8 codes [rows][k]) and `xs`
@@ -598,18 +803,15 @@ __device__ __forceinline__ const u8* mv_row(const u8* w, const u8* up, long long
 // laid out as `q8_quantize` writes them; the host then gives each block
 // whole blocks of 32 columns).
 //
-// PF: the next unit's weights are loaded before this unit's arithmetic (more
-// registers: off where R x NW accumulators already take many). `early`: the
-// first unit's weights are loaded before `pdl_enter`, as in gemv.cu
-// `gemv_bf16_acc` (weights are written by no kernel).
-template <int DT, int R, int NW, bool PF, int MAXG>
+// S: 0 for the weights loaded into registers (`mv_reg_loop`), else the
+// stages of the pipelined loop (`mv_pipe_loop`).
+template <int DT, int R, int NW, bool PF, int MAXG, int S = 0>
 __device__ __forceinline__ void mmvq_body(const u8* w0, const u8* w1, const u8* w2, float* o0, float* o1, float* o2,
                                           const float* b0, const float* b1, const float* b2, int n0, int n1, int n2,
                                           long long row_bytes, const signed char* __restrict__ xq,
                                           const float2* __restrict__ xs, int k, int rows, int groups, int glu,
                                           u32* __restrict__ hq, float2* __restrict__ hs, int early) {
     typedef Mv<DT> F;
-    __shared__ __align__(16) u32 stage[MMVQ_WARPS][NW][F::stage_words];
     __shared__ float red[MMVQ_WARPS][MAXG][R * NW];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     // The block's part and its first weight row there.
@@ -626,86 +828,11 @@ __device__ __forceinline__ void mmvq_body(const u8* w0, const u8* w1, const u8* 
     int steps = (k + MMVQ_STEP - 1) / MMVQ_STEP, units = vg * steps;
     // The warp's partial sums start at zero: it may reach no unit of a group.
     for (int e = lane; e < MAXG * R * NW; e += 32) (&red[wid][0][0])[e] = 0.f;
-    float acc[R][NW];
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int i = 0; i < NW; i++) acc[r][i] = 0.f;
-    int u = wid, g = u / steps, t = u - g * steps;
-    typename F::Raw raw[NW];
-    if (!early) pdl_enter();
-    if (u < units) {
-#pragma unroll
-        for (int i = 0; i < NW; i++)
-            F::load(mv_row(w, w1, row_bytes, glu, groups, j0, n, NW, g, i), row_bytes, t, lane, k, raw[i]);
-    }
-    if (early) pdl_enter();
-    while (u < units) {
-        MvUnit mu[NW];
-#pragma unroll
-        for (int i = 0; i < NW; i++) F::decode(raw[i], stage[wid][i], lane, mu[i]);
-        int u2 = u + MMVQ_WARPS, g2 = g, t2 = t + MMVQ_WARPS;
-        while (t2 >= steps) t2 -= steps, g2++;
-        if (PF && u2 < units) {
-#pragma unroll
-            for (int i = 0; i < NW; i++)
-                F::load(mv_row(w, w1, row_bytes, glu, groups, j0, n, NW, g2, i), row_bytes, t2, lane, k, raw[i]);
-        }
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            int pos = mv_pos<(int)F::kq>(t, lane, h);
-            if (pos < k) {
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    if (r < rows) {
-                        int4 a = __ldg((const int4*)(xq + (long long)r * k + pos));
-                        float2 sx = __ldg(xs + (long long)r * (k >> 5) + (pos >> 5));
-                        // The half's sum of activation codes, for offsets per 16.
-                        float sq = 0.f;
-                        if (F::offsets == MV_GROUP_OFFSETS) {
-                            int s = __dp4a(0x01010101, a.x, MMVQ_MAGIC);
-                            s = __dp4a(0x01010101, a.y, s);
-                            s = __dp4a(0x01010101, a.z, s);
-                            s = __dp4a(0x01010101, a.w, s);
-                            sq = (__int_as_float(s) - 12582912.f) * sx.x;
-                        }
-#pragma unroll
-                        for (int i = 0; i < NW; i++) {
-                            int dot = __dp4a(mu[i].q[h][0], a.x, MMVQ_MAGIC);
-                            dot = __dp4a(mu[i].q[h][1], a.y, dot);
-                            dot = __dp4a(mu[i].q[h][2], a.z, dot);
-                            dot = __dp4a(mu[i].q[h][3], a.w, dot);
-                            float f = __int_as_float(dot) - 12582912.f;
-                            float v = fmaf(mu[i].d[h] * sx.x, f, acc[r][i]);
-                            if (F::offsets == MV_BLOCK_OFFSETS) v = fmaf(mu[i].m[h], sx.y, v);
-                            if (F::offsets == MV_GROUP_OFFSETS) v = fmaf(mu[i].m[h], sq, v);
-                            acc[r][i] = v;
-                        }
-                    }
-                }
-            }
-        }
-        if (!PF && u2 < units) {
-#pragma unroll
-            for (int i = 0; i < NW; i++)
-                F::load(mv_row(w, w1, row_bytes, glu, groups, j0, n, NW, g2, i), row_bytes, t2, lane, k, raw[i]);
-        }
-        if (u2 >= units || g2 != g) {
-            // The warp is done with group g.
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                if (r < rows) {
-#pragma unroll
-                    for (int i = 0; i < NW; i++) {
-                        float s = warp_sum(acc[r][i]);
-                        if (lane == 0) red[wid][g][r * NW + i] = s;
-                        acc[r][i] = 0.f;
-                    }
-                }
-            }
-        }
-        u = u2, g = g2, t = t2;
-    }
+    MvWork<R, NW, MAXG> wk{w, w1, row_bytes, glu, groups, j0, n, xq, xs, k, rows, units, steps, early, red};
+    if constexpr (S > 0)
+        mv_pipe_loop<F, R, NW, S, MAXG>(wk);
+    else
+        mv_reg_loop<F, R, NW, PF, MAXG>(wk);
     __syncthreads();
     if (!glu) {
         for (int o = threadIdx.x; o < R * per; o += blockDim.x) {
@@ -755,17 +882,26 @@ __device__ __forceinline__ void mmvq_body(const u8* w0, const u8* w1, const u8* 
 // threads), fewer where a format needs more (Q5_K holds three 16-byte pieces
 // a row: without spills at 6 for one row and 3 for four, on every
 // architecture scripts/check_kernels.py compiles for).
-#define MMVQ(NAME, DT, R, NW, PF, MAXG, MINB)                                                                        \
-    extern "C" __global__ void __launch_bounds__(MMVQ_WARPS * 32, MINB) mmvq_##NAME##_r##R(                        \
-        const u8* w0, const u8* w1, const u8* w2, float* o0, float* o1, float* o2, const float* b0, const float* b1, \
-        const float* b2, int n0, int n1, int n2, long long row_bytes, const signed char* __restrict__ xq,          \
-        const float2* __restrict__ xs, int k, int rows, int groups, int glu, u32* hq, float2* hs, int early) {     \
-        mmvq_body<DT, R, NW, PF, MAXG>(w0, w1, w2, o0, o1, o2, b0, b1, b2, n0, n1, n2, row_bytes, xq, xs, k, rows, \
-                                       groups, glu, hq, hs, early);                                              \
+//
+// `_p1`: one input row on the pipelined loop (`mv_pipe_loop`, MMVQ_STAGES
+// stages; the host's `CudaTuning::mmvq_pipe`), its blocks per SM set by
+// their shared memory (19-36 KB).
+#define MMVQ_STAGES 4
+#define MMVQ(FN, DT, R, NW, PF, MAXG, MINB, S)                                                                      \
+    extern "C" __global__ void __launch_bounds__(MMVQ_WARPS * 32, MINB)                                            \
+        FN(const u8* w0, const u8* w1, const u8* w2, float* o0, float* o1, float* o2, const float* b0,              \
+           const float* b1, const float* b2, int n0, int n1, int n2, long long row_bytes,                          \
+           const signed char* __restrict__ xq, const float2* __restrict__ xs, int k, int rows, int groups, int glu, \
+           u32* hq, float2* hs, int early) {                                                                       \
+        mmvq_body<DT, R, NW, PF, MAXG, S>(w0, w1, w2, o0, o1, o2, b0, b1, b2, n0, n1, n2, row_bytes, xq, xs, k,    \
+                                          rows, groups, glu, hq, hs, early);                                       \
     }
 #define MMVQ_ALL(NAME, DT, MINB1, MINB4)                                                                           \
-    MMVQ(NAME, DT, 1, 2, true, 32, MINB1)                                                                          \
-    MMVQ(NAME, DT, 2, 2, true, 32, 6) MMVQ(NAME, DT, 4, 4, false, 16, MINB4) MMVQ(NAME, DT, 8, 4, false, 8, 3)
+    MMVQ(mmvq_##NAME##_r1, DT, 1, 2, true, 32, MINB1, 0)                                                           \
+    MMVQ(mmvq_##NAME##_r2, DT, 2, 2, true, 32, 6, 0)                                                               \
+    MMVQ(mmvq_##NAME##_r4, DT, 4, 4, false, 16, MINB4, 0)                                                          \
+    MMVQ(mmvq_##NAME##_r8, DT, 8, 4, false, 8, 3, 0)                                                               \
+    MMVQ(mmvq_##NAME##_p1, DT, 1, 2, false, 32, 8, MMVQ_STAGES)
 MMVQ_ALL(q8_0, DT_Q8_0, 8, 4)
 MMVQ_ALL(q4_0, DT_Q4_0, 8, 4)
 MMVQ_ALL(q4_1, DT_Q4_1, 8, 4)

@@ -93,6 +93,14 @@ pub struct CudaTuning {
     /// bf16 8B shape took 5.56 ms a step with it against 5.55 without (H100,
     /// `scripts/gpu/session.sh ab`).
     pub gemv_fill: bool,
+    /// One-row integer GEMVs of block formats (batch-1 decode of a GGUF
+    /// file) copy their weights into shared memory three steps ahead of the
+    /// arithmetic (cp.async, kernels/mmvq.cu `mv_pipe_loop`) instead of
+    /// holding at most two steps in registers (`--cuda-mmvq-pipe on`,
+    /// `CORRIDOR_MMVQ_PIPE=1`): about three times the bytes in flight a
+    /// warp, for GEMVs that ran no faster on an H200 than on an H100. The
+    /// results are the same bits. Off until measured on a card.
+    pub mmvq_pipe: bool,
 }
 
 impl Default for CudaTuning {
@@ -111,6 +119,7 @@ impl Default for CudaTuning {
             attn_rope: false,
             moe_q8: true,
             gemv_fill: false,
+            mmvq_pipe: false,
         }
     }
 }

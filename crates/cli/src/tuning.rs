@@ -87,6 +87,11 @@ pub struct CudaFlags {
     /// fill under half a wave; off: no faster served, 5.56 against 5.55 ms a step on an H100).
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_GEMV_FILL", value_name = "on|off")]
     cuda_gemv_fill: Switch,
+    /// One-row integer GEMVs of block formats (batch-1 decode of a GGUF file) copy their weights
+    /// into shared memory three steps ahead of the arithmetic, about three times the bytes in flight
+    /// of the default kernels, which hold two steps in registers (the results are the same bits).
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_MMVQ_PIPE", value_name = "on|off")]
+    cuda_mmvq_pipe: Switch,
 }
 
 impl CudaFlags {
@@ -105,6 +110,7 @@ impl CudaFlags {
             attn_rope: self.cuda_attn_rope.on(),
             moe_q8: self.cuda_moe_q8.on(),
             gemv_fill: self.cuda_gemv_fill.on(),
+            mmvq_pipe: self.cuda_mmvq_pipe.on(),
         }
     }
 }
@@ -161,6 +167,7 @@ mod tests {
         assert_eq!(parse(&["--cuda-attn-rope", "1"]), CudaTuning { attn_rope: true, ..d });
         assert_eq!(parse(&["--cuda-moe-q8", "off"]), CudaTuning { moe_q8: false, ..d });
         assert_eq!(parse(&["--cuda-gemv-fill", "on"]), CudaTuning { gemv_fill: true, ..d });
+        assert_eq!(parse(&["--cuda-mmvq-pipe", "on"]), CudaTuning { mmvq_pipe: true, ..d });
         assert_eq!(parse(&["--cuda-fuse", "1"]), d);
     }
 

@@ -416,6 +416,27 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
                         tol,
                     );
                 }
+                // One row on the pipelined kernel (kernels/mmvq.cu `mv_pipe_loop`):
+                // the same bits as on registers, and the CPU's within its tolerance.
+                if rows == 1 {
+                    let mut reg = pair(be, &cpu, rows, n, None)?;
+                    let mut piped = pair(be, &cpu, rows, n, None)?;
+                    for (o, pipe) in [(&mut reg, false), (&mut piped, true)] {
+                        be.set_mmvq_pipe(pipe);
+                        be.matmul(&x.g, &wg, with_bias.then_some(&bg), rows, &mut o.g);
+                    }
+                    be.set_mmvq_pipe(be.config.tuning.mmvq_pipe);
+                    reference.matmul(&x.c, &wc, with_bias.then_some(&bc), rows, &mut piped.c);
+                    let (a, b) = read_both(be, reference, &piped, rows)?;
+                    rep.compare(&format!("matmul {dtype} 1x{k} · {n}x{k}{bias} (pipelined)"), &a, &b, tol);
+                    let r = read_both(be, reference, &reg, rows)?.0;
+                    rep.compare(
+                        &format!("matmul {dtype} 1x{k} · {n}x{k}{bias}: pipelined = registers"),
+                        &a,
+                        &r,
+                        EXACT,
+                    );
+                }
                 // What `--cuda-q8-gemv off` takes for these rows: mmq, or the f32 GEMV.
                 let mut off = pair(be, &cpu, rows, n, None)?;
                 let via_mmq = be.takes_mmq(&wg, rows);
@@ -439,15 +460,28 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
         }
     }
 
-    for groups in [0usize, 3] {
-        be.set_mmvq_groups(groups);
-        let r = fused_matmul_checks(be, &refs, &mut rep, &mut rng, groups);
-        be.set_mmvq_groups(0);
+    // Each pass with the one-row integer GEMVs on registers, then pipelined.
+    for pipe in [false, true] {
+        let from = rep.lines.len();
+        be.set_mmvq_pipe(pipe);
+        let mut pass = || -> Result<()> {
+            for groups in [0usize, 3] {
+                be.set_mmvq_groups(groups);
+                let r = fused_matmul_checks(be, &refs, &mut rep, &mut rng, groups);
+                be.set_mmvq_groups(0);
+                r?;
+            }
+            q8_input_checks(be, &refs, &mut rep, &mut rng)
+        };
+        let r = pass();
+        be.set_mmvq_pipe(be.config.tuning.mmvq_pipe);
+        for line in &mut rep.lines[from..] {
+            line.push_str(if pipe { " [one-row GEMVs pipelined]" } else { " [one-row GEMVs on registers]" });
+        }
         r?;
     }
     bf16_input_checks(be, &cpu, &mut rep, &mut rng)?;
     stacked_checks(be, &refs, &mut rep, &mut rng)?;
-    q8_input_checks(be, &refs, &mut rep, &mut rng)?;
 
     // Embedding from bf16, Q8_0 and K-quant tables (the lookup dequantizes rows).
     for dtype in [DType::BF16, DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::IQ4_XS, DType::Q5_0] {
@@ -1723,6 +1757,7 @@ pub fn bench_q8_layer(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<Stri
     let (q, k, v, o) = (a(hidden)?, a(kv)?, a(kv)?, a(hidden)?);
     let (g, u, mut act, mut down) = (a(ff)?, a(ff)?, a(ff)?, a(hidden)?);
     for rows in [1usize, 2, 4] {
+        be.set_mmvq_pipe(false);
         let mut time = |what: &str, groups: usize, f: &mut dyn FnMut(usize)| -> Result<()> {
             *graph_id += 1;
             be.set_mmvq_groups(groups);
@@ -1755,20 +1790,33 @@ pub fn bench_q8_layer(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<Stri
                 })
             })?;
         }
-        time("q/k/v fused", 0, &mut |c| {
-            fresh(&mut |st, i| {
-                be.mmvq(
-                    st,
-                    i,
-                    &[(&wq[c], 0, q.ptr()), (&wk[c], 0, k.ptr()), (&wv[c], 0, v.ptr())],
-                    rows,
-                    None,
-                )
-            })
-        })?;
-        for (what, groups) in [("o, one group a block", 1usize), ("o, groups", 0)] {
-            time(what, groups, &mut |c| fresh(&mut |st, i| be.gemv_q8(st, i, &wo[c], rows, &o)))?;
+        // The fused launches on registers, then (one row) pipelined.
+        let pipes: &[bool] = if rows == 1 { &[false, true] } else { &[false] };
+        for &pipe in pipes {
+            be.set_mmvq_pipe(pipe);
+            let tag = if pipe { ", pipelined" } else { "" };
+            time(&format!("q/k/v fused{tag}"), 0, &mut |c| {
+                fresh(&mut |st, i| {
+                    be.mmvq(
+                        st,
+                        i,
+                        &[(&wq[c], 0, q.ptr()), (&wk[c], 0, k.ptr()), (&wv[c], 0, v.ptr())],
+                        rows,
+                        None,
+                    )
+                })
+            })?;
+            time(&format!("o, groups{tag}"), 0, &mut |c| {
+                fresh(&mut |st, i| be.gemv_q8(st, i, &wo[c], rows, &o))
+            })?;
+            time(&format!("gate/up/SiLU fused (groups), quantize, down{tag}"), 0, &mut |c| {
+                fresh(&mut |st, i| be.mmvq(st, i, &[(&wg[c], 0, act.ptr())], rows, Some((&wu[c], false))));
+                be.lock().xq_holds = None;
+                be.matmul(&act, &wd[c], None, rows, &mut down);
+            })?;
         }
+        be.set_mmvq_pipe(false);
+        time("o, one group a block", 1, &mut |c| fresh(&mut |st, i| be.gemv_q8(st, i, &wo[c], rows, &o)))?;
         for (what, groups) in
             [("gate, up, SiLU, quantize, down: one group a block", 1usize), ("the same, groups", 0)]
         {
@@ -1781,16 +1829,12 @@ pub fn bench_q8_layer(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<Stri
                 be.matmul(&act, &wd[c], None, rows, &mut down);
             })?;
         }
-        time("gate/up/SiLU fused (groups), quantize, down", 0, &mut |c| {
-            fresh(&mut |st, i| be.mmvq(st, i, &[(&wg[c], 0, act.ptr())], rows, Some((&wu[c], false))));
-            be.lock().xq_holds = None;
-            be.matmul(&act, &wd[c], None, rows, &mut down);
-        })?;
         time("gate/up/SiLU fused with the product quantized, down", 0, &mut |c| {
             fresh(&mut |st, i| be.mmvq(st, i, &[(&wg[c], 0, act.ptr())], rows, Some((&wu[c], true))));
             be.matmul(&act, &wd[c], None, rows, &mut down);
         })?;
     }
+    be.set_mmvq_pipe(be.config.tuning.mmvq_pipe);
     be.check()?;
     Ok(lines)
 }
@@ -1867,6 +1911,15 @@ pub fn bench_quant(be: &CudaBackend, graph_id: &mut usize, short: bool) -> Resul
                         bw(alone),
                         bw(one)
                     );
+                    if rows == 1 {
+                        be.set_mmvq_pipe(!be.config.tuning.mmvq_pipe);
+                        let other =
+                            time(&mut |w, out| be.op("bench", |st| be.gemv_q8(st, input, w, rows, out)));
+                        be.set_mmvq_pipe(be.config.tuning.mmvq_pipe);
+                        let other = other?;
+                        let which = if be.config.tuning.mmvq_pipe { "on registers" } else { "pipelined" };
+                        line += &format!(" | q8-gemv {which} alone {other:.4} ms {}", bw(other));
+                    }
                 }
                 if rows <= GEMV_MAX_ROWS {
                     let g = time(&mut |w, out| be.op("bench", |_| be.gemv_simt(&x, w, rows, out)))?;

@@ -44,8 +44,9 @@ pub(super) struct Kernels {
     /// Input rows to 8 bits per 32 for the integer GEMVs (mmvq.cu).
     pub(super) q8_quantize: Kernel,
     /// The integer GEMVs of block formats (mmvq.cu), one set per entry of
-    /// `MMVQ_FORMATS`, indexed by log2 of the row-count instantiation (1, 2, 4, 8).
-    pub(super) mmvq: [[MvKernel; 4]; 12],
+    /// `MMVQ_FORMATS`, indexed by log2 of the row-count instantiation (1, 2, 4, 8),
+    /// then the pipelined one-row kernel ([`MMVQ_PIPE`]).
+    pub(super) mmvq: [[MvKernel; 5]; 12],
     pub(super) gemv_any: Kernel,
     /// The tensor-core matmuls of block formats (mmq.cu), one set per entry of
     /// `MMQ_FORMATS`, indexed by the input-row instantiation (groups of 8, 16,
@@ -121,6 +122,10 @@ impl MmqKernel {
         }
     }
 }
+
+/// Where `Kernels::mmvq` keeps a format's pipelined one-row integer GEMV
+/// (kernels/mmvq.cu `mv_pipe_loop`).
+pub(super) const MMVQ_PIPE: usize = 4;
 
 /// An integer GEMV (kernels/mmvq.cu) and how many of its blocks fit on one
 /// SM at once: a launch is sized to about that many per SM
@@ -209,8 +214,8 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
             let mut sets = Vec::with_capacity(MMVQ_FORMATS.len());
             for d in MMVQ_FORMATS {
                 let stem = kernel_stem(d);
-                let mv = |r: usize| MvKernel::new(f(&format!("mmvq_{stem}_r{r}"))?);
-                sets.push([mv(1)?, mv(2)?, mv(4)?, mv(8)?]);
+                let mv = |name: &str| MvKernel::new(f(&format!("mmvq_{stem}_{name}"))?);
+                sets.push([mv("r1")?, mv("r2")?, mv("r4")?, mv("r8")?, mv("p1")?]);
             }
             sets.try_into().map_err(|_| BackendError::Other("mmvq kernel table".into()))?
         },

@@ -20,7 +20,7 @@
 
 use super::device::{Args, DeviceBuffer, LaunchDims, Purpose};
 use super::gemm::GemmShape;
-use super::kernels::{block_gemv_index, dtype_code, grid_for, mmq_index, mmvq_index, MmqKernel};
+use super::kernels::{block_gemv_index, dtype_code, grid_for, mmq_index, mmvq_index, MmqKernel, MMVQ_PIPE};
 use super::{CudaAct, CudaBackend, Q8View, State, XbfView};
 use crate::cpu::MatmulInput;
 use crate::dtype::DType;
@@ -457,6 +457,12 @@ impl CudaBackend {
         self.mmvq_groups.store(groups, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Whether one-row integer GEMVs take the pipelined kernels, in place of
+    /// `CudaTuning::mmvq_pipe` (the self-check's comparisons and benchmark).
+    pub(super) fn set_mmvq_pipe(&self, on: bool) {
+        self.mmvq_pipe.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// The integer GEMV of `w`'s block format on an input quantized by
     /// `q8_input`.
     pub(super) fn gemv_q8(
@@ -507,7 +513,9 @@ impl CudaBackend {
             )));
         }
         let inst = rows.next_power_of_two().trailing_zeros() as usize;
-        let (kern, nw, max) = (self.k.mmvq[set][inst], MMVQ_NW[inst], MMVQ_MAX_GROUPS[inst]);
+        let pipe = rows == 1 && self.mmvq_pipe.load(std::sync::atomic::Ordering::Relaxed);
+        let kern = self.k.mmvq[set][if pipe { MMVQ_PIPE } else { inst }];
+        let (nw, max) = (MMVQ_NW[inst], MMVQ_MAX_GROUPS[inst]);
         let chosen = self.mmvq_groups.load(std::sync::atomic::Ordering::Relaxed);
         let resident = kern.per_sm * self.sm_count;
         // The SiLU product quantized: each block then owns whole blocks of 32 columns.

@@ -288,6 +288,9 @@ pub struct CudaBackend {
     /// Weight-row groups per block of the integer GEMVs, 0 for the launch's
     /// own choice (`matmul::mmvq_groups`); set only by the self-check's benchmark.
     mmvq_groups: std::sync::atomic::AtomicUsize,
+    /// One-row integer GEMVs take the pipelined kernels (`CudaTuning::mmvq_pipe`;
+    /// the self-check also sets it, to compare and time both).
+    mmvq_pipe: std::sync::atomic::AtomicBool,
     /// Whether a block-format weight with an integer GEMV was uploaded: only
     /// then do the norms also store their rows quantized to 8 bits.
     q8_weights: std::sync::atomic::AtomicBool,
@@ -423,6 +426,7 @@ impl CudaBackend {
             pdl: config.tuning.pdl && major >= 9,
             gemv_narrow: std::sync::atomic::AtomicBool::new(true),
             mmvq_groups: std::sync::atomic::AtomicUsize::new(0),
+            mmvq_pipe: std::sync::atomic::AtomicBool::new(config.tuning.mmvq_pipe),
             q8_weights: std::sync::atomic::AtomicBool::new(false),
             l2_prefetch: if config.tuning.l2_prefetch && major >= 9 { l2 } else { 0 },
             profile: config.tuning.profile_every.map(|every| Mutex::new(OpProfile::new(every))),

@@ -22,9 +22,11 @@ namespace {
 using Gemv = void (*)(const u8*, const u8*, const u8*, float*, float*, float*, const float*, const float*,
                      const float*, int, int, int, long long, const signed char*, const float2*, int, int, int, int,
                      u32*, float2*, int);
-#define KERNELS(stem) {mmvq_##stem##_r1, mmvq_##stem##_r2, mmvq_##stem##_r4, mmvq_##stem##_r8}
-// Each format's GEMVs for 1, 2, 4 and 8 input rows, as formats() lists them.
-const Gemv kGemvs[12][4] = {KERNELS(q8_0), KERNELS(q4_0), KERNELS(q4_1),   KERNELS(q5_0),
+#define KERNELS(stem) {mmvq_##stem##_r1, mmvq_##stem##_r2, mmvq_##stem##_r4, mmvq_##stem##_r8, mmvq_##stem##_p1}
+// Each format's GEMVs for 1, 2, 4 and 8 input rows, then the pipelined one
+// for one row (PIPE), as formats() lists them.
+const int PIPE = 4;
+const Gemv kGemvs[12][5] = {KERNELS(q8_0), KERNELS(q4_0), KERNELS(q4_1),   KERNELS(q5_0),
                             KERNELS(q5_1), KERNELS(iq4_nl), KERNELS(q2_k), KERNELS(q3_k),
                             KERNELS(q4_k), KERNELS(q5_k), KERNELS(q6_k),   KERNELS(iq4_xs)};
 const int kMaxGroups[4] = {32, 32, 16, 8}; // matmul.rs MMVQ_MAX_GROUPS
@@ -43,10 +45,16 @@ bool check_quantize(int rows, int k) {
 
 int inst_of(int rows) { return rows <= 1 ? 0 : rows <= 2 ? 1 : rows <= 4 ? 2 : 3; }
 int nw_of(int rows) { return inst_of(rows) <= 1 ? 2 : 4; } // matmul.rs MMVQ_NW
+// The kernel for `rows`: with `pipe` (one row) the pipelined one.
+Gemv kernel_of(const Format& f, int rows, bool pipe) { return kGemvs[f.dt - DT_Q8_0][pipe ? PIPE : inst_of(rows)]; }
+const char* name_of(int rows, bool pipe) {
+    static const char* names[] = {"r1", "r2", "r4", "r8"};
+    return pipe ? "p1" : names[inst_of(rows)];
+}
 
 // One launch over up to three matrices of one input (`ns`: their rows; 0:
 // absent), `groups` groups of weight rows a block, a bias on the second.
-bool check_gemv(const Format& f, std::vector<int> ns, int k, int rows, int groups) {
+bool check_gemv(const Format& f, std::vector<int> ns, int k, int rows, int groups, bool pipe = false) {
     ns.resize(3, 0);
     std::vector<Matrix> ms;
     for (int n : ns) ms.emplace_back(f, n, k);
@@ -61,7 +69,7 @@ bool check_gemv(const Format& f, std::vector<int> ns, int k, int rows, int group
     }
     int per = nw_of(rows) * groups, blocks = 0;
     for (int n : ns) blocks += (n + per - 1) / per;
-    Gemv kernel = kGemvs[f.dt - DT_Q8_0][inst_of(rows)];
+    Gemv kernel = kernel_of(f, rows, pipe);
     auto bp = [&](int p) { return bias[p].empty() ? nullptr : bias[p].data(); };
     launch({(unsigned)blocks, 1, 1}, MMVQ_WARPS * 32, [&] {
         kernel(ms[0].ptr(), ms[1].ptr(), ms[2].ptr(), out[0].data(), out[1].data(), out[2].data(), bp(0), bp(1), bp(2),
@@ -80,21 +88,21 @@ bool check_gemv(const Format& f, std::vector<int> ns, int k, int rows, int group
             }
     // f32 products and sums of exact integer dots: a few ulps of the sum of magnitudes.
     bool ok = worst <= 1e-5;
-    printf("%s mmvq %s r%d: %d rows, n %d+%d+%d, k %d, %d groups a block: max error %.2e of the sum of |terms|\n",
-           ok ? "PASS" : "FAIL", f.name, 1 << inst_of(rows), rows, ns[0], ns[1], ns[2], k, groups, worst);
+    printf("%s mmvq %s %s: %d rows, n %d+%d+%d, k %d, %d groups a block: max error %.2e of the sum of |terms|\n",
+           ok ? "PASS" : "FAIL", f.name, name_of(rows, pipe), rows, ns[0], ns[1], ns[2], k, groups, worst);
     return ok;
 }
 
 // Gate and up (n rows each) in one launch: their SiLU product, and with
 // `quantized` that product quantized bit for bit as q8_quantize would.
-bool check_glu(const Format& f, int n, int k, int rows, int groups, bool quantized) {
+bool check_glu(const Format& f, int n, int k, int rows, int groups, bool quantized, bool pipe = false) {
     Matrix g(f, n, k), u(f, n, k);
     Input x(rows, k);
     std::vector<float> h((size_t)rows * n, NAN);
     std::vector<u32> hq((size_t)rows * n / 4, 0xdeadbeef);
     std::vector<float2> hs((size_t)rows * n / 32, {NAN, NAN});
     int per = nw_of(rows) * groups;
-    Gemv kernel = kGemvs[f.dt - DT_Q8_0][inst_of(rows)];
+    Gemv kernel = kernel_of(f, rows, pipe);
     launch({(unsigned)((n + per - 1) / per), 1, 1}, MMVQ_WARPS * 32, [&] {
         kernel(g.ptr(), u.ptr(), nullptr, h.data(), nullptr, nullptr, nullptr, nullptr, nullptr, n, 0, 0, g.row_bytes,
                (const signed char*)x.qa.data(), x.s.data(), k, rows, groups, 1, quantized ? hq.data() : nullptr,
@@ -113,8 +121,8 @@ bool check_glu(const Format& f, int n, int k, int rows, int groups, bool quantiz
         }
     bool ok = worst <= 1.0;
     bool codes = !quantized || q8_matches(h, hq, hs);
-    printf("%s mmvq %s r%d gate/up/SiLU: %d rows, n %d, k %d, %d groups a block: max error %.2f of its bound%s\n",
-           ok && codes ? "PASS" : "FAIL", f.name, 1 << inst_of(rows), rows, n, k, groups, worst,
+    printf("%s mmvq %s %s gate/up/SiLU: %d rows, n %d, k %d, %d groups a block: max error %.2f of its bound%s\n",
+           ok && codes ? "PASS" : "FAIL", f.name, name_of(rows, pipe), rows, n, k, groups, worst,
            quantized ? (codes ? "; product quantized bit for bit" : "; product's 8-bit copy DIFFERS") : "");
     return ok && codes;
 }
@@ -147,6 +155,17 @@ int main() {
         failed += !check_glu(f, 64, 1280, 1, 16, true);
         failed += !check_glu(f, 64, 512, 3, 8, true);
         failed += !check_glu(f, 13, 1280, 2, 3, false);
+        // The pipelined one-row kernel: a partial step, a warp's units
+        // wrapping its ring of stages more than once (17 super-blocks: 5
+        // steps, 3 groups: 15 units over 4 warps), three matrices, a block's
+        // most groups, and gate/up with the product quantized.
+        failed += !check_gemv(f, {5}, 512, 1, 1, true);
+        failed += !check_gemv(f, {4}, 4352, 1, 1, true);
+        failed += !check_gemv(f, {7}, 4352, 1, 3, true);
+        failed += !check_gemv(f, {9, 5, 7}, 1280, 1, 3, true);
+        failed += !check_gemv(f, {37}, 512, 1, kMaxGroups[0], true);
+        failed += !check_glu(f, 64, 1280, 1, 16, true, true);
+        failed += !check_glu(f, 13, 4352, 1, 3, false, true);
     }
     return failed ? 1 : 0;
 }

@@ -6,6 +6,7 @@
 // rows as the kernels read them, with the reference dot in double.
 #pragma once
 #include "formats.h"
+#include "mma.h"
 #include "q8.h"
 #include <cstdio>
 
