@@ -264,6 +264,19 @@ case "${1:-checks}" in
     touch "$g/card_free"
     bash "$0" wait $(( ${LIMIT_S:-570} - SECONDS ))
     ;;
+  pipe)
+    # The pipelined one-row integer GEMVs (--cuda-mmvq-pipe) against the register kernels: the
+    # checks (cuda_check compares both with the CPU and with each other), then the Q4_K layer's
+    # launches and the K-quant matrices alone, both kernels in each run.
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/nvidia-smi.txt"
+    [ -z "${SKIP_CHECKS:-}" ] && quant_checks
+    echo "== [${SECONDS}s] q8 layer"
+    timeout 150 ./.gpu/cuda_check --bench-q8-layer > "$out/q8_layer.log" 2>&1; echo "exit $?"
+    grep -E "rows 1:" "$out/q8_layer.log"
+    echo "== [${SECONDS}s] K-quant matrices alone"
+    timeout 200 ./.gpu/cuda_check --bench-quant-short > "$out/quant_short.log" 2>&1; echo "exit $?"
+    grep -E "rows 1:" "$out/quant_short.log" | sed -e 's/ | gemv .*//' -e 's/ | mmq .*//'
+    ;;
   ab)
     SECONDS=0
     g=/tmp/gguf-plan; mkdir -p "$g"; rm -f "$g/card_free" "$g/done"
