@@ -77,6 +77,16 @@ quant_checks() {
     timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny > "$out/e2e.log" 2>&1; echo "exit $?"
     grep -E "FAIL" "$out/e2e.log" | head -n 10; tail -n 1 "$out/e2e.log"
 }
+# The Q4_K layer's integer GEMV launches and the K-quant matrices alone, the register and the
+# pipelined one-row kernels in each run.
+pipe_benches() {
+    echo "== [${SECONDS}s] q8 layer"
+    timeout 150 ./.gpu/cuda_check --bench-q8-layer > "$out/q8_layer.log" 2>&1; echo "exit $?"
+    grep -E "rows 1:" "$out/q8_layer.log"
+    echo "== [${SECONDS}s] K-quant matrices alone"
+    timeout 200 ./.gpu/cuda_check --bench-quant-short > "$out/quant_short.log" 2>&1; echo "exit $?"
+    grep -E "rows 1:" "$out/quant_short.log" | sed -e 's/ | gemv .*//' -e 's/ | mmq .*//'
+}
 case "${1:-checks}" in
   checks)
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt"
@@ -255,6 +265,8 @@ case "${1:-checks}" in
         fi;
         touch $g/done" < /dev/null > /dev/null 2>&1 &
     [ -z "${SKIP_CHECKS:-}" ] && quant_checks
+    # PIPE_BENCH=1: the one-row integer GEMV benches, while llama.cpp builds.
+    [ -n "${PIPE_BENCH:-}" ] && pipe_benches
     # BENCH_ATTN=1: decode attention alone and at batch (its KV read rate), while llama.cpp builds.
     if [ -n "${BENCH_ATTN:-}" ]; then
         echo "== [${SECONDS}s] decode attention alone"
@@ -266,16 +278,10 @@ case "${1:-checks}" in
     ;;
   pipe)
     # The pipelined one-row integer GEMVs (--cuda-mmvq-pipe) against the register kernels: the
-    # checks (cuda_check compares both with the CPU and with each other), then the Q4_K layer's
-    # launches and the K-quant matrices alone, both kernels in each run.
+    # checks (cuda_check compares both with the CPU and with each other), then the benches.
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/nvidia-smi.txt"
     [ -z "${SKIP_CHECKS:-}" ] && quant_checks
-    echo "== [${SECONDS}s] q8 layer"
-    timeout 150 ./.gpu/cuda_check --bench-q8-layer > "$out/q8_layer.log" 2>&1; echo "exit $?"
-    grep -E "rows 1:" "$out/q8_layer.log"
-    echo "== [${SECONDS}s] K-quant matrices alone"
-    timeout 200 ./.gpu/cuda_check --bench-quant-short > "$out/quant_short.log" 2>&1; echo "exit $?"
-    grep -E "rows 1:" "$out/quant_short.log" | sed -e 's/ | gemv .*//' -e 's/ | mmq .*//'
+    pipe_benches
     ;;
   ab)
     SECONDS=0
