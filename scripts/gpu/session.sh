@@ -325,6 +325,8 @@ case "${1:-checks}" in
         timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny > "$out/e2e.log" 2>&1; echo "tiny checkpoints: exit $?"
         grep -E "FAIL" "$out/e2e.log" | head -n 10; tail -n 1 "$out/e2e.log"
     fi
+    # PIPE_BENCH=1: the one-row integer GEMV benches, while the GGUF is made.
+    [ -n "${PIPE_BENCH:-}" ] && pipe_benches
     # A decode layer's integer GEMVs by the binary before and after (when .gpu/cuda_check-base is there).
     if [ -x .gpu/cuda_check-base ]; then
         for b in ${Q8_LAYER_RUNS:-cuda_check-base cuda_check}; do
