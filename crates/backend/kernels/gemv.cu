@@ -57,17 +57,7 @@ template <int R, int NW>
 __device__ __forceinline__ void gemv_finish(float (&acc)[R][NW], float* __restrict__ out,
                                             const float* __restrict__ bias, int n, int j0, int rows) {
     __shared__ float red[GEMV_WARPS][R * NW];
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        if (r < rows) {
-#pragma unroll
-            for (int i = 0; i < NW; i++) {
-                float s = warp_sum(acc[r][i]);
-                if (lane == 0) red[wid][r * NW + i] = s;
-            }
-        }
-    }
+    warp_sums_store<R, NW>(acc, red[threadIdx.x >> 5], rows);
     __syncthreads();
     int t = threadIdx.x;
     if (t < R * NW) {
@@ -213,17 +203,7 @@ __device__ __forceinline__ void gemv_bf16_glu_body(const bf16_t* __restrict__ wg
     }
     float acc[R][2 * GLU_NW];
     gemv_bf16_acc<R, U, 2 * GLU_NW>(wr, x, k, rows, acc, early);
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        if (r < rows) {
-#pragma unroll
-            for (int i = 0; i < 2 * GLU_NW; i++) {
-                float s = warp_sum(acc[r][i]);
-                if (lane == 0) red[wid][r * 2 * GLU_NW + i] = s;
-            }
-        }
-    }
+    warp_sums_store<R, 2 * GLU_NW>(acc, red[threadIdx.x >> 5], rows);
     __syncthreads();
     int t = threadIdx.x;
     if (t < R * GLU_NW) {

@@ -632,18 +632,12 @@ __device__ __forceinline__ void mv_accumulate(const MvUnit (&mu)[NW], int t, int
 // The warp is done with group g: its partial sums to `red`, acc back to zero.
 template <int R, int NW, int MAXG>
 __device__ __forceinline__ void mv_flush(float (&acc)[R][NW], float (*red)[MAXG][R * NW], int wid, int g,
-                                         int lane, int rows) {
+                                         int rows) {
+    warp_sums_store<R, NW>(acc, red[wid][g], rows);
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        if (r < rows) {
+    for (int r = 0; r < R; r++)
 #pragma unroll
-            for (int i = 0; i < NW; i++) {
-                float s = warp_sum(acc[r][i]);
-                if (lane == 0) red[wid][g][r * NW + i] = s;
-                acc[r][i] = 0.f;
-            }
-        }
-    }
+        for (int i = 0; i < NW; i++) acc[r][i] = 0.f;
 }
 
 // What a warp's unit loop needs: the block's rows (`mv_row`), the input
@@ -701,7 +695,7 @@ __device__ __forceinline__ void mv_reg_loop(const MvWork<R, NW, MAXG>& wk) {
 #pragma unroll
             for (int i = 0; i < NW; i++) F::load(wk.row(g2, i), wk.row_bytes, t2, lane, wk.k, raw[i]);
         }
-        if (u2 >= units || g2 != g) mv_flush<R, NW, MAXG>(acc, wk.red, wid, g, lane, wk.rows);
+        if (u2 >= units || g2 != g) mv_flush<R, NW, MAXG>(acc, wk.red, wid, g, wk.rows);
         u = u2, g = g2, t = t2;
     }
 }
@@ -775,7 +769,7 @@ __device__ __forceinline__ void mv_pipe_loop(const MvWork<R, NW, MAXG>& wk) {
         __syncwarp();
         mv_accumulate<F, R, NW>(mu, t, lane, wk.xq, wk.xs, wk.k, wk.rows, acc);
         int u2 = u + MMVQ_WARPS;
-        if (u2 >= wk.units || u2 / wk.steps != g) mv_flush<R, NW, MAXG>(acc, wk.red, wid, g, lane, wk.rows);
+        if (u2 >= wk.units || u2 / wk.steps != g) mv_flush<R, NW, MAXG>(acc, wk.red, wid, g, wk.rows);
     }
     cp_async_wait<0>();
 }
