@@ -124,23 +124,33 @@ struct MvPieces {
     int sh;
 };
 
-// Load step t of a row of `row_bytes` bytes: every piece of the row's bytes
-// [t * STEP_BYTES, ...) from the 16-byte boundary at or below its start, lane
-// l taking pieces l, l + 32, ...; pieces past the row's end are not read.
-template <int P, int STEP_BYTES>
-__device__ __forceinline__ void mv_stage_load(const u8* row, long long row_bytes, int t, int lane, MvPieces<P>& r) {
-    long long off = (long long)t * STEP_BYTES;
+// Where step t of a row of `row_bytes` bytes lies: the 16-byte boundary at
+// or below its start (`base`), how far past it the step starts (`sh`) and
+// the 16-byte pieces from there that hold the step's bytes (`pieces`; a
+// row's last step may be short).
+struct MvSpan {
+    const uint4* base;
+    int sh, pieces;
+};
+__device__ __forceinline__ MvSpan mv_span(const u8* row, long long row_bytes, int t, int step_bytes) {
+    long long off = (long long)t * step_bytes;
     long long left = row_bytes - off;
-    int bytes = left < STEP_BYTES ? (int)left : STEP_BYTES;
+    int bytes = left < step_bytes ? (int)left : step_bytes;
     const u8* a = row + off;
     int sh = (int)((unsigned long long)a & 15ull);
-    const uint4* base = (const uint4*)(a - sh);
-    int pieces = (sh + bytes + 15) >> 4;
-    r.sh = sh;
+    return {(const uint4*)(a - sh), sh, (sh + bytes + 15) >> 4};
+}
+
+// Load step t of a row: every piece of its span (`mv_span`), lane l taking
+// pieces l, l + 32, ...; pieces past the row's end are not read.
+template <int P, int STEP_BYTES>
+__device__ __forceinline__ void mv_stage_load(const u8* row, long long row_bytes, int t, int lane, MvPieces<P>& r) {
+    MvSpan sp = mv_span(row, row_bytes, t, STEP_BYTES);
+    r.sh = sp.sh;
 #pragma unroll
     for (int u = 0; u < P; u++) {
         int p = lane + 32 * u;
-        r.p[u] = p < pieces ? ld_stream(base + p) : mv_zero4();
+        r.p[u] = p < sp.pieces ? ld_stream(sp.base + p) : mv_zero4();
     }
 }
 
@@ -719,14 +729,9 @@ __device__ __forceinline__ void mv_pipe_issue(const MvWork<R, NW, MAXG>& wk, int
         int g = u / wk.steps, t = u - g * wk.steps;
 #pragma unroll
         for (int i = 0; i < NW; i++) {
-            long long off = (long long)t * F::step_bytes, left = wk.row_bytes - off;
-            int bytes = left < F::step_bytes ? (int)left : F::step_bytes;
-            const u8* a = wk.row(g, i) + off;
-            int sh = (int)((unsigned long long)a & 15ull);
-            const u8* base = a - sh;
-            int pieces = (sh + bytes + 15) >> 4;
+            MvSpan sp = mv_span(wk.row(g, i), wk.row_bytes, t, F::step_bytes);
             u32 dst = smem_u32(slot[i]);
-            for (int p = lane; p < most; p += 32) cp_async16(dst + 16 * p, base + 16 * p, p < pieces ? 16 : 0);
+            for (int p = lane; p < most; p += 32) cp_async16(dst + 16 * p, sp.base + p, p < sp.pieces ? 16 : 0);
         }
     }
     cp_async_commit();
@@ -761,10 +766,8 @@ __device__ __forceinline__ void mv_pipe_loop(const MvWork<R, NW, MAXG>& wk) {
         int g = u / wk.steps, t = u - g * wk.steps;
         MvUnit mu[NW];
 #pragma unroll
-        for (int i = 0; i < NW; i++) {
-            int sh = (int)((unsigned long long)(wk.row(g, i) + (long long)t * F::step_bytes) & 15ull);
-            F::decode_st(ring[wid][c][i], sh, lane, mu[i]);
-        }
+        for (int i = 0; i < NW; i++)
+            F::decode_st(ring[wid][c][i], mv_span(wk.row(g, i), wk.row_bytes, t, F::step_bytes).sh, lane, mu[i]);
         // Every lane is done with the stage before the next turn refills it.
         __syncwarp();
         mv_accumulate<F, R, NW>(mu, t, lane, wk.xq, wk.xs, wk.k, wk.rows, acc);

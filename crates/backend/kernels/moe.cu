@@ -399,16 +399,7 @@ __device__ __forceinline__ void moe_gate_up_bf16(const u64* __restrict__ table, 
                 }
             }
         }
-#pragma unroll
-        for (int q = 0; q < NP; q++) {
-            if (q < np) {
-#pragma unroll
-                for (int i = 0; i < NR; i++) {
-                    float s = warp_sum(acc[q][i]);
-                    if (lane == 0) red[wid][q * NR + i] = s;
-                }
-            }
-        }
+        warp_sums_store<NP, NR>(acc, red[wid], np);
         __syncthreads();
         int t = threadIdx.x;
         if (t < np * MOE_GU_COLS) {

@@ -422,10 +422,10 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
                     let mut reg = pair(be, &cpu, rows, n, None)?;
                     let mut piped = pair(be, &cpu, rows, n, None)?;
                     for (o, pipe) in [(&mut reg, false), (&mut piped, true)] {
-                        be.set_mmvq_pipe(pipe);
+                        be.set_mmvq_pipe(Some(pipe));
                         be.matmul(&x.g, &wg, with_bias.then_some(&bg), rows, &mut o.g);
                     }
-                    be.set_mmvq_pipe(be.config.tuning.mmvq_pipe);
+                    be.set_mmvq_pipe(None);
                     reference.matmul(&x.c, &wc, with_bias.then_some(&bc), rows, &mut piped.c);
                     let (a, b) = read_both(be, reference, &piped, rows)?;
                     rep.compare(&format!("matmul {dtype} 1x{k} · {n}x{k}{bias} (pipelined)"), &a, &b, tol);
@@ -463,7 +463,7 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
     // Each pass with the one-row integer GEMVs on registers, then pipelined.
     for pipe in [false, true] {
         let from = rep.lines.len();
-        be.set_mmvq_pipe(pipe);
+        be.set_mmvq_pipe(Some(pipe));
         let mut pass = || -> Result<()> {
             for groups in [0usize, 3] {
                 be.set_mmvq_groups(groups);
@@ -474,7 +474,7 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
             q8_input_checks(be, &refs, &mut rep, &mut rng)
         };
         let r = pass();
-        be.set_mmvq_pipe(be.config.tuning.mmvq_pipe);
+        be.set_mmvq_pipe(None);
         for line in &mut rep.lines[from..] {
             line.push_str(if pipe { " [one-row GEMVs pipelined]" } else { " [one-row GEMVs on registers]" });
         }
@@ -1756,8 +1756,8 @@ pub fn bench_q8_layer(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<Stri
     let a = |cols| be.alloc_act(ActShape { rows: rows_max, cols });
     let (q, k, v, o) = (a(hidden)?, a(kv)?, a(kv)?, a(hidden)?);
     let (g, u, mut act, mut down) = (a(ff)?, a(ff)?, a(ff)?, a(hidden)?);
+    be.set_mmvq_pipe(Some(false));
     for rows in [1usize, 2, 4] {
-        be.set_mmvq_pipe(false);
         let mut time = |what: &str, groups: usize, f: &mut dyn FnMut(usize)| -> Result<()> {
             *graph_id += 1;
             be.set_mmvq_groups(groups);
@@ -1793,7 +1793,7 @@ pub fn bench_q8_layer(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<Stri
         // The fused launches on registers, then (one row) pipelined.
         let pipes: &[bool] = if rows == 1 { &[false, true] } else { &[false] };
         for &pipe in pipes {
-            be.set_mmvq_pipe(pipe);
+            be.set_mmvq_pipe(Some(pipe));
             let tag = if pipe { ", pipelined" } else { "" };
             time(&format!("q/k/v fused{tag}"), 0, &mut |c| {
                 fresh(&mut |st, i| {
@@ -1815,7 +1815,7 @@ pub fn bench_q8_layer(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<Stri
                 be.matmul(&act, &wd[c], None, rows, &mut down);
             })?;
         }
-        be.set_mmvq_pipe(false);
+        be.set_mmvq_pipe(Some(false));
         time("o, one group a block", 1, &mut |c| fresh(&mut |st, i| be.gemv_q8(st, i, &wo[c], rows, &o)))?;
         for (what, groups) in
             [("gate, up, SiLU, quantize, down: one group a block", 1usize), ("the same, groups", 0)]
@@ -1834,7 +1834,7 @@ pub fn bench_q8_layer(be: &CudaBackend, graph_id: &mut usize) -> Result<Vec<Stri
             be.matmul(&act, &wd[c], None, rows, &mut down);
         })?;
     }
-    be.set_mmvq_pipe(be.config.tuning.mmvq_pipe);
+    be.set_mmvq_pipe(None);
     be.check()?;
     Ok(lines)
 }
@@ -1912,10 +1912,10 @@ pub fn bench_quant(be: &CudaBackend, graph_id: &mut usize, short: bool) -> Resul
                         bw(one)
                     );
                     if rows == 1 {
-                        be.set_mmvq_pipe(!be.config.tuning.mmvq_pipe);
+                        be.set_mmvq_pipe(Some(!be.config.tuning.mmvq_pipe));
                         let other =
                             time(&mut |w, out| be.op("bench", |st| be.gemv_q8(st, input, w, rows, out)));
-                        be.set_mmvq_pipe(be.config.tuning.mmvq_pipe);
+                        be.set_mmvq_pipe(None);
                         let other = other?;
                         let which = if be.config.tuning.mmvq_pipe { "on registers" } else { "pipelined" };
                         line += &format!(" | q8-gemv {which} alone {other:.4} ms {}", bw(other));

@@ -458,8 +458,10 @@ impl CudaBackend {
     }
 
     /// Whether one-row integer GEMVs take the pipelined kernels, in place of
-    /// `CudaTuning::mmvq_pipe` (the self-check's comparisons and benchmark).
-    pub(super) fn set_mmvq_pipe(&self, on: bool) {
+    /// `CudaTuning::mmvq_pipe` (the self-check's comparisons and benchmark);
+    /// `None` goes back to the tuning's choice.
+    pub(super) fn set_mmvq_pipe(&self, on: Option<bool>) {
+        let on = on.unwrap_or(self.config.tuning.mmvq_pipe);
         self.mmvq_pipe.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 

@@ -36,6 +36,7 @@ inline bf16_t f32_to_bf16(float f) {
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 
 #include "../../kernels/blocks.cu"
+#include "../../kernels/parts.cu"
 #include "../../kernels/moe.cu"
 
 namespace {
