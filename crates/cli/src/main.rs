@@ -50,6 +50,14 @@ enum Command {
     Plan(plan::PlanArgs),
 }
 
+/// How the CPU's KV cache stores K and V (`--cpu-kv-dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum CpuKvDtype {
+    Auto,
+    F16,
+    F32,
+}
+
 /// Model and engine sizing shared by `serve` and `generate`.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -112,6 +120,11 @@ pub struct ModelArgs {
     /// 3% more).
     #[arg(long, value_enum, default_value_t = tuning::Switch::On, env = "CORRIDOR_CPU_ROW_TILES", value_name = "on|off")]
     cpu_row_tiles: tuning::Switch,
+    /// How the CPU's KV cache stores K and V: `auto` (the default) keeps f32 for a checkpoint whose
+    /// matrices are f32 and stores f16 for every other (half the bytes a token: twice the context in
+    /// `--kv-cache-mib`, and half the bytes each decode step reads); `f32` or `f16` chooses.
+    #[arg(long, value_enum, default_value_t = CpuKvDtype::Auto, env = "CORRIDOR_CPU_KV_DTYPE", value_name = "auto|f16|f32")]
+    cpu_kv_dtype: CpuKvDtype,
     /// Cards to run on: `cpu`; `cuda:0` (an NVIDIA GPU by ordinal or `cuda:GPU-<uuid>`; needs a
     /// build with `--features cuda`, and the driver, cuBLAS and NVRTC libraries at run time); or
     /// `sim:32GiB,20GiB,20GiB` (simulated cards: CPU compute, card memory simulated, so the memory
@@ -293,6 +306,11 @@ impl ModelArgs {
         let mut o = corridor_server::boot::BootOptions::new(path);
         o.cuda_tuning = self.cuda.tuning();
         o.cpu_row_tiles = self.cpu_row_tiles.on();
+        o.cpu_kv = match self.cpu_kv_dtype {
+            CpuKvDtype::Auto => None,
+            CpuKvDtype::F16 => Some(corridor_backend::cpu::KvPrecision::F16),
+            CpuKvDtype::F32 => Some(corridor_backend::cpu::KvPrecision::F32),
+        };
         o.max_running = self.max_running_requests;
         o.max_batched_tokens = self.max_batched_tokens;
         o.itl = corridor_engine::step_budget::ItlBound {

@@ -115,6 +115,22 @@ impl Checkpoint {
         self.hf().and_then(HfDir::torch_dtype)
     }
 
+    /// Whether the model's matrices are stored in f32 (a Hugging Face
+    /// directory whose config says `float32`; a GGUF file whose first
+    /// layer matrix is F32).
+    pub fn matrices_f32(&self) -> bool {
+        match &self.source {
+            Source::Hf(hf) => hf.torch_dtype() == Some(DType::F32),
+            Source::Gguf { file, .. } => {
+                file.tensors()
+                    .iter()
+                    .find(|t| t.name.starts_with("blk.") && t.shape().len() == 2)
+                    .and_then(|t| t.dtype())
+                    == Some(DType::F32)
+            }
+        }
+    }
+
     /// Bytes of weight files on disk (all shards, or the GGUF file).
     pub fn file_bytes(&self) -> u64 {
         match &self.source {

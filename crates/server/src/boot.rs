@@ -14,6 +14,7 @@
 
 use crate::template::ChatTemplate;
 use crate::tokenizer::Tokenizer;
+use corridor_backend::cpu::KvPrecision;
 use corridor_engine::engine::{EngineConfig, EngineHandle};
 use corridor_engine::flips::FlipMode;
 use corridor_engine::scheduler::SchedulerConfig;
@@ -98,6 +99,9 @@ pub struct BootOptions {
     /// CPU ranks hold 32-weight block formats in tiles of 16 rows where the
     /// CPU has AVX-512 VNNI (`--cpu-row-tiles`).
     pub cpu_row_tiles: bool,
+    /// How CPU ranks store K and V (`--cpu-kv-dtype`); `None`: f32 for a
+    /// checkpoint whose matrices are f32, f16 for every other.
+    pub cpu_kv: Option<corridor_backend::cpu::KvPrecision>,
     /// `--floor-mib` as given (`N` or `N,N,...`); `None` = 1024 per card.
     pub floor_mib: Option<String>,
     /// `--card-budget-mib` as given; `None` = no budget.
@@ -148,6 +152,7 @@ impl BootOptions {
             devices: Devices::Cpu,
             cuda_tuning: corridor_backend::CudaTuning::default(),
             cpu_row_tiles: true,
+            cpu_kv: None,
             floor_mib: None,
             card_budget_mib: None,
             flight_dir: None,
@@ -363,7 +368,18 @@ pub fn boot_plan(plan: &BootPlan, progress: &mut dyn FnMut(usize, usize)) -> Res
         ordinals: &ordinals,
     };
     // CPU ranks on the host card hold resident buffers; on sim cards, lazy ones.
-    let cpu_ranks = |resident| CpuRanks { resident, link: plan.sim_link, row_tiles: plan.cpu_row_tiles };
+    let kv = plan.cpu_kv.unwrap_or(if ckpt.matrices_f32() { KvPrecision::F32 } else { KvPrecision::F16 });
+    if !matches!(plan.cards, CardsPlan::Cuda(_)) {
+        tracing::info!(
+            kv = ?kv,
+            "CPU ranks store K and V in {}",
+            match kv {
+                KvPrecision::F32 => "f32",
+                KvPrecision::F16 => "f16 (half the bytes a token of f32; --cpu-kv-dtype f32 keeps them exact)",
+            }
+        );
+    }
+    let cpu_ranks = |resident| CpuRanks { resident, link: plan.sim_link, row_tiles: plan.cpu_row_tiles, kv };
     let started = match &plan.cards {
         CardsPlan::Host { .. } => group::start(&env, &cpu_ranks(true), config, progress)?,
         CardsPlan::Sim { .. } => group::start(&env, &cpu_ranks(false), config, progress)?,

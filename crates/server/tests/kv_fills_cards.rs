@@ -138,3 +138,38 @@ fn a_filled_sim_card_costs_the_host_only_the_kv_written() {
     assert!(grew < Bytes::gib(1), "the host backs {grew} for {kv} of simulated KV");
     booted.engine.shutdown();
 }
+
+/// KV pages the host card's arena holds under a 2 MiB KV budget (less than
+/// the running requests could use), with the CPU's KV stored as `kv` says
+/// (`None`: as the checkpoint warrants).
+fn host_kv_pages(model: &str, kv: Option<corridor_backend::cpu::KvPrecision>) -> usize {
+    let mut opts = BootOptions::new(fixture(model));
+    opts.context_len = Some(2048);
+    opts.max_running = 64;
+    opts.kv_budget = Bytes::mib(2);
+    opts.cpu_kv = kv;
+    let booted = boot(&opts, |_, _| {}).unwrap();
+    let arenas = booted.governor.arenas();
+    let arena = arenas.iter().find(|a| a.purpose() == Purpose::Kv).expect("a KV arena");
+    arena.backed().get()
+}
+
+/// f16 KV holds twice the tokens of f32 in the same budget, and is what a
+/// quantized file gets by default; an f32 checkpoint keeps f32.
+#[test]
+fn the_cpu_kv_in_f16_holds_twice_the_tokens_and_is_the_default_for_quantized_files() {
+    use corridor_backend::cpu::KvPrecision;
+    let gguf = "kquant/llama-k-Q4_K_M.gguf";
+    let (f32_pages, f16_pages) =
+        (host_kv_pages(gguf, Some(KvPrecision::F32)), host_kv_pages(gguf, Some(KvPrecision::F16)));
+    assert!(f32_pages > 0);
+    // Twice, within the arena's rounding to whole chunks.
+    let ratio = f16_pages as f64 / f32_pages as f64;
+    assert!((1.9..=2.1).contains(&ratio), "f16 {f16_pages} pages against f32 {f32_pages}");
+    assert_eq!(host_kv_pages(gguf, None), f16_pages, "a quantized file stores f16 by default");
+    assert_eq!(
+        host_kv_pages("llama-f32", None),
+        host_kv_pages("llama-f32", Some(KvPrecision::F32)),
+        "an f32 checkpoint keeps f32"
+    );
+}

@@ -114,14 +114,22 @@ fn the_tiny_moe_gguf_serves_transformers_greedy_text() {
 fn the_tiny_quantized_moe_gguf_serves_alike_on_one_rank_and_sharded() {
     let path = fixture("kquant/qwen3moe-k-Q4_K_M.gguf");
     let prompt = "The quick brown fox";
-    let (one, _) = complete_with(BootOptions::new(path.clone()), prompt, 12);
+    // K and V kept in f32: a sharded step sums its partial products in
+    // another order, and f16 storage can turn that last-bit difference into
+    // a whole f16 step, which this random model's near-tied logits amplify.
+    let opts = || {
+        let mut o = BootOptions::new(path.clone());
+        o.cpu_kv = Some(corridor_backend::cpu::KvPrecision::F32);
+        o
+    };
+    let (one, _) = complete_with(opts(), prompt, 12);
     assert!(!one.is_empty());
     for l in [
         LayoutSpec { tp: 2, tp_split: Split::Even, pp: 1, pp_split: Split::Even },
         LayoutSpec { tp: 2, tp_split: Split::Ratio(vec![3, 1]), pp: 1, pp_split: Split::Even },
     ] {
         let desc = format!("{l:?}");
-        let mut opts = BootOptions::new(path.clone());
+        let mut opts = opts();
         opts.layout = Some(l);
         assert_eq!(complete_with(opts, prompt, 12).0, one, "{desc}");
     }

@@ -16,9 +16,65 @@
 //! query heads of a KV head go over a slice together ([`attend_group`]), and
 //! a prompt's rows in blocks, so a slice's K and V rows are found once and
 //! read from cache by every row and head that needs them.
+//!
+//! K and V are read as the cache stores them ([`KvValue`]: f32, or f16
+//! widened eight at a time by F16C); the arithmetic is f32 either way.
 
 /// Tokens of one slice of a context.
 pub(super) const ATTN_CHUNK: usize = 32;
+
+/// A value as the KV cache stores it: f32, or f16 (half the bytes a token,
+/// so twice the tokens in the same memory and half the bytes a decode step
+/// reads).
+pub trait KvValue: Copy + Default + Send + Sync + 'static {
+    /// Whether the values are f16 (the AVX2 kernel widens eight at once).
+    const F16: bool;
+    /// `v` as stored: f16 rounds to nearest, and saturates at ±65504 where
+    /// f16 would overflow to infinity.
+    fn of(v: f32) -> Self;
+    /// The stored value, exactly, in f32.
+    fn get(self) -> f32;
+}
+
+impl KvValue for f32 {
+    const F16: bool = false;
+    #[inline(always)]
+    fn of(v: f32) -> f32 {
+        v
+    }
+    #[inline(always)]
+    fn get(self) -> f32 {
+        self
+    }
+}
+
+impl KvValue for half::f16 {
+    const F16: bool = true;
+    #[inline(always)]
+    fn of(v: f32) -> half::f16 {
+        half::f16::from_f32(v.clamp(-65504.0, 65504.0))
+    }
+    #[inline(always)]
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// Eight stored values from `p`, widened to f32.
+///
+/// # Safety
+/// `p` points at eight readable values; the CPU has AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load8<T: KvValue>(p: *const T) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    if T::F16 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    } else {
+        _mm256_loadu_ps(p as *const f32)
+    }
+}
 
 /// A softmax over some tokens of one row and head: the running maximum `m`,
 /// the sum `l` of exp(score - m), and the output `o` weighted by them.
@@ -68,10 +124,10 @@ impl AttnState {
 /// least a head's floats. The heads run one after another over the same K
 /// and V rows, which stay in cache; each head's result is what it would be
 /// alone.
-pub(super) fn attend_group(
+pub(super) fn attend_group<T: KvValue>(
     qs: &[f32],
-    keys: &[&[f32]],
-    values: &[&[f32]],
+    keys: &[&[T]],
+    values: &[&[T]],
     scale: f32,
     buf: &mut [f32],
     states: &mut [AttnState],
@@ -84,8 +140,8 @@ pub(super) fn attend_group(
         let slice = Slice { q, keys, values, scale };
         #[cfg(target_arch = "x86_64")]
         if super::quant::has_avx2() {
-            // SAFETY: the CPU supports AVX2 and FMA (checked above); the
-            // lengths the kernel reads were checked.
+            // SAFETY: the CPU supports AVX2, FMA and F16C (checked above);
+            // the lengths the kernel reads were checked.
             unsafe { attend_slice_avx2(&slice, buf, state) };
             continue;
         }
@@ -95,10 +151,10 @@ pub(super) fn attend_group(
 
 /// One query head's row and a slice's K and V rows of its KV head.
 #[derive(Clone, Copy)]
-struct Slice<'a> {
+struct Slice<'a, T> {
     q: &'a [f32],
-    keys: &'a [&'a [f32]],
-    values: &'a [&'a [f32]],
+    keys: &'a [&'a [T]],
+    values: &'a [&'a [T]],
     scale: f32,
 }
 
@@ -138,18 +194,18 @@ fn reduce_lanes(s: [f32; 8]) -> f32 {
 /// The output's values past the last whole eight (`full..`), by the same
 /// fused multiply-adds in both builds.
 #[inline(always)]
-fn output_tail(values: &[&[f32]], p: &[f32], full: usize, o: &mut [f32]) {
+fn output_tail<T: KvValue>(values: &[&[T]], p: &[f32], full: usize, o: &mut [f32]) {
     for (e, o) in o.iter_mut().enumerate().skip(full) {
         let mut acc = 0f32;
         for (v, p) in values.iter().zip(p) {
-            acc = p.mul_add(v[e], acc);
+            acc = p.mul_add(v[e].get(), acc);
         }
         *o = acc;
     }
 }
 
 /// One head of [`attend_group`] in the baseline build: the AVX2 kernel's lanes as arrays.
-fn attend_slice_portable(slice: &Slice<'_>, buf: &mut [f32], state: &mut AttnState) {
+fn attend_slice_portable<T: KvValue>(slice: &Slice<'_, T>, buf: &mut [f32], state: &mut AttnState) {
     let Slice { q, keys, values, scale } = *slice;
     let hd = q.len();
     let (full, wide) = (hd / 8 * 8, hd / 16 * 16);
@@ -159,18 +215,18 @@ fn attend_slice_portable(slice: &Slice<'_>, buf: &mut [f32], state: &mut AttnSta
         let (mut acc0, mut acc1) = ([0f32; 8], [0f32; 8]);
         for e in (0..wide).step_by(16) {
             for l in 0..8 {
-                acc0[l] = q[e + l].mul_add(k[e + l], acc0[l]);
-                acc1[l] = q[e + 8 + l].mul_add(k[e + 8 + l], acc1[l]);
+                acc0[l] = q[e + l].mul_add(k[e + l].get(), acc0[l]);
+                acc1[l] = q[e + 8 + l].mul_add(k[e + 8 + l].get(), acc1[l]);
             }
         }
         if full > wide {
             for l in 0..8 {
-                acc0[l] = q[wide + l].mul_add(k[wide + l], acc0[l]);
+                acc0[l] = q[wide + l].mul_add(k[wide + l].get(), acc0[l]);
             }
         }
         let mut s = reduce_lanes(std::array::from_fn(|l| acc0[l] + acc1[l]));
         for e in full..hd {
-            s = q[e].mul_add(k[e], s);
+            s = q[e].mul_add(k[e].get(), s);
         }
         *sc = s * scale;
         m = m.max(*sc);
@@ -191,7 +247,7 @@ fn attend_slice_portable(slice: &Slice<'_>, buf: &mut [f32], state: &mut AttnSta
         let mut acc = [0f32; 8];
         for (v, p) in values.iter().zip(&scores[..n]) {
             for (l, acc) in acc.iter_mut().enumerate() {
-                *acc = p.mul_add(v[e + l], *acc);
+                *acc = p.mul_add(v[e + l].get(), *acc);
             }
         }
         o[e..e + 8].copy_from_slice(&acc);
@@ -214,8 +270,8 @@ fn reduce_lanes_avx2(v: std::arch::x86_64::__m256) -> f32 {
 
 /// One head of [`attend_group`] in AVX2.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_slice_avx2(slice: &Slice<'_>, buf: &mut [f32], state: &mut AttnState) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_slice_avx2<T: KvValue>(slice: &Slice<'_, T>, buf: &mut [f32], state: &mut AttnState) {
     use std::arch::x86_64::*;
     let Slice { q, keys, values, scale } = *slice;
     let hd = q.len();
@@ -233,15 +289,15 @@ unsafe fn attend_slice_avx2(slice: &Slice<'_>, buf: &mut [f32], state: &mut Attn
     let mut t = 0;
     if full == hd {
         while t + 4 <= keys.len() {
-            let kp: [*const f32; 4] = std::array::from_fn(|j| keys[t + j].as_ptr());
+            let kp: [*const T; 4] = std::array::from_fn(|j| keys[t + j].as_ptr());
             let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
             let mut e = 0;
             while e < wide {
                 unsafe {
                     let (qa, qb) = (_mm256_loadu_ps(qp.add(e)), _mm256_loadu_ps(qp.add(e + 8)));
                     for j in 0..4 {
-                        acc0[j] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(kp[j].add(e)), acc0[j]);
-                        acc1[j] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(kp[j].add(e + 8)), acc1[j]);
+                        acc0[j] = _mm256_fmadd_ps(qa, load8(kp[j].add(e)), acc0[j]);
+                        acc1[j] = _mm256_fmadd_ps(qb, load8(kp[j].add(e + 8)), acc1[j]);
                     }
                 }
                 e += 16;
@@ -249,7 +305,7 @@ unsafe fn attend_slice_avx2(slice: &Slice<'_>, buf: &mut [f32], state: &mut Attn
             if full > wide {
                 let qa = unsafe { _mm256_loadu_ps(qp.add(wide)) };
                 for j in 0..4 {
-                    acc0[j] = unsafe { _mm256_fmadd_ps(qa, _mm256_loadu_ps(kp[j].add(wide)), acc0[j]) };
+                    acc0[j] = unsafe { _mm256_fmadd_ps(qa, load8(kp[j].add(wide)), acc0[j]) };
                 }
             }
             let s: [__m256; 4] = std::array::from_fn(|j| _mm256_add_ps(acc0[j], acc1[j]));
@@ -279,20 +335,18 @@ unsafe fn attend_slice_avx2(slice: &Slice<'_>, buf: &mut [f32], state: &mut Attn
         let mut e = 0;
         while e < wide {
             unsafe {
-                acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(e)), _mm256_loadu_ps(kp.add(e)), acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(e + 8)), _mm256_loadu_ps(kp.add(e + 8)), acc1);
+                acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(e)), load8(kp.add(e)), acc0);
+                acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(e + 8)), load8(kp.add(e + 8)), acc1);
             }
             e += 16;
         }
         if full > wide {
-            unsafe {
-                acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(wide)), _mm256_loadu_ps(kp.add(wide)), acc0)
-            };
+            unsafe { acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(wide)), load8(kp.add(wide)), acc0) };
         }
         let s8 = _mm256_add_ps(acc0, acc1);
         let mut s = reduce_lanes_avx2(s8);
         for e in full..hd {
-            s = q[e].mul_add(k[e], s);
+            s = q[e].mul_add(k[e].get(), s);
         }
         *sc = s * scale;
     }
@@ -352,7 +406,7 @@ unsafe fn attend_slice_avx2(slice: &Slice<'_>, buf: &mut [f32], state: &mut Attn
             for (v, p) in values.iter().zip(&scores[..n]) {
                 let p = _mm256_set1_ps(*p);
                 for (j, acc) in acc.iter_mut().enumerate() {
-                    unsafe { *acc = _mm256_fmadd_ps(p, _mm256_loadu_ps(v.as_ptr().add(e + 8 * j)), *acc) };
+                    unsafe { *acc = _mm256_fmadd_ps(p, load8(v.as_ptr().add(e + 8 * j)), *acc) };
                 }
             }
             for (j, acc) in acc.iter().enumerate() {
@@ -413,14 +467,60 @@ mod tests {
     }
 
     /// Both builds give the same bits, for head sizes with and without an
-    /// odd eight and a tail, and agree with a plain softmax in f64.
+    /// odd eight and a tail, and agree with a plain softmax in f64 over the
+    /// values as stored: K and V in f32 and in f16.
     #[test]
     fn a_slice_gives_the_same_bits_in_both_builds_and_a_plain_softmax() {
+        slices_agree::<f32>();
+        slices_agree::<half::f16>();
+    }
+
+    /// f16 K and V read back as the values they store, not as zeros or
+    /// neighbours: the f16 slice against the f32 one over the same (f16-exact)
+    /// values gives the same bits.
+    #[test]
+    fn f16_k_and_v_give_the_bits_of_the_same_values_in_f32() {
+        for hd in [64, 72, 13] {
+            let round = |r: Vec<Vec<f32>>| -> Vec<Vec<f32>> {
+                r.into_iter()
+                    .map(|r| r.into_iter().map(|x| half::f16::from_f32(x).to_f32()).collect())
+                    .collect()
+            };
+            let (k, v, q) = (round(rows(ATTN_CHUNK, hd, 7)), round(rows(ATTN_CHUNK, hd, 8)), rows(1, hd, 9));
+            let halves = |r: &[Vec<f32>]| -> Vec<Vec<half::f16>> {
+                r.iter().map(|r| r.iter().map(|&x| half::f16::from_f32(x)).collect()).collect()
+            };
+            let (kh, vh) = (halves(&k), halves(&v));
+            let scale = 1.0 / (hd as f32).sqrt();
+            let mut buf = vec![0f32; hd];
+            let keys: Vec<&[f32]> = k.iter().map(|r| &r[..]).collect();
+            let values: Vec<&[f32]> = v.iter().map(|r| &r[..]).collect();
+            let (mut a, mut b) = (AttnState::new(hd), AttnState::new(hd));
+            attend_group(&q[0], &keys, &values, scale, &mut buf, std::slice::from_mut(&mut a));
+            let keys: Vec<&[half::f16]> = kh.iter().map(|r| &r[..]).collect();
+            let values: Vec<&[half::f16]> = vh.iter().map(|r| &r[..]).collect();
+            attend_group(&q[0], &keys, &values, scale, &mut buf, std::slice::from_mut(&mut b));
+            assert_eq!(bits(&a), bits(&b), "hd {hd}");
+        }
+    }
+
+    /// A state's bits: its maximum, its sum and its output.
+    fn bits(s: &AttnState) -> Vec<u32> {
+        let mut b = vec![s.m.to_bits(), s.l.to_bits()];
+        b.extend(s.o.iter().map(|x| x.to_bits()));
+        b
+    }
+
+    fn slices_agree<T: KvValue>() {
+        let stored = |r: Vec<Vec<f32>>| -> Vec<Vec<T>> {
+            r.into_iter().map(|r| r.into_iter().map(T::of).collect()).collect()
+        };
         for hd in [64, 72, 80, 128, 13] {
-            let (k, v, q) = (rows(ATTN_CHUNK, hd, 4), rows(ATTN_CHUNK, hd, 5), rows(1, hd, 6));
+            let (k, v, q) =
+                (stored(rows(ATTN_CHUNK, hd, 4)), stored(rows(ATTN_CHUNK, hd, 5)), rows(1, hd, 6));
             for n in [1, 7, 9, ATTN_CHUNK] {
-                let keys: Vec<&[f32]> = k[..n].iter().map(|r| &r[..]).collect();
-                let values: Vec<&[f32]> = v[..n].iter().map(|r| &r[..]).collect();
+                let keys: Vec<&[T]> = k[..n].iter().map(|r| &r[..]).collect();
+                let values: Vec<&[T]> = v[..n].iter().map(|r| &r[..]).collect();
                 let scale = 1.0 / (hd as f32).sqrt();
                 let mut buf = vec![0f32; hd];
                 let mut plain = AttnState::new(hd);
@@ -428,7 +528,8 @@ mod tests {
                 attend_slice_portable(&slice, &mut buf, &mut plain);
                 let s: Vec<f64> = (0..n)
                     .map(|t| {
-                        q[0].iter().zip(&k[t]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
+                        q[0].iter().zip(&k[t]).map(|(a, b)| *a as f64 * b.get() as f64).sum::<f64>()
+                            * scale as f64
                     })
                     .collect();
                 let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -436,24 +537,20 @@ mod tests {
                 let mut out = vec![0f32; hd];
                 plain.finish(&mut out);
                 for e in 0..hd {
-                    let want: f64 = (0..n).map(|t| (s[t] - mx).exp() / sum * v[t][e] as f64).sum();
+                    let want: f64 = (0..n).map(|t| (s[t] - mx).exp() / sum * v[t][e].get() as f64).sum();
                     assert!(
                         (out[e] as f64 - want).abs() < 1e-5,
-                        "hd {hd}, {n} tokens, [{e}]: {} vs {want}",
+                        "f16 {}, hd {hd}, {n} tokens, [{e}]: {} vs {want}",
+                        T::F16,
                         out[e]
                     );
                 }
                 #[cfg(target_arch = "x86_64")]
                 if crate::cpu::quant::has_avx2() {
                     let mut fast = AttnState::new(hd);
-                    // SAFETY: the CPU supports AVX2 and FMA (checked above).
+                    // SAFETY: the CPU supports AVX2, FMA and F16C (checked above).
                     unsafe { attend_slice_avx2(&slice, &mut buf, &mut fast) };
-                    let bits = |s: &AttnState| {
-                        let mut b = vec![s.m.to_bits(), s.l.to_bits()];
-                        b.extend(s.o.iter().map(|x| x.to_bits()));
-                        b
-                    };
-                    assert_eq!(bits(&plain), bits(&fast), "hd {hd}, {n} tokens");
+                    assert_eq!(bits(&plain), bits(&fast), "f16 {}, hd {hd}, {n} tokens", T::F16);
                 }
             }
         }

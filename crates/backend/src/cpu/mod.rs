@@ -18,7 +18,7 @@ use crate::dtype::{DType, HostTensor, TensorBytes};
 use crate::{
     ActShape, Backend, BackendError, DeltaRule, KvGeometry, MatmulPart, Result, RopeStyle, RopeTable, SeqStep,
 };
-use attend::{attend_group, AttnState, ATTN_CHUNK};
+use attend::{attend_group, AttnState, KvValue, ATTN_CHUNK};
 use corridor_units::PageId;
 use corridor_units::StateSlot;
 use rayon::prelude::*;
@@ -134,6 +134,30 @@ pub struct CpuBackend {
     /// Keep every block-format weight in its stored rows, never in tiles of
     /// 16 rows ([`tiles`], where the CPU has AVX-512 VNNI).
     stored_rows: bool,
+    /// How the KV cache stores K and V.
+    kv: KvPrecision,
+}
+
+/// How the CPU's KV cache stores K and V.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvPrecision {
+    /// f32: K and V exactly as computed (4 bytes a value).
+    #[default]
+    F32,
+    /// f16 (2 bytes a value): twice the tokens in the same memory and half
+    /// the bytes a decode step reads; values round to f16 and saturate at
+    /// ±65504.
+    F16,
+}
+
+impl KvPrecision {
+    /// Bytes of one stored value.
+    pub fn elem_bytes(self) -> u64 {
+        match self {
+            KvPrecision::F32 => 4,
+            KvPrecision::F16 => 2,
+        }
+    }
 }
 
 impl CpuBackend {
@@ -155,6 +179,17 @@ impl CpuBackend {
     /// rows (`false`: the AVX2 dots, for comparing the two).
     pub fn with_row_tiles(self, tiles: bool) -> Self {
         CpuBackend { stored_rows: !tiles, ..self }
+    }
+
+    /// This backend with its KV cache stored as `precision` says (f32 by
+    /// default).
+    pub fn with_kv_precision(self, kv: KvPrecision) -> Self {
+        CpuBackend { kv, ..self }
+    }
+
+    /// How this backend stores K and V.
+    pub fn kv_precision(&self) -> KvPrecision {
+        self.kv
     }
 
     /// A backend whose KV and activation buffers are resident from the start.
@@ -196,6 +231,137 @@ impl CpuBackend {
         }
         v
     }
+
+    /// [`Backend::write_kv`] into a store of `T`.
+    fn write_kv_in<T: KvValue>(&self, kv: &mut Paged<T>, k: &CpuAct, v: &CpuAct, seqs: &[SeqStep<'_>]) {
+        let g = kv.geometry;
+        for s in seqs {
+            for i in 0..s.rows {
+                let pos = s.cached + i;
+                let (kd, vd) = kv.token_mut(s.pages[pos / g.page_size.get()], pos % g.page_size.get());
+                let round = |x: f32| if self.rounding.kv { round_bf16(x) } else { x };
+                for (d, &x) in kd.iter_mut().zip(k.row(s.row_start + i)) {
+                    *d = T::of(round(x));
+                }
+                for (d, &x) in vd.iter_mut().zip(v.row(s.row_start + i)) {
+                    *d = T::of(round(x));
+                }
+            }
+        }
+    }
+
+    /// [`Backend::attention`] over a store of `T`.
+    fn attention_in<T: KvValue>(
+        &self,
+        q: &CpuAct,
+        kv: &Paged<T>,
+        heads: usize,
+        seqs: &[SeqStep<'_>],
+        out: &mut CpuAct,
+    ) {
+        let g = kv.geometry;
+        let hd = g.head_dim;
+        let group = heads / g.kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let cols = q.cols;
+        let rows: Vec<(usize, usize)> =
+            seqs.iter().enumerate().flat_map(|(si, s)| (0..s.rows).map(move |i| (si, i))).collect();
+        let optr = SendPtr(out.data.as_mut_ptr());
+        // Row i of sequence si: its query heads h0.. (one per state, all of
+        // KV head kvh) over the slice's first n tokens.
+        let attend_row =
+            |si: usize, i: usize, h0: usize, states: &mut [AttnState], keys: &[&[T]], values: &[&[T]]| {
+                let qs = &q.row(seqs[si].row_start + i)[h0 * hd..(h0 + states.len()) * hd];
+                with_scratch(hd, |buf| attend_group(qs, keys, values, scale, buf, states));
+            };
+        let write = |si: usize, i: usize, h: usize, state: &AttnState| {
+            let r = seqs[si].row_start + i;
+            // SAFETY: row r, head h columns are written by one task only.
+            let o = unsafe { std::slice::from_raw_parts_mut(optr.get().add(r * cols + h * hd), hd) };
+            state.finish(o);
+        };
+        let chunks = |si: usize, i: usize| (seqs[si].cached + i + 1).div_ceil(ATTN_CHUNK);
+        let span = |si: usize, i: usize, c: usize| {
+            (c * ATTN_CHUNK, ((c + 1) * ATTN_CHUNK).min(seqs[si].cached + i + 1))
+        };
+        if rows.len() > ATTN_SPLIT_MAX_ROWS {
+            // A task per block of a sequence's consecutive rows and KV head: a
+            // slice's K and V rows are found once for the block and stay in
+            // cache while every row's query heads of the group go over them.
+            // Each row folds the same slices in the same order as alone.
+            let blocks: Vec<(usize, usize, usize)> = seqs
+                .iter()
+                .enumerate()
+                .flat_map(|(si, s)| {
+                    (0..s.rows)
+                        .step_by(ATTN_ROW_BLOCK)
+                        .map(move |i| (si, i, (i + ATTN_ROW_BLOCK).min(s.rows)))
+                })
+                .collect();
+            pool::for_each(blocks.len() * g.kv_heads, |w| {
+                let ((si, i0, i1), kvh) = (blocks[w / g.kv_heads], w % g.kv_heads);
+                let mut states: Vec<AttnState> = (0..(i1 - i0) * group).map(|_| AttnState::new(hd)).collect();
+                let (mut keys, mut values) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
+                for c in 0..chunks(si, i1 - 1) {
+                    // The last row's span is the longest; the others read a prefix of it.
+                    let (t0, t1) = span(si, i1 - 1, c);
+                    kv.gather(seqs[si].pages, kvh * hd..(kvh + 1) * hd, t0..t1, &mut keys, &mut values);
+                    for i in i0..i1 {
+                        if c < chunks(si, i) {
+                            let n = span(si, i, c).1 - t0;
+                            let st = &mut states[(i - i0) * group..(i - i0 + 1) * group];
+                            attend_row(si, i, kvh * group, st, &keys[..n], &values[..n]);
+                        }
+                    }
+                }
+                for i in i0..i1 {
+                    for j in 0..group {
+                        write(si, i, kvh * group + j, &states[(i - i0) * group + j]);
+                    }
+                }
+            });
+            return;
+        }
+        // Few rows (decode): one task per (row, KV head, chunk of the
+        // context), its query heads together, so 3 KV heads still fill every
+        // thread; the chunks' states meet in chunk order, the same merges as
+        // above, so the result is the same.
+        let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+        for (ri, &(si, i)) in rows.iter().enumerate() {
+            for kvh in 0..g.kv_heads {
+                tasks.extend((0..chunks(si, i)).map(|c| (ri, kvh, c)));
+            }
+        }
+        let parts: Vec<std::sync::Mutex<Vec<AttnState>>> = (0..tasks.len())
+            .map(|_| std::sync::Mutex::new((0..group).map(|_| AttnState::new(hd)).collect()))
+            .collect();
+        pool::for_each(tasks.len(), |w| {
+            let (ri, kvh, c) = tasks[w];
+            let (si, i) = rows[ri];
+            let (t0, t1) = span(si, i, c);
+            let mut states = parts[w].lock().unwrap_or_else(|e| e.into_inner());
+            let (mut keys, mut values) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
+            kv.gather(seqs[si].pages, kvh * hd..(kvh + 1) * hd, t0..t1, &mut keys, &mut values);
+            let n = t1 - t0;
+            attend_row(si, i, kvh * group, &mut states, &keys[..n], &values[..n]);
+        });
+        let mut w = 0;
+        while w < tasks.len() {
+            let (ri, kvh, _) = tasks[w];
+            let (si, i) = rows[ri];
+            let mut states: Vec<AttnState> = (0..group).map(|_| AttnState::new(hd)).collect();
+            while w < tasks.len() && tasks[w].0 == ri && tasks[w].1 == kvh {
+                let p = parts[w].lock().unwrap_or_else(|e| e.into_inner());
+                for (state, p) in states.iter_mut().zip(p.iter()) {
+                    state.merge(p.m, p.l, &p.o);
+                }
+                w += 1;
+            }
+            for (j, state) in states.iter().enumerate() {
+                write(si, i, kvh * group + j, state);
+            }
+        }
+    }
 }
 
 /// Reads one byte in every 4 KiB page of a mapped file, so each page is in
@@ -212,12 +378,12 @@ fn read_pages(bytes: &[u8]) {
 /// Writes one element in every 4 KiB page, so each page is backed now. The
 /// writes are volatile: zeros over zeroed memory are otherwise removed as
 /// redundant, and the pages would stay unbacked.
-fn touch_pages(v: &mut [f32]) {
-    const PER_PAGE: usize = 4096 / std::mem::size_of::<f32>();
-    v.par_chunks_mut(PER_PAGE * 256).for_each(|chunk| {
-        for i in (0..chunk.len()).step_by(PER_PAGE) {
+fn touch_pages<T: Copy + Default + Send>(v: &mut [T]) {
+    let per_page = (4096 / std::mem::size_of::<T>()).max(1);
+    v.par_chunks_mut(per_page * 256).for_each(|chunk| {
+        for i in (0..chunk.len()).step_by(per_page) {
             // SAFETY: `i` is in bounds of `chunk`.
-            unsafe { std::ptr::write_volatile(chunk.as_mut_ptr().add(i), 0.0) };
+            unsafe { std::ptr::write_volatile(chunk.as_mut_ptr().add(i), T::default()) };
         }
     });
 }
@@ -354,34 +520,69 @@ const _: () = assert!(gemm::NR == tiles::TILE_ROWS, "a tile widens into one GEMM
 const KV_BLOCK_VALUES: usize = 64 * 1024;
 
 /// The K and V values of one block of pages.
-type KvBlock = (Box<[f32]>, Box<[f32]>);
+type KvBlock<T> = (Box<[T]>, Box<[T]>);
 
 /// One layer's paged K and V, each `[num_pages, page_size, kv_heads, head_dim]`,
-/// held in blocks of whole pages that are allocated when a page of theirs is
-/// first written (all at once on a resident backend). A store addresses the
-/// arena's whole id space, which on a sim card may be far larger than the
-/// host; blocks nobody wrote cost no host memory and no address space.
-pub struct CpuKv {
+/// stored in f32 or f16 ([`KvPrecision`]).
+pub enum CpuKv {
+    F32(Paged<f32>),
+    F16(Paged<half::f16>),
+}
+
+/// Runs `$body` with `$p` bound to the [`Paged`] store of `$kv`, whichever
+/// its value type.
+macro_rules! with_paged {
+    ($kv:expr, $p:ident => $body:expr) => {
+        match $kv {
+            CpuKv::F32($p) => $body,
+            CpuKv::F16($p) => $body,
+        }
+    };
+}
+
+impl CpuKv {
+    pub fn geometry(&self) -> KvGeometry {
+        with_paged!(self, p => p.geometry)
+    }
+    /// Blocks that hold host memory.
+    pub fn blocks_allocated(&self) -> usize {
+        with_paged!(self, p => p.blocks.iter().filter(|b| b.is_some()).count())
+    }
+    /// How K and V are stored.
+    pub fn precision(&self) -> KvPrecision {
+        match self {
+            CpuKv::F32(_) => KvPrecision::F32,
+            CpuKv::F16(_) => KvPrecision::F16,
+        }
+    }
+}
+
+/// Paged K and V of value type `T`, held in blocks of whole pages that are
+/// allocated when a page of theirs is first written (all at once on a
+/// resident backend). A store addresses the arena's whole id space, which on
+/// a sim card may be far larger than the host; blocks nobody wrote cost no
+/// host memory and no address space.
+pub struct Paged<T> {
     geometry: KvGeometry,
     /// Pages per block.
     block_pages: usize,
     /// Each block's K and V, or `None` until one of its pages is written.
-    blocks: Vec<Option<KvBlock>>,
+    blocks: Vec<Option<KvBlock<T>>>,
     /// What an unwritten token reads as (one token's width of zeros).
-    zeros: Box<[f32]>,
+    zeros: Box<[T]>,
 }
 
-impl CpuKv {
-    fn new(geometry: KvGeometry, resident: bool) -> CpuKv {
+impl<T: KvValue> Paged<T> {
+    fn new(geometry: KvGeometry, resident: bool) -> Paged<T> {
         let width = geometry.kv_heads * geometry.head_dim;
         let page_values = (geometry.page_size.get() * width).max(1);
         let block_pages = (KV_BLOCK_VALUES / page_values).max(1);
         let n_blocks = geometry.num_pages.get().div_ceil(block_pages);
-        let mut kv = CpuKv {
+        let mut kv = Paged {
             geometry,
             block_pages,
             blocks: (0..n_blocks).map(|_| None).collect(),
-            zeros: vec![0.0; width].into_boxed_slice(),
+            zeros: vec![T::default(); width].into_boxed_slice(),
         };
         if resident {
             for b in 0..n_blocks {
@@ -389,9 +590,6 @@ impl CpuKv {
             }
         }
         kv
-    }
-    pub fn geometry(&self) -> KvGeometry {
-        self.geometry
     }
     /// Values in one page of K (or of V).
     fn page_values(&self) -> usize {
@@ -405,11 +603,11 @@ impl CpuKv {
         (block, (within * g.page_size.get() + slot) * g.kv_heads * g.head_dim)
     }
     /// Block `b`, allocated (zeroed and touched, so it is resident) if it was not.
-    fn block_mut(&mut self, b: usize) -> (&mut [f32], &mut [f32]) {
+    fn block_mut(&mut self, b: usize) -> (&mut [T], &mut [T]) {
         let n = self.block_pages * self.page_values();
         let (k, v) = self.blocks[b].get_or_insert_with(|| {
-            let mut k = vec![0.0f32; n];
-            let mut v = vec![0.0f32; n];
+            let mut k = vec![T::default(); n];
+            let mut v = vec![T::default(); n];
             touch_pages(&mut k);
             touch_pages(&mut v);
             (k.into_boxed_slice(), v.into_boxed_slice())
@@ -417,7 +615,7 @@ impl CpuKv {
         (&mut k[..], &mut v[..])
     }
     /// K and V of token `slot` of `page`, all KV heads (zeros if never written).
-    fn token(&self, page: PageId, slot: usize) -> (&[f32], &[f32]) {
+    fn token(&self, page: PageId, slot: usize) -> (&[T], &[T]) {
         let width = self.zeros.len();
         let (b, at) = self.locate(page, slot);
         match &self.blocks[b] {
@@ -426,7 +624,7 @@ impl CpuKv {
         }
     }
     /// K and V of token `slot` of `page`, to be written.
-    fn token_mut(&mut self, page: PageId, slot: usize) -> (&mut [f32], &mut [f32]) {
+    fn token_mut(&mut self, page: PageId, slot: usize) -> (&mut [T], &mut [T]) {
         let width = self.zeros.len();
         let (b, at) = self.locate(page, slot);
         let (k, v) = self.block_mut(b);
@@ -442,7 +640,7 @@ impl CpuKv {
         Ok(())
     }
     /// K and V of a whole page (`None`: never written, so zeros).
-    fn page(&self, page: PageId) -> Option<(&[f32], &[f32])> {
+    fn page(&self, page: PageId) -> Option<(&[T], &[T])> {
         let n = self.page_values();
         let (b, at) = self.locate(page, 0);
         self.blocks[b].as_ref().map(|(k, v)| (&k[at..at + n], &v[at..at + n]))
@@ -455,8 +653,8 @@ impl CpuKv {
         pages: &[PageId],
         heads: Range<usize>,
         tokens: Range<usize>,
-        keys: &mut [&'a [f32]],
-        values: &mut [&'a [f32]],
+        keys: &mut [&'a [T]],
+        values: &mut [&'a [T]],
     ) {
         let (ps, width) = (self.geometry.page_size.get(), self.zeros.len());
         let mut t = tokens.start;
@@ -479,15 +677,11 @@ impl CpuKv {
         }
     }
     /// K and V of a whole page, to be written.
-    fn page_mut(&mut self, page: PageId) -> (&mut [f32], &mut [f32]) {
+    fn page_mut(&mut self, page: PageId) -> (&mut [T], &mut [T]) {
         let n = self.page_values();
         let (b, at) = self.locate(page, 0);
         let (k, v) = self.block_mut(b);
         (&mut k[at..at + n], &mut v[at..at + n])
-    }
-    /// Blocks that hold host memory.
-    pub fn blocks_allocated(&self) -> usize {
-        self.blocks.iter().filter(|b| b.is_some()).count()
     }
 }
 
@@ -773,7 +967,10 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_kv(&self, geometry: KvGeometry) -> Result<CpuKv> {
-        Ok(CpuKv::new(geometry, self.resident))
+        Ok(match self.kv {
+            KvPrecision::F32 => CpuKv::F32(Paged::new(geometry, self.resident)),
+            KvPrecision::F16 => CpuKv::F16(Paged::new(geometry, self.resident)),
+        })
     }
 
     fn embedding(&self, table: &CpuWeight, ids: &[u32], out: &mut CpuAct) -> Result<()> {
@@ -1074,123 +1271,11 @@ impl Backend for CpuBackend {
     }
 
     fn write_kv(&self, kv: &mut CpuKv, k: &CpuAct, v: &CpuAct, seqs: &[SeqStep<'_>]) {
-        let g = kv.geometry;
-        for s in seqs {
-            for i in 0..s.rows {
-                let pos = s.cached + i;
-                let (kd, vd) = kv.token_mut(s.pages[pos / g.page_size.get()], pos % g.page_size.get());
-                kd.copy_from_slice(k.row(s.row_start + i));
-                vd.copy_from_slice(v.row(s.row_start + i));
-                if self.rounding.kv {
-                    kd.iter_mut().chain(vd.iter_mut()).for_each(|x| *x = round_bf16(*x));
-                }
-            }
-        }
+        with_paged!(kv, kv => self.write_kv_in(kv, k, v, seqs))
     }
 
     fn attention(&self, q: &CpuAct, kv: &CpuKv, heads: usize, seqs: &[SeqStep<'_>], out: &mut CpuAct) {
-        let g = kv.geometry;
-        let hd = g.head_dim;
-        let group = heads / g.kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let cols = q.cols;
-        let rows: Vec<(usize, usize)> =
-            seqs.iter().enumerate().flat_map(|(si, s)| (0..s.rows).map(move |i| (si, i))).collect();
-        let optr = SendPtr(out.data.as_mut_ptr());
-        // Row i of sequence si: its query heads h0.. (one per state, all of
-        // KV head kvh) over the slice's first n tokens.
-        let attend_row =
-            |si: usize, i: usize, h0: usize, states: &mut [AttnState], keys: &[&[f32]], values: &[&[f32]]| {
-                let qs = &q.row(seqs[si].row_start + i)[h0 * hd..(h0 + states.len()) * hd];
-                with_scratch(hd, |buf| attend_group(qs, keys, values, scale, buf, states));
-            };
-        let write = |si: usize, i: usize, h: usize, state: &AttnState| {
-            let r = seqs[si].row_start + i;
-            // SAFETY: row r, head h columns are written by one task only.
-            let o = unsafe { std::slice::from_raw_parts_mut(optr.get().add(r * cols + h * hd), hd) };
-            state.finish(o);
-        };
-        let chunks = |si: usize, i: usize| (seqs[si].cached + i + 1).div_ceil(ATTN_CHUNK);
-        let span = |si: usize, i: usize, c: usize| {
-            (c * ATTN_CHUNK, ((c + 1) * ATTN_CHUNK).min(seqs[si].cached + i + 1))
-        };
-        if rows.len() > ATTN_SPLIT_MAX_ROWS {
-            // A task per block of a sequence's consecutive rows and KV head: a
-            // slice's K and V rows are found once for the block and stay in
-            // cache while every row's query heads of the group go over them.
-            // Each row folds the same slices in the same order as alone.
-            let blocks: Vec<(usize, usize, usize)> = seqs
-                .iter()
-                .enumerate()
-                .flat_map(|(si, s)| {
-                    (0..s.rows)
-                        .step_by(ATTN_ROW_BLOCK)
-                        .map(move |i| (si, i, (i + ATTN_ROW_BLOCK).min(s.rows)))
-                })
-                .collect();
-            pool::for_each(blocks.len() * g.kv_heads, |w| {
-                let ((si, i0, i1), kvh) = (blocks[w / g.kv_heads], w % g.kv_heads);
-                let mut states: Vec<AttnState> = (0..(i1 - i0) * group).map(|_| AttnState::new(hd)).collect();
-                let (mut keys, mut values) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
-                for c in 0..chunks(si, i1 - 1) {
-                    // The last row's span is the longest; the others read a prefix of it.
-                    let (t0, t1) = span(si, i1 - 1, c);
-                    kv.gather(seqs[si].pages, kvh * hd..(kvh + 1) * hd, t0..t1, &mut keys, &mut values);
-                    for i in i0..i1 {
-                        if c < chunks(si, i) {
-                            let n = span(si, i, c).1 - t0;
-                            let st = &mut states[(i - i0) * group..(i - i0 + 1) * group];
-                            attend_row(si, i, kvh * group, st, &keys[..n], &values[..n]);
-                        }
-                    }
-                }
-                for i in i0..i1 {
-                    for j in 0..group {
-                        write(si, i, kvh * group + j, &states[(i - i0) * group + j]);
-                    }
-                }
-            });
-            return;
-        }
-        // Few rows (decode): one task per (row, KV head, chunk of the
-        // context), its query heads together, so 3 KV heads still fill every
-        // thread; the chunks' states meet in chunk order, the same merges as
-        // above, so the result is the same.
-        let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
-        for (ri, &(si, i)) in rows.iter().enumerate() {
-            for kvh in 0..g.kv_heads {
-                tasks.extend((0..chunks(si, i)).map(|c| (ri, kvh, c)));
-            }
-        }
-        let parts: Vec<std::sync::Mutex<Vec<AttnState>>> = (0..tasks.len())
-            .map(|_| std::sync::Mutex::new((0..group).map(|_| AttnState::new(hd)).collect()))
-            .collect();
-        pool::for_each(tasks.len(), |w| {
-            let (ri, kvh, c) = tasks[w];
-            let (si, i) = rows[ri];
-            let (t0, t1) = span(si, i, c);
-            let mut states = parts[w].lock().unwrap_or_else(|e| e.into_inner());
-            let (mut keys, mut values) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
-            kv.gather(seqs[si].pages, kvh * hd..(kvh + 1) * hd, t0..t1, &mut keys, &mut values);
-            let n = t1 - t0;
-            attend_row(si, i, kvh * group, &mut states, &keys[..n], &values[..n]);
-        });
-        let mut w = 0;
-        while w < tasks.len() {
-            let (ri, kvh, _) = tasks[w];
-            let (si, i) = rows[ri];
-            let mut states: Vec<AttnState> = (0..group).map(|_| AttnState::new(hd)).collect();
-            while w < tasks.len() && tasks[w].0 == ri && tasks[w].1 == kvh {
-                let p = parts[w].lock().unwrap_or_else(|e| e.into_inner());
-                for (state, p) in states.iter_mut().zip(p.iter()) {
-                    state.merge(p.m, p.l, &p.o);
-                }
-                w += 1;
-            }
-            for (j, state) in states.iter().enumerate() {
-                write(si, i, kvh * group + j, state);
-            }
-        }
+        with_paged!(kv, kv => self.attention_in(q, kv, heads, seqs, out))
     }
 
     fn read_rows(&self, x: &CpuAct, rows: usize, out: &mut Vec<f32>) {
@@ -1199,50 +1284,52 @@ impl Backend for CpuBackend {
     }
 
     fn copy_page(&self, kv: &mut CpuKv, from: PageId, to: PageId) {
-        let mut data = Vec::new();
-        match kv.page(from) {
-            Some((k, v)) => {
-                data.extend_from_slice(k);
-                data.extend_from_slice(v);
+        with_paged!(kv, kv => {
+            let mut data = Vec::new();
+            match kv.page(from) {
+                Some((k, v)) => {
+                    data.extend_from_slice(k);
+                    data.extend_from_slice(v);
+                }
+                None => data.resize(2 * kv.page_values(), Default::default()),
             }
-            None => data.resize(2 * kv.page_values(), 0.0),
-        }
-        let n = kv.page_values();
-        let (k, v) = kv.page_mut(to);
-        k.copy_from_slice(&data[..n]);
-        v.copy_from_slice(&data[n..]);
+            let n = kv.page_values();
+            let (k, v) = kv.page_mut(to);
+            k.copy_from_slice(&data[..n]);
+            v.copy_from_slice(&data[n..]);
+        })
     }
 
     fn read_kv_page(&self, kv: &CpuKv, page: PageId, out: &mut Vec<f32>) -> Result<()> {
-        kv.check_page(page)?;
-        out.clear();
-        match kv.page(page) {
-            Some((k, v)) => {
-                out.extend_from_slice(k);
-                out.extend_from_slice(v);
+        with_paged!(kv, kv => {
+            kv.check_page(page)?;
+            out.clear();
+            match kv.page(page) {
+                Some((k, v)) => out.extend(k.iter().chain(v).map(|x| x.get())),
+                None => out.resize(2 * kv.page_values(), 0.0),
             }
-            None => out.resize(2 * kv.page_values(), 0.0),
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     fn write_kv_page(&self, kv: &mut CpuKv, page: PageId, data: &[f32]) -> Result<()> {
-        kv.check_page(page)?;
-        let n = kv.page_values();
-        if data.len() != 2 * n {
-            return Err(BackendError::Other(format!(
-                "a KV page holds {} values, {} were given",
-                2 * n,
-                data.len()
-            )));
-        }
-        let (k, v) = kv.page_mut(page);
-        k.copy_from_slice(&data[..n]);
-        v.copy_from_slice(&data[n..]);
-        if self.rounding.kv {
-            k.iter_mut().chain(v.iter_mut()).for_each(|x| *x = round_bf16(*x));
-        }
-        Ok(())
+        with_paged!(kv, kv => {
+            kv.check_page(page)?;
+            let n = kv.page_values();
+            if data.len() != 2 * n {
+                return Err(BackendError::Other(format!(
+                    "a KV page holds {} values, {} were given",
+                    2 * n,
+                    data.len()
+                )));
+            }
+            let round = |x: f32| if self.rounding.kv { round_bf16(x) } else { x };
+            let (k, v) = kv.page_mut(page);
+            for (d, &x) in k.iter_mut().chain(v.iter_mut()).zip(data) {
+                *d = KvValue::of(round(x));
+            }
+            Ok(())
+        })
     }
 }
 
@@ -1301,6 +1388,32 @@ mod residency_tests {
         assert_eq!(out, data);
         assert_eq!(kv.blocks_allocated(), 2);
         assert!(backend.read_kv_page(&kv, PageId(1 << 18), &mut out).is_err());
+    }
+
+    /// An f16 store: half the bytes a block; a page written reads back as
+    /// its values rounded to f16 (saturated at ±65504), and moves as stored.
+    #[test]
+    fn an_f16_store_reads_back_its_values_rounded_to_f16() {
+        let geometry = KvGeometry { num_pages: Pages(64), page_size: Tokens(16), kv_heads: 2, head_dim: 8 };
+        let backend = CpuBackend::new().with_kv_precision(KvPrecision::F16);
+        let mut kv = backend.alloc_kv(geometry).expect("kv");
+        assert_eq!(kv.precision(), KvPrecision::F16);
+        let n = 16 * 2 * 8;
+        let mut data: Vec<f32> = (0..2 * n).map(|i| (i as f32 - 200.0) * 0.0123).collect();
+        (data[5], data[6]) = (1e6, -1e6);
+        backend.write_kv_page(&mut kv, PageId(9), &data).expect("write");
+        let mut out = Vec::new();
+        backend.read_kv_page(&kv, PageId(9), &mut out).expect("read");
+        let want: Vec<f32> =
+            data.iter().map(|&x| half::f16::from_f32(x.clamp(-65504.0, 65504.0)).to_f32()).collect();
+        assert_eq!(out, want);
+        assert_ne!(out, data, "f16 rounds");
+        assert_eq!((out[5], out[6]), (65504.0, -65504.0));
+        backend.copy_page(&mut kv, PageId(9), PageId(40));
+        backend.read_kv_page(&kv, PageId(40), &mut out).expect("read");
+        assert_eq!(out, want);
+        let CpuKv::F16(paged) = &kv else { panic!("an f16 store") };
+        assert_eq!(std::mem::size_of_val(&paged.blocks[0].as_ref().expect("written").0[0]), 2);
     }
 }
 

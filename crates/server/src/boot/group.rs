@@ -100,19 +100,21 @@ pub(super) struct CpuRanks {
     pub link: Option<LinkModel>,
     /// Block-format weights in tiles of 16 rows (`--cpu-row-tiles`).
     pub row_tiles: bool,
+    /// How K and V are stored.
+    pub kv: corridor_backend::cpu::KvPrecision,
 }
 
 impl RankKind for CpuRanks {
     type B = corridor_backend::cpu::CpuBackend;
     fn kv_elem_bytes(&self) -> u64 {
-        4
+        self.kv.elem_bytes()
     }
     fn books_by_size(&self) -> bool {
         true
     }
     fn backend(&self, _env: &BootEnv<'_>, _dev: &Device, _rank: usize) -> Result<Self::B, BootError> {
         let b = if self.resident { Self::B::resident() } else { Self::B::new() };
-        Ok(b.with_row_tiles(self.row_tiles))
+        Ok(b.with_row_tiles(self.row_tiles).with_kv_precision(self.kv))
     }
     fn collectives(
         &self,

@@ -136,6 +136,8 @@ pub struct BootPlan {
     pub sim_link: Option<corridor_backend::collective::LinkModel>,
     /// CPU ranks hold 32-weight block formats in tiles of 16 rows (`--cpu-row-tiles`).
     pub cpu_row_tiles: bool,
+    /// How CPU ranks store K and V (`None`: as the checkpoint's matrices warrant).
+    pub cpu_kv: Option<corridor_backend::cpu::KvPrecision>,
     pub flight_dir: Option<PathBuf>,
     /// Draw rows on the GPU where the layout allows (`--device-sampling`).
     pub device_sampling: bool,
@@ -200,6 +202,7 @@ impl BootPlan {
             cuda: CudaPlan { tuning: opts.cuda_tuning, kernel_cache: opts.kernel_cache.clone() },
             sim_link: opts.sim_link,
             cpu_row_tiles: opts.cpu_row_tiles,
+            cpu_kv: opts.cpu_kv,
             device_sampling: opts.device_sampling,
             flight_dir: opts.flight_dir.clone(),
         })
