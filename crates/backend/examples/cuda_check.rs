@@ -12,7 +12,9 @@
 //! and a batch's (8, 32 and 128 sequences of 640 tokens, eager and captured),
 //! `--bench-moe` a Qwen3-30B-A3B expert layer with bf16 experts and with a
 //! Q4_K_M file's (on the routed integer GEMVs and on the any-type ones),
-//! `--bench-sample` the device sampler at 1 to 128 rows.
+//! `--bench-sample` the device sampler at 1 to 128 rows (rows scanned in
+//! slices first and not), `--sample-checks` the sampler's checks and then
+//! that benchmark.
 //!
 //! `CORRIDOR_CACHE_DIR` (optional) is where compiled kernels are cached.
 
@@ -73,6 +75,20 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if flag("--bench-attention") {
         for l in check::bench_decode_attention(&be)? {
             println!("{l}");
+        }
+        return Ok(());
+    }
+    if flag("--sample-checks") {
+        let rep = check::sample_only(&be)?;
+        for l in &rep.lines {
+            println!("{l}");
+        }
+        println!("{} comparisons, {} failed", rep.lines.len(), rep.failures);
+        for l in check::bench_sample(&be)? {
+            println!("{l}");
+        }
+        if rep.failures > 0 {
+            return Err(format!("{} comparisons failed", rep.failures).into());
         }
         return Ok(());
     }

@@ -18,7 +18,10 @@
 //   tokens hold the draw; only the tokens sharing one key are sorted. A
 //   top-k beyond SAMPLE_CAP is handed back (ROW_TOO_MANY).
 // The passes over a row unroll by four so each thread keeps several loads in
-// flight (one block reads the whole row, several times). Weights are bit for
+// flight (one block reads the whole row, several times). With slices (the
+// default), `sample_scan` first sanitizes, edits and finds the largest value
+// of every slice of every row, many blocks a row, and `sample_rows` starts
+// from the slices' results: a greedy row is then never read by one block. Weights are bit for
 // bit the host's: the same polynomial with the same rounding at every step
 // (no fused multiply-adds). Sums are f64 in another order than the host's,
 // so a draw within rounding of a boundary may pick the neighbouring token.
@@ -45,6 +48,13 @@ struct SampleEdit {
 struct SampleSummary {
     u32 token, argmax, nan, pos_inf, value_bits, status;
 };
+// One slice's result of `sample_scan`: its first largest value (after the
+// sanitizing and the edits), where it is, and the NaN and +inf it held.
+struct SampleSlice {
+    float max;
+    u32 argmax, nan, pos_inf;
+};
+#define SCAN_THREADS 256
 
 __device__ __forceinline__ float sample_settle(float v) { return isnan(v) ? NEG_INF : fminf(v, FLT_MAX_F); }
 
@@ -216,8 +226,96 @@ __device__ double sample_mass_above(const float* row, int vocab, float mx, float
     return s;
 }
 
+// The first largest of (v, i) and (ov, oi): the larger value, the lower
+// index on a tie (SAMPLE_NONE, for nothing above -inf, is the highest).
+__device__ __forceinline__ void sample_best(float& v, u32& i, float ov, u32 oi) {
+    if (ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+    }
+}
+
+// The host's edit `ed` applied to the sanitized value `v`.
+__device__ __forceinline__ float sample_edit(float v, const SampleEdit& ed) {
+    v = sample_settle(v > 0.0f ? __fdiv_rn(v, ed.rep) : __fmul_rn(v, ed.rep));
+    v = sample_settle(__fsub_rn(v, ed.sub));
+    if (ed.flags & EDIT_BIAS) v = sample_settle(__fadd_rn(v, ed.bias));
+    if (ed.flags & EDIT_MASK) v = NEG_INF;
+    return v;
+}
+
+// Slice blockIdx.x of the row of spec blockIdx.y (slices of `chunk` tokens):
+// sanitized in place, the row's edits that fall in it applied, its first
+// largest value found; `out[spec * gridDim.x + slice]` gets the result.
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+    sample_scan(float* logits, int vocab, int chunk, const SampleSpec* specs, const SampleEdit* edits,
+                SampleSlice* out) {
+    pdl_enter();
+    __shared__ float best_v[SCAN_THREADS / 32];
+    __shared__ u32 best_i[SCAN_THREADS / 32], nans[SCAN_THREADS / 32], infs[SCAN_THREADS / 32];
+    const SampleSpec sp = specs[blockIdx.y];
+    float* row = logits + (long long)sp.row * vocab;
+    const int lo = blockIdx.x * chunk, hi = min(vocab, lo + chunk);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    u32 nan = 0, pinf = 0;
+    #pragma unroll 4
+    for (int i = lo + tid; i < hi; i += SCAN_THREADS) {
+        float v = row[i];
+        if (isnan(v)) {
+            nan++;
+            row[i] = NEG_INF;
+        } else if (isinf(v) && v > 0.0f) {
+            pinf++;
+            row[i] = FLT_MAX_F;
+        }
+    }
+    __syncthreads();
+    for (u32 e = tid; e < sp.edits_len; e += SCAN_THREADS) {
+        SampleEdit ed = edits[sp.edits_start + e];
+        if (ed.token < (u32)lo || ed.token >= (u32)hi) continue;
+        row[ed.token] = sample_edit(row[ed.token], ed);
+    }
+    __syncthreads();
+    float bv = NEG_INF;
+    u32 bi = SAMPLE_NONE;
+    #pragma unroll 4
+    for (int i = lo + tid; i < hi; i += SCAN_THREADS) {
+        float v = row[i];
+        if (v > bv) {
+            bv = v;
+            bi = (u32)i;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        sample_best(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+        nan += __shfl_xor_sync(0xffffffffu, nan, o);
+        pinf += __shfl_xor_sync(0xffffffffu, pinf, o);
+    }
+    if (lane == 0) {
+        best_v[warp] = bv;
+        best_i[warp] = bi;
+        nans[warp] = nan;
+        infs[warp] = pinf;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        SampleSlice r = {NEG_INF, SAMPLE_NONE, 0, 0};
+        for (int w = 0; w < SCAN_THREADS / 32; w++) {
+            sample_best(r.max, r.argmax, best_v[w], best_i[w]);
+            r.nan += nans[w];
+            r.pos_inf += infs[w];
+        }
+        out[blockIdx.y * gridDim.x + blockIdx.x] = r;
+    }
+}
+
+// `slices` > 0: `sample_scan` ran over this launch's specs with that many
+// slices a row, its results in `scanned`; 0: this kernel sanitizes, edits
+// and finds the largest value itself.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_rows(float* logits, int vocab, const SampleSpec* specs, const SampleEdit* edits, SampleSummary* out) {
+    sample_rows(float* logits, int vocab, const SampleSpec* specs, const SampleEdit* edits, SampleSummary* out,
+                const SampleSlice* scanned, int slices) {
     pdl_enter();
     __shared__ unsigned long long keys[SAMPLE_CAP];
     __shared__ double sd[32];
@@ -231,66 +329,61 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     float* row = logits + (long long)sp.row * vocab;
     const int tid = threadIdx.x;
 
-    // Sanitize in place, counting what was wrong.
     u32 nan = 0, pinf = 0;
-    #pragma unroll 4
-    for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
-        float v = row[i];
-        if (isnan(v)) {
-            nan++;
-            row[i] = NEG_INF;
-        } else if (isinf(v) && v > 0.0f) {
-            pinf++;
-            row[i] = FLT_MAX_F;
-        }
-    }
-    nan = sample_sum_u32(nan, su);
-    pinf = sample_sum_u32(pinf, su);
-    // The host's edits, one token each, in the host's order of operations.
-    for (u32 e = tid; e < sp.edits_len; e += SAMPLE_THREADS) {
-        SampleEdit ed = edits[sp.edits_start + e];
-        if (ed.token >= (u32)vocab) continue;
-        float v = row[ed.token];
-        v = sample_settle(v > 0.0f ? __fdiv_rn(v, ed.rep) : __fmul_rn(v, ed.rep));
-        v = sample_settle(__fsub_rn(v, ed.sub));
-        if (ed.flags & EDIT_BIAS) v = sample_settle(__fadd_rn(v, ed.bias));
-        if (ed.flags & EDIT_MASK) v = NEG_INF;
-        row[ed.token] = v;
-    }
-    __syncthreads();
-
-    // The first largest value.
-    float bv = NEG_INF;
-    u32 bi = SAMPLE_NONE;
-    #pragma unroll 4
-    for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
-        float v = row[i];
-        if (v > bv) {
-            bv = v;
-            bi = (u32)i;
-        }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        u32 oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
-    if ((tid & 31) == 0) {
-        best_v[tid >> 5] = bv;
-        best_i[tid >> 5] = bi;
-    }
-    __syncthreads();
     float mx = NEG_INF;
     u32 amax = SAMPLE_NONE;
-    for (int w = 0; w < SAMPLE_THREADS / 32; w++) {
-        if (best_v[w] > mx || (best_v[w] == mx && best_i[w] < amax)) {
-            mx = best_v[w];
-            amax = best_i[w];
+    if (slices > 0) {
+        // The slices in order: the first largest of the first slice holding it.
+        const SampleSlice* sl = scanned + (long long)blockIdx.x * slices;
+        for (int i = 0; i < slices; i++) {
+            SampleSlice r = sl[i];
+            sample_best(mx, amax, r.max, r.argmax);
+            nan += r.nan;
+            pinf += r.pos_inf;
         }
+    } else {
+        // Sanitize in place, counting what was wrong.
+        #pragma unroll 4
+        for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
+            float v = row[i];
+            if (isnan(v)) {
+                nan++;
+                row[i] = NEG_INF;
+            } else if (isinf(v) && v > 0.0f) {
+                pinf++;
+                row[i] = FLT_MAX_F;
+            }
+        }
+        nan = sample_sum_u32(nan, su);
+        pinf = sample_sum_u32(pinf, su);
+        // The host's edits, one token each, in the host's order of operations.
+        for (u32 e = tid; e < sp.edits_len; e += SAMPLE_THREADS) {
+            SampleEdit ed = edits[sp.edits_start + e];
+            if (ed.token >= (u32)vocab) continue;
+            row[ed.token] = sample_edit(row[ed.token], ed);
+        }
+        __syncthreads();
+
+        // The first largest value.
+        float bv = NEG_INF;
+        u32 bi = SAMPLE_NONE;
+        #pragma unroll 4
+        for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
+            float v = row[i];
+            if (v > bv) {
+                bv = v;
+                bi = (u32)i;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            sample_best(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+        if ((tid & 31) == 0) {
+            best_v[tid >> 5] = bv;
+            best_i[tid >> 5] = bi;
+        }
+        __syncthreads();
+        for (int w = 0; w < SAMPLE_THREADS / 32; w++) sample_best(mx, amax, best_v[w], best_i[w]);
     }
     if (mx == NEG_INF) amax = SAMPLE_NONE;
 

@@ -99,8 +99,14 @@ pub struct CudaTuning {
     /// holding at most two steps in registers (`--cuda-mmvq-pipe on`,
     /// `CORRIDOR_MMVQ_PIPE=1`): about three times the bytes in flight a
     /// warp, for GEMVs that ran no faster on an H200 than on an H100. The
-    /// results are the same bits. Off until measured on a card.
+    /// results are the same bits. Off: slower on an H100.
     pub mmvq_pipe: bool,
+    /// The device sampler first sanitizes, edits and finds the largest
+    /// logit of every slice of 4,096 tokens of every row, many blocks a row
+    /// (kernels/sample.cu `sample_scan`), and one block a row draws from
+    /// there (`--cuda-sample-slices`); off: one block reads the whole row
+    /// for each of those passes. The same results either way.
+    pub sample_slices: bool,
 }
 
 impl Default for CudaTuning {
@@ -120,6 +126,7 @@ impl Default for CudaTuning {
             moe_q8: true,
             gemv_fill: false,
             mmvq_pipe: false,
+            sample_slices: false,
         }
     }
 }

@@ -188,17 +188,89 @@ pub fn put_rows(be: &CudaBackend, act: &CudaAct, data: &[f32]) -> Result<()> {
 /// with the engine's host sampler by the engine's `device_sampling_check`
 /// example.
 fn sample_checks(be: &CudaBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
+    for slices in [false, true] {
+        be.set_sample_slices(Some(slices));
+        let checked = sample_greedy_checks(be, rep, rng, slices);
+        be.set_sample_slices(None);
+        checked?;
+    }
+    sample_draws_alike(be, rep, rng)
+}
+
+/// Every kind of draw gives the same summaries with the rows scanned in
+/// slices first as with one block a row.
+fn sample_draws_alike(be: &CudaBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
+    use crate::sample::{LogitEdit, SampleRowSpec, SampledRows, EDIT_BIAS};
+    let (rows, vocab) = (8usize, 151_669usize);
+    let data = rng.vec(rows * vocab, 6.0);
+    let edits: Vec<LogitEdit> = (0..64u32)
+        .map(|i| LogitEdit {
+            token: i * 2_371 % vocab as u32,
+            rep: 1.1,
+            sub: 0.0,
+            bias: 0.5,
+            flags: EDIT_BIAS,
+        })
+        .collect();
+    let shapes =
+        [(0.2f32, 0u32, 0.9f32, 0.05f32), (1.0, 0, 1.0, 0.0), (1.0, 40, 1.0, 0.0), (0.7, 0, 0.95, 0.0)];
+    for (temperature, top_k, top_p, min_p) in shapes {
+        let specs: Vec<SampleRowSpec> = (0..rows as u32)
+            .map(|r| SampleRowSpec {
+                row: r,
+                edits_len: if r % 2 == 0 { edits.len() as u32 } else { 0 },
+                top_k,
+                temperature,
+                inv_t: 1.0 / temperature,
+                top_p,
+                min_p,
+                uniform: (r as f64 + 0.37) / rows as f64,
+                ..Default::default()
+            })
+            .collect();
+        let mut got = Vec::new();
+        for slices in [false, true] {
+            be.set_sample_slices(Some(slices));
+            let mut act = be.alloc_act(ActShape { rows, cols: vocab })?;
+            put_gpu(be, &act, &data)?;
+            let mut out = SampledRows::default();
+            let r = be.sample_rows(&mut act, &specs, &edits, &mut out);
+            be.set_sample_slices(None);
+            r?;
+            got.push(
+                out.rows
+                    .iter()
+                    .flat_map(|r| [r.token, r.argmax, r.value_bits, r.status])
+                    .collect::<Vec<u32>>(),
+            );
+        }
+        rep.compare(
+            &format!("sample_rows slices = one block a row (t {temperature}, top-k {top_k}, top-p {top_p}, min-p {min_p})"),
+            &[f32::from(got[0] == got[1])],
+            &[1.0],
+            EXACT,
+        );
+    }
+    Ok(())
+}
+
+/// [`sample_checks`]' greedy rows, the sampler's slices on or off.
+fn sample_greedy_checks(be: &CudaBackend, rep: &mut CheckReport, rng: &mut Rng, slices: bool) -> Result<()> {
     use crate::sample::{LogitEdit, SampleRowSpec, SampledRows, EDIT_BIAS, EDIT_MASK, NO_TOKEN};
-    for vocab in [37usize, 4099, 128_256] {
+    for vocab in [37usize, 4099, 8192, 128_256] {
         let rows = 6;
         let mut data = rng.vec(rows * vocab, 8.0);
         // Row 1: NaN and +inf; row 2: nothing finite; row 3: a tie for the
-        // largest value (the first must win); row 4: edits move the argmax.
+        // largest value (the first must win, and the two sit in different
+        // slices); row 4: edits move the argmax; row 5: a tie within one
+        // slice's first and last token.
         data[vocab + 3] = f32::NAN;
         data[vocab + vocab / 2] = f32::INFINITY;
         data[2 * vocab..3 * vocab].fill(f32::NEG_INFINITY);
         data[3 * vocab + vocab - 1] = 50.0;
         data[3 * vocab + vocab / 3] = 50.0;
+        data[5 * vocab + vocab.min(4096) - 1] = 70.0;
+        data[5 * vocab] = 70.0;
         data[4 * vocab + 5] = 60.0;
         let edits = vec![
             LogitEdit { token: 5, rep: 1.0, sub: 0.0, bias: 0.0, flags: EDIT_MASK },
@@ -245,7 +317,7 @@ fn sample_checks(be: &CudaBackend, rep: &mut CheckReport, rng: &mut Rng) -> Resu
             ok &= after[r * vocab..(r + 1) * vocab].iter().zip(&row).all(|(a, b)| a.to_bits() == b.to_bits());
         }
         rep.compare(
-            &format!("sample_rows greedy, sanitize and edits, vocab {vocab}"),
+            &format!("sample_rows greedy, sanitize and edits, vocab {vocab}, slices {slices}"),
             &[f32::from(ok)],
             &[1.0],
             EXACT,
@@ -309,6 +381,13 @@ impl References {
 }
 
 /// Run every op on both backends and compare.
+/// The device sampler's checks alone (`cuda_check --sample-checks`).
+pub fn sample_only(be: &CudaBackend) -> Result<CheckReport> {
+    let mut rep = CheckReport::default();
+    sample_checks(be, &mut rep, &mut Rng(0x9e3779b97f4a7c15))?;
+    Ok(rep)
+}
+
 pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
     // Decode in f32 on the CPU too where the GPU's GEMVs keep activations in
     // f32; in 8 bits where its integer GEMVs take them so (`References`).
@@ -2196,7 +2275,9 @@ pub fn bench_sample(be: &CudaBackend) -> Result<Vec<String>> {
             ("temperature 1", 1.0, 0, 1.0, 0.0),
             ("top-k 40", 1.0, 40, 1.0, 0.0),
         ];
-        for (name, temperature, top_k, top_p, min_p) in shapes {
+        for ((name, temperature, top_k, top_p, min_p), slices) in
+            shapes.into_iter().flat_map(|s| [(s, false), (s, true)])
+        {
             let specs: Vec<SampleRowSpec> = (0..rows as u32)
                 .map(|r| SampleRowSpec {
                     row: r,
@@ -2214,13 +2295,17 @@ pub fn bench_sample(be: &CudaBackend) -> Result<Vec<String>> {
             // SAFETY: two live buffers of the same size on our stream.
             unsafe { cu::memcpy_dtod_async(act_mut.ptr(), act.ptr(), rows * vocab * 4, be.stream.0) }
                 .map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))?;
+            be.set_sample_slices(Some(slices));
             let ms = time_ms(be, 10, || {
                 if let Err(e) = be.sample_rows(&mut act_mut, &specs, &[], &mut out) {
                     be.lock().error.get_or_insert(e);
                 }
-            })?;
+            });
+            be.set_sample_slices(None);
+            let ms = ms?;
+            let how = if slices { ", slices" } else { "" };
             lines.push(format!(
-                "sample_rows {rows} x {vocab} ({name}): {ms:.3} ms (launch to summaries on the host)"
+                "sample_rows {rows} x {vocab} ({name}{how}): {ms:.3} ms (launch to summaries on the host)"
             ));
         }
         let mut host = Vec::new();

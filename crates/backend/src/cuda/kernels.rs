@@ -97,6 +97,8 @@ pub(super) struct Kernels {
     pub(super) moe_q8: [[MvKernel; 2]; 12],
     /// One block per row: sanitize, edit and draw (kernels/sample.cu).
     pub(super) sample_rows: Kernel,
+    /// Many blocks a row: sanitize, edit and each slice's largest value.
+    pub(super) sample_scan: Kernel,
 }
 
 /// One instantiation of the mmq kernels: the kernel, the dynamic shared
@@ -285,6 +287,7 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
             sets.try_into().map_err(|_| BackendError::Other("moe_q8 kernel table".into()))?
         },
         sample_rows: f("sample_rows")?,
+        sample_scan: f("sample_scan")?,
     };
     Ok((module, k))
 }

@@ -291,6 +291,9 @@ pub struct CudaBackend {
     /// One-row integer GEMVs take the pipelined kernels (`CudaTuning::mmvq_pipe`;
     /// the self-check also sets it, to compare and time both).
     mmvq_pipe: std::sync::atomic::AtomicBool,
+    /// The device sampler scans every row in slices first
+    /// (`CudaTuning::sample_slices`; the self-check also sets it).
+    sample_slices: std::sync::atomic::AtomicBool,
     /// Whether a block-format weight with an integer GEMV was uploaded: only
     /// then do the norms also store their rows quantized to 8 bits.
     q8_weights: std::sync::atomic::AtomicBool,
@@ -427,6 +430,7 @@ impl CudaBackend {
             gemv_narrow: std::sync::atomic::AtomicBool::new(true),
             mmvq_groups: std::sync::atomic::AtomicUsize::new(0),
             mmvq_pipe: std::sync::atomic::AtomicBool::new(config.tuning.mmvq_pipe),
+            sample_slices: std::sync::atomic::AtomicBool::new(config.tuning.sample_slices),
             q8_weights: std::sync::atomic::AtomicBool::new(false),
             l2_prefetch: if config.tuning.l2_prefetch && major >= 9 { l2 } else { 0 },
             profile: config.tuning.profile_every.map(|every| Mutex::new(OpProfile::new(every))),

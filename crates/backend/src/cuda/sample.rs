@@ -17,6 +17,26 @@ use cudarc::driver::result as cu;
 /// Threads per row: `SAMPLE_THREADS` in kernels/sample.cu.
 const THREADS: u32 = 1024;
 
+/// Threads per slice of `sample_scan`: `SCAN_THREADS` in kernels/sample.cu.
+const SCAN_THREADS: u32 = 256;
+
+/// Tokens of one slice of `sample_scan` (more where the vocabulary has more
+/// than `MAX_SLICES` of them).
+const SLICE_TOKENS: usize = 4096;
+
+/// The most slices a row is cut into.
+const MAX_SLICES: usize = 64;
+
+/// Bytes of one slice's result (`SampleSlice`).
+const SLICE: usize = 16;
+
+/// How `sample_scan` cuts a row of `vocab` tokens: tokens a slice (a
+/// multiple of the block's threads) and slices.
+fn slicing(vocab: usize) -> (usize, usize) {
+    let chunk = SLICE_TOKENS.max(vocab.div_ceil(MAX_SLICES)).next_multiple_of(SCAN_THREADS as usize);
+    (chunk, vocab.div_ceil(chunk).max(1))
+}
+
 /// Bytes of one summary on the device.
 const SUMMARY: usize = std::mem::size_of::<RowSummary>();
 
@@ -27,6 +47,8 @@ pub(super) struct SampleBuffers {
     specs: Option<DeviceBuffer>,
     edits: Option<DeviceBuffer>,
     out: Option<DeviceBuffer>,
+    /// `sample_scan`'s results, `MAX_SLICES` a row.
+    slices: Option<DeviceBuffer>,
 }
 
 impl CudaBackend {
@@ -53,6 +75,7 @@ impl CudaBackend {
             (&mut bufs.specs, want(rows) * std::mem::size_of::<SampleRowSpec>()),
             (&mut bufs.edits, want(rows) * MAX_EDITS_PER_ROW * std::mem::size_of::<LogitEdit>()),
             (&mut bufs.out, want(rows) * SUMMARY),
+            (&mut bufs.slices, want(rows) * MAX_SLICES * SLICE),
         ] {
             if slot.as_ref().is_none_or(|b| (b.bytes().0 as usize) < bytes) {
                 *slot = Some(self.alloc_buf(bytes, super::device::Purpose::Workspace)?);
@@ -61,7 +84,18 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// One launch of `sample_rows` over `rows` specs already on the device.
+    /// Whether the sampler scans rows in slices first, in place of
+    /// `CudaTuning::sample_slices` (the self-check's comparisons and
+    /// benchmark); `None` goes back to the tuning's choice.
+    pub(super) fn set_sample_slices(&self, on: Option<bool>) {
+        let on = on.unwrap_or(self.config.tuning.sample_slices);
+        self.sample_slices.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// One launch of `sample_rows` over `rows` specs already on the device,
+    /// after `sample_scan` over `slices` slices a row of `chunk` tokens when
+    /// `slices` > 0 (its results in `scanned`).
+    #[allow(clippy::too_many_arguments)]
     fn launch_sample_rows(
         &self,
         logits: u64,
@@ -70,8 +104,28 @@ impl CudaBackend {
         edits: u64,
         out: u64,
         rows: usize,
+        (scanned, chunk, slices): (u64, usize, usize),
     ) -> Result<()> {
-        let args = Args::new().ptr(logits).i32(vocab as i32).ptr(specs).ptr(edits).ptr(out);
+        if slices > 0 {
+            let args = Args::new()
+                .ptr(logits)
+                .i32(vocab as i32)
+                .i32(chunk as i32)
+                .ptr(specs)
+                .ptr(edits)
+                .ptr(scanned);
+            let dims = LaunchDims { grid: (slices as u32, rows as u32, 1), block: SCAN_THREADS };
+            // SAFETY: as below; `scanned` holds `slices` results a spec.
+            unsafe { self.launch(self.k.sample_scan, dims, args) }?;
+        }
+        let args = Args::new()
+            .ptr(logits)
+            .i32(vocab as i32)
+            .ptr(specs)
+            .ptr(edits)
+            .ptr(out)
+            .ptr(scanned)
+            .i32(slices as i32);
         let dims = LaunchDims { grid: (rows as u32, 1, 1), block: THREADS };
         // SAFETY: the callers checked that `logits` holds every row the specs
         // name and that the buffers hold the specs, their edits and one
@@ -116,12 +170,22 @@ impl CudaBackend {
         self.grow(&mut bufs.specs, std::mem::size_of_val(specs));
         self.grow(&mut bufs.edits, std::mem::size_of_val(edits).max(4));
         self.grow(&mut bufs.out, specs.len() * SUMMARY);
+        let (chunk, slices) = slicing(vocab);
+        let scan = self.sample_slices.load(std::sync::atomic::Ordering::Relaxed);
+        if scan {
+            self.grow(&mut bufs.slices, specs.len() * slices * SLICE);
+        }
         let cap = |b: &Option<DeviceBuffer>| b.as_ref().map_or(0, |b| b.bytes().0 as usize);
         let max_rows =
             (cap(&bufs.specs) / std::mem::size_of::<SampleRowSpec>()).min(cap(&bufs.out) / SUMMARY);
+        // Slices where their buffer holds every row of a launch; a refused
+        // growth leaves a row to one block, as without them.
+        let slices =
+            if scan && cap(&bufs.slices) >= max_rows.min(specs.len()) * slices * SLICE { slices } else { 0 };
         let max_edits = cap(&bufs.edits) / std::mem::size_of::<LogitEdit>();
         let ptr = |b: &Option<DeviceBuffer>| b.as_ref().map_or(0, |b| b.ptr());
         let (specs_ptr, edits_ptr, out_ptr) = (ptr(&bufs.specs), ptr(&bufs.edits), ptr(&bufs.out));
+        let scanned = (ptr(&bufs.slices), chunk, slices);
         out.rows.resize(specs.len(), RowSummary::default());
         let mut done = 0;
         let (mut part, mut part_edits) = (Vec::new(), Vec::new());
@@ -155,7 +219,15 @@ impl CudaBackend {
             };
             self.upload(specs_ptr, launch)?;
             self.upload(edits_ptr, launch_edits)?;
-            self.launch_sample_rows(logits.ptr(), vocab, specs_ptr, edits_ptr, out_ptr, launch.len())?;
+            self.launch_sample_rows(
+                logits.ptr(),
+                vocab,
+                specs_ptr,
+                edits_ptr,
+                out_ptr,
+                launch.len(),
+                scanned,
+            )?;
             let got = &mut out.rows[done..done + launch.len()];
             // SAFETY: `got` holds one summary per spec of this launch, as the buffer does.
             unsafe { cu::memcpy_dtoh_async(got, out_ptr, self.stream.0) }
@@ -180,5 +252,23 @@ impl CudaBackend {
                 .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
         }
         self.synchronize()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_cover_every_token_within_the_limit() {
+        for vocab in [1usize, 37, 4096, 4097, 32_000, 128_256, 151_669, 262_144, 1_000_000] {
+            let (chunk, slices) = slicing(vocab);
+            assert!(chunk.is_multiple_of(SCAN_THREADS as usize) && chunk >= SLICE_TOKENS, "{vocab}");
+            assert!(
+                slices <= MAX_SLICES && slices * chunk >= vocab && (slices - 1) * chunk < vocab,
+                "{vocab}"
+            );
+        }
+        assert_eq!(slicing(128_256), (4096, 32));
     }
 }
