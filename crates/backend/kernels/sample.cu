@@ -235,6 +235,22 @@ __device__ __forceinline__ void sample_best(float& v, u32& i, float ov, u32 oi) 
     }
 }
 
+// Sanitize tokens from..end of `row` in place, every `stride`-th (NaN ->
+// -inf, +inf -> FLT_MAX), counting what was wrong.
+__device__ __forceinline__ void sample_sanitize(float* row, int from, int end, int stride, u32& nan, u32& pinf) {
+    #pragma unroll 4
+    for (int i = from; i < end; i += stride) {
+        float v = row[i];
+        if (isnan(v)) {
+            nan++;
+            row[i] = NEG_INF;
+        } else if (isinf(v) && v > 0.0f) {
+            pinf++;
+            row[i] = FLT_MAX_F;
+        }
+    }
+}
+
 // The host's edit `ed` applied to the sanitized value `v`.
 __device__ __forceinline__ float sample_edit(float v, const SampleEdit& ed) {
     v = sample_settle(v > 0.0f ? __fdiv_rn(v, ed.rep) : __fmul_rn(v, ed.rep));
@@ -258,17 +274,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
     const int lo = blockIdx.x * chunk, hi = min(vocab, lo + chunk);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     u32 nan = 0, pinf = 0;
-    #pragma unroll 4
-    for (int i = lo + tid; i < hi; i += SCAN_THREADS) {
-        float v = row[i];
-        if (isnan(v)) {
-            nan++;
-            row[i] = NEG_INF;
-        } else if (isinf(v) && v > 0.0f) {
-            pinf++;
-            row[i] = FLT_MAX_F;
-        }
-    }
+    sample_sanitize(row, lo + tid, hi, SCAN_THREADS, nan, pinf);
     __syncthreads();
     for (u32 e = tid; e < sp.edits_len; e += SCAN_THREADS) {
         SampleEdit ed = edits[sp.edits_start + e];
@@ -342,18 +348,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             pinf += r.pos_inf;
         }
     } else {
-        // Sanitize in place, counting what was wrong.
-        #pragma unroll 4
-        for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
-            float v = row[i];
-            if (isnan(v)) {
-                nan++;
-                row[i] = NEG_INF;
-            } else if (isinf(v) && v > 0.0f) {
-                pinf++;
-                row[i] = FLT_MAX_F;
-            }
-        }
+        sample_sanitize(row, tid, vocab, SAMPLE_THREADS, nan, pinf);
         nan = sample_sum_u32(nan, su);
         pinf = sample_sum_u32(pinf, su);
         // The host's edits, one token each, in the host's order of operations.

@@ -217,15 +217,8 @@ fn sample_draws_alike(be: &CudaBackend, rep: &mut CheckReport, rng: &mut Rng) ->
     for (temperature, top_k, top_p, min_p) in shapes {
         let specs: Vec<SampleRowSpec> = (0..rows as u32)
             .map(|r| SampleRowSpec {
-                row: r,
                 edits_len: if r % 2 == 0 { edits.len() as u32 } else { 0 },
-                top_k,
-                temperature,
-                inv_t: 1.0 / temperature,
-                top_p,
-                min_p,
-                uniform: (r as f64 + 0.37) / rows as f64,
-                ..Default::default()
+                ..draw_spec(r, (temperature, top_k, top_p, min_p), (r as f64 + 0.37) / rows as f64)
             })
             .collect();
         let mut got = Vec::new();
@@ -252,6 +245,25 @@ fn sample_draws_alike(be: &CudaBackend, rep: &mut CheckReport, rng: &mut Rng) ->
         );
     }
     Ok(())
+}
+
+/// A spec drawing row `row` with (temperature, top-k, top-p, min-p) and the
+/// uniform `uniform`, no edits.
+fn draw_spec(
+    row: u32,
+    (temperature, top_k, top_p, min_p): (f32, u32, f32, f32),
+    uniform: f64,
+) -> crate::sample::SampleRowSpec {
+    crate::sample::SampleRowSpec {
+        row,
+        top_k,
+        temperature,
+        inv_t: 1.0 / temperature,
+        top_p,
+        min_p,
+        uniform,
+        ..Default::default()
+    }
 }
 
 /// [`sample_checks`]' greedy rows, the sampler's slices on or off.
@@ -2279,16 +2291,7 @@ pub fn bench_sample(be: &CudaBackend) -> Result<Vec<String>> {
             shapes.into_iter().flat_map(|s| [(s, false), (s, true)])
         {
             let specs: Vec<SampleRowSpec> = (0..rows as u32)
-                .map(|r| SampleRowSpec {
-                    row: r,
-                    top_k,
-                    temperature,
-                    inv_t: 1.0 / temperature,
-                    top_p,
-                    min_p,
-                    uniform: (r as f64 + 0.5) / rows as f64,
-                    ..Default::default()
-                })
+                .map(|r| draw_spec(r, (temperature, top_k, top_p, min_p), (r as f64 + 0.5) / rows as f64))
                 .collect();
             let mut out = SampledRows::default();
             let mut act_mut = be.alloc_act(ActShape { rows, cols: vocab })?;
