@@ -27,9 +27,15 @@ use rows::{fill, Rng, Rows};
 fn host_kernel(dir: &Path) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let source = std::fs::read_to_string(root.join("../backend/kernels/sample.cu")).unwrap();
-    let threads = "#define SAMPLE_THREADS 1024";
-    assert!(source.contains(threads), "sample.cu no longer defines SAMPLE_THREADS as this test expects");
-    let prepared = source.replace(threads, "#define SAMPLE_THREADS 64").replace("extern \"C\" ", "");
+    let (threads, scan) = ("#define SAMPLE_THREADS 1024", "#define SCAN_THREADS 256");
+    assert!(
+        source.contains(threads) && source.contains(scan),
+        "sample.cu no longer defines SAMPLE_THREADS and SCAN_THREADS as this test expects"
+    );
+    let prepared = source
+        .replace(threads, "#define SAMPLE_THREADS 64")
+        .replace(scan, "#define SCAN_THREADS 64")
+        .replace("extern \"C\" ", "");
     std::fs::write(dir.join("kernel.inc"), prepared).unwrap();
     let exe = dir.join("sample_kernel_host");
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
@@ -57,11 +63,13 @@ mod bytemuck_free {
     impl Plain for corridor_backend::sample::LogitEdit {}
 }
 
-/// One launch of the host-compiled kernel: its summaries and spill, and the
-/// rows as it left them.
+/// One launch of the host-compiled kernel (after `sample_scan` over slices
+/// of `chunk` tokens when `chunk` > 0): its summaries and spill, and the rows
+/// as it left them.
 fn launch(
     exe: &Path,
     dir: &Path,
+    chunk: usize,
     vocab: usize,
     data: &[f32],
     specs: &[SampleRowSpec],
@@ -77,7 +85,7 @@ fn launch(
     input.extend_from_slice(bytes_of(edits));
     let (inp, outp) = (dir.join("in.bin"), dir.join("out.bin"));
     std::fs::write(&inp, input).unwrap();
-    let status = Command::new(exe).arg(&inp).arg(&outp).status().unwrap();
+    let status = Command::new(exe).arg(&inp).arg(&outp).arg(chunk.to_string()).status().unwrap();
     assert!(status.success());
     let out = std::fs::read(&outp).unwrap();
     let n = specs.len() * std::mem::size_of::<RowSummary>();
@@ -214,7 +222,7 @@ fn the_kernel_draws_what_the_host_sampler_draws() {
                 s
             })
             .collect();
-        let mut dev_states = host_states.clone();
+        let dev_states = host_states.clone();
         let row = |i: usize, state| SampleRow {
             request_id: RequestId(i as u64),
             params,
@@ -227,35 +235,51 @@ fn the_kernel_draws_what_the_host_sampler_draws() {
             host_states.iter_mut().enumerate().map(|(i, s)| row(i, s)).collect();
         let want = CpuSampler::new(Default::default()).sample(&mut host_logits, vocab, &mut rows).unwrap();
 
-        let mut rows: Vec<SampleRow<'_>> =
-            dev_states.iter_mut().enumerate().map(|(i, s)| row(i, s)).collect();
-        let mut edits = Vec::new();
-        let specs: Vec<_> =
-            rows.iter_mut().enumerate().map(|(i, r)| plan_row(r, vocab, i as u32, &mut edits)).collect();
-        let (out, left) = launch(&exe, dir.path(), vocab, &data, &specs, &edits);
-        let stats = SamplerStats::default();
-        let mut spill = out.spill.chunks(vocab);
-        for (i, r) in rows.iter_mut().enumerate() {
-            let summary = &out.rows[i];
-            let spilled = (summary.status == ROW_TOO_MANY_CANDIDATES).then(|| spill.next()).flatten();
-            if spilled.is_some() != *hands_back {
-                failures.push(format!(
-                    "{name}, row {i}: handed back {}, expected {hands_back}",
-                    spilled.is_some()
-                ));
-            }
-            let got = settle_row(&stats, r, &specs[i], summary, vocab, spilled);
-            if !same(&got, &want[i]) {
-                failures.push(format!(
-                    "{name}, row {i}: host {:?}, kernel {:?} ({summary:?})",
-                    want[i].as_ref().map(|s| (s.token, s.fallback)),
-                    got.as_ref().map(|s| (s.token, s.fallback))
-                ));
-            }
-            let adjusted =
-                |v: &[f32]| v[i * vocab..(i + 1) * vocab].iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            if adjusted(&left) != adjusted(&host_logits) {
-                failures.push(format!("{name}, row {i}: the adjusted logits differ from the host's"));
+        // One block a row, and the rows scanned in about six slices first
+        // (a multiple of the host build's 64 threads; one slice below that).
+        for chunk in [0, (vocab / 6).next_multiple_of(64)] {
+            let how = if chunk > 0 { format!(", slices of {chunk}") } else { String::new() };
+            let mut dev_states = dev_states.clone();
+            let mut rows: Vec<SampleRow<'_>> = dev_states
+                .iter_mut()
+                .enumerate()
+                .map(|(i, state)| SampleRow {
+                    request_id: RequestId(i as u64),
+                    params,
+                    state,
+                    eos_token_ids: &eos,
+                    mask: None,
+                })
+                .collect();
+            let mut edits = Vec::new();
+            let specs: Vec<_> =
+                rows.iter_mut().enumerate().map(|(i, r)| plan_row(r, vocab, i as u32, &mut edits)).collect();
+            let (out, left) = launch(&exe, dir.path(), chunk, vocab, &data, &specs, &edits);
+            let stats = SamplerStats::default();
+            let mut spill = out.spill.chunks(vocab);
+            for (i, r) in rows.iter_mut().enumerate() {
+                let summary = &out.rows[i];
+                let spilled = (summary.status == ROW_TOO_MANY_CANDIDATES).then(|| spill.next()).flatten();
+                if spilled.is_some() != *hands_back {
+                    failures.push(format!(
+                        "{name}{how}, row {i}: handed back {}, expected {hands_back}",
+                        spilled.is_some()
+                    ));
+                }
+                let got = settle_row(&stats, r, &specs[i], summary, vocab, spilled);
+                if !same(&got, &want[i]) {
+                    failures.push(format!(
+                        "{name}{how}, row {i}: host {:?}, kernel {:?} ({summary:?})",
+                        want[i].as_ref().map(|s| (s.token, s.fallback)),
+                        got.as_ref().map(|s| (s.token, s.fallback))
+                    ));
+                }
+                let adjusted =
+                    |v: &[f32]| v[i * vocab..(i + 1) * vocab].iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                if adjusted(&left) != adjusted(&host_logits) {
+                    failures
+                        .push(format!("{name}{how}, row {i}: the adjusted logits differ from the host's"));
+                }
             }
         }
     }

@@ -6,13 +6,16 @@
 // which the intrinsics rule out on the device too). Blocks run one after
 // another, so the kernel's __shared__ variables become statics.
 //
-// Usage: sample_kernel_host IN OUT. IN: u32 vocab, rows, specs, edits, then
-// the logits (f32), the specs and the edits as crates/backend/src/sample.rs
-// lays them out. OUT: one summary per spec, then the logits as the kernel
-// left them (sanitized and edited in place).
+// Usage: sample_kernel_host IN OUT CHUNK. IN: u32 vocab, rows, specs, edits,
+// then the logits (f32), the specs and the edits as crates/backend/src/sample.rs
+// lays them out. CHUNK > 0: `sample_scan` first runs over slices of CHUNK
+// tokens (a block per slice of each spec's row), and `sample_rows` starts
+// from its results; 0: `sample_rows` alone. OUT: one summary per spec, then
+// the logits as the kernels left them (sanitized and edited in place).
 #include <barrier>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -37,9 +40,10 @@ static inline float __fdiv_rn(float a, float b) { return a / b; }
 #define NEG_INF __int_as_float(0xff800000)
 
 struct Dim {
-    u32 x;
+    u32 x, y;
 };
 thread_local Dim threadIdx, blockIdx;
+static Dim gridDim;
 static std::barrier<>* block_barrier;
 static std::vector<std::barrier<>*> warp_barriers;
 static inline void __syncthreads() { block_barrier->arrive_and_wait(); }
@@ -79,10 +83,29 @@ using std::nextafter;
 
 #include "kernel.inc" // sample.cu as the test prepared it
 
+// One block of `threads` threads, `body` run by each with its thread index.
+template <class F> static void run_block(int threads, F body) {
+    std::barrier<> block(threads);
+    block_barrier = &block;
+    std::vector<std::barrier<>*> warps;
+    for (int w = 0; w < threads / 32; w++) warps.push_back(new std::barrier<>(32));
+    warp_barriers = warps;
+    std::vector<std::thread> ts;
+    for (int t = 0; t < threads; t++) {
+        ts.emplace_back([&, t] {
+            threadIdx.x = t;
+            body();
+        });
+    }
+    for (auto& t : ts) t.join();
+    for (auto* w : warps) delete w;
+}
+
 int main(int argc, char** argv) {
-    if (argc != 3) return 2;
+    if (argc != 4) return 2;
     FILE* f = fopen(argv[1], "rb");
     if (!f) return 2;
+    const int chunk = atoi(argv[3]);
     u32 hdr[4];
     if (fread(hdr, 4, 4, f) != 4) return 2;
     const u32 vocab = hdr[0], rows = hdr[1], nspecs = hdr[2], nedits = hdr[3];
@@ -94,23 +117,25 @@ int main(int argc, char** argv) {
     if (fread(edits.data(), sizeof(SampleEdit), nedits, f) != nedits) return 2;
     fclose(f);
     std::vector<SampleSummary> out(nspecs);
-    const int threads = SAMPLE_THREADS;
-    for (u32 b = 0; b < nspecs; b++) {
-        std::barrier<> block(threads);
-        block_barrier = &block;
-        std::vector<std::barrier<>*> warps;
-        for (int w = 0; w < threads / 32; w++) warps.push_back(new std::barrier<>(32));
-        warp_barriers = warps;
-        std::vector<std::thread> ts;
-        for (int t = 0; t < threads; t++) {
-            ts.emplace_back([&, t] {
-                threadIdx.x = t;
-                blockIdx.x = b;
-                sample_rows(logits.data(), (int)vocab, specs.data(), edits.data(), out.data());
-            });
+    const int slices = chunk > 0 ? (int)((vocab + chunk - 1) / chunk) : 0;
+    std::vector<SampleSlice> scanned((size_t)nspecs * (slices > 0 ? slices : 1));
+    if (slices > 0) {
+        gridDim.x = slices;
+        for (u32 b = 0; b < nspecs; b++) {
+            for (int sl = 0; sl < slices; sl++) {
+                run_block(SCAN_THREADS, [&] {
+                    blockIdx.x = sl;
+                    blockIdx.y = b;
+                    sample_scan(logits.data(), (int)vocab, chunk, specs.data(), edits.data(), scanned.data());
+                });
+            }
         }
-        for (auto& t : ts) t.join();
-        for (auto* w : warps) delete w;
+    }
+    for (u32 b = 0; b < nspecs; b++) {
+        run_block(SAMPLE_THREADS, [&] {
+            blockIdx.x = b;
+            sample_rows(logits.data(), (int)vocab, specs.data(), edits.data(), out.data(), scanned.data(), slices);
+        });
     }
     FILE* o = fopen(argv[2], "wb");
     if (!o) return 2;
