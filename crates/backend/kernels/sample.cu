@@ -251,6 +251,17 @@ __device__ __forceinline__ void sample_sanitize(float* row, int from, int end, i
     }
 }
 
+// Every lane of a warp gets the warp's first largest (v, i) and the sums
+// of n and p.
+__device__ __forceinline__ void sample_fold_warp(float& v, u32& i, u32& n, u32& p) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        sample_best(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+        n += __shfl_xor_sync(0xffffffffu, n, o);
+        p += __shfl_xor_sync(0xffffffffu, p, o);
+    }
+}
+
 // The host's edit `ed` applied to the sanitized value `v`.
 __device__ __forceinline__ float sample_edit(float v, const SampleEdit& ed) {
     v = sample_settle(v > 0.0f ? __fdiv_rn(v, ed.rep) : __fmul_rn(v, ed.rep));
@@ -292,12 +303,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
             bi = (u32)i;
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        sample_best(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
-        nan += __shfl_xor_sync(0xffffffffu, nan, o);
-        pinf += __shfl_xor_sync(0xffffffffu, pinf, o);
-    }
+    sample_fold_warp(bv, bi, nan, pinf);
     if (lane == 0) {
         best_v[warp] = bv;
         best_i[warp] = bi;
@@ -316,13 +322,13 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
     }
 }
 
-// `slices` > 0: `sample_scan` ran over this launch's specs with that many
-// slices a row, its results in `scanned`; 0: this kernel sanitizes, edits
-// and finds the largest value itself.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_rows(float* logits, int vocab, const SampleSpec* specs, const SampleEdit* edits, SampleSummary* out,
-                const SampleSlice* scanned, int slices) {
-    pdl_enter();
+// One row drawn by one block. SLICED: `sample_scan` ran over this launch's
+// specs with `slices` slices a row, its results in `scanned`; otherwise the
+// block sanitizes, edits and finds the largest value itself. (Two kernels,
+// so the one-block one compiles as it did before the slices existed.)
+template <bool SLICED>
+__device__ __forceinline__ void sample_row(float* logits, int vocab, const SampleSpec* specs, const SampleEdit* edits,
+                                           SampleSummary* out, const SampleSlice* scanned, int slices) {
     __shared__ unsigned long long keys[SAMPLE_CAP];
     __shared__ double sd[32];
     __shared__ u32 su[32];
@@ -338,15 +344,33 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     u32 nan = 0, pinf = 0;
     float mx = NEG_INF;
     u32 amax = SAMPLE_NONE;
-    if (slices > 0) {
-        // The slices in order: the first largest of the first slice holding it.
-        const SampleSlice* sl = scanned + (long long)blockIdx.x * slices;
-        for (int i = 0; i < slices; i++) {
-            SampleSlice r = sl[i];
-            sample_best(mx, amax, r.max, r.argmax);
-            nan += r.nan;
-            pinf += r.pos_inf;
+    if (SLICED) {
+        // The slices folded by the first warp, lane by lane then across the
+        // lanes: the first largest value (ties to the lowest index, so the
+        // order of the fold does not matter) and the counts.
+        if (tid < 32) {
+            float bv = NEG_INF;
+            u32 bi = SAMPLE_NONE, n = 0, p = 0;
+            const SampleSlice* sl = scanned + (long long)blockIdx.x * slices;
+            for (int i = tid; i < slices; i += 32) {
+                SampleSlice r = sl[i];
+                sample_best(bv, bi, r.max, r.argmax);
+                n += r.nan;
+                p += r.pos_inf;
+            }
+            sample_fold_warp(bv, bi, n, p);
+            if (tid == 0) {
+                best_v[0] = bv;
+                best_i[0] = bi;
+                su[0] = n;
+                su[1] = p;
+            }
         }
+        __syncthreads();
+        mx = best_v[0];
+        amax = best_i[0];
+        nan = su[0];
+        pinf = su[1];
     } else {
         sample_sanitize(row, tid, vocab, SAMPLE_THREADS, nan, pinf);
         nan = sample_sum_u32(nan, su);
@@ -645,4 +669,18 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         }
         out[blockIdx.x] = res;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_rows(float* logits, int vocab, const SampleSpec* specs, const SampleEdit* edits, SampleSummary* out) {
+    pdl_enter();
+    sample_row<false>(logits, vocab, specs, edits, out, nullptr, 0);
+}
+
+// `sample_rows` after `sample_scan` (`slices` a row, in `scanned`).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_rows_sliced(float* logits, int vocab, const SampleSpec* specs, const SampleEdit* edits,
+                       SampleSummary* out, const SampleSlice* scanned, int slices) {
+    pdl_enter();
+    sample_row<true>(logits, vocab, specs, edits, out, scanned, slices);
 }

@@ -111,6 +111,16 @@ fn launch(
     (SampledRows { rows: summaries, spill }, left)
 }
 
+/// Row `i` of a case: its request, parameters, sampler state and end tokens.
+fn sample_row<'a>(
+    i: usize,
+    params: &'a SamplingParams,
+    state: &'a mut SamplerState,
+    eos: &'a [TokenId],
+) -> SampleRow<'a> {
+    SampleRow { request_id: RequestId(i as u64), params, state, eos_token_ids: eos, mask: None }
+}
+
 fn same(a: &SampleOutcome, b: &SampleOutcome) -> bool {
     match (a, b) {
         (Ok(x), Ok(y)) => x.token == y.token && x.fallback == y.fallback && x.stop == y.stop,
@@ -223,16 +233,9 @@ fn the_kernel_draws_what_the_host_sampler_draws() {
             })
             .collect();
         let dev_states = host_states.clone();
-        let row = |i: usize, state| SampleRow {
-            request_id: RequestId(i as u64),
-            params,
-            state,
-            eos_token_ids: &eos,
-            mask: None,
-        };
         let mut host_logits = data.clone();
         let mut rows: Vec<SampleRow<'_>> =
-            host_states.iter_mut().enumerate().map(|(i, s)| row(i, s)).collect();
+            host_states.iter_mut().enumerate().map(|(i, s)| sample_row(i, params, s, &eos)).collect();
         let want = CpuSampler::new(Default::default()).sample(&mut host_logits, vocab, &mut rows).unwrap();
 
         // One block a row, and the rows scanned in about six slices first
@@ -240,17 +243,8 @@ fn the_kernel_draws_what_the_host_sampler_draws() {
         for chunk in [0, (vocab / 6).next_multiple_of(64)] {
             let how = if chunk > 0 { format!(", slices of {chunk}") } else { String::new() };
             let mut dev_states = dev_states.clone();
-            let mut rows: Vec<SampleRow<'_>> = dev_states
-                .iter_mut()
-                .enumerate()
-                .map(|(i, state)| SampleRow {
-                    request_id: RequestId(i as u64),
-                    params,
-                    state,
-                    eos_token_ids: &eos,
-                    mask: None,
-                })
-                .collect();
+            let mut rows: Vec<SampleRow<'_>> =
+                dev_states.iter_mut().enumerate().map(|(i, s)| sample_row(i, params, s, &eos)).collect();
             let mut edits = Vec::new();
             let specs: Vec<_> =
                 rows.iter_mut().enumerate().map(|(i, r)| plan_row(r, vocab, i as u32, &mut edits)).collect();

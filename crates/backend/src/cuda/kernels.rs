@@ -99,6 +99,8 @@ pub(super) struct Kernels {
     pub(super) sample_rows: Kernel,
     /// Many blocks a row: sanitize, edit and each slice's largest value.
     pub(super) sample_scan: Kernel,
+    /// `sample_rows` from `sample_scan`'s slices.
+    pub(super) sample_rows_sliced: Kernel,
 }
 
 /// One instantiation of the mmq kernels: the kernel, the dynamic shared
@@ -288,6 +290,7 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         },
         sample_rows: f("sample_rows")?,
         sample_scan: f("sample_scan")?,
+        sample_rows_sliced: f("sample_rows_sliced")?,
     };
     Ok((module, k))
 }

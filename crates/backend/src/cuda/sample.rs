@@ -106,31 +106,21 @@ impl CudaBackend {
         rows: usize,
         (scanned, chunk, slices): (u64, usize, usize),
     ) -> Result<()> {
-        if slices > 0 {
-            let args = Args::new()
-                .ptr(logits)
-                .i32(vocab as i32)
-                .i32(chunk as i32)
-                .ptr(specs)
-                .ptr(edits)
-                .ptr(scanned);
-            let dims = LaunchDims { grid: (slices as u32, rows as u32, 1), block: SCAN_THREADS };
-            // SAFETY: as below; `scanned` holds `slices` results a spec.
-            unsafe { self.launch(self.k.sample_scan, dims, args) }?;
-        }
-        let args = Args::new()
-            .ptr(logits)
-            .i32(vocab as i32)
-            .ptr(specs)
-            .ptr(edits)
-            .ptr(out)
-            .ptr(scanned)
-            .i32(slices as i32);
         let dims = LaunchDims { grid: (rows as u32, 1, 1), block: THREADS };
-        // SAFETY: the callers checked that `logits` holds every row the specs
-        // name and that the buffers hold the specs, their edits and one
-        // summary per spec.
-        unsafe { self.launch(self.k.sample_rows, dims, args) }
+        let args = Args::new().ptr(logits).i32(vocab as i32).ptr(specs).ptr(edits).ptr(out);
+        if slices == 0 {
+            // SAFETY: the callers checked that `logits` holds every row the
+            // specs name and that the buffers hold the specs, their edits and
+            // one summary per spec.
+            return unsafe { self.launch(self.k.sample_rows, dims, args) };
+        }
+        let scan_args =
+            Args::new().ptr(logits).i32(vocab as i32).i32(chunk as i32).ptr(specs).ptr(edits).ptr(scanned);
+        let scan_dims = LaunchDims { grid: (slices as u32, rows as u32, 1), block: SCAN_THREADS };
+        // SAFETY: as above; `scanned` holds `slices` results a spec.
+        unsafe { self.launch(self.k.sample_scan, scan_dims, scan_args) }?;
+        // SAFETY: as above.
+        unsafe { self.launch(self.k.sample_rows_sliced, dims, args.ptr(scanned).i32(slices as i32)) }
     }
 
     pub(super) fn sample_rows_on_device(

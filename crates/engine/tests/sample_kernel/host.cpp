@@ -134,7 +134,11 @@ int main(int argc, char** argv) {
     for (u32 b = 0; b < nspecs; b++) {
         run_block(SAMPLE_THREADS, [&] {
             blockIdx.x = b;
-            sample_rows(logits.data(), (int)vocab, specs.data(), edits.data(), out.data(), scanned.data(), slices);
+            if (slices > 0)
+                sample_rows_sliced(logits.data(), (int)vocab, specs.data(), edits.data(), out.data(), scanned.data(),
+                                   slices);
+            else
+                sample_rows(logits.data(), (int)vocab, specs.data(), edits.data(), out.data());
         });
     }
     FILE* o = fopen(argv[2], "wb");
