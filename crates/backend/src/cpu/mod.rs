@@ -187,11 +187,6 @@ impl CpuBackend {
         CpuBackend { kv, ..self }
     }
 
-    /// How this backend stores K and V.
-    pub fn kv_precision(&self) -> KvPrecision {
-        self.kv
-    }
-
     /// A backend whose KV and activation buffers are resident from the start.
     /// A zeroed allocation is mapped lazily by the OS (and a KV store's blocks
     /// are allocated only when first written), so until then the host's books
@@ -232,6 +227,12 @@ impl CpuBackend {
         v
     }
 
+    /// A K or V value as this backend stores it: rounded to bf16 first where
+    /// [`Bf16Rounding::kv`] says, then in the store's type.
+    fn kv_value<T: KvValue>(&self, x: f32) -> T {
+        T::of(if self.rounding.kv { round_bf16(x) } else { x })
+    }
+
     /// [`Backend::write_kv`] into a store of `T`.
     fn write_kv_in<T: KvValue>(&self, kv: &mut Paged<T>, k: &CpuAct, v: &CpuAct, seqs: &[SeqStep<'_>]) {
         let g = kv.geometry;
@@ -239,12 +240,11 @@ impl CpuBackend {
             for i in 0..s.rows {
                 let pos = s.cached + i;
                 let (kd, vd) = kv.token_mut(s.pages[pos / g.page_size.get()], pos % g.page_size.get());
-                let round = |x: f32| if self.rounding.kv { round_bf16(x) } else { x };
                 for (d, &x) in kd.iter_mut().zip(k.row(s.row_start + i)) {
-                    *d = T::of(round(x));
+                    *d = self.kv_value(x);
                 }
                 for (d, &x) in vd.iter_mut().zip(v.row(s.row_start + i)) {
-                    *d = T::of(round(x));
+                    *d = self.kv_value(x);
                 }
             }
         }
@@ -1323,10 +1323,9 @@ impl Backend for CpuBackend {
                     data.len()
                 )));
             }
-            let round = |x: f32| if self.rounding.kv { round_bf16(x) } else { x };
             let (k, v) = kv.page_mut(page);
             for (d, &x) in k.iter_mut().chain(v.iter_mut()).zip(data) {
-                *d = KvValue::of(round(x));
+                *d = self.kv_value(x);
             }
             Ok(())
         })
