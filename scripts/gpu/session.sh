@@ -42,7 +42,8 @@
 #                                   # BASE_BATCHES (default 32 128) when carried, and the table
 #                                   # (decode_vs_llamacpp.py); in the foreground every kernel against the
 #                                   # CPU and the tiny checkpoints (SKIP_CHECKS=1: not), LCPP=0 without
-#                                   # llama.cpp. Then `session.sh wait S`.
+#                                   # llama.cpp. NEW_ARGS / BASE_ARGS: serve flags of each run, BASE_BIN:
+#                                   # the base run's binary (.gpu/corridor-base). Then `session.sh wait S`.
 #   scripts/gpu/session.sh profile  # batch-1 decode steps as the card runs them (nsys_decode.sh: every
 #                                   # kernel of the replayed graphs, overlaps and idle time) on a 4-layer
 #                                   # Qwen3-30B-A3B-shaped checkpoint and the Llama-3-8B-shaped one, then
@@ -76,6 +77,11 @@ quant_checks() {
     grep -E "FAIL" "$out/e2e_kquant.log" | head -n 10; tail -n 1 "$out/e2e_kquant.log"
     timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny > "$out/e2e.log" 2>&1; echo "exit $?"
     grep -E "FAIL" "$out/e2e.log" | head -n 10; tail -n 1 "$out/e2e.log"
+    # FOLD=1: the tiny checkpoints again with batch-1 norms folded into the GEMVs.
+    if [ -n "${FOLD:-}" ]; then
+        timeout 150 ./.gpu/corridor-gpu-check tests/fixtures/tiny --fold-norm > "$out/e2e_fold.log" 2>&1
+        echo "folded norms: exit $?"; grep -E "FAIL" "$out/e2e_fold.log" | head -n 10; tail -n 1 "$out/e2e_fold.log"
+    fi
 }
 # The Q4_K layer's integer GEMV launches and the K-quant matrices alone, the register and the
 # pipelined one-row kernels in each run.
@@ -254,12 +260,12 @@ case "${1:-checks}" in
         while [ ! -f $g/card_free ]; do sleep 2; done;
         [ -x /tmp/llama.cpp/build/bin/llama-batched-bench ] && /tmp/llama.cpp/build/bin/llama-batched-bench -m /tmp/gguf/llama8b-f16.gguf -npp 512 -ntg 256 -npl 1,8,32,128 \
             -c 131072 -fa on -ngl 999 > $g/lcpp_f16.log 2>&1;
-        SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 DECODE_BATCHES='${NEW_BATCHES:-1 8 32 128}' LATENCY_CONC=128 DEADLINE_S=300 \
-            OUT=$g/new scripts/gpu/bench8b.sh > $g/new.log 2>&1;
+        SERVE_ARGS='${NEW_ARGS:-}' SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 DECODE_BATCHES='${NEW_BATCHES:-1 8 32 128}' \
+            LATENCY_CONC=128 DEADLINE_S=300 OUT=$g/new scripts/gpu/bench8b.sh > $g/new.log 2>&1;
         python3 scripts/gpu/decode_vs_llamacpp.py $g/new $g/lcpp_f16.log > $g/table.txt 2>&1;
         grep -E '^\| 128 ' $g/new/summary.md | tail -n 1 >> $g/table.txt;
-        if [ -x .gpu/corridor-base ]; then
-            CORRIDOR_BIN=.gpu/corridor-base SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 SKIP_LATENCY=1 \
+        if [ -x ${BASE_BIN:-.gpu/corridor-base} ]; then
+            CORRIDOR_BIN=${BASE_BIN:-.gpu/corridor-base} SERVE_ARGS='${BASE_ARGS:-}' SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 SKIP_LATENCY=1 \
                 DECODE_BATCHES='${BASE_BATCHES:-32 128}' DEADLINE_S=200 OUT=$g/base scripts/gpu/bench8b.sh > $g/base.log 2>&1;
             grep -E '^\| [0-9]+ ' $g/base/summary.md | head -n 4 > $g/base_table.txt;
         fi;
@@ -267,6 +273,12 @@ case "${1:-checks}" in
     [ -z "${SKIP_CHECKS:-}" ] && quant_checks
     # PIPE_BENCH=1: the one-row integer GEMV benches, while llama.cpp builds.
     [ -n "${PIPE_BENCH:-}" ] && pipe_benches
+    # BENCH_SAMPLE=1: the device sampler alone, one block a row against slices, while llama.cpp builds.
+    if [ -n "${BENCH_SAMPLE:-}" ]; then
+        echo "== [${SECONDS}s] the device sampler alone"
+        timeout 60 ./.gpu/cuda_check --bench-sample > "$out/bench_sample.log" 2>&1; echo "exit $?"
+        grep -E "^(sample_rows|read_rows)" "$out/bench_sample.log"
+    fi
     # BENCH_ATTN=1: decode attention alone and at batch (its KV read rate), while llama.cpp builds.
     if [ -n "${BENCH_ATTN:-}" ]; then
         echo "== [${SECONDS}s] decode attention alone"

@@ -52,10 +52,11 @@ __device__ __forceinline__ float dot8_bf16(uint4 p, float4 a, float4 b) {
 }
 
 // Sum each warp's partials over the block and store the NW x R results
-// (plus `bias[j]` when a bias is given).
+// times `scale` (plus `bias[j]` when a bias is given).
 template <int R, int NW>
 __device__ __forceinline__ void gemv_finish(float (&acc)[R][NW], float* __restrict__ out,
-                                            const float* __restrict__ bias, int n, int j0, int rows) {
+                                            const float* __restrict__ bias, int n, int j0, int rows,
+                                            float scale = 1.f) {
     __shared__ float red[GEMV_WARPS][R * NW];
     warp_sums_store<R, NW>(acc, red[threadIdx.x >> 5], rows);
     __syncthreads();
@@ -66,6 +67,7 @@ __device__ __forceinline__ void gemv_finish(float (&acc)[R][NW], float* __restri
             float s = 0.f;
 #pragma unroll
             for (int w = 0; w < GEMV_WARPS; w++) s += red[w][t];
+            s *= scale;
             if (bias) s += bias[j];
             out[(long long)r * n + j] = s;
         }
@@ -135,14 +137,18 @@ __device__ __forceinline__ void gemv_bf16_acc(const uint4* const (&wr)[NW], cons
 // Up to three bf16 matrices that share one input (q/k/v) in one launch:
 // blocks [0, nb0) serve matrix 0, the next nb1 matrix 1, the rest matrix 2
 // (a plain matmul passes n1 = n2 = 0). Biases may be null. Rows 16-byte
-// aligned, k a multiple of 8. A block owns NW weight rows.
-template <int R, int U, int NW>
+// aligned, k a multiple of 8. A block owns NW weight rows. With FOLD (one
+// row), `x` is a folded norm's x * w (fold.cu): the products are scaled by
+// 1 / rms from the producer's `slots`, and the norm is stored into `h`.
+template <int R, int U, int NW, bool FOLD = false>
 __device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ w0, const bf16_t* __restrict__ w1,
                                                const bf16_t* __restrict__ w2, float* __restrict__ o0,
                                                float* __restrict__ o1, float* __restrict__ o2,
                                                const float* __restrict__ b0, const float* __restrict__ b1,
                                                const float* __restrict__ b2, int n0, int n1, int n2,
-                                               const float* __restrict__ x, int k, int rows, int early) {
+                                               const float* __restrict__ x, int k, int rows, int early,
+                                               const float* __restrict__ slots = nullptr, int n_slots = 0,
+                                               float eps = 0.f, float* __restrict__ h = nullptr) {
     int blk = blockIdx.x;
     int p = launch_part(blk, n0, n1, NW);
     const bf16_t* w = w0;
@@ -157,7 +163,12 @@ __device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ w0, co
     for (int i = 0; i < NW; i++) wr[i] = (const uint4*)(w + (long long)imin(j0 + i, n - 1) * k);
     float acc[R][NW];
     gemv_bf16_acc<R, U, NW>(wr, x, k, rows, acc, early);
-    gemv_finish<R, NW>(acc, out, bias, n, j0, rows);
+    float inv = 1.f;
+    if (FOLD) {
+        inv = fold_inv_rms(slots, n_slots, k, eps);
+        fold_store_norm(x, inv, h, k);
+    }
+    gemv_finish<R, NW>(acc, out, bias, n, j0, rows, inv);
 }
 
 // MINB: blocks per SM the register budget must allow. At one row, 2 x 4
@@ -179,6 +190,54 @@ GEMV_BF16(gemv_bf16_r1, 1, 2, GEMV_NW, 8)
 // of one wave (attention.rs-sized projections of a MoE model: 2048 x 4096 is
 // 512 blocks against 8 x 132 slots); the same 8 loads in flight per thread.
 GEMV_BF16(gemv_bf16_r1_nw2, 1, 4, 2, 8)
+// The two halves of a folded residual add + RMSNorm at one row (fold.cu).
+// The producer: out = in . w[j] is added to the residual x, the products
+// with the norm's weight `nw` go to `hw` and the block's squares to slots.
+template <int U, int NW>
+__device__ __forceinline__ void gemv_bf16_residual_body(const bf16_t* __restrict__ w, const float* __restrict__ in,
+                                                        int k, int n, float* __restrict__ x,
+                                                        const float* __restrict__ nw, float* __restrict__ hw,
+                                                        float* __restrict__ slots, int early) {
+    __shared__ float red[GEMV_WARPS][NW];
+    int j0 = blockIdx.x * NW;
+    const uint4* wr[NW];
+#pragma unroll
+    for (int i = 0; i < NW; i++) wr[i] = (const uint4*)(w + (long long)imin(j0 + i, n - 1) * k);
+    float acc[1][NW];
+    gemv_bf16_acc<1, U, NW>(wr, in, k, 1, acc, early);
+    warp_sums_store<1, NW>(acc, red[threadIdx.x >> 5], 1);
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        int t = threadIdx.x;
+        float s = 0.f;
+        if (t < NW) {
+#pragma unroll
+            for (int v = 0; v < GEMV_WARPS; v++) s += red[v][t];
+        }
+        fold_residual(s, imin(NW, n - j0), j0, x, nw, hw, slots);
+    }
+}
+#define GEMV_BF16_RESIDUAL(NAME, U, NW)                                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 8)                                               \
+        NAME(const bf16_t* __restrict__ w, const float* __restrict__ in, int k, int n, float* __restrict__ x,      \
+             const float* __restrict__ nw, float* __restrict__ hw, float* __restrict__ slots, int early) {         \
+        gemv_bf16_residual_body<U, NW>(w, in, k, n, x, nw, hw, slots, early);                                     \
+    }
+GEMV_BF16_RESIDUAL(gemv_bf16_r1_residual, 2, GEMV_NW)
+GEMV_BF16_RESIDUAL(gemv_bf16_r1_nw2_residual, 4, 2)
+// The consumer: `gemv_bf16_r1` over x = hw, its products scaled by 1 / rms.
+#define GEMV_BF16_FOLD(NAME, U, NW)                                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 8)                                               \
+        NAME(const bf16_t* __restrict__ w0, const bf16_t* __restrict__ w1, const bf16_t* __restrict__ w2,          \
+             float* __restrict__ o0, float* __restrict__ o1, float* __restrict__ o2,                               \
+             const float* __restrict__ b0, const float* __restrict__ b1, const float* __restrict__ b2, int n0,    \
+             int n1, int n2, const float* __restrict__ x, int k, const float* __restrict__ slots, int n_slots,    \
+             float eps, float* __restrict__ h, int early) {                                                        \
+        gemv_bf16_body<1, U, NW, true>(w0, w1, w2, o0, o1, o2, b0, b1, b2, n0, n1, n2, x, k, 1, early, slots,     \
+                                       n_slots, eps, h);                                                           \
+    }
+GEMV_BF16_FOLD(gemv_bf16_r1_fold, 2, GEMV_NW)
+GEMV_BF16_FOLD(gemv_bf16_r1_nw2_fold, 4, 2)
 GEMV_BF16(gemv_bf16_r2, 2, 4, GEMV_NW, 1)
 GEMV_BF16(gemv_bf16_r4, 4, 2, GEMV_NW, 1)
 GEMV_BF16(gemv_bf16_r8, 8, 2, GEMV_NW, 1)
@@ -188,10 +247,12 @@ GEMV_BF16(gemv_bf16_r8, 8, 2, GEMV_NW, 1)
 // output columns and reads their gate and up rows together (2 x GLU_NW
 // loads in flight per thread, as the plain kernel's 2 x 4), so the products
 // never leave the block. Same SiLU as `silu_mul`.
-template <int R, int GLU_NW, int U>
+template <int R, int GLU_NW, int U, bool FOLD = false>
 __device__ __forceinline__ void gemv_bf16_glu_body(const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu,
                                                    const float* __restrict__ x, float* __restrict__ out, int n,
-                                                   int k, int rows, int early) {
+                                                   int k, int rows, int early,
+                                                   const float* __restrict__ slots = nullptr, int n_slots = 0,
+                                                   float eps = 0.f, float* __restrict__ h = nullptr) {
     __shared__ float red[GEMV_WARPS][R * 2 * GLU_NW];
     int j0 = blockIdx.x * GLU_NW;
     const uint4* wr[2 * GLU_NW];
@@ -203,6 +264,11 @@ __device__ __forceinline__ void gemv_bf16_glu_body(const bf16_t* __restrict__ wg
     }
     float acc[R][2 * GLU_NW];
     gemv_bf16_acc<R, U, 2 * GLU_NW>(wr, x, k, rows, acc, early);
+    float inv = 1.f;
+    if (FOLD) {
+        inv = fold_inv_rms(slots, n_slots, k, eps);
+        fold_store_norm(x, inv, h, k);
+    }
     warp_sums_store<R, 2 * GLU_NW>(acc, red[threadIdx.x >> 5], rows);
     __syncthreads();
     int t = threadIdx.x;
@@ -215,6 +281,7 @@ __device__ __forceinline__ void gemv_bf16_glu_body(const bf16_t* __restrict__ wg
                 g += red[w][r * 2 * GLU_NW + i];
                 u += red[w][r * 2 * GLU_NW + GLU_NW + i];
             }
+            if (FOLD) g *= inv, u *= inv;
             out[(long long)r * n + j] = g / (1.0f + expf(-g)) * u;
         }
     }
@@ -228,6 +295,13 @@ __device__ __forceinline__ void gemv_bf16_glu_body(const bf16_t* __restrict__ wg
     }
 GEMV_GLU(gemv_bf16_glu_r1, 1, 4, 1, 8)
 GEMV_GLU(gemv_bf16_glu_r2, 2, 4, 1, 1)
+// gate/up/SiLU as the consumer of a folded norm (one row; fold.cu).
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 8)
+    gemv_bf16_glu_r1_fold(const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, const float* __restrict__ x,
+                          float* __restrict__ out, int n, int k, const float* __restrict__ slots, int n_slots,
+                          float eps, float* __restrict__ h, int early) {
+    gemv_bf16_glu_body<1, 4, 1, true>(wg, wu, x, out, n, k, 1, early, slots, n_slots, eps, h);
+}
 
 // bf16 weights on the tensor cores, for 2..8 input rows, k a multiple of 32.
 //

@@ -354,13 +354,38 @@ pub struct MatmulPart<'a, B: Backend + ?Sized> {
     pub out: &'a mut B::Act,
 }
 
+/// The residual add and the next norm that close a block in
+/// [`Backend::matmul_add_rms_norm`]: `x += proj`, then
+/// `out = rms_norm(x) * weight`.
+pub struct ResidualNorm<'a, B: Backend + ?Sized> {
+    /// The residual stream.
+    pub x: &'a mut B::Act,
+    pub weight: &'a B::Weight,
+    pub eps: f32,
+    pub out: &'a mut B::Act,
+}
+
 /// The composite ops of [`Backend`] as the plain ops they stand for: the
 /// trait's defaults, and what a fusing backend falls back to where its fused
 /// launch does not apply.
 pub mod unfused {
     use super::{
-        Backend, BackendError, DType, HostTensor, MatmulPart, QkNorm, Result, RopeTable, SeqStep, TensorBytes,
+        Backend, BackendError, DType, HostTensor, MatmulPart, QkNorm, ResidualNorm, Result, RopeTable,
+        SeqStep, TensorBytes,
     };
+
+    /// [`Backend::matmul_add_rms_norm`]: the matmul, then `add_rms_norm`.
+    pub fn matmul_add_rms_norm<B: Backend + ?Sized>(
+        b: &B,
+        input: &B::Act,
+        w: &B::Weight,
+        rows: usize,
+        proj: &mut B::Act,
+        n: ResidualNorm<'_, B>,
+    ) {
+        b.matmul(input, w, None, rows, proj);
+        b.add_rms_norm(n.x, proj, n.weight, n.eps, rows, n.out);
+    }
 
     /// [`Backend::matmul_many`]: one `matmul` per part.
     pub fn matmul_many<B: Backend + ?Sized>(b: &B, x: &B::Act, parts: &mut [MatmulPart<'_, B>], rows: usize) {
@@ -595,6 +620,23 @@ pub trait Backend: Send + Sync + 'static {
     ) {
         self.add_assign(x, y, rows);
         self.rms_norm(x, weight, eps, rows, out);
+    }
+    /// A block's closing projection, its residual add and the next block's
+    /// norm: `proj = input · wᵀ`, then `n.x += proj` and
+    /// `n.out = rms_norm(n.x) * n.weight`, over the first `rows` rows. The
+    /// projection must be this rank's whole sum (no other rank adds to it
+    /// before the residual). `proj` holds nothing defined afterwards: a
+    /// device backend may fold the add and the norm into the matmuls
+    /// around them and never write it.
+    fn matmul_add_rms_norm(
+        &self,
+        input: &Self::Act,
+        w: &Self::Weight,
+        rows: usize,
+        proj: &mut Self::Act,
+        n: ResidualNorm<'_, Self>,
+    ) {
+        unfused::matmul_add_rms_norm(self, input, w, rows, proj, n)
     }
     /// Several products of one input (a layer's q, k and v projections):
     /// `part.out = x · part.wᵀ (+ part.bias)` for each part. A device

@@ -107,6 +107,15 @@ pub struct CudaTuning {
     /// there (`--cuda-sample-slices`); off: one block reads the whole row
     /// for each of those passes. The same results either way.
     pub sample_slices: bool,
+    /// At one row of bf16 weights, a residual add and the RMSNorm after it
+    /// run inside the GEMVs around them (kernels/fold.cu): o_proj and
+    /// down_proj add their rows to the residual and leave each block's sum
+    /// of squares, and the q/k/v and gate/up GEMVs that read the norm scale
+    /// their products by its 1 / rms (`--cuda-fold-norm`): no one-block
+    /// norm kernel between two wide ones, twice a layer. The products
+    /// differ from the separate norm's in the last bits (the scale is
+    /// applied after the sum).
+    pub fold_norm: bool,
 }
 
 impl Default for CudaTuning {
@@ -127,6 +136,7 @@ impl Default for CudaTuning {
             gemv_fill: false,
             mmvq_pipe: false,
             sample_slices: false,
+            fold_norm: false,
         }
     }
 }

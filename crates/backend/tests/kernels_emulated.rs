@@ -32,6 +32,10 @@
 //! - `stacked.cpp`: the launches around one GEMM of stacked weights
 //!   (kernels/stacked.cu): the split of q/k/v's product with biases, the
 //!   SiLU product of gate and up's, against the ops written out plainly.
+//! - `fold.cpp`: the residual add + RMSNorm folded into the GEMVs around
+//!   it (kernels/fold.cu): the producer's epilogue over blocks of four and
+//!   of two rows, a consumer grid's 1 / rms (the same bits in every block)
+//!   and its store of the norm, and `fold_settle`, against the op in double.
 //! - `mmq.cpp`: the tensor-core matmul of block-format weights
 //!   (kernels/mmq.cu, with the decoders of kernels/blocks.cu) for the formats
 //!   with word-wise decoders, at every group size, with K slices and their
@@ -125,4 +129,11 @@ fn mmq_kernels_match_the_reference_under_emulation() {
 fn stacked_matmul_kernels_match_the_plain_ops_under_emulation() {
     let report = run_emulated("stacked");
     assert!(report.contains("0 failed"), "{report}");
+}
+
+#[test]
+fn folded_norm_kernels_match_the_plain_op_under_emulation() {
+    let report = run_emulated("fold");
+    assert!(report.contains("0 failed"), "{report}");
+    assert_eq!(report.matches("ok  ").count(), 24, "fewer comparisons than written:\n{report}");
 }

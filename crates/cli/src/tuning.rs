@@ -99,6 +99,12 @@ pub struct CudaFlags {
     /// 128,256-token vocabulary took 64 µs that way on an H100).
     #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_SAMPLE_SLICES", value_name = "on|off")]
     cuda_sample_slices: Switch,
+    /// At one row of bf16 weights, each residual add and the RMSNorm after it run inside the GEMVs
+    /// around them: o_proj and down_proj add their rows to the residual and leave partial sums of
+    /// squares, the q/k/v and gate/up GEMVs scale their products by the norm's 1/rms (no one-block
+    /// norm kernel between them, twice a layer); off: the separate add + norm kernel.
+    #[arg(long, help_heading = H, value_enum, default_value_t = Switch::Off, env = "CORRIDOR_FOLD_NORM", value_name = "on|off")]
+    cuda_fold_norm: Switch,
 }
 
 impl CudaFlags {
@@ -119,6 +125,7 @@ impl CudaFlags {
             gemv_fill: self.cuda_gemv_fill.on(),
             mmvq_pipe: self.cuda_mmvq_pipe.on(),
             sample_slices: self.cuda_sample_slices.on(),
+            fold_norm: self.cuda_fold_norm.on(),
         }
     }
 }

@@ -9,7 +9,9 @@
 //!        (scripts/gpu/compare_logits.py compares them with transformers).
 //!
 //! `--delta-chunked` (anywhere after the fixtures dir) runs the hybrid's
-//! prefill through the chunked delta-rule kernel (`CudaTuning::delta_chunked`).
+//! prefill through the chunked delta-rule kernel (`CudaTuning::delta_chunked`),
+//! `--fold-norm` folds batch-1 residual adds and norms into the GEMVs around
+//! them (`CudaTuning::fold_norm`).
 //!
 //! Built with `--features cuda` for the GPU machine (scripts/gpu/check.sh);
 //! without it the binary says so and exits with status 2.
@@ -25,6 +27,7 @@ fn main() {
     let dir = std::env::args().nth(1).unwrap_or_else(|| "tests/fixtures/tiny".into());
     let tuning = corridor_backend::CudaTuning {
         delta_chunked: std::env::args().any(|a| a == "--delta-chunked"),
+        fold_norm: std::env::args().any(|a| a == "--fold-norm"),
         ..Default::default()
     };
     let gpu = CudaBackend::new(CudaBackendConfig { tuning, ..Default::default() }).expect("cuda backend");

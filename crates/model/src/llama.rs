@@ -33,8 +33,8 @@ use corridor_backend::collective::{gather_logits, Collective, CollectiveError, S
 use corridor_backend::sample::{LogitEdit, SampleRowSpec, SampledRows};
 use corridor_backend::{
     ActShape, Backend, BackendError, DType, Expert, GraphKey, HostTensor, KvGeometry, KvPlacement,
-    MatmulPart, MoeFfn, MoeScratch, MoeShape, QkNorm, RopeAttention, RopeTable, Routing, SeqStep, StepPlan,
-    TensorBytes,
+    MatmulPart, MoeFfn, MoeScratch, MoeShape, QkNorm, ResidualNorm, RopeAttention, RopeTable, Routing,
+    SeqStep, StepPlan, TensorBytes,
 };
 use corridor_units::{Pages, StateSlot, TokenId, Tokens};
 use std::ops::Range;
@@ -557,14 +557,18 @@ impl<B: Backend> Model<B> {
                 return Err(ModelError::Step("a rank that does not embed must receive its input".into()))
             }
         }
-        // Each block's residual add is fused with the norm that follows it;
-        // the last layer's add stands alone (the final norm reads only the
-        // gathered rows).
+        // Each block's residual add is fused with the norm that follows it,
+        // and where this rank's projections are whole sums (no other rank
+        // adds to them) with the projection before it too; the last layer's
+        // add stands alone (the final norm reads only the gathered rows).
+        let whole = s.heads == (0..cfg.num_heads) && s.ffn == (0..cfg.intermediate_size);
+        // Whether `ws.h` already holds this layer's input norm.
+        let mut normed = false;
         for (i, (layer, kv_layer)) in self.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
             // Attention block: this rank's heads; o_proj gives a partial sum.
             if i == 0 {
                 b.rms_norm(&ws.x, &layer.input_layernorm, eps, rows, &mut ws.h);
-            } else {
+            } else if !normed {
                 b.add_rms_norm(&mut ws.x, &ws.proj, &layer.input_layernorm, eps, rows, &mut ws.h);
             }
             let bias = layer.qkv_bias.as_ref();
@@ -596,18 +600,36 @@ impl<B: Backend> Model<B> {
                 seqs: step.seqs,
             };
             b.rope_attention(a, s.heads.len(), &mut ws.attn);
-            b.matmul(&ws.attn, &layer.o_proj, None, rows, &mut ws.proj);
-            c.all_reduce_sum(b, &mut ws.proj, rows)?;
-            // MLP block: this rank's FFN columns; down_proj gives a partial sum.
-            b.add_rms_norm(&mut ws.x, &ws.proj, &layer.post_attention_layernorm, eps, rows, &mut ws.h);
+            let post = &layer.post_attention_layernorm;
+            // (A sparse FFN's router would only settle a folded norm first.)
+            if whole && matches!(layer.ffn, Ffn::Dense { .. }) {
+                let n = ResidualNorm { x: &mut ws.x, weight: post, eps, out: &mut ws.h };
+                b.matmul_add_rms_norm(&ws.attn, &layer.o_proj, rows, &mut ws.proj, n);
+            } else {
+                b.matmul(&ws.attn, &layer.o_proj, None, rows, &mut ws.proj);
+                c.all_reduce_sum(b, &mut ws.proj, rows)?;
+                // MLP block: this rank's FFN columns; down_proj gives a partial sum.
+                b.add_rms_norm(&mut ws.x, &ws.proj, post, eps, rows, &mut ws.h);
+            }
+            normed = false;
             match &layer.ffn {
                 Ffn::Dense { gate_proj, up_proj, down_proj } => {
                     b.gate_up_silu(&ws.h, gate_proj, up_proj, rows, &mut ws.gate, &mut ws.up, &mut ws.act);
-                    b.matmul(&ws.act, down_proj, None, rows, &mut ws.proj);
+                    match self.layers.get(i + 1).filter(|_| whole) {
+                        Some(next) => {
+                            let weight = &next.input_layernorm;
+                            let n = ResidualNorm { x: &mut ws.x, weight, eps, out: &mut ws.h };
+                            b.matmul_add_rms_norm(&ws.act, down_proj, rows, &mut ws.proj, n);
+                            normed = true;
+                        }
+                        None => b.matmul(&ws.act, down_proj, None, rows, &mut ws.proj),
+                    }
                 }
                 Ffn::Sparse { router, experts } => self.sparse_ffn(b, i, router, experts, ws, rows)?,
             }
-            c.all_reduce_sum(b, &mut ws.proj, rows)?;
+            if !normed {
+                c.all_reduce_sum(b, &mut ws.proj, rows)?;
+            }
         }
         if !self.layers.is_empty() {
             b.add_assign(&mut ws.x, &ws.proj, rows);

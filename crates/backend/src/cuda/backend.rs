@@ -11,7 +11,7 @@ use super::{CudaAct, CudaBackend, CudaExperts, CudaKv};
 use crate::dtype::{DType, HostTensor};
 use crate::{
     ActShape, Backend, BackendError, DeltaRule, Expert, GraphKey, KvGeometry, MatmulPart, MoeFfn, QkNorm,
-    Result, RopeAttention, RopeStyle, RopeTable, SeqStep, StepPlan,
+    ResidualNorm, Result, RopeAttention, RopeStyle, RopeTable, SeqStep, StepPlan,
 };
 use corridor_units::{PageId, StateSlot, TokenId};
 use corridor_vram::KvArena;
@@ -128,6 +128,11 @@ impl Backend for CudaBackend {
         let mut slot = st.xbf.take();
         let r = self.ensure_scratch(&mut slot, shape.rows * shape.cols * 2);
         st.xbf = slot;
+        r?;
+        // And a folded norm's row (`fold.rs`).
+        let mut slot = st.fold_buf.take();
+        let r = self.ensure_scratch(&mut slot, super::fold::fold_bytes(shape.cols));
+        st.fold_buf = slot;
         r?;
         // And the 8-bit copy of the decode rows the integer GEMVs take.
         for i in 0..st.xq.len() {
@@ -246,6 +251,20 @@ impl Backend for CudaBackend {
             let a = a.i32(x.cols as i32).f32(eps);
             unsafe { self.launch(self.k.add_rms_norm, norm_dims(rows, x.cols), a) }
         })
+    }
+
+    fn matmul_add_rms_norm(
+        &self,
+        input: &CudaAct,
+        w: &CudaWeight,
+        rows: usize,
+        proj: &mut CudaAct,
+        n: ResidualNorm<'_, Self>,
+    ) {
+        if self.folds_norm(input, w, rows, &n) {
+            return self.fold_producer(input, w, n);
+        }
+        crate::unfused::matmul_add_rms_norm(self, input, w, rows, proj, n)
     }
 
     fn head_rms_norm(&self, x: &mut CudaAct, weight: &CudaWeight, eps: f32, head_dim: usize, rows: usize) {

@@ -29,8 +29,8 @@ use super::{CudaAct, CudaBackend, CudaKv, CudaWeight, DeltaPrefill, PrefillPath}
 use crate::cpu::{CpuAct, CpuBackend, CpuWeight, MatmulInput};
 use crate::dtype::{DType, HostTensor, TensorBytes};
 use crate::{
-    ActShape, Backend, DeltaGeometry, DeltaRule, GraphKey, KvGeometry, MatmulPart, QkNorm, Result,
-    RopeAttention, RopeStyle, RopeTable, SeqStep, StepPlan, VHeadOrder,
+    ActShape, Backend, DeltaGeometry, DeltaRule, GraphKey, KvGeometry, MatmulPart, QkNorm, ResidualNorm,
+    Result, RopeAttention, RopeStyle, RopeTable, SeqStep, StepPlan, VHeadOrder,
 };
 use corridor_units::{PageId, Pages, StateSlot, TokenId, Tokens};
 use cudarc::driver::{result as cu, sys};
@@ -573,6 +573,7 @@ pub fn run_all(be: &CudaBackend) -> Result<CheckReport> {
     }
     bf16_input_checks(be, &cpu, &mut rep, &mut rng)?;
     stacked_checks(be, &refs, &mut rep, &mut rng)?;
+    fold_checks(be, &cpu, &mut rep, &mut rng)?;
 
     // Embedding from bf16, Q8_0 and K-quant tables (the lookup dequantizes rows).
     for dtype in [DType::BF16, DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::IQ4_XS, DType::Q5_0] {
@@ -835,6 +836,127 @@ fn q8_input_checks(be: &CudaBackend, refs: &References, rep: &mut CheckReport, r
         stale.checks(be, (reference, tol), &mut normed, &mut y, &format!("{rows}-row GEMV"), rep)?;
     }
     Ok(())
+}
+
+/// The residual add + RMSNorm folded into the one-row GEMVs around it
+/// (`fold.rs`) against the CPU's separate ops, with blocks of four weight
+/// rows (a 4096 hidden size) and of two (256): o_proj's producer then q/k/v
+/// with biases as its consumer, down's producer then gate/up/SiLU, and a
+/// producer whose norm a plain read settles; each time the products, the
+/// norm and the residual. The fold must be what ran: pending after the
+/// producer, taken by the consumer with no settle, settled once by the read.
+fn fold_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
+    use std::sync::atomic::Ordering::Relaxed;
+    // Only models without block-format weights fold (their GEMVs take the norm's 8-bit copy).
+    let had_q8 = be.q8_weights.swap(false, Relaxed);
+    be.set_fold_norm(Some(true));
+    let r = (|| -> Result<()> {
+        for &(h, k_in, nq, nkv, ff) in
+            &[(4096usize, 4096usize, 4096usize, 1024usize, 1024usize), (256, 128, 256, 64, 512)]
+        {
+            let mut mk = |n: usize, k: usize, scale: f32| -> Result<(CudaWeight, CpuWeight)> {
+                let t = float_tensor("w", DType::BF16, n, k, &rng.vec(n * k, scale));
+                Ok((be.upload_weight(&t)?, cpu.upload_weight(&t)?))
+            };
+            let o = mk(h, k_in, 0.05)?;
+            let down = mk(h, ff, 0.05)?;
+            let (q, kw, v) = (mk(nq, h, 0.05)?, mk(nkv, h, 0.05)?, mk(nkv, h, 0.05)?);
+            let (gate, up) = (mk(ff, h, 0.05)?, mk(ff, h, 0.05)?);
+            let mut vector = |n: usize| -> Result<(CudaWeight, CpuWeight)> {
+                let t = float_tensor("v", DType::F32, 1, n, &rng.vec(n, 1.0));
+                Ok((be.upload_weight(&t)?, cpu.upload_weight(&t)?))
+            };
+            let (norm, bq, bk, bv) = (vector(h)?, vector(nq)?, vector(nkv)?, vector(nkv)?);
+            let x = pair(be, cpu, 1, h, Some(&rng.vec(h, 2.0)))?;
+            let mut x = x;
+            let mut proj = pair(be, cpu, 1, h, None)?;
+            let mut normed = pair(be, cpu, 1, h, None)?;
+            let shape = format!("hidden {h}");
+            // The producer on both backends; on the GPU it must leave the norm pending.
+            let mut produce = |input: &Pair,
+                               w: &(CudaWeight, CpuWeight),
+                               x: &mut Pair,
+                               normed: &mut Pair,
+                               what: &str,
+                               rep: &mut CheckReport|
+             -> Result<u64> {
+                let n = ResidualNorm { x: &mut x.g, weight: &norm.0, eps: 1e-5, out: &mut normed.g };
+                be.matmul_add_rms_norm(&input.g, &w.0, 1, &mut proj.g, n);
+                let n = ResidualNorm { x: &mut x.c, weight: &norm.1, eps: 1e-5, out: &mut normed.c };
+                cpu.matmul_add_rms_norm(&input.c, &w.1, 1, &mut proj.c, n);
+                let (pending, settles) = be.fold_counts();
+                rep.compare(
+                    &format!("folded norm ({shape}): {what} leaves it pending"),
+                    &[f32::from(pending)],
+                    &[1.0],
+                    0.0,
+                );
+                Ok(settles)
+            };
+            // o_proj, then q/k/v with biases.
+            let attn = pair(be, cpu, 1, k_in, Some(&rng.vec(k_in, 1.0)))?;
+            let settles = produce(&attn, &o, &mut x, &mut normed, "o_proj", rep)?;
+            let mut outs =
+                [pair(be, cpu, 1, nq, None)?, pair(be, cpu, 1, nkv, None)?, pair(be, cpu, 1, nkv, None)?];
+            {
+                let [oq, ok, ov] = &mut outs;
+                let mut parts = [
+                    MatmulPart { w: &q.0, bias: Some(&bq.0), out: &mut oq.g },
+                    MatmulPart { w: &kw.0, bias: Some(&bk.0), out: &mut ok.g },
+                    MatmulPart { w: &v.0, bias: Some(&bv.0), out: &mut ov.g },
+                ];
+                be.matmul_many(&normed.g, &mut parts, 1, None);
+                let mut parts = [
+                    MatmulPart { w: &q.1, bias: Some(&bq.1), out: &mut oq.c },
+                    MatmulPart { w: &kw.1, bias: Some(&bk.1), out: &mut ok.c },
+                    MatmulPart { w: &v.1, bias: Some(&bv.1), out: &mut ov.c },
+                ];
+                cpu.matmul_many(&normed.c, &mut parts, 1, None);
+            }
+            let took = be.fold_counts() == (false, settles);
+            rep.compare(&format!("folded norm ({shape}): q/k/v takes it"), &[f32::from(took)], &[1.0], 0.0);
+            for (i, out) in outs.iter().enumerate() {
+                let (a, b) = read_both(be, cpu, out, 1)?;
+                rep.compare(&format!("folded norm ({shape}): q/k/v part {i}"), &a, &b, EXACT);
+            }
+            for (p, what) in [(&normed, "the norm q/k/v stored"), (&x, "the residual after o_proj")] {
+                let (a, b) = read_both(be, cpu, p, 1)?;
+                rep.compare(&format!("folded norm ({shape}): {what}"), &a, &b, EXACT);
+            }
+            // down, then gate/up/SiLU.
+            let act = pair(be, cpu, 1, ff, Some(&rng.vec(ff, 1.0)))?;
+            let settles = produce(&act, &down, &mut x, &mut normed, "down_proj", rep)?;
+            let (mut g, mut u, mut s) =
+                (pair(be, cpu, 1, ff, None)?, pair(be, cpu, 1, ff, None)?, pair(be, cpu, 1, ff, None)?);
+            be.gate_up_silu(&normed.g, &gate.0, &up.0, 1, &mut g.g, &mut u.g, &mut s.g);
+            cpu.gate_up_silu(&normed.c, &gate.1, &up.1, 1, &mut g.c, &mut u.c, &mut s.c);
+            let took = be.fold_counts() == (false, settles);
+            rep.compare(
+                &format!("folded norm ({shape}): gate/up/SiLU takes it"),
+                &[f32::from(took)],
+                &[1.0],
+                0.0,
+            );
+            for (p, what) in [
+                (&s, "the SiLU product"),
+                (&normed, "the norm gate/up stored"),
+                (&x, "the residual after down_proj"),
+            ] {
+                let (a, b) = read_both(be, cpu, p, 1)?;
+                rep.compare(&format!("folded norm ({shape}): {what}"), &a, &b, EXACT);
+            }
+            // A producer whose norm is read by something else: settled first.
+            let settles = produce(&attn, &o, &mut x, &mut normed, "o_proj", rep)?;
+            let (a, b) = read_both(be, cpu, &normed, 1)?;
+            rep.compare(&format!("folded norm ({shape}): settled for a plain read"), &a, &b, EXACT);
+            let settled = be.fold_counts() == (false, settles + 1);
+            rep.compare(&format!("folded norm ({shape}): settled once"), &[f32::from(settled)], &[1.0], 0.0);
+        }
+        Ok(())
+    })();
+    be.set_fold_norm(None);
+    be.q8_weights.store(had_q8, Relaxed);
+    r
 }
 
 /// Three products of one input through `matmul_many` on the GPU, each

@@ -35,6 +35,13 @@ pub(super) struct Kernels {
     pub(super) gemv_bf16_r1_nw2: Kernel,
     /// gate/up/SiLU for 1 and 2 rows.
     pub(super) gemv_bf16_glu: [Kernel; 2],
+    /// A folded residual add + norm (fold.cu): its producer and its
+    /// consumers, blocks of four weight rows then of two; gate/up/SiLU as a
+    /// consumer; its last step alone.
+    pub(super) gemv_bf16_residual: [Kernel; 2],
+    pub(super) gemv_bf16_fold: [Kernel; 2],
+    pub(super) gemv_bf16_glu_fold: Kernel,
+    pub(super) fold_settle: Kernel,
     pub(super) gemv_q8_0: [Kernel; 4],
     pub(super) gemv_q4_0: [Kernel; 4],
     pub(super) gemv_q4_1: [Kernel; 4],
@@ -194,6 +201,10 @@ pub(super) fn load(arch: &str, cache_dir: Option<&Path>) -> Result<(sys::CUmodul
         gemv_bf16: [f("gemv_bf16_r1")?, f("gemv_bf16_r2")?, f("gemv_bf16_r4")?, f("gemv_bf16_r8")?],
         gemv_bf16_r1_nw2: f("gemv_bf16_r1_nw2")?,
         gemv_bf16_glu: [f("gemv_bf16_glu_r1")?, f("gemv_bf16_glu_r2")?],
+        gemv_bf16_residual: [f("gemv_bf16_r1_residual")?, f("gemv_bf16_r1_nw2_residual")?],
+        gemv_bf16_fold: [f("gemv_bf16_r1_fold")?, f("gemv_bf16_r1_nw2_fold")?],
+        gemv_bf16_glu_fold: f("gemv_bf16_glu_r1_fold")?,
+        fold_settle: f("fold_settle")?,
         gemv_q8_0: [f("gemv_q8_0_r1")?, f("gemv_q8_0_r2")?, f("gemv_q8_0_r4")?, f("gemv_q8_0_r8")?],
         gemv_q4_0: [f("gemv_q4_0_r1")?, f("gemv_q4_0_r2")?, f("gemv_q4_0_r4")?, f("gemv_q4_0_r8")?],
         gemv_q4_1: [f("gemv_q4_1_r1")?, f("gemv_q4_1_r2")?, f("gemv_q4_1_r4")?, f("gemv_q4_1_r8")?],

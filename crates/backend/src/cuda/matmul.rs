@@ -19,6 +19,7 @@
 //! rows at a time for cuBLASLt.
 
 use super::device::{Args, DeviceBuffer, LaunchDims, Purpose};
+use super::fold::FoldNorm;
 use super::gemm::GemmShape;
 use super::kernels::{block_gemv_index, dtype_code, grid_for, mmq_index, mmvq_index, MmqKernel, MMVQ_PIPE};
 use super::{CudaAct, CudaBackend, Q8View, State, XbfView};
@@ -687,7 +688,7 @@ impl CudaBackend {
     /// The `early` argument of the bf16 GEMVs: 1 when a kernel launched ahead
     /// of its time (programmatic dependent launch) issues its first weight
     /// loads before it waits for the kernel ahead (`CudaTuning::early_weights`).
-    fn early_weights(&self) -> i32 {
+    pub(super) fn early_weights(&self) -> i32 {
         i32::from(self.pdl && self.config.tuning.early_weights)
     }
 
@@ -705,7 +706,7 @@ impl CudaBackend {
         // The instantiation for the smallest power of two >= rows (1, 2, 4, 8).
         // bf16 with 16-byte loads: rows of whole 8-element chunks (the arena keeps 256-byte alignment).
         if w.dtype == DType::BF16 && k % 8 == 0 {
-            return self.gemv_bf16_parts(x, &[(w, 0, out.ptr())], rows);
+            return self.gemv_bf16_parts(x, &[(w, 0, out.ptr())], rows, None);
         }
         let inst = rows.next_power_of_two().trailing_zeros() as usize;
         let block_format = match w.dtype {
@@ -738,33 +739,47 @@ impl CudaBackend {
         }
     }
 
-    /// Up to three bf16 matrices of one input in one launch of the per-row
-    /// kernel (`gemv_bf16_r*`): each part is (weight, bias pointer or 0,
-    /// output pointer). The weights share `x`'s width, a multiple of 8.
-    pub(super) fn gemv_bf16_parts(
-        &self,
-        x: &CudaAct,
-        parts: &[(&CudaWeight, u64, u64)],
-        rows: usize,
-    ) -> Result<()> {
-        debug_assert!((1..=3).contains(&parts.len()) && (1..=GEMV_MAX_ROWS).contains(&rows));
-        let inst = rows.next_power_of_two().trailing_zeros() as usize;
-        let (mut w, mut o, mut b, mut n) = ([0u64; 3], [0u64; 3], [0u64; 3], [0usize; 3]);
-        for (i, (wt, bias, out)) in parts.iter().enumerate() {
-            (w[i], b[i], o[i], n[i]) = (wt.ptr(), *bias, *out, wt.rows);
-        }
+    /// Whether one row against matrices of `n` rows in all (one launch)
+    /// takes blocks of two weight rows rather than of four.
+    pub(super) fn gemv_narrow_r1(&self, n: &[usize]) -> bool {
         let blocks_of = |nw: usize| -> usize { n.iter().map(|n| n.div_ceil(nw)).sum() };
-        let narrow = rows == 1
-            && self.gemv_narrow.load(std::sync::atomic::Ordering::Relaxed)
+        self.gemv_narrow.load(std::sync::atomic::Ordering::Relaxed)
             && two_row_blocks(
                 blocks_of(GEMV_NW),
                 blocks_of(2),
                 self.sm_count * 8,
                 self.config.tuning.gemv_fill,
-            );
-        let (kernel, nw) =
-            if narrow { (self.k.gemv_bf16_r1_nw2, 2) } else { (self.k.gemv_bf16[inst], GEMV_NW) };
-        let dims = LaunchDims { grid: (blocks_of(nw) as u32, 1, 1), block: 32 * GEMV_WARPS };
+            )
+    }
+
+    /// Up to three bf16 matrices of one input in one launch of the per-row
+    /// kernel (`gemv_bf16_r*`): each part is (weight, bias pointer or 0,
+    /// output pointer). The weights share `x`'s width, a multiple of 8.
+    /// With `fold` (one row), `x` is that folded norm's activation: the
+    /// kernel reads its `x * w` and finishes the norm (`fold.rs`).
+    pub(super) fn gemv_bf16_parts(
+        &self,
+        x: &CudaAct,
+        parts: &[(&CudaWeight, u64, u64)],
+        rows: usize,
+        fold: Option<&FoldNorm>,
+    ) -> Result<()> {
+        debug_assert!((1..=3).contains(&parts.len()) && (1..=GEMV_MAX_ROWS).contains(&rows));
+        debug_assert!(fold.is_none() || rows == 1);
+        let inst = rows.next_power_of_two().trailing_zeros() as usize;
+        let (mut w, mut o, mut b, mut n) = ([0u64; 3], [0u64; 3], [0u64; 3], [0usize; 3]);
+        for (i, (wt, bias, out)) in parts.iter().enumerate() {
+            (w[i], b[i], o[i], n[i]) = (wt.ptr(), *bias, *out, wt.rows);
+        }
+        let narrow = rows == 1 && self.gemv_narrow_r1(&n);
+        let (kernel, nw) = match (narrow, fold) {
+            (false, None) => (self.k.gemv_bf16[inst], GEMV_NW),
+            (true, None) => (self.k.gemv_bf16_r1_nw2, 2),
+            (false, Some(_)) => (self.k.gemv_bf16_fold[0], GEMV_NW),
+            (true, Some(_)) => (self.k.gemv_bf16_fold[1], 2),
+        };
+        let blocks: usize = n.iter().map(|n| n.div_ceil(nw)).sum();
+        let dims = LaunchDims { grid: (blocks as u32, 1, 1), block: 32 * GEMV_WARPS };
         let mut a = Args::new();
         for p in w.iter().chain(&o).chain(&b) {
             a = a.ptr(*p);
@@ -772,7 +787,11 @@ impl CudaBackend {
         for n in n {
             a = a.i32(n as i32);
         }
-        let a = a.ptr(x.ptr()).i32(x.cols as i32).i32(rows as i32).i32(self.early_weights());
+        let a = match fold {
+            None => a.ptr(x.ptr()).i32(x.cols as i32).i32(rows as i32),
+            Some(f) => f.consumer_args(a.ptr(f.hw).i32(x.cols as i32)),
+        };
+        let a = a.i32(self.early_weights());
         unsafe { self.launch(kernel, dims, a) }
     }
 
@@ -1049,7 +1068,7 @@ impl CudaBackend {
             }
             return crate::unfused::matmul_many(self, x, parts, rows);
         }
-        self.op("matmul_many (q/k/v)", |_| {
+        self.op_fold("matmul_many (q/k/v)", x, rows, |_, fold| {
             let mut v = Vec::with_capacity(3);
             for p in parts.iter() {
                 let bias = match p.bias {
@@ -1058,7 +1077,7 @@ impl CudaBackend {
                 };
                 v.push((p.w, bias, p.out.ptr()));
             }
-            self.gemv_bf16_parts(x, &v, rows)
+            self.gemv_bf16_parts(x, &v, rows, fold.as_ref())
         })
     }
 
@@ -1133,20 +1152,7 @@ impl CudaBackend {
         if !fused {
             return crate::unfused::gate_up_silu(self, x, gate, up, rows, gate_out, up_out, out);
         }
-        self.op("gate_up_silu", |_| {
-            let n = gate.rows;
-            let dims = LaunchDims { grid: (n.div_ceil(GLU_NW) as u32, 1, 1), block: 32 * GEMV_WARPS };
-            let a = Args::new()
-                .ptr(gate.ptr())
-                .ptr(up.ptr())
-                .ptr(x.ptr())
-                .ptr(out.ptr())
-                .i32(n as i32)
-                .i32(x.cols as i32)
-                .i32(rows as i32)
-                .i32(self.early_weights());
-            unsafe { self.launch(self.k.gemv_bf16_glu[rows - 1], dims, a) }
-        })
+        self.op_fold("gate_up_silu", x, rows, |_, fold| self.gemv_glu(x, (gate, up), rows, out, fold))
     }
 }
 

@@ -36,6 +36,7 @@ mod backend;
 pub mod check;
 mod delta;
 pub mod device;
+mod fold;
 pub mod gemm;
 mod graphs;
 mod kernels;
@@ -214,6 +215,16 @@ struct State {
     /// first integer GEMV of that input: the GEMVs of that input after it
     /// quantize nothing. Forgotten as `xbf_holds` is.
     xq_holds: Option<Q8View>,
+    /// A residual add + RMSNorm folded into the one-row GEMVs around it
+    /// (`fold.rs`): its producer ran, its activation is not yet written. A
+    /// consumer GEMV of that activation takes it; any other op settles it
+    /// first (`lock_for_matmul`).
+    fold: Option<fold::FoldNorm>,
+    /// Folded norms settled by a kernel of their own, counted for the self-check.
+    fold_settles: u64,
+    /// The folded norm's `x * w` (a row of the widest activation) and its
+    /// producer's per-block sums of squares.
+    fold_buf: Option<DeviceBuffer>,
     /// bf16 tile of a quantized weight, widened for a prefill GEMM.
     tile: Option<DeviceBuffer>,
     part_o: DeviceBuffer,
@@ -294,6 +305,9 @@ pub struct CudaBackend {
     /// The device sampler scans every row in slices first
     /// (`CudaTuning::sample_slices`; the self-check also sets it).
     sample_slices: std::sync::atomic::AtomicBool,
+    /// One-row residual adds and norms fold into the GEMVs around them
+    /// (`CudaTuning::fold_norm`; the self-check also sets it).
+    fold_norm: std::sync::atomic::AtomicBool,
     /// Whether a block-format weight with an integer GEMV was uploaded: only
     /// then do the norms also store their rows quantized to 8 bits.
     q8_weights: std::sync::atomic::AtomicBool,
@@ -395,6 +409,9 @@ impl CudaBackend {
             xbf_holds: None,
             xq: [None, None],
             xq_holds: None,
+            fold: None,
+            fold_settles: 0,
+            fold_buf: None,
             tile: None,
             part_o: DeviceBuffer::new(
                 &alloc,
@@ -431,6 +448,7 @@ impl CudaBackend {
             mmvq_groups: std::sync::atomic::AtomicUsize::new(0),
             mmvq_pipe: std::sync::atomic::AtomicBool::new(config.tuning.mmvq_pipe),
             sample_slices: std::sync::atomic::AtomicBool::new(config.tuning.sample_slices),
+            fold_norm: std::sync::atomic::AtomicBool::new(config.tuning.fold_norm),
             q8_weights: std::sync::atomic::AtomicBool::new(false),
             l2_prefetch: if config.tuning.l2_prefetch && major >= 9 { l2 } else { 0 },
             profile: config.tuning.profile_every.map(|every| Mutex::new(OpProfile::new(every))),
@@ -461,8 +479,20 @@ impl CudaBackend {
     }
 
     /// The state, locked for a matmul, which keeps `xbf_holds` (it checks
-    /// that its outputs are not the activation held).
+    /// that its outputs are not the activation held). A folded norm still
+    /// pending is settled first: this op may read its activation.
     fn lock_for_matmul(&self) -> MutexGuard<'_, State> {
+        let mut st = self.lock_raw();
+        if let Some(f) = st.fold.take() {
+            let r = self.ctx.bind().and_then(|_| self.fold_settle(&f));
+            st.fold_settles += 1;
+            self.record(&mut st, r);
+        }
+        st
+    }
+
+    /// The state as it is, a folded norm left pending.
+    fn lock_raw(&self) -> MutexGuard<'_, State> {
         // A poisoned lock means a panic mid-op; the state is still consistent
         // enough to report errors, so keep going.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -604,7 +634,7 @@ impl Drop for CudaBackend {
     fn drop(&mut self) {
         let _ = self.ctx.bind();
         let _ = self.synchronize();
-        let mut st = self.lock();
+        let mut st = self.lock_raw();
         drop_graphs(&mut st);
         drop(st);
         // SAFETY: no kernel of the module can still run after the synchronize above.

@@ -20,6 +20,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("../../kernels/blocks.cu"),
     include_str!("../../kernels/elementwise.cu"),
     include_str!("../../kernels/stacked.cu"),
+    include_str!("../../kernels/fold.cu"),
     include_str!("../../kernels/gemv.cu"),
     include_str!("../../kernels/mmvq.cu"),
     include_str!("../../kernels/mmq.cu"),
