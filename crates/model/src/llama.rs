@@ -601,8 +601,7 @@ impl<B: Backend> Model<B> {
             };
             b.rope_attention(a, s.heads.len(), &mut ws.attn);
             let post = &layer.post_attention_layernorm;
-            // (A sparse FFN's router would only settle a folded norm first.)
-            if whole && matches!(layer.ffn, Ffn::Dense { .. }) {
+            if whole {
                 let n = ResidualNorm { x: &mut ws.x, weight: post, eps, out: &mut ws.h };
                 b.matmul_add_rms_norm(&ws.attn, &layer.o_proj, rows, &mut ws.proj, n);
             } else {

@@ -841,8 +841,9 @@ fn q8_input_checks(be: &CudaBackend, refs: &References, rep: &mut CheckReport, r
 /// The residual add + RMSNorm folded into the one-row GEMVs around it
 /// (`fold.rs`) against the CPU's separate ops, with blocks of four weight
 /// rows (a 4096 hidden size) and of two (256): o_proj's producer then q/k/v
-/// with biases as its consumer, down's producer then gate/up/SiLU, and a
-/// producer whose norm a plain read settles; each time the products, the
+/// with biases as its consumer, down's producer then gate/up/SiLU, a
+/// producer whose norm a plain read settles, and one whose norm a plain
+/// one-row matmul (a MoE router) takes; each time the products, the
 /// norm and the residual. The fold must be what ran: pending after the
 /// producer, taken by the consumer with no settle, settled once by the read.
 fn fold_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: &mut Rng) -> Result<()> {
@@ -951,6 +952,22 @@ fn fold_checks(be: &CudaBackend, cpu: &CpuBackend, rep: &mut CheckReport, rng: &
             rep.compare(&format!("folded norm ({shape}): settled for a plain read"), &a, &b, EXACT);
             let settled = be.fold_counts() == (false, settles + 1);
             rep.compare(&format!("folded norm ({shape}): settled once"), &[f32::from(settled)], &[1.0], 0.0);
+            // A plain one-row matmul of the norm (a MoE layer's router) takes it too.
+            let settles = produce(&act, &down, &mut x, &mut normed, "down_proj", rep)?;
+            let mut r = pair(be, cpu, 1, nkv, None)?;
+            be.matmul(&normed.g, &kw.0, None, 1, &mut r.g);
+            cpu.matmul(&normed.c, &kw.1, None, 1, &mut r.c);
+            let took = be.fold_counts() == (false, settles);
+            rep.compare(
+                &format!("folded norm ({shape}): a plain matmul takes it"),
+                &[f32::from(took)],
+                &[1.0],
+                0.0,
+            );
+            for (p, what) in [(&r, "the plain matmul"), (&normed, "the norm the plain matmul stored")] {
+                let (a, b) = read_both(be, cpu, p, 1)?;
+                rep.compare(&format!("folded norm ({shape}): {what}"), &a, &b, EXACT);
+            }
         }
         Ok(())
     })();

@@ -5,7 +5,8 @@
 //! projection's GEMV adds its rows to the residual, stores `x * w` into
 //! `State::fold_buf` and each block's sum of squares after it, and leaves a
 //! [`FoldNorm`] pending in the state. The q/k/v or gate/up GEMV that reads the
-//! norm's activation next takes it ([`CudaBackend::op_fold`]): it reads
+//! norm's activation next (or a plain one-row matmul of it, a MoE layer's
+//! router) takes it ([`CudaBackend::op_fold`]): it reads
 //! `x * w`, scales its products by 1 / rms and stores the norm itself. Any
 //! other op settles it first (`lock_for_matmul` launches `fold_settle`), so
 //! whatever comes next reads the norm as the separate kernel would have left
@@ -112,6 +113,11 @@ impl CudaBackend {
         let a = Args::new().ptr(f.hw).ptr(f.slots).i32(f.n_slots as i32).ptr(f.out).i32(f.cols as i32);
         let a = a.f32(f.eps);
         unsafe { self.launch(self.k.fold_settle, LaunchDims { grid: (1, 1, 1), block: 1024 }, a) }
+    }
+
+    /// Whether a folded norm of activation `x` is pending.
+    pub(super) fn fold_pending_for(&self, x: &CudaAct) -> bool {
+        self.lock_raw().fold.is_some_and(|p| p.out == x.ptr() && p.cols == x.cols)
     }
 
     /// [`CudaBackend::op`] for a GEMV that can finish a pending folded norm:

@@ -891,6 +891,18 @@ impl CudaBackend {
         rows: usize,
         out: &mut CudaAct,
     ) {
+        if rows == 1
+            && bias.is_none()
+            && out.cols == w.rows
+            && self.fold_pending_for(x)
+            && self.fusable_gemv(x, w, rows)
+        {
+            // The consumer of a folded norm (a MoE layer's router).
+            return self.op_fold("matmul (folded norm)", x, rows, |st, fold| {
+                self.forget_written(st, [&*out]);
+                self.gemv_bf16_parts(x, &[(w, 0, out.ptr())], rows, fold.as_ref())
+            });
+        }
         self.matmul_op(format_args!("matmul {}x{} {}", w.rows, w.cols, w.dtype), |st| {
             if x.cols != w.cols || out.cols != w.rows {
                 return Err(BackendError::Other(format!(
