@@ -45,9 +45,10 @@
 //! Shared by the programs: `shim.h` (threads, barriers, vector types, warp
 //! shuffles), `mma.h` (shared-memory addresses, cp.async, mma.sync,
 //! ldmatrix), `formats.h` (the block formats' reference decoders and
-//! random blocks), `q8.h` (the 8-bit rule of the GEMVs' inputs) and
+//! random blocks), `q8.h` (the 8-bit rule of the GEMVs' inputs),
 //! `mmvq_ref.h` (the integer GEMVs compiled, random matrices and inputs with
-//! their reference dots).
+//! their reference dots), `block_sum.h` (elementwise.cu's block-wide sum) and
+//! `checks.h` (pass/fail lines, random vectors, the guard value).
 //!
 //! Needs a C++20 compiler: `$CXX`, or `c++` on the PATH.
 

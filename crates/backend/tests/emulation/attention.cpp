@@ -16,20 +16,8 @@
 using std::max;
 #define KV_UNIT_SHIFT 7 // as kernels/common.cu
 inline long long kv_page_elems(u32 unit) { return (long long)unit << KV_UNIT_SHIFT; }
-// The block-wide sum of the split-K combine, as kernels/elementwise.cu has it
-// (the real build compiles that file first).
-inline float block_sum(float v, float* partial) {
-    v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float w = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-        w = warp_sum(w);
-        if (threadIdx.x == 0) partial[0] = w;
-    }
-    __syncthreads();
-    return partial[0];
-}
+// The block-wide sum of the split-K combine.
+#include "block_sum.h"
 
 // As kernels/common.cu has them: round to nearest even, and the L2 prefetch
 // (nothing to prefetch into here).

@@ -9,42 +9,21 @@
 // 1 / rms; values past every output must stay as they were. Built and run by
 // crates/backend/tests/kernels_emulated.rs; exits 1 when a comparison fails.
 #include "shim.h"
+#include "block_sum.h"
+#include "checks.h"
 #include <cstdio>
 #include <random>
 #include <string>
 
-// As kernels/elementwise.cu has it (the real build compiles that file first).
-inline float block_sum(float v, float* partial) {
-    v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float w = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-        w = warp_sum(w);
-        if (threadIdx.x == 0) partial[0] = w;
-    }
-    __syncthreads();
-    return partial[0];
-}
 
 #include "../../kernels/fold.cu"
 
 namespace {
 
-const float GUARD = 12345.5f;
-int failures = 0;
-
-void check(const std::string& what, bool ok) {
-    std::printf("%s %s\n", ok ? "ok  " : "FAIL", what.c_str());
-    if (!ok) failures++;
-}
-
-std::vector<float> random(std::mt19937& rng, size_t n, float scale) {
-    std::uniform_real_distribution<float> d(-scale, scale);
-    std::vector<float> v(n);
-    for (auto& x : v) x = d(rng);
-    return v;
-}
+using emu_checks::check;
+using emu_checks::failures;
+using emu_checks::GUARD;
+using emu_checks::random;
 
 bool guarded(const std::vector<float>& v, size_t from) {
     for (size_t i = from; i < v.size(); i++)

@@ -8,6 +8,7 @@
 // values past every output must stay as they were. Built and run by
 // crates/backend/tests/kernels_emulated.rs; exits 1 when a comparison fails.
 #include "shim.h"
+#include "checks.h"
 #include <cstdio>
 #include <random>
 #include <string>
@@ -23,20 +24,10 @@ inline bf16_t f32_to_bf16(float f) {
 
 namespace {
 
-const float GUARD = 12345.5f;
-int failures = 0;
-
-void check(const std::string& what, bool ok) {
-    std::printf("%s %s\n", ok ? "ok  " : "FAIL", what.c_str());
-    if (!ok) failures++;
-}
-
-std::vector<float> random(std::mt19937& rng, size_t n, float scale) {
-    std::uniform_real_distribution<float> d(-scale, scale);
-    std::vector<float> v(n);
-    for (auto& x : v) x = d(rng);
-    return v;
-}
+using emu_checks::check;
+using emu_checks::failures;
+using emu_checks::GUARD;
+using emu_checks::random;
 
 void split_case(std::mt19937& rng, int rows, std::vector<int> widths, std::vector<bool> biased) {
     int ld = 0;
