@@ -9,21 +9,6 @@ extern "C" __global__ void embedding(const u8* table, int dtype, long long row_b
     for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = load_elem(row, dtype, j);
 }
 
-// One block per row. Sum of squares in f32, as the CPU backend does.
-// The sum of `v` over the block (every thread gets it); `partial` holds 32 floats.
-__device__ __forceinline__ float block_sum(float v, float* partial) {
-    v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float w = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-        w = warp_sum(w);
-        if (threadIdx.x == 0) partial[0] = w;
-    }
-    __syncthreads();
-    return partial[0];
-}
-
 // RMSNorm of row blockIdx.x: out = x / rms(x) * w, after x += y when y is
 // given. Sum of squares in f32, as the CPU backend does. Rows of whole float4s
 // that fit NORM_V4 per thread are held in registers: every load of the row is

@@ -47,7 +47,7 @@
 //! ldmatrix), `formats.h` (the block formats' reference decoders and
 //! random blocks), `q8.h` (the 8-bit rule of the GEMVs' inputs),
 //! `mmvq_ref.h` (the integer GEMVs compiled, random matrices and inputs with
-//! their reference dots), `block_sum.h` (elementwise.cu's block-wide sum) and
+//! their reference dots), `block_sum.h` (kernels/reduce.cu's block-wide sum) and
 //! `checks.h` (pass/fail lines, random vectors, the guard value).
 //!
 //! Needs a C++20 compiler: `$CXX`, or `c++` on the PATH.

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 pub const SOURCES: &[&str] = &[
     include_str!("../../kernels/dtypes.cu"),
     include_str!("../../kernels/common.cu"),
+    include_str!("../../kernels/reduce.cu"),
     include_str!("../../kernels/q8.cu"),
     include_str!("../../kernels/parts.cu"),
     include_str!("../../kernels/blocks.cu"),

@@ -1,18 +1,5 @@
-// The block-wide sum as kernels/elementwise.cu has it (the real build
-// compiles that file ahead of attention.cu and fold.cu), for the programs
-// that include those without it.
+// kernels/reduce.cu's block-wide sum, which the real build compiles ahead
+// of attention.cu and fold.cu, for the programs that include those.
 #pragma once
 #include "shim.h"
-
-inline float block_sum(float v, float* partial) {
-    v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float w = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-        w = warp_sum(w);
-        if (threadIdx.x == 0) partial[0] = w;
-    }
-    __syncthreads();
-    return partial[0];
-}
+#include "../../kernels/reduce.cu"
