@@ -76,6 +76,38 @@ unsafe fn load8<T: KvValue>(p: *const T) -> std::arch::x86_64::__m256 {
     }
 }
 
+/// `src` as f32 into `dst` (the same length): exact, so a kernel given the
+/// widened values computes what it computes widening them itself.
+pub(super) fn widen<T: KvValue>(src: &[T], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if T::F16 && super::quant::has_avx2() {
+        // SAFETY: the CPU has AVX2 and F16C (checked above); the lengths match.
+        unsafe { widen_avx2(src, dst) };
+        return;
+    }
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.get();
+    }
+}
+
+/// [`widen`] eight values at a time.
+///
+/// # Safety
+/// The CPU has AVX2 and F16C; `src` and `dst` have the same length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn widen_avx2<T: KvValue>(src: &[T], dst: &mut [f32]) {
+    let whole = src.len() / 8 * 8;
+    for i in (0..whole).step_by(8) {
+        // SAFETY: i + 8 ≤ whole ≤ the length of both.
+        unsafe { std::arch::x86_64::_mm256_storeu_ps(dst.as_mut_ptr().add(i), load8(src.as_ptr().add(i))) };
+    }
+    for i in whole..src.len() {
+        dst[i] = src[i].get();
+    }
+}
+
 /// A softmax over some tokens of one row and head: the running maximum `m`,
 /// the sum `l` of exp(score - m), and the output `o` weighted by them.
 pub(super) struct AttnState {
@@ -87,6 +119,12 @@ pub(super) struct AttnState {
 impl AttnState {
     pub(super) fn new(hd: usize) -> AttnState {
         AttnState { m: f32::NEG_INFINITY, l: 0.0, o: vec![0.0; hd] }
+    }
+
+    /// Back to the state `new` makes: no tokens yet.
+    pub(super) fn reset(&mut self) {
+        (self.m, self.l) = (f32::NEG_INFINITY, 0.0);
+        self.o.fill(0.0);
     }
 
     /// Fold in the state of the next slice of tokens.

@@ -271,8 +271,7 @@ impl CpuBackend {
         // KV head kvh) over the slice's first n tokens.
         let attend_row =
             |si: usize, i: usize, h0: usize, states: &mut [AttnState], keys: &[&[T]], values: &[&[T]]| {
-                let qs = &q.row(seqs[si].row_start + i)[h0 * hd..(h0 + states.len()) * hd];
-                with_scratch(hd, |buf| attend_group(qs, keys, values, scale, buf, states));
+                attend_query_heads(q.row(seqs[si].row_start + i), (h0, hd), scale, states, keys, values)
             };
         let write = |si: usize, i: usize, h: usize, state: &AttnState| {
             let r = seqs[si].row_start + i;
@@ -302,15 +301,43 @@ impl CpuBackend {
                 let ((si, i0, i1), kvh) = (blocks[w / g.kv_heads], w % g.kv_heads);
                 let mut states: Vec<AttnState> = (0..(i1 - i0) * group).map(|_| AttnState::new(hd)).collect();
                 let (mut keys, mut values) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
+                // f16 K and V: each slice widened once for every row and
+                // query head of the block (one conversion a value, not one a
+                // row and head); exact, so the same bits as widening in the kernel.
+                let mut wide = if T::F16 { vec![0f32; 2 * ATTN_CHUNK * hd] } else { Vec::new() };
                 for c in 0..chunks(si, i1 - 1) {
                     // The last row's span is the longest; the others read a prefix of it.
                     let (t0, t1) = span(si, i1 - 1, c);
                     kv.gather(seqs[si].pages, kvh * hd..(kvh + 1) * hd, t0..t1, &mut keys, &mut values);
+                    let (mut wkeys, mut wvalues) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
+                    if T::F16 {
+                        let (wk, wv) = wide.split_at_mut(ATTN_CHUNK * hd);
+                        for t in 0..t1 - t0 {
+                            attend::widen(keys[t], &mut wk[t * hd..(t + 1) * hd]);
+                            attend::widen(values[t], &mut wv[t * hd..(t + 1) * hd]);
+                        }
+                        let (wk, wv) = wide.split_at(ATTN_CHUNK * hd);
+                        for t in 0..t1 - t0 {
+                            (wkeys[t], wvalues[t]) = (&wk[t * hd..(t + 1) * hd], &wv[t * hd..(t + 1) * hd]);
+                        }
+                    }
                     for i in i0..i1 {
                         if c < chunks(si, i) {
                             let n = span(si, i, c).1 - t0;
                             let st = &mut states[(i - i0) * group..(i - i0 + 1) * group];
-                            attend_row(si, i, kvh * group, st, &keys[..n], &values[..n]);
+                            if T::F16 {
+                                let row = q.row(seqs[si].row_start + i);
+                                attend_query_heads(
+                                    row,
+                                    (kvh * group, hd),
+                                    scale,
+                                    st,
+                                    &wkeys[..n],
+                                    &wvalues[..n],
+                                );
+                            } else {
+                                attend_row(si, i, kvh * group, st, &keys[..n], &values[..n]);
+                            }
                         }
                     }
                 }
@@ -332,18 +359,28 @@ impl CpuBackend {
                 tasks.extend((0..chunks(si, i)).map(|c| (ri, kvh, c)));
             }
         }
-        let parts: Vec<std::sync::Mutex<Vec<AttnState>>> = (0..tasks.len())
-            .map(|_| std::sync::Mutex::new((0..group).map(|_| AttnState::new(hd)).collect()))
-            .collect();
+        // Each task's states as (m, l, o) in its own stretch of one buffer:
+        // no allocation a task (a 2k context is 192 tasks a layer).
+        let part = hd + 2;
+        let mut parts = vec![0f32; tasks.len() * group * part];
+        let pptr = SendPtr(parts.as_mut_ptr());
         pool::for_each(tasks.len(), |w| {
             let (ri, kvh, c) = tasks[w];
             let (si, i) = rows[ri];
             let (t0, t1) = span(si, i, c);
-            let mut states = parts[w].lock().unwrap_or_else(|e| e.into_inner());
             let (mut keys, mut values) = ([&[][..]; ATTN_CHUNK], [&[][..]; ATTN_CHUNK]);
             kv.gather(seqs[si].pages, kvh * hd..(kvh + 1) * hd, t0..t1, &mut keys, &mut values);
             let n = t1 - t0;
-            attend_row(si, i, kvh * group, &mut states, &keys[..n], &values[..n]);
+            with_fresh_states(group, hd, |states| {
+                attend_row(si, i, kvh * group, states, &keys[..n], &values[..n]);
+                // SAFETY: task w alone writes its stretch of `parts`.
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(pptr.get().add(w * group * part), group * part) };
+                for (s, o) in states.iter().zip(out.chunks_exact_mut(part)) {
+                    (o[0], o[1]) = (s.m, s.l);
+                    o[2..].copy_from_slice(&s.o);
+                }
+            });
         });
         let mut w = 0;
         while w < tasks.len() {
@@ -351,9 +388,9 @@ impl CpuBackend {
             let (si, i) = rows[ri];
             let mut states: Vec<AttnState> = (0..group).map(|_| AttnState::new(hd)).collect();
             while w < tasks.len() && tasks[w].0 == ri && tasks[w].1 == kvh {
-                let p = parts[w].lock().unwrap_or_else(|e| e.into_inner());
-                for (state, p) in states.iter_mut().zip(p.iter()) {
-                    state.merge(p.m, p.l, &p.o);
+                let p = &parts[w * group * part..(w + 1) * group * part];
+                for (state, p) in states.iter_mut().zip(p.chunks_exact(part)) {
+                    state.merge(p[0], p[1], &p[2..]);
                 }
                 w += 1;
             }
@@ -362,6 +399,20 @@ impl CpuBackend {
             }
         }
     }
+}
+
+/// The query heads `h0..` of one row (`q_row`, one head of `hd` values per
+/// state, all of one KV head) over a slice's K and V rows, folded into `states`.
+fn attend_query_heads<U: KvValue>(
+    q_row: &[f32],
+    (h0, hd): (usize, usize),
+    scale: f32,
+    states: &mut [AttnState],
+    keys: &[&[U]],
+    values: &[&[U]],
+) {
+    let qs = &q_row[h0 * hd..(h0 + states.len()) * hd];
+    with_scratch(hd, |buf| attend_group(qs, keys, values, scale, buf, states));
 }
 
 /// Reads one byte in every 4 KiB page of a mapped file, so each page is in
@@ -781,6 +832,26 @@ thread_local! {
     /// Per-thread scratch for dequantized weight tiles and attention scores,
     /// grown once and reused, so steady-state forwards do not allocate.
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+thread_local! {
+    /// Per-thread softmax states of a decode attention task, reused.
+    static STATES: RefCell<Vec<AttnState>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `n` softmax states of `hd` values, as `AttnState::new` makes them, from
+/// this thread's reused ones.
+fn with_fresh_states<R>(n: usize, hd: usize, f: impl FnOnce(&mut [AttnState]) -> R) -> R {
+    STATES.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.len() < n || s.first().is_some_and(|st| st.o.len() != hd) {
+            *s = (0..n).map(|_| AttnState::new(hd)).collect();
+        }
+        for st in s[..n].iter_mut() {
+            st.reset();
+        }
+        f(&mut s[..n])
+    })
 }
 
 fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
@@ -1600,10 +1671,18 @@ mod attention_tests {
 
     /// Decode rows (each context's slices a task of their own) and the same
     /// rows in one step of many (a task per block of rows and KV head) give
-    /// the same bits, and both match a plain softmax over the whole context.
+    /// the same bits, and both match a plain softmax over the whole context,
+    /// with K and V stored in f32 and in f16 (where the step of many widens
+    /// each slice once for its rows and the decode kernel widens as it reads).
     #[test]
     fn a_split_context_gives_the_same_bits_as_a_whole_one() {
-        let b = CpuBackend::new();
+        for precision in [KvPrecision::F32, KvPrecision::F16] {
+            split_context_case(precision);
+        }
+    }
+
+    fn split_context_case(precision: KvPrecision) {
+        let b = CpuBackend::new().with_kv_precision(precision);
         let (kv_heads, heads, hd, page) = (3, 9, 16, 4);
         let geometry = KvGeometry { page_size: Tokens(page), num_pages: Pages(64), kv_heads, head_dim: hd };
         let mut kv = b.alloc_kv(geometry).unwrap();
@@ -1611,6 +1690,15 @@ mod attention_tests {
         let ctx = 77;
         let (k, v) = (act(ctx, kv_heads * hd, 1), act(ctx, kv_heads * hd, 2));
         b.write_kv(&mut kv, &k, &v, &[SeqStep { row_start: 0, rows: ctx, cached: 0, pages: &pages }]);
+        // What the store holds, for the plain softmax below.
+        let stored = |a: &CpuAct| match precision {
+            KvPrecision::F32 => a.data.clone(),
+            KvPrecision::F16 => a.data.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
+        };
+        let (k, v) = (
+            CpuAct { data: stored(&k), rows: ctx, cols: kv_heads * hd },
+            CpuAct { data: stored(&v), rows: ctx, cols: kv_heads * hd },
+        );
         // Rows in blocks of ATTN_ROW_BLOCK, some of whose contexts end in the
         // slice before the others'.
         let rows = 20;
@@ -1626,7 +1714,7 @@ mod attention_tests {
             let mut one = act(1, heads * hd, 0);
             let step = [SeqStep { row_start: 0, rows: 1, cached: cached + i, pages: &pages }];
             b.run_step(|| b.attention(&qi, &kv, heads, &step, &mut one));
-            assert_eq!(one.row(0), whole.row(i), "row {i}");
+            assert_eq!(one.row(0), whole.row(i), "{precision:?} KV, row {i}");
             // A plain softmax over positions 0..=cached+i.
             for h in 0..heads {
                 let kvh = h / (heads / kv_heads);
@@ -1645,7 +1733,10 @@ mod attention_tests {
                     let want: f64 =
                         (0..n).map(|t| (s[t] - m).exp() / sum * v.row(t)[kvh * hd + e] as f64).sum();
                     let got = whole.row(i)[h * hd + e] as f64;
-                    assert!((got - want).abs() < 1e-5, "row {i} head {h} dim {e}: {got} vs {want}");
+                    assert!(
+                        (got - want).abs() < 1e-5,
+                        "{precision:?} KV, row {i} head {h} dim {e}: {got} vs {want}"
+                    );
                 }
             }
         }
