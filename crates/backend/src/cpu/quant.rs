@@ -527,7 +527,21 @@ impl Q8Row {
         self.bsum.resize(x.len() / QK, 0.0);
         self.qsum.resize(x.len() / QK, 0);
         self.qsum16.resize(x.len() / GROUP, 0);
-        for (b, (xs, qs)) in x.chunks_exact(QK).zip(self.q.chunks_exact_mut(QK)).enumerate() {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx512bw() {
+            // SAFETY: the CPU has AVX-512 F and BW (checked above); the
+            // buffers were just sized for `x`.
+            unsafe { self.quantize_avx512(x) };
+            return;
+        }
+        self.quantize_blocks(x, 0..x.len() / QK);
+    }
+
+    /// [`Q8Row::quantize`] of blocks `blocks` of `x`, one value at a time,
+    /// into buffers already sized.
+    fn quantize_blocks(&mut self, x: &[f32], blocks: std::ops::Range<usize>) {
+        for b in blocks {
+            let (xs, qs) = (&x[b * QK..(b + 1) * QK], &mut self.q[b * QK..(b + 1) * QK]);
             let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
@@ -544,6 +558,61 @@ impl Q8Row {
             }
         }
     }
+    /// [`Q8Row::quantize`] a block at a time in two 16-lane registers: the
+    /// same operations on every value (the scale's division and inverse, a
+    /// product, the biased half, a truncating conversion that saturates as
+    /// `as i8` does for these magnitudes) and exact integer sums, so the same
+    /// bits. A block holding a NaN, or whose inverse scale is not finite (a
+    /// subnormal largest value), goes through the one-value loop.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and BW; the buffers are sized for `x`.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn quantize_avx512(&mut self, x: &[f32]) {
+        use std::arch::x86_64::*;
+        let abs_mask = _mm512_set1_epi32(i32::MAX);
+        let sign = _mm512_set1_epi32(i32::MIN);
+        let half = _mm512_castps_si512(_mm512_set1_ps(0.499_999_97));
+        let abs = |v: __m512| _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask));
+        for b in 0..x.len() / QK {
+            // SAFETY: block b's 32 values are within `x` and within `q`.
+            let (lo, hi) = unsafe {
+                (_mm512_loadu_ps(x.as_ptr().add(b * QK)), _mm512_loadu_ps(x.as_ptr().add(b * QK + 16)))
+            };
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(lo, lo) | _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(hi, hi);
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(abs(lo), abs(hi)));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            if nan != 0 || !inv.is_finite() {
+                self.quantize_blocks(x, b..b + 1);
+                continue;
+            }
+            let codes = |v: __m512| {
+                let y = _mm512_mul_ps(v, _mm512_set1_ps(inv));
+                let bias = _mm512_or_si512(half, _mm512_and_si512(_mm512_castps_si512(y), sign));
+                _mm512_cvttps_epi32(_mm512_add_ps(y, _mm512_castsi512_ps(bias)))
+            };
+            let (ql, qh) = (codes(lo), codes(hi));
+            // SAFETY: 16 codes each at block b's two halves of `q`.
+            unsafe {
+                _mm_storeu_si128(self.q.as_mut_ptr().add(b * QK) as *mut __m128i, _mm512_cvtsepi32_epi8(ql));
+                _mm_storeu_si128(
+                    self.q.as_mut_ptr().add(b * QK + 16) as *mut __m128i,
+                    _mm512_cvtsepi32_epi8(qh),
+                );
+            }
+            let (sl, sh) = (_mm512_reduce_add_epi32(ql), _mm512_reduce_add_epi32(qh));
+            self.d[b] = d;
+            self.qsum[b] = sl + sh;
+            self.bsum[b] = d * (sl + sh) as f32;
+            for (h, s) in [sl, sh].into_iter().enumerate() {
+                self.gsum[2 * b + h] = d * s as f32;
+                self.qsum16[2 * b + h] = s;
+            }
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.q.len()
     }
@@ -1339,8 +1408,61 @@ unsafe fn q8_dot_lanes_avx2<const T: u8, const R: usize>(row: &[u8], xs: &[Q8Row
     }
 }
 
+/// Whether the CPU has AVX-512 F and BW (the activations' quantizer).
+#[cfg(target_arch = "x86_64")]
+fn has_avx512bw() -> bool {
+    std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
+}
+
 #[cfg(test)]
 mod tests {
+    /// The vector quantizer (where the CPU has it) gives the one-value
+    /// loop's bits: codes, scales and every sum, over random blocks, halves
+    /// and ties of the rounding, zeros, a NaN, a subnormal largest value,
+    /// saturating magnitudes and both signs of zero.
+    #[test]
+    fn the_vector_quantizer_matches_the_one_value_loop() {
+        let mut s = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let mut x: Vec<f32> = Vec::new();
+        for b in 0..64 {
+            let scale = [1e-3f32, 0.5, 3.0, 1e4][b % 4];
+            x.extend((0..super::QK).map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale));
+        }
+        // Values whose codes land on halves: a largest value of 127, the
+        // others k + 0.5 and k + 0.49999997 of both signs.
+        x.extend((0..super::QK).map(|i| if i == 0 { 127.0 } else { (i as f32 - 16.0) + 0.5 }));
+        x.extend((0..super::QK).map(|i| if i == 0 { -127.0 } else { -(i as f32) - 0.499_999_97 }));
+        x.extend(std::iter::repeat_n(0.0f32, super::QK));
+        x.extend((0..super::QK).map(|i| if i % 2 == 0 { -0.0 } else { 0.0 }));
+        x.extend((0..super::QK).map(|i| if i == 5 { f32::NAN } else { i as f32 }));
+        x.extend((0..super::QK).map(|i| if i == 3 { f32::from_bits(7) } else { 0.0 }));
+        x.extend((0..super::QK).map(|i| if i == 9 { f32::MAX } else { -(i as f32) * 1e30 }));
+        let mut fast = super::Q8Row::default();
+        fast.quantize(&x);
+        let mut plain = super::Q8Row::default();
+        plain.quantize(&x[..0]);
+        plain.q.resize(x.len(), 0);
+        plain.d.resize(x.len() / super::QK, 0.0);
+        plain.gsum.resize(x.len() / super::GROUP, 0.0);
+        plain.bsum.resize(x.len() / super::QK, 0.0);
+        plain.qsum.resize(x.len() / super::QK, 0);
+        plain.qsum16.resize(x.len() / super::GROUP, 0);
+        plain.quantize_blocks(&x, 0..x.len() / super::QK);
+        assert_eq!(fast.q, plain.q);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fast.d), bits(&plain.d));
+        assert_eq!(bits(&fast.gsum), bits(&plain.gsum));
+        assert_eq!(bits(&fast.bsum), bits(&plain.bsum));
+        assert_eq!(fast.qsum, plain.qsum);
+        assert_eq!(fast.qsum16, plain.qsum16);
+    }
+
     /// The quantizer's rounding is `round() as i8` for every value it can
     /// meet and around every half, tie and saturation point.
     #[test]
