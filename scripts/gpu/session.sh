@@ -252,6 +252,7 @@ case "${1:-checks}" in
   decode)
     SECONDS=0
     g=/tmp/gguf-plan; mkdir -p "$g"; rm -f "$g/card_free" "$g/done"
+    echo "${NEW_ARGS:-}" > "$g/new_args"
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/nvidia-smi.txt" "$g/nvidia-smi.txt"
     # LCPP=0: no llama.cpp (its CUDA build takes minutes): the checkpoint and corridor only.
     prep="OUT=$g SKIP_KQUANT=1 QUANTS=none scripts/gpu/gguf_bench.sh prep"
@@ -260,7 +261,7 @@ case "${1:-checks}" in
         while [ ! -f $g/card_free ]; do sleep 2; done;
         [ -x /tmp/llama.cpp/build/bin/llama-batched-bench ] && /tmp/llama.cpp/build/bin/llama-batched-bench -m /tmp/gguf/llama8b-f16.gguf -npp 512 -ntg 256 -npl 1,8,32,128 \
             -c 131072 -fa on -ngl 999 > $g/lcpp_f16.log 2>&1;
-        SERVE_ARGS='${NEW_ARGS:-}' SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 DECODE_BATCHES='${NEW_BATCHES:-1 8 32 128}' \
+        SERVE_ARGS=\"\$(cat $g/new_args)\" SKIP_MAKE=1 SKIP_LOGITS=1 SKIP_PREFILL=1 DECODE_BATCHES='${NEW_BATCHES:-1 8 32 128}' \
             LATENCY_CONC=128 DEADLINE_S=300 OUT=$g/new scripts/gpu/bench8b.sh > $g/new.log 2>&1;
         python3 scripts/gpu/decode_vs_llamacpp.py $g/new $g/lcpp_f16.log > $g/table.txt 2>&1;
         grep -E '^\| 128 ' $g/new/summary.md | tail -n 1 >> $g/table.txt;
@@ -271,6 +272,14 @@ case "${1:-checks}" in
         fi;
         touch $g/done" < /dev/null > /dev/null 2>&1 &
     [ -z "${SKIP_CHECKS:-}" ] && quant_checks
+    # A flag of NEW_ARGS whose kernels failed their checks is left out of the new run.
+    if grep -qE "^FAIL folded norm" "$out/cuda_check.log" 2>/dev/null || grep -q FAIL "$out/e2e_fold.log" 2>/dev/null; then
+        sed -i 's/--cuda-fold-norm on//' "$g/new_args"; echo "folded norms failed a check: the new run goes without them"
+    fi
+    if grep -qE "^FAIL sample_rows.*slices" "$out/cuda_check.log" 2>/dev/null; then
+        sed -i 's/--cuda-sample-slices on//' "$g/new_args"; echo "the sampler's slices failed a check: the new run goes without them"
+    fi
+    echo "new run's serve flags: '$(cat "$g/new_args")'"
     # PIPE_BENCH=1: the one-row integer GEMV benches, while llama.cpp builds.
     [ -n "${PIPE_BENCH:-}" ] && pipe_benches
     # BENCH_SAMPLE=1: the device sampler alone, one block a row against slices, while llama.cpp builds.
