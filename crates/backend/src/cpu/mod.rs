@@ -382,22 +382,27 @@ impl CpuBackend {
                 }
             });
         });
-        let mut w = 0;
-        while w < tasks.len() {
-            let (ri, kvh, _) = tasks[w];
-            let (si, i) = rows[ri];
-            let mut states: Vec<AttnState> = (0..group).map(|_| AttnState::new(hd)).collect();
-            while w < tasks.len() && tasks[w].0 == ri && tasks[w].1 == kvh {
-                let p = &parts[w * group * part..(w + 1) * group * part];
-                for (state, p) in states.iter_mut().zip(p.chunks_exact(part)) {
-                    state.merge(p[0], p[1], &p[2..]);
-                }
-                w += 1;
-            }
-            for (j, state) in states.iter().enumerate() {
-                write(si, i, kvh * group + j, state);
+        // Each (row, query head) folds its chunks' states in chunk order, a
+        // task per pair: the merges of a long context are no serial tail.
+        let mut runs: Vec<Range<usize>> = Vec::new();
+        for w in 0..tasks.len() {
+            match runs.last_mut() {
+                Some(r) if tasks[r.start].0 == tasks[w].0 && tasks[r.start].1 == tasks[w].1 => r.end = w + 1,
+                _ => runs.push(w..w + 1),
             }
         }
+        pool::for_each(runs.len() * group, |u| {
+            let (run, j) = (runs[u / group].clone(), u % group);
+            let (ri, kvh, _) = tasks[run.start];
+            let (si, i) = rows[ri];
+            with_fresh_states(1, hd, |state| {
+                for w in run {
+                    let p = &parts[(w * group + j) * part..(w * group + j + 1) * part];
+                    state[0].merge(p[0], p[1], &p[2..]);
+                }
+                write(si, i, kvh * group + j, &state[0]);
+            });
+        });
     }
 }
 
