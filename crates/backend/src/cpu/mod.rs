@@ -267,12 +267,8 @@ impl CpuBackend {
         let rows: Vec<(usize, usize)> =
             seqs.iter().enumerate().flat_map(|(si, s)| (0..s.rows).map(move |i| (si, i))).collect();
         let optr = SendPtr(out.data.as_mut_ptr());
-        // Row i of sequence si: its query heads h0.. (one per state, all of
-        // KV head kvh) over the slice's first n tokens.
-        let attend_row =
-            |si: usize, i: usize, h0: usize, states: &mut [AttnState], keys: &[&[T]], values: &[&[T]]| {
-                attend_query_heads(q.row(seqs[si].row_start + i), (h0, hd), scale, states, keys, values)
-            };
+        // Row i of sequence si's query.
+        let q_row = |si: usize, i: usize| q.row(seqs[si].row_start + i);
         let write = |si: usize, i: usize, h: usize, state: &AttnState| {
             let r = seqs[si].row_start + i;
             // SAFETY: row r, head h columns are written by one task only.
@@ -325,18 +321,11 @@ impl CpuBackend {
                         if c < chunks(si, i) {
                             let n = span(si, i, c).1 - t0;
                             let st = &mut states[(i - i0) * group..(i - i0 + 1) * group];
+                            let (row, heads) = (q_row(si, i), (kvh * group, hd));
                             if T::F16 {
-                                let row = q.row(seqs[si].row_start + i);
-                                attend_query_heads(
-                                    row,
-                                    (kvh * group, hd),
-                                    scale,
-                                    st,
-                                    &wkeys[..n],
-                                    &wvalues[..n],
-                                );
+                                attend_query_heads(row, heads, scale, st, &wkeys[..n], &wvalues[..n]);
                             } else {
-                                attend_row(si, i, kvh * group, st, &keys[..n], &values[..n]);
+                                attend_query_heads(row, heads, scale, st, &keys[..n], &values[..n]);
                             }
                         }
                     }
@@ -372,7 +361,7 @@ impl CpuBackend {
             kv.gather(seqs[si].pages, kvh * hd..(kvh + 1) * hd, t0..t1, &mut keys, &mut values);
             let n = t1 - t0;
             with_fresh_states(group, hd, |states| {
-                attend_row(si, i, kvh * group, states, &keys[..n], &values[..n]);
+                attend_query_heads(q_row(si, i), (kvh * group, hd), scale, states, &keys[..n], &values[..n]);
                 // SAFETY: task w alone writes its stretch of `parts`.
                 let out =
                     unsafe { std::slice::from_raw_parts_mut(pptr.get().add(w * group * part), group * part) };

@@ -891,9 +891,12 @@ impl CudaBackend {
         rows: usize,
         out: &mut CudaAct,
     ) {
+        // (The switch first: with folds off no norm is left pending by a
+        // producer, and a matmul takes no lock to look.)
         if rows == 1
             && bias.is_none()
             && out.cols == w.rows
+            && self.fold_norm.load(std::sync::atomic::Ordering::Relaxed)
             && self.fold_pending_for(x)
             && self.fusable_gemv(x, w, rows)
         {
